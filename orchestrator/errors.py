@@ -1,0 +1,169 @@
+"""Public errors.
+
+Every error the orchestrator raises to a user derives from :class:`OrchestratorError` and carries
+a stable ``code`` (CONTRACT C10), a message built only from controlled fields, a ``retryable``
+flag and an ``incident`` reference. Upstream text, payloads and stack traces never go into a
+public error; they go to the protected diagnostics store under the incident reference.
+
+The tree::
+
+    OrchestratorError
+    ├── ConfigurationError            CONFIGURATION_ERROR
+    ├── DatabaseError                 DATABASE_UNAVAILABLE, SCHEMA_MISMATCH
+    ├── InvalidRequest                INVALID_REQUEST
+    │   ├── PayloadTooLarge           PAYLOAD_TOO_LARGE
+    │   └── UnknownWorkflow           UNKNOWN_WORKFLOW
+    ├── IdempotencyConflict           IDEMPOTENCY_CONFLICT
+    ├── AccessDenied                  ACCESS_DENIED
+    ├── JournalFull                   JOURNAL_FULL
+    ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
+    ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
+    ├── ResultTimeout                 RESULT_TIMEOUT (carries the run's current ``status``)
+    └── RunFailed                     the run's outcome code: WORKFLOW_FAILED, CANCELLED,
+                                      DEADLINE_EXCEEDED, NONDETERMINISM, OPERATION_ABANDONED
+
+:class:`WorkflowError` is not an orchestrator failure: workflow code raises it on purpose to fail
+a run with a message that callers may see (CONTRACT C13).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+
+def new_incident_ref() -> str:
+    """Return a short, unguessable reference that links a public error to its diagnostics."""
+    return "inc_" + secrets.token_hex(8)
+
+
+class OrchestratorError(Exception):
+    """Root of every public error: a stable ``code``, ``retryable`` and an ``incident`` ref."""
+
+    code: str = "INTERNAL"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        retryable: bool | None = None,
+        incident: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if retryable is not None:
+            self.retryable = retryable
+        self.message = message
+        self.incident = incident or new_incident_ref()
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public form of the error, safe to show to any caller."""
+        return {
+            "code": self.code,
+            "message": self.message,
+            "retryable": self.retryable,
+            "incident": self.incident,
+        }
+
+
+class ConfigurationError(OrchestratorError):
+    """The orchestrator's configuration is unusable (bad URL, missing database, bad option)."""
+
+    code = "CONFIGURATION_ERROR"
+
+
+class DatabaseError(OrchestratorError):
+    """The database cannot be reached or its schema does not match the code."""
+
+    code = "DATABASE_UNAVAILABLE"
+    retryable = True
+
+
+class InvalidRequest(OrchestratorError):
+    """The caller's input is not acceptable; nothing was written."""
+
+    code = "INVALID_REQUEST"
+
+    def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.path = path
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A record exceeds the configured size cap (CONTRACT C2)."""
+
+    code = "PAYLOAD_TOO_LARGE"
+
+
+class UnknownWorkflow(InvalidRequest):
+    """The workflow or tool is not registered with this orchestrator instance."""
+
+    code = "UNKNOWN_WORKFLOW"
+
+
+class IdempotencyConflict(OrchestratorError):
+    """The idempotency key was used by the same owner for a different request."""
+
+    code = "IDEMPOTENCY_CONFLICT"
+
+
+class AccessDenied(OrchestratorError):
+    """The run does not exist or belongs to another owner; both look the same (CONTRACT C9)."""
+
+    code = "ACCESS_DENIED"
+
+
+class JournalFull(OrchestratorError):
+    """The run's journal reached its cap; no new work is accepted for it (CONTRACT C2)."""
+
+    code = "JOURNAL_FULL"
+
+
+class SchemaUnsupported(OrchestratorError):
+    """A journal event was written by a newer schema version than this code understands."""
+
+    code = "SCHEMA_UNSUPPORTED"
+
+
+class LeaseLost(OrchestratorError):
+    """A worker's write was rejected because it no longer holds the run's lease (CONTRACT C6)."""
+
+    code = "LEASE_LOST"
+    retryable = True
+
+
+class ResultTimeout(OrchestratorError):
+    """``result(timeout)`` passed before the run became terminal; nothing was changed."""
+
+    code = "RESULT_TIMEOUT"
+    retryable = True
+
+    def __init__(self, message: str, *, status: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.status = status
+
+
+class RunFailed(OrchestratorError):
+    """The run ended without success; ``code`` is its outcome (CONTRACT C13)."""
+
+    def __init__(self, message: str, *, code: str, run_id: str, **kw: Any) -> None:
+        super().__init__(message, code=code, **kw)
+        self.run_id = run_id
+
+
+class WorkflowError(Exception):
+    """Raise from workflow code to fail a run with a message callers are allowed to see.
+
+    Any other exception fails the run too, but its text goes only to the protected diagnostics.
+    """
+
+
+OUTCOME_CODES = frozenset(
+    {"WORKFLOW_FAILED", "CANCELLED", "DEADLINE_EXCEEDED", "NONDETERMINISM", "OPERATION_ABANDONED"}
+)
