@@ -19,6 +19,7 @@ The tree::
     ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
     ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
     ├── ResultTimeout                 RESULT_TIMEOUT (carries the run's current ``status``)
+    ├── ToolFailed                    TOOL_FAILED (raised into workflow code)
     └── RunFailed                     the run's outcome code: WORKFLOW_FAILED, CANCELLED,
                                       DEADLINE_EXCEEDED, NONDETERMINISM, OPERATION_ABANDONED
 
@@ -167,3 +168,40 @@ class WorkflowError(Exception):
 OUTCOME_CODES = frozenset(
     {"WORKFLOW_FAILED", "CANCELLED", "DEADLINE_EXCEEDED", "NONDETERMINISM", "OPERATION_ABANDONED"}
 )
+
+
+class ToolFailed(OrchestratorError):
+    """Raised into workflow code when a tool call failed definitively (nothing was applied).
+
+    The tool's own message is not part of this error; it is in the incident's diagnostics.
+    """
+
+    code = "TOOL_FAILED"
+
+    def __init__(self, message: str, *, tool: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.tool = tool
+
+
+class ToolError(Exception):
+    """Raised by tool code to say what is known about the effect of a failed call.
+
+    ``applied=False`` proves that nothing was applied (the operation is ``failed``, or retried
+    as a new attempt when ``retryable`` and the tool's attempts allow). Any other failure,
+    including ``applied=None`` and every other exception type, leaves the effect unknown after
+    dispatch, and the operation goes to reconciliation unless its effect class allows a re-send.
+    The message is kept in protected diagnostics only.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        applied: bool | None = None,
+        retryable: bool = False,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.applied = applied
+        self.retryable = retryable
+        self.status = status

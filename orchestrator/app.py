@@ -1,0 +1,433 @@
+"""The public entry point: :class:`Orchestrator`, and :class:`RunHandle` for one run.
+
+Sync callers (scripts, WSGI apps) use the plain methods; async callers use the ``*_async``
+twins. The sync methods run their async twin on a private event loop thread, so both share one
+implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from orchestrator import canonical
+from orchestrator._portal import Portal
+from orchestrator.db import runs as runs_db
+from orchestrator.db.config import DatabaseTarget, resolve_database
+from orchestrator.db.database import Conn, Database
+from orchestrator.db.events import event_insert
+from orchestrator.errors import (
+    AccessDenied,
+    IdempotencyConflict,
+    InvalidRequest,
+    ResultTimeout,
+    RunFailed,
+    UnknownWorkflow,
+)
+from orchestrator.metrics import Metrics
+from orchestrator.models import JournalEntry, Owner, RunInfo, validate_idempotency_key
+from orchestrator.registry import (
+    DEFAULT_MAX_ATTEMPTS,
+    EFFECT_CLASSES,
+    EffectClass,
+    Registry,
+    Tool,
+    Workflow,
+    check_name,
+)
+from orchestrator.worker import Worker
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+TERMINAL = ("succeeded", "failed", "cancelled")
+_DENIED = "the run does not exist or is not accessible to this owner"
+
+
+class Orchestrator:
+    """A durable workflow orchestrator bound to one database.
+
+    ``database_url`` wins; else ``ORCHESTRATOR_DATABASE_URL``; else the embedded PostgreSQL.
+    The database is resolved on first use, so defining workflows at import time costs nothing.
+    Create as many instances as you like; nothing is global.
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        default_owner: Owner | None = None,
+        max_record_bytes: int = canonical.DEFAULT_MAX_RECORD_BYTES,
+        max_journal_events: int = 10_000,
+        lease_ttl: float = 30.0,
+        pool_size: int = 10,
+    ) -> None:
+        self._database_url = database_url
+        self._database: Database | None = None
+        self.default_owner = default_owner
+        self.max_record_bytes = max_record_bytes
+        self.max_journal_events = max_journal_events
+        self.lease_ttl = lease_ttl
+        self.pool_size = pool_size
+        self.registry = Registry()
+        self.metrics = Metrics()
+        self._portal = Portal()
+
+    # -- configuration -----------------------------------------------------------------------
+
+    @property
+    def database(self) -> Database:
+        if self._database is None:
+            self._database = Database(self.target, max_pool_size=self.pool_size)
+        return self._database
+
+    @property
+    def target(self) -> DatabaseTarget:
+        if self._database is not None:
+            return self._database.target
+        target = resolve_database(self._database_url)
+        self._database = Database(target, max_pool_size=self.pool_size)
+        return target
+
+    def workflow(self, *, version: str = "1", name: str | None = None) -> Callable[[F], Workflow]:
+        """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's."""
+
+        def register(fn: F) -> Workflow:
+            wf = Workflow(name=check_name("workflow", name or fn.__name__),
+                          version=check_name("version", str(version)), fn=fn)
+            self.registry.add_workflow(wf)
+            return wf
+
+        return register
+
+    def tool(
+        self,
+        *,
+        name: str | None = None,
+        version: str = "1",
+        effect: EffectClass = "consequential",
+        timeout: timedelta | None = None,
+        max_attempts: int | None = None,
+    ) -> Callable[[F], Tool]:
+        """Register an async tool ``fn(ctx: ToolContext, **arguments)`` returning JSON."""
+        if effect not in EFFECT_CLASSES:
+            raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}")
+        attempts = DEFAULT_MAX_ATTEMPTS[effect] if max_attempts is None else max_attempts
+        if not 1 <= attempts <= 10:
+            raise InvalidRequest("max_attempts must be between 1 and 10")
+
+        def register(fn: F) -> Tool:
+            tool = Tool(name=check_name("tool", name or fn.__name__),
+                        version=check_name("version", str(version)), fn=fn, effect=effect,
+                        timeout=timeout, max_attempts=attempts)
+            self.registry.add_tool(tool)
+            return tool
+
+        return register
+
+    # -- submission --------------------------------------------------------------------------
+
+    def _owner(self, owner: Owner | None) -> Owner:
+        if owner is not None:
+            if not isinstance(owner, Owner):
+                raise InvalidRequest("owner must be an orchestrator.Owner")
+            return owner
+        if self.default_owner is None:
+            raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
+        return self.default_owner
+
+    def _resolve_workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
+        if isinstance(workflow, Workflow):
+            return workflow
+        matches = [w for w in self.registry.workflows.values()
+                   if w.name == workflow and (version is None or w.version == version)]
+        if not matches:
+            raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
+        return max(matches, key=lambda w: w.version)
+
+    def new_run_row(
+        self,
+        workflow: Workflow,
+        input: Any,
+        *,
+        owner: Owner,
+        idempotency_key: str | None,
+        deadline: float | None,
+        run_id: uuid.UUID | None = None,
+        parent: tuple[uuid.UUID, int] | None = None,
+    ) -> dict[str, Any]:
+        """Validate a submission and build its row. Raises before anything is written."""
+        input_text = canonical.canonical_bytes(
+            input, path="$.input", max_bytes=self.max_record_bytes).decode()
+        options: dict[str, Any] = {}
+        if deadline is not None:
+            options["deadline_seconds"] = deadline
+        return {
+            "id": run_id or uuid.uuid4(),
+            "tenant": owner.tenant,
+            "principal": owner.principal,
+            "workflow_name": workflow.name,
+            "workflow_version": workflow.version,
+            "input": input_text,
+            "options": json.dumps(options),
+            "request_digest": canonical.request_digest(
+                workflow.name, workflow.version, input, options),
+            "idempotency_key": idempotency_key,
+            "parent_run_id": parent[0] if parent else None,
+            "parent_position": parent[1] if parent else None,
+            "deadline_seconds": deadline,
+        }
+
+    async def submit_async(
+        self,
+        workflow: Workflow | str,
+        input: Any = None,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle:
+        """Submit a run; with ``idempotency_key``, at most one run per owner and key (C1).
+
+        With ``connection`` (a psycopg async connection in a transaction), the run is written
+        in the caller's transaction: invisible until it commits, gone if it rolls back.
+        """
+        who = self._owner(owner)
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+        wf = self._resolve_workflow(workflow)
+        seconds = None
+        if deadline is not None:
+            if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
+                raise InvalidRequest("deadline must be a positive timedelta", path="deadline")
+            seconds = deadline.total_seconds()
+        row = self.new_run_row(wf, input, owner=who, idempotency_key=idempotency_key,
+                               deadline=seconds)
+        if connection is not None:
+            run_id, created, digest = await runs_db.run_insert(connection, row)
+        else:
+            run_id, created, digest = await self.database.run_in_transaction(
+                lambda conn: runs_db.run_insert(conn, row))
+        if not created and digest != row["request_digest"]:
+            raise IdempotencyConflict(
+                "this idempotency key was already used by this owner for a different request")
+        if created:
+            self.metrics.incr("runs_submitted")
+        return RunHandle(self, run_id, who)
+
+    def submit(self, workflow: Workflow | str, input: Any = None, **options: Any) -> RunHandle:
+        """Sync twin of :meth:`submit_async`."""
+        return self._portal.call(self.submit_async(workflow, input, **options))
+
+    # -- reading and acting on runs ----------------------------------------------------------
+
+    async def _row(self, run_id: uuid.UUID | str, owner: Owner | None) -> dict[str, Any]:
+        who = self._owner(owner)
+        rid = _as_uuid(run_id)
+        async with self.database.connection() as conn:
+            row = await runs_db.run_get(conn, rid) if rid is not None else None
+        if row is None or (row["tenant"], row["principal"]) != (who.tenant, who.principal):
+            raise AccessDenied(_DENIED)
+        return row
+
+    async def get_run_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                            ) -> RunHandle:
+        row = await self._row(run_id, owner)
+        return RunHandle(self, row["id"], self._owner(owner))
+
+    def get_run(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> RunHandle:
+        """A handle to an existing run; ``ACCESS_DENIED`` if it is missing or not the owner's."""
+        return self._portal.call(self.get_run_async(run_id, owner=owner))
+
+    async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,
+                              workflow: str | None = None, limit: int = 50) -> list[RunInfo]:
+        who = self._owner(owner)
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        async with self.database.connection() as conn:
+            rows = await runs_db.run_list(conn, tenant=who.tenant, principal=who.principal,
+                                          status=status, workflow=workflow, limit=limit)
+        return [RunInfo.from_row(r) for r in rows]
+
+    def list_runs(self, **options: Any) -> list[RunInfo]:
+        """The owner's runs, newest first."""
+        return self._portal.call(self.list_runs_async(**options))
+
+    async def send_event_async(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
+                               owner: Owner | None = None, event_key: str | None = None) -> bool:
+        """Deliver an event to a run; with ``event_key``, delivered once however often sent.
+
+        Returns False when an event with the same key was already delivered.
+        """
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise InvalidRequest("event name must be a non-empty string", path="name")
+        if event_key is not None:
+            validate_idempotency_key(event_key)
+        text = canonical.canonical_bytes(
+            payload, path="$.payload", max_bytes=self.max_record_bytes).decode()
+        who = self._owner(owner)
+        rid = _as_uuid(run_id)
+
+        async def deliver(conn: Conn) -> bool:
+            row = await runs_db.run_lock(conn, rid) if rid is not None else None
+            if row is None or (row["tenant"], row["principal"]) != (who.tenant, who.principal):
+                raise AccessDenied(_DENIED)
+            if row["status"] in TERMINAL:
+                raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
+            assert rid is not None
+            created = await event_insert(conn, run_id=rid, name=name, event_key=event_key,
+                                         payload=text)
+            if created:
+                await runs_db.run_wake(conn, rid)
+            return created
+
+        return await self.database.run_in_transaction(deliver)
+
+    def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None,
+                   **options: Any) -> bool:
+        """Sync twin of :meth:`send_event_async`."""
+        return self._portal.call(self.send_event_async(run_id, name, payload, **options))
+
+    async def cancel_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> str:
+        """Request cancellation; returns the run's status afterwards.
+
+        A queued or waiting run is cancelled at once; a running one at its next command; a run
+        blocked on an unknown operation only after that operation is reconciled (C7).
+        """
+        await self._row(run_id, owner)
+        return await self._cancel(_as_uuid(run_id))
+
+    async def _cancel(self, rid: uuid.UUID | None) -> str:
+        assert rid is not None
+        error = json.dumps({"code": "CANCELLED", "message": "the run was cancelled",
+                            "retryable": False, "incident": None})
+
+        async def cancel(conn: Conn) -> str:
+            row = await runs_db.run_lock(conn, rid)
+            assert row is not None
+            if row["status"] in TERMINAL:
+                return str(row["status"])
+            if row["status"] in ("queued", "waiting") and await runs_db.run_cancel_idle(
+                    conn, run_id=rid, revision=row["revision"], error=error):
+                return "cancelled"
+            await runs_db.run_request_cancel(conn, rid)
+            return str(row["status"])
+
+        return await self.database.run_in_transaction(cancel)
+
+    async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                            ) -> list[JournalEntry]:
+        """The run's journal, oldest first. Reading it never dispatches anything (C3)."""
+        row = await self._row(run_id, owner)
+        async with self.database.connection() as conn:
+            events = await runs_db.journal_read(conn, row["id"])
+        return [JournalEntry(**e) for e in events]
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def create_worker(self, **options: Any) -> Worker:
+        """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop."""
+        return Worker(self, **options)
+
+    def run_worker(self, **options: Any) -> None:
+        """Run a worker in this thread until SIGTERM/SIGINT, then drain and return."""
+
+        async def main() -> None:
+            worker = self.create_worker(**options)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, worker.request_stop)
+            try:
+                await worker.run()
+            finally:
+                await self.database.close()
+
+        asyncio.run(main())
+
+    def close(self) -> None:
+        """Release connections held for sync calls."""
+        self._portal.close(self.database.close() if self._database is not None else None)
+
+
+class RunHandle:
+    """One run, as seen by its owner."""
+
+    def __init__(self, app: Orchestrator, run_id: uuid.UUID, owner: Owner) -> None:
+        self.app = app
+        self.id = run_id
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.id})"
+
+    async def info_async(self) -> RunInfo:
+        return RunInfo.from_row(await self.app._row(self.id, self.owner))
+
+    def info(self) -> RunInfo:
+        return self.app._portal.call(self.info_async())
+
+    async def status_async(self) -> str:
+        return (await self.info_async()).status
+
+    def status(self) -> str:
+        """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded``."""
+        return self.app._portal.call(self.status_async())
+
+    async def result_async(self, timeout: float | timedelta | None = None) -> Any:
+        """Wait until the run is terminal; return its result or raise its outcome (C13).
+
+        Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
+        waiting changes nothing.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        loop = asyncio.get_running_loop()
+        give_up = None if seconds is None else loop.time() + seconds
+        delay = 0.005
+        while True:
+            row = await self.app._row(self.id, self.owner)
+            if row["status"] in TERMINAL:
+                return _outcome(row)
+            if give_up is not None and loop.time() >= give_up:
+                raise ResultTimeout(f"the run is still {row['status']}", status=row["status"])
+            pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, 0.25)
+
+    def result(self, timeout: float | timedelta | None = None) -> Any:
+        return self.app._portal.call(self.result_async(timeout))
+
+    async def cancel_async(self) -> str:
+        return await self.app.cancel_async(self.id, owner=self.owner)
+
+    def cancel(self) -> str:
+        """Request cancellation (see :meth:`Orchestrator.cancel_async`)."""
+        return self.app._portal.call(self.cancel_async())
+
+    async def journal_async(self) -> list[JournalEntry]:
+        return await self.app.journal_async(self.id, owner=self.owner)
+
+    def journal(self) -> list[JournalEntry]:
+        return self.app._portal.call(self.journal_async())
+
+
+def _outcome(row: dict[str, Any]) -> Any:
+    if row["status"] == "succeeded":
+        return row["result"]
+    error = row["error"] or {}
+    code = row["outcome_code"] or ("CANCELLED" if row["status"] == "cancelled"
+                                   else "WORKFLOW_FAILED")
+    raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
+                    incident=error.get("incident"))
+
+
+def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None

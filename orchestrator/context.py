@@ -1,0 +1,107 @@
+"""What workflow and tool code sees: :class:`WorkflowContext` and :class:`ToolContext`.
+
+Every method of ``WorkflowContext`` is a *command*: it takes the next position in the run's
+journal when it is called (not when it is awaited), so ``ctx.gather(ctx.call(a), ctx.call(b))``
+numbers its commands the same way on every replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.models import Owner
+
+if TYPE_CHECKING:
+    from orchestrator.executor import RunExecutor
+    from orchestrator.registry import Tool, Workflow
+
+
+class WorkflowContext:
+    """The handle a workflow uses for everything that must survive a restart.
+
+    Workflow code must be deterministic apart from these commands: no wall clock, randomness or
+    I/O of its own. On resume it is re-executed from the top and each command returns what the
+    journal recorded.
+    """
+
+    def __init__(self, executor: RunExecutor) -> None:
+        self._ex = executor
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self._ex.run_id
+
+    @property
+    def owner(self) -> Owner:
+        return self._ex.owner
+
+    def call(self, tool: Tool | str, /, **arguments: Any) -> Awaitable[Any]:
+        """Call a tool through the effect gateway; returns its receipt (a JSON value)."""
+        return self._ex.call(self._ex.next_position(), tool, arguments)
+
+    def sleep(self, duration: timedelta | float) -> Awaitable[None]:
+        """Sleep durably: the run is rescheduled in the database, not a process sleeping."""
+        return self._ex.sleep(self._ex.next_position(), duration)
+
+    def wait_for_event(
+        self, name: str, *, timeout: timedelta | float | None = None
+    ) -> Awaitable[Any]:
+        """Wait for ``send_event(run, name, payload)``; return the payload.
+
+        Raises :class:`TimeoutError` when ``timeout`` passes first.
+        """
+        return self._ex.wait_for_event(self._ex.next_position(), name, timeout)
+
+    def run_child(self, workflow: Workflow | str, input: Any, /) -> Awaitable[Any]:
+        """Start a child run (same owner) and wait for its result."""
+        return self._ex.run_child(self._ex.next_position(), workflow, input)
+
+    async def gather(self, *commands: Awaitable[Any]) -> list[Any]:
+        """Wait for several commands issued concurrently; results in argument order."""
+        return list(await asyncio.gather(*commands))
+
+    def now(self) -> datetime:
+        """The current time, recorded: a replay sees the same value."""
+        value: datetime = self._ex.value(self._ex.next_position(), "now")
+        return value
+
+    def uuid(self) -> uuid.UUID:
+        """A random UUID, recorded: a replay sees the same value."""
+        value: uuid.UUID = self._ex.value(self._ex.next_position(), "uuid")
+        return value
+
+    def random(self) -> float:
+        """A random float in [0, 1), recorded: a replay sees the same value."""
+        value: float = self._ex.value(self._ex.next_position(), "random")
+        return value
+
+
+@dataclass
+class ToolContext:
+    """What a tool receives besides its arguments.
+
+    Pass ``idempotency_key`` to providers that deduplicate: it is stable across replays and
+    across re-sends that CONTRACT C5 allows for the tool's effect class.
+    """
+
+    idempotency_key: str
+    run_id: uuid.UUID
+    position: int
+    attempt: int
+    operation_id: int
+    owner: Owner
+    deadline: datetime | None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def remaining(self) -> timedelta | None:
+        """Time left before the run's deadline, or None without a deadline."""
+        if self.deadline is None:
+            return None
+        from datetime import UTC
+
+        return max(self.deadline - datetime.now(UTC), timedelta(0))

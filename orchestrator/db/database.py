@@ -1,0 +1,155 @@
+"""Connections: one async pool per event loop, the error-translation seam and notifications.
+
+Store functions in the sibling modules take a connection and never commit; the code that owns
+the transaction is here (:meth:`Database.transaction`) or in the worker's writer. Database
+errors are translated into public errors once, in :func:`translate_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.errors import DatabaseError, OrchestratorError
+
+T = TypeVar("T")
+Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+RUNS_CHANNEL = "orchestrator_runs"
+"""NOTIFY channel: new or woken work. The payload is unused; any message means 'look again'."""
+
+
+def _transient(exc: BaseException) -> bool:
+    """Database-level failures that are safe to retry inside the storage layer (C7)."""
+    if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, psycopg.errors.QueryCanceled
+    )
+
+
+@contextlib.contextmanager
+def translate_errors(target: DatabaseTarget) -> Any:
+    """Turn driver errors into public :class:`DatabaseError`, keeping the cause chained."""
+    try:
+        yield
+    except OrchestratorError:
+        raise
+    except psycopg.OperationalError as exc:
+        raise DatabaseError(
+            f"the database at {target.masked} is unavailable ({type(exc).__name__})"
+        ) from exc
+    except psycopg_pool_errors() as exc:
+        raise DatabaseError(f"no database connection available from {target.masked}") from exc
+
+
+def psycopg_pool_errors() -> type[Exception]:
+    from psycopg_pool import PoolTimeout
+
+    return PoolTimeout
+
+
+class Database:
+    """Async access to one database: pools per event loop, transactions with bounded retries.
+
+    Every write path that can run twice safely (it is fenced and idempotent at the SQL level)
+    goes through :meth:`run_in_transaction`, which retries serialisation failures, deadlocks and
+    dropped connections with a small budget. Nothing in here ever calls a tool.
+    """
+
+    def __init__(self, target: DatabaseTarget, *, max_pool_size: int = 10) -> None:
+        self.target = target
+        self.max_pool_size = max_pool_size
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def pool(self) -> AsyncConnectionPool:
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = AsyncConnectionPool(
+                self.target.url,
+                min_size=1,
+                max_size=self.max_pool_size,
+                kwargs={"row_factory": dict_row, "autocommit": True,
+                        "prepare_threshold": 0},
+                open=False,
+                timeout=30,
+            )
+            with translate_errors(self.target):
+                await pool.open(wait=True, timeout=15)
+            self._pools[loop] = pool
+        return pool
+
+    async def close(self) -> None:
+        """Close the pool of the running loop (other loops close theirs)."""
+        loop = asyncio.get_running_loop()
+        pool = self._pools.pop(loop, None)
+        if pool is not None:
+            await pool.close()
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Conn]:
+        pool = await self.pool()
+        with translate_errors(self.target):
+            async with pool.connection() as conn:
+                yield conn
+
+    async def run_in_transaction(
+        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
+    ) -> T:
+        """Run ``work(conn)`` in one transaction; retry transient database failures only."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_transient),
+            stop=stop_after_attempt(attempts),
+            wait=wait_exponential_jitter(initial=0.02, max=0.5),
+            reraise=True,
+        )
+        with translate_errors(self.target):
+            async for attempt in retrying:
+                with attempt:
+                    pool = await self.pool()
+                    async with pool.connection() as conn, conn.transaction():
+                        return await work(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def listen(self, channel: str, on_message: Callable[[str], None],
+                     stop: asyncio.Event) -> None:
+        """LISTEN on ``channel`` until ``stop`` is set; reconnect after a dropped connection."""
+        while not stop.is_set():
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.target.url, autocommit=True)
+            except psycopg.OperationalError:
+                await _wait_or_stop(stop, 1.0)
+                continue
+            try:
+                async with conn:
+                    await conn.execute(f"LISTEN {channel}")
+                    on_message("")  # (re)connected: anything may have been missed
+                    while not stop.is_set():
+                        async for note in conn.notifies(timeout=0.5):
+                            on_message(note.payload)
+                            if stop.is_set():
+                                break
+            except (psycopg.OperationalError, StopAsyncIteration):
+                await _wait_or_stop(stop, 0.5)
+
+
+async def _wait_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

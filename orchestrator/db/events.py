@@ -1,0 +1,65 @@
+"""Statements on external events (``orchestrator.external_events``) and incidents."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from orchestrator.db.database import Conn
+
+S = "orchestrator"
+
+
+async def event_insert(
+    conn: Conn, *, run_id: uuid.UUID, name: str, event_key: str | None, payload: str
+) -> bool:
+    """Store an event for a run; False when an event with this key was already delivered."""
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.external_events (run_id, name, event_key, payload)
+        VALUES (%s, %s, %s, %s::jsonb)
+        ON CONFLICT (run_id, event_key) DO NOTHING
+        """,
+        (run_id, name, event_key, payload),
+    )
+    return cur.rowcount == 1
+
+
+async def event_take(
+    conn: Conn, *, run_id: uuid.UUID, name: str, position: int
+) -> dict[str, Any] | None:
+    """Consume the oldest undelivered event ``name`` for the command at ``position``.
+
+    Must run in the same transaction as the fenced journal append that records it, so that a
+    rejected append leaves the event undelivered.
+    """
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.external_events SET consumed_position = %(position)s
+        WHERE id = (SELECT id FROM {S}.external_events
+                    WHERE run_id = %(run_id)s AND name = %(name)s AND consumed_position IS NULL
+                    ORDER BY id LIMIT 1 FOR UPDATE)
+        RETURNING id, payload, event_key
+        """,
+        {"run_id": run_id, "name": name, "position": position},
+    )
+    return await cur.fetchone()
+
+
+async def incident_record(conn: Conn, row: dict[str, Any]) -> None:
+    """Store protected diagnostics under an incident reference (CONTRACT C10)."""
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.incidents (ref, code, run_id, operation_id, phase, cause,
+                                   upstream_status, detail)
+        VALUES (%(ref)s, %(code)s, %(run_id)s, %(operation_id)s, %(phase)s, %(cause)s,
+                %(upstream_status)s, %(detail)s::jsonb)
+        ON CONFLICT (ref) DO NOTHING
+        """,
+        row,
+    )
+
+
+async def incident_get(conn: Conn, ref: str) -> dict[str, Any] | None:
+    cur = await conn.execute(f"SELECT * FROM {S}.incidents WHERE ref = %s", (ref,))
+    return await cur.fetchone()

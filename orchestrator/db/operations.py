@@ -1,0 +1,207 @@
+"""Statements on the operation ledger (``orchestrator.operations``) and its reconciliation queue.
+
+Every transition is a guarded UPDATE: it names the state it expects and requires that the
+caller still holds the run's lease; the row count is checked. A trigger in the database also
+rejects any arrow not in CONTRACT C5, whatever the statement says.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from orchestrator.db.database import Conn
+from orchestrator.errors import LeaseLost
+
+S = "orchestrator"
+
+_LEASE_HELD = f"""
+EXISTS (SELECT 1 FROM {S}.runs r
+        WHERE r.id = o.run_id AND r.lease_token = %(token)s AND r.status = 'running')
+"""
+
+
+class OperationIdentityReused(Exception):
+    """An operation identity (run, position, attempt) already exists in the ledger."""
+
+
+async def operation_submit(conn: Conn, row: dict[str, Any]) -> int:
+    """Record an operation as ``submitted`` (write-ahead: before the tool is called).
+
+    ``row`` holds run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+    principal, intent_digest, arguments (canonical JSON text), idempotency_key, worker_id and
+    token. The insert only happens while the lease is held.
+    """
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
+                                    effect_class, tenant, principal, intent_digest, arguments,
+                                    idempotency_key, state, worker_id, lease_token,
+                                    submitted_at)
+        SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
+               %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s,
+               %(arguments)s::jsonb, %(idempotency_key)s, 'submitted', %(worker_id)s,
+               %(token)s, now()
+        WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s
+                      AND r.lease_token = %(token)s AND r.status = 'running')
+        ON CONFLICT (run_id, position, attempt) DO NOTHING
+        RETURNING id
+        """,
+        row,
+    )
+    got = await cur.fetchone()
+    if got is None:
+        existing = await conn.execute(
+            f"""SELECT id FROM {S}.operations
+                WHERE run_id = %(run_id)s AND position = %(position)s AND attempt = %(attempt)s""",
+            row,
+        )
+        if await existing.fetchone() is not None:
+            raise OperationIdentityReused(
+                f"operation ({row['run_id']}, {row['position']}, {row['attempt']}) exists"
+            )
+        raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
+    op_id: int = got["id"]
+    return op_id
+
+
+async def _transition(conn: Conn, sql: str, params: dict[str, Any], what: str) -> None:
+    cur = await conn.execute(sql, params)
+    if cur.rowcount != 1:
+        raise LeaseLost(f"operation {params['op_id']}: {what} rejected (state or lease changed)")
+
+
+async def operation_commit(
+    conn: Conn, *, op_id: int, token: int, receipt: str, receipt_digest: str
+) -> None:
+    """submitted → committed, with the receipt, under the lease."""
+    await _transition(
+        conn,
+        f"""
+        UPDATE {S}.operations o SET state = 'committed', receipt = %(receipt)s::jsonb,
+               receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
+        WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
+        """,
+        {"op_id": op_id, "token": token, "receipt": receipt, "digest": receipt_digest},
+        "commit",
+    )
+
+
+async def operation_fail(conn: Conn, *, op_id: int, token: int, error: str) -> None:
+    """submitted → failed: the tool proved that nothing was applied."""
+    await _transition(
+        conn,
+        f"""
+        UPDATE {S}.operations o SET state = 'failed', error = %(error)s::jsonb,
+               finished_at = now(), updated_at = now()
+        WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
+        """,
+        {"op_id": op_id, "token": token, "error": error},
+        "failure",
+    )
+
+
+async def operation_mark_unknown(
+    conn: Conn,
+    *,
+    op_id: int,
+    token: int,
+    reason: str,
+    error: str | None = None,
+    enqueue: bool = True,
+    settle_read: bool = False,
+) -> None:
+    """submitted → unknown under the lease (CONTRACT C8).
+
+    ``enqueue`` puts it in the reconciliation queue; it is False only when the effect class
+    allows a re-send that will settle it. ``settle_read`` moves an uncertain read on to
+    ``not_applied`` at once: a read changes nothing, and its repetition is a new attempt.
+    """
+    await _transition(
+        conn,
+        f"""
+        UPDATE {S}.operations o SET state = 'unknown', error = %(error)s::jsonb,
+               updated_at = now()
+        WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
+        """,
+        {"op_id": op_id, "token": token, "error": error},
+        "marking unknown",
+    )
+    if settle_read:
+        await conn.execute(
+            f"""UPDATE {S}.operations SET state = 'not_applied', finished_at = now(),
+                       updated_at = now() WHERE id = %s AND state = 'unknown'""",
+            (op_id,),
+        )
+    if enqueue:
+        await conn.execute(
+            f"""
+            INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason)
+            SELECT id, run_id, %(reason)s FROM {S}.operations WHERE id = %(op_id)s
+            ON CONFLICT (operation_id) DO UPDATE SET reason = EXCLUDED.reason
+            """,
+            {"op_id": op_id, "reason": reason},
+        )
+
+
+async def operation_settle_resent(
+    conn: Conn, *, run_id: uuid.UUID, position: int, key: str, receipt: str,
+    receipt_digest: str
+) -> int:
+    """Earlier unknown attempts re-sent with the same key share the receipt that settled them:
+    the provider deduplicated them into one effect."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.operations SET state = 'committed', receipt = %(receipt)s::jsonb,
+               receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
+        WHERE run_id = %(run_id)s AND position = %(position)s AND idempotency_key = %(key)s
+          AND state = 'unknown'
+        """,
+        {"run_id": run_id, "position": position, "key": key, "receipt": receipt,
+         "digest": receipt_digest},
+    )
+    return cur.rowcount
+
+
+async def operation_attach_evidence(conn: Conn, *, op_id: int, evidence: str) -> None:
+    """A late receipt from a worker that lost its lease: kept as evidence, not as outcome.
+
+    The item is created if the new lease holder has not yet marked the operation unknown; it
+    will find the item (and its evidence) when it does.
+    """
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason, evidence)
+        SELECT id, run_id, 'worker_lost', jsonb_build_array(%(evidence)s::jsonb)
+        FROM {S}.operations WHERE id = %(op_id)s
+        ON CONFLICT (operation_id) DO UPDATE
+        SET evidence = {S}.reconciliation_items.evidence || EXCLUDED.evidence
+        """,
+        {"op_id": op_id, "evidence": evidence},
+    )
+
+
+async def operation_for_position(
+    conn: Conn, run_id: uuid.UUID, position: int
+) -> list[dict[str, Any]]:
+    """Every attempt recorded for one position of a run, oldest first."""
+    cur = await conn.execute(
+        f"""
+        SELECT id, attempt, state, idempotency_key, intent_digest, receipt, error, effect_class
+        FROM {S}.operations WHERE run_id = %s AND position = %s ORDER BY attempt
+        """,
+        (run_id, position),
+    )
+    return await cur.fetchall()
+
+
+async def operation_list_for_run(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""
+        SELECT id, position, attempt, tool_name, tool_version, effect_class, state,
+               idempotency_key, created_at, submitted_at, finished_at
+        FROM {S}.operations WHERE run_id = %s ORDER BY position, attempt
+        """,
+        (run_id,),
+    )
+    return await cur.fetchall()

@@ -1,0 +1,428 @@
+"""Statements on ``orchestrator.runs`` (and the fenced journal append that moves a run's revision).
+
+Every worker-side write is fenced: it only matches while the run is ``running`` under the
+caller's lease token (and, for journal appends, at the revision the caller expects). Callers
+check the row count and stop working on the run when it is zero (CONTRACT C3, C6).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.errors import LeaseLost
+
+S = "orchestrator"
+
+_NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
+
+_INSERT = f"""
+INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
+                      request_digest, idempotency_key, parent_run_id, parent_position, status,
+                      available_at, deadline_at)
+VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
+        %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
+        %(parent_run_id)s, %(parent_position)s, 'queued', now(),
+        CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
+             ELSE now() + make_interval(secs => %(deadline_seconds)s::float8) END)
+ON CONFLICT (tenant, principal, idempotency_key) DO NOTHING
+RETURNING id
+"""
+
+_BY_KEY = f"""
+SELECT id, request_digest FROM {S}.runs
+WHERE tenant = %(tenant)s AND principal = %(principal)s AND idempotency_key = %(idempotency_key)s
+"""
+
+
+async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
+    """Insert a queued run, or find the run that already holds its idempotency key.
+
+    Returns ``(run_id, created, existing_digest)``; ``existing_digest`` is set when the key was
+    already taken, so the caller can tell a replay from a conflict (CONTRACT C1).
+    """
+    cur = await conn.execute(_INSERT, row)
+    inserted = await cur.fetchone()
+    if inserted is not None:
+        await conn.execute(_NOTIFY)
+        return inserted["id"], True, None
+    cur = await conn.execute(_BY_KEY, row)
+    existing = await cur.fetchone()
+    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
+        raise RuntimeError("idempotency key conflict without an existing run")
+    return existing["id"], False, existing["request_digest"]
+
+
+_RUN_COLUMNS = """
+id, tenant, principal, workflow_name, workflow_version, input, options, status, outcome_code,
+result, error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
+lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
+parent_run_id, parent_position, idempotency_key
+"""
+
+
+async def run_get(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
+    cur = await conn.execute(f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE id = %s", (run_id,))
+    return await cur.fetchone()
+
+
+async def run_list(
+    conn: Conn,
+    *,
+    tenant: str | None,
+    principal: str | None,
+    status: str | None,
+    workflow: str | None,
+    limit: int,
+) -> list[dict[str, Any]]:
+    """Newest first. ``tenant``/``principal`` None means every owner (operators only)."""
+    cur = await conn.execute(
+        f"""
+        SELECT {_RUN_COLUMNS} FROM {S}.runs
+        WHERE (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+          AND (%(principal)s::text IS NULL OR principal = %(principal)s)
+          AND (%(status)s::text IS NULL OR status = %(status)s)
+          AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s)
+        ORDER BY created_at DESC, id DESC
+        LIMIT %(limit)s
+        """,
+        {"tenant": tenant, "principal": principal, "status": status, "workflow": workflow,
+         "limit": limit},
+    )
+    return await cur.fetchall()
+
+
+_CLAIM = f"""
+WITH picked AS (
+    SELECT id FROM {S}.runs
+    WHERE status IN ('queued', 'waiting') AND available_at IS NOT NULL AND available_at <= now()
+      AND workflow_name || '@' || workflow_version = ANY(%(workflows)s)
+    ORDER BY available_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {S}.runs AS r
+SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 1,
+    lease_expires_at = now() + make_interval(secs => %(ttl)s), waiting_for = NULL,
+    available_at = NULL, updated_at = now()
+FROM picked WHERE r.id = picked.id
+RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version, r.input, r.options,
+          r.deadline_at, r.lease_token, r.revision, r.cancel_requested_at, r.parent_run_id,
+          now() AS db_now
+"""
+
+
+async def run_claim_ready(
+    conn: Conn, *, worker: str, workflows: Sequence[str], limit: int, ttl: float
+) -> list[dict[str, Any]]:
+    """Claim up to ``limit`` ready runs of the given ``name@version`` workflows.
+
+    ``FOR UPDATE SKIP LOCKED`` lets many workers claim at once without blocking each other;
+    the lease token grows on every claim so that an older holder's writes are rejected.
+    """
+    if limit <= 0:
+        return []
+    cur = await conn.execute(
+        _CLAIM, {"worker": worker, "workflows": list(workflows), "limit": limit, "ttl": ttl}
+    )
+    return await cur.fetchall()
+
+
+async def run_release_expired(conn: Conn) -> int:
+    """Put runs whose lease expired back in the queue; the next claim raises the token."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
+               lease_expires_at = NULL, updated_at = now()
+        WHERE id IN (SELECT id FROM {S}.runs
+                     WHERE status = 'running' AND lease_expires_at < now()
+                     FOR UPDATE SKIP LOCKED)
+        """
+    )
+    if cur.rowcount:
+        await conn.execute(_NOTIFY)
+    return cur.rowcount
+
+
+async def run_heartbeat(
+    conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]], ttl: float
+) -> set[uuid.UUID]:
+    """Extend the leases still held; return the ids whose lease is still ours."""
+    if not leases:
+        return set()
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs AS r
+        SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+        FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token)
+        WHERE r.id = h.id AND r.lease_token = h.token AND r.status = 'running'
+          AND r.lease_owner = %(worker)s
+        RETURNING r.id
+        """,
+        {"ttl": ttl, "worker": worker, "ids": [i for i, _ in leases],
+         "tokens": [t for _, t in leases]},
+    )
+    return {row["id"] for row in await cur.fetchall()}
+
+
+_APPEND = f"""
+WITH fence AS (
+    UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now()
+    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+      AND revision = %(expected)s
+    RETURNING id, cancel_requested_at
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload)
+    SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload
+    FROM fence, jsonb_to_recordset(%(events)s::jsonb)
+         AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM ins) AS inserted,
+       (SELECT cancel_requested_at FROM fence) AS cancel_requested_at,
+       EXISTS (SELECT 1 FROM fence) AS fenced
+"""
+
+
+def encode_events(expected: int, events: Sequence[dict[str, Any]]) -> str:
+    """Number new events from ``expected + 1`` and encode them for :func:`journal_append`."""
+    return json.dumps(
+        [{"seq": expected + i, **e} for i, e in enumerate(events, start=1)],
+        separators=(",", ":"),
+    )
+
+
+async def journal_append(
+    conn: Conn,
+    *,
+    run_id: uuid.UUID,
+    token: int,
+    expected: int,
+    events: Sequence[dict[str, Any]],
+) -> datetime | None:
+    """Append ``events`` after revision ``expected`` under lease ``token``.
+
+    Each event is a dict with ``kind``, ``position``, ``name``, ``v`` (schema version) and
+    ``payload``. Returns the run's ``cancel_requested_at``. Raises :class:`LeaseLost` when the
+    run is not running under this token at this revision: nothing is written then.
+    """
+    cur = await conn.execute(
+        _APPEND,
+        {"run_id": run_id, "token": token, "expected": expected, "n": len(events),
+         "events": encode_events(expected, events)},
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    if not row["fenced"] or row["inserted"] != len(events):
+        raise LeaseLost(f"run {run_id} is no longer held under lease {token} at {expected}")
+    cancel_requested_at: datetime | None = row["cancel_requested_at"]
+    return cancel_requested_at
+
+
+async def run_finish(
+    conn: Conn,
+    *,
+    run_id: uuid.UUID,
+    token: int,
+    status: str,
+    outcome_code: str | None,
+    result: str | None,
+    error: str | None,
+) -> uuid.UUID | None:
+    """Record a terminal outcome under the lease; wake the parent run if there is one.
+
+    The parent's row is updated unconditionally (and so locked) so that a parent suspending
+    concurrently either sees this child finished or is woken by this update.
+    """
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = %(status)s, outcome_code = %(outcome)s,
+               result = %(result)s::jsonb, error = %(error)s::jsonb, finished_at = now(),
+               updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
+               available_at = NULL, waiting_for = NULL
+        WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        RETURNING parent_run_id
+        """,
+        {"run_id": run_id, "token": token, "status": status, "outcome": outcome_code,
+         "result": result, "error": error},
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+    parent: uuid.UUID | None = row["parent_run_id"]
+    if parent is not None:
+        await run_wake(conn, parent)
+    return parent
+
+
+async def run_wake(conn: Conn, run_id: uuid.UUID) -> None:
+    """Make a waiting run claimable now; lock its row whatever its status (see run_finish)."""
+    await conn.execute(
+        f"""
+        UPDATE {S}.runs
+        SET available_at = CASE WHEN status = 'waiting' THEN now() ELSE available_at END
+        WHERE id = %s
+        """,
+        (run_id,),
+    )
+    await conn.execute(_NOTIFY)
+
+
+async def run_suspend(
+    conn: Conn,
+    *,
+    run_id: uuid.UUID,
+    token: int,
+    wake_at: datetime | None,
+    waiting_for: str,
+    event_names: Sequence[str],
+    child_positions: Sequence[int],
+) -> None:
+    """Park a running run until ``wake_at`` (None: until woken) or its deadline.
+
+    After the fenced update holds the row lock, a second statement (with a fresh snapshot)
+    wakes the run at once if an awaited event or child already arrived, so no wake-up is lost.
+    """
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'waiting', waiting_for = %(waiting_for)s,
+               available_at = CASE
+                   WHEN %(wake_at)s::timestamptz IS NULL THEN deadline_at
+                   WHEN deadline_at IS NULL THEN %(wake_at)s::timestamptz
+                   ELSE LEAST(deadline_at, %(wake_at)s::timestamptz) END,
+               lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+        WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        """,
+        {"run_id": run_id, "token": token, "wake_at": wake_at, "waiting_for": waiting_for},
+    )
+    if cur.rowcount != 1:
+        raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET available_at = now()
+        WHERE id = %(run_id)s AND (
+            cancel_requested_at IS NOT NULL
+            OR EXISTS (SELECT 1 FROM {S}.external_events
+                       WHERE run_id = %(run_id)s AND consumed_position IS NULL
+                         AND name = ANY(%(names)s))
+            OR EXISTS (SELECT 1 FROM {S}.runs c
+                       WHERE c.parent_run_id = %(run_id)s
+                         AND c.parent_position = ANY(%(positions)s)
+                         AND c.status IN ('succeeded', 'failed', 'cancelled')))
+        """,
+        {"run_id": run_id, "names": list(event_names), "positions": list(child_positions)},
+    )
+    if cur.rowcount:
+        await conn.execute(_NOTIFY)
+
+
+async def run_block_for_reconciliation(
+    conn: Conn, *, run_id: uuid.UUID, token: int, waiting_for: str
+) -> None:
+    """Park a run on an unknown operation: nothing claims it until the operation is resolved."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'needs_reconciliation', waiting_for = %(waiting_for)s,
+               available_at = NULL, lease_owner = NULL, lease_expires_at = NULL,
+               updated_at = now()
+        WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        """,
+        {"run_id": run_id, "token": token, "waiting_for": waiting_for},
+    )
+    if cur.rowcount != 1:
+        raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+
+
+async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int) -> bool:
+    """Give a run back to the queue (worker draining); False if the lease was already gone."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
+               lease_expires_at = NULL, updated_at = now()
+        WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        """,
+        {"run_id": run_id, "token": token},
+    )
+    if cur.rowcount:
+        await conn.execute(_NOTIFY)
+    return cur.rowcount == 1
+
+
+async def run_lock(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
+    """Lock a run's row for an API-side change (event delivery, cancellation)."""
+    cur = await conn.execute(
+        f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE id = %s FOR UPDATE", (run_id,)
+    )
+    return await cur.fetchone()
+
+
+async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:
+    await conn.execute(
+        f"""
+        UPDATE {S}.runs SET cancel_requested_at = COALESCE(cancel_requested_at, now()),
+               available_at = CASE WHEN status = 'waiting' THEN now() ELSE available_at END,
+               updated_at = now()
+        WHERE id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
+        """,
+        (run_id,),
+    )
+    await conn.execute(_NOTIFY)
+
+
+async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error: str) -> bool:
+    """Cancel a run that no worker holds (queued or waiting), appending ``run.cancelled``.
+
+    The caller holds the row lock (:func:`run_lock`), so appending at ``revision + 1`` is safe.
+    """
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'cancelled', outcome_code = 'CANCELLED',
+               error = %(error)s::jsonb, finished_at = now(), updated_at = now(),
+               available_at = NULL, waiting_for = NULL, revision = revision + 1,
+               cancel_requested_at = COALESCE(cancel_requested_at, now())
+        WHERE id = %(run_id)s AND status IN ('queued', 'waiting') AND revision = %(revision)s
+        RETURNING parent_run_id
+        """,
+        {"run_id": run_id, "revision": revision, "error": error},
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return False
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload)
+        VALUES (%s, %s, 'run.cancelled', 1, '{{}}'::jsonb)
+        """,
+        (run_id, revision + 1),
+    )
+    if row["parent_run_id"] is not None:
+        await run_wake(conn, row["parent_run_id"])
+    return True
+
+
+async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""
+        SELECT seq, kind, position, name, schema_version, payload, created_at
+        FROM {S}.journal WHERE run_id = %s ORDER BY seq
+        """,
+        (run_id,),
+    )
+    return await cur.fetchall()
+
+
+async def run_children_status(
+    conn: Conn, parent_id: uuid.UUID, positions: Sequence[int]
+) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""
+        SELECT id, parent_position, status, outcome_code, result, error FROM {S}.runs
+        WHERE parent_run_id = %s AND parent_position = ANY(%s)
+        """,
+        (parent_id, list(positions)),
+    )
+    return await cur.fetchall()

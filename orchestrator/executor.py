@@ -1,0 +1,524 @@
+"""Driving one claimed run: replay, commands, parking and the terminal outcome.
+
+A :class:`RunExecutor` lives as long as its worker holds the run's lease. It runs the workflow
+coroutine once from the top, feeding recorded results from the journal (replay) and executing
+new commands, and keeps the coroutine in memory while the run makes progress, so a run with *n*
+steps costs *n* steps, not *n²*. When every branch of the workflow waits on something durable
+(a timer, an event, a child run, an unknown operation) the executor *parks* the run in the
+database and drops the coroutine; the next claim replays it.
+
+Every write is fenced by the lease token and the expected revision; a rejected write means the
+lease is gone and the executor stops touching the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from orchestrator import canonical
+from orchestrator.context import WorkflowContext
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Conn
+from orchestrator.db.events import event_take, incident_record
+from orchestrator.errors import (
+    InvalidRequest,
+    JournalFull,
+    LeaseLost,
+    OrchestratorError,
+    RunFailed,
+    SchemaUnsupported,
+    UnknownWorkflow,
+    WorkflowError,
+    new_incident_ref,
+)
+from orchestrator.gateway import call_tool
+from orchestrator.models import Owner
+from orchestrator.registry import Tool, Workflow
+from orchestrator.replay import SCHEMA_VERSION, JournalIndex, Nondeterminism
+
+if TYPE_CHECKING:
+    from orchestrator.worker import Worker
+
+T = TypeVar("T")
+Event = dict[str, Any]
+
+# Timers this short are waited for in memory (the timer is still journaled) rather than
+# parking the run and paying for a replay.
+IN_MEMORY_SLEEP = 1.0
+
+
+class Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Unwinds workflow code when the run must stop here (BaseException: not caught by
+    ``except Exception`` in user code)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason  # cancelled | deadline | lease_lost | drain | nondeterminism
+        self.detail = detail
+
+
+@dataclass
+class Wait:
+    """Why a branch of the workflow cannot proceed without the database's help."""
+
+    kind: str  # timer | event | child | blocked
+    position: int
+    wake_at: datetime | None = None
+    name: str | None = None
+    operation_id: int | None = None
+
+
+def event(kind: str, position: int | None, name: str | None, payload: Any) -> Event:
+    return {"kind": kind, "position": position, "name": name, "v": SCHEMA_VERSION,
+            "payload": payload}
+
+
+def as_seconds(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds != seconds or seconds < 0:
+        raise InvalidRequest(f"a duration must be a non-negative number, got {value!r}")
+    return seconds
+
+
+class RunExecutor:
+    """One claimed run. See the module docstring."""
+
+    def __init__(self, worker: Worker, claim: dict[str, Any], journal: list[Event]) -> None:
+        self.worker = worker
+        self.app = worker.app
+        self.db = worker.app.database
+        self.run_id: uuid.UUID = claim["id"]
+        self.owner = Owner(tenant=claim["tenant"], principal=claim["principal"])
+        self.token: int = claim["lease_token"]
+        self.revision: int = claim["revision"]
+        self.deadline_at: datetime | None = claim["deadline_at"]
+        self.cancel_requested = claim["cancel_requested_at"] is not None
+        self.input = claim["input"]
+        self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
+        self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
+        self.index = JournalIndex(journal)  # may raise SchemaUnsupported
+        self.lost = False
+        self.draining = False
+        self._position = 0
+        self._buffer: list[Event] = []
+        self._write_lock = asyncio.Lock()
+        self._active = 0
+        self._waits: dict[int, Wait] = {}
+        self._changed = asyncio.Event()
+        self._parking = False
+
+    # -- time, positions, boundaries ---------------------------------------------------------
+
+    def now(self) -> datetime:
+        """The database's clock, as seen from this process."""
+        return datetime.fromtimestamp(time.time() + self.skew, UTC)
+
+    def next_position(self) -> int:
+        position = self._position
+        self._position += 1
+        return position
+
+    def boundary(self) -> None:
+        """Checks made before any new durable step: lease, drain, cancellation, deadline."""
+        if self.lost:
+            raise Stop("lease_lost")
+        if self.cancel_requested:
+            raise Stop("cancelled")
+        if self.deadline_at is not None and self.now() >= self.deadline_at:
+            raise Stop("deadline")
+        if self.draining:
+            raise Stop("drain")
+
+    def remaining(self) -> float | None:
+        if self.deadline_at is None:
+            return None
+        return max((self.deadline_at - self.now()).total_seconds(), 0.0)
+
+    @contextlib.contextmanager
+    def active(self) -> Any:
+        """Marks in-flight work: the run is not parked while any is going on."""
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self._changed.set()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def buffer(self, ev: Event) -> None:
+        """Queue an event that needs no commit of its own; it rides with the next write."""
+        self._buffer.append(ev)
+
+    async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
+                    *, terminal: bool = False) -> T | None:
+        """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
+
+        Raises :class:`Stop` ("lease_lost") if the fence rejects it: nothing was written then.
+        """
+        async with self._write_lock:
+            if self.lost:
+                raise Stop("lease_lost")
+            pending = list(self._buffer)
+
+            async def tx(conn: Conn) -> tuple[T | None, list[Event], datetime | None]:
+                result: T | None = None
+                events: list[Event] = []
+                if work is not None:
+                    result, events = await work(conn)
+                all_events = pending + events
+                cancel_at = None
+                if all_events:
+                    limit = self.app.max_journal_events + (1 if terminal else 0)
+                    if self.revision + len(all_events) > limit:
+                        raise JournalFull(
+                            f"run {self.run_id} reached its journal cap of "
+                            f"{self.app.max_journal_events} events"
+                        )
+                    cancel_at = await runs_db.journal_append(
+                        conn, run_id=self.run_id, token=self.token, expected=self.revision,
+                        events=all_events)
+                return result, all_events, cancel_at
+
+            try:
+                result, written, cancel_at = await self.db.run_in_transaction(tx)
+            except LeaseLost:
+                self.lost = True
+                self.worker.metrics.incr("lease_losses")
+                raise Stop("lease_lost") from None
+            del self._buffer[: len(pending)]
+            self.revision += len(written)
+            if cancel_at is not None:
+                self.cancel_requested = True
+            return result
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def value(self, position: int, name: str) -> Any:
+        recorded = self.index.expect(position, "value", name)
+        if recorded:
+            raw = recorded[0]["payload"]["value"]
+        else:
+            if name == "now":
+                raw = self.now().isoformat()
+            elif name == "uuid":
+                raw = str(uuid.uuid4())
+            else:
+                raw = random.random()
+            self.buffer(event("value", position, name, {"value": raw}))
+        if name == "now":
+            return datetime.fromisoformat(raw)
+        if name == "uuid":
+            return uuid.UUID(raw)
+        return float(raw)
+
+    async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
+        resolved = self._tool(tool)
+        with self.active():
+            return await call_tool(self, position, resolved, arguments)
+
+    async def sleep(self, position: int, duration: timedelta | float) -> None:
+        recorded = self.index.expect(position, "sleep", "sleep")
+        if recorded:
+            until = datetime.fromisoformat(recorded[0]["payload"]["until"])
+        else:
+            seconds = as_seconds(duration) or 0.0
+            self.boundary()
+            until = self.now() + timedelta(seconds=seconds)
+            self.buffer(event("timer", position, "sleep", {"until": until.isoformat()}))
+        left = (until - self.now()).total_seconds()
+        if left <= 0:
+            return
+        if left <= IN_MEMORY_SLEEP:
+            with self.active():
+                await asyncio.sleep(left)
+            return
+        await self.park(Wait("timer", position, wake_at=until))
+
+    async def wait_for_event(
+        self, position: int, name: str, timeout: timedelta | float | None
+    ) -> Any:
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("an event name must be a non-empty string")
+        recorded = self.index.expect(position, "event", name)
+        if recorded:
+            outcome = self.index.last(position, ("event.received", "event.timeout"))
+            if outcome is not None:
+                if outcome["kind"] == "event.timeout":
+                    raise TimeoutError(f"event {name!r} did not arrive in time")
+                return outcome["payload"]["payload"]
+            raw = recorded[0]["payload"]["timeout_at"]
+            timeout_at = None if raw is None else datetime.fromisoformat(raw)
+        else:
+            seconds = as_seconds(timeout)
+            self.boundary()
+            timeout_at = None if seconds is None else self.now() + timedelta(seconds=seconds)
+            self.buffer(event("event.wait", position, name, {
+                "timeout_at": None if timeout_at is None else timeout_at.isoformat()}))
+
+        async def take(conn: Conn) -> tuple[Any, list[Event]]:
+            got = await event_take(conn, run_id=self.run_id, name=name, position=position)
+            if got is None:
+                return None, []
+            return got, [event("event.received", position, name,
+                               {"payload": got["payload"], "event_id": got["id"]})]
+
+        with self.active():
+            got = await self.write(take)
+        if got is not None:
+            return got["payload"]
+        if timeout_at is not None and self.now() >= timeout_at:
+            await self._append(event("event.timeout", position, name, {}))
+            raise TimeoutError(f"event {name!r} did not arrive in time")
+        await self.park(Wait("event", position, wake_at=timeout_at, name=name))
+
+    async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
+        wf = self._workflow(workflow)
+        recorded = self.index.expect(position, "child", wf.name)
+        if recorded:
+            child_id = uuid.UUID(recorded[0]["payload"]["run_id"])
+            outcome = self.index.last(position, ("child.completed", "child.failed"))
+            if outcome is not None:
+                return self._child_outcome(child_id, outcome)
+        else:
+            self.boundary()
+            child_id = uuid.uuid5(self.run_id, f"child:{position}")
+            row = self.app.new_run_row(
+                wf, input, owner=self.owner, idempotency_key=None,
+                deadline=self.remaining(), run_id=child_id, parent=(self.run_id, position))
+
+            async def start(conn: Conn) -> tuple[None, list[Event]]:
+                await runs_db.run_insert(conn, row)
+                return None, [event("child.started", position, wf.name,
+                                    {"run_id": str(child_id), "version": wf.version})]
+
+            with self.active():
+                await self.write(start)
+        with self.active():
+            async with self.db.connection() as conn:
+                rows = await runs_db.run_children_status(conn, self.run_id, [position])
+        if rows and rows[0]["status"] in ("succeeded", "failed", "cancelled"):
+            child = rows[0]
+            if child["status"] == "succeeded":
+                outcome = event("child.completed", position, wf.name, {"result": child["result"]})
+            else:
+                outcome = event("child.failed", position, wf.name, {
+                    "code": child["outcome_code"], "message": (child["error"] or {}).get(
+                        "message", "the child run failed")})
+            await self._append(outcome)
+            return self._child_outcome(child_id, outcome)
+        await self.park(Wait("child", position))
+
+    def _child_outcome(self, child_id: uuid.UUID, outcome: Event) -> Any:
+        if outcome["kind"] == "child.completed":
+            return outcome["payload"]["result"]
+        raise RunFailed(outcome["payload"]["message"], code=outcome["payload"]["code"],
+                        run_id=str(child_id))
+
+    async def _append(self, ev: Event) -> None:
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            return None, [ev]
+
+        with self.active():
+            await self.write(work)
+
+    def _tool(self, tool: Tool | str) -> Tool:
+        name = tool if isinstance(tool, str) else tool.name
+        found = self.app.registry.tools.get(name)
+        if found is None:
+            raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
+        return found
+
+    def _workflow(self, workflow: Workflow | str) -> Workflow:
+        if isinstance(workflow, str):
+            matches = [w for w in self.app.registry.workflows.values() if w.name == workflow]
+            if len(matches) != 1:
+                raise UnknownWorkflow(f"workflow {workflow!r} is not registered (or ambiguous)")
+            return matches[0]
+        return workflow
+
+    # -- parking -----------------------------------------------------------------------------
+
+    async def park(self, wait: Wait) -> Any:
+        """Wait for the database's help: never returns in this process.
+
+        The executor parks the run once no branch has work in flight; the next claim replays.
+        """
+        if wait.kind != "blocked":
+            self.boundary()
+        self._waits[wait.position] = wait
+        self._changed.set()
+        await asyncio.Future()  # cancelled when the run is parked
+
+    async def drive(self, workflow: Workflow) -> None:
+        """Run the workflow until it finishes or parks; record the outcome."""
+        ctx = WorkflowContext(self)
+        task: asyncio.Task[Any] = asyncio.ensure_future(workflow.fn(ctx, self.input))
+        task.add_done_callback(lambda _: self._changed.set())
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            if task.done():
+                break
+            if self._active == 0 and self._waits:
+                for _ in range(4):  # let callbacks that are already due run first
+                    await asyncio.sleep(0)
+                if task.done():
+                    break
+                if self._active == 0 and self._waits and not self._changed.is_set():
+                    self._parking = True
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    await self._park_run()
+                    return
+        while self._active:  # other branches still have work in flight: let it land
+            await self._changed.wait()
+            self._changed.clear()
+        await self._finish(task)
+
+    async def _park_run(self) -> None:
+        waits = list(self._waits.values())
+        blocked = [w for w in waits if w.kind == "blocked"]
+        if blocked:
+            ops = ", ".join(str(w.operation_id) for w in blocked)
+            await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
+                conn, run_id=self.run_id, token=self.token,
+                waiting_for=f"reconciliation of operation {ops}"))
+            return
+        wakes = [w.wake_at for w in waits if w.wake_at is not None]
+        wake_at = min(wakes) if wakes else None  # the earliest timer; other waits re-park
+        names = sorted({w.name for w in waits if w.kind == "event" and w.name})
+        children = [w.position for w in waits if w.kind == "child"]
+        parts = []
+        if any(w.kind == "timer" for w in waits):
+            parts.append("timer")
+        parts += [f"event {n!r}" for n in names]
+        if children:
+            parts.append("child run")
+        await self._flush_then(lambda conn: runs_db.run_suspend(
+            conn, run_id=self.run_id, token=self.token, wake_at=wake_at,
+            waiting_for=", ".join(parts), event_names=names, child_positions=children))
+
+    async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
+        async def tx(conn: Conn) -> None:
+            if self._buffer:
+                await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
+                                             expected=self.revision, events=self._buffer)
+            await final(conn)
+
+        try:
+            await self.db.run_in_transaction(tx)
+        except LeaseLost:
+            self.lost = True
+            self.worker.metrics.incr("lease_losses")
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    async def _finish(self, task: asyncio.Task[Any]) -> None:
+        exc = task.exception()
+        if isinstance(exc, Stop):
+            await self._stop(exc)
+            return
+        if exc is None:
+            await self._succeed(task.result())
+            return
+        await self._fail_from(exc)
+
+    async def _succeed(self, result: Any) -> None:
+        try:
+            text = canonical.canonical_bytes(
+                result, path="$.result", max_bytes=self.app.max_record_bytes).decode()
+        except InvalidRequest as exc:
+            await self._fail("WORKFLOW_FAILED", f"the workflow's result is invalid: {exc.message}")
+            return
+        if self.index.max_position >= self._position:
+            await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "
+                             "recorded in its journal")
+            return
+        await self._terminal("succeeded", None, text, None,
+                             event("run.completed", None, None, {"result": result}))
+
+    async def _fail_from(self, exc: BaseException) -> None:
+        if isinstance(exc, Nondeterminism):
+            await self._fail("NONDETERMINISM", str(exc))
+        elif isinstance(exc, WorkflowError):
+            await self._fail("WORKFLOW_FAILED", str(exc) or "the workflow failed")
+        elif isinstance(exc, OrchestratorError):
+            await self._fail("WORKFLOW_FAILED", f"the workflow stopped on {exc.code}",
+                             incident_detail=self._detail(exc))
+        else:
+            await self._fail("WORKFLOW_FAILED",
+                             "the workflow raised an exception; see the incident for details",
+                             incident_detail=self._detail(exc))
+
+    def _detail(self, exc: BaseException) -> dict[str, Any]:
+        return {"type": type(exc).__name__, "message": str(exc),
+                "traceback": "".join(traceback.format_exception(exc))[-20000:]}
+
+    async def _stop(self, stop: Stop) -> None:
+        if stop.reason == "cancelled":
+            await self._terminal("cancelled", "CANCELLED", None,
+                                 _error_json("CANCELLED", "the run was cancelled"),
+                                 event("run.cancelled", None, None, {}))
+        elif stop.reason == "deadline":
+            self.worker.metrics.incr("deadline_exhausted")
+            await self._fail("DEADLINE_EXCEEDED", "the run's deadline passed")
+        elif stop.reason == "drain":
+            async with self.db.connection() as conn:
+                await runs_db.run_release(conn, run_id=self.run_id, token=self.token)
+        # lease_lost: someone else owns the run now; write nothing.
+
+    async def _fail(self, code: str, message: str,
+                    incident_detail: dict[str, Any] | None = None) -> None:
+        ref = new_incident_ref()
+        error = _error_json(code, message, ref)
+        ev = event("run.failed", None, None, {"code": code, "message": message, "incident": ref})
+
+        async def diagnostics(conn: Conn) -> None:
+            if incident_detail is not None:
+                await incident_record(conn, {
+                    "ref": ref, "code": code, "run_id": self.run_id, "operation_id": None,
+                    "phase": "workflow", "cause": incident_detail["type"],
+                    "upstream_status": None, "detail": json.dumps(incident_detail)})
+
+        await self._terminal("failed", code, None, error, ev, extra=diagnostics)
+
+    async def _terminal(self, status: str, code: str | None, result: str | None,
+                        error: str | None, ev: Event,
+                        extra: Callable[[Conn], Awaitable[None]] | None = None) -> None:
+        async def tx(conn: Conn) -> None:
+            if extra is not None:
+                await extra(conn)
+            await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
+                                         expected=self.revision, events=[*self._buffer, ev])
+            await runs_db.run_finish(conn, run_id=self.run_id, token=self.token, status=status,
+                                     outcome_code=code, result=result, error=error)
+
+        try:
+            await self.db.run_in_transaction(tx)
+        except LeaseLost:
+            self.lost = True
+            self.worker.metrics.incr("lease_losses")
+            return
+        self.worker.metrics.incr(f"runs_{status}")
+
+
+def _error_json(code: str, message: str, incident: str | None = None) -> str:
+    return json.dumps({"code": code, "message": message, "retryable": False,
+                       "incident": incident or new_incident_ref()})
+
+
+__all__ = ["RunExecutor", "Stop", "Wait", "SchemaUnsupported", "event"]

@@ -1,0 +1,87 @@
+"""Workflow and tool definitions, registered on an :class:`~orchestrator.Orchestrator` instance.
+
+No module-level registry: each ``Orchestrator`` keeps its own, so tests can build many.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from orchestrator.errors import InvalidRequest
+
+EffectClass = Literal["consequential", "idempotent", "read"]
+EFFECT_CLASSES: tuple[EffectClass, ...] = ("consequential", "idempotent", "read")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+
+# How many attempts each effect class gets by default, counting the first and any re-send after
+# a crash (CONTRACT C5): a consequential effect is never sent twice automatically.
+DEFAULT_MAX_ATTEMPTS: dict[str, int] = {"consequential": 1, "idempotent": 3, "read": 3}
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"{kind} name {name!r} must be 1-200 letters, digits, '_', '.' or '-', "
+            "not starting with '.' or '-'",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A registered workflow: ``name`` and ``version`` identify it in the database."""
+
+    name: str
+    version: str
+    fn: Callable[..., Awaitable[Any]]
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass
+class Tool:
+    """A registered tool: every call goes through the effect gateway as an operation."""
+
+    name: str
+    version: str
+    fn: Callable[..., Awaitable[Any]]
+    effect: EffectClass = "consequential"
+    timeout: timedelta | None = None
+    max_attempts: int = 1
+    lookup_fn: Callable[..., Awaitable[Any]] | None = field(default=None)
+
+    def lookup(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """Register the read-only lookup the reconciler uses for uncertain outcomes."""
+        self.lookup_fn = fn
+        return fn
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calling a tool directly runs its function without the ledger (for unit tests)."""
+        return await self.fn(*args, **kwargs)
+
+
+class Registry:
+    """The workflows and tools of one orchestrator instance."""
+
+    def __init__(self) -> None:
+        self.workflows: dict[str, Workflow] = {}
+        self.tools: dict[str, Tool] = {}
+
+    def add_workflow(self, wf: Workflow) -> None:
+        if wf.key in self.workflows:
+            raise InvalidRequest(f"workflow {wf.name} version {wf.version} is registered twice")
+        self.workflows[wf.key] = wf
+
+    def add_tool(self, tool: Tool) -> None:
+        if tool.name in self.tools:
+            raise InvalidRequest(f"tool {tool.name} is registered twice")
+        self.tools[tool.name] = tool
+
+    def workflow(self, name: str, version: str) -> Workflow | None:
+        return self.workflows.get(f"{name}@{version}")

@@ -1,0 +1,198 @@
+"""The worker: claims ready runs, drives them, keeps their leases alive, drains on stop.
+
+One worker process holds up to ``concurrency`` runs at once. It wakes on NOTIFY (new work,
+events, finished children, expired leases) and polls only as a fallback. Stopping (SIGTERM)
+drains: no new claims; in-flight runs go on to their next durable point, then their leases are
+released so another worker picks them up at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import RUNS_CHANNEL
+from orchestrator.errors import OrchestratorError, SchemaUnsupported
+from orchestrator.executor import RunExecutor
+
+if TYPE_CHECKING:
+    from orchestrator.app import Orchestrator
+
+log = logging.getLogger("orchestrator.worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """Claims and runs the workflows registered on ``app``. Create with ``app.create_worker``."""
+
+    def __init__(
+        self,
+        app: Orchestrator,
+        *,
+        concurrency: int = 10,
+        worker_id: str | None = None,
+        lease_ttl: float | None = None,
+        poll_interval: float = 1.0,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.app = app
+        self.metrics = app.metrics
+        self.concurrency = concurrency
+        self.worker_id = worker_id or default_worker_id()
+        self.lease_ttl = lease_ttl if lease_ttl is not None else app.lease_ttl
+        self.poll_interval = poll_interval
+        self.drain_timeout = drain_timeout
+        self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.claimed = 0  # runs claimed since start (for tests and the demo)
+
+    def request_stop(self) -> None:
+        """Begin draining (what SIGTERM does)."""
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def active_runs(self) -> int:
+        return len(self._running)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Work until ``stop`` is set (or :meth:`request_stop`), then drain."""
+        if stop is not None:
+            asyncio.ensure_future(self._forward_stop(stop))
+        listen_stop = asyncio.Event()
+        listener = asyncio.ensure_future(
+            self.app.database.listen(RUNS_CHANNEL, lambda _: self._wake.set(), listen_stop))
+        heart = asyncio.ensure_future(self._heartbeat_loop())
+        workflows = list(self.app.registry.workflows)
+        last_sweep = 0.0
+        log.info("worker %s started: %d slots, workflows %s", self.worker_id,
+                 self.concurrency, ", ".join(workflows))
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                if time.monotonic() - last_sweep > min(self.lease_ttl / 2, 5.0):
+                    last_sweep = time.monotonic()
+                    await self._sweep()
+                free = self.concurrency - len(self._running)
+                if free > 0 and workflows:
+                    claims = await self._claim(workflows, free)
+                    for claim in claims:
+                        self._start(claim)
+                    if claims and len(claims) == free:
+                        continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+        finally:
+            await self._drain()
+            listen_stop.set()
+            heart.cancel()
+            for task in (listener, heart):
+                with contextlib.suppress(BaseException):
+                    await task
+            log.info("worker %s stopped", self.worker_id)
+
+    async def _forward_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.request_stop()
+
+    async def _sweep(self) -> None:
+        try:
+            async with self.app.database.connection() as conn:
+                await runs_db.run_release_expired(conn)
+        except OrchestratorError as exc:
+            log.warning("lease sweep failed: %s", exc.code)
+
+    async def _claim(self, workflows: list[str], free: int) -> list[dict[str, Any]]:
+        try:
+            async with self.app.database.connection() as conn:
+                claims = await runs_db.run_claim_ready(
+                    conn, worker=self.worker_id, workflows=workflows, limit=free,
+                    ttl=self.lease_ttl)
+        except OrchestratorError as exc:
+            log.warning("claim failed: %s", exc.code)
+            await asyncio.sleep(self.poll_interval)
+            return []
+        self.claimed += len(claims)
+        return claims
+
+    def _start(self, claim: dict[str, Any]) -> None:
+        run_id = claim["id"]
+        task = asyncio.ensure_future(self._execute(claim))
+        self._running[run_id] = (task, None)
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._running.pop(run_id, None)
+            self._wake.set()
+
+        task.add_done_callback(done)
+
+    async def _execute(self, claim: dict[str, Any]) -> None:
+        run_id = claim["id"]
+        try:
+            async with self.app.database.connection() as conn:
+                journal = await runs_db.journal_read(conn, run_id)
+            try:
+                executor = RunExecutor(self, claim, journal)
+            except SchemaUnsupported:
+                log.error("run %s has journal events newer than this code; released", run_id)
+                async with self.app.database.connection() as conn:
+                    await runs_db.run_release(conn, run_id=run_id, token=claim["lease_token"])
+                return
+            task, _ = self._running[run_id]
+            self._running[run_id] = (task, executor)
+            if self._stop.is_set():
+                executor.draining = True
+            workflow = self.app.registry.workflows[executor.workflow_key]
+            await executor.drive(workflow)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("run %s: the worker failed while driving it; its lease will expire",
+                          run_id)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(self.lease_ttl / 3, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
+                    if ex is not None and not ex.lost]
+            if not held:
+                continue
+            try:
+                async with self.app.database.connection() as conn:
+                    kept = await runs_db.run_heartbeat(
+                        conn, worker=self.worker_id,
+                        leases=[(rid, ex.token) for rid, ex in held], ttl=self.lease_ttl)
+            except OrchestratorError as exc:
+                log.warning("heartbeat failed: %s", exc.code)
+                continue
+            for rid, ex in held:
+                if rid not in kept and rid in self._running:
+                    ex.lost = True
+                    self.metrics.incr("lease_losses")
+
+    async def _drain(self) -> None:
+        for _, ex in self._running.values():
+            if ex is not None:
+                ex.draining = True
+        tasks = [task for task, _ in self._running.values()]
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(BaseException):
+                    await task
