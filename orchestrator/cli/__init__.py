@@ -1,0 +1,87 @@
+"""The ``orchestrator`` command line.
+
+Each command group is a module in this package with a ``register(subparsers)`` function that
+adds its parsers and sets ``func`` on every leaf parser; ``func(args)`` returns the exit code.
+Adding a group means writing such a module and listing it in :data:`GROUPS`.
+
+Exit codes: 0 success; 1 the command ran and found a problem it reports (``db check`` on a
+database that is not current); 2 bad usage or configuration, or any orchestrator error (one
+line on stderr, ``orchestrator: error: CODE: message``); 70 an unexpected internal error.
+Stack traces are never printed unless ``ORCHESTRATOR_DEBUG=1`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from orchestrator.cli import db, demo, runs, worker
+from orchestrator.errors import OrchestratorError
+
+GROUPS: list[ModuleType] = [db, worker, runs, demo]
+"""Command group modules, in the order ``--help`` lists them."""
+
+EXIT_OK = 0
+EXIT_FINDING = 1
+EXIT_ERROR = 2
+EXIT_INTERNAL = 70
+ENV_DEBUG = "ORCHESTRATOR_DEBUG"
+
+PROG = "orchestrator"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every group in :data:`GROUPS` registered."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="A durable workflow orchestrator on PostgreSQL.",
+    )
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        default=None,
+        help="the PostgreSQL database to use (overrides ORCHESTRATOR_DATABASE_URL; without "
+        "either, an embedded PostgreSQL in a per-user directory is used)",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for group in GROUPS:
+        group.register(subparsers)
+    parser.set_defaults(func=None, help_parser=parser)
+    return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def error(message: str) -> None:
+    """Print one ``orchestrator: error: …`` line on stderr."""
+    print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.func is None:
+        args.help_parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        return int(args.func(args))
+    except OrchestratorError as exc:
+        error(str(exc))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get(ENV_DEBUG) == "1":
+            raise
+        # The text of an unexpected exception may carry driver messages or credentials.
+        error(
+            f"INTERNAL: unexpected {type(exc).__name__}; "
+            f"run again with {ENV_DEBUG}=1 to see the traceback"
+        )
+        return EXIT_INTERNAL

@@ -1,0 +1,31 @@
+"""Helpers shared by the command groups."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.db.config import DatabaseTarget, resolve_database
+from orchestrator.db.probe import ping
+
+SOURCE_LABELS = {
+    "argument": "from --database-url",
+    "environment": "from ORCHESTRATOR_DATABASE_URL",
+    "embedded": "embedded PostgreSQL",
+}
+
+
+def database_target(args: argparse.Namespace, *, reachable: bool = True) -> DatabaseTarget:
+    """The database chosen by ``--database-url``, the environment or the embedded server.
+
+    With ``reachable`` (the default) the database is also connected to once, with a short
+    timeout, so that a wrong host or port fails fast with one clear line.
+    """
+    target = resolve_database(args.database_url)
+    if reachable:
+        ping(target)
+    return target
+
+
+def describe_source(target: DatabaseTarget) -> str:
+    """Where the database URL came from, in words."""
+    return SOURCE_LABELS.get(target.source, target.source)
