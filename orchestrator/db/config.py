@@ -48,12 +48,16 @@ class DatabaseTarget:
 
 
 def mask_url(url: str) -> str:
-    """Hide the password of a URL; leave everything else as given."""
+    """Hide the password of a URL (in the user info or a ``password=`` query parameter)."""
     parts = urlsplit(url)
     if parts.password:
         user = parts.username or ""
         host = parts.netloc.rsplit("@", 1)[1]
         parts = parts._replace(netloc=f"{user}:***@{host}")
+    if parts.query:
+        params = parts.query.split("&")
+        masked = ["password=***" if p.lower().startswith("password=") else p for p in params]
+        parts = parts._replace(query="&".join(masked))
     return urlunsplit(parts)
 
 
