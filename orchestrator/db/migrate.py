@@ -36,6 +36,11 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     return True
 
 
+def _cause_name(exc: SQLAlchemyError) -> str:
+    # Only DBAPI errors carry ``orig``; ArgumentError and friends do not.
+    return type(getattr(exc, "orig", None) or exc).__name__
+
+
 def script_location() -> Path:
     """The migrations folder, whether running from a checkout or an installed package."""
     return Path(str(resources.files("orchestrator._migrations")))
@@ -74,7 +79,7 @@ def current_revision(target: DatabaseTarget) -> str | None:
             return None if row is None else str(row[0])
     except SQLAlchemyError as exc:
         raise DatabaseError(
-            f"cannot read the schema version of {target.masked}: {type(exc.orig or exc).__name__}"
+            f"cannot read the schema version of {target.masked}: {_cause_name(exc)}"
         ) from exc
     finally:
         engine.dispose()
@@ -135,7 +140,7 @@ def upgrade(target: DatabaseTarget, revision: str = "head") -> SchemaStatus:
             command.upgrade(alembic_config(target), revision)
         except SQLAlchemyError as exc:
             raise DatabaseError(
-                f"the upgrade of {target.masked} failed: {type(exc.orig or exc).__name__}"
+                f"the upgrade of {target.masked} failed: {_cause_name(exc)}"
             ) from exc
     return check(target)
 

@@ -11,6 +11,8 @@ inside the database, whatever the Python code does.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
@@ -70,7 +72,7 @@ def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
 
-def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[object]:
+def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Column[datetime]:
     return Column(
         name,
         DateTime(timezone=True),
@@ -199,7 +201,9 @@ reconciliation_items = Table(
     _ts("created_at", nullable=False, default_now=True),
     _ts("resolved_at"),
     CheckConstraint(_in("state", RECONCILIATION_STATES), name="state"),
-    Index("ix_reconciliation_items_due", "next_attempt_at", postgresql_where=text("state = 'open'")),
+    Index(
+        "ix_reconciliation_items_due", "next_attempt_at", postgresql_where=text("state = 'open'")
+    ),
 )
 
 reconciliation_lookups = Table(
