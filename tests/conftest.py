@@ -1,0 +1,91 @@
+"""Fixtures shared by every test: the PostgreSQL server and throw-away databases.
+
+The server is chosen once per test session (see :mod:`tests.dbtools`):
+``ORCHESTRATOR_TEST_DATABASE_URL`` if set, else ``127.0.0.1:5432`` if it answers, else the
+embedded PostgreSQL. Set ``ORCHESTRATOR_TEST_EMBEDDED=1`` to force the embedded server even
+when a local one is running, e.g. to check that the suite passes on a machine without one.
+
+Fixtures:
+
+- ``pg_admin_url`` (session): a libpq URL to an admin database on the chosen server;
+- ``template_database`` (session): the *name* of a database migrated to head once per session,
+  used as the template of every clone; dropped at the end;
+- ``migrated_database_url`` (function): URL of a fresh clone of the template;
+- ``empty_database_url`` (function): URL of a fresh empty database.
+
+Function-scoped databases are dropped after the test, after terminating any connection the
+test left open. Tests under ``tests/<kind>/`` get the ``<kind>`` marker automatically, so
+``pytest -m "not acceptance"`` works without every module repeating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.db import migrate
+from orchestrator.db.config import DatabaseTarget, validate_url
+from tests import dbtools
+
+_DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations")
+_TESTS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            relative = item.path.relative_to(_TESTS_DIR)
+        except ValueError:
+            continue
+        if relative.parts and relative.parts[0] in _DIRECTORY_MARKERS:
+            item.add_marker(relative.parts[0])
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    """A libpq URL to an admin database on the server the tests use."""
+    server = dbtools.choose_server()
+    if not dbtools.can_connect(server.admin_url, timeout=10):
+        pytest.fail(
+            f"cannot connect to the test database server ({server.source}); "
+            f"check {dbtools.ENV_TEST_URL}",
+            pytrace=False,
+        )
+    return server.admin_url
+
+
+@pytest.fixture(scope="session")
+def template_database(pg_admin_url: str) -> Iterator[str]:
+    """Name of a database migrated to head once per session; every clone copies it."""
+    name = dbtools.unique_name("tpl")
+    url = dbtools.create_database(pg_admin_url, name)
+    try:
+        status = migrate.upgrade(DatabaseTarget(validate_url(url), "argument"))
+        assert status.ok, status.describe()
+        yield name
+    finally:
+        dbtools.drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+def migrated_database_url(pg_admin_url: str, template_database: str) -> Iterator[str]:
+    """URL of a fresh database with the current schema, dropped after the test."""
+    name = dbtools.unique_name("mig")
+    url = dbtools.create_database(pg_admin_url, name, template=template_database)
+    try:
+        yield url
+    finally:
+        dbtools.drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+def empty_database_url(pg_admin_url: str) -> Iterator[str]:
+    """URL of a fresh, empty database (no orchestrator schema), dropped after the test."""
+    name = dbtools.unique_name("empty")
+    url = dbtools.create_database(pg_admin_url, name)
+    try:
+        yield url
+    finally:
+        dbtools.drop_database(pg_admin_url, name)

@@ -1,0 +1,216 @@
+"""The database itself enforces the operation state machine (C5) and the append-only journal (C3).
+
+Rows are fabricated with plain SQL: whatever the Python code does, these statements must be
+refused by the schema.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from orchestrator.db.schema import OPERATION_STATES
+
+# CONTRACT C5, drawn as (from, to).
+ARROWS = {
+    ("pending", "submitted"),
+    ("pending", "cancelled"),
+    ("submitted", "committed"),
+    ("submitted", "failed"),
+    ("submitted", "unknown"),
+    ("unknown", "committed"),
+    ("unknown", "not_applied"),
+    ("unknown", "abandoned"),
+}
+
+# A legal way to reach each state from 'pending'.
+PATHS = {
+    "pending": [],
+    "submitted": ["submitted"],
+    "committed": ["submitted", "committed"],
+    "failed": ["submitted", "failed"],
+    "unknown": ["submitted", "unknown"],
+    "not_applied": ["submitted", "unknown", "not_applied"],
+    "abandoned": ["submitted", "unknown", "abandoned"],
+    "cancelled": ["cancelled"],
+}
+FINAL_STATES = ("committed", "failed", "not_applied", "abandoned", "cancelled")
+
+
+@pytest.fixture
+def conn(migrated_database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    with psycopg.connect(migrated_database_url, autocommit=True) as connection:
+        yield connection
+
+
+def _insert_run(conn: psycopg.Connection[tuple[object, ...]]) -> uuid.UUID:
+    run_id = uuid.uuid4()
+    conn.execute(
+        """INSERT INTO orchestrator.runs
+               (id, tenant, principal, workflow_name, workflow_version, input, request_digest)
+           VALUES (%s, 't', 'p', 'wf', '1', %s, 'digest')""",
+        (run_id, Jsonb({})),
+    )
+    return run_id
+
+
+_positions = itertools.count()
+
+
+def _insert_operation(
+    conn: psycopg.Connection[tuple[object, ...]], run_id: uuid.UUID, state: str = "pending"
+) -> int:
+    row = conn.execute(
+        """INSERT INTO orchestrator.operations
+               (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+                principal, intent_digest, arguments, idempotency_key, state)
+           VALUES (%s, %s, 1, 'charge', '1', 'consequential', 't', 'p', 'intent', %s, 'key', %s)
+           RETURNING id""",
+        (run_id, next(_positions), Jsonb({"amount": 1}), state),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _move(conn: psycopg.Connection[tuple[object, ...]], op_id: int, state: str) -> None:
+    if state == "committed":
+        conn.execute(
+            """UPDATE orchestrator.operations
+               SET state = %s, receipt = coalesce(receipt, %s), receipt_digest = 'r'
+               WHERE id = %s""",
+            (state, Jsonb({"charge": "ch_1"}), op_id),
+        )
+    else:
+        conn.execute(
+            "UPDATE orchestrator.operations SET state = %s WHERE id = %s", (state, op_id)
+        )
+
+
+def _state(conn: psycopg.Connection[tuple[object, ...]], op_id: int) -> str:
+    row = conn.execute(
+        "SELECT state FROM orchestrator.operations WHERE id = %s", (op_id,)
+    ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_every_transition_is_allowed_exactly_when_the_contract_draws_it(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    run_id = _insert_run(conn)
+    wrong: list[str] = []
+    for old, new in itertools.product(OPERATION_STATES, repeat=2):
+        op_id = _insert_operation(conn, run_id)
+        for step in PATHS[old]:
+            _move(conn, op_id, step)
+        assert _state(conn, op_id) == old
+
+        allowed = old == new or (old, new) in ARROWS
+        try:
+            _move(conn, op_id, new)
+        except psycopg.errors.CheckViolation:
+            if allowed:
+                wrong.append(f"{old} -> {new} was refused")
+            assert _state(conn, op_id) == old
+        else:
+            if not allowed:
+                wrong.append(f"{old} -> {new} was accepted")
+    assert wrong == []
+
+
+def test_a_submitted_operation_cannot_go_back_to_pending(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    op_id = _insert_operation(conn, _insert_run(conn), "submitted")
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        _move(conn, op_id, "pending")
+
+    assert _state(conn, op_id) == "submitted"
+
+
+def test_a_committed_operation_cannot_become_unknown(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    op_id = _insert_operation(conn, _insert_run(conn), "submitted")
+    _move(conn, op_id, "committed")
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        _move(conn, op_id, "unknown")
+
+    assert _state(conn, op_id) == "committed"
+
+
+@pytest.mark.parametrize("state", ["committed", "failed", "unknown", "cancelled"])
+def test_operations_start_pending_or_submitted(
+    conn: psycopg.Connection[tuple[object, ...]], state: str
+) -> None:
+    with pytest.raises(psycopg.errors.CheckViolation):
+        _insert_operation(conn, _insert_run(conn), state)
+
+
+@pytest.mark.parametrize("state", FINAL_STATES)
+def test_a_final_operations_receipt_cannot_change(
+    conn: psycopg.Connection[tuple[object, ...]], state: str
+) -> None:
+    op_id = _insert_operation(conn, _insert_run(conn))
+    for step in PATHS[state]:
+        _move(conn, op_id, step)
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "UPDATE orchestrator.operations SET receipt = %s WHERE id = %s",
+            (Jsonb({"forged": True}), op_id),
+        )
+
+
+def test_a_committed_operation_needs_a_receipt(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    op_id = _insert_operation(conn, _insert_run(conn), "submitted")
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "UPDATE orchestrator.operations SET state = 'committed' WHERE id = %s", (op_id,)
+        )
+
+
+def test_journal_rows_can_be_appended_but_never_updated(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    run_id = _insert_run(conn)
+    for seq in (1, 2):
+        conn.execute(
+            """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, payload)
+               VALUES (%s, %s, 'started', 1, %s)""",
+            (run_id, seq, Jsonb({"n": seq})),
+        )
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "UPDATE orchestrator.journal SET payload = %s WHERE run_id = %s AND seq = 1",
+            (Jsonb({"n": 99}), run_id),
+        )
+
+    rows = conn.execute(
+        "SELECT seq, payload FROM orchestrator.journal WHERE run_id = %s ORDER BY seq",
+        (run_id,),
+    ).fetchall()
+    assert rows == [(1, {"n": 1}), (2, {"n": 2})]
+
+
+def test_journal_sequence_numbers_are_unique_per_run(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    run_id = _insert_run(conn)
+    insert = """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version)
+                VALUES (%s, 1, 'started', 1)"""
+    conn.execute(insert, (run_id,))
+
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute(insert, (run_id,))

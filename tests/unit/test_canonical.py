@@ -1,0 +1,304 @@
+"""Canonical JSON and digests (CONTRACT C1, C2): properties over generated JSON values."""
+
+from __future__ import annotations
+
+import decimal
+import enum
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from orchestrator.canonical import (
+    canonical_bytes,
+    canonical_json,
+    digest,
+    intent_digest,
+    request_digest,
+    validate_json,
+)
+from orchestrator.errors import InvalidRequest, PayloadTooLarge
+
+Path = tuple[str | int, ...]
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=25,
+)
+containers = st.one_of(
+    st.lists(json_values, min_size=1, max_size=5),
+    st.dictionaries(st.text(max_size=8), json_values, min_size=1, max_size=5),
+)
+
+
+def _paths(value: Any, prefix: Path = ()) -> list[Path]:
+    """Every location inside ``value``, the value itself first."""
+    found: list[Path] = [prefix]
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            found.extend(_paths(sub, (*prefix, key)))
+    elif isinstance(value, list):
+        for index, sub in enumerate(value):
+            found.extend(_paths(sub, (*prefix, index)))
+    return found
+
+
+def _replace(value: Any, path: Path, new: Any) -> Any:
+    """A copy of ``value`` with the node at ``path`` replaced by ``new``."""
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {k: (_replace(v, rest, new) if k == head else v) for k, v in value.items()}
+    return [(_replace(v, rest, new) if i == head else v) for i, v in enumerate(value)]
+
+
+def _reorder_keys(value: Any, draw_order: Any) -> Any:
+    """The same value with every object's keys inserted in a drawn order."""
+    if isinstance(value, dict):
+        keys = draw_order(list(value))
+        return {k: _reorder_keys(value[k], draw_order) for k in keys}
+    if isinstance(value, list):
+        return [_reorder_keys(v, draw_order) for v in value]
+    return value
+
+
+def _spelled(path: Path) -> str:
+    """The path as the error reports it: ``$.a[2].b``, with quoted keys when needed."""
+    out = "$"
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}"
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out
+
+
+# --- equality: key order never matters ----------------------------------------------------
+
+
+@given(value=json_values, data=st.data())
+def test_key_order_does_not_change_the_digest(value: Any, data: st.DataObject) -> None:
+    shuffled = _reorder_keys(value, lambda keys: data.draw(st.permutations(keys)))
+
+    assert canonical_json(shuffled) == canonical_json(value)
+    assert digest(shuffled) == digest(value)
+    assert request_digest("wf", "1", shuffled, {"b": 1, "a": 2}) == request_digest(
+        "wf", "1", value, {"a": 2, "b": 1}
+    )
+
+
+@given(value=json_values)
+def test_canonical_form_round_trips_through_json(value: Any) -> None:
+    text = canonical_json(value)
+
+    assert json.loads(text) == value
+    assert canonical_json(json.loads(text)) == text
+    assert canonical_bytes(value) == text.encode("utf-8")
+
+
+@given(value=json_values)
+def test_canonical_form_has_sorted_keys_and_no_whitespace_between_tokens(value: Any) -> None:
+    text = canonical_json(value)
+    assert text == json.dumps(
+        json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+
+
+def test_canonical_form_example() -> None:
+    assert canonical_json({"b": [1, 2.5, None], "a": {"é": True}}) == (
+        '{"a":{"é":true},"b":[1,2.5,null]}'
+    )
+    assert canonical_bytes({"é": 1}) == '{"é":1}'.encode()
+
+
+# --- difference: any other change gives a different digest --------------------------------
+
+
+@given(value=json_values, replacement=json_values, data=st.data())
+def test_any_changed_value_changes_the_request_digest(
+    value: Any, replacement: Any, data: st.DataObject
+) -> None:
+    path = data.draw(st.sampled_from(_paths(value)))
+    changed = _replace(value, path, replacement)
+    assume(canonical_json(changed) != canonical_json(value))
+
+    assert request_digest("wf", "1", changed, {}) != request_digest("wf", "1", value, {})
+
+
+@given(items=st.lists(json_values, min_size=2, max_size=6), data=st.data())
+def test_array_order_changes_the_digest(items: list[Any], data: st.DataObject) -> None:
+    permuted = data.draw(st.permutations(items))
+    assume([canonical_json(x) for x in permuted] != [canonical_json(x) for x in items])
+
+    assert digest({"items": permuted}) != digest({"items": items})
+
+
+@given(value=containers, key=st.text(max_size=8), data=st.data())
+def test_an_added_or_removed_member_changes_the_digest(
+    value: Any, key: str, data: st.DataObject
+) -> None:
+    if isinstance(value, dict):
+        assume(key not in value)
+        bigger: Any = {**value, key: None}
+    else:
+        bigger = [*value, None]
+    assert digest(bigger) != digest(value)
+
+
+@given(value=json_values)
+def test_workflow_name_version_and_options_are_part_of_the_request(value: Any) -> None:
+    base = request_digest("wf", "1", value, {"deadline": 10})
+    assert request_digest("wf2", "1", value, {"deadline": 10}) != base
+    assert request_digest("wf", "2", value, {"deadline": 10}) != base
+    assert request_digest("wf", "1", value, {"deadline": 11}) != base
+    assert request_digest("wf", "1", value, {}) != base
+
+
+def test_intent_digest_covers_tool_owner_and_arguments() -> None:
+    owner = {"tenant": "t", "principal": "p"}
+    base = intent_digest("charge", "1", owner, {"amount": 5})
+    assert intent_digest("charge", "1", dict(reversed(owner.items())), {"amount": 5}) == base
+    assert intent_digest("refund", "1", owner, {"amount": 5}) != base
+    assert intent_digest("charge", "2", owner, {"amount": 5}) != base
+    assert intent_digest("charge", "1", {"tenant": "t", "principal": "q"}, {"amount": 5}) != base
+    assert intent_digest("charge", "1", owner, {"amount": 6}) != base
+
+
+def test_digest_is_sha256_hex() -> None:
+    value = digest({"a": 1})
+    assert len(value) == 64
+    assert int(value, 16) >= 0
+
+
+# --- rejection: anything that is not plain JSON, with the path named ----------------------
+
+
+class _Custom:
+    def __json__(self) -> str:  # a custom serialisation hook must not be honoured
+        return "{}"
+
+
+class _Colour(enum.IntEnum):
+    RED = 1
+
+
+class _Str(str):
+    pass
+
+
+NOT_JSON: list[Any] = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    b"bytes",
+    bytearray(b"x"),
+    {1, 2},
+    frozenset(),
+    (1, 2),
+    _Custom(),
+    object(),
+    decimal.Decimal("1.5"),
+    _Colour.RED,
+    _Str("s"),
+    1 + 2j,
+]
+
+
+@pytest.mark.parametrize("bad", NOT_JSON, ids=lambda v: type(v).__name__)
+def test_non_json_values_are_rejected_at_the_top(bad: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_json(bad)
+    assert caught.value.code == "INVALID_REQUEST"
+    assert caught.value.path == "$"
+
+
+def test_the_path_names_the_offending_location() -> None:
+    value = {"a": [0, 1, {"b": math.nan}]}
+    with pytest.raises(InvalidRequest) as caught:
+        validate_json(value)
+    assert caught.value.path == "$.a[2].b"
+    assert "$.a[2].b" in caught.value.message
+
+
+def test_keys_that_are_not_identifiers_are_quoted_in_the_path() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_json({"order items": [{"unit price": b"1"}]})
+    assert caught.value.path == '$["order items"][0]["unit price"]'
+
+
+@pytest.mark.parametrize("key", [1, 1.5, None, True, (1, 2), b"k"], ids=repr)
+def test_non_string_keys_are_rejected_at_their_object(key: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_json({"outer": {"ok": 1, key: "v"}})
+    assert caught.value.path == "$.outer"
+
+
+@given(value=containers, bad=st.sampled_from(NOT_JSON), data=st.data())
+def test_a_non_json_value_anywhere_is_found_and_located(
+    value: Any, bad: Any, data: st.DataObject
+) -> None:
+    path = data.draw(st.sampled_from(_paths(value)[1:]))
+
+    with pytest.raises(InvalidRequest) as caught:
+        canonical_bytes(_replace(value, path, bad))
+
+    assert caught.value.path == _spelled(path)
+    assert caught.value.code == "INVALID_REQUEST"
+
+
+@given(value=json_values)
+def test_valid_values_are_accepted(value: Any) -> None:
+    validate_json(value)
+
+
+def test_a_custom_root_path_is_used_in_errors() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        canonical_bytes({"x": math.inf}, path="input")
+    assert caught.value.path == "input.x"
+
+
+# --- size caps ----------------------------------------------------------------------------
+
+
+@given(value=json_values)
+def test_the_size_cap_is_inclusive(value: Any) -> None:
+    size = len(canonical_bytes(value))
+
+    assert len(canonical_bytes(value, max_bytes=size)) == size
+    with pytest.raises(PayloadTooLarge) as caught:
+        canonical_bytes(value, max_bytes=size - 1)
+    assert caught.value.code == "PAYLOAD_TOO_LARGE"
+    assert isinstance(caught.value, InvalidRequest)
+    assert caught.value.path == "$"
+
+
+def test_the_size_cap_counts_utf8_bytes_not_characters() -> None:
+    value = "é" * 10  # 10 characters, 20 bytes, plus two quotes
+    assert len(canonical_bytes(value, max_bytes=22)) == 22
+    with pytest.raises(PayloadTooLarge):
+        canonical_bytes(value, max_bytes=21)
+
+
+def test_a_record_over_the_default_cap_names_its_size() -> None:
+    from orchestrator.canonical import DEFAULT_MAX_RECORD_BYTES
+
+    big = {"blob": "x" * DEFAULT_MAX_RECORD_BYTES}
+    with pytest.raises(PayloadTooLarge) as caught:
+        canonical_bytes(big, path="input", max_bytes=DEFAULT_MAX_RECORD_BYTES)
+    assert caught.value.path == "input"
+    assert str(DEFAULT_MAX_RECORD_BYTES) in caught.value.message

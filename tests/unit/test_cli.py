@@ -1,0 +1,110 @@
+"""The command line's shape and its error handling, in process and without a database."""
+
+from __future__ import annotations
+
+import argparse
+
+import psycopg
+import pytest
+
+from orchestrator import cli
+from orchestrator.cli import db as db_group
+from orchestrator.db.probe import connection_failure_reason
+from orchestrator.errors import DatabaseError
+
+
+def test_every_group_registers_commands_with_a_func() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["db", "check"])
+    assert args.func is db_group.cmd_check
+    assert args.database_url is None
+    assert parser.parse_args(["--database-url", "postgresql://h/d", "db", "url"]).database_url
+
+
+@pytest.mark.parametrize("argv", [[], ["db"]])
+def test_a_missing_command_prints_help_and_exits_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_an_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["nonsense"])
+    assert caught.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_configuration_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--database-url", "mysql://db/x", "db", "check"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "orchestrator: error: CONFIGURATION_ERROR: the database URL has scheme 'mysql'; "
+        "use postgresql://\n"
+    )
+
+
+def test_multi_line_messages_are_folded_into_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: argparse.Namespace) -> int:
+        raise DatabaseError("first\nsecond")
+
+    monkeypatch.setattr(db_group, "cmd_url", broken)
+    assert cli.main(["db", "url"]) == 2
+    assert capsys.readouterr().err == "orchestrator: error: DATABASE_UNAVAILABLE: first second\n"
+
+
+def test_unexpected_errors_print_one_line_without_their_text(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: argparse.Namespace) -> int:
+        raise RuntimeError("password=s3cret leaked by a driver")
+
+    monkeypatch.delenv(cli.ENV_DEBUG, raising=False)
+    monkeypatch.setattr(db_group, "cmd_url", broken)
+    assert cli.main(["db", "url"]) == cli.EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "RuntimeError" in err
+    assert "s3cret" not in err
+
+
+def test_debug_mode_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(args: argparse.Namespace) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv(cli.ENV_DEBUG, "1")
+    monkeypatch.setattr(db_group, "cmd_url", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["db", "url"])
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (
+            'connection failed: connection to server at "127.0.0.1", port 1 failed: '
+            "Connection refused\n\tIs the server running on that host?",
+            "connection refused",
+        ),
+        ("connection failed: timeout expired", "no answer from the server"),
+        ("failed to resolve host 'db.invalid': [Errno -2] Name or service not known",
+         "the host name cannot be resolved"),
+        ('FATAL:  password authentication failed for user "app"', "authentication failed"),
+        ('FATAL:  role "nobody" does not exist', "the user (role) does not exist"),
+        ('FATAL:  database "nothing" does not exist', "the database does not exist"),
+        ('connection to server on socket "/x/.s.PGSQL.5432" failed: No such file or directory',
+         "no server is listening on that Unix socket"),
+        ('connection to server at "10.0.0.1", port 5432 failed: received invalid response '
+         "to SSL negotiation: H", "what answered there is not a PostgreSQL server"),
+        ("something nobody expected, password=s3cret", "the connection failed (OperationalError)"),
+    ],
+)
+def test_connection_failures_get_a_controlled_reason(text: str, reason: str) -> None:
+    described = connection_failure_reason(psycopg.OperationalError(text))
+    assert described.startswith(reason)
+    assert "s3cret" not in described
+    assert "\n" not in described

@@ -1,0 +1,105 @@
+"""Validating and masking database URLs: no database needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.db.config import DatabaseTarget, mask_url, resolve_database, validate_url
+from orchestrator.errors import ConfigurationError
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql://app:pw@db:5432/orders", "postgresql://app:pw@db:5432/orders"),
+        ("postgres://app@db/orders", "postgresql://app@db/orders"),
+        ("postgresql+psycopg://app@db/orders", "postgresql://app@db/orders"),
+        ("  postgresql://db/orders\n", "postgresql://db/orders"),
+        (
+            "postgresql://postgres:@/orchestrator?host=/tmp/pg",
+            "postgresql://postgres:@/orchestrator?host=/tmp/pg",
+        ),
+        ("postgresql://[::1]:5433/orders", "postgresql://[::1]:5433/orders"),
+    ],
+)
+def test_valid_urls_are_normalised_to_libpq_form(url: str, expected: str) -> None:
+    assert validate_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("", "the database URL is empty"),
+        ("   ", "the database URL is empty"),
+        ("mysql://app@db/orders", "has scheme 'mysql'; use postgresql://"),
+        ("sqlite:///orders.db", "has scheme 'sqlite'"),
+        ("postgresql+asyncpg://db/orders", "has scheme 'postgresql+asyncpg'"),
+        ("db:5432/orders", "is malformed: expected postgresql://"),
+        ("postgresql://u@h:notaport/db", "is malformed"),
+        ("postgresql://u@h:99999/db", "is malformed"),
+        ("postgresql://app@db:5432", "names no database"),
+        ("postgresql://app@db:5432/", "names no database"),
+    ],
+)
+def test_bad_urls_name_the_problem(url: str, fragment: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        validate_url(url)
+
+    assert caught.value.code == "CONFIGURATION_ERROR"
+    assert fragment in caught.value.message
+    assert "\n" not in str(caught.value)
+
+
+def test_a_bad_port_is_named() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        validate_url("postgresql://u@h:notaport/db")
+    assert "notaport" in caught.value.message
+
+
+def test_errors_do_not_repeat_the_password() -> None:
+    for url in ("mysql://app:s3cret@db/x", "postgresql://app:s3cret@db:bad/x",
+                "postgresql://app:s3cret@db"):
+        with pytest.raises(ConfigurationError) as caught:
+            validate_url(url)
+        assert "s3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql://app:s3cret@db:5432/x", "postgresql://app:***@db:5432/x"),
+        ("postgresql://app:p@ss:w0rd@db/x", "postgresql://app:***@db/x"),
+        ("postgresql://app:%40%3A@db/x", "postgresql://app:***@db/x"),
+        ("postgresql://:s3cret@db/x", "postgresql://:***@db/x"),
+        ("postgresql://app@db:5432/x", "postgresql://app@db:5432/x"),
+        ("postgresql://db/x", "postgresql://db/x"),
+        ("postgresql://postgres:@/x?host=/tmp/pg", "postgresql://postgres:@/x?host=/tmp/pg"),
+        (
+            "postgresql://db/x?sslmode=require&password=s3cret",
+            "postgresql://db/x?sslmode=require&password=***",
+        ),
+    ],
+)
+def test_mask_url_hides_only_the_password(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+    assert "s3cret" not in mask_url(url)
+
+
+def test_target_offers_masked_and_sqlalchemy_forms() -> None:
+    target = DatabaseTarget("postgresql://app:s3cret@db:5432/x", "argument")
+    assert target.masked == "postgresql://app:***@db:5432/x"
+    assert target.sqlalchemy_url == "postgresql+psycopg://app:s3cret@db:5432/x"
+
+
+def test_an_explicit_url_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_DATABASE_URL", "postgresql://env-host/env")
+    assert resolve_database("postgres://arg-host/arg") == DatabaseTarget(
+        "postgresql://arg-host/arg", "argument"
+    )
+    assert resolve_database() == DatabaseTarget("postgresql://env-host/env", "environment")
+
+
+def test_a_bad_environment_url_is_reported_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_DATABASE_URL", "mysql://db/x")
+    with pytest.raises(ConfigurationError, match="scheme 'mysql'"):
+        resolve_database()
