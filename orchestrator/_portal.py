@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -13,7 +14,8 @@ T = TypeVar("T")
 class Portal:
     """Runs coroutines on one background loop and waits for them from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, finalizer: Callable[[], Coroutine[Any, Any, Any]] | None = None) -> None:
+        self._finalizer = finalizer
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -26,6 +28,7 @@ class Portal:
                                           daemon=True)
                 thread.start()
                 self._loop, self._thread = loop, thread
+                atexit.register(self.close)
             return self._loop
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -39,17 +42,19 @@ class Portal:
             raise RuntimeError("a sync orchestrator method was called from its own loop")
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    def close(self, final: Coroutine[Any, Any, Any] | None = None) -> None:
-        """Run ``final`` (e.g. closing pools) on the loop, then stop the loop."""
+    def close(self) -> None:
+        """Run the finalizer (e.g. closing pools) on the loop, then stop the loop."""
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is None:
-            if final is not None:
-                final.close()
             return
-        if final is not None:
-            asyncio.run_coroutine_threadsafe(final, loop).result()
+        atexit.unregister(self.close)
+        if self._finalizer is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._finalizer(), loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
         loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(timeout=5)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from orchestrator import canonical
+from orchestrator import admin, canonical
 from orchestrator._portal import Portal
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
@@ -74,7 +74,7 @@ class Orchestrator:
         self.pool_size = pool_size
         self.registry = Registry()
         self.metrics = Metrics()
-        self._portal = Portal()
+        self._portal = Portal(finalizer=self._close_pools)
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -293,31 +293,10 @@ class Orchestrator:
         return self._portal.call(self.send_event_async(run_id, name, payload, **options))
 
     async def cancel_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> str:
-        """Request cancellation; returns the run's status afterwards.
-
-        A queued or waiting run is cancelled at once; a running one at its next command; a run
-        blocked on an unknown operation only after that operation is reconciled (C7).
-        """
-        await self._row(run_id, owner)
-        return await self._cancel(_as_uuid(run_id))
-
-    async def _cancel(self, rid: uuid.UUID | None) -> str:
-        assert rid is not None
-        error = json.dumps({"code": "CANCELLED", "message": "the run was cancelled",
-                            "retryable": False, "incident": None})
-
-        async def cancel(conn: Conn) -> str:
-            row = await runs_db.run_lock(conn, rid)
-            assert row is not None
-            if row["status"] in TERMINAL:
-                return str(row["status"])
-            if row["status"] in ("queued", "waiting") and await runs_db.run_cancel_idle(
-                    conn, run_id=rid, revision=row["revision"], error=error):
-                return "cancelled"
-            await runs_db.run_request_cancel(conn, rid)
-            return str(row["status"])
-
-        return await self.database.run_in_transaction(cancel)
+        """Request cancellation; returns the run's status afterwards (see
+        :func:`orchestrator.admin.cancel_run` for the rules)."""
+        row = await self._row(run_id, owner)
+        return await admin.cancel_run(self.database, row["id"])
 
     async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> list[JournalEntry]:
@@ -348,9 +327,13 @@ class Orchestrator:
 
         asyncio.run(main())
 
+    async def _close_pools(self) -> None:
+        if self._database is not None:
+            await self._database.close()
+
     def close(self) -> None:
-        """Release connections held for sync calls."""
-        self._portal.close(self.database.close() if self._database is not None else None)
+        """Release the connections held for sync calls (also done at interpreter exit)."""
+        self._portal.close()
 
 
 class RunHandle:

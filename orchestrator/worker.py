@@ -18,6 +18,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.db import runs as runs_db
+from orchestrator.db import workers as workers_db
 from orchestrator.db.database import RUNS_CHANNEL
 from orchestrator.errors import OrchestratorError, SchemaUnsupported
 from orchestrator.executor import RunExecutor
@@ -77,6 +78,10 @@ class Worker:
             self.app.database.listen(RUNS_CHANNEL, lambda _: self._wake.set(), listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
         workflows = list(self.app.registry.workflows)
+        async with self.app.database.connection() as conn:
+            await workers_db.worker_register(
+                conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
+                workflows=workflows, concurrency=self.concurrency)
         last_sweep = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
@@ -102,6 +107,9 @@ class Worker:
             for task in (listener, heart):
                 with contextlib.suppress(BaseException):
                     await task
+            with contextlib.suppress(OrchestratorError):
+                async with self.app.database.connection() as conn:
+                    await workers_db.worker_unregister(conn, self.worker_id)
             log.info("worker %s stopped", self.worker_id)
 
     async def _forward_stop(self, stop: asyncio.Event) -> None:
@@ -169,10 +177,9 @@ class Worker:
             await asyncio.sleep(interval)
             held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
                     if ex is not None and not ex.lost]
-            if not held:
-                continue
             try:
                 async with self.app.database.connection() as conn:
+                    await workers_db.worker_heartbeat(conn, self.worker_id)
                     kept = await runs_db.run_heartbeat(
                         conn, worker=self.worker_id,
                         leases=[(rid, ex.token) for rid, ex in held], ttl=self.lease_ttl)

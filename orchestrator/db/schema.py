@@ -29,7 +29,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 SCHEMA = "orchestrator"
 
@@ -261,4 +261,17 @@ incidents = Table(
     Column("upstream_status", Integer),
     Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Index("ix_incidents_run", "run_id"),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("hostname", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("workflows", ARRAY(Text), nullable=False),
+    Column("concurrency", Integer, nullable=False),
+    _ts("started_at", nullable=False, default_now=True),
+    _ts("heartbeat_at", nullable=False, default_now=True),
+    Index("ix_workers_heartbeat", "heartbeat_at"),
 )

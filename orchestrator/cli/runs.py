@@ -1,0 +1,120 @@
+"""``orchestrator runs``: list, show and cancel runs, for operators."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from orchestrator import admin
+from orchestrator.cli.common import database_target
+from orchestrator.cli.tables import cell, render
+from orchestrator.db.database import Database
+from orchestrator.db.schema import RUN_STATUSES
+
+
+def register(subparsers: Any) -> None:
+    group = subparsers.add_parser("runs", help="list, inspect and cancel runs")
+    commands = group.add_subparsers(title="runs commands", metavar="COMMAND")
+    group.set_defaults(func=None, help_parser=group)
+
+    ls = commands.add_parser("list", help="runs, newest first, across owners")
+    ls.add_argument("--tenant")
+    ls.add_argument("--status", choices=RUN_STATUSES)
+    ls.add_argument("--workflow")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.set_defaults(func=cmd_list)
+
+    show = commands.add_parser("show", help="one run: status, operations and journal timeline")
+    show.add_argument("run_id")
+    show.set_defaults(func=cmd_show)
+
+    cancel = commands.add_parser("cancel", help="request cancellation of a run")
+    cancel.add_argument("run_id")
+    cancel.set_defaults(func=cmd_cancel)
+
+
+def _db(args: argparse.Namespace) -> Database:
+    return Database(database_target(args), max_pool_size=2)
+
+
+async def _with_db(args: argparse.Namespace, fn: Any) -> Any:
+    db = _db(args)
+    try:
+        return await fn(db)
+    finally:
+        await db.close()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = asyncio.run(_with_db(args, lambda db: admin.list_runs(
+        db, tenant=args.tenant, status=args.status, workflow=args.workflow,
+        limit=max(1, min(args.limit, 1000)))))
+    if not rows:
+        print("no runs")
+        return 0
+    print(render(
+        ["RUN", "WORKFLOW", "STATUS", "OWNER", "DETAIL", "CREATED", "UPDATED"],
+        [[r["id"], f"{r['workflow_name']}@{r['workflow_version']}", r["status"],
+          f"{r['tenant']}/{r['principal']}", r["outcome_code"] or r["waiting_for"],
+          r["created_at"], r["updated_at"]] for r in rows]))
+    return 0
+
+
+def _summary(payload: Any) -> str:
+    if isinstance(payload, dict):
+        shown = {k: v for k, v in payload.items() if k not in ("intent", "result", "payload")}
+        text = json.dumps(shown, default=str, sort_keys=True)
+        return text if len(text) < 80 else text[:77] + "…"
+    return cell(payload)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    run_id = admin.parse_run_id(args.run_id)
+    detail = asyncio.run(_with_db(args, lambda db: admin.show_run(db, run_id)))
+    run = detail.run
+    fields = [
+        ("run", run["id"]),
+        ("workflow", f"{run['workflow_name']} version {run['workflow_version']}"),
+        ("owner", f"{run['tenant']}/{run['principal']}"),
+        ("status", run["status"] + (f" ({run['outcome_code']})" if run["outcome_code"] else "")),
+        ("note", detail.note),
+        ("revision", run["revision"]),
+        ("deadline", run["deadline_at"]),
+        ("created", run["created_at"]),
+        ("finished", run["finished_at"]),
+        ("parent", run["parent_run_id"]),
+    ]
+    if run["error"]:
+        fields.append(("error", f"{run['error'].get('message')} "
+                                f"(incident {run['error'].get('incident')})"))
+    for name, value in fields:
+        if value is not None:
+            print(f"{name + ':':<10} {cell(value)}")
+    if detail.operations:
+        print("\noperations")
+        print(render(["ID", "POS", "ATTEMPT", "TOOL", "EFFECT", "STATE", "KEY"],
+                     [[o["id"], o["position"], o["attempt"],
+                       f"{o['tool_name']}@{o['tool_version']}", o["effect_class"], o["state"],
+                       o["idempotency_key"]] for o in detail.operations], max_width=48))
+    print("\ntimeline")
+    if not detail.journal:
+        print("(no events yet)")
+    else:
+        print(render(["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"],
+                     [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"],
+                       _summary(e["payload"])] for e in detail.journal]))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    run_id = admin.parse_run_id(args.run_id)
+    status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+    if status == "cancelled":
+        print(f"run {run_id} is cancelled")
+    elif status in ("succeeded", "failed"):
+        print(f"run {run_id} already finished ({status}); nothing to cancel")
+    else:
+        print(f"run {run_id} is {status}: cancellation requested; it stops at its next step")
+    return 0

@@ -1,0 +1,75 @@
+"""``orchestrator worker``: run a worker process for an application's workflows."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import Any
+
+from orchestrator.app import Orchestrator
+from orchestrator.db import migrate
+from orchestrator.db.config import ENV_URL
+from orchestrator.errors import ConfigurationError
+
+
+def register(subparsers: Any) -> None:
+    worker = subparsers.add_parser(
+        "worker", help="claim and run workflows until SIGTERM (then drain)")
+    add_app_argument(worker)
+    worker.add_argument("--concurrency", type=int, default=10,
+                        help="runs held at once (default 10)")
+    worker.add_argument("--lease-ttl", type=float, default=None,
+                        help="seconds a lease lasts without a heartbeat (default: the app's)")
+    worker.add_argument("--migrate", action="store_true",
+                        help="upgrade the schema first instead of refusing an old one")
+    worker.set_defaults(func=cmd_worker)
+
+
+def add_app_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--app", required=True, metavar="MODULE:ATTR",
+                        help="where the Orchestrator instance is, e.g. myproject.flows:app")
+
+
+def load_app(spec: str, database_url: str | None) -> Orchestrator:
+    """Import ``module:attr`` (from the current directory too) and return the Orchestrator."""
+    if database_url:
+        os.environ[ENV_URL] = database_url  # for apps built with Orchestrator() and no URL
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"--app {spec!r} must look like package.module:attribute")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r} for --app: {exc}") from None
+    app = getattr(module, attr, None)
+    if not isinstance(app, Orchestrator):
+        raise ConfigurationError(f"{spec} is not an orchestrator.Orchestrator instance")
+    return app
+
+
+def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
+    status = migrate.check(app.target)
+    if status.ok:
+        return
+    if upgrade and status.state != "ahead":
+        migrate.upgrade(app.target)
+        return
+    raise ConfigurationError(status.describe())
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app = load_app(args.app, args.database_url)
+    ensure_schema(app, upgrade=args.migrate)
+    options: dict[str, Any] = {"concurrency": args.concurrency}
+    if args.lease_ttl is not None:
+        options["lease_ttl"] = args.lease_ttl
+    print(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
+          "SIGTERM drains", flush=True)
+    app.run_worker(**options)
+    return 0
