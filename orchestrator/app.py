@@ -27,6 +27,7 @@ from orchestrator.errors import (
     InvalidRequest,
     ResultTimeout,
     RunFailed,
+    SchemaUnsupported,
     UnknownWorkflow,
 )
 from orchestrator.metrics import Metrics
@@ -40,6 +41,7 @@ from orchestrator.registry import (
     Workflow,
     check_name,
 )
+from orchestrator.replay import SCHEMA_VERSION
 from orchestrator.worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -304,6 +306,11 @@ class Orchestrator:
         row = await self._row(run_id, owner)
         async with self.database.connection() as conn:
             events = await runs_db.journal_read(conn, row["id"])
+        newer = [e for e in events if e["schema_version"] > SCHEMA_VERSION]
+        if newer:
+            raise SchemaUnsupported(
+                f"journal event {newer[0]['seq']} has schema version "
+                f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
         return [JournalEntry(**e) for e in events]
 
     # -- workers -----------------------------------------------------------------------------

@@ -86,4 +86,5 @@ class JournalEntry(BaseModel):
     name: str | None
     schema_version: int
     payload: Any
+    lease_token: int
     created_at: datetime

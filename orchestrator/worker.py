@@ -157,7 +157,9 @@ class Worker:
             except SchemaUnsupported:
                 log.error("run %s has journal events newer than this code; released", run_id)
                 async with self.app.database.connection() as conn:
-                    await runs_db.run_release(conn, run_id=run_id, token=claim["lease_token"])
+                    await runs_db.run_release(
+                        conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
+                        waiting_for="a worker that understands its journal's schema version")
                 return
             task, _ = self._running[run_id]
             self._running[run_id] = (task, executor)

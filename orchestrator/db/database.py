@@ -20,7 +20,7 @@ from tenacity import (
     AsyncRetrying,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from orchestrator.db.config import DatabaseTarget
@@ -117,7 +117,7 @@ class Database:
         retrying = AsyncRetrying(
             retry=retry_if_exception(_transient),
             stop=stop_after_attempt(attempts),
-            wait=wait_exponential_jitter(initial=0.02, max=0.5),
+            wait=wait_random_exponential(multiplier=0.02, max=0.5),
             reraise=True,
         )
         with translate_errors(self.target):

@@ -167,13 +167,14 @@ async def operation_attach_evidence(conn: Conn, *, op_id: int, evidence: str) ->
     """A late receipt from a worker that lost its lease: kept as evidence, not as outcome.
 
     The item is created if the new lease holder has not yet marked the operation unknown; it
-    will find the item (and its evidence) when it does.
+    will find the item (and its evidence) when it does. An operation that is already settled
+    needs no evidence: nothing is written then.
     """
     await conn.execute(
         f"""
         INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason, evidence)
         SELECT id, run_id, 'worker_lost', jsonb_build_array(%(evidence)s::jsonb)
-        FROM {S}.operations WHERE id = %(op_id)s
+        FROM {S}.operations WHERE id = %(op_id)s AND state IN ('submitted', 'unknown')
         ON CONFLICT (operation_id) DO UPDATE
         SET evidence = {S}.reconciliation_items.evidence || EXCLUDED.evidence
         """,

@@ -176,8 +176,9 @@ WITH fence AS (
       AND revision = %(expected)s
     RETURNING id, cancel_requested_at
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload)
-    SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
     FROM fence, jsonb_to_recordset(%(events)s::jsonb)
          AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)
     RETURNING 1
@@ -337,15 +338,18 @@ async def run_block_for_reconciliation(
         raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
 
 
-async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int) -> bool:
-    """Give a run back to the queue (worker draining); False if the lease was already gone."""
+async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int, delay: float = 0.0,
+                      waiting_for: str | None = None) -> bool:
+    """Give a run back to the queue, claimable after ``delay`` seconds (a draining worker
+    uses 0); False if the lease was already gone."""
     cur = await conn.execute(
         f"""
-        UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
-               lease_expires_at = NULL, updated_at = now()
+        UPDATE {S}.runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,
+               available_at = now() + make_interval(secs => %(delay)s),
+               waiting_for = %(waiting_for)s, updated_at = now()
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
         """,
-        {"run_id": run_id, "token": token},
+        {"run_id": run_id, "token": token, "delay": delay, "waiting_for": waiting_for},
     )
     if cur.rowcount:
         await conn.execute(_NOTIFY)
@@ -385,7 +389,7 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
                available_at = NULL, waiting_for = NULL, revision = revision + 1,
                cancel_requested_at = COALESCE(cancel_requested_at, now())
         WHERE id = %(run_id)s AND status IN ('queued', 'waiting') AND revision = %(revision)s
-        RETURNING parent_run_id
+        RETURNING parent_run_id, lease_token
         """,
         {"run_id": run_id, "revision": revision, "error": error},
     )
@@ -394,10 +398,10 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
         return False
     await conn.execute(
         f"""
-        INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload)
-        VALUES (%s, %s, 'run.cancelled', 1, '{{}}'::jsonb)
+        INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
+        VALUES (%s, %s, 'run.cancelled', 1, '{{}}'::jsonb, %s)
         """,
-        (run_id, revision + 1),
+        (run_id, revision + 1, row["lease_token"]),
     )
     if row["parent_run_id"] is not None:
         await run_wake(conn, row["parent_run_id"])
@@ -407,7 +411,7 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
 async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
     cur = await conn.execute(
         f"""
-        SELECT seq, kind, position, name, schema_version, payload, created_at
+        SELECT seq, kind, position, name, schema_version, payload, lease_token, created_at
         FROM {S}.journal WHERE run_id = %s ORDER BY seq
         """,
         (run_id,),

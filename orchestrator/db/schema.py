@@ -144,6 +144,8 @@ journal = Table(
     Column("name", Text),
     Column("schema_version", SmallInteger, nullable=False),
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # The lease token the writer held: along seq it never decreases (one history per lease).
+    Column("lease_token", BigInteger, nullable=False),
     _ts("created_at", nullable=False, default_now=True),
     CheckConstraint("seq >= 1", name="seq_positive"),
 )

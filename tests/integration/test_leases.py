@@ -1,0 +1,130 @@
+"""Claiming and fencing (CONTRACT C6): SKIP LOCKED batches, growing lease tokens, heartbeats,
+expired leases claimed again, stale writers rejected, NOTIFY wake-ups, registered versions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from orchestrator import admin
+from orchestrator.db import runs as runs_db
+from orchestrator.errors import LeaseLost
+from tests.integration.conftest import running, wait_for
+
+
+def _wf(app, version="1"):  # type: ignore[no-untyped-def]
+    @app.workflow(version=version, name="job")
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    return job
+
+
+async def _claim(app, worker, limit=10, ttl=5.0):  # type: ignore[no-untyped-def]
+    async with app.database.connection() as conn:
+        return await runs_db.run_claim_ready(conn, worker=worker, workflows=["job@1"],
+                                             limit=limit, ttl=ttl)
+
+
+async def test_claims_are_batched_and_never_shared(app):
+    job = _wf(app)
+    for i in range(7):
+        await app.submit_async(job, {"i": i})
+    first, second = await asyncio.gather(_claim(app, "w1", 4), _claim(app, "w2", 4))
+    ids = [r["id"] for r in first + second]
+    assert len(ids) == 7 and len(set(ids)) == 7
+    assert len(first) <= 4 and len(second) <= 4
+    await app.database.close()
+
+
+async def test_a_stale_lease_token_cannot_write(app, sql):
+    job = _wf(app)
+    run = await app.submit_async(job, {})
+    (first,) = await _claim(app, "w1", ttl=0.05)
+    await asyncio.sleep(0.1)  # let the 50 ms lease lapse (the expiry is the subject here)
+    async with app.database.connection() as conn:
+        assert await runs_db.run_release_expired(conn) == 1
+    (second,) = await _claim(app, "w2")
+    assert second["lease_token"] == first["lease_token"] + 1
+    async with app.database.connection() as conn:
+        with pytest.raises(LeaseLost):
+            await runs_db.journal_append(
+                conn, run_id=run.id, token=first["lease_token"], expected=0,
+                events=[{"kind": "value", "position": 0, "name": "now", "v": 1,
+                         "payload": {"value": 1}}])
+        with pytest.raises(LeaseLost):
+            await runs_db.run_finish(conn, run_id=run.id, token=first["lease_token"],
+                                     status="succeeded", outcome_code=None, result="1",
+                                     error=None)
+        # the holder of the new token can write
+        await runs_db.journal_append(
+            conn, run_id=run.id, token=second["lease_token"], expected=0,
+            events=[{"kind": "value", "position": 0, "name": "now", "v": 1,
+                     "payload": {"value": 1}}])
+        with pytest.raises(LeaseLost):  # a wrong expected revision is rejected too
+            await runs_db.journal_append(
+                conn, run_id=run.id, token=second["lease_token"], expected=0,
+                events=[{"kind": "value", "position": 1, "name": "now", "v": 1,
+                         "payload": {"value": 2}}])
+    rows = sql("SELECT seq, lease_token FROM orchestrator.journal")
+    assert rows == [{"seq": 1, "lease_token": second["lease_token"]}]
+    await app.database.close()
+
+
+async def test_heartbeats_extend_only_leases_still_held(app, sql):
+    job = _wf(app)
+    await app.submit_async(job, {})
+    await app.submit_async(job, {})
+    a, b = await _claim(app, "w1", ttl=5)
+    async with app.database.connection() as conn:
+        kept = await runs_db.run_heartbeat(
+            conn, worker="w1", leases=[(a["id"], a["lease_token"]),
+                                       (b["id"], b["lease_token"] - 1)], ttl=60)
+    assert kept == {a["id"]}
+    rows = {r["id"]: r for r in sql(
+        "SELECT id, lease_expires_at - now() > interval '30 seconds' AS long "
+        "FROM orchestrator.runs")}
+    assert rows[a["id"]]["long"] and not rows[b["id"]]["long"]
+    await app.database.close()
+
+
+async def test_an_expired_lease_is_claimed_by_another_worker(make_app, sql):
+    app = make_app(lease_ttl=0.5)
+    job = _wf(app)
+    run = await app.submit_async(job, {"x": 1})
+    await _claim(app, "dead-worker", ttl=0.5)  # claimed, then its worker "dies"
+    async with running(app, lease_ttl=0.5) as worker:
+        assert await run.result_async(timeout=15) == {"x": 1}
+    tokens = sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"]
+    assert tokens == 2 and worker.claimed == 1
+
+
+async def test_notify_wakes_an_idle_worker_without_polling(app):
+    job = _wf(app)
+    async with running(app, poll_interval=60.0):
+        await asyncio.sleep(0.3)  # the worker is idle, waiting on LISTEN
+        started = time.monotonic()
+        run = await app.submit_async(job, {"fast": True})
+        assert await run.result_async(timeout=10) == {"fast": True}
+        assert time.monotonic() - started < 5  # a 60 s poll would not have made it
+
+
+async def test_workers_only_claim_workflow_versions_they_registered(make_app, sql):
+    submitter = make_app()
+    _wf(submitter, "1")
+    v2 = _wf(make_app(), "2")  # noqa: F841 - a second app that only knows version 2
+    run = await submitter.submit_async("job", {"v": 1})
+    only_v2 = make_app()
+    _wf(only_v2, "2")
+    async with running(only_v2) as worker:
+        await wait_for(lambda: sql("SELECT count(*) AS n FROM orchestrator.workers")[0]["n"])
+        await asyncio.sleep(0.5)
+        assert worker.claimed == 0
+        detail = await admin.show_run(only_v2.database, run.id)
+        assert detail.run["status"] == "queued"
+        assert "no live worker registers it" in (detail.note or "")
+    async with running(submitter):
+        assert await run.result_async(timeout=10) == {"v": 1}
+    await submitter.database.close()

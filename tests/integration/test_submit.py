@@ -1,0 +1,150 @@
+"""Submission: idempotency keys, request digests, owners and validation (CONTRACT C1, C2)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import IdempotencyConflict, InvalidRequest, Orchestrator, Owner
+from orchestrator.errors import PayloadTooLarge, UnknownWorkflow
+from tests.integration.conftest import OTHER, OWNER
+
+
+def _app(make_app):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    @app.workflow(version="1")
+    async def greet(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    @app.workflow(version="2", name="greet")
+    async def greet_v2(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    return app, greet, greet_v2
+
+
+def _count(sql) -> int:  # type: ignore[no-untyped-def]
+    return int(sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"])
+
+
+@pytest.mark.parametrize("key", ["", "-abc", ".a", "a b", "ключ", "a" * 129, "a/b", "a\n"])
+def test_bad_idempotency_keys_are_rejected_before_anything_is_written(make_app, sql, key):
+    app, greet, _ = _app(make_app)
+    with pytest.raises(InvalidRequest) as info:
+        app.submit(greet, {"x": 1}, idempotency_key=key)
+    assert info.value.code == "INVALID_REQUEST"
+    assert _count(sql) == 0
+
+
+@pytest.mark.parametrize("key", ["a", "A1", "9.x_y:z-w", "a" * 128])
+def test_good_idempotency_keys_are_accepted(make_app, key):
+    app, greet, _ = _app(make_app)
+    assert app.submit(greet, {"x": 1}, idempotency_key=key).id
+
+
+def test_same_owner_key_and_request_returns_the_same_run(make_app, sql):
+    app, greet, _ = _app(make_app)
+    first = app.submit(greet, {"a": 1, "b": [1, 2]}, idempotency_key="k-1")
+    again = app.submit(greet, {"b": [1, 2], "a": 1}, idempotency_key="k-1")  # key order ignored
+    assert again.id == first.id
+    assert _count(sql) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"input": {"a": 2, "b": [1, 2]}},
+        {"input": {"a": 1, "b": [2, 1]}},  # array order matters
+        {"input": {"a": 1, "b": [1, 2], "c": None}},
+        {"deadline": timedelta(minutes=5)},
+        {"version": "2"},
+    ],
+)
+def test_same_key_with_a_different_request_is_a_conflict(make_app, sql, change):
+    app, greet, greet_v2 = _app(make_app)
+    app.submit(greet, {"a": 1, "b": [1, 2]}, idempotency_key="k-1")
+    workflow = greet_v2 if change.get("version") == "2" else greet
+    with pytest.raises(IdempotencyConflict) as info:
+        app.submit(workflow, change.get("input", {"a": 1, "b": [1, 2]}),
+                   idempotency_key="k-1", deadline=change.get("deadline"))
+    assert info.value.code == "IDEMPOTENCY_CONFLICT"
+    assert _count(sql) == 1
+
+
+def test_keys_are_scoped_by_owner(make_app, sql):
+    app, greet, _ = _app(make_app)
+    mine = app.submit(greet, {"a": 1}, idempotency_key="shared", owner=OWNER)
+    theirs = app.submit(greet, {"a": 1}, idempotency_key="shared", owner=OTHER)
+    assert mine.id != theirs.id
+    same_tenant_other_principal = app.submit(
+        greet, {"a": 1}, idempotency_key="shared", owner=Owner(tenant="acme", principal="carol"))
+    assert same_tenant_other_principal.id not in (mine.id, theirs.id)
+
+
+def test_unkeyed_submissions_always_create_a_run(make_app, sql):
+    app, greet, _ = _app(make_app)
+    ids = {app.submit(greet, {"a": 1}).id for _ in range(3)}
+    assert len(ids) == 3
+
+
+async def test_concurrent_submissions_of_one_key_create_exactly_one_run(make_app, sql):
+    app, greet, _ = _app(make_app)
+    app.pool_size = 20
+    handles = await asyncio.gather(
+        *(app.submit_async(greet, {"n": 1}, idempotency_key="race") for _ in range(20)))
+    assert len({h.id for h in handles}) == 1
+    assert _count(sql) == 1
+    await app.database.close()
+
+
+def test_owner_is_required_without_a_default(make_app):
+    app = make_app(default_owner=None)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    with pytest.raises(InvalidRequest):
+        app.submit(wf, {})
+    assert app.submit(wf, {}, owner=OWNER).owner == OWNER
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"a": float("nan")}, "$.input.a"),
+        ({"a": [1, {"b": b"x"}]}, "$.input.a[1].b"),
+        ({"a": {1, 2}}, "$.input.a"),
+        ({1: "x"}, "$.input"),
+        ({"a": (1, 2)}, "$.input.a"),
+    ],
+)
+def test_non_json_input_is_rejected_with_its_path(make_app, sql, value, path):
+    app, greet, _ = _app(make_app)
+    with pytest.raises(InvalidRequest) as info:
+        app.submit(greet, value)
+    assert info.value.code == "INVALID_REQUEST"
+    assert info.value.path == path
+    assert _count(sql) == 0
+
+
+def test_oversized_input_is_rejected(make_app, sql):
+    app = make_app(max_record_bytes=1000)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    with pytest.raises(PayloadTooLarge) as info:
+        app.submit(wf, {"blob": "x" * 2000})
+    assert info.value.code == "PAYLOAD_TOO_LARGE"
+    assert _count(sql) == 0
+
+
+def test_unknown_workflow_name_is_rejected(make_app):
+    app: Orchestrator = make_app()
+    with pytest.raises(UnknownWorkflow):
+        app.submit("nope", {})

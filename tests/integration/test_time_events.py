@@ -1,0 +1,239 @@
+"""Durable time, events, child runs, cancellation, deadlines and ownership (C7, C9, C11, C13)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import AccessDenied, ResultTimeout, RunFailed
+from orchestrator.errors import InvalidRequest
+from tests.integration.conftest import OTHER, running, wait_for
+
+
+def _status(sql):  # type: ignore[no-untyped-def]
+    return lambda: sql("SELECT status FROM orchestrator.runs WHERE parent_run_id IS NULL")[0][
+        "status"]
+
+
+async def test_sleep_parks_the_run_in_the_database(app, sql):
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(timedelta(seconds=2))
+        return "awake"
+
+    async with running(app):
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: _status(sql)() == "waiting")
+        row = sql("SELECT available_at - now() AS left, lease_owner, waiting_for "
+                  "FROM orchestrator.runs")[0]
+        assert row["lease_owner"] is None and row["waiting_for"] == "timer"
+        assert timedelta(0) < row["left"] <= timedelta(seconds=2)
+        assert await run.result_async(timeout=15) == "awake"
+
+
+async def test_sleep_survives_a_worker_restart(make_app, sql):
+    def build():  # type: ignore[no-untyped-def]
+        app = make_app()
+
+        @app.workflow()
+        async def nap(ctx, data):  # type: ignore[no-untyped-def]
+            await ctx.sleep(timedelta(seconds=1.5))
+            return "awake"
+
+        return app, nap
+
+    first, nap = build()
+    async with running(first):
+        run = await first.submit_async(nap, {})
+        await wait_for(lambda: _status(sql)() == "waiting")
+    second, _ = build()  # a new process, as far as the run can tell
+    async with running(second):
+        assert await second.get_run_async(run.id) is not None
+        assert await (await second.get_run_async(run.id)).result_async(timeout=15) == "awake"
+
+
+async def test_events_are_delivered_once_per_key(app, sql):
+    @app.workflow()
+    async def approve(ctx, data):  # type: ignore[no-untyped-def]
+        first = await ctx.wait_for_event("approval", timeout=timedelta(seconds=30))
+        try:
+            second = await ctx.wait_for_event("approval", timeout=timedelta(seconds=1.5))
+        except TimeoutError:
+            second = "timed out"
+        return [first, second]
+
+    async with running(app):
+        run = await app.submit_async(approve, {})
+        await wait_for(lambda: _status(sql)() == "waiting")
+        assert await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+        assert not await app.send_event_async(run.id, "approval", {"ok": 2}, event_key="appr-1")
+        assert await run.result_async(timeout=15) == [{"ok": 1}, "timed out"]
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events")[0]["n"] == 1
+
+
+async def test_an_event_sent_before_the_wait_is_not_lost(app, sql):
+    @app.workflow()
+    async def late(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(1.2)
+        return await ctx.wait_for_event("go")
+
+    run = await app.submit_async(late, {})
+    await app.send_event_async(run.id, "go", "now")
+    async with running(app):
+        assert await run.result_async(timeout=15) == "now"
+
+
+async def test_events_check_ownership_and_payloads(app, sql):
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("x")
+
+    run = await app.submit_async(wf, {})
+    with pytest.raises(AccessDenied):
+        await app.send_event_async(run.id, "x", 1, owner=OTHER)
+    with pytest.raises(InvalidRequest) as info:
+        await app.send_event_async(run.id, "x", {"bad": float("inf")})
+    assert info.value.path == "$.payload.bad"
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events")[0]["n"] == 0
+    await app.database.close()
+
+
+async def test_missing_and_foreign_runs_look_the_same(app):
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return 1
+
+    run = await app.submit_async(wf, {})
+    answers = []
+    for run_id, owner in [(run.id, OTHER), ("00000000-0000-0000-0000-000000000000", None),
+                          ("not-a-uuid", None)]:
+        with pytest.raises(AccessDenied) as info:
+            await app.get_run_async(run_id, owner=owner)
+        answers.append((info.value.code, info.value.message))
+    assert len(set(answers)) == 1 and answers[0][0] == "ACCESS_DENIED"
+    assert [r.id for r in await app.list_runs_async(owner=OTHER)] == []
+    assert [r.id for r in await app.list_runs_async()] == [run.id]
+    await app.database.close()
+
+
+async def test_child_runs_return_results_and_failures(app, sql):
+    @app.workflow()
+    async def child(ctx, n):  # type: ignore[no-untyped-def]
+        if n < 0:
+            from orchestrator import WorkflowError
+
+            raise WorkflowError("negative")
+        return n * 2
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        good = await ctx.run_child(child, 21)
+        try:
+            await ctx.run_child(child, -1)
+        except RunFailed as exc:
+            return [good, exc.code]
+        return [good, None]
+
+    async with running(app):
+        run = await app.submit_async(parent, {})
+        assert await run.result_async(timeout=20) == [42, "WORKFLOW_FAILED"]
+    children = sql("SELECT tenant, principal, status FROM orchestrator.runs "
+                   "WHERE parent_run_id IS NOT NULL ORDER BY parent_position")
+    assert [c["status"] for c in children] == ["succeeded", "failed"]
+    assert {(c["tenant"], c["principal"]) for c in children} == {("acme", "alice")}
+
+
+async def test_result_timeout_reports_the_status_and_changes_nothing(app, sql):
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return 1
+
+    run = await app.submit_async(wf, {})
+    with pytest.raises(ResultTimeout) as info:
+        await run.result_async(timeout=0.2)
+    assert info.value.code == "RESULT_TIMEOUT" and info.value.status == "queued"
+    assert _status(sql)() == "queued"
+    await app.database.close()
+
+
+async def test_cancel_a_waiting_run_and_a_running_one(app, sql):
+    release = asyncio.Event()
+    calls: list[str] = []
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        calls.append("slow")
+        await release.wait()
+        return "done"
+
+    @app.tool()
+    async def after(ctx):  # type: ignore[no-untyped-def]
+        calls.append("after")
+        return "never"
+
+    @app.workflow()
+    async def sleeper(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(60)
+
+    @app.workflow()
+    async def busy(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(slow)
+        await ctx.call(after)
+
+    async with running(app):
+        waiting = await app.submit_async(sleeper, {})
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                                   (waiting.id,))[0]["status"] == "waiting")
+        assert await waiting.cancel_async() == "cancelled"
+        with pytest.raises(RunFailed) as info:
+            await waiting.result_async(timeout=5)
+        assert info.value.code == "CANCELLED"
+
+        active = await app.submit_async(busy, {})
+        await wait_for(lambda: calls == ["slow"])
+        assert await active.cancel_async() == "running"
+        release.set()
+        with pytest.raises(RunFailed) as info:
+            await active.result_async(timeout=10)
+        assert info.value.code == "CANCELLED"
+    assert calls == ["slow"]  # the second tool was never dispatched
+    kinds = [e.kind for e in await active.journal_async()]
+    assert kinds[-1] == "run.cancelled"
+
+
+async def test_the_deadline_fails_a_sleeping_run(app):
+    @app.workflow()
+    async def slow(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(timedelta(seconds=30))
+        return "late"
+
+    async with running(app):
+        run = await app.submit_async(slow, {}, deadline=timedelta(seconds=1.5))
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=15)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    assert app.metrics.snapshot()["deadline_exhausted"] == 1
+
+
+async def test_a_full_journal_rejects_new_work(make_app, sql):
+    app = make_app(max_journal_events=6)
+
+    @app.tool()
+    async def step(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.workflow()
+    async def chatty(ctx, data):  # type: ignore[no-untyped-def]
+        for _ in range(10):
+            await ctx.call(step)
+
+    async with running(app):
+        run = await app.submit_async(chatty, {})
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=15)
+    assert info.value.code == "WORKFLOW_FAILED"
+    assert "JOURNAL_FULL" in info.value.message
+    count = sql("SELECT count(*) AS n FROM orchestrator.journal")[0]["n"]
+    assert count == 7  # six events of work and the terminal one; nothing evicted
