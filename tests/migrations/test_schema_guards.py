@@ -186,8 +186,9 @@ def test_journal_rows_can_be_appended_but_never_updated(
     run_id = _insert_run(conn)
     for seq in (1, 2):
         conn.execute(
-            """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, payload)
-               VALUES (%s, %s, 'started', 1, %s)""",
+            """INSERT INTO orchestrator.journal
+                   (run_id, seq, kind, schema_version, lease_token, payload)
+               VALUES (%s, %s, 'started', 1, 1, %s)""",
             (run_id, seq, Jsonb({"n": seq})),
         )
 
@@ -208,8 +209,8 @@ def test_journal_sequence_numbers_are_unique_per_run(
     conn: psycopg.Connection[tuple[object, ...]],
 ) -> None:
     run_id = _insert_run(conn)
-    insert = """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version)
-                VALUES (%s, 1, 'started', 1)"""
+    insert = """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, lease_token)
+                VALUES (%s, 1, 'started', 1, 1)"""
     conn.execute(insert, (run_id,))
 
     with pytest.raises(psycopg.errors.UniqueViolation):
