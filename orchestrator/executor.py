@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import time
 import traceback
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Event = dict[str, Any]
+log = logging.getLogger("orchestrator.worker")
 
 # Timers this short are waited for in memory (the timer is still journaled) rather than
 # parking the run and paying for a replay.
@@ -120,6 +122,14 @@ class RunExecutor:
         self._parking = False
 
     # -- time, positions, boundaries ---------------------------------------------------------
+
+    def lose_lease(self, where: str) -> None:
+        """The fence rejected us (or a heartbeat did): stop writing for this run."""
+        if not self.lost:
+            self.lost = True
+            self.worker.metrics.incr("lease_losses")
+            log.warning("run %s: lease %d lost (%s); this worker stops working on it",
+                        self.run_id, self.token, where)
 
     def now(self) -> datetime:
         """The database's clock, as seen from this process."""
@@ -195,8 +205,7 @@ class RunExecutor:
             try:
                 result, written, cancel_at = await self.db.run_in_transaction(tx)
             except LeaseLost:
-                self.lost = True
-                self.worker.metrics.incr("lease_losses")
+                self.lose_lease("write rejected")
                 raise Stop("lease_lost") from None
             del self._buffer[: len(pending)]
             self.revision += len(written)
@@ -422,8 +431,7 @@ class RunExecutor:
         try:
             await self.db.run_in_transaction(tx)
         except LeaseLost:
-            self.lost = True
-            self.worker.metrics.incr("lease_losses")
+            self.lose_lease("parking rejected")
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -510,8 +518,7 @@ class RunExecutor:
         try:
             await self.db.run_in_transaction(tx)
         except LeaseLost:
-            self.lost = True
-            self.worker.metrics.incr("lease_losses")
+            self.lose_lease("outcome rejected")
             return
         self.worker.metrics.incr(f"runs_{status}")
 

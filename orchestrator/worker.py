@@ -190,8 +190,7 @@ class Worker:
                 continue
             for rid, ex in held:
                 if rid not in kept and rid in self._running:
-                    ex.lost = True
-                    self.metrics.incr("lease_losses")
+                    ex.lose_lease("heartbeat rejected")
 
     async def _drain(self) -> None:
         for _, ex in self._running.values():

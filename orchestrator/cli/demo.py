@@ -36,11 +36,11 @@ def say(text: str) -> None:
 
 
 def _start_worker(label: str, env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
-    log = open(logs / f"worker-{label}.log", "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "worker", "--app", "orchestrator.demo:app",
-         "--concurrency", "8", "--lease-ttl", "3"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(logs / f"worker-{label}.log", "wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "worker", "--app", "orchestrator.demo:app",
+             "--concurrency", "8", "--lease-ttl", "3"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> None:

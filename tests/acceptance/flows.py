@@ -1,0 +1,76 @@
+"""The application that acceptance tests run in real worker processes.
+
+Every tool call writes a row to ``public.sink_calls`` (the test's own table, outside the
+orchestrator's schema) as soon as it starts, and effects go to ``public.sink_effects``, which
+deduplicates by idempotency key like a provider would. Tests count what happened there.
+``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import psycopg
+
+from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+
+app = Orchestrator(default_owner=Owner(tenant="acceptance", principal="tests"),
+                   lease_ttl=float(os.environ.get("ACCEPTANCE_LEASE_TTL", "2")))
+
+SINK_DDL = """
+CREATE TABLE IF NOT EXISTS public.sink_calls (
+    id bigserial PRIMARY KEY, run_id text NOT NULL, step int NOT NULL, key text NOT NULL,
+    pid int NOT NULL, finished boolean NOT NULL DEFAULT false, at timestamptz DEFAULT now());
+CREATE TABLE IF NOT EXISTS public.sink_effects (
+    key text PRIMARY KEY, run_id text NOT NULL, step int NOT NULL, pid int NOT NULL);
+"""
+
+
+def _sink(sql: str, params: tuple[Any, ...]) -> Any:
+    with psycopg.connect(os.environ["ORCHESTRATOR_DATABASE_URL"], autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return cur.fetchone() if cur.description else None
+
+
+async def _record_call(ctx: ToolContext, step: int) -> int:
+    row = await asyncio.to_thread(
+        _sink, "INSERT INTO public.sink_calls (run_id, step, key, pid) VALUES (%s, %s, %s, %s) "
+        "RETURNING id", (str(ctx.run_id), step, ctx.idempotency_key, os.getpid()))
+    return int(row[0])
+
+
+async def _apply(ctx: ToolContext, step: int, call_id: int) -> dict[str, Any]:
+    await asyncio.to_thread(
+        _sink, "INSERT INTO public.sink_effects (key, run_id, step, pid) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT (key) DO NOTHING", (ctx.idempotency_key, str(ctx.run_id), step, os.getpid()))
+    await asyncio.to_thread(_sink, "UPDATE public.sink_calls SET finished = true WHERE id = %s",
+                            (call_id,))
+    return {"step": step, "key": ctx.idempotency_key}
+
+
+@app.tool()
+async def record(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    """A consequential effect: applied on every call (no deduplication)."""
+    call_id = await _record_call(ctx, step)
+    return await _apply(ctx, step, call_id)
+
+
+@app.tool(effect="idempotent")
+async def slow_idempotent(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    call_id = await _record_call(ctx, step)
+    await asyncio.sleep(float(os.environ.get("ACCEPTANCE_TOOL_DELAY", "0")))
+    return await _apply(ctx, step, call_id)
+
+
+@app.workflow()
+async def two_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
+    first = await ctx.call(record, step=1)
+    second = await ctx.call(slow_idempotent, step=2)
+    return [first, second]
+
+
+@app.workflow()
+async def single(ctx: WorkflowContext, data: Any) -> Any:
+    return await ctx.call(record, step=1)

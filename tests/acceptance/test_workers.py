@@ -1,0 +1,77 @@
+"""Real worker processes, killed and paused (CONTRACT C4, C5, C6)."""
+
+from __future__ import annotations
+
+import signal
+
+from tests.acceptance import flows
+
+
+def _journal(workers, run_id):  # type: ignore[no-untyped-def]
+    return workers.sql("SELECT seq, kind, lease_token FROM orchestrator.journal "
+                       "WHERE run_id = %s ORDER BY seq", (run_id,))
+
+
+def _one_history(journal) -> None:  # type: ignore[no-untyped-def]
+    assert [e["seq"] for e in journal] == list(range(1, len(journal) + 1))
+    tokens = [e["lease_token"] for e in journal]
+    assert tokens == sorted(tokens), "a writer with an older lease wrote after a newer one"
+    assert [e["kind"] for e in journal].count("run.completed") == 1
+
+
+def test_sigkill_mid_run_another_worker_finishes_without_rerunning_steps(workers, client):
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60")
+    run = client.submit(flows.two_steps, {})
+    # Step 1 is recorded; step 2 is in flight inside worker A.
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    workers.start("b")
+    result = client.get_run(run.id).result(timeout=30)
+    assert [r["step"] for r in result] == [1, 2]
+    calls = workers.sql("SELECT step, key, pid FROM public.sink_calls ORDER BY id")
+    assert [c["step"] for c in calls if c["step"] == 1] == [1], "a recorded step ran again"
+    step2 = [c for c in calls if c["step"] == 2]
+    assert len(step2) == 2 and step2[0]["pid"] == a.pid
+    assert len({c["key"] for c in step2}) == 1, "the idempotent re-send changed its key"
+    effects = workers.sql("SELECT step FROM public.sink_effects ORDER BY step")
+    assert [e["step"] for e in effects] == [1, 2]
+    _one_history(_journal(workers, run.id))
+
+
+def test_a_paused_worker_is_fenced_when_it_wakes(workers, client):
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="3", ACCEPTANCE_LEASE_TTL="1")
+    run = client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    a.send_signal(signal.SIGSTOP)
+    workers.start("b", ACCEPTANCE_LEASE_TTL="1")
+    client.get_run(run.id).result(timeout=30)  # B took over after A's lease expired
+    a.send_signal(signal.SIGCONT)
+    # A finishes its call, then tries to record the receipt: the fence rejects it.
+    workers.wait(lambda: "lease" in workers.log("a") and "lost" in workers.log("a"),
+                 "worker A to report its lost lease", proc=a)
+    journal = _journal(workers, run.id)
+    _one_history(journal)
+    tokens = {e["lease_token"] for e in journal}
+    assert len(tokens) == 2  # A's history, then B's
+    assert workers.sql("SELECT count(*) AS n FROM public.sink_effects WHERE step = 2"
+                       )[0]["n"] == 1
+    status = workers.sql("SELECT status FROM orchestrator.runs WHERE id = %s", (run.id,))
+    assert status[0]["status"] == "succeeded"
+    assert a.poll() is None  # A is alive and goes on working; it just lost this run
+
+
+def test_two_workers_complete_200_runs_exactly_once(workers, client):
+    workers.start("a", concurrency=25)
+    workers.start("b", concurrency=25)
+    handles = [client.submit(flows.single, {"n": i}) for i in range(200)]
+    for handle in handles:
+        handle.result(timeout=120)
+    rows = workers.sql("SELECT run_id, count(*) AS n FROM public.sink_calls GROUP BY run_id")
+    assert len(rows) == 200 and all(r["n"] == 1 for r in rows)
+    done = workers.sql("SELECT count(*) AS n FROM orchestrator.journal WHERE kind = 'run.completed'")
+    assert done[0]["n"] == 200
+    by_worker = workers.sql("SELECT count(DISTINCT worker_id) AS n FROM orchestrator.operations")
+    assert by_worker[0]["n"] == 2
