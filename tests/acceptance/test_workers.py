@@ -71,7 +71,8 @@ def test_two_workers_complete_200_runs_exactly_once(workers, client):
         handle.result(timeout=120)
     rows = workers.sql("SELECT run_id, count(*) AS n FROM public.sink_calls GROUP BY run_id")
     assert len(rows) == 200 and all(r["n"] == 1 for r in rows)
-    done = workers.sql("SELECT count(*) AS n FROM orchestrator.journal WHERE kind = 'run.completed'")
+    done = workers.sql(
+        "SELECT count(*) AS n FROM orchestrator.journal WHERE kind = 'run.completed'")
     assert done[0]["n"] == 200
     by_worker = workers.sql("SELECT count(DISTINCT worker_id) AS n FROM orchestrator.operations")
     assert by_worker[0]["n"] == 2
