@@ -108,3 +108,19 @@ def test_connection_failures_get_a_controlled_reason(text: str, reason: str) -> 
     assert described.startswith(reason)
     assert "s3cret" not in described
     assert "\n" not in described
+
+
+def test_url_names_the_embedded_server_when_nothing_is_configured(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.db import config
+
+    monkeypatch.delenv(config.ENV_URL, raising=False)
+    monkeypatch.setattr(
+        config, "start_embedded", lambda: "postgresql://postgres:@/orchestrator?host=/tmp/pg"
+    )
+
+    assert cli.main(["db", "url"]) == 0
+    assert capsys.readouterr().out == (
+        "postgresql://postgres:@/orchestrator?host=/tmp/pg (embedded PostgreSQL)\n"
+    )
