@@ -10,27 +10,37 @@ from orchestrator.errors import (
     AccessDenied,
     IdempotencyConflict,
     InvalidRequest,
+    OperationInProgress,
+    OperationUncertain,
     OrchestratorError,
+    ResolutionConflict,
     ResultTimeout,
     RunFailed,
     ToolError,
     ToolFailed,
     WorkflowError,
 )
+from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import Owner, RunInfo
 from orchestrator.registry import Tool, Workflow
 
 __all__ = [
     "AccessDenied",
+    "Committed",
     "IdempotencyConflict",
     "InvalidRequest",
+    "NotApplied",
+    "OperationInProgress",
+    "OperationUncertain",
     "Orchestrator",
     "OrchestratorError",
     "Owner",
+    "ResolutionConflict",
     "ResultTimeout",
     "RunFailed",
     "RunHandle",
     "RunInfo",
+    "StillUnknown",
     "Tool",
     "ToolContext",
     "ToolError",

@@ -11,12 +11,13 @@ import asyncio
 import json
 import signal
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from orchestrator import admin, canonical
 from orchestrator._portal import Portal
+from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
@@ -25,6 +26,8 @@ from orchestrator.errors import (
     AccessDenied,
     IdempotencyConflict,
     InvalidRequest,
+    OperationInProgress,
+    OperationUncertain,
     ResultTimeout,
     RunFailed,
     SchemaUnsupported,
@@ -32,6 +35,8 @@ from orchestrator.errors import (
 )
 from orchestrator.metrics import Metrics
 from orchestrator.models import JournalEntry, Owner, RunInfo, validate_idempotency_key
+from orchestrator.operators import Operators
+from orchestrator.reconcile import Reconciler
 from orchestrator.registry import (
     DEFAULT_MAX_ATTEMPTS,
     EFFECT_CLASSES,
@@ -66,6 +71,7 @@ class Orchestrator:
         max_journal_events: int = 10_000,
         lease_ttl: float = 30.0,
         pool_size: int = 10,
+        operator_scopes: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._database_url = database_url
         self._database: Database | None = None
@@ -74,6 +80,7 @@ class Orchestrator:
         self.max_journal_events = max_journal_events
         self.lease_ttl = lease_ttl
         self.pool_size = pool_size
+        self.operator_scopes = dict(operator_scopes or {})
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)
@@ -315,6 +322,30 @@ class Orchestrator:
 
     # -- workers -----------------------------------------------------------------------------
 
+    @property
+    def operators(self) -> Operators:
+        """The operator API (async), scoped by ``operator_scopes``."""
+        return Operators(self.database, self.operator_scopes, self.metrics)
+
+    def create_reconciler(self, **options: Any) -> Reconciler:
+        """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""
+        return Reconciler(self, **options)
+
+    def run_reconciler(self, **options: Any) -> None:
+        """Run the reconciler in this thread until SIGTERM/SIGINT."""
+
+        async def main() -> None:
+            reconciler = self.create_reconciler(**options)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, reconciler.request_stop)
+            try:
+                await reconciler.run()
+            finally:
+                await self.database.close()
+
+        asyncio.run(main())
+
     def create_worker(self, **options: Any) -> Worker:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop."""
         return Worker(self, **options)
@@ -389,6 +420,29 @@ class RunHandle:
 
     def result(self, timeout: float | timedelta | None = None) -> Any:
         return self.app._portal.call(self.result_async(timeout))
+
+    async def outcome_async(self) -> Any:
+        """The outcome now, without waiting (submission-level replay).
+
+        Finished: the stored result, or the stored failure raised again; nothing is called.
+        Blocked on an unknown operation: ``OPERATION_UNCERTAIN`` with the operations known to be
+        committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status.
+        """
+        row = await self.app._row(self.id, self.owner)
+        if row["status"] in TERMINAL:
+            return _outcome(row)
+        if row["status"] == "needs_reconciliation":
+            async with self.app.database.connection() as conn:
+                ops = await ops_db.operation_list_for_run(conn, self.id)
+            known = [{"position": o["position"], "tool": o["tool_name"], "receipt": o["receipt"]}
+                     for o in ops if o["state"] == "committed"]
+            raise OperationUncertain(
+                "the run is blocked on an operation whose outcome is unknown",
+                known_operations=known)
+        raise OperationInProgress(f"the run is {row['status']}", status=row["status"])
+
+    def outcome(self) -> Any:
+        return self.app._portal.call(self.outcome_async())
 
     async def cancel_async(self) -> str:
         return await self.app.cancel_async(self.id, owner=self.owner)

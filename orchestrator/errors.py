@@ -20,6 +20,9 @@ The tree::
     ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
     ├── ResultTimeout                 RESULT_TIMEOUT (carries the run's current ``status``)
     ├── ToolFailed                    TOOL_FAILED (raised into workflow code)
+    ├── OperationInProgress           OPERATION_IN_PROGRESS
+    ├── OperationUncertain            OPERATION_UNCERTAIN (carries ``known_operations``)
+    ├── ResolutionConflict            RESOLUTION_CONFLICT
     └── RunFailed                     the run's outcome code: WORKFLOW_FAILED, CANCELLED,
                                       DEADLINE_EXCEEDED, NONDETERMINISM, OPERATION_ABANDONED
 
@@ -205,3 +208,34 @@ class ToolError(Exception):
         self.applied = applied
         self.retryable = retryable
         self.status = status
+
+
+class OperationInProgress(OrchestratorError):
+    """The run (or the operation) is still being worked on; ask again later."""
+
+    code = "OPERATION_IN_PROGRESS"
+    retryable = True
+
+    def __init__(self, message: str, *, status: str | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.status = status
+
+
+class OperationUncertain(OrchestratorError):
+    """The run is blocked on an operation whose outcome is unknown (CONTRACT C8).
+
+    ``known_operations`` lists what is known: the operations committed so far, in order.
+    """
+
+    code = "OPERATION_UNCERTAIN"
+
+    def __init__(self, message: str, *, known_operations: list[dict[str, Any]], **kw: Any
+                 ) -> None:
+        super().__init__(message, **kw)
+        self.known_operations = known_operations
+
+
+class ResolutionConflict(OrchestratorError):
+    """The operation was already resolved differently; the new resolution is rejected."""
+
+    code = "RESOLUTION_CONFLICT"

@@ -117,6 +117,7 @@ class RunExecutor:
         self._buffer: list[Event] = []
         self._write_lock = asyncio.Lock()
         self._active = 0
+        self._active_depth: dict[int, int] = {}
         self._waits: dict[int, Wait] = {}
         self._changed = asyncio.Event()
         self._parking = False
@@ -157,13 +158,17 @@ class RunExecutor:
         return max((self.deadline_at - self.now()).total_seconds(), 0.0)
 
     @contextlib.contextmanager
-    def active(self) -> Any:
+    def active(self, position: int | None = None) -> Any:
         """Marks in-flight work: the run is not parked while any is going on."""
         self._active += 1
+        if position is not None:
+            self._active_depth[position] = self._active_depth.get(position, 0) + 1
         try:
             yield
         finally:
             self._active -= 1
+            if position is not None:
+                self._active_depth[position] -= 1
             self._changed.set()
 
     # -- writes ------------------------------------------------------------------------------
@@ -235,7 +240,7 @@ class RunExecutor:
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
         resolved = self._tool(tool)
-        with self.active():
+        with self.active(position):
             return await call_tool(self, position, resolved, arguments)
 
     async def sleep(self, position: int, duration: timedelta | float) -> None:
@@ -368,8 +373,15 @@ class RunExecutor:
         if wait.kind != "blocked":
             self.boundary()
         self._waits[wait.position] = wait
+        # A command may park from inside its own active() section (a call whose outcome became
+        # unknown): while parked it is not work in flight.
+        depth = self._active_depth.get(wait.position, 0)
+        self._active -= depth
         self._changed.set()
-        await asyncio.Future()  # cancelled when the run is parked
+        try:
+            await asyncio.Future()  # cancelled when the run is parked
+        finally:
+            self._active += depth
 
     async def drive(self, workflow: Workflow) -> None:
         """Run the workflow until it finishes or parks; record the outcome."""

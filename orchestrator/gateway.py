@@ -15,6 +15,7 @@ attempt, ``consequential`` tools go to reconciliation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,7 @@ async def call_tool(ex: RunExecutor, position: int, tool: Tool, arguments: dict[
             attempt += 1
         else:  # call.submitted without an outcome: the worker that sent it is gone
             step = next_step_after_uncertain(tool.effect, attempt, tool.max_attempts)
-            await _record_unknown(ex, position, tool, op_id, "worker_lost", step)
+            await _record_unknown(ex, position, tool, op_id, "WORKER_LOST", step)
             if step == "reconcile":
                 await ex.park(Wait("blocked", position, operation_id=op_id))
             key = submitted["payload"]["key"] if step == "resend" else None
@@ -145,8 +146,17 @@ async def _attempt(ex: RunExecutor, position: int, tool: Tool, arguments: dict[s
     remaining = ex.remaining()
     if remaining is not None:
         timeout = remaining if timeout is None else min(timeout, remaining)
+    task = asyncio.ensure_future(tool.fn(tctx, **arguments))
     try:
-        receipt = await asyncio.wait_for(tool.fn(tctx, **arguments), timeout)
+        try:
+            receipt = await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            if not task.done():  # our timeout, not one the tool raised: signal, then cancel
+                tctx.cancelled.set()
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            raise
     except ToolError as exc:
         ref = await _incident(ex, op_id, "tool", exc)
         if exc.applied is False:
@@ -156,21 +166,20 @@ async def _attempt(ex: RunExecutor, position: int, tool: Tool, arguments: dict[s
             await _fail_op(ex, position, tool, op_id, ref)
             return "failed", ToolFailed(f"tool {tool.name} failed", tool=tool.name,
                                         incident=ref), op_id
-        return "unknown", "tool_outcome_uncertain", op_id
+        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
     except TimeoutError as exc:
-        tctx.cancelled.set()
         await _incident(ex, op_id, "timeout", exc)
-        return "unknown", "timeout", op_id
+        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
     except Exception as exc:
         await _incident(ex, op_id, "tool", exc)
-        return "unknown", "tool_outcome_uncertain", op_id
+        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
     faults.reach("after_tool_return", tool.name)
     try:
         receipt_text = canonical.canonical_bytes(
             receipt, path="$.receipt", max_bytes=ex.app.max_record_bytes).decode()
     except InvalidRequest as exc:
         await _incident(ex, op_id, "receipt", exc)
-        return "unknown", "invalid_receipt", op_id
+        return "unknown", "INVALID_RECEIPT", op_id
     digest = canonical.digest(receipt)
 
     async def commit(conn: Conn) -> tuple[None, list[Event]]:

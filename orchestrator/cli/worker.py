@@ -27,6 +27,15 @@ def register(subparsers: Any) -> None:
                         help="upgrade the schema first instead of refusing an old one")
     worker.set_defaults(func=cmd_worker)
 
+    reconciler = subparsers.add_parser(
+        "reconciler", help="resolve unknown operations with the tools' lookups until SIGTERM")
+    add_app_argument(reconciler)
+    reconciler.add_argument("--max-lookups", type=int, default=5,
+                            help="inconclusive lookups before an operator decides (default 5)")
+    reconciler.add_argument("--base-delay", type=float, default=1.0,
+                            help="seconds before the second lookup; doubles after (default 1)")
+    reconciler.set_defaults(func=cmd_reconciler)
+
 
 def add_app_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--app", required=True, metavar="MODULE:ATTR",
@@ -72,4 +81,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     print(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
           "SIGTERM drains", flush=True)
     app.run_worker(**options)
+    return 0
+
+
+def cmd_reconciler(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app = load_app(args.app, args.database_url)
+    ensure_schema(app, upgrade=False)
+    print(f"reconciler starting on {app.target.masked}; SIGTERM stops it", flush=True)
+    app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay)
     return 0

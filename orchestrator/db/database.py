@@ -31,6 +31,8 @@ Conn = psycopg.AsyncConnection[dict[str, Any]]
 
 RUNS_CHANNEL = "orchestrator_runs"
 """NOTIFY channel: new or woken work. The payload is unused; any message means 'look again'."""
+RECONCILE_CHANNEL = "orchestrator_reconcile"
+"""NOTIFY channel: a run was parked on an unknown operation."""
 
 
 def _transient(exc: BaseException) -> bool:

@@ -173,7 +173,7 @@ async def operation_attach_evidence(conn: Conn, *, op_id: int, evidence: str) ->
     await conn.execute(
         f"""
         INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason, evidence)
-        SELECT id, run_id, 'worker_lost', jsonb_build_array(%(evidence)s::jsonb)
+        SELECT id, run_id, 'WORKER_LOST', jsonb_build_array(%(evidence)s::jsonb)
         FROM {S}.operations WHERE id = %(op_id)s AND state IN ('submitted', 'unknown')
         ON CONFLICT (operation_id) DO UPDATE
         SET evidence = {S}.reconciliation_items.evidence || EXCLUDED.evidence
@@ -200,7 +200,7 @@ async def operation_list_for_run(conn: Conn, run_id: uuid.UUID) -> list[dict[str
     cur = await conn.execute(
         f"""
         SELECT id, position, attempt, tool_name, tool_version, effect_class, state,
-               idempotency_key, worker_id, created_at, submitted_at, finished_at
+               idempotency_key, worker_id, receipt, created_at, submitted_at, finished_at
         FROM {S}.operations WHERE run_id = %s ORDER BY position, attempt
         """,
         (run_id,),

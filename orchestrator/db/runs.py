@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.db.database import RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -336,6 +336,7 @@ async def run_block_for_reconciliation(
     )
     if cur.rowcount != 1:
         raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+    await conn.execute(f"SELECT pg_notify('{RECONCILE_CHANNEL}', '')")
 
 
 async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int, delay: float = 0.0,

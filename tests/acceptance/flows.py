@@ -14,10 +14,18 @@ from typing import Any
 
 import psycopg
 
-from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+from orchestrator import (
+    Committed,
+    NotApplied,
+    Orchestrator,
+    Owner,
+    ToolContext,
+    WorkflowContext,
+)
 
 app = Orchestrator(default_owner=Owner(tenant="acceptance", principal="tests"),
-                   lease_ttl=float(os.environ.get("ACCEPTANCE_LEASE_TTL", "2")))
+                   lease_ttl=float(os.environ.get("ACCEPTANCE_LEASE_TTL", "2")),
+                   operator_scopes={"outsider": ["another-tenant"]})
 
 SINK_DDL = """
 CREATE TABLE IF NOT EXISTS public.sink_calls (
@@ -52,7 +60,7 @@ async def _apply(ctx: ToolContext, step: int, call_id: int) -> dict[str, Any]:
 
 @app.tool()
 async def record(ctx: ToolContext, *, step: int) -> dict[str, Any]:
-    """A consequential effect: applied on every call (no deduplication)."""
+    """A consequential effect; every call is counted in sink_calls."""
     call_id = await _record_call(ctx, step)
     return await _apply(ctx, step, call_id)
 
@@ -62,6 +70,33 @@ async def slow_idempotent(ctx: ToolContext, *, step: int) -> dict[str, Any]:
     call_id = await _record_call(ctx, step)
     await asyncio.sleep(float(os.environ.get("ACCEPTANCE_TOOL_DELAY", "0")))
     return await _apply(ctx, step, call_id)
+
+
+@app.tool()
+async def record_with_lookup(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    """A consequential effect whose provider can be asked what it did with a key."""
+    call_id = await _record_call(ctx, step)
+    return await _apply(ctx, step, call_id)
+
+
+@record_with_lookup.lookup
+async def find_record(ctx: ToolContext, *, step: int) -> Committed | NotApplied:
+    row = await asyncio.to_thread(
+        _sink, "SELECT step FROM public.sink_effects WHERE key = %s", (ctx.idempotency_key,))
+    if row is None:
+        return NotApplied("no effect with this key")
+    return Committed({"step": step, "key": ctx.idempotency_key})
+
+
+@app.tool(effect="idempotent")
+async def record_idempotent(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    call_id = await _record_call(ctx, step)
+    return await _apply(ctx, step, call_id)
+
+
+@app.workflow()
+async def one_call(ctx: WorkflowContext, data: Any) -> Any:
+    return await ctx.call(data["tool"], step=1)
 
 
 @app.workflow()

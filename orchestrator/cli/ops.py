@@ -1,0 +1,180 @@
+"""``orchestrator ops``: the reconciliation queue, for operators (CONTRACT C8)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from orchestrator.cli.common import database_target
+from orchestrator.cli.tables import cell, render
+from orchestrator.cli.worker import load_app
+from orchestrator.db.database import Database
+from orchestrator.errors import InvalidRequest
+from orchestrator.operators import ITEM_STATES, Operators
+
+T = TypeVar("T")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def register(subparsers: Any) -> None:
+    group = subparsers.add_parser("ops", help="operations whose outcome is unknown")
+    commands = group.add_subparsers(title="ops commands", metavar="COMMAND")
+    group.set_defaults(func=None, help_parser=group)
+
+    def common(parser: argparse.ArgumentParser, *, operator_required: bool) -> None:
+        parser.add_argument("--operator", required=operator_required,
+                            default=None if operator_required else "operator",
+                            help="who acts (recorded in the audit log)")
+        parser.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                            help="the application, for its operator scopes")
+
+    ls = commands.add_parser("list", help="the queue, oldest first")
+    ls.add_argument("--state", choices=ITEM_STATES)
+    ls.add_argument("--tool")
+    ls.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 10m, 2h, 1d")
+    ls.add_argument("--limit", type=int, default=100)
+    common(ls, operator_required=False)
+    ls.set_defaults(func=cmd_list)
+
+    show = commands.add_parser("show", help="intent, arguments, attempts, lookups, timeline")
+    show.add_argument("operation_id", type=int)
+    common(show, operator_required=False)
+    show.set_defaults(func=cmd_show)
+
+    res = commands.add_parser("resolve", help="record what happened, with evidence")
+    res.add_argument("operation_id", type=int)
+    kind = res.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--committed", action="store_true", help="the effect was applied")
+    kind.add_argument("--not-applied", action="store_true", help="nothing was applied")
+    res.add_argument("--receipt", metavar="JSON", help="with --committed: the receipt")
+    res.add_argument("--evidence", required=True, metavar="TEXT")
+    common(res, operator_required=True)
+    res.set_defaults(func=cmd_resolve)
+
+    abandon = commands.add_parser("abandon", help="give up: the run fails OPERATION_ABANDONED")
+    abandon.add_argument("operation_id", type=int)
+    abandon.add_argument("--evidence", required=True, metavar="TEXT")
+    common(abandon, operator_required=True)
+    abandon.set_defaults(func=cmd_abandon)
+
+
+def parse_age(text: str | None) -> float | None:
+    if text is None:
+        return None
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise InvalidRequest(f"--older-than {text!r}: use a number with s, m, h or d")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _with_operators(args: argparse.Namespace, fn: Callable[[Operators], Awaitable[T]]) -> T:
+    scopes = load_app(args.app, args.database_url).operator_scopes if args.app else None
+
+    async def main() -> T:
+        db = Database(database_target(args), max_pool_size=2)
+        try:
+            return await fn(Operators(db, scopes))
+        finally:
+            await db.close()
+
+    return asyncio.run(main())
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    items = _with_operators(args, lambda ops: ops.list(
+        operator=args.operator, state=args.state, tool=args.tool,
+        older_than=parse_age(args.older_than), limit=max(1, min(args.limit, 1000))))
+    if not items:
+        print("no operations in the queue")
+        return 0
+    print(render(["OP", "RUN", "TOOL", "ITEM", "OPERATION", "REASON", "LOOKUPS", "OWNER",
+                  "SINCE"],
+                 [[i["operation_id"], str(i["run_id"])[:8], i["tool_name"], i["item_state"],
+                   i["operation_state"], i["reason"], i["lookup_attempts"],
+                   f"{i['tenant']}/{i['principal']}", i["created_at"]] for i in items]))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    d = _with_operators(args, lambda ops: ops.show(args.operation_id, operator=args.operator))
+    fields = [
+        ("operation", d["operation_id"]),
+        ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
+        ("owner", f"{d['tenant']}/{d['principal']}"),
+        ("run", f"{d['run_id']} ({d['run_status']})"),
+        ("state", f"operation {d['operation_state']}; queue item {d['item_state']}"
+                  + (f", resolved as {d['resolution']}" if d["resolution"] else "")),
+        ("reason", d["reason"]),
+        ("intent", d["intent_digest"]),
+        ("key", d["idempotency_key"]),
+        ("arguments", json.dumps(d["arguments"], sort_keys=True)),
+        ("submitted", d["submitted_at"]),
+    ]
+    if d["receipt"] is not None:
+        fields.append(("receipt", json.dumps(d["receipt"], sort_keys=True)))
+    for name, value in fields:
+        print(f"{name + ':':<11} {cell(value)}")
+    print("\nattempts at this position")
+    print(render(["OP", "ATTEMPT", "STATE", "KEY", "WORKER", "SUBMITTED"],
+                 [[a["id"], a["attempt"], a["state"], a["idempotency_key"], a["worker_id"],
+                   a["submitted_at"]] for a in d["attempts"]], max_width=44))
+    print("\nlookups")
+    print(render(["#", "ANSWER", "DETAIL", "AT"],
+                 [[x["attempt"], x["answer"], json.dumps(x["detail"]), x["created_at"]]
+                  for x in d["lookups"]]) if d["lookups"] else "(none)")
+    if d["evidence"]:
+        print("\nevidence")
+        for e in d["evidence"]:
+            print("  " + json.dumps(e, sort_keys=True)[:200])
+    if d["audit"]:
+        print("\naudit")
+        print(render(["AT", "OPERATOR", "ACTION", "EVIDENCE"],
+                     [[a["created_at"], a["operator"], a["action"], a["evidence"]]
+                      for a in d["audit"]]))
+    print("\nrun timeline")
+    print(render(["SEQ", "AT", "POS", "EVENT", "NAME"],
+                 [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"]]
+                  for e in d["journal"]]))
+    return 0
+
+
+def _report(op_id: int, outcome: str, what: str) -> int:
+    if outcome == "noop":
+        print(f"operation {op_id} was already resolved as {what}; nothing changed")
+    else:
+        print(f"operation {op_id} resolved as {what}; the run was woken")
+    return 0
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    if args.committed:
+        if args.receipt is None:
+            raise InvalidRequest("--committed needs --receipt JSON (what the tool returned)")
+        try:
+            receipt = json.loads(args.receipt)
+        except ValueError:
+            raise InvalidRequest("--receipt is not valid JSON", path="receipt") from None
+        outcome = _with_operators(args, lambda ops: ops.resolve_committed(
+            args.operation_id, receipt=receipt, evidence=args.evidence, operator=args.operator))
+        return _report(args.operation_id, outcome, "committed")
+    if args.receipt is not None:
+        raise InvalidRequest("--receipt goes only with --committed")
+    outcome = _with_operators(args, lambda ops: ops.resolve_not_applied(
+        args.operation_id, evidence=args.evidence, operator=args.operator))
+    return _report(args.operation_id, outcome, "not applied")
+
+
+def cmd_abandon(args: argparse.Namespace) -> int:
+    outcome = _with_operators(args, lambda ops: ops.abandon(
+        args.operation_id, evidence=args.evidence, operator=args.operator))
+    if outcome == "noop":
+        print(f"operation {args.operation_id} was already abandoned; nothing changed")
+    else:
+        print(f"operation {args.operation_id} abandoned; its run failed with "
+              "OPERATION_ABANDONED")
+    return 0

@@ -1,0 +1,258 @@
+"""Statements on the reconciliation queue and the resolution of unknown operations (C8).
+
+A resolution happens while the run is parked in ``needs_reconciliation``: no worker holds it,
+so the resolving transaction locks the run's row and appends to its journal at the next
+revision itself. Every step is guarded and its row count checked.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.db.runs import encode_events, run_wake
+from orchestrator.errors import OperationInProgress, ResolutionConflict
+
+S = "orchestrator"
+
+_ITEM_COLUMNS = f"""
+i.id AS item_id, i.operation_id, i.run_id, i.reason, i.state AS item_state, i.lookup_attempts,
+i.next_attempt_at, i.claimed_by, i.claimed_until, i.resolution, i.evidence, i.created_at,
+i.resolved_at, o.position, o.attempt, o.tool_name, o.tool_version, o.effect_class, o.tenant,
+o.principal, o.intent_digest, o.arguments, o.idempotency_key, o.state AS operation_state,
+o.receipt, o.receipt_digest, o.submitted_at, o.worker_id,
+(SELECT status FROM {S}.runs r WHERE r.id = i.run_id) AS run_status
+"""
+
+
+async def recon_claim_due(
+    conn: Conn, *, claimer: str, limit: int, ttl: float
+) -> list[dict[str, Any]]:
+    """Claim open items whose next lookup is due and whose run is parked on them."""
+    cur = await conn.execute(
+        f"""
+        WITH picked AS (
+            SELECT i.id FROM {S}.reconciliation_items i
+            JOIN {S}.operations o ON o.id = i.operation_id
+            JOIN {S}.runs r ON r.id = i.run_id
+            WHERE i.state = 'open' AND i.next_attempt_at <= now()
+              AND (i.claimed_until IS NULL OR i.claimed_until < now())
+              AND o.state = 'unknown' AND r.status = 'needs_reconciliation'
+            ORDER BY i.next_attempt_at
+            LIMIT %(limit)s
+            FOR UPDATE OF i SKIP LOCKED
+        )
+        UPDATE {S}.reconciliation_items AS i
+        SET claimed_by = %(claimer)s, claimed_until = now() + make_interval(secs => %(ttl)s)
+        FROM picked, {S}.operations o
+        WHERE i.id = picked.id AND o.id = i.operation_id
+        RETURNING {_ITEM_COLUMNS}
+        """,
+        {"claimer": claimer, "limit": limit, "ttl": ttl},
+    )
+    return await cur.fetchall()
+
+
+async def recon_record_lookup(
+    conn: Conn, *, item_id: int, claimer: str, answer: str, detail: str,
+    retry_in: float | None
+) -> str:
+    """Keep one lookup attempt in the item's history; schedule the next one or hand the item
+    to operators (``retry_in`` None). Returns the item's new state."""
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.reconciliation_lookups (item_id, attempt, answer, detail)
+        SELECT id, lookup_attempts + 1, %(answer)s, %(detail)s::jsonb
+        FROM {S}.reconciliation_items WHERE id = %(item_id)s
+        """,
+        {"item_id": item_id, "answer": answer, "detail": detail},
+    )
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items
+        SET lookup_attempts = lookup_attempts + 1, claimed_by = NULL, claimed_until = NULL,
+            state = CASE WHEN %(retry_in)s::float8 IS NULL THEN 'operator' ELSE state END,
+            next_attempt_at = now() + make_interval(secs => COALESCE(%(retry_in)s::float8, 0))
+        WHERE id = %(item_id)s AND state = 'open' AND claimed_by = %(claimer)s
+        RETURNING state
+        """,
+        {"item_id": item_id, "claimer": claimer, "retry_in": retry_in},
+    )
+    row = await cur.fetchone()
+    return "lost" if row is None else str(row["state"])
+
+
+async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
+    """Hand an item to operators at once (the tool has no lookup)."""
+    await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items
+        SET state = 'operator', claimed_by = NULL, claimed_until = NULL,
+            evidence = evidence || jsonb_build_array(jsonb_build_object('note', %(note)s::text))
+        WHERE id = %(item_id)s AND state = 'open'
+        """,
+        {"item_id": item_id, "note": note},
+    )
+
+
+async def recon_list(
+    conn: Conn, *, state: str | None, tool: str | None, older_than: float | None,
+    tenants: list[str] | None, limit: int
+) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""
+        SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
+        JOIN {S}.operations o ON o.id = i.operation_id
+        WHERE (%(state)s::text IS NULL OR i.state = %(state)s)
+          AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
+          AND (%(older)s::float8 IS NULL
+               OR i.created_at < now() - make_interval(secs => %(older)s::float8))
+          AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
+        ORDER BY i.created_at, i.id
+        LIMIT %(limit)s
+        """,
+        {"state": state, "tool": tool, "older": older_than, "tenants": tenants, "limit": limit},
+    )
+    return await cur.fetchall()
+
+
+async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False
+                    ) -> dict[str, Any] | None:
+    cur = await conn.execute(
+        f"""
+        SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
+        JOIN {S}.operations o ON o.id = i.operation_id
+        WHERE i.operation_id = %s {"FOR UPDATE OF i, o" if lock else ""}
+        """,
+        (operation_id,),
+    )
+    return await cur.fetchone()
+
+
+async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""SELECT attempt, answer, detail, created_at FROM {S}.reconciliation_lookups
+            WHERE item_id = %s ORDER BY attempt""",
+        (item_id,),
+    )
+    return await cur.fetchall()
+
+
+async def operation_attempts(conn: Conn, run_id: uuid.UUID, position: int
+                             ) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""SELECT id, attempt, state, idempotency_key, submitted_at, finished_at, worker_id
+            FROM {S}.operations WHERE run_id = %s AND position = %s ORDER BY attempt""",
+        (run_id, position),
+    )
+    return await cur.fetchall()
+
+
+async def recon_settle(
+    conn: Conn,
+    *,
+    item: dict[str, Any],
+    resolution: str,
+    receipt: str | None,
+    receipt_digest: str | None,
+    events: list[dict[str, Any]],
+    fail_run: tuple[str, str] | None,
+) -> None:
+    """Apply a resolution inside the caller's transaction (the item and operation are locked).
+
+    ``resolution`` is ``committed``, ``not_applied`` or ``abandoned``. The operation moves from
+    ``unknown``; the run's journal gets ``events`` at its next revision; the run is failed
+    (``fail_run`` = (status error json, message)) or, when nothing else is unknown, queued again.
+    """
+    op_id = item["operation_id"]
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.operations
+        SET state = %(state)s, receipt = COALESCE(%(receipt)s::jsonb, receipt),
+               receipt_digest = COALESCE(%(digest)s, receipt_digest), finished_at = now(),
+               updated_at = now()
+        WHERE id = %(op_id)s AND state = 'unknown'
+        """,
+        {"state": resolution, "receipt": receipt, "digest": receipt_digest, "op_id": op_id},
+    )
+    if cur.rowcount != 1:
+        raise ResolutionConflict(f"operation {op_id} is no longer unknown")
+    run = await (await conn.execute(
+        f"SELECT revision, lease_token, status FROM {S}.runs WHERE id = %s FOR UPDATE",
+        (item["run_id"],))).fetchone()
+    assert run is not None
+    if run["status"] != "needs_reconciliation":
+        raise OperationInProgress(
+            f"run {item['run_id']} is {run['status']}; it is not parked on this operation yet",
+            status=str(run["status"]))
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                                 lease_token)
+        SELECT %(run_id)s, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
+        FROM jsonb_to_recordset(%(events)s::jsonb)
+             AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)
+        """,
+        {"run_id": item["run_id"], "token": run["lease_token"],
+         "events": encode_events(run["revision"], events)},
+    )
+    if fail_run is not None:
+        error, _ = fail_run
+        parent = await (await conn.execute(
+            f"""
+            UPDATE {S}.runs SET status = 'failed', outcome_code = 'OPERATION_ABANDONED',
+                   error = %(error)s::jsonb, revision = revision + %(n)s, finished_at = now(),
+                   updated_at = now(), waiting_for = NULL, available_at = NULL
+            WHERE id = %(run_id)s AND status = 'needs_reconciliation'
+            RETURNING parent_run_id
+            """,
+            {"run_id": item["run_id"], "n": len(events), "error": error})).fetchone()
+        if parent is not None and parent["parent_run_id"] is not None:
+            await run_wake(conn, parent["parent_run_id"])
+    else:
+        await conn.execute(
+            f"""
+            UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now(),
+                   status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
+                   available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
+                   waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END
+            FROM (SELECT count(*) AS n FROM {S}.operations
+                  WHERE run_id = %(run_id)s AND state = 'unknown') AS still
+            WHERE id = %(run_id)s AND status = 'needs_reconciliation'
+            """,
+            {"run_id": item["run_id"], "n": len(events)},
+        )
+    await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items SET state = 'resolved', resolution = %(resolution)s,
+               resolved_at = now(), claimed_by = NULL, claimed_until = NULL
+        WHERE id = %(item_id)s AND state <> 'resolved'
+        """,
+        {"item_id": item["item_id"], "resolution": resolution},
+    )
+    await conn.execute(f"SELECT pg_notify('{RUNS_CHANNEL}', '')")
+
+
+async def audit_record(
+    conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str,
+    evidence: str, before: str | None, after: str | None
+) -> None:
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.operator_audit (operator, action, target_kind, target_id, evidence,
+                                        before, after)
+        VALUES (%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
+        """,
+        (operator, action, target_kind, target_id, evidence, before, after),
+    )
+
+
+async def audit_list(conn: Conn, *, target_id: str | None = None) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        f"""SELECT id, created_at, operator, action, target_kind, target_id, evidence, before,
+                   after FROM {S}.operator_audit
+            WHERE %(target)s::text IS NULL OR target_id = %(target)s ORDER BY id""",
+        {"target": target_id},
+    )
+    return await cur.fetchall()

@@ -1,0 +1,34 @@
+"""What a tool's ``lookup`` answers about an operation whose outcome is unknown (CONTRACT C8).
+
+A lookup is read-only: it asks the provider whether the request with ``ctx.idempotency_key``
+(and these arguments) was applied, and answers with one of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The provider applied the request; ``receipt`` is what the tool would have returned."""
+
+    receipt: Any
+
+
+@dataclass(frozen=True)
+class NotApplied:
+    """The provider proves that nothing was applied; the run may try again under its policy."""
+
+    evidence: str = ""
+
+
+@dataclass(frozen=True)
+class StillUnknown:
+    """The provider cannot tell yet; the reconciler asks again later, then hands it over."""
+
+    reason: str = ""
+
+
+LookupAnswer = Committed | NotApplied | StillUnknown

@@ -1,0 +1,248 @@
+"""Resolving unknown operations: the shared resolution step and the automatic reconciler (C8).
+
+Both the reconciler and operators end in :func:`resolve`: one transaction that moves the
+operation out of ``unknown``, appends the outcome to the run's journal, queues the run again
+(or fails it for ``abandoned``), marks the queue item resolved and writes the audit log.
+Resolving twice the same way is a no-op; differently, a ``RESOLUTION_CONFLICT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from typing import TYPE_CHECKING, Any
+
+from orchestrator import canonical
+from orchestrator.context import ToolContext
+from orchestrator.db import reconciliation as recon_db
+from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database
+from orchestrator.errors import (
+    AccessDenied,
+    InvalidRequest,
+    OperationInProgress,
+    OrchestratorError,
+    ResolutionConflict,
+    new_incident_ref,
+)
+from orchestrator.lookups import Committed, NotApplied, StillUnknown
+from orchestrator.models import Owner
+from orchestrator.replay import SCHEMA_VERSION
+from orchestrator.worker import default_worker_id
+
+if TYPE_CHECKING:
+    from orchestrator.app import Orchestrator
+
+log = logging.getLogger("orchestrator.reconciler")
+RESOLUTIONS = ("committed", "not_applied", "abandoned")
+
+
+def _ev(kind: str, position: int | None, name: str | None, payload: Any) -> dict[str, Any]:
+    return {"kind": kind, "position": position, "name": name, "v": SCHEMA_VERSION,
+            "payload": payload}
+
+
+def check_evidence(evidence: str, operator: str) -> None:
+    if not isinstance(operator, str) or not operator.strip() or len(operator) > 200:
+        raise InvalidRequest("an operator identity is required", path="operator")
+    if not isinstance(evidence, str) or not evidence.strip() or len(evidence) > 10_000:
+        raise InvalidRequest("evidence text is required (at most 10,000 characters)",
+                             path="evidence")
+
+
+async def resolve(
+    db: Database,
+    *,
+    operation_id: int,
+    resolution: str,
+    evidence: str,
+    operator: str,
+    receipt: Any = None,
+    tenants: list[str] | None = None,
+) -> str:
+    """Resolve an unknown operation; returns ``"resolved"`` or ``"noop"`` (already so).
+
+    ``tenants`` restricts which owners' operations this operator may touch (None: all).
+    """
+    if resolution not in RESOLUTIONS:
+        raise InvalidRequest(f"resolution must be one of {', '.join(RESOLUTIONS)}")
+    check_evidence(evidence, operator)
+    receipt_text = digest = None
+    if resolution == "committed":
+        receipt_text = canonical.canonical_bytes(receipt, path="$.receipt").decode()
+        digest = canonical.digest(receipt)
+    elif receipt is not None:
+        raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")
+
+    async def tx(conn: Conn) -> str:
+        item = await recon_db.recon_get(conn, operation_id, lock=True)
+        if item is None or (tenants is not None and item["tenant"] not in tenants):
+            raise AccessDenied("the operation does not exist or is not accessible")
+        before = {"item": item["item_state"], "operation": item["operation_state"],
+                  "resolution": item["resolution"]}
+        if item["item_state"] == "resolved":
+            same = item["resolution"] == resolution and (
+                resolution != "committed" or item["receipt_digest"] == digest)
+            if not same:
+                raise ResolutionConflict(
+                    f"operation {operation_id} was already resolved as {item['resolution']}")
+            await _audit(conn, operator, f"resolve.{resolution}.noop", operation_id, evidence,
+                         before, before)
+            return "noop"
+        if item["operation_state"] != "unknown":
+            raise OperationInProgress(
+                f"operation {operation_id} is {item['operation_state']}, not unknown yet",
+                status=item["operation_state"])
+        await recon_db.recon_settle(
+            conn, item=item, resolution=resolution, receipt=receipt_text,
+            receipt_digest=digest, events=_events(item, resolution, receipt, operator),
+            fail_run=_abandon_error(operation_id) if resolution == "abandoned" else None)
+        await _audit(conn, operator, f"resolve.{resolution}", operation_id, evidence, before,
+                     {"item": "resolved", "operation": resolution, "resolution": resolution})
+        return "resolved"
+
+    return await db.run_in_transaction(tx)
+
+
+def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str
+            ) -> list[dict[str, Any]]:
+    position, tool, op = item["position"], item["tool_name"], item["operation_id"]
+    if resolution == "committed":
+        return [_ev("call.completed", position, tool,
+                    {"result": receipt, "op": op, "resolved_by": operator})]
+    if resolution == "not_applied":
+        return [_ev("call.not_applied", position, tool, {"op": op, "resolved_by": operator})]
+    code, message, ref = "OPERATION_ABANDONED", f"operation {op} was abandoned", None
+    return [_ev("call.abandoned", position, tool, {"op": op, "resolved_by": operator}),
+            _ev("run.failed", None, None, {"code": code, "message": message, "incident": ref})]
+
+
+def _abandon_error(operation_id: int) -> tuple[str, str]:
+    message = f"operation {operation_id} was abandoned by an operator"
+    return json.dumps({"code": "OPERATION_ABANDONED", "message": message, "retryable": False,
+                       "incident": new_incident_ref()}), message
+
+
+async def _audit(conn: Conn, operator: str, action: str, operation_id: int, evidence: str,
+                 before: dict[str, Any], after: dict[str, Any]) -> None:
+    await recon_db.audit_record(conn, operator=operator, action=action, target_kind="operation",
+                                target_id=str(operation_id), evidence=evidence,
+                                before=json.dumps(before), after=json.dumps(after))
+
+
+class Reconciler:
+    """Claims due queue items and asks each tool's ``lookup`` what happened, with backoff.
+
+    After ``max_lookups`` inconclusive answers (or at once, for a tool without a lookup) the
+    item goes to operators. Every lookup and its answer stays in the item's history.
+    """
+
+    def __init__(self, app: Orchestrator, *, max_lookups: int = 5, base_delay: float = 1.0,
+                 max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
+                 lookup_timeout: float = 30.0) -> None:
+        self.app = app
+        self.db = app.database
+        self.max_lookups = max_lookups
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.batch = batch
+        self.poll_interval = poll_interval
+        self.lookup_timeout = lookup_timeout
+        self.id = "reconciler:" + default_worker_id()
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        listen_stop = asyncio.Event()
+        listener = asyncio.ensure_future(
+            self.db.listen(RECONCILE_CHANNEL, lambda _: self._wake.set(), listen_stop))
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                handled = await self.run_once()
+                if handled:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+        finally:
+            listen_stop.set()
+            with contextlib.suppress(BaseException):
+                await listener
+
+    async def run_once(self) -> int:
+        """Handle the items due now; return how many were handled."""
+        try:
+            async with self.db.connection() as conn:
+                items = await recon_db.recon_claim_due(
+                    conn, claimer=self.id, limit=self.batch, ttl=self.lookup_timeout + 30)
+        except OrchestratorError as exc:
+            log.warning("claiming reconciliation items failed: %s", exc.code)
+            return 0
+        for item in items:
+            try:
+                await self._handle(item)
+            except OrchestratorError as exc:
+                log.warning("operation %s: reconciliation step failed: %s",
+                            item["operation_id"], exc.code)
+        return len(items)
+
+    async def _handle(self, item: dict[str, Any]) -> None:
+        tool = self.app.registry.tools.get(item["tool_name"])
+        if tool is None or tool.lookup_fn is None:
+            async with self.db.connection() as conn:
+                await recon_db.recon_to_operator(
+                    conn, item_id=item["item_id"],
+                    note=f"tool {item['tool_name']} has no lookup here; an operator decides")
+            return
+        ctx = ToolContext(idempotency_key=item["idempotency_key"], run_id=item["run_id"],
+                          position=item["position"], attempt=item["attempt"],
+                          operation_id=item["operation_id"],
+                          owner=Owner(tenant=item["tenant"], principal=item["principal"]),
+                          deadline=None)
+        try:
+            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **item["arguments"]),
+                                            self.lookup_timeout)
+        except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
+            answer = StillUnknown(f"the lookup raised {type(exc).__name__}")
+        if isinstance(answer, Committed):
+            try:
+                canonical.validate_json(answer.receipt, "$.receipt")
+            except InvalidRequest:
+                answer = StillUnknown("the lookup's receipt is not JSON")
+        if isinstance(answer, Committed | NotApplied):
+            kind = "committed" if isinstance(answer, Committed) else "not_applied"
+            detail = {"answer": kind}
+            await self._record(item, kind, detail, retry_in=self.base_delay)
+            await resolve(
+                self.db, operation_id=item["operation_id"], resolution=kind,
+                receipt=answer.receipt if isinstance(answer, Committed) else None,
+                evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler")
+            self.app.metrics.incr(f"reconciliation_auto_{kind}")
+            log.info("operation %s resolved by lookup: %s", item["operation_id"], kind)
+            return
+        reason = answer.reason if isinstance(answer, StillUnknown) else "not a lookup answer"
+        attempts = item["lookup_attempts"] + 1
+        retry_in = None if attempts >= self.max_lookups else self.backoff(attempts)
+        state = await self._record(item, "still_unknown", {"reason": reason[:500]}, retry_in)
+        if state == "operator":
+            log.info("operation %s handed to operators after %d lookups", item["operation_id"],
+                     attempts)
+
+    def backoff(self, attempts: int) -> float:
+        """A jittered exponential delay: between half and all of a window that doubles per
+        attempt, capped at ``max_delay``."""
+        window = min(self.max_delay, self.base_delay * 2 ** (attempts - 1))
+        return random.uniform(window / 2, window)
+
+    async def _record(self, item: dict[str, Any], answer: str, detail: dict[str, Any],
+                      retry_in: float | None) -> str:
+        async with self.db.connection() as conn:
+            return await recon_db.recon_record_lookup(
+                conn, item_id=item["item_id"], claimer=self.id, answer=answer,
+                detail=json.dumps(detail), retry_in=retry_in)

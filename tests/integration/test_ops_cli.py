@@ -1,0 +1,114 @@
+"""Operator flows end to end through the CLI (CONTRACT C8, C9): list → show → resolve (each
+kind) → the run resumes or fails; conflicts rejected; scopes enforced; everything audited."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import RunFailed, ToolFailed
+from tests.integration.conftest import running, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def cli(url: str, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "orchestrator", "--database-url", url, *args, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_url):
+    url = migrated_database_url
+    app = make_app()
+    calls: dict[str, int] = {}
+
+    @app.tool(max_attempts=2)
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        calls[order] = calls.get(order, 0) + 1
+        if calls[order] == 1:
+            raise ConnectionResetError("lost after sending")
+        return {"charge": f"retry-{order}"}
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        try:
+            return await ctx.call(charge, order=order)
+        except ToolFailed:
+            return "gave up"
+
+    async with running(app):
+        runs = {name: await app.submit_async(pay, name) for name in ("one", "two", "three")}
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'needs_reconciliation'")) == 3)
+        ops = {r["arguments"]["order"]: r["id"]
+               for r in sql("SELECT id, arguments FROM orchestrator.operations")}
+
+        code, out, _ = await cli(url, "ops", "list", "--state", "open", "--tool", "charge",
+                                 "--older-than", "0s")
+        assert code == 0
+        assert all(str(op) in out for op in ops.values()) and "TOOL_OUTCOME_UNCERTAIN" in out
+
+        code, out, _ = await cli(url, "ops", "show", str(ops["one"]))
+        assert code == 0
+        for text in ('"order": "one"', "acme/alice", "attempts at this position", "lookups",
+                     "run timeline", "call.unknown", "intent:"):
+            assert text in out, text
+
+        resolve_one = ["ops", "resolve", str(ops["one"]), "--committed", "--receipt",
+                       '{"charge": "manual-1"}', "--evidence", "PSP dashboard shows ch_1",
+                       "--operator", "alice"]
+        code, out, err = await cli(url, *resolve_one)
+        assert code == 0, err
+        assert await runs["one"].result_async(timeout=10) == {"charge": "manual-1"}
+        code, out, _ = await cli(url, *resolve_one)  # the same resolution again: a no-op
+        assert code == 0 and "already resolved" in out
+        code, _, err = await cli(url, "ops", "resolve", str(ops["one"]), "--not-applied",
+                                 "--evidence", "changed my mind", "--operator", "alice")
+        assert code == 2 and "RESOLUTION_CONFLICT" in err and "Traceback" not in err
+
+        code, _, err = await cli(url, "ops", "resolve", str(ops["two"]), "--not-applied",
+                                 "--evidence", "no charge at the PSP", "--operator", "outsider",
+                                 "--app", "tests.acceptance.flows:app")
+        assert code == 2 and "ACCESS_DENIED" in err
+
+        code, _, err = await cli(url, "ops", "resolve", str(ops["two"]), "--not-applied",
+                                 "--evidence", "no charge at the PSP", "--operator", "alice")
+        assert code == 0, err
+        assert await runs["two"].result_async(timeout=10) == {"charge": "retry-two"}
+
+        code, _, err = await cli(url, "ops", "abandon", str(ops["three"]), "--evidence",
+                                 "customer refunded by hand", "--operator", "alice")
+        assert code == 0, err
+        with pytest.raises(RunFailed) as info:
+            await runs["three"].result_async(timeout=10)
+        assert info.value.code == "OPERATION_ABANDONED"
+
+        code, _, err = await cli(url, "ops", "resolve", str(ops["three"]), "--committed",
+                                 "--evidence", "x", "--operator", "alice")
+        assert code == 2 and "--receipt" in err
+
+    assert calls == {"one": 1, "two": 2, "three": 1}
+    audit = sql("SELECT operator, action, target_id, evidence, before, after "
+                "FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["action"], a["target_id"]) for a in audit] == [
+        ("resolve.committed", str(ops["one"])),
+        ("resolve.committed.noop", str(ops["one"])),
+        ("resolve.not_applied", str(ops["two"])),
+        ("resolve.abandoned", str(ops["three"])),
+    ]
+    assert all(a["operator"] == "alice" and a["evidence"] for a in audit)
+    assert audit[0]["before"]["operation"] == "unknown"
+    assert audit[0]["after"]["operation"] == "committed"
+    code, out, _ = await cli(url, "ops", "list", "--state", "resolved")
+    assert code == 0 and out.count("resolved") >= 3
+    assert json.loads(json.dumps(app.metrics.snapshot()))["unknown_outcomes"] == 3
