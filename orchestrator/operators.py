@@ -38,7 +38,7 @@ class Operators:
             raise InvalidRequest("an operator identity is required", path="operator")
         return self.scopes.get(operator)
 
-    async def list(self, *, operator: str, state: str | None = None, tool: str | None = None,
+    async def list_items(self, *, operator: str, state: str | None = None, tool: str | None = None,
                    older_than: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Queue items (one per unknown operation), oldest first."""
         if state is not None and state not in ITEM_STATES:

@@ -75,5 +75,6 @@ class JournalIndex:
         """The last event at ``position`` whose kind is one of ``kinds``."""
         for event in reversed(self.by_position.get(position, ())):
             if event["kind"] in kinds:
-                return event
+                found: dict[str, Any] = event
+                return found
         return None

@@ -86,7 +86,7 @@ def _with_operators(args: argparse.Namespace, fn: Callable[[Operators], Awaitabl
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    items = _with_operators(args, lambda ops: ops.list(
+    items = _with_operators(args, lambda ops: ops.list_items(
         operator=args.operator, state=args.state, tool=args.tool,
         older_than=parse_age(args.older_than), limit=max(1, min(args.limit, 1000))))
     if not items:

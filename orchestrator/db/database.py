@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -110,7 +110,7 @@ class Database:
         pool = await self.pool()
         with translate_errors(self.target):
             async with pool.connection() as conn:
-                yield conn
+                yield cast(Conn, conn)
 
     async def run_in_transaction(
         self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
@@ -127,7 +127,7 @@ class Database:
                 with attempt:
                     pool = await self.pool()
                     async with pool.connection() as conn, conn.transaction():
-                        return await work(conn)
+                        return await work(cast(Conn, conn))
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def listen(self, channel: str, on_message: Callable[[str], None],
