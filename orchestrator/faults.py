@@ -26,3 +26,8 @@ def reach(point: str, tool: str) -> None:
     """Die here if this fault point is armed for this tool."""
     if _point == point and (_tool is None or _tool == tool):
         os.kill(os.getpid(), signal.SIGKILL)
+
+# Test-only: re-dispatch consequential operations whose outcome is unknown, as engines without
+# an effect ledger do. It exists so that the chaos suite can show that it catches the duplicate
+# effects this causes; never set it anywhere else.
+UNSAFE_REDISPATCH = os.environ.get("ORCHESTRATOR_TEST_UNSAFE_REDISPATCH") == "1"

@@ -37,6 +37,8 @@ def next_step_after_uncertain(effect: str, attempts: int, max_attempts: int) -> 
 
     Returns ``"resend"`` (same idempotency key), ``"new_attempt"`` or ``"reconcile"``.
     """
+    if faults.UNSAFE_REDISPATCH and effect == "consequential":
+        return "new_attempt"  # the guard disabled on purpose by the chaos suite's self-test
     if attempts >= max_attempts or effect == "consequential":
         return "reconcile"
     return "resend" if effect == "idempotent" else "new_attempt"
