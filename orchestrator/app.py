@@ -8,6 +8,7 @@ implementation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import uuid
@@ -37,8 +38,8 @@ from orchestrator.metrics import Metrics
 from orchestrator.models import JournalEntry, Owner, RunInfo, validate_idempotency_key
 from orchestrator.operators import Operators
 from orchestrator.reconcile import Reconciler
+from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
 from orchestrator.registry import (
-    DEFAULT_MAX_ATTEMPTS,
     EFFECT_CLASSES,
     EffectClass,
     Registry,
@@ -72,6 +73,11 @@ class Orchestrator:
         lease_ttl: float = 30.0,
         pool_size: int = 10,
         operator_scopes: Mapping[str, Sequence[str]] | None = None,
+        incident_readers: Sequence[str] | None = None,
+        retry_policy: RetryPolicy | None = None,
+        authorize: Callable[..., Awaitable[Any]] | None = None,
+        approve: Callable[..., Awaitable[Any]] | None = None,
+        stage_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
         self._database_url = database_url
         self._database: Database | None = None
@@ -81,6 +87,11 @@ class Orchestrator:
         self.lease_ttl = lease_ttl
         self.pool_size = pool_size
         self.operator_scopes = dict(operator_scopes or {})
+        self.incident_readers = None if incident_readers is None else list(incident_readers)
+        self.retry_policy = retry_policy
+        self.authorize = authorize  # app-wide policy stages, run before each tool's own
+        self.approve = approve
+        self.stage_timeout = stage_timeout.total_seconds()
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)
@@ -120,18 +131,28 @@ class Orchestrator:
         effect: EffectClass = "consequential",
         timeout: timedelta | None = None,
         max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        authorize_timeout: timedelta | None = None,
+        approve_timeout: timedelta | None = None,
     ) -> Callable[[F], Tool]:
-        """Register an async tool ``fn(ctx: ToolContext, **arguments)`` returning JSON."""
+        """Register an async tool ``fn(ctx: ToolContext, **arguments)`` returning JSON.
+
+        ``retry`` (a :class:`~orchestrator.recovery.RetryPolicy`) defaults to the app's, else
+        to the effect class's: one attempt for ``consequential``, three for ``idempotent`` and
+        ``read``. ``max_attempts`` alone overrides just the attempt count.
+        """
         if effect not in EFFECT_CLASSES:
             raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}")
-        attempts = DEFAULT_MAX_ATTEMPTS[effect] if max_attempts is None else max_attempts
-        if not 1 <= attempts <= 10:
-            raise InvalidRequest("max_attempts must be between 1 and 10")
+        policy = retry or self.retry_policy or DEFAULT_POLICIES[effect]
+        if max_attempts is not None:
+            policy = dataclasses.replace(policy, max_attempts=max_attempts)
 
         def register(fn: F) -> Tool:
             tool = Tool(name=check_name("tool", name or fn.__name__),
                         version=check_name("version", str(version)), fn=fn, effect=effect,
-                        timeout=timeout, max_attempts=attempts)
+                        timeout=timeout, policy=policy,
+                        authorize_timeout=_seconds(authorize_timeout, self.stage_timeout),
+                        approve_timeout=_seconds(approve_timeout, self.stage_timeout))
             self.registry.add_tool(tool)
             return tool
 
@@ -466,6 +487,10 @@ def _outcome(row: dict[str, Any]) -> Any:
                                    else "WORKFLOW_FAILED")
     raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
                     incident=error.get("incident"))
+
+
+def _seconds(value: timedelta | None, default: float) -> float:
+    return default if value is None else value.total_seconds()
 
 
 def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:

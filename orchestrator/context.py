@@ -105,3 +105,22 @@ class ToolContext:
         from datetime import UTC
 
         return max(self.deadline - datetime.now(UTC), timedelta(0))
+
+
+@dataclass
+class PolicyContext:
+    """What an ``authorize`` or ``approve`` stage sees before an operation is dispatched.
+
+    Return False (or raise) to refuse; the operation is then ``cancelled`` and the workflow gets
+    ``TOOL_DENIED``. ``cancelled`` is set when the stage is abandoned (the run was cancelled or
+    the stage ran out of its budget): stop waiting then.
+    """
+
+    tool: str
+    arguments: dict[str, Any]
+    owner: Owner
+    run_id: uuid.UUID
+    position: int
+    attempt: int
+    idempotency_key: str
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)

@@ -181,19 +181,28 @@ class ToolFailed(OrchestratorError):
 
     code = "TOOL_FAILED"
 
-    def __init__(self, message: str, *, tool: str, **kw: Any) -> None:
+    def __init__(self, message: str, *, tool: str, cause: str | None = None,
+                 reason: str | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.tool = tool
+        self.cause = cause  # e.g. authentication, conflict, rate_limited, denied
+        self.reason = reason  # why it was not retried: cause, visible, effects or budget
 
 
 class ToolError(Exception):
-    """Raised by tool code to say what is known about the effect of a failed call.
+    """Raised by tool code to say what is known about a failed call (CONTRACT C7).
 
-    ``applied=False`` proves that nothing was applied (the operation is ``failed``, or retried
-    as a new attempt when ``retryable`` and the tool's attempts allow). Any other failure,
-    including ``applied=None`` and every other exception type, leaves the effect unknown after
-    dispatch, and the operation goes to reconciliation unless its effect class allows a re-send.
-    The message is kept in protected diagnostics only.
+    Build it from what happened, and the orchestrator classifies it:
+
+    - ``ToolError.from_status(429, proves_not_applied=True, retry_after="2")``: a provider's
+      status; 401/403, 400/404/422 and 409 are definitive; 408/429 are retryable only when
+      they prove nothing was applied; ≥ 500 leaves the effects unknown;
+    - ``ToolError.before_send("connection")``: the request never left: retryable;
+    - ``ToolError.after_send("timeout")``: it was sent; the effects are unknown;
+    - ``ToolError(msg, applied=False, retryable=True)``: the general form.
+
+    Every other exception from a tool is a protocol failure: not retryable, and after
+    dispatch the effects are unknown. The message is kept in protected diagnostics only.
     """
 
     def __init__(
@@ -203,11 +212,41 @@ class ToolError(Exception):
         applied: bool | None = None,
         retryable: bool = False,
         status: int | None = None,
+        retry_after: str | float | None = None,
+        cause: str | None = None,
     ) -> None:
         super().__init__(message)
         self.applied = applied
         self.retryable = retryable
         self.status = status
+        self.retry_after = retry_after
+        self.cause = cause
+
+    @classmethod
+    def from_status(cls, status: int, message: str = "", *, proves_not_applied: bool = False,
+                    retry_after: str | float | None = None) -> ToolError:
+        return cls(message, status=status, applied=False if proves_not_applied else None,
+                   retry_after=retry_after)
+
+    @classmethod
+    def before_send(cls, kind: str = "connection", message: str = "", *,
+                    retry_after: str | float | None = None) -> ToolError:
+        return cls(message, applied=False, retryable=True, cause=f"{kind}_before_send",
+                   retry_after=retry_after)
+
+    @classmethod
+    def after_send(cls, kind: str = "timeout", message: str = "") -> ToolError:
+        return cls(message, applied=None, cause=f"{kind}_after_send")
+
+    def classification(self) -> Any:
+        """The :class:`orchestrator.recovery.Classification` of this failure."""
+        from orchestrator.recovery import Classification, classify_status
+
+        if self.status is not None and self.status >= 400:
+            return classify_status(self.status, proves_not_applied=self.applied is False)
+        if self.applied is False:
+            return Classification(self.cause or "not_applied", "none", self.retryable)
+        return Classification(self.cause or "outcome_unknown", "unknown", False)
 
 
 class OperationInProgress(OrchestratorError):

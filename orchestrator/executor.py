@@ -70,6 +70,16 @@ class Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
 
 
 @dataclass
+class Verdict:
+    """How an awaited step ended when raced against cancellation and a time budget."""
+
+    value: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    cancelled: bool = False
+
+
+@dataclass
 class Wait:
     """Why a branch of the workflow cannot proceed without the database's help."""
 
@@ -107,6 +117,9 @@ class RunExecutor:
         self.revision: int = claim["revision"]
         self.deadline_at: datetime | None = claim["deadline_at"]
         self.cancel_requested = claim["cancel_requested_at"] is not None
+        self.cancel_event = asyncio.Event()  # set as soon as this process learns of a cancel
+        if self.cancel_requested:
+            self.cancel_event.set()
         self.input = claim["input"]
         self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
         self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
@@ -135,6 +148,47 @@ class RunExecutor:
     def now(self) -> datetime:
         """The database's clock, as seen from this process."""
         return datetime.fromtimestamp(time.time() + self.skew, UTC)
+
+    def note_cancel(self) -> None:
+        """A cancellation request reached this process (a write said so, or a NOTIFY)."""
+        self.cancel_requested = True
+        self.cancel_event.set()
+
+    def stop_cancelled(self) -> None:
+        raise Stop("cancelled")
+
+    def stop_deadline(self) -> None:
+        raise Stop("deadline")
+
+    async def race_cancellation(self, coro: Awaitable[Any], timeout: float | None,
+                                signal: asyncio.Event) -> Verdict:
+        """Await ``coro`` for at most ``timeout`` seconds unless the run is cancelled first.
+
+        When it does not finish, ``signal`` is set (the callee's cancellation signal) before it
+        is cancelled; the timer and the listener are cleaned up on every path.
+        """
+        task = asyncio.ensure_future(coro)
+        listener = asyncio.ensure_future(self.cancel_event.wait())
+        try:
+            done, _ = await asyncio.wait({task, listener}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            signal.set()
+            task.cancel()
+            raise
+        finally:
+            listener.cancel()
+        if task in done:
+            if task.cancelled():
+                return Verdict(error=asyncio.CancelledError("the call cancelled itself"))
+            error = task.exception()
+            return Verdict(error=error) if error is not None else Verdict(value=task.result())
+        signal.set()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        cancelled = listener in done
+        return Verdict(cancelled=cancelled, timed_out=not cancelled)
 
     def next_position(self) -> int:
         position = self._position
@@ -215,7 +269,7 @@ class RunExecutor:
             del self._buffer[: len(pending)]
             self.revision += len(written)
             if cancel_at is not None:
-                self.cancel_requested = True
+                self.note_cancel()
             return result
 
     # -- commands ----------------------------------------------------------------------------

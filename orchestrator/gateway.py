@@ -1,30 +1,35 @@
-"""The effect gateway: every tool call is an operation in the ledger (CONTRACT C5).
+"""The effect gateway: every tool call is an operation in the ledger (CONTRACT C5, C7).
 
-The path of one attempt::
+One attempt::
 
-    submitted committed (write-ahead, fenced) ─► tool called ─► receipt committed (fenced)
-                                                            └─► failed (proved not applied)
-                                                            └─► unknown ─► reconciliation
+    pending (intent; only with policy stages) ─► authorize ─► approve ─┐
+    submitted committed (write-ahead, fenced, unless cancelled) ◄───────┘
+        ─► tool called ─► committed (receipt recorded before the workflow sees it)
+                       └► failed (proved not applied) ─► retry after a durable backoff, or stop
+                       └► unknown ─► reconciliation (or a re-send its effect class allows)
 
 A replayed call returns what the journal recorded and never calls the tool. A call found
 ``submitted`` without an outcome (its worker died) is never sent again unless its effect class
-allows: ``idempotent`` tools are re-sent with the same idempotency key, ``read`` tools as a new
-attempt, ``consequential`` tools go to reconciliation.
+allows: ``idempotent`` tools are re-sent with the same idempotency key and ``read`` tools as a
+new attempt, within the retry budget; ``consequential`` tools go to reconciliation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import canonical, faults
-from orchestrator.context import ToolContext
+from orchestrator.context import PolicyContext, ToolContext
 from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import incident_record
-from orchestrator.errors import InvalidRequest, LeaseLost, ToolError, ToolFailed, new_incident_ref
+from orchestrator.errors import InvalidRequest, ToolError, ToolFailed, new_incident_ref
+from orchestrator.recovery import Classification, Decision, decide, parse_retry_after
 from orchestrator.registry import Tool
 from orchestrator.replay import Nondeterminism
 
@@ -44,211 +49,395 @@ def next_step_after_uncertain(effect: str, attempts: int, max_attempts: int) -> 
     return "resend" if effect == "idempotent" else "new_attempt"
 
 
-async def call_tool(ex: RunExecutor, position: int, tool: Tool, arguments: dict[str, Any]) -> Any:
-    from orchestrator.executor import Wait
+@dataclass
+class Attempt:
+    """Where a call stands: the attempt to run next and what it reuses."""
 
-    args_text = canonical.canonical_bytes(
-        arguments, path="$.arguments", max_bytes=ex.app.max_record_bytes).decode()
-    intent = canonical.intent_digest(tool.name, tool.version, ex.owner.as_dict(), arguments)
-    recorded = ex.index.expect(position, "call", tool.name)
-    attempt, key = 1, None
-    if recorded:
-        if recorded[0]["payload"]["intent"] != intent:
+    number: int = 1
+    key: str | None = None  # an idempotent re-send reuses the uncertain attempt's key
+    pending_op: int | None = None  # an intent recorded before a crash, stages not yet passed
+
+
+class Call:
+    """One ``ctx.call`` at one journal position."""
+
+    def __init__(self, ex: RunExecutor, position: int, tool: Tool,
+                 arguments: dict[str, Any]) -> None:
+        self.ex = ex
+        self.position = position
+        self.tool = tool
+        self.arguments = arguments
+        self.args_text = canonical.canonical_bytes(
+            arguments, path="$.arguments", max_bytes=ex.app.max_record_bytes).decode()
+        self.intent = canonical.intent_digest(tool.name, tool.version, ex.owner.as_dict(),
+                                              arguments)
+        self.following = Attempt()  # set by each failed attempt: what to run next
+
+    def event(self, kind: str, payload: dict[str, Any]) -> Event:
+        from orchestrator.executor import event
+
+        return event(kind, self.position, self.tool.name, payload)
+
+    def key_for(self, attempt: int) -> str:
+        return f"{self.ex.run_id}:{self.position}:{attempt}"
+
+    # -- the whole call ----------------------------------------------------------------------
+
+    async def run(self) -> Any:
+        recorded = self.ex.index.expect(self.position, "call", self.tool.name)
+        state = await self.resume(recorded) if recorded else Attempt()
+        while True:
+            outcome = await self.attempt(state)
+            if outcome is not None:
+                return outcome.value
+            state = self.following
+
+    async def resume(self, recorded: list[Event]) -> Attempt:
+        """Continue from what the journal says about this call."""
+        if recorded[0]["payload"]["intent"] != self.intent:
             raise Nondeterminism(
-                f"position {position}: tool {tool.name!r} was recorded with other arguments "
-                "(intent digest differs)")
+                f"position {self.position}: tool {self.tool.name!r} was recorded with other "
+                "arguments (intent digest differs)")
         last = recorded[-1]
-        payload = last["payload"]
-        if last["kind"] == "call.completed":
-            return payload["result"]
-        if last["kind"] == "call.failed":
-            raise ToolFailed(f"tool {tool.name} failed", tool=tool.name,
+        kind, payload = last["kind"], last["payload"]
+        begun = self.ex.index.last(self.position, ("call.pending", "call.submitted"))
+        assert begun is not None
+        number, op_id = begun["payload"]["attempt"], begun["payload"]["op"]
+        if kind == "call.completed":
+            raise _Done(payload["result"])
+        if kind in ("call.failed", "call.denied"):
+            raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
+                             cause=payload.get("cause"), reason=payload.get("reason"),
                              incident=payload.get("incident"))
-        submitted = ex.index.last(position, ("call.submitted",))
-        assert submitted is not None
-        attempt = submitted["payload"]["attempt"]
-        op_id = submitted["payload"]["op"]
-        if last["kind"] in ("call.not_applied", "call.retrying"):
-            if attempt >= tool.max_attempts:
-                raise ToolFailed(f"tool {tool.name} was not applied", tool=tool.name)
-            attempt += 1
-        elif last["kind"] == "call.unknown":
+        if kind == "call.cancelled":
+            from orchestrator.executor import Stop
+
+            raise Stop("cancelled")
+        if kind == "call.pending":
+            return Attempt(number, begun["payload"]["key"], pending_op=op_id)
+        if kind == "call.retrying":
+            await self.wait_until(datetime.fromisoformat(payload["not_before"]))
+            return Attempt(number + 1)
+        if kind == "call.not_applied":  # reconciled: continue under the retry policy
+            decision = self.decide(Classification("not_applied", "none", True), number, None)
+            await self.after_definitive(op_id, number, decision, "not_applied", None,
+                                        record_failure=False)
+            return self.following
+        if kind == "call.unknown":
             step = payload.get("next", "reconcile")
             if step == "reconcile":
-                await ex.park(Wait("blocked", position, operation_id=op_id))
-            key = submitted["payload"]["key"] if step == "resend" else None
-            attempt += 1
-        else:  # call.submitted without an outcome: the worker that sent it is gone
-            step = next_step_after_uncertain(tool.effect, attempt, tool.max_attempts)
-            await _record_unknown(ex, position, tool, op_id, "WORKER_LOST", step)
-            if step == "reconcile":
-                await ex.park(Wait("blocked", position, operation_id=op_id))
-            key = submitted["payload"]["key"] if step == "resend" else None
-            attempt += 1
-    while True:
-        outcome = await _attempt(ex, position, tool, arguments, args_text, intent, attempt, key)
-        kind, value, op_id = outcome
-        if kind == "committed":
-            return value
-        if kind == "failed":
-            raise value
-        if kind == "retry":
-            attempt, key = attempt + 1, None
-            continue
-        step = next_step_after_uncertain(tool.effect, attempt, tool.max_attempts)
-        await _record_unknown(ex, position, tool, op_id, value, step)
+                await self.park_blocked(op_id)
+            return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
+        # call.submitted without an outcome: the worker that sent it is gone
+        step = self.uncertain_step(number)
+        await self.record_unknown(op_id, "WORKER_LOST", step)
         if step == "reconcile":
-            await ex.park(Wait("blocked", position, operation_id=op_id))
-        key = (key or _key(ex, position, attempt)) if step == "resend" else None
-        attempt += 1
+            await self.park_blocked(op_id)
+        return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
 
+    # -- one attempt -------------------------------------------------------------------------
 
-def _key(ex: RunExecutor, position: int, attempt: int) -> str:
-    return f"{ex.run_id}:{position}:{attempt}"
+    async def attempt(self, state: Attempt) -> _Done | None:
+        """Run one attempt; return its receipt, or None with ``self.following`` set."""
+        ex, tool = self.ex, self.tool
+        ex.boundary()
+        key = state.key or self.key_for(state.number)
+        op_id = state.pending_op
+        stages = self.stages()
+        if op_id is None:
+            op_id, status = await self.begin(state.number, key, pending=bool(stages))
+            faults.reach("after_intent", tool.name)
+            if status == "cancelled":
+                ex.stop_cancelled()
+        if stages or state.pending_op is not None:
+            await self.run_stages(op_id, state.number, key, stages)
+        faults.reach("after_submitted", tool.name)
+        ex.worker.metrics.incr("operations_dispatched")
+        if state.number > 1:
+            ex.worker.metrics.incr("operations_retried")
+        return await self.dispatch(op_id, state.number, key)
 
+    async def begin(self, number: int, key: str, *, pending: bool) -> tuple[int, str]:
+        ex = self.ex
+        row = {
+            "run_id": ex.run_id, "position": self.position, "attempt": number,
+            "tool_name": self.tool.name, "tool_version": self.tool.version,
+            "effect_class": self.tool.effect, "tenant": ex.owner.tenant,
+            "principal": ex.owner.principal, "intent_digest": self.intent,
+            "arguments": self.args_text, "idempotency_key": key,
+            "worker_id": ex.worker.worker_id, "token": ex.token,
+        }
 
-async def _attempt(ex: RunExecutor, position: int, tool: Tool, arguments: dict[str, Any],
-                   args_text: str, intent: str, attempt: int, key: str | None
-                   ) -> tuple[str, Any, int]:
-    """One dispatch. Returns (committed, receipt) | (failed, error) | (retry, None) |
-    (unknown, reason), each with the operation id."""
-    from orchestrator.executor import Stop, event
+        async def work(conn: Conn) -> tuple[tuple[int, str], list[Event]]:
+            try:
+                op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
+            except ops_db.OperationIdentityReused as exc:
+                raise Nondeterminism(str(exc)) from None
+            payload = {"tool_version": self.tool.version, "intent": self.intent,
+                       "attempt": number, "op": op_id, "key": key, "effect": self.tool.effect}
+            kind = "call.submitted" if status == "submitted" else "call.pending"
+            events = [self.event(kind, payload)]
+            if status == "cancelled":
+                events.append(self.event("call.cancelled", {"op": op_id}))
+            return (op_id, status), events
 
-    ex.boundary()
-    key = key or _key(ex, position, attempt)
-    row = {
-        "run_id": ex.run_id, "position": position, "attempt": attempt,
-        "tool_name": tool.name, "tool_version": tool.version, "effect_class": tool.effect,
-        "tenant": ex.owner.tenant, "principal": ex.owner.principal, "intent_digest": intent,
-        "arguments": args_text, "idempotency_key": key, "worker_id": ex.worker.worker_id,
-        "token": ex.token,
-    }
+        with ex.active():
+            result = await ex.write(work)
+        assert result is not None
+        return result
 
-    async def submit(conn: Conn) -> tuple[int, list[Event]]:
+    def stages(self) -> list[tuple[str, Any, float]]:
+        app, tool = self.ex.app, self.tool
+        found = []
+        for name, app_hook, tool_hook, budget in (
+                ("authorize", app.authorize, tool.authorize_fn, tool.authorize_timeout),
+                ("approve", app.approve, tool.approve_fn, tool.approve_timeout)):
+            for hook in (app_hook, tool_hook):
+                if hook is not None:
+                    found.append((name, hook, budget))
+        return found
+
+    async def run_stages(self, op_id: int, number: int, key: str,
+                         stages: list[tuple[str, Any, float]]) -> None:
+        """Run each policy stage under its budget, checking cancellation around each; then
+        move the intent to ``submitted`` (or ``cancelled``) in one guarded statement."""
+        ex = self.ex
+        pctx = PolicyContext(tool=self.tool.name, arguments=self.arguments, owner=ex.owner,
+                             run_id=ex.run_id, position=self.position, attempt=number,
+                             idempotency_key=key)
+        for name, hook, budget in stages:
+            if ex.cancel_requested:
+                await self.cancel_pending(op_id)
+            verdict = await ex.race_cancellation(hook(pctx), budget, pctx.cancelled)
+            if verdict.cancelled:
+                await self.cancel_pending(op_id)
+            if verdict.timed_out or verdict.error is not None or verdict.value is False:
+                cause = "policy_timeout" if verdict.timed_out else "denied"
+                ref = await self.incident(op_id, name, verdict.error) if verdict.error else None
+                await self.deny(op_id, name, cause, ref)
+
+        async def submit(conn: Conn) -> tuple[str, list[Event]]:
+            status = await ops_db.operation_mark_submitted(conn, op_id=op_id, token=ex.token)
+            if status == "cancelled":
+                return status, [self.event("call.cancelled", {"op": op_id})]
+            return status, [self.event("call.submitted", {
+                "tool_version": self.tool.version, "intent": self.intent, "attempt": number,
+                "op": op_id, "key": key, "effect": self.tool.effect})]
+
+        with ex.active():
+            status = await ex.write(submit)
+        if status == "cancelled":
+            ex.stop_cancelled()
+
+    async def cancel_pending(self, op_id: int) -> None:
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            await ops_db.operation_cancel(conn, op_id=op_id, token=self.ex.token)
+            return None, [self.event("call.cancelled", {"op": op_id})]
+
+        with self.ex.active():
+            await self.ex.write(work)
+        self.ex.stop_cancelled()
+
+    async def deny(self, op_id: int, stage: str, cause: str, ref: str | None) -> None:
+        error = json.dumps({"code": "TOOL_DENIED", "stage": stage, "cause": cause,
+                            "incident": ref})
+
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            await ops_db.operation_cancel(conn, op_id=op_id, token=self.ex.token, error=error)
+            return None, [self.event("call.denied", {"op": op_id, "stage": stage,
+                                                     "cause": cause, "incident": ref})]
+
+        with self.ex.active():
+            await self.ex.write(work)
+        raise ToolFailed(f"tool {self.tool.name} was not allowed ({stage})", tool=self.tool.name,
+                         code="TOOL_DENIED", cause=cause, reason="cause", incident=ref)
+
+    async def dispatch(self, op_id: int, number: int, key: str) -> _Done | None:
+        ex, tool = self.ex, self.tool
+        tctx = ToolContext(idempotency_key=key, run_id=ex.run_id, position=self.position,
+                           attempt=number, operation_id=op_id, owner=ex.owner,
+                           deadline=ex.deadline_at)
+        timeout = tool.timeout.total_seconds() if tool.timeout is not None else None
+        remaining = ex.remaining()
+        if remaining is not None:
+            timeout = remaining if timeout is None else min(timeout, remaining)
+        verdict = await ex.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
+                                             tctx.cancelled)
+        if verdict.cancelled or verdict.timed_out:
+            what = "cancelled after dispatch" if verdict.cancelled else "timed out"
+            await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
+            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN")
+            return None
+        if verdict.error is not None:
+            ref = await self.incident(op_id, "tool", verdict.error)
+            exc = verdict.error
+            if isinstance(exc, ToolError):
+                cls: Classification = exc.classification()
+                if cls.effects != "unknown":
+                    upstream, invalid = parse_retry_after(exc.retry_after, ex.now())
+                    decision = self.decide(cls, number, (upstream, invalid))
+                    await self.after_definitive(op_id, number, decision, cls.cause, ref)
+                    return None
+            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN")
+            return None
+        faults.reach("after_tool_return", tool.name)
+        receipt = verdict.value
         try:
-            op_id = await ops_db.operation_submit(conn, row)
-        except ops_db.OperationIdentityReused as exc:
-            raise Nondeterminism(str(exc)) from None
-        return op_id, [event("call.submitted", position, tool.name, {
-            "tool_version": tool.version, "intent": intent, "attempt": attempt, "op": op_id,
-            "key": key, "effect": tool.effect})]
+            receipt_text = canonical.canonical_bytes(
+                receipt, path="$.receipt", max_bytes=ex.app.max_record_bytes).decode()
+        except InvalidRequest as exc:
+            await self.incident(op_id, "receipt", exc)
+            await self.uncertain(op_id, number, key, "INVALID_RECEIPT")
+            return None
+        await self.commit(op_id, key, receipt, receipt_text)
+        faults.reach("after_receipt", tool.name)
+        return _Done(receipt)
 
-    op_id = await ex.write(submit)
-    assert op_id is not None
-    ex.worker.metrics.incr("operations_dispatched")
-    if attempt > 1:
-        ex.worker.metrics.incr("operations_retried")
-    faults.reach("after_intent", tool.name)
-    faults.reach("after_submitted", tool.name)
+    async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> None:
+        from orchestrator.executor import Stop
 
-    tctx = ToolContext(idempotency_key=key, run_id=ex.run_id, position=position,
-                       attempt=attempt, operation_id=op_id, owner=ex.owner,
-                       deadline=ex.deadline_at)
-    timeout = tool.timeout.total_seconds() if tool.timeout is not None else None
-    remaining = ex.remaining()
-    if remaining is not None:
-        timeout = remaining if timeout is None else min(timeout, remaining)
-    task = asyncio.ensure_future(tool.fn(tctx, **arguments))
-    try:
+        ex = self.ex
+        digest = canonical.digest(receipt)
+
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            await ops_db.operation_commit(conn, op_id=op_id, token=ex.token,
+                                          receipt=receipt_text, receipt_digest=digest)
+            await ops_db.operation_settle_resent(conn, run_id=ex.run_id, position=self.position,
+                                                 key=key, receipt=receipt_text,
+                                                 receipt_digest=digest)
+            return None, [self.event("call.completed", {"result": receipt, "op": op_id})]
+
         try:
-            receipt = await asyncio.wait_for(asyncio.shield(task), timeout)
-        except TimeoutError:
-            if not task.done():  # our timeout, not one the tool raised: signal, then cancel
-                tctx.cancelled.set()
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            with ex.active():
+                await ex.write(work)
+        except Stop:
+            # The lease is gone: this receipt is not the outcome, but it is evidence (C8).
+            evidence = json.dumps({"kind": "late_receipt", "worker": ex.worker.worker_id,
+                                   "receipt": receipt, "receipt_digest": digest})
+            async with ex.db.connection() as conn:
+                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
             raise
-    except ToolError as exc:
-        ref = await _incident(ex, op_id, "tool", exc)
-        if exc.applied is False:
-            if exc.retryable and attempt < tool.max_attempts:
-                await _fail_op(ex, position, tool, op_id, ref, not_applied=True)
-                return "retry", None, op_id
-            await _fail_op(ex, position, tool, op_id, ref)
-            return "failed", ToolFailed(f"tool {tool.name} failed", tool=tool.name,
-                                        incident=ref), op_id
-        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
-    except TimeoutError as exc:
-        await _incident(ex, op_id, "timeout", exc)
-        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
-    except Exception as exc:
-        await _incident(ex, op_id, "tool", exc)
-        return "unknown", "TOOL_OUTCOME_UNCERTAIN", op_id
-    faults.reach("after_tool_return", tool.name)
-    try:
-        receipt_text = canonical.canonical_bytes(
-            receipt, path="$.receipt", max_bytes=ex.app.max_record_bytes).decode()
-    except InvalidRequest as exc:
-        await _incident(ex, op_id, "receipt", exc)
-        return "unknown", "INVALID_RECEIPT", op_id
-    digest = canonical.digest(receipt)
 
-    async def commit(conn: Conn) -> tuple[None, list[Event]]:
-        await ops_db.operation_commit(conn, op_id=op_id, token=ex.token, receipt=receipt_text,
-                                      receipt_digest=digest)
-        await ops_db.operation_settle_resent(conn, run_id=ex.run_id, position=position,
-                                             key=key, receipt=receipt_text, receipt_digest=digest)
-        return None, [event("call.completed", position, tool.name,
-                            {"result": receipt, "op": op_id})]
+    # -- after a failure ---------------------------------------------------------------------
 
-    try:
-        await ex.write(commit)
-    except Stop:
-        # The lease is gone: this receipt is not the outcome, but it is evidence (C8).
-        evidence = json.dumps({"kind": "late_receipt", "worker": ex.worker.worker_id,
-                               "receipt": receipt, "receipt_digest": digest})
-        async with ex.db.connection() as conn:
-            await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
-        raise
-    faults.reach("after_receipt", tool.name)
-    return "committed", receipt, op_id
+    def decide(self, cls: Classification, number: int,
+               upstream: tuple[int | None, bool] | None) -> Decision:
+        remaining = self.ex.remaining()
+        wait, invalid = upstream if upstream is not None else (None, False)
+        return decide(transient=cls.transient, effects=cls.effects, visible=False,
+                      attempts=number, policy=self.tool.policy, jitter=random.random(),
+                      remaining_ms=None if remaining is None else int(remaining * 1000),
+                      upstream_wait_ms=wait, upstream_invalid=invalid)
 
+    async def after_definitive(self, op_id: int, number: int, decision: Decision, cause: str,
+                               ref: str | None, *, record_failure: bool = True) -> None:
+        """Nothing was applied: back off durably and try again, or stop with ToolFailed."""
+        ex = self.ex
+        if decision.action == "retry":
+            not_before = ex.now() + timedelta(milliseconds=decision.delay_ms)
+            await self.fail(op_id, "call.retrying", {
+                "op": op_id, "attempt": number, "cause": cause, "incident": ref,
+                "delay_ms": decision.delay_ms, "not_before": not_before.isoformat()},
+                record_failure)
+            await self.wait_until(not_before)
+            self.following = Attempt(number + 1)
+            return
+        reason = decision.reason or "cause"
+        await self.fail(op_id, "call.failed", {"op": op_id, "attempt": number, "cause": cause,
+                                               "reason": reason, "incident": ref},
+                        record_failure)
+        if decision.detail == "deadline":
+            ex.stop_deadline()  # the next attempt cannot fit before the run's deadline
+        raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name, cause=cause,
+                         reason=reason, incident=ref)
 
-async def _fail_op(ex: RunExecutor, position: int, tool: Tool, op_id: int, ref: str,
-                   *, not_applied: bool = False) -> None:
-    from orchestrator.executor import event
+    async def fail(self, op_id: int, kind: str, payload: dict[str, Any],
+                   record_failure: bool) -> None:
+        error = json.dumps({"code": "TOOL_FAILED", "cause": payload["cause"],
+                            "incident": payload["incident"]})
 
-    error = json.dumps({"code": "TOOL_FAILED", "incident": ref, "not_applied": True})
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            if record_failure:
+                await ops_db.operation_fail(conn, op_id=op_id, token=self.ex.token, error=error)
+            return None, [self.event(kind, payload)]
 
-    async def fail(conn: Conn) -> tuple[None, list[Event]]:
-        await ops_db.operation_fail(conn, op_id=op_id, token=ex.token, error=error)
-        kind = "call.retrying" if not_applied else "call.failed"
-        return None, [event(kind, position, tool.name, {"op": op_id, "incident": ref})]
+        with self.ex.active():
+            await self.ex.write(work)
 
-    await ex.write(fail)
+    async def wait_until(self, when: datetime) -> None:
+        """A durable wait before the next attempt: the run is parked, not a process asleep."""
+        from orchestrator.executor import Wait
 
+        if when > self.ex.now():
+            await self.ex.park(Wait("timer", self.position, wake_at=when))
 
-async def _record_unknown(ex: RunExecutor, position: int, tool: Tool, op_id: int, reason: str,
-                          step: str) -> None:
-    """Mark an attempt unknown; enqueue it for reconciliation unless it will be re-sent."""
-    from orchestrator.executor import event
+    def uncertain_step(self, number: int) -> str:
+        ex = self.ex
+        step = next_step_after_uncertain(self.tool.effect, number, self.tool.max_attempts)
+        if step != "reconcile" and (ex.cancel_requested or ex.remaining() == 0):
+            step = "new_attempt" if self.tool.effect == "read" else "reconcile"
+        return step
 
-    async def mark(conn: Conn) -> tuple[None, list[Event]]:
+    async def uncertain(self, op_id: int, number: int, key: str, reason: str) -> None:
+        """The effect may or may not have happened: never guess (C5, C8)."""
+        ex = self.ex
+        step = self.uncertain_step(number)
+        await self.record_unknown(op_id, reason, step)
+        if ex.remaining() == 0:
+            ex.stop_deadline()  # the effect stays unknown and listed; the run is out of time
+        if ex.cancel_requested and step != "reconcile":
+            ex.stop_cancelled()  # an uncertain read settles as not applied; nothing is unknown
         if step == "reconcile":
-            await ops_db.operation_mark_unknown(conn, op_id=op_id, token=ex.token, reason=reason)
-        else:
-            await ops_db.operation_mark_unknown(conn, op_id=op_id, token=ex.token, reason=reason,
-                                                enqueue=False, settle_read=step == "new_attempt")
-        return None, [event("call.unknown", position, tool.name,
-                            {"op": op_id, "reason": reason, "next": step})]
+            await self.park_blocked(op_id)
+        self.following = Attempt(number + 1, key if step == "resend" else None)
 
-    await ex.write(mark)
-    ex.worker.metrics.incr("unknown_outcomes")
+    async def record_unknown(self, op_id: int, reason: str, step: str) -> None:
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            await ops_db.operation_mark_unknown(
+                conn, op_id=op_id, token=self.ex.token, reason=reason,
+                enqueue=step == "reconcile", settle_read=step == "new_attempt")
+            return None, [self.event("call.unknown",
+                                     {"op": op_id, "reason": reason, "next": step})]
+
+        with self.ex.active():
+            await self.ex.write(work)
+        self.ex.worker.metrics.incr("unknown_outcomes")
+
+    async def park_blocked(self, op_id: int) -> None:
+        from orchestrator.executor import Wait
+
+        await self.ex.park(Wait("blocked", self.position, operation_id=op_id))
+
+    async def incident(self, op_id: int, phase: str, exc: BaseException) -> str:
+        """Keep what went wrong in protected diagnostics; return the incident reference."""
+        ex = self.ex
+        ref = new_incident_ref()
+        detail = {"type": type(exc).__name__, "message": str(exc)[:10000],
+                  "tool": self.tool.name}
+        status = getattr(exc, "status", None)
+        with contextlib.suppress(Exception):
+            async with ex.db.connection() as conn:
+                await incident_record(conn, {
+                    "ref": ref, "code": "TOOL_ERROR", "run_id": ex.run_id,
+                    "operation_id": op_id, "phase": phase, "cause": type(exc).__name__,
+                    "upstream_status": status if isinstance(status, int) else None,
+                    "detail": json.dumps(detail)})
+        return ref
 
 
-async def _incident(ex: RunExecutor, op_id: int, phase: str, exc: BaseException) -> str:
-    """Keep what went wrong in protected diagnostics; return the incident reference."""
-    ref = new_incident_ref()
-    detail = {"type": type(exc).__name__, "message": str(exc)[:10000]}
-    status = getattr(exc, "status", None)
+
+class _Done(Exception):  # noqa: N818 - carries a recorded receipt out of resume()
+    def __init__(self, value: Any) -> None:
+        super().__init__("done")
+        self.value = value
+
+
+async def call_tool(ex: RunExecutor, position: int, tool: Tool, arguments: dict[str, Any]) -> Any:
+    call = Call(ex, position, tool, arguments)
     try:
-        async with ex.db.connection() as conn:
-            await incident_record(conn, {
-                "ref": ref, "code": "TOOL_ERROR", "run_id": ex.run_id, "operation_id": op_id,
-                "phase": phase, "cause": type(exc).__name__,
-                "upstream_status": status if isinstance(status, int) else None,
-                "detail": json.dumps(detail)})
-    except LeaseLost:  # pragma: no cover - incidents are not fenced
-        pass
-    return ref
+        return await call.run()
+    except _Done as done:
+        return done.value
+
+
+__all__ = ["call_tool", "next_step_after_uncertain"]

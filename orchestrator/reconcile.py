@@ -161,7 +161,7 @@ class Reconciler:
     async def run(self) -> None:
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(
-            self.db.listen(RECONCILE_CHANNEL, lambda _: self._wake.set(), listen_stop))
+            self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))
         try:
             while not self._stop.is_set():
                 self._wake.clear()

@@ -12,14 +12,12 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from orchestrator.errors import InvalidRequest
+from orchestrator.recovery import RetryPolicy
 
 EffectClass = Literal["consequential", "idempotent", "read"]
 EFFECT_CLASSES: tuple[EffectClass, ...] = ("consequential", "idempotent", "read")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
-# How many attempts each effect class gets by default, counting the first and any re-send after
-# a crash (CONTRACT C5): a consequential effect is never sent twice automatically.
-DEFAULT_MAX_ATTEMPTS: dict[str, int] = {"consequential": 1, "idempotent": 3, "read": 3}
 
 
 def check_name(kind: str, name: str) -> str:
@@ -44,21 +42,46 @@ class Workflow:
         return f"{self.name}@{self.version}"
 
 
+Hook = Callable[..., Awaitable[Any]]
+
+
 @dataclass
 class Tool:
-    """A registered tool: every call goes through the effect gateway as an operation."""
+    """A registered tool: every call goes through the effect gateway as an operation.
+
+    ``authorize`` and ``approve`` are optional policy stages run before dispatch, each bounded
+    by its own time budget (seconds); cancellation is checked before and after each.
+    """
 
     name: str
     version: str
     fn: Callable[..., Awaitable[Any]]
     effect: EffectClass = "consequential"
     timeout: timedelta | None = None
-    max_attempts: int = 1
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
     lookup_fn: Callable[..., Awaitable[Any]] | None = field(default=None)
+    authorize_fn: Hook | None = None
+    approve_fn: Hook | None = None
+    authorize_timeout: float = 30.0
+    approve_timeout: float = 30.0
+
+    @property
+    def max_attempts(self) -> int:
+        return self.policy.max_attempts
 
     def lookup(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         """Register the read-only lookup the reconciler uses for uncertain outcomes."""
         self.lookup_fn = fn
+        return fn
+
+    def authorize(self, fn: Hook) -> Hook:
+        """Register an authorisation stage: ``fn(ctx: PolicyContext)``; False denies."""
+        self.authorize_fn = fn
+        return fn
+
+    def approve(self, fn: Hook) -> Hook:
+        """Register an approval stage: ``fn(ctx: PolicyContext)``; False denies."""
+        self.approve_fn = fn
         return fn
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:

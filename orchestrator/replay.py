@@ -17,11 +17,11 @@ SCHEMA_VERSION = 1
 
 # Which event kinds a command of each kind may find first at its position.
 _FIRST_KIND = {
-    "call": "call.submitted",
-    "sleep": "timer",
-    "event": "event.wait",
-    "value": "value",
-    "child": "child.started",
+    "call": ("call.submitted", "call.pending"),
+    "sleep": ("timer",),
+    "event": ("event.wait",),
+    "value": ("value",),
+    "child": ("child.started",),
 }
 
 
@@ -55,7 +55,7 @@ class JournalIndex:
         if not events:
             return []
         first = events[0]
-        if first["kind"] != _FIRST_KIND[command] or first["name"] != name:
+        if first["kind"] not in _FIRST_KIND[command] or first["name"] != name:
             raise Nondeterminism(
                 f"position {position}: the workflow issued {command} {name!r} but the journal "
                 f"recorded {first['kind']} {first['name']!r}"

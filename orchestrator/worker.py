@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
-from orchestrator.db.database import RUNS_CHANNEL
+from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL
 from orchestrator.errors import OrchestratorError, SchemaUnsupported
 from orchestrator.executor import RunExecutor
 
@@ -74,8 +74,8 @@ class Worker:
         if stop is not None:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()
-        listener = asyncio.ensure_future(
-            self.app.database.listen(RUNS_CHANNEL, lambda _: self._wake.set(), listen_stop))
+        listener = asyncio.ensure_future(self.app.database.listen(
+            [RUNS_CHANNEL, CANCEL_CHANNEL], self._on_notify, listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
         workflows = list(self.app.registry.workflows)
         async with self.app.database.connection() as conn:
@@ -111,6 +111,14 @@ class Worker:
                 async with self.app.database.connection() as conn:
                     await workers_db.worker_unregister(conn, self.worker_id)
             log.info("worker %s stopped", self.worker_id)
+
+    def _on_notify(self, channel: str, payload: str) -> None:
+        if channel == CANCEL_CHANNEL:
+            for rid, (_, ex) in self._running.items():
+                if ex is not None and str(rid) == payload:
+                    ex.note_cancel()
+            return
+        self._wake.set()
 
     async def _forward_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()

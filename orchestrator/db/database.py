@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -33,6 +33,8 @@ RUNS_CHANNEL = "orchestrator_runs"
 """NOTIFY channel: new or woken work. The payload is unused; any message means 'look again'."""
 RECONCILE_CHANNEL = "orchestrator_reconcile"
 """NOTIFY channel: a run was parked on an unknown operation."""
+CANCEL_CHANNEL = "orchestrator_cancel"
+"""NOTIFY channel: cancellation was requested; the payload is the run id."""
 
 
 def _transient(exc: BaseException) -> bool:
@@ -130,9 +132,13 @@ class Database:
                         return await work(cast(Conn, conn))
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def listen(self, channel: str, on_message: Callable[[str], None],
+    async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],
                      stop: asyncio.Event) -> None:
-        """LISTEN on ``channel`` until ``stop`` is set; reconnect after a dropped connection."""
+        """LISTEN on ``channels`` until ``stop`` is set; reconnect after a dropped connection.
+
+        ``on_message(channel, payload)`` is called for each notification, and once with
+        ``("", "")`` after every (re)connection, since anything may have been missed.
+        """
         while not stop.is_set():
             try:
                 conn = await psycopg.AsyncConnection.connect(self.target.url, autocommit=True)
@@ -141,14 +147,15 @@ class Database:
                 continue
             try:
                 async with conn:
-                    await conn.execute(f"LISTEN {channel}")
-                    on_message("")  # (re)connected: anything may have been missed
+                    for channel in channels:
+                        await conn.execute(f"LISTEN {channel}")
+                    on_message("", "")
                     while not stop.is_set():
                         async for note in conn.notifies(timeout=0.5):
-                            on_message(note.payload)
+                            on_message(note.channel, note.payload)
                             if stop.is_set():
                                 break
-            except (psycopg.OperationalError, StopAsyncIteration):
+            except psycopg.OperationalError:
                 await _wait_or_stop(stop, 0.5)
 
 

@@ -25,44 +25,90 @@ class OperationIdentityReused(Exception):
     """An operation identity (run, position, attempt) already exists in the ledger."""
 
 
-async def operation_submit(conn: Conn, row: dict[str, Any]) -> int:
-    """Record an operation as ``submitted`` (write-ahead: before the tool is called).
+_INSERT = f"""
+INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version, effect_class,
+                            tenant, principal, intent_digest, arguments, idempotency_key, state,
+                            worker_id, lease_token, submitted_at)
+SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
+       %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s, %(arguments)s::jsonb,
+       %(idempotency_key)s, %(state)s, %(worker_id)s, %(token)s,
+       CASE WHEN %(state)s = 'submitted' THEN now() END
+WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
+              AND r.status = 'running'
+              AND (%(state)s = 'pending' OR r.cancel_requested_at IS NULL))
+ON CONFLICT (run_id, position, attempt) DO NOTHING
+RETURNING id
+"""
+
+
+async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> tuple[int, str]:
+    """Record a new attempt; returns ``(operation id, state)``.
+
+    With ``pending`` (the tool has policy stages) the intent is recorded as ``pending``.
+    Otherwise the operation is recorded as ``submitted`` at once (write-ahead: before the tool
+    is called), unless a cancellation was requested: then it is recorded ``pending`` and moved
+    to ``cancelled`` in the same transaction, and the tool is never called.
 
     ``row`` holds run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
     principal, intent_digest, arguments (canonical JSON text), idempotency_key, worker_id and
-    token. The insert only happens while the lease is held.
+    token. Nothing is written unless the lease is held.
+    """
+    cur = await conn.execute(_INSERT, {**row, "state": "pending" if pending else "submitted"})
+    got = await cur.fetchone()
+    if got is not None:
+        return int(got["id"]), "pending" if pending else "submitted"
+    existing = await conn.execute(
+        f"""SELECT id FROM {S}.operations
+            WHERE run_id = %(run_id)s AND position = %(position)s AND attempt = %(attempt)s""",
+        row,
+    )
+    if await existing.fetchone() is not None:
+        raise OperationIdentityReused(
+            f"operation ({row['run_id']}, {row['position']}, {row['attempt']}) exists"
+        )
+    cur = await conn.execute(_INSERT, {**row, "state": "pending"})
+    got = await cur.fetchone()
+    if got is None:
+        raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
+    await operation_cancel(conn, op_id=int(got["id"]), token=row["token"])
+    return int(got["id"]), "cancelled"
+
+
+async def operation_mark_submitted(conn: Conn, *, op_id: int, token: int) -> str:
+    """pending → submitted, unless cancellation was requested (then pending → cancelled).
+
+    The check and the transition are one statement, so a cancellation either lands before
+    dispatch (the tool is never called) or after it (the tool's signal is set).
     """
     cur = await conn.execute(
         f"""
-        INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
-                                    effect_class, tenant, principal, intent_digest, arguments,
-                                    idempotency_key, state, worker_id, lease_token,
-                                    submitted_at)
-        SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
-               %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s,
-               %(arguments)s::jsonb, %(idempotency_key)s, 'submitted', %(worker_id)s,
-               %(token)s, now()
-        WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s
-                      AND r.lease_token = %(token)s AND r.status = 'running')
-        ON CONFLICT (run_id, position, attempt) DO NOTHING
-        RETURNING id
+        UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now()
+        WHERE o.id = %(op_id)s AND o.state = 'pending'
+          AND EXISTS (SELECT 1 FROM {S}.runs r
+                      WHERE r.id = o.run_id AND r.lease_token = %(token)s
+                        AND r.status = 'running' AND r.cancel_requested_at IS NULL)
         """,
-        row,
+        {"op_id": op_id, "token": token},
     )
-    got = await cur.fetchone()
-    if got is None:
-        existing = await conn.execute(
-            f"""SELECT id FROM {S}.operations
-                WHERE run_id = %(run_id)s AND position = %(position)s AND attempt = %(attempt)s""",
-            row,
-        )
-        if await existing.fetchone() is not None:
-            raise OperationIdentityReused(
-                f"operation ({row['run_id']}, {row['position']}, {row['attempt']}) exists"
-            )
-        raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
-    op_id: int = got["id"]
-    return op_id
+    if cur.rowcount == 1:
+        return "submitted"
+    await operation_cancel(conn, op_id=op_id, token=token)
+    return "cancelled"
+
+
+async def operation_cancel(conn: Conn, *, op_id: int, token: int, error: str | None = None
+                           ) -> None:
+    """pending → cancelled: never dispatched (cancellation, or a policy stage said no)."""
+    await _transition(
+        conn,
+        f"""
+        UPDATE {S}.operations o SET state = 'cancelled', error = %(error)s::jsonb,
+               finished_at = now(), updated_at = now()
+        WHERE o.id = %(op_id)s AND o.state = 'pending' AND {_LEASE_HELD}
+        """,
+        {"op_id": op_id, "token": token, "error": error},
+        "cancellation",
+    )
 
 
 async def _transition(conn: Conn, sql: str, params: dict[str, Any], what: str) -> None:

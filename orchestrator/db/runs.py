@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from orchestrator.db.database import RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -376,6 +376,7 @@ async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:
         (run_id,),
     )
     await conn.execute(_NOTIFY)
+    await conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, str(run_id)))
 
 
 async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error: str) -> bool:

@@ -196,9 +196,10 @@ async def test_a_reused_identity_with_another_intent_is_rejected(app, sql):
                "tool_version": "1", "effect_class": "consequential", "tenant": "acme",
                "principal": "alice", "intent_digest": "a" * 64, "arguments": "{}",
                "idempotency_key": "k", "worker_id": "w", "token": claim["lease_token"]}
-        await ops_db.operation_submit(conn, row)
+        await ops_db.operation_begin(conn, row, pending=False)
         with pytest.raises(ops_db.OperationIdentityReused):
-            await ops_db.operation_submit(conn, {**row, "intent_digest": "b" * 64})
+            await ops_db.operation_begin(conn, {**row, "intent_digest": "b" * 64},
+                                          pending=False)
     assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 1
     await app.database.close()
 

@@ -1,0 +1,217 @@
+"""The recovery decision, Retry-After parsing and failure classification (CONTRACT C7).
+
+Pure functions, no I/O, no clock: the caller passes ``now`` and the jitter sample. Times are
+whole milliseconds so that every boundary is exact.
+
+The decision, in order of precedence:
+
+1. effects ``unknown``                       → ``reconcile`` (always, whatever else is true)
+2. the cause is not transient                → ``stop("cause")``
+3. an effect was already ``committed``       → ``stop("effects")``
+4. output was already visible to the caller  → ``stop("visible")``
+5. attempts begun ≥ max attempts             → ``stop("budget")``
+6. an upstream minimum wait that is invalid or longer than ``max_delay`` → ``stop("budget")``
+7. delay = max(jitter × min(max_delay, base × 2^(attempts−1)), upstream minimum); the upstream
+   minimum is never shortened to fit;
+8. a deadline that cannot hold delay + minimum attempt time → ``stop("budget")``
+9. otherwise                                 → ``retry(delay)``
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from orchestrator.errors import InvalidRequest
+
+EffectKnowledge = Literal["none", "committed", "unknown"]
+StopReason = Literal["cause", "visible", "effects", "budget"]
+MAX_ATTEMPTS_LIMIT = 10
+
+
+def _int(name: str, value: object, *, low: int = 0) -> int:
+    if type(value) is not int or value < low:
+        raise InvalidRequest(f"{name} must be an integer ≥ {low}, got {value!r}", path=name)
+    return value
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a tool call is retried.
+
+    ``max_attempts`` counts the first attempt and any re-send after a crash (at most 10).
+    Delays are milliseconds: full jitter over a window that doubles from ``base_delay_ms`` up to
+    ``max_delay_ms``. An attempt is only started if ``min_attempt_ms`` fits before the deadline.
+    """
+
+    max_attempts: int = 1
+    base_delay_ms: int = 200
+    max_delay_ms: int = 30_000
+    min_attempt_ms: int = 0
+
+    def __post_init__(self) -> None:
+        _int("max_attempts", self.max_attempts, low=1)
+        if self.max_attempts > MAX_ATTEMPTS_LIMIT:
+            raise InvalidRequest(f"max_attempts must be at most {MAX_ATTEMPTS_LIMIT}",
+                                 path="max_attempts")
+        _int("base_delay_ms", self.base_delay_ms)
+        _int("max_delay_ms", self.max_delay_ms)
+        _int("min_attempt_ms", self.min_attempt_ms)
+        if self.base_delay_ms > self.max_delay_ms:
+            raise InvalidRequest("base_delay_ms must not exceed max_delay_ms",
+                                 path="base_delay_ms")
+
+
+DEFAULT_POLICIES: dict[str, RetryPolicy] = {
+    "consequential": RetryPolicy(max_attempts=1),
+    "idempotent": RetryPolicy(max_attempts=3),
+    "read": RetryPolicy(max_attempts=3),
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``retry`` (after ``delay_ms``), ``reconcile`` or ``stop`` (with ``reason``)."""
+
+    action: Literal["retry", "reconcile", "stop"]
+    delay_ms: int = 0
+    reason: StopReason | None = None
+    detail: str | None = None  # for "budget": attempts, upstream or deadline
+
+    @staticmethod
+    def retry(delay_ms: int) -> Decision:
+        return Decision("retry", delay_ms=delay_ms)
+
+    @staticmethod
+    def stop(reason: StopReason, detail: str | None = None) -> Decision:
+        return Decision("stop", reason=reason, detail=detail)
+
+
+RECONCILE = Decision("reconcile")
+
+
+def decide(
+    *,
+    transient: bool,
+    effects: EffectKnowledge,
+    visible: bool,
+    attempts: int,
+    policy: RetryPolicy,
+    jitter: float,
+    remaining_ms: int | None = None,
+    upstream_wait_ms: int | None = None,
+    upstream_invalid: bool = False,
+) -> Decision:
+    """What to do after a failed attempt. See the module docstring for the rules.
+
+    ``attempts`` is how many attempts have begun (≥ 1). ``remaining_ms`` is the time left
+    before the run's deadline (None: no deadline). ``upstream_wait_ms`` is a parsed
+    Retry-After (None: none given); ``upstream_invalid`` says one was given but did not parse.
+    """
+    if type(transient) is not bool or type(visible) is not bool:
+        raise InvalidRequest("transient and visible must be booleans")
+    if effects not in ("none", "committed", "unknown"):
+        raise InvalidRequest(f"effects must be none, committed or unknown, got {effects!r}",
+                             path="effects")
+    _int("attempts", attempts, low=1)
+    if type(jitter) not in (float, int) or not 0 <= jitter < 1 or math.isnan(jitter):
+        raise InvalidRequest(f"jitter must be in [0, 1), got {jitter!r}", path="jitter")
+    if remaining_ms is not None:
+        _int("remaining_ms", remaining_ms)
+    if upstream_wait_ms is not None:
+        _int("upstream_wait_ms", upstream_wait_ms)
+
+    if effects == "unknown":
+        return RECONCILE
+    if not transient:
+        return Decision.stop("cause")
+    if effects == "committed":
+        return Decision.stop("effects")
+    if visible:
+        return Decision.stop("visible")
+    if attempts >= policy.max_attempts:
+        return Decision.stop("budget", "attempts")
+    if upstream_invalid or (upstream_wait_ms is not None
+                            and upstream_wait_ms > policy.max_delay_ms):
+        return Decision.stop("budget", "upstream")
+    window = min(policy.max_delay_ms, policy.base_delay_ms * 2 ** (attempts - 1))
+    delay = math.floor(jitter * window)
+    if upstream_wait_ms is not None:
+        delay = max(delay, upstream_wait_ms)
+    if remaining_ms is not None and delay + policy.min_attempt_ms > remaining_ms:
+        return Decision.stop("budget", "deadline")
+    return Decision.retry(delay)
+
+
+def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[int | None, bool]:
+    """Parse a Retry-After hint: delay-seconds or an HTTP-date.
+
+    Returns ``(milliseconds, invalid)``: ``(None, False)`` when there is no hint,
+    ``(None, True)`` when there is one that does not parse (or is negative).
+    """
+    if value is None:
+        return None, False
+    if isinstance(value, bool):
+        return None, True
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value < 0:
+            return None, True
+        return math.ceil(value * 1000), False
+    text = value.strip()
+    if text.isdigit():
+        return int(text) * 1000, False
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None, True
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0, math.ceil((when - now).total_seconds() * 1000)), False
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What a failure means: a public ``cause``, whether anything may have been applied, and
+    whether a retry is allowed at all."""
+
+    cause: str
+    effects: EffectKnowledge
+    transient: bool
+
+
+def classify_status(status: int, *, proves_not_applied: bool = False) -> Classification:
+    """Classify an HTTP-style status returned by a provider (C7).
+
+    401/403 authentication and 400/404/422 invalid requests are definitive and not retryable;
+    409 is a conflict (not a rate limit), not retryable; 408/429 are retryable only when the
+    failure proves the request was not applied; ≥500 leaves the effects unknown.
+    """
+    if status in (401, 403):
+        return Classification("authentication", "none", False)
+    if status in (400, 404, 422):
+        return Classification("invalid_request", "none", False)
+    if status == 409:
+        return Classification("conflict", "none", False)
+    if status in (408, 429):
+        if proves_not_applied:
+            return Classification("rate_limited" if status == 429 else "request_timeout",
+                                  "none", True)
+        return Classification("rate_limited" if status == 429 else "request_timeout",
+                              "unknown", False)
+    if status >= 500:
+        return Classification("upstream_error", "unknown", False)
+    if 400 <= status < 500:
+        return Classification("rejected", "none", False)
+    raise InvalidRequest(f"status {status} is not a failure", path="status")
+
+
+def classify_transport(phase: Literal["before_send", "after_send"], kind: str) -> Classification:
+    """Classify a transport failure: before the request left, nothing was applied and a retry
+    is allowed; after it was sent (timeouts, dropped connections, partial responses) the
+    effects are unknown."""
+    if phase == "before_send":
+        return Classification(f"{kind}_before_send", "none", True)
+    return Classification(f"{kind}_after_send", "unknown", False)
