@@ -119,6 +119,7 @@ class Call:
             await self.wait_until(datetime.fromisoformat(payload["not_before"]))
             return Attempt(number + 1)
         if kind == "call.not_applied":  # reconciled: continue under the retry policy
+            self.ex.boundary()  # a cancellation that waited for the reconciliation wins now
             decision = self.decide(Classification("not_applied", "none", True), number, None)
             await self.after_definitive(op_id, number, decision, "not_applied", None,
                                         record_failure=False)

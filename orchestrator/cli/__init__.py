@@ -18,10 +18,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from orchestrator.cli import db, demo, ops, runs, worker
+from orchestrator.cli import db, demo, incidents, ops, runs, worker
 from orchestrator.errors import OrchestratorError
 
-GROUPS: list[ModuleType] = [db, worker, runs, ops, demo]
+GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0
