@@ -107,5 +107,11 @@ async def two_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
 
 
 @app.workflow()
+async def three_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
+    return [await ctx.call(record, step=1), await ctx.call(slow_idempotent, step=2),
+            await ctx.call(record, step=3)]
+
+
+@app.workflow()
 async def single(ctx: WorkflowContext, data: Any) -> Any:
     return await ctx.call(record, step=1)

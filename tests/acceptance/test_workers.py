@@ -76,3 +76,24 @@ def test_two_workers_complete_200_runs_exactly_once(workers, client):
     assert done[0]["n"] == 200
     by_worker = workers.sql("SELECT count(DISTINCT worker_id) AS n FROM orchestrator.operations")
     assert by_worker[0]["n"] == 2
+
+
+def test_sigterm_drains_in_flight_runs_and_releases_them(workers, client):
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="2")
+    run = client.submit(flows.three_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(timeout=30) == 0
+    # A let the in-flight call land, recorded its receipt and gave the run back at once.
+    row = workers.sql("SELECT status, lease_owner FROM orchestrator.runs WHERE id = %s",
+                      (run.id,))[0]
+    assert row["status"] == "queued" and row["lease_owner"] is None
+    calls = workers.sql("SELECT step, finished FROM public.sink_calls ORDER BY id")
+    assert calls == [{"step": 1, "finished": True}, {"step": 2, "finished": True}]
+    assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+    workers.start("b")
+    result = client.get_run(run.id).result(timeout=30)
+    assert [r["step"] for r in result] == [1, 2, 3]
+    steps = [c["step"] for c in workers.sql("SELECT step FROM public.sink_calls ORDER BY id")]
+    assert steps == [1, 2, 3]  # nothing ran again
