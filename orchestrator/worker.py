@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from orchestrator.app import Orchestrator
 
 log = logging.getLogger("orchestrator.worker")
+SWEEP_INTERVAL = 1.0  # seconds between looks for expired leases and dead workers
 
 
 def default_worker_id() -> str:
@@ -55,6 +57,8 @@ class Worker:
         self.lease_ttl = lease_ttl if lease_ttl is not None else app.lease_ttl
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
+        self._liveness = workers_db.LivenessLock(app.target.url,
+                                                 secrets.randbits(62) + 1)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -78,17 +82,18 @@ class Worker:
             [RUNS_CHANNEL, CANCEL_CHANNEL], self._on_notify, listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
         workflows = list(self.app.registry.workflows)
+        await self._liveness.ensure()  # before registering: never seen alive without it
         async with self.app.database.connection() as conn:
             await workers_db.worker_register(
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
-                workflows=workflows, concurrency=self.concurrency)
+                workflows=workflows, concurrency=self.concurrency, lock_key=self._liveness.key)
         last_sweep = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
         try:
             while not self._stop.is_set():
                 self._wake.clear()
-                if time.monotonic() - last_sweep > min(self.lease_ttl / 2, 5.0):
+                if time.monotonic() - last_sweep > min(self.lease_ttl / 2, SWEEP_INTERVAL):
                     last_sweep = time.monotonic()
                     await self._sweep()
                 free = self.concurrency - len(self._running)
@@ -110,6 +115,7 @@ class Worker:
             with contextlib.suppress(OrchestratorError):
                 async with self.app.database.connection() as conn:
                     await workers_db.worker_unregister(conn, self.worker_id)
+            await self._liveness.close()
             log.info("worker %s stopped", self.worker_id)
 
     def _on_notify(self, channel: str, payload: str) -> None:
@@ -128,6 +134,8 @@ class Worker:
         try:
             async with self.app.database.connection() as conn:
                 await runs_db.run_release_expired(conn)
+                await runs_db.run_release_orphaned(conn)
+                await workers_db.worker_forget_dead(conn)
         except OrchestratorError as exc:
             log.warning("lease sweep failed: %s", exc.code)
 
@@ -187,6 +195,7 @@ class Worker:
             await asyncio.sleep(interval)
             held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
                     if ex is not None and not ex.lost]
+            await self._liveness.ensure()
             try:
                 async with self.app.database.connection() as conn:
                     await workers_db.worker_heartbeat(conn, self.worker_id)

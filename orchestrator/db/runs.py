@@ -432,3 +432,50 @@ async def run_children_status(
         (parent_id, list(positions)),
     )
     return await cur.fetchall()
+
+
+async def run_release_orphaned(conn: Conn) -> int:
+    """Re-queue runs held by registered workers whose liveness lock is gone (they died)."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
+               lease_expires_at = NULL, updated_at = now()
+        WHERE id IN (
+            SELECT r.id FROM {S}.runs r JOIN {S}.workers w ON w.id = r.lease_owner
+            WHERE r.status = 'running' AND w.lock_key IS NOT NULL
+              AND NOT EXISTS (
+                  SELECT 1 FROM pg_locks l
+                  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                    AND l.database = (SELECT oid FROM pg_database
+                                      WHERE datname = current_database())
+                    AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
+                    AND l.objid::bigint = (w.lock_key & 4294967295))
+            FOR UPDATE OF r SKIP LOCKED)
+        """
+    )
+    if cur.rowcount:
+        await conn.execute(_NOTIFY)
+    return cur.rowcount
+
+
+async def worker_heartbeat(conn: Conn, worker_id: str) -> None:
+    await conn.execute(f"UPDATE {S}.workers SET heartbeat_at = now() WHERE id = %s",
+                       (worker_id,))
+
+
+async def worker_unregister(conn: Conn, worker_id: str) -> None:
+    await conn.execute(f"DELETE FROM {S}.workers WHERE id = %s", (worker_id,))
+
+
+async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[str, Any]]:
+    """Workers whose heartbeat is recent; older rows are left by workers that died."""
+    cur = await conn.execute(
+        f"""
+        SELECT id, hostname, pid, workflows, concurrency, started_at, heartbeat_at
+        FROM {S}.workers
+        WHERE heartbeat_at > now() - make_interval(secs => %s)
+        ORDER BY started_at
+        """,
+        (within_seconds,),
+    )
+    return await cur.fetchall()

@@ -273,6 +273,9 @@ workers = Table(
     Column("pid", Integer, nullable=False),
     Column("workflows", ARRAY(Text), nullable=False),
     Column("concurrency", Integer, nullable=False),
+    # A session-level advisory lock the worker holds while it lives: when its connection
+    # drops (the process died), other workers re-queue its runs without waiting for leases.
+    Column("lock_key", BigInteger),
     _ts("started_at", nullable=False, default_now=True),
     _ts("heartbeat_at", nullable=False, default_now=True),
     Index("ix_workers_heartbeat", "heartbeat_at"),

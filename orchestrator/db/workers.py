@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
+
+import psycopg
 
 from orchestrator.db.database import Conn
 
@@ -12,16 +15,62 @@ S = "orchestrator"
 
 async def worker_register(
     conn: Conn, *, worker_id: str, hostname: str, pid: int, workflows: Sequence[str],
-    concurrency: int
+    concurrency: int, lock_key: int | None = None
 ) -> None:
     await conn.execute(
         f"""
-        INSERT INTO {S}.workers (id, hostname, pid, workflows, concurrency)
-        VALUES (%s, %s, %s, %s, %s)
-        ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), workflows = EXCLUDED.workflows
+        INSERT INTO {S}.workers (id, hostname, pid, workflows, concurrency, lock_key)
+        VALUES (%s, %s, %s, %s, %s, %s)
+        ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), workflows = EXCLUDED.workflows,
+                                       lock_key = EXCLUDED.lock_key
         """,
-        (worker_id, hostname, pid, list(workflows), concurrency),
+        (worker_id, hostname, pid, list(workflows), concurrency, lock_key),
     )
+
+
+class LivenessLock:
+    """A dedicated connection holding a session-level advisory lock for a worker's lifetime.
+
+    PostgreSQL releases the lock the moment that connection ends, which is when the worker's
+    process dies: other workers then re-queue its runs at once (:func:`run_release_orphaned`)
+    instead of waiting for leases to expire. A paused worker keeps its lock and is handled by
+    lease expiry and fencing as usual.
+    """
+
+    def __init__(self, url: str, key: int) -> None:
+        self.url = url
+        self.key = key
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def ensure(self) -> bool:
+        """Hold the lock, reconnecting if the connection was lost; True when held."""
+        if self._conn is not None and not self._conn.closed:
+            try:
+                await self._conn.execute("SELECT 1")
+                return True
+            except psycopg.Error:
+                await self.close()
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+            await conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+        except psycopg.Error:
+            return False
+        self._conn = conn
+        return True
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await self._conn.close()
+            self._conn = None
+
+
+async def worker_forget_dead(conn: Conn, *, older_than_seconds: float = 3600.0) -> int:
+    """Delete registrations whose heartbeat stopped long ago (their runs were re-queued)."""
+    cur = await conn.execute(
+        f"DELETE FROM {S}.workers WHERE heartbeat_at < now() - make_interval(secs => %s)",
+        (older_than_seconds,))
+    return cur.rowcount
 
 
 async def worker_heartbeat(conn: Conn, worker_id: str) -> None:

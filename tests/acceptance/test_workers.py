@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 from tests.acceptance import flows
 
@@ -97,3 +98,16 @@ def test_sigterm_drains_in_flight_runs_and_releases_them(workers, client):
     assert [r["step"] for r in result] == [1, 2, 3]
     steps = [c["step"] for c in workers.sql("SELECT step FROM public.sink_calls ORDER BY id")]
     assert steps == [1, 2, 3]  # nothing ran again
+
+
+def test_a_dead_workers_runs_resume_before_its_leases_expire(workers, client):
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", ACCEPTANCE_LEASE_TTL="60")
+    run = client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    workers.start("b", ACCEPTANCE_LEASE_TTL="60")
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    started = time.monotonic()
+    client.get_run(run.id).result(timeout=20)  # a 60 s lease would not allow this
+    assert time.monotonic() - started < 10
