@@ -7,9 +7,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Re-install only when pyproject.toml changes (or the venv is new).
 STAMP := $(VENV)/.installed-dev
+BENCH_STAMP := $(VENV)/.installed-bench
 PYTEST_ARGS ?=
+# e.g. make bench BENCH_ARGS=--quick, or BENCH_ARGS="--sections ceiling,throughput"
+BENCH_ARGS ?=
 
-.PHONY: test lint typecheck pytest demo
+.PHONY: test lint typecheck pytest demo bench
 
 test: lint typecheck pytest
 
@@ -25,9 +28,17 @@ pytest: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/orchestrator demo
 
+# The benchmark suite (bench/): tables on stdout, figures appended to bench/results/.
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(BENCH_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	touch $@

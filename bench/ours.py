@@ -1,0 +1,346 @@
+"""Our engine under load: drain throughput, idle latency, recovery after SIGKILL, worker memory.
+
+Workers are real processes (``python -m orchestrator worker --app bench.app:app``); the driver
+submits through the public API. To start every worker on the same starting line, submitted runs
+are held (``available_at`` cleared, so nothing claims them) until all workers have registered,
+then released with one UPDATE and a NOTIFY: the same thing the engine does when a timer fires.
+Rates use the database's clock: from just before the release to the last ``finished_at``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg  # noqa: TID251 - fixtures and progress queries
+
+from bench.app import build_app
+from bench.common import (
+    Proc,
+    Server,
+    fetch_one,
+    log,
+    migrate,
+    percentile,
+    rss_kib,
+    rss_peak_kib,
+    spawn,
+)
+
+S = "orchestrator"
+
+
+@dataclass
+class Setup:
+    workers: int
+    concurrency: int
+    pool_size: int
+    lease_ttl: float | None = None
+
+
+def worker_args(concurrency: int) -> list[str]:
+    return [sys.executable, "-m", "orchestrator", "worker", "--app", "bench.app:app",
+            "--concurrency", str(concurrency)]
+
+
+async def start_workers(url: str, setup: Setup, count: int | None = None,
+                        prefix: str = "worker") -> list[Proc]:
+    env = {"ORCHESTRATOR_DATABASE_URL": url, "BENCH_POOL_SIZE": str(setup.pool_size)}
+    if setup.lease_ttl is not None:
+        env["BENCH_LEASE_TTL"] = str(setup.lease_ttl)
+    n = setup.workers if count is None else count
+    return [await spawn(worker_args(setup.concurrency), name=f"{prefix}-{i}", env=env)
+            for i in range(n)]
+
+
+async def wait_registered(url: str, pids: Sequence[int], procs: Sequence[Proc],
+                          timeout: float = 60.0) -> None:
+    """Until every worker process has a row in orchestrator.workers (it is claiming then)."""
+    deadline = time.monotonic() + timeout
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        while True:
+            cur = await conn.execute(f"SELECT pid FROM {S}.workers")
+            seen = {row[0] for row in await cur.fetchall()}
+            if set(pids) <= seen:
+                return
+            for p in procs:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited:\n" + "\n".join(p.tail[-20:]))
+            if time.monotonic() > deadline:
+                tails = "\n".join("\n".join(p.tail[-10:]) for p in procs)
+                raise TimeoutError(f"workers did not register within {timeout}s\n{tails}")
+            await asyncio.sleep(0.05)
+
+
+async def submit_many(url: str, workflow: str, n: int, *, parallel: int = 16,
+                      pool_size: int = 16) -> list[uuid.UUID]:
+    """Submit ``n`` runs through the public API, ``parallel`` at a time."""
+    orch = build_app(url, pool_size=pool_size)
+    ids: list[uuid.UUID] = []
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(i: int) -> None:
+        async with gate:
+            handle = await orch.submit_async(workflow, {"n": i})
+            ids.append(handle.id)
+
+    try:
+        if n:  # one first: concurrent first calls would each open a pool
+            await one(0)
+        await asyncio.gather(*(one(i) for i in range(1, n)))
+    finally:
+        await orch.database.close()
+    return ids
+
+
+async def hold(url: str, ids: Sequence[uuid.UUID]) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(
+            f"UPDATE {S}.runs SET available_at = NULL WHERE id = ANY(%s) AND status = 'queued'",
+            (list(ids),))
+
+
+async def release(conn: psycopg.AsyncConnection[Any], ids: Sequence[uuid.UUID]) -> Any:
+    async with conn.transaction():
+        cur = await conn.execute(
+            f"UPDATE {S}.runs SET available_at = now() WHERE id = ANY(%s) AND status = 'queued' "
+            "RETURNING now()", (list(ids),))
+        row = await cur.fetchone()
+        await conn.execute("SELECT pg_notify('orchestrator_runs', '')")
+    return row[0] if row else None
+
+
+async def unfinished(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Runs not yet finished, counted through the engine's partial indexes (cheap at scale)."""
+    row = await fetch_one(
+        conn, f"""SELECT (SELECT count(*) FROM {S}.runs
+                          WHERE status IN ('queued', 'waiting') AND available_at IS NOT NULL)
+                       + (SELECT count(*) FROM {S}.runs WHERE status = 'running')""")
+    return int(row[0])
+
+
+async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
+                timeout: float) -> tuple[float, dict[str, int]]:
+    """Release the held runs, wait until none is left, return (seconds, statuses)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        t0 = (await fetch_one(conn, "SELECT clock_timestamp()"))[0]
+        await release(conn, ids)
+        deadline = time.monotonic() + timeout
+        while await unfinished(conn) > 0:
+            for p in procs:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited:\n" + "\n".join(p.tail[-20:]))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"runs still unfinished after {timeout}s")
+            await asyncio.sleep(0.1)
+        cur = await conn.execute(
+            f"SELECT status, count(*), max(finished_at) FROM {S}.runs WHERE id = ANY(%s) "
+            "GROUP BY status", (list(ids),))
+        rows = await cur.fetchall()
+    statuses = {r[0]: int(r[1]) for r in rows}
+    t1 = max((r[2] for r in rows if r[2] is not None), default=None)
+    if t1 is None:
+        raise RuntimeError("no run finished")
+    return (t1 - t0).total_seconds(), statuses
+
+
+async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: str | None = None,
+                          timeout: float = 600.0, profile: bool = False) -> dict[str, Any]:
+    """One drain of ``n`` runs of K steps on a fresh database (or ``url``, already migrated).
+
+    With ``profile``, the first worker process is sampled by py-spy during the drain.
+    """
+    own = url is None
+    if url is None:
+        url = server.create_database("tp")
+        migrate(url)
+    try:
+        ids = await submit_many(url, f"k{k}", n)
+        await hold(url, ids)
+        procs = await start_workers(url, setup)
+        try:
+            await wait_registered(url, [p.pid for p in procs], procs)
+            if profile:
+                from bench.profile import Recorder
+
+                async with Recorder(procs[0].pid) as recorder:
+                    seconds, statuses = await drain(url, ids, procs, timeout=timeout)
+                extra = {"profile": recorder.summary()}
+            else:
+                seconds, statuses = await drain(url, ids, procs, timeout=timeout)
+                extra = {}
+        finally:
+            await asyncio.gather(*(p.stop() for p in procs))
+    finally:
+        if own:
+            server.drop_database(url)
+    ok = statuses.get("succeeded", 0)
+    if ok != n:
+        log(f"k={k}: {n - ok} of {n} runs did not succeed: {statuses}")
+    return {"k": k, "runs": n, "seconds": seconds, "runs_per_s": ok / seconds,
+            "steps_per_s": ok * k / seconds, "statuses": statuses, **extra}
+
+
+async def latency_once(server: Server, *, samples: int, warmup: int = 10,
+                       url: str | None = None, concurrency: int = 10) -> dict[str, Any]:
+    """Sequential K=1 runs on an idle worker: submit → first step, submit → result."""
+    own = url is None
+    if url is None:
+        url = server.create_database("lat")
+        migrate(url)
+    orch = build_app(url, pool_size=4)
+    setup = Setup(workers=1, concurrency=concurrency, pool_size=4)
+    first: list[float] = []
+    result: list[float] = []
+    ids: list[uuid.UUID] = []
+    try:
+        procs = await start_workers(url, setup)
+        try:
+            await wait_registered(url, [p.pid for p in procs], procs)
+            for i in range(warmup + samples):
+                t0 = time.time()
+                handle = await orch.submit_async("k1", {"n": i})
+                out = await handle.result_async(timeout=30)
+                t2 = time.time()
+                if i >= warmup:
+                    first.append(out["first_t"] - t0)
+                    result.append(t2 - t0)
+                    ids.append(handle.id)
+                await asyncio.sleep(0.01)  # idle between samples
+        finally:
+            await asyncio.gather(*(p.stop() for p in procs))
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute(
+                f"SELECT extract(epoch FROM finished_at - created_at) FROM {S}.runs "
+                "WHERE id = ANY(%s)", (ids,))
+            db = [float(r[0]) for r in await cur.fetchall()]
+    finally:
+        await orch.database.close()
+        if own:
+            server.drop_database(url)
+    return {"samples": samples, **summary("first_step", first), **summary("result", result),
+            **summary("db_created_to_finished", db)}
+
+
+def summary(name: str, values: Sequence[float]) -> dict[str, float]:
+    return {f"{name}_p50": percentile(values, 50), f"{name}_p99": percentile(values, 99),
+            f"{name}_max": max(values) if values else float("nan")}
+
+
+async def recovery_once(server: Server, *, runs: int, lease_ttl: float,
+                        timeout: float = 180.0) -> dict[str, Any]:
+    """SIGKILL a worker holding ``runs`` in-flight runs; time until each runs again elsewhere.
+
+    Two moments per run, from the kill: *claimed* (another worker holds its lease, seen by
+    polling every 20 ms) and *re-dispatched* (that worker wrote the retried step's
+    ``submitted``: the run is really running again; database clock).
+    """
+    url = server.create_database("rec")
+    migrate(url)
+    setup = Setup(workers=1, concurrency=max(runs, 10), pool_size=10, lease_ttl=lease_ttl)
+    try:
+        victim = (await start_workers(url, setup, prefix="victim"))[0]
+        rescuer: Proc | None = None
+        try:
+            await wait_registered(url, [victim.pid], [victim])
+            ids = await submit_many(url, "hold", runs)
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                async def all_in_flight() -> bool:
+                    row = await fetch_one(
+                        conn, f"SELECT count(*) FROM {S}.operations WHERE run_id = ANY(%s) "
+                        "AND state = 'submitted'", (ids,))
+                    return int(row[0]) == runs
+
+                await _wait(all_in_flight, 60, "runs in flight on the victim")
+                rescuer = (await start_workers(url, setup, prefix="rescuer"))[0]
+                await wait_registered(url, [victim.pid, rescuer.pid], [victim, rescuer])
+                os.kill(victim.pid, signal.SIGKILL)
+                killed = time.time()
+                killed_db = (await fetch_one(conn, "SELECT clock_timestamp()"))[0]
+                claimed: dict[uuid.UUID, float] = {}
+                marker = f"%:{rescuer.pid}:%"
+                deadline = time.monotonic() + timeout
+                while len(claimed) < runs:
+                    cur = await conn.execute(
+                        f"SELECT id FROM {S}.runs WHERE id = ANY(%s) AND lease_owner LIKE %s",
+                        (ids, marker))
+                    now = time.time()
+                    for (rid,) in await cur.fetchall():
+                        claimed.setdefault(rid, now - killed)
+                    if time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.02)
+
+                async def redispatched() -> bool:
+                    row = await fetch_one(
+                        conn, f"SELECT count(DISTINCT run_id) FROM {S}.operations "
+                        "WHERE run_id = ANY(%s) AND attempt > 1", (ids,))
+                    return int(row[0]) >= runs
+
+                await _wait(redispatched, 30, "retried steps")
+                cur = await conn.execute(
+                    f"SELECT extract(epoch FROM min(submitted_at) - %s) FROM {S}.operations "
+                    "WHERE run_id = ANY(%s) AND attempt > 1 GROUP BY run_id", (killed_db, ids))
+                again = [float(r[0]) for r in await cur.fetchall()]
+        finally:
+            await victim.stop(signal.SIGKILL)
+            if rescuer is not None:
+                await rescuer.stop(signal.SIGKILL)
+    finally:
+        server.drop_database(url)
+    claims = list(claimed.values())
+    return {"runs": runs, "lease_ttl": lease_ttl, "recovered": len(again),
+            **summary("claimed", claims), **summary("redispatched", again)}
+
+
+async def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def memory_once(server: Server, *, runs: int, concurrency: int, k: int = 3,
+                      pool_size: int = 10) -> dict[str, Any]:
+    """Peak RSS of one worker that drains ``runs`` queued runs at ``concurrency``."""
+    url = server.create_database("mem")
+    migrate(url)
+    setup = Setup(workers=1, concurrency=concurrency, pool_size=pool_size)
+    try:
+        ids = await submit_many(url, f"k{k}", runs)
+        await hold(url, ids)
+        proc = (await start_workers(url, setup, prefix="mem"))[0]
+        samples: list[int] = []
+        try:
+            await wait_registered(url, [proc.pid], [proc])
+            idle = rss_kib(proc.pid)
+            sampler_stop = asyncio.Event()
+
+            async def sample() -> None:
+                while not sampler_stop.is_set():
+                    value = rss_kib(proc.pid)
+                    if value:
+                        samples.append(value)
+                    await asyncio.sleep(0.1)
+
+            sampler = asyncio.ensure_future(sample())
+            seconds, statuses = await drain(url, ids, [proc], timeout=900)
+            sampler_stop.set()
+            await sampler
+            peak = rss_peak_kib(proc.pid)
+        finally:
+            await proc.stop()
+    finally:
+        server.drop_database(url)
+    return {"runs": runs, "concurrency": concurrency, "k": k, "idle_rss_mib": (idle or 0) / 1024,
+            "peak_rss_mib": (peak or 0) / 1024,
+            "sampled_max_rss_mib": max(samples, default=0) / 1024, "seconds": seconds,
+            "succeeded": statuses.get("succeeded", 0)}

@@ -1,0 +1,523 @@
+"""The benchmark suite: ``python -m bench.run`` (or ``make bench``). Prints one table per
+section and appends every figure to ``bench/results/results.jsonl``.
+
+Sections (``--sections a,b``; default: all):
+
+  ceiling     pgbench, one single-row INSERT per commit, at 1, 4 and 16 clients
+  throughput  N runs of K = 1, 3, 10 trivial consequential steps, W worker processes
+  peers       DBOS (K = 3, 10), PgQueuer and Procrastinate (no-op jobs), matched concurrency
+  latency     submit → first step, submit → result, K = 1, idle (ours and the peers)
+  scale       throughput (K = 3) and latency again with 1,000,000 finished runs in the tables
+  recovery    SIGKILL a worker holding 100 in-flight runs: time until they run elsewhere
+  memory      one worker's peak RSS draining 10,000 queued runs at concurrency 100
+  profile     py-spy samples of one worker during a K = 3 throughput drain
+
+Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
+the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
+section is not selected), latencies as multiples of one single-client commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from bench import ceiling as ceiling_mod
+from bench import ours, peers, scale
+from bench.common import (
+    Server,
+    Table,
+    append_result,
+    fx,
+    git_commit,
+    log,
+    machine_info,
+    median,
+    migrate,
+    ms,
+    ratio,
+)
+from bench.peers import dbos_peer
+
+SECTIONS = ("ceiling", "throughput", "peers", "latency", "scale", "recovery", "memory",
+            "profile")
+
+
+@dataclass
+class Plan:
+    """Sizes for one invocation; ``--quick`` shrinks everything to a smoke run."""
+
+    reps: int
+    ceiling_seconds: float
+    clients: tuple[int, ...]
+    runs: dict[int, int]
+    workers: int
+    concurrency: int
+    pool_size: int
+    latency_samples: int
+    scale_rows: int
+    recovery_runs: int
+    recovery_lease_ttl: float | None
+    memory_runs: int
+    memory_concurrency: int
+    pgqueuer_min_jobs: int
+    pgqueuer_batches: tuple[int, ...]
+    quick: bool = False
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    if args.quick:
+        plan = Plan(reps=1, ceiling_seconds=2, clients=(1, 4, 16),
+                    runs={1: 200, 3: 150, 10: 50}, workers=2, concurrency=32, pool_size=16,
+                    latency_samples=40, scale_rows=20_000, recovery_runs=100,
+                    recovery_lease_ttl=3.0, memory_runs=1_000, memory_concurrency=100,
+                    pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), quick=True)
+    else:
+        plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
+                    runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
+                    latency_samples=200, scale_rows=1_000_000, recovery_runs=100,
+                    recovery_lease_ttl=None, memory_runs=10_000, memory_concurrency=100,
+                    pgqueuer_min_jobs=20_000, pgqueuer_batches=(10, 100))
+    for name in ("reps", "workers", "concurrency", "scale_rows", "latency_samples",
+                 "memory_runs", "recovery_runs"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(plan, name, value)
+    if args.runs is not None:
+        plan.runs = {k: args.runs for k in plan.runs}
+    if args.lease_ttl is not None:
+        plan.recovery_lease_ttl = args.lease_ttl
+    return plan
+
+
+@dataclass
+class Suite:
+    server: Server
+    plan: Plan
+    context: dict[str, Any]
+    baseline_tps: float | None = None  # 16-client pgbench ceiling
+    commit_latency: float | None = None  # seconds, 1-client pgbench
+    ours_tp: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ours_lat: dict[str, float] | None = None
+
+    def record(self, section: str, payload: dict[str, Any]) -> None:
+        append_result(section, {"plan": self.plan.__dict__, **payload}, self.context)
+
+    def setup(self) -> ours.Setup:
+        return ours.Setup(self.plan.workers, self.plan.concurrency, self.plan.pool_size)
+
+    async def repeat(self, what: str, fn: Callable[[], Awaitable[dict[str, Any]]]
+                     ) -> list[dict[str, Any]]:
+        out = []
+        for i in range(self.plan.reps):
+            log(f"{what}: repetition {i + 1}/{self.plan.reps}")
+            out.append(await fn())
+        return out
+
+    # -- ceiling -----------------------------------------------------------------------------
+
+    def measure_ceiling(self, clients: tuple[int, ...], seconds: float, reps: int
+                        ) -> dict[int, list[dict[str, Any]]]:
+        pgbench = self.server.pgbench()
+        if pgbench is None:
+            raise RuntimeError("pgbench not found (PATH, /usr/lib/postgresql, embedded wheel)")
+        results: dict[int, list[dict[str, Any]]] = {c: [] for c in clients}
+        with self.server.database("ceiling") as url:
+            ceiling_mod.prepare(url)
+            for rep in range(reps):
+                for c in clients:
+                    log(f"ceiling: {c} clients, repetition {rep + 1}/{reps}")
+                    ceiling_mod.truncate(url)
+                    results[c].append(ceiling_mod.pgbench_once(self.server, pgbench, url, c,
+                                                               seconds))
+        if 16 in results:
+            self.baseline_tps = median([r["tps"] for r in results[16]])
+        if 1 in results:
+            lat = [r["latency_ms"] for r in results[1] if r["latency_ms"] is not None]
+            self.commit_latency = median(lat) / 1000 if lat else None
+        return results
+
+    async def ensure_baseline(self) -> None:
+        if self.baseline_tps is None:
+            log("baseline: a short 1- and 16-client pgbench run for the ratios")
+            self.measure_ceiling((1, 16), min(self.plan.ceiling_seconds, 5), 1)
+
+    async def section_ceiling(self) -> None:
+        p = self.plan
+        results = self.measure_ceiling(p.clients, p.ceiling_seconds, p.reps)
+        settings = self.server.settings()
+        table = Table("ceiling: pgbench, 1 single-row INSERT + COMMIT per transaction",
+                      ["clients", "tps (median)", "min", "max", "latency ms",
+                       "÷ 16-client ceiling"])
+        for c, runs in results.items():
+            tps = [r["tps"] for r in runs]
+            lat = [r["latency_ms"] for r in runs if r["latency_ms"] is not None]
+            table.add(str(c), median(tps), min(tps), max(tps), f"{median(lat):.2f}",
+                      fx(ratio(median(tps), self.baseline_tps)))
+        table.notes.append(
+            f"{p.reps} × {p.ceiling_seconds:g} s each, -M prepared, fresh database; "
+            f"synchronous_commit={settings.get('synchronous_commit')}, "
+            f"fsync={settings.get('fsync')}, PostgreSQL {settings.get('server_version')}")
+        table.print()
+        self.record("ceiling", {"results": results, "settings": settings,
+                                "baseline_tps": self.baseline_tps})
+
+    # -- throughput --------------------------------------------------------------------------
+
+    async def ours_throughput(self, k: int) -> dict[str, Any]:
+        if k not in self.ours_tp:
+            reps = await self.repeat(f"throughput k={k}", lambda: ours.throughput_once(
+                self.server, k=k, n=self.plan.runs[k], setup=self.setup()))
+            self.ours_tp[k] = {"reps": reps,
+                               "runs_per_s": median([r["runs_per_s"] for r in reps]),
+                               "steps_per_s": median([r["steps_per_s"] for r in reps])}
+        return self.ours_tp[k]
+
+    async def section_throughput(self) -> None:
+        await self.ensure_baseline()
+        p = self.plan
+        table = Table(f"throughput: {p.workers} worker processes × concurrency {p.concurrency}, "
+                      "K trivial consequential steps per run",
+                      ["K", "runs", "runs/s", "steps/s", "steps/s min–max",
+                       "steps/s ÷ 16-client ceiling"])
+        for k in sorted(p.runs):
+            try:
+                tp = await self.ours_throughput(k)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the suite
+                table.add(str(k), str(p.runs[k]), f"failed: {exc}", "", "", "")
+                traceback.print_exc()
+                continue
+            steps = [r["steps_per_s"] for r in tp["reps"]]
+            table.add(str(k), str(p.runs[k]), tp["runs_per_s"], tp["steps_per_s"],
+                      f"{min(steps):,.0f}–{max(steps):,.0f}",
+                      fx(ratio(tp["steps_per_s"], self.baseline_tps)))
+        table.notes.append(f"median of {p.reps}; each repetition drains N held runs on a fresh "
+                           f"database; pool {p.pool_size} connections per worker; ceiling "
+                           f"{self.baseline_tps:,.0f} tps")
+        table.print()
+        self.record("throughput", {"results": self.ours_tp, "baseline_tps": self.baseline_tps})
+
+    # -- peers -------------------------------------------------------------------------------
+
+    async def section_peers(self) -> None:
+        await self.ensure_baseline()
+        p = self.plan
+        table = Table(f"peers: same server, fresh database each, {p.workers} processes × "
+                      f"concurrency {p.concurrency}",
+                      ["system", "workload", "rate/s", "÷ ceiling", "ours ÷ theirs", "notes"])
+        payload: dict[str, Any] = {}
+        for k in (3, 10):
+            try:
+                mine = await self.ours_throughput(k)
+                table.add("orchestrator (ours)", f"K={k}: {p.runs[k]} runs", mine["steps_per_s"],
+                          fx(ratio(mine["steps_per_s"], self.baseline_tps)), "1×",
+                          f"steps/s; {mine['runs_per_s']:,.0f} runs/s")
+            except Exception as exc:  # noqa: BLE001
+                mine = None
+                table.add("orchestrator (ours)", f"K={k}", "—", "—", "—", f"failed: {exc}")
+            why = peers.available("dbos")
+            if why:
+                table.add("DBOS Transact", f"K={k}", "—", "—", "—", f"cannot run: {why}")
+                continue
+            try:
+                reps = await self.repeat(f"dbos k={k}", partial(
+                    dbos_peer.drain, self.server, k=k, runs=p.runs[k], workers=p.workers,
+                    concurrency=p.concurrency, pool_size=p.pool_size))
+                steps = median([r["steps_per_s"] for r in reps])
+                payload[f"dbos_k{k}"] = {"reps": reps, "steps_per_s": steps}
+                table.add("DBOS Transact", f"K={k}: {p.runs[k]} runs", steps,
+                          fx(ratio(steps, self.baseline_tps)),
+                          fx(ratio(mine["steps_per_s"] if mine else None, steps)),
+                          f"steps/s; {median([r['runs_per_s'] for r in reps]):,.0f} runs/s; "
+                          "in-process start_workflow_async")
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                table.add("DBOS Transact", f"K={k}", "—", "—", "—", f"failed: {exc}")
+        mine3 = self.ours_tp.get(3)
+        ours3 = mine3["steps_per_s"] if mine3 else None
+        jobs = p.runs[3] * 3
+        for name, label in (("pgqueuer", "PgQueuer"), ("procrastinate", "Procrastinate")):
+            why = peers.available(name)
+            if why:
+                table.add(label, "no-op jobs", "—", "—", "—", f"cannot run: {why}")
+                continue
+            configs: list[dict[str, Any]]
+            if name == "pgqueuer":
+                configs = [{"batch_size": b, "concurrency": p.concurrency}
+                           for b in p.pgqueuer_batches]
+                n = max(jobs, p.pgqueuer_min_jobs)
+            else:
+                configs = [{"concurrency": p.concurrency, "pool_size": p.pool_size}]
+                n = jobs
+            best: tuple[float, dict[str, Any], list[dict[str, Any]]] | None = None
+            for options in configs:
+                try:
+                    reps = await self.repeat(f"{name} {options}", partial(
+                        peers.drain, self.server, name, jobs=n, workers=p.workers,
+                        options=options))
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    table.add(label, f"{n} no-op jobs", "—", "—", "—", f"failed {options}: {exc}")
+                    continue
+                rate = median([r["jobs_per_s"] for r in reps])
+                payload[f"{name}_{'_'.join(f'{k}{v}' for k, v in options.items())}"] = {
+                    "reps": reps, "jobs_per_s": rate, "options": options}
+                if best is None or rate > best[0]:
+                    best = (rate, options, reps)
+            if best is not None:
+                rate, options, _ = best
+                detail = ", ".join(f"{k}={v}" for k, v in options.items())
+                if name == "pgqueuer":
+                    tried = ", ".join(str(b) for b in p.pgqueuer_batches)
+                    detail += f" (best of batch sizes {tried}); asyncpg driver"
+                table.add(label, f"{n} no-op jobs", rate, fx(ratio(rate, self.baseline_tps)),
+                          fx(ratio(ours3, rate)), f"jobs/s vs our K=3 steps/s; {detail}")
+        table.notes.append(f"median of {p.reps}; rates from the server's clock: before release "
+                           "or enqueue → the last completion each system recorded")
+        table.print()
+        self.record("peers", {"results": payload, "ours": self.ours_tp,
+                              "baseline_tps": self.baseline_tps})
+
+    # -- latency -----------------------------------------------------------------------------
+
+    async def ours_latency(self, url: str | None = None) -> dict[str, float]:
+        reps = await self.repeat("latency (ours)", lambda: ours.latency_once(
+            self.server, samples=self.plan.latency_samples, url=url))
+        keys = [k for k in reps[0] if k != "samples"]
+        return {k: median([r[k] for r in reps]) for k in keys}
+
+    async def section_latency(self) -> None:
+        await self.ensure_baseline()
+        p = self.plan
+        commit = self.commit_latency
+        table = Table(f"latency: K=1 run, idle worker, {p.latency_samples} sequential samples "
+                      "(ms)",
+                      ["system", "first step p50", "p99", "result p50", "p99",
+                       "first p50 ÷ 1 commit", "notes"])
+        payload: dict[str, Any] = {}
+        try:
+            self.ours_lat = await self.ours_latency()
+            lat = self.ours_lat
+            payload["ours"] = lat
+            table.add("orchestrator (ours)", ms(lat["first_step_p50"]), ms(lat["first_step_p99"]),
+                      ms(lat["result_p50"]), ms(lat["result_p99"]),
+                      fx(ratio(lat["first_step_p50"], commit)),
+                      f"result via result_async (polls); created→finished in the database: "
+                      f"p50 {ms(lat['db_created_to_finished_p50'])}, "
+                      f"p99 {ms(lat['db_created_to_finished_p99'])}")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            table.add("orchestrator (ours)", "—", "—", "—", "—", "—", f"failed: {exc}")
+        for name, label in (("dbos", "DBOS Transact"), ("pgqueuer", "PgQueuer"),
+                            ("procrastinate", "Procrastinate")):
+            why = peers.available(name)
+            if why:
+                table.add(label, "—", "—", "—", "—", "—", f"cannot run: {why}")
+                continue
+            try:
+                if name == "dbos":
+                    reps = await self.repeat("latency dbos", lambda: dbos_peer.latency(
+                        self.server, samples=p.latency_samples))
+                    note = "started in the worker's own process (no queue hand-off)"
+                else:
+                    reps = await self.repeat(f"latency {name}", partial(
+                        peers.latency, self.server, name, samples=p.latency_samples,
+                        options={}))
+                    note = "job start; a queue has no result to wait for"
+                lat = {k: median([r[k] for r in reps]) for k in reps[0] if k != "samples"}
+                payload[name] = lat
+                table.add(label, ms(lat["first_step_p50"]), ms(lat["first_step_p99"]),
+                          ms(lat.get("result_p50")), ms(lat.get("result_p99")),
+                          fx(ratio(lat["first_step_p50"], commit)), note)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                table.add(label, "—", "—", "—", "—", "—", f"failed: {exc}")
+        table.notes.append(f"median over {p.reps} repetitions of each percentile; one commit = "
+                           f"{ms(commit)} ms (1-client pgbench)")
+        table.print()
+        self.record("latency", {"results": payload, "commit_latency": commit})
+
+    # -- scale -------------------------------------------------------------------------------
+
+    async def section_scale(self) -> None:
+        await self.ensure_baseline()
+        p = self.plan
+        empty_tp = await self.ours_throughput(3)
+        if self.ours_lat is None:
+            self.ours_lat = await self.ours_latency()
+        url = self.server.create_database("scale")
+        try:
+            migrate(url)
+            filled = await scale.fill(url, runs=p.scale_rows, k=3)
+            reps = await self.repeat("scale throughput k=3", lambda: ours.throughput_once(
+                self.server, k=3, n=p.runs[3], setup=self.setup(), url=url))
+            big_tp = median([r["steps_per_s"] for r in reps])
+            big_lat = await self.ours_latency(url)
+        finally:
+            self.server.drop_database(url)
+        table = Table(f"scale: {p.scale_rows:,} finished runs (K=3: {p.scale_rows * 3:,} "
+                      f"operations, {p.scale_rows * 7:,} journal events, "
+                      f"{filled['tables_gib']:.1f} GiB) already in the tables",
+                      ["figure", "empty tables", "with history", "ratio", "target"])
+        table.add("K=3 steps/s", empty_tp["steps_per_s"], big_tp,
+                  fx(ratio(big_tp, empty_tp["steps_per_s"])), "≥ 0.9×")
+        for key, label in (("first_step_p50", "first step p50 ms"),
+                           ("first_step_p99", "first step p99 ms"),
+                           ("result_p50", "result p50 ms"), ("result_p99", "result p99 ms"),
+                           ("db_created_to_finished_p50", "created→finished p50 ms")):
+            table.add(label, ms(self.ours_lat[key]), ms(big_lat[key]),
+                      fx(ratio(big_lat[key], self.ours_lat[key])), "≤ 1.2×")
+        table.notes.append(f"loaded with INSERT … SELECT generate_series in "
+                           f"{filled['fill_seconds']:.0f} s, then VACUUM ANALYZE; "
+                           f"median of {p.reps}")
+        table.print()
+        self.record("scale", {"fill": filled, "throughput_reps": reps,
+                              "empty": {"steps_per_s": empty_tp["steps_per_s"],
+                                        "latency": self.ours_lat},
+                              "with_history": {"steps_per_s": big_tp, "latency": big_lat}})
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    async def section_recovery(self) -> None:
+        p = self.plan
+        ttl = p.recovery_lease_ttl
+        if ttl is None:
+            from orchestrator import Orchestrator
+
+            ttl = Orchestrator("postgresql://localhost/unused").lease_ttl
+        reps = await self.repeat("recovery", lambda: ours.recovery_once(
+            self.server, runs=p.recovery_runs, lease_ttl=ttl))
+        table = Table(f"recovery: SIGKILL a worker holding {p.recovery_runs} in-flight runs; "
+                      "seconds until each runs again on the other worker",
+                      ["lease ttl s", "recovered", "claimed p50", "claimed max",
+                       "step re-sent p50", "step re-sent max", "target p50"])
+        med = {k: median([r[k] for r in reps]) for k in reps[0] if isinstance(reps[0][k], float)}
+        table.add(f"{ttl:g}", f"{min(r['recovered'] for r in reps)}/{p.recovery_runs}",
+                  f"{med['claimed_p50']:.2f}", f"{med['claimed_max']:.2f}",
+                  f"{med['redispatched_p50']:.2f}", f"{med['redispatched_max']:.2f}", "≤ 2 s")
+        table.notes.append(f"median of {p.reps}; the runs sit in a `read` tool, so on the new "
+                           "worker the step is re-sent as attempt 2 (a consequential one would "
+                           "go to reconciliation instead)")
+        table.print()
+        self.record("recovery", {"reps": reps, "lease_ttl": ttl})
+
+    # -- memory ------------------------------------------------------------------------------
+
+    async def section_memory(self) -> None:
+        p = self.plan
+        reps = await self.repeat("memory", lambda: ours.memory_once(
+            self.server, runs=p.memory_runs, concurrency=p.memory_concurrency,
+            pool_size=p.pool_size))
+        table = Table(f"memory: one worker drains {p.memory_runs:,} queued K=3 runs at "
+                      f"concurrency {p.memory_concurrency}",
+                      ["figure", "median", "min", "max", "target"])
+        for key, label, target in (("idle_rss_mib", "RSS before the drain MiB", ""),
+                                   ("peak_rss_mib", "peak RSS (VmHWM) MiB", "≤ 200"),
+                                   ("seconds", "drain seconds", "")):
+            values = [r[key] for r in reps]
+            table.add(label, median(values), min(values), max(values), target)
+        table.notes.append(f"median of {p.reps}; succeeded "
+                           f"{min(r['succeeded'] for r in reps)}/{p.memory_runs}")
+        table.print()
+        self.record("memory", {"reps": reps})
+
+    # -- profile -----------------------------------------------------------------------------
+
+    async def section_profile(self) -> None:
+        p = self.plan
+        result = await ours.throughput_once(self.server, k=3, n=p.runs[3] * 2,
+                                            setup=self.setup(), profile=True)
+        prof = result["profile"]
+        table = Table(f"profile: py-spy on one of {p.workers} workers during a K=3 drain "
+                      f"({result['steps_per_s']:,.0f} steps/s, {prof['samples']} samples, "
+                      "idle excluded)", ["where the worker spends its own time", "share"])
+        for name, share in prof["self"]:
+            table.add(name, f"{share:.1%}")
+        table.rows.append(["", ""])
+        table.rows.append(["own time by package or module", ""])
+        for name, share in prof["packages"]:
+            table.add("  " + name, f"{share:.1%}")
+        table.rows.append(["", ""])
+        table.rows.append(["engine functions, including callees", ""])
+        for name, share in prof["inclusive"]:
+            table.add("  " + name, f"{share:.1%}")
+        table.print()
+        self.record("profile", {"result": result})
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every section, "
+                        "smaller and with one repetition (under two minutes)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, from {', '.join(SECTIONS)}")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    parser.add_argument("--reps", type=int, help="repetitions per figure (default 3; quick 1)")
+    parser.add_argument("--runs", type=int, help="runs per throughput drain, for every K")
+    parser.add_argument("--workers", type=int, help="worker processes (default 2)")
+    parser.add_argument("--concurrency", type=int, help="runs per worker (default 32)")
+    parser.add_argument("--scale-rows", type=int, help="finished runs loaded for the scale "
+                        "section (default 1,000,000)")
+    parser.add_argument("--latency-samples", type=int, help="samples per latency repetition")
+    parser.add_argument("--memory-runs", type=int, help="queued runs for the memory section")
+    parser.add_argument("--recovery-runs", type=int, help="in-flight runs killed (default 100)")
+    parser.add_argument("--lease-ttl", type=float, help="lease ttl for the recovery section "
+                        "(default: the engine's default; quick: 3 s)")
+    parser.add_argument("--server", help="admin URL of the PostgreSQL server to use "
+                        "(default: 127.0.0.1:5432, else ORCHESTRATOR_DATABASE_URL's server)")
+    parser.add_argument("--no-record", action="store_true",
+                        help="do not append to bench/results/results.jsonl")
+    return parser.parse_args(argv)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = [s for s in [*wanted, *skip] if s not in SECTIONS]
+    if unknown:
+        print(f"unknown section(s): {', '.join(unknown)}; choose from {', '.join(SECTIONS)}",
+              file=sys.stderr)
+        return 2
+    sections = [s for s in SECTIONS if s in wanted and s not in skip]
+    plan = plan_from(args)
+    server = Server.find(args.server)
+    git = git_commit()
+    context = {"git": git, "machine": machine_info(server), "argv": sys.argv[1:],
+               "quick": plan.quick}
+    suite = Suite(server, plan, context)
+    if args.no_record:
+        suite.record = lambda section, payload: None  # type: ignore[method-assign]
+    print(f"bench: {', '.join(sections)} on {server.source} "
+          f"({'quick' if plan.quick else 'full'}; {plan.reps} repetition(s); "
+          f"commit {(git['commit'] or '?')[:10]}"
+          f"{' + local changes' if git['dirty'] else ''})", flush=True)
+    started = time.monotonic()
+    failed = []
+    for name in sections:
+        t0 = time.monotonic()
+        try:
+            await getattr(suite, f"section_{name}")()
+        except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+            traceback.print_exc()
+            print(f"\n== {name}: failed: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
+        log(f"{name} took {time.monotonic() - t0:.0f}s")
+    print(f"\nbench: done in {time.monotonic() - started:.0f}s"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + ("" if args.no_record else "; results appended to bench/results/results.jsonl"),
+          flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,118 @@
+"""History at scale: fill the engine's tables with finished runs, their journals and operations.
+
+Rows are generated in SQL (``INSERT … SELECT … generate_series``), shaped exactly like what the
+engine writes for a succeeded run of K ``noop`` steps: the run row (``succeeded``, revision
+2K+1, lease token 1), per step an operation (``committed`` with receipt and digest) and two
+journal events (``call.submitted``, ``call.completed``), then ``run.completed``. Foreign keys and
+triggers are skipped while loading (``session_replication_role = replica``, this session only):
+the rows are consistent by construction, and the operation trigger would refuse to *create* an
+operation in its final state, which is the point of it. Then VACUUM ANALYZE, as autovacuum
+would have done to a table that old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import psycopg  # noqa: TID251 - bulk fixtures
+
+from bench.common import fetch_one, log
+
+S = "orchestrator"
+
+_FILLER = """
+CREATE UNLOGGED TABLE public.bench_filler AS
+SELECT i, gen_random_uuid() AS id,
+       now() - interval '30 days' + (i::float8 / %(n)s) * interval '29 days' AS t
+FROM generate_series(1, %(n)s) AS i
+"""
+
+_RUNS = f"""
+INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
+                      request_digest, idempotency_key, status, result, lease_owner, lease_token,
+                      revision, created_at, updated_at, finished_at)
+SELECT id, 'bench', 'bench', 'k' || %(k)s, '1', jsonb_build_object('n', i), '{{}}'::jsonb,
+       md5('req' || i), NULL, 'succeeded',
+       jsonb_build_object('first_t', extract(epoch FROM t),
+                          'last', jsonb_build_object('ok', true, 'i', %(k)s - 1,
+                                                     't', extract(epoch FROM t))),
+       NULL, 1, 2 * %(k)s + 1, t, t + interval '20 ms', t + interval '20 ms'
+FROM public.bench_filler
+"""
+
+_OPERATIONS = f"""
+INSERT INTO {S}.operations (id, run_id, position, attempt, tool_name, tool_version,
+                            effect_class, tenant, principal, intent_digest, arguments,
+                            idempotency_key, state, receipt, receipt_digest, worker_id,
+                            lease_token, created_at, submitted_at, finished_at, updated_at)
+SELECT (f.i - 1) * %(k)s + p + 1, f.id, p, 1, 'noop', '1', 'consequential', 'bench', 'bench',
+       md5('intent' || p), jsonb_build_object('i', p), f.id::text || ':' || p || ':1',
+       'committed', jsonb_build_object('ok', true, 'i', p, 't', extract(epoch FROM f.t)),
+       md5('receipt' || f.i || ':' || p), 'filler:1:000000', 1,
+       f.t + p * interval '5 ms', f.t + p * interval '5 ms', f.t + p * interval '5 ms',
+       f.t + p * interval '5 ms'
+FROM public.bench_filler f CROSS JOIN generate_series(0, %(k)s - 1) AS p
+"""
+
+_JOURNAL = f"""
+INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                         lease_token, created_at)
+SELECT f.id, s,
+       CASE WHEN s = 2 * %(k)s + 1 THEN 'run.completed'
+            WHEN s %% 2 = 1 THEN 'call.submitted' ELSE 'call.completed' END,
+       CASE WHEN s = 2 * %(k)s + 1 THEN NULL ELSE (s - 1) / 2 END,
+       CASE WHEN s = 2 * %(k)s + 1 THEN NULL ELSE 'noop' END,
+       1,
+       CASE WHEN s = 2 * %(k)s + 1 THEN
+                jsonb_build_object('result', jsonb_build_object('ok', true))
+            WHEN s %% 2 = 1 THEN
+                jsonb_build_object('tool_version', '1', 'intent', md5('intent' || (s - 1) / 2),
+                                   'attempt', 1, 'op', (f.i - 1) * %(k)s + (s - 1) / 2 + 1,
+                                   'key', f.id::text || ':' || (s - 1) / 2 || ':1',
+                                   'effect', 'consequential')
+            ELSE jsonb_build_object('result', jsonb_build_object('ok', true, 'i', (s - 1) / 2),
+                                    'op', (f.i - 1) * %(k)s + (s - 1) / 2 + 1) END,
+       1, f.t + s * interval '2 ms'
+FROM public.bench_filler f CROSS JOIN generate_series(1, 2 * %(k)s + 1) AS s
+"""
+
+
+async def _load(url: str, sql: str, params: dict[str, Any], what: str) -> float:
+    started = time.monotonic()
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("SET session_replication_role = replica")
+        await conn.execute("SET maintenance_work_mem = '256MB'")
+        await conn.execute(sql, params)
+    seconds = time.monotonic() - started
+    log(f"scale: {what} loaded in {seconds:.0f}s")
+    return seconds
+
+
+async def fill(url: str, *, runs: int, k: int = 3) -> dict[str, Any]:
+    """Load ``runs`` finished runs of ``k`` steps (runs, operations and journal in parallel)."""
+    started = time.monotonic()
+    params = {"n": runs, "k": k}
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(_FILLER, params)
+    await asyncio.gather(
+        _load(url, _RUNS, params, f"{runs:,} runs"),
+        _load(url, _OPERATIONS, params, f"{runs * k:,} operations"),
+        _load(url, _JOURNAL, params, f"{runs * (2 * k + 1):,} journal events"))
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("DROP TABLE public.bench_filler")
+        await conn.execute(
+            f"SELECT setval(pg_get_serial_sequence('{S}.operations', 'id'), %s)",
+            (runs * k + 1,))
+        await conn.execute(f"VACUUM ANALYZE {S}.runs")
+        await conn.execute(f"VACUUM ANALYZE {S}.operations")
+        await conn.execute(f"VACUUM ANALYZE {S}.journal")
+        row = await fetch_one(
+            conn, "SELECT pg_total_relation_size(%s) + pg_total_relation_size(%s) "
+            "+ pg_total_relation_size(%s)", (f"{S}.runs", f"{S}.operations", f"{S}.journal"))
+        size = int(row[0])
+    seconds = time.monotonic() - started
+    log(f"scale: {runs:,} finished runs ready in {seconds:.0f}s ({size / 2**30:.1f} GiB)")
+    return {"filler_runs": runs, "filler_k": k, "fill_seconds": seconds,
+            "tables_gib": size / 2**30}
