@@ -162,7 +162,7 @@ async def test_cancel_a_waiting_run_and_a_running_one(app, sql):
     release = asyncio.Event()
     calls: list[str] = []
 
-    @app.tool()
+    @app.tool(effect="read")  # interrupted or not, a read leaves nothing uncertain
     async def slow(ctx):  # type: ignore[no-untyped-def]
         calls.append("slow")
         await release.wait()
