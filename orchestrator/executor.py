@@ -32,6 +32,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take, incident_record
 from orchestrator.errors import (
+    DatabaseError,
     InvalidRequest,
     JournalFull,
     LeaseLost,
@@ -262,9 +263,14 @@ class RunExecutor:
                 return result, all_events, cancel_at
 
             try:
-                result, written, cancel_at = await self.db.run_in_transaction(tx)
+                result, written, cancel_at = await self.worker.writer.run_in_transaction(tx)
             except LeaseLost:
                 self.lose_lease("write rejected")
+                raise Stop("lease_lost") from None
+            except DatabaseError:
+                # The database keeps failing this write: stop here without guessing; the run
+                # is recovered from its journal once the lease lapses.
+                self.lose_lease("database unavailable")
                 raise Stop("lease_lost") from None
             del self._buffer[: len(pending)]
             self.revision += len(written)
@@ -495,7 +501,7 @@ class RunExecutor:
             await final(conn)
 
         try:
-            await self.db.run_in_transaction(tx)
+            await self.worker.writer.run_in_transaction(tx)
         except LeaseLost:
             self.lose_lease("parking rejected")
 
@@ -582,7 +588,7 @@ class RunExecutor:
                                      outcome_code=code, result=result, error=error)
 
         try:
-            await self.db.run_in_transaction(tx)
+            await self.worker.writer.run_in_transaction(tx)
         except LeaseLost:
             self.lose_lease("outcome rejected")
             return

@@ -303,9 +303,10 @@ class Call:
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_commit(conn, op_id=op_id, token=ex.token,
                                           receipt=receipt_text, receipt_digest=digest)
-            await ops_db.operation_settle_resent(conn, run_id=ex.run_id, position=self.position,
-                                                 key=key, receipt=receipt_text,
-                                                 receipt_digest=digest)
+            if key != self.key_for(1) or self.tool.effect == "idempotent":
+                await ops_db.operation_settle_resent(
+                    conn, run_id=ex.run_id, position=self.position, key=key,
+                    receipt=receipt_text, receipt_digest=digest)
             return None, [self.event("call.completed", {"result": receipt, "op": op_id})]
 
         try:

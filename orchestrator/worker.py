@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL
+from orchestrator.db.writer import GroupWriter
 from orchestrator.errors import OrchestratorError, SchemaUnsupported
 from orchestrator.executor import RunExecutor
 
@@ -59,6 +60,7 @@ class Worker:
         self.drain_timeout = drain_timeout
         self._liveness = workers_db.LivenessLock(app.target.url,
                                                  secrets.randbits(62) + 1)
+        self.writer = GroupWriter(app.database)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
