@@ -2,8 +2,9 @@
 
 Every run still writes through its own fenced statements (lease token, expected revision, row
 counts checked); what is shared is the transaction and so the commit, which is what a durable
-PostgreSQL pays most for. Each run's writes sit in their own savepoint, so one run's rejected or
-failing write rolls back alone and never fails its neighbours. A run continues only after the
+PostgreSQL pays most for. When one run's write is rejected or fails, the shared transaction is
+rolled back and every write of the batch runs again in a transaction of its own, so the failure
+stays with its write and never fails its neighbours. A run continues only after the
 transaction holding its write has committed.
 
 Requests that arrive while a batch is being written form the next batch: under load batches
@@ -54,23 +55,17 @@ class GroupWriter:
                 await asyncio.sleep(0.1)  # the database is having trouble: do not spin
 
     async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], int]]) -> bool:
-        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        """Write a batch in one transaction. If any write fails, the transaction is rolled back
+        and each write runs again in a transaction of its own, so a failure stays with the
+        write that caused it (rejected writes are rare: a lost lease, a bug)."""
         try:
             with translate_errors(self.db.target):
-                pool = await self.db.pool()
-                async with pool.connection() as raw, raw.transaction():
-                    conn = cast(Conn, raw)
-                    for work, future, _ in batch:
-                        try:
-                            async with conn.transaction():  # a savepoint per write
-                                outcomes.append((future, await work(conn), None))
-                        except psycopg.OperationalError:
-                            raise  # the connection is gone: the whole batch is retried
-                        except Exception as exc:  # noqa: BLE001 - belongs to that write alone
-                            outcomes.append((future, None, exc))
+                outcomes = await self._together(batch)
+                if outcomes is None:
+                    outcomes = [await self._alone(work, future) for work, future, _ in batch]
         except (DatabaseError, psycopg.Error) as exc:
-            # The transaction did not commit (or we cannot know): try those writes again in a
-            # later batch. They are fenced, so a write that did commit is rejected next time.
+            # Not committed, or we cannot know: try those writes again in a later batch. They
+            # are fenced, so a write that did commit is rejected the next time.
             self._retry(batch, exc)
             return False
         self.batches += 1
@@ -83,6 +78,37 @@ class GroupWriter:
             else:
                 future.set_result(value)
         return True
+
+    async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], int]]
+                        ) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]] | None:
+        values: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        pool = await self.db.pool()
+        async with pool.connection() as raw:
+            conn = cast(Conn, raw)
+            try:
+                async with conn.transaction():
+                    for work, future, _ in batch:
+                        values.append((future, await work(conn), None))
+            except psycopg.OperationalError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
+                if len(batch) == 1:
+                    return [(batch[0][1], None, exc)]
+                return None
+        return values
+
+    async def _alone(self, work: Work, future: asyncio.Future[Any]
+                     ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
+        pool = await self.db.pool()
+        async with pool.connection() as raw:
+            conn = cast(Conn, raw)
+            try:
+                async with conn.transaction():
+                    return future, await work(conn), None
+            except psycopg.OperationalError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - belongs to that write alone
+                return future, None, exc
 
     def _retry(self, batch: list[tuple[Work, asyncio.Future[Any], int]],
                exc: BaseException) -> None:
