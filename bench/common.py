@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -234,6 +235,23 @@ def log(message: str) -> None:
 # -- results ---------------------------------------------------------------------------------
 
 
+def engine_state() -> dict[str, Any]:
+    """Which engine is being measured: a snapshot's commit, or the work tree's HEAD and
+    whether the engine's files had local changes."""
+    snapshot = os.environ.get("BENCH_ENGINE_COMMIT")
+    if snapshot:
+        return {"engine_commit": snapshot, "engine_snapshot": True, "engine_dirty": False}
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", "orchestrator", "migrations"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"engine_commit": None, "engine_snapshot": False, "engine_dirty": None}
+    return {"engine_commit": head or None, "engine_snapshot": False,
+            "engine_dirty": bool(out.strip())}
+
+
 def git_commit() -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
@@ -271,7 +289,8 @@ def machine_info(server: Server | None = None) -> dict[str, Any]:
 def append_result(section: str, payload: dict[str, Any], context: dict[str, Any]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {"timestamp": datetime.now(UTC).isoformat(timespec="seconds"), "section": section,
-              **context, "loadavg_now": os.getloadavg(), **payload}
+              **context, "engine_at_end": engine_state(), "loadavg_now": os.getloadavg(),
+              **payload}
     with RESULTS.open("a") as out:
         out.write(json.dumps(record, default=str, sort_keys=True) + "\n")
 
@@ -279,9 +298,37 @@ def append_result(section: str, payload: dict[str, Any], context: dict[str, Any]
 # -- processes -------------------------------------------------------------------------------
 
 
+def engine_dir() -> Path:
+    """Where child processes import ``orchestrator`` from: the work tree, or the snapshot of
+    a committed revision made by ``--engine`` (see :func:`snapshot_engine`)."""
+    return Path(os.environ.get("BENCH_ENGINE_DIR") or ROOT)
+
+
+def snapshot_engine(ref: str) -> tuple[Path, str]:
+    """Export ``ref``'s engine (``orchestrator/``, ``migrations/``) to a temporary folder that
+    also links to this ``bench/``, so that other people's edits to the work tree cannot
+    change the engine under a running benchmark. Returns (folder, commit)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    folder = Path(tempfile.gettempdir()) / f"bench-engine-{sha[:12]}"
+    if not (folder / "orchestrator").exists():
+        staging = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+        archive = subprocess.run(["git", "archive", sha, "orchestrator", "migrations"],
+                                 cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(staging)], input=archive, check=True)
+        # What the package build maps: migrations/ ships as orchestrator._migrations.
+        (staging / "orchestrator" / "_migrations").symlink_to("../migrations")
+        (staging / "bench").symlink_to(ROOT / "bench")
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    return folder, sha
+
+
 def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    paths = [str(engine_dir()), str(ROOT)] if engine_dir() != ROOT else [str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})
     return env
@@ -342,6 +389,8 @@ class Proc:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 await self.proc.wait()
+        with contextlib.suppress(BaseException):  # read what it printed last, then give up
+            await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
         self._reader.cancel()
         with contextlib.suppress(BaseException):
             await self._reader
@@ -349,7 +398,7 @@ class Proc:
 
 async def spawn(args: Sequence[str], *, name: str, env: dict[str, str] | None = None) -> Proc:
     proc = await asyncio.create_subprocess_exec(
-        *args, cwd=ROOT, env=python_env(env), stdout=asyncio.subprocess.PIPE,
+        *args, cwd=engine_dir(), env=python_env(env), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
     return Proc(proc, name)
 

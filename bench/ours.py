@@ -189,21 +189,33 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
 
 
 async def latency_once(server: Server, *, samples: int, warmup: int = 10,
-                       url: str | None = None, concurrency: int = 10) -> dict[str, Any]:
-    """Sequential K=1 runs on an idle worker: submit → first step, submit → result."""
+                       url: str | None = None, setup: Setup | None = None,
+                       load_rate: float | None = None) -> dict[str, Any]:
+    """Sequential K=1 runs: submit → first step, submit → result.
+
+    Idle by default (one worker, concurrency 10). With ``load_rate``, a separate process
+    (``bench.load``) submits K=3 runs at that rate to ``setup``'s workers meanwhile.
+    """
     own = url is None
     if url is None:
         url = server.create_database("lat")
         migrate(url)
     orch = build_app(url, pool_size=4)
-    setup = Setup(workers=1, concurrency=concurrency, pool_size=4)
+    setup = setup or Setup(workers=1, concurrency=10, pool_size=4)
     first: list[float] = []
     result: list[float] = []
     ids: list[uuid.UUID] = []
+    load: Proc | None = None
+    extra: dict[str, Any] = {}
     try:
         procs = await start_workers(url, setup)
         try:
             await wait_registered(url, [p.pid for p in procs], procs)
+            if load_rate:
+                load = await spawn([sys.executable, "-m", "bench.load", "--url", url,
+                                    "--rate", str(load_rate)], name="load")
+                await load.expect("@ready", 60)
+                await asyncio.sleep(2.0)  # let the stream reach a steady state
             for i in range(warmup + samples):
                 t0 = time.time()
                 handle = await orch.submit_async("k1", {"n": i})
@@ -214,7 +226,15 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                     result.append(t2 - t0)
                     ids.append(handle.id)
                 await asyncio.sleep(0.01)  # idle between samples
+            if load is not None:
+                async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                    extra["backlog_at_end"] = await unfinished(conn)
+                await load.stop()
+                line = await load.expect("@submitted", 30)
+                extra["load_submitted"] = int(line.split()[1])
         finally:
+            if load is not None:
+                await load.stop()
             await asyncio.gather(*(p.stop() for p in procs))
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             cur = await conn.execute(
@@ -226,7 +246,7 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
         if own:
             server.drop_database(url)
     return {"samples": samples, **summary("first_step", first), **summary("result", result),
-            **summary("db_created_to_finished", db)}
+            **summary("db_created_to_finished", db), **extra}
 
 
 def summary(name: str, values: Sequence[float]) -> dict[str, float]:

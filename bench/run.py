@@ -6,7 +6,8 @@ Sections (``--sections a,b``; default: all):
   ceiling     pgbench, one single-row INSERT per commit, at 1, 4 and 16 clients
   throughput  N runs of K = 1, 3, 10 trivial consequential steps, W worker processes
   peers       DBOS (K = 3, 10), PgQueuer and Procrastinate (no-op jobs), matched concurrency
-  latency     submit → first step, submit → result, K = 1, idle (ours and the peers)
+  latency     submit → first step, submit → result, K = 1, idle (ours and the peers), and ours
+              again while another process submits K = 3 runs at half the drain rate
   scale       throughput (K = 3) and latency again with 1,000,000 finished runs in the tables
   recovery    SIGKILL a worker holding 100 in-flight runs: time until they run elsewhere
   memory      one worker's peak RSS draining 10,000 queued runs at concurrency 100
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from bench import ceiling as ceiling_mod
@@ -35,6 +38,7 @@ from bench.common import (
     Server,
     Table,
     append_result,
+    engine_state,
     fx,
     git_commit,
     log,
@@ -43,6 +47,7 @@ from bench.common import (
     migrate,
     ms,
     ratio,
+    snapshot_engine,
 )
 from bench.peers import dbos_peer
 
@@ -69,6 +74,7 @@ class Plan:
     memory_concurrency: int
     pgqueuer_min_jobs: int
     pgqueuer_batches: tuple[int, ...]
+    load_fraction: float = 0.5
     quick: bool = False
 
 
@@ -297,8 +303,8 @@ class Suite:
         await self.ensure_baseline()
         p = self.plan
         commit = self.commit_latency
-        table = Table(f"latency: K=1 run, idle worker, {p.latency_samples} sequential samples "
-                      "(ms)",
+        table = Table(f"latency: K=1 runs, {p.latency_samples} sequential samples, idle worker "
+                      "unless noted (ms)",
                       ["system", "first step p50", "p99", "result p50", "p99",
                        "first p50 ÷ 1 commit", "notes"])
         payload: dict[str, Any] = {}
@@ -315,6 +321,24 @@ class Suite:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             table.add("orchestrator (ours)", "—", "—", "—", "—", "—", f"failed: {exc}")
+        try:
+            capacity = (await self.ours_throughput(3))["runs_per_s"]
+            rate = round(capacity * p.load_fraction, 1)
+            reps = await self.repeat("latency under load (ours)", partial(
+                ours.latency_once, self.server, samples=p.latency_samples, setup=self.setup(),
+                load_rate=rate))
+            lat = {k: median([r[k] for r in reps]) for k in reps[0] if k != "samples"}
+            payload["ours_under_load"] = {**lat, "load_rate": rate}
+            table.add("ours, under load", ms(lat["first_step_p50"]), ms(lat["first_step_p99"]),
+                      ms(lat["result_p50"]), ms(lat["result_p99"]),
+                      fx(ratio(lat["first_step_p50"], commit)),
+                      f"while another process submits K=3 runs at {rate:g}/s "
+                      f"({p.load_fraction:.0%} of the measured drain rate) to "
+                      f"{p.workers} × {p.concurrency} workers; backlog at the end "
+                      f"{lat.get('backlog_at_end', float('nan')):.0f} runs")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            table.add("ours, under load", "—", "—", "—", "—", "—", f"failed: {exc}")
         for name, label in (("dbos", "DBOS Transact"), ("pgqueuer", "PgQueuer"),
                             ("procrastinate", "Procrastinate")):
             why = peers.available(name)
@@ -347,41 +371,55 @@ class Suite:
     # -- scale -------------------------------------------------------------------------------
 
     async def section_scale(self) -> None:
-        await self.ensure_baseline()
+        """Empty and filled databases measured in alternation, so that the background load of
+        a shared machine falls on both; ratios are the median of the paired repetitions."""
         p = self.plan
-        empty_tp = await self.ours_throughput(3)
-        if self.ours_lat is None:
-            self.ours_lat = await self.ours_latency()
+        lat_keys = (("first_step_p50", "first step p50 ms"),
+                    ("first_step_p99", "first step p99 ms"),
+                    ("result_p50", "result p50 ms"), ("result_p99", "result p99 ms"),
+                    ("db_created_to_finished_p50", "created→finished p50 ms"))
+        pairs: list[dict[str, Any]] = []
         url = self.server.create_database("scale")
         try:
             migrate(url)
             filled = await scale.fill(url, runs=p.scale_rows, k=3)
-            reps = await self.repeat("scale throughput k=3", lambda: ours.throughput_once(
-                self.server, k=3, n=p.runs[3], setup=self.setup(), url=url))
-            big_tp = median([r["steps_per_s"] for r in reps])
-            big_lat = await self.ours_latency(url)
+            for i in range(p.reps):
+                log(f"scale: repetition {i + 1}/{p.reps} (empty, then with history)")
+                pair: dict[str, Any] = {}
+                for label, where in (("empty", None), ("history", url)):
+                    pair[f"{label}_tp"] = await ours.throughput_once(
+                        self.server, k=3, n=p.runs[3], setup=self.setup(), url=where)
+                    pair[f"{label}_lat"] = await ours.latency_once(
+                        self.server, samples=p.latency_samples, url=where)
+                pairs.append(pair)
         finally:
             self.server.drop_database(url)
+
+        def paired(kind: str, key: str) -> tuple[float, float, float | None]:
+            empty = [q[f"empty_{kind}"][key] for q in pairs]
+            big = [q[f"history_{kind}"][key] for q in pairs]
+            ratios = [r for r in (ratio(b, e) for e, b in zip(empty, big, strict=True))
+                      if r is not None]
+            return median(empty), median(big), median(ratios) if ratios else None
+
         table = Table(f"scale: {p.scale_rows:,} finished runs (K=3: {p.scale_rows * 3:,} "
                       f"operations, {p.scale_rows * 7:,} journal events, "
                       f"{filled['tables_gib']:.1f} GiB) already in the tables",
                       ["figure", "empty tables", "with history", "ratio", "target"])
-        table.add("K=3 steps/s", empty_tp["steps_per_s"], big_tp,
-                  fx(ratio(big_tp, empty_tp["steps_per_s"])), "≥ 0.9×")
-        for key, label in (("first_step_p50", "first step p50 ms"),
-                           ("first_step_p99", "first step p99 ms"),
-                           ("result_p50", "result p50 ms"), ("result_p99", "result p99 ms"),
-                           ("db_created_to_finished_p50", "created→finished p50 ms")):
-            table.add(label, ms(self.ours_lat[key]), ms(big_lat[key]),
-                      fx(ratio(big_lat[key], self.ours_lat[key])), "≤ 1.2×")
+        summary: dict[str, Any] = {}
+        empty, big, r = paired("tp", "steps_per_s")
+        summary["steps_per_s"] = (empty, big, r)
+        table.add("K=3 steps/s", empty, big, fx(r), "≥ 0.9×")
+        for key, label in lat_keys:
+            empty, big, r = paired("lat", key)
+            summary[key] = (empty, big, r)
+            table.add(label, ms(empty), ms(big), fx(r), "≤ 1.2×")
         table.notes.append(f"loaded with INSERT … SELECT generate_series in "
-                           f"{filled['fill_seconds']:.0f} s, then VACUUM ANALYZE; "
-                           f"median of {p.reps}")
+                           f"{filled['fill_seconds']:.0f} s, then VACUUM ANALYZE; {p.reps} "
+                           "pairs, empty and filled in alternation; ratio = median of the "
+                           "paired ratios")
         table.print()
-        self.record("scale", {"fill": filled, "throughput_reps": reps,
-                              "empty": {"steps_per_s": empty_tp["steps_per_s"],
-                                        "latency": self.ours_lat},
-                              "with_history": {"steps_per_s": big_tp, "latency": big_lat}})
+        self.record("scale", {"fill": filled, "pairs": pairs, "summary": summary})
 
     # -- recovery ----------------------------------------------------------------------------
 
@@ -474,6 +512,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the engine's default; quick: 3 s)")
     parser.add_argument("--server", help="admin URL of the PostgreSQL server to use "
                         "(default: 127.0.0.1:5432, else ORCHESTRATOR_DATABASE_URL's server)")
+    parser.add_argument("--engine", metavar="REF",
+                        help="measure a committed revision of the engine (e.g. HEAD) from a "
+                        "snapshot, not the work tree that others may be editing")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append to bench/results/results.jsonl")
     return parser.parse_args(argv)
@@ -489,18 +530,30 @@ async def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     sections = [s for s in SECTIONS if s in wanted and s not in skip]
+    if args.engine and not os.environ.get("BENCH_ENGINE_DIR"):
+        folder, sha = snapshot_engine(args.engine)
+        env = {**os.environ, "BENCH_ENGINE_DIR": str(folder), "BENCH_ENGINE_COMMIT": sha,
+               "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+        os.chdir(folder)
+        os.execve(sys.executable, [sys.executable, "-m", "bench.run", *sys.argv[1:]], env)
     plan = plan_from(args)
     server = Server.find(args.server)
     git = git_commit()
-    context = {"git": git, "machine": machine_info(server), "argv": sys.argv[1:],
+    engine = engine_state()
+    import orchestrator
+
+    engine["engine_path"] = str(Path(orchestrator.__file__).parent)
+    context = {"git": git, "engine": engine, "machine": machine_info(server), "argv": sys.argv[1:],
                "quick": plan.quick}
     suite = Suite(server, plan, context)
     if args.no_record:
         suite.record = lambda section, payload: None  # type: ignore[method-assign]
     print(f"bench: {', '.join(sections)} on {server.source} "
           f"({'quick' if plan.quick else 'full'}; {plan.reps} repetition(s); "
-          f"commit {(git['commit'] or '?')[:10]}"
-          f"{' + local changes' if git['dirty'] else ''})", flush=True)
+          f"engine {(engine['engine_commit'] or '?')[:10]}"
+          f"{' snapshot' if engine['engine_snapshot'] else ''}"
+          f"{' + local changes' if engine['engine_dirty'] else ''} from "
+          f"{engine['engine_path']})", flush=True)
     started = time.monotonic()
     failed = []
     for name in sections:
@@ -512,6 +565,15 @@ async def main(argv: list[str] | None = None) -> int:
             print(f"\n== {name}: failed: {type(exc).__name__}: {exc}", flush=True)
             failed.append(name)
         log(f"{name} took {time.monotonic() - t0:.0f}s")
+        now = engine_state()
+        if (now["engine_commit"], now["engine_dirty"]) != (engine["engine_commit"],
+                                                          engine["engine_dirty"]):
+            print(f"\nwarning: the engine in the work tree changed during `{name}` (now "
+                  f"{(now['engine_commit'] or '?')[:10]}"
+                  f"{' + local changes' if now['engine_dirty'] else ''}); figures taken "
+                  "before and after are not comparable; --engine HEAD measures a snapshot",
+                  flush=True)
+            engine = now
     print(f"\nbench: done in {time.monotonic() - started:.0f}s"
           + (f"; failed: {', '.join(failed)}" if failed else "")
           + ("" if args.no_record else "; results appended to bench/results/results.jsonl"),
