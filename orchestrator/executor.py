@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import canonical
 from orchestrator.context import WorkflowContext
+from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take, incident_record
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Event = dict[str, Any]
 log = logging.getLogger("orchestrator.worker")
+
+# Journal room kept free by new work for its outcomes: the call's result and the run's end.
+JOURNAL_RESERVE = 3
 
 # Timers this short are waited for in memory (the timer is still journaled) rather than
 # parking the run and paying for a replay.
@@ -133,8 +137,9 @@ class RunExecutor:
         self._active = 0
         self._active_depth: dict[int, int] = {}
         self._waits: dict[int, Wait] = {}
+        self._parked: list[asyncio.Future[None]] = []
         self._changed = asyncio.Event()
-        self._parking = False
+        self.parking = False
 
     # -- time, positions, boundaries ---------------------------------------------------------
 
@@ -228,15 +233,25 @@ class RunExecutor:
 
     # -- writes ------------------------------------------------------------------------------
 
+    def check_room(self, events: int) -> None:
+        """Refuse new work that would leave no room in the journal for its outcomes (C2)."""
+        if self.revision + events + JOURNAL_RESERVE > self.app.max_journal_events:
+            raise JournalFull(f"run {self.run_id} reached its journal cap of "
+                              f"{self.app.max_journal_events} events")
+
     def buffer(self, ev: Event) -> None:
         """Queue an event that needs no commit of its own; it rides with the next write."""
+        self.check_room(len(self._buffer) + 1)
         self._buffer.append(ev)
 
     async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
-                    *, terminal: bool = False) -> T | None:
+                    *, new_work: bool = False) -> T | None:
         """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
 
-        Raises :class:`Stop` ("lease_lost") if the fence rejects it: nothing was written then.
+        ``new_work`` writes (a call beginning, a child starting) are refused with
+        ``JOURNAL_FULL`` unless they leave room for their own outcome and the run's; outcome
+        writes are never refused, so nothing accepted loses its record. Raises :class:`Stop`
+        ("lease_lost") if the fence rejects it: nothing was written then.
         """
         async with self._write_lock:
             if self.lost:
@@ -251,17 +266,13 @@ class RunExecutor:
                 all_events = pending + events
                 cancel_at = None
                 if all_events:
-                    limit = self.app.max_journal_events + (1 if terminal else 0)
-                    if self.revision + len(all_events) > limit:
-                        raise JournalFull(
-                            f"run {self.run_id} reached its journal cap of "
-                            f"{self.app.max_journal_events} events"
-                        )
                     cancel_at = await runs_db.journal_append(
                         conn, run_id=self.run_id, token=self.token, expected=self.revision,
                         events=all_events)
                 return result, all_events, cancel_at
 
+            if new_work:
+                self.check_room(len(pending) + 1)
             try:
                 result, written, cancel_at = await self.worker.writer.run_in_transaction(tx)
             except LeaseLost:
@@ -379,7 +390,7 @@ class RunExecutor:
                                     {"run_id": str(child_id), "version": wf.version})]
 
             with self.active():
-                await self.write(start)
+                await self.write(start, new_work=True)
         with self.active():
             async with self.db.connection() as conn:
                 rows = await runs_db.run_children_status(conn, self.run_id, [position])
@@ -438,8 +449,10 @@ class RunExecutor:
         depth = self._active_depth.get(wait.position, 0)
         self._active -= depth
         self._changed.set()
+        parked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._parked.append(parked)
         try:
-            await asyncio.Future()  # cancelled when the run is parked
+            await parked  # cancelled when the run is parked
         finally:
             self._active += depth
 
@@ -448,6 +461,15 @@ class RunExecutor:
         ctx = WorkflowContext(self)
         task: asyncio.Task[Any] = asyncio.ensure_future(workflow.fn(ctx, self.input))
         task.add_done_callback(lambda _: self._changed.set())
+        try:
+            await self._drive(task)
+        finally:  # whatever happened, nothing of this run keeps running in this process
+            self.parking = True
+            task.cancel()
+            for parked in self._parked:
+                parked.cancel()
+
+    async def _drive(self, task: asyncio.Task[Any]) -> None:
         while True:
             await self._changed.wait()
             self._changed.clear()
@@ -459,7 +481,7 @@ class RunExecutor:
                 if task.done():
                     break
                 if self._active == 0 and self._waits and not self._changed.is_set():
-                    self._parking = True
+                    self.parking = True
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
@@ -493,6 +515,25 @@ class RunExecutor:
             conn, run_id=self.run_id, token=self.token, wake_at=wake_at,
             waiting_for=", ".join(parts), event_names=names, child_positions=children))
 
+    async def _strand(self) -> None:
+        """The run was about to end with operations still unsettled (dispatched without an
+        outcome, or unknown). It must not end yet: those become unknown, go to the
+        reconciliation queue, and the run waits for them (C5, C8)."""
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            stranded = await ops_db.operation_strand(conn, run_id=self.run_id, token=self.token)
+            events = [event("call.unknown", op["position"], op["tool_name"],
+                            {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
+                             "next": "reconcile"}) for op in stranded]
+            return None, events
+
+        try:
+            await self.write(work)
+        except Stop:
+            return
+        await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
+            conn, run_id=self.run_id, token=self.token,
+            waiting_for="reconciliation of operations whose outcome is not recorded"))
+
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
         async def tx(conn: Conn) -> None:
             if self._buffer:
@@ -509,6 +550,14 @@ class RunExecutor:
 
     async def _finish(self, task: asyncio.Task[Any]) -> None:
         exc = task.exception()
+        if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):
+            await self._stop(exc)  # out of time: unknown operations stay listed for operators
+            return
+        if any(w.kind == "blocked" for w in self._waits.values()):
+            # Another branch is blocked on an operation whose outcome is unknown: the run
+            # cannot end before that is known (it ends the same way after a replay).
+            await self._park_run()
+            return
         if isinstance(exc, Stop):
             await self._stop(exc)
             return
@@ -589,7 +638,10 @@ class RunExecutor:
 
         try:
             await self.worker.writer.run_in_transaction(tx)
-        except LeaseLost:
+        except runs_db.UnsettledOperations:
+            await self._strand()
+            return
+        except (LeaseLost, DatabaseError):
             self.lose_lease("outcome rejected")
             return
         self.worker.metrics.incr(f"runs_{status}")

@@ -16,6 +16,7 @@ new attempt, within the retry budget; ``consequential`` tools go to reconciliati
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -72,6 +73,11 @@ class Call:
         self.intent = canonical.intent_digest(tool.name, tool.version, ex.owner.as_dict(),
                                               arguments)
         self.following = Attempt()  # set by each failed attempt: what to run next
+        try:  # a call that cannot bind is a bug in the workflow: refuse it before any write
+            tool.signature.bind(None, **arguments)
+        except TypeError as exc:
+            raise InvalidRequest(f"tool {tool.name} does not take these arguments: {exc}",
+                                 path="$.arguments") from None
 
     def event(self, kind: str, payload: dict[str, Any]) -> Event:
         from orchestrator.executor import event
@@ -112,7 +118,7 @@ class Call:
         if kind == "call.cancelled":
             from orchestrator.executor import Stop
 
-            raise Stop("cancelled")
+            raise Stop("deadline" if payload.get("why") == "deadline" else "cancelled")
         if kind == "call.pending":
             return Attempt(number, begun["payload"]["key"], pending_op=op_id)
         if kind == "call.retrying":
@@ -142,6 +148,9 @@ class Call:
         """Run one attempt; return its receipt, or None with ``self.following`` set."""
         ex, tool = self.ex, self.tool
         ex.boundary()
+        remaining = ex.remaining()
+        if remaining is not None and remaining * 1000 <= tool.policy.min_attempt_ms:
+            ex.stop_deadline()  # not even the minimum attempt fits: never dispatch
         key = state.key or self.key_for(state.number)
         op_id = state.pending_op
         stages = self.stages()
@@ -170,10 +179,7 @@ class Call:
         }
 
         async def work(conn: Conn) -> tuple[tuple[int, str], list[Event]]:
-            try:
-                op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
-            except ops_db.OperationIdentityReused as exc:
-                raise Nondeterminism(str(exc)) from None
+            op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
             payload = {"tool_version": self.tool.version, "intent": self.intent,
                        "attempt": number, "op": op_id, "key": key, "effect": self.tool.effect}
             kind = "call.submitted" if status == "submitted" else "call.pending"
@@ -182,8 +188,11 @@ class Call:
                 events.append(self.event("call.cancelled", {"op": op_id}))
             return (op_id, status), events
 
-        with ex.active():
-            result = await ex.write(work)
+        try:
+            with ex.active():
+                result = await ex.write(work, new_work=True)
+        except ops_db.OperationIdentityReused as exc:
+            raise Nondeterminism(str(exc)) from None
         assert result is not None
         return result
 
@@ -207,15 +216,19 @@ class Call:
                              run_id=ex.run_id, position=self.position, attempt=number,
                              idempotency_key=key)
         for name, hook, budget in stages:
-            if ex.cancel_requested:
-                await self.cancel_pending(op_id)
-            verdict = await ex.race_cancellation(hook(pctx), budget, pctx.cancelled)
+            await self.admissible(op_id)
+            remaining = ex.remaining()
+            verdict = await ex.race_cancellation(
+                hook(pctx), budget if remaining is None else min(budget, remaining),
+                pctx.cancelled)
             if verdict.cancelled:
                 await self.cancel_pending(op_id)
             if verdict.timed_out or verdict.error is not None or verdict.value is False:
+                await self.admissible(op_id)  # out of run time is a deadline, not a denial
                 cause = "policy_timeout" if verdict.timed_out else "denied"
                 ref = await self.incident(op_id, name, verdict.error) if verdict.error else None
                 await self.deny(op_id, name, cause, ref)
+        await self.admissible(op_id)
 
         async def submit(conn: Conn) -> tuple[str, list[Event]]:
             status = await ops_db.operation_mark_submitted(conn, op_id=op_id, token=ex.token)
@@ -230,13 +243,25 @@ class Call:
         if status == "cancelled":
             ex.stop_cancelled()
 
-    async def cancel_pending(self, op_id: int) -> None:
+    async def admissible(self, op_id: int) -> None:
+        """Before and after each stage and just before dispatch: a cancelled run, or one whose
+        deadline cannot hold the minimum attempt time, never dispatches (C7)."""
+        if self.ex.cancel_requested:
+            await self.cancel_pending(op_id)
+        remaining = self.ex.remaining()
+        if remaining is not None and remaining * 1000 <= self.tool.policy.min_attempt_ms:
+            await self.cancel_pending(op_id, stop="deadline")
+
+    async def cancel_pending(self, op_id: int, stop: str = "cancelled") -> None:
+        """pending → cancelled (never dispatched); the run stops (cancelled or out of time)."""
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_cancel(conn, op_id=op_id, token=self.ex.token)
-            return None, [self.event("call.cancelled", {"op": op_id})]
+            return None, [self.event("call.cancelled", {"op": op_id, "why": stop})]
 
         with self.ex.active():
             await self.ex.write(work)
+        if stop == "deadline":
+            self.ex.stop_deadline()
         self.ex.stop_cancelled()
 
     async def deny(self, op_id: int, stage: str, cause: str, ref: str | None) -> None:
@@ -262,8 +287,18 @@ class Call:
         remaining = ex.remaining()
         if remaining is not None:
             timeout = remaining if timeout is None else min(timeout, remaining)
-        verdict = await ex.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
-                                             tctx.cancelled)
+        try:
+            verdict = await ex.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
+                                                 tctx.cancelled)
+        except asyncio.CancelledError:
+            if ex.parking or ex.lost:
+                raise  # the executor is parking or dropping the run: the journal decides
+            # Workflow code cancelled the call (a timeout around ctx.call): the effect may have
+            # happened. Record that, and block the run on it instead of letting it go on.
+            await asyncio.shield(self.record_unknown(op_id, "TOOL_OUTCOME_UNCERTAIN",
+                                                     "reconcile"))
+            await self.park_blocked(op_id)
+            raise
         if verdict.cancelled or verdict.timed_out:
             what = "cancelled after dispatch" if verdict.cancelled else "timed out"
             await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
@@ -316,8 +351,10 @@ class Call:
             # The lease is gone: this receipt is not the outcome, but it is evidence (C8).
             evidence = json.dumps({"kind": "late_receipt", "worker": ex.worker.worker_id,
                                    "receipt": receipt, "receipt_digest": digest})
-            async with ex.db.connection() as conn:
-                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
+            with contextlib.suppress(Exception):  # the database may be what failed
+                async with ex.db.connection() as conn:
+                    await ops_db.operation_attach_evidence(conn, op_id=op_id,
+                                                           evidence=evidence)
             raise
 
     # -- after a failure ---------------------------------------------------------------------

@@ -5,6 +5,8 @@ No module-level registry: each ``Orchestrator`` keeps its own, so tests can buil
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -68,6 +70,11 @@ class Tool:
     @property
     def max_attempts(self) -> int:
         return self.policy.max_attempts
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The tool function's signature, to check a call's arguments before dispatch."""
+        return inspect.signature(self.fn)
 
     def lookup(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         """Register the read-only lookup the reconciler uses for uncertain outcomes."""

@@ -25,8 +25,11 @@ _FIRST_KIND = {
 }
 
 
-class Nondeterminism(Exception):
-    """The workflow issued a command that does not match the journal at that position."""
+class Nondeterminism(BaseException):  # noqa: N818
+    """The workflow issued a command that does not match the journal at that position.
+
+    A BaseException, so that ordinary ``except Exception`` in workflow code cannot swallow it
+    and carry on (CONTRACT C4: never silently continued)."""
 
 
 class JournalIndex:

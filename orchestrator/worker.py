@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 1.0  # seconds between looks for expired leases and dead workers
+HEARTBEAT_INTERVAL = 0.5  # at most; a worker's liveness is judged by it
+DEAD_AFTER = 1.5  # seconds without a heartbeat (and without its lock) before a worker is dead
 
 
 def default_worker_id() -> str:
@@ -84,11 +86,12 @@ class Worker:
             [RUNS_CHANNEL, CANCEL_CHANNEL], self._on_notify, listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
         workflows = list(self.app.registry.workflows)
-        await self._liveness.ensure()  # before registering: never seen alive without it
+        held = await self._liveness.ensure()  # before registering: never seen alive without
         async with self.app.database.connection() as conn:
             await workers_db.worker_register(
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
-                workflows=workflows, concurrency=self.concurrency, lock_key=self._liveness.key)
+                workflows=workflows, concurrency=self.concurrency,
+                lock_key=self._liveness.key if held else None)
         last_sweep = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
@@ -99,7 +102,7 @@ class Worker:
                     last_sweep = time.monotonic()
                     await self._sweep()
                 free = self.concurrency - len(self._running)
-                if free > 0 and workflows:
+                if free > 0 and workflows and self._liveness.held:
                     claims = await self._claim(workflows, free)
                     for claim in claims:
                         self._start(claim)
@@ -136,7 +139,7 @@ class Worker:
         try:
             async with self.app.database.connection() as conn:
                 await runs_db.run_release_expired(conn)
-                await runs_db.run_release_orphaned(conn)
+                await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
         except OrchestratorError as exc:
             log.warning("lease sweep failed: %s", exc.code)
@@ -192,15 +195,16 @@ class Worker:
                           run_id)
 
     async def _heartbeat_loop(self) -> None:
-        interval = max(self.lease_ttl / 3, 0.05)
+        interval = max(min(self.lease_ttl / 3, HEARTBEAT_INTERVAL), 0.05)
         while True:
             await asyncio.sleep(interval)
             held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
                     if ex is not None and not ex.lost]
-            await self._liveness.ensure()
+            locked = await self._liveness.ensure()
             try:
                 async with self.app.database.connection() as conn:
-                    await workers_db.worker_heartbeat(conn, self.worker_id)
+                    await workers_db.worker_heartbeat(
+                        conn, self.worker_id, lock_key=self._liveness.key if locked else None)
                     kept = await runs_db.run_heartbeat(
                         conn, worker=self.worker_id,
                         leases=[(rid, ex.token) for rid, ex in held], ttl=self.lease_ttl)

@@ -57,15 +57,20 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
     got = await cur.fetchone()
     if got is not None:
         return int(got["id"]), "pending" if pending else "submitted"
-    existing = await conn.execute(
-        f"""SELECT id FROM {S}.operations
+    existing = await (await conn.execute(
+        f"""SELECT id, intent_digest FROM {S}.operations
             WHERE run_id = %(run_id)s AND position = %(position)s AND attempt = %(attempt)s""",
         row,
-    )
-    if await existing.fetchone() is not None:
-        raise OperationIdentityReused(
-            f"operation ({row['run_id']}, {row['position']}, {row['attempt']}) exists"
-        )
+    )).fetchone()
+    if existing is not None:
+        if existing["intent_digest"] != row["intent_digest"]:
+            raise OperationIdentityReused(
+                f"operation ({row['run_id']}, {row['position']}, {row['attempt']}) exists "
+                "with another intent digest"
+            )
+        # The same intent under the same identity: an earlier attempt of this very write
+        # committed (its acknowledgement was lost). The run has moved on; stop here.
+        raise LeaseLost(f"operation {existing['id']} was already recorded")
     cur = await conn.execute(_INSERT, {**row, "state": "pending"})
     got = await cur.fetchone()
     if got is None:
@@ -252,3 +257,27 @@ async def operation_list_for_run(conn: Conn, run_id: uuid.UUID) -> list[dict[str
         (run_id,),
     )
     return await cur.fetchall()
+
+
+async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int
+                           ) -> list[dict[str, Any]]:
+    """Settle what a run is about to leave behind: ``pending`` operations (never dispatched)
+    become ``cancelled``; ``submitted`` ones (dispatched, no outcome) become ``unknown`` and
+    enter the reconciliation queue. Returns the latter."""
+    held = f"""EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s
+                  AND r.lease_token = %(token)s AND r.status = 'running')"""
+    params = {"run_id": run_id, "token": token}
+    await conn.execute(
+        f"""UPDATE {S}.operations SET state = 'cancelled', finished_at = now(), updated_at = now()
+            WHERE run_id = %(run_id)s AND state = 'pending' AND {held}""", params)
+    cur = await conn.execute(
+        f"""UPDATE {S}.operations SET state = 'unknown', updated_at = now()
+            WHERE run_id = %(run_id)s AND state = 'submitted' AND {held}
+            RETURNING id, position, tool_name""", params)
+    stranded = await cur.fetchall()
+    for op in stranded:
+        await conn.execute(
+            f"""INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason)
+                VALUES (%s, %s, 'OUTCOME_UNRECORDED') ON CONFLICT (operation_id) DO NOTHING""",
+            (op["id"], run_id))
+    return stranded

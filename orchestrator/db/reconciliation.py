@@ -29,7 +29,7 @@ o.receipt, o.receipt_digest, o.submitted_at, o.worker_id,
 async def recon_claim_due(
     conn: Conn, *, claimer: str, limit: int, ttl: float
 ) -> list[dict[str, Any]]:
-    """Claim open items whose next lookup is due and whose run is parked on them."""
+    """Claim open items whose next lookup is due (and whose run no worker is driving)."""
     cur = await conn.execute(
         f"""
         WITH picked AS (
@@ -38,7 +38,7 @@ async def recon_claim_due(
             JOIN {S}.runs r ON r.id = i.run_id
             WHERE i.state = 'open' AND i.next_attempt_at <= now()
               AND (i.claimed_until IS NULL OR i.claimed_until < now())
-              AND o.state = 'unknown' AND r.status = 'needs_reconciliation'
+              AND o.state = 'unknown' AND r.status <> 'running'
             ORDER BY i.next_attempt_at
             LIMIT %(limit)s
             FOR UPDATE OF i SKIP LOCKED
@@ -162,30 +162,55 @@ async def recon_settle(
     """Apply a resolution inside the caller's transaction (the item and operation are locked).
 
     ``resolution`` is ``committed``, ``not_applied`` or ``abandoned``. The operation moves from
-    ``unknown``; the run's journal gets ``events`` at its next revision; the run is failed
-    (``fail_run`` = (status error json, message)) or, when nothing else is unknown, queued again.
+    ``unknown``, and so do earlier attempts at the same position that were re-sent with the same
+    idempotency key (the provider made them one effect). If the run is parked on it, the run's
+    journal gets ``events`` at its next revision and the run is failed (``fail_run``) or, when
+    nothing else is unknown, queued again. A run that already moved on or ended keeps its
+    journal: only the ledger is settled. A run a worker is driving right now is not touched
+    (``OPERATION_IN_PROGRESS``: try again in a moment).
     """
-    op_id = item["operation_id"]
-    cur = await conn.execute(
-        f"""
-        UPDATE {S}.operations
-        SET state = %(state)s, receipt = COALESCE(%(receipt)s::jsonb, receipt),
-               receipt_digest = COALESCE(%(digest)s, receipt_digest), finished_at = now(),
-               updated_at = now()
-        WHERE id = %(op_id)s AND state = 'unknown'
-        """,
-        {"state": resolution, "receipt": receipt, "digest": receipt_digest, "op_id": op_id},
-    )
-    if cur.rowcount != 1:
-        raise ResolutionConflict(f"operation {op_id} is no longer unknown")
     run = await (await conn.execute(
         f"SELECT revision, lease_token, status FROM {S}.runs WHERE id = %s FOR UPDATE",
         (item["run_id"],))).fetchone()
     assert run is not None
-    if run["status"] != "needs_reconciliation":
+    if run["status"] == "running":
         raise OperationInProgress(
-            f"run {item['run_id']} is {run['status']}; it is not parked on this operation yet",
-            status=str(run["status"]))
+            f"run {item['run_id']} is running; resolve its operation once it has parked",
+            status="running")
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.operations
+        SET state = %(state)s, receipt = COALESCE(%(receipt)s::jsonb, receipt),
+            receipt_digest = COALESCE(%(digest)s, receipt_digest), finished_at = now(),
+            updated_at = now()
+        WHERE state = 'unknown' AND (id = %(op_id)s OR (
+              run_id = %(run_id)s AND position = %(position)s
+              AND idempotency_key = %(key)s AND effect_class = 'idempotent'))
+        RETURNING id
+        """,
+        {"state": resolution, "receipt": receipt, "digest": receipt_digest,
+         "op_id": item["operation_id"], "run_id": item["run_id"],
+         "position": item["position"], "key": item["idempotency_key"]},
+    )
+    settled = [row["id"] for row in await cur.fetchall()]
+    if item["operation_id"] not in settled:
+        raise ResolutionConflict(f"operation {item['operation_id']} is no longer unknown")
+    await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items SET state = 'resolved', resolution = %(resolution)s,
+               resolved_at = now(), claimed_by = NULL, claimed_until = NULL
+        WHERE operation_id = ANY(%(ops)s) AND state <> 'resolved'
+        """,
+        {"ops": settled, "resolution": resolution},
+    )
+    if run["status"] == "needs_reconciliation":
+        await _resume_parked(conn, item, run, events, fail_run)
+    await conn.execute(f"SELECT pg_notify('{RUNS_CHANNEL}', '')")
+
+
+async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
+                         events: list[dict[str, Any]], fail_run: tuple[str, str] | None
+                         ) -> None:
     await conn.execute(
         f"""
         INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
@@ -210,28 +235,19 @@ async def recon_settle(
             {"run_id": item["run_id"], "n": len(events), "error": error})).fetchone()
         if parent is not None and parent["parent_run_id"] is not None:
             await run_wake(conn, parent["parent_run_id"])
-    else:
-        await conn.execute(
-            f"""
-            UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now(),
-                   status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
-                   available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
-                   waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END
-            FROM (SELECT count(*) AS n FROM {S}.operations
-                  WHERE run_id = %(run_id)s AND state = 'unknown') AS still
-            WHERE id = %(run_id)s AND status = 'needs_reconciliation'
-            """,
-            {"run_id": item["run_id"], "n": len(events)},
-        )
+        return
     await conn.execute(
         f"""
-        UPDATE {S}.reconciliation_items SET state = 'resolved', resolution = %(resolution)s,
-               resolved_at = now(), claimed_by = NULL, claimed_until = NULL
-        WHERE id = %(item_id)s AND state <> 'resolved'
+        UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now(),
+               status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
+               available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
+               waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END
+        FROM (SELECT count(*) AS n FROM {S}.operations
+              WHERE run_id = %(run_id)s AND state = 'unknown') AS still
+        WHERE id = %(run_id)s AND status = 'needs_reconciliation'
         """,
-        {"item_id": item["item_id"], "resolution": resolution},
+        {"run_id": item["run_id"], "n": len(events)},
     )
-    await conn.execute(f"SELECT pg_notify('{RUNS_CHANNEL}', '')")
 
 
 async def audit_record(

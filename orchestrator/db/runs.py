@@ -224,6 +224,11 @@ async def journal_append(
     return cancel_requested_at
 
 
+class UnsettledOperations(Exception):
+    """A run may not end while an operation is pending, submitted or (but for running out of
+    time) unknown: the outcome of its effects would be lost."""
+
+
 async def run_finish(
     conn: Conn,
     *,
@@ -236,6 +241,9 @@ async def run_finish(
 ) -> uuid.UUID | None:
     """Record a terminal outcome under the lease; wake the parent run if there is one.
 
+    Guarded in SQL: never while an operation of the run is pending or submitted, nor unknown
+    unless the run ran out of time (then the operation stays listed for operators).
+
     The parent's row is updated unconditionally (and so locked) so that a parent suspending
     concurrently either sees this child finished or is woken by this update.
     """
@@ -246,6 +254,11 @@ async def run_finish(
                updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
                available_at = NULL, waiting_for = NULL
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+          AND NOT EXISTS (
+              SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
+                AND (o.state IN ('pending', 'submitted')
+                     OR (o.state = 'unknown' AND %(outcome)s IS DISTINCT FROM
+                         'DEADLINE_EXCEEDED')))
         RETURNING parent_run_id
         """,
         {"run_id": run_id, "token": token, "status": status, "outcome": outcome_code,
@@ -253,7 +266,12 @@ async def run_finish(
     )
     row = await cur.fetchone()
     if row is None:
-        raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+        held = await (await conn.execute(
+            f"SELECT 1 FROM {S}.runs WHERE id = %s AND lease_token = %s AND status = 'running'",
+            (run_id, token))).fetchone()
+        if held is None:
+            raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+        raise UnsettledOperations(f"run {run_id} has operations without a settled outcome")
     parent: uuid.UUID | None = row["parent_run_id"]
     if parent is not None:
         await run_wake(conn, parent)
@@ -382,6 +400,9 @@ async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:
 async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error: str) -> bool:
     """Cancel a run that no worker holds (queued or waiting), appending ``run.cancelled``.
 
+    Not when an operation of the run is unsettled (a worker died mid-call): then a worker must
+    first replay it and record what is unknown; the cancellation request waits for that.
+
     The caller holds the row lock (:func:`run_lock`), so appending at ``revision + 1`` is safe.
     """
     cur = await conn.execute(
@@ -391,6 +412,8 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
                available_at = NULL, waiting_for = NULL, revision = revision + 1,
                cancel_requested_at = COALESCE(cancel_requested_at, now())
         WHERE id = %(run_id)s AND status IN ('queued', 'waiting') AND revision = %(revision)s
+          AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
+                          AND o.state IN ('pending', 'submitted', 'unknown'))
         RETURNING parent_run_id, lease_token
         """,
         {"run_id": run_id, "revision": revision, "error": error},
@@ -434,8 +457,10 @@ async def run_children_status(
     return await cur.fetchall()
 
 
-async def run_release_orphaned(conn: Conn) -> int:
-    """Re-queue runs held by registered workers whose liveness lock is gone (they died)."""
+async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
+    """Re-queue runs held by workers that died: their liveness lock is gone *and* their
+    heartbeat is older than ``stale`` seconds. (A live worker whose lock connection merely
+    blipped keeps heartbeating and re-takes its lock; its runs stay with it.)"""
     cur = await conn.execute(
         f"""
         UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
@@ -443,6 +468,7 @@ async def run_release_orphaned(conn: Conn) -> int:
         WHERE id IN (
             SELECT r.id FROM {S}.runs r JOIN {S}.workers w ON w.id = r.lease_owner
             WHERE r.status = 'running' AND w.lock_key IS NOT NULL
+              AND w.heartbeat_at < now() - make_interval(secs => %(stale)s)
               AND NOT EXISTS (
                   SELECT 1 FROM pg_locks l
                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
@@ -451,7 +477,8 @@ async def run_release_orphaned(conn: Conn) -> int:
                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
                     AND l.objid::bigint = (w.lock_key & 4294967295))
             FOR UPDATE OF r SKIP LOCKED)
-        """
+        """,
+        {"stale": stale},
     )
     if cur.rowcount:
         await conn.execute(_NOTIFY)

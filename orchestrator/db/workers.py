@@ -58,6 +58,10 @@ class LivenessLock:
         self._conn = conn
         return True
 
+    @property
+    def held(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
     async def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(psycopg.Error):
@@ -73,9 +77,11 @@ async def worker_forget_dead(conn: Conn, *, older_than_seconds: float = 3600.0) 
     return cur.rowcount
 
 
-async def worker_heartbeat(conn: Conn, worker_id: str) -> None:
-    await conn.execute(f"UPDATE {S}.workers SET heartbeat_at = now() WHERE id = %s",
-                       (worker_id,))
+async def worker_heartbeat(conn: Conn, worker_id: str, *, lock_key: int | None) -> None:
+    """The worker is alive; ``lock_key`` is its liveness lock while it holds it, else None."""
+    await conn.execute(
+        f"UPDATE {S}.workers SET heartbeat_at = now(), lock_key = %s WHERE id = %s",
+        (lock_key, worker_id))
 
 
 async def worker_unregister(conn: Conn, worker_id: str) -> None:

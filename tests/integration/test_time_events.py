@@ -236,4 +236,6 @@ async def test_a_full_journal_rejects_new_work(make_app, sql):
     assert info.value.code == "WORKFLOW_FAILED"
     assert "JOURNAL_FULL" in info.value.message
     count = sql("SELECT count(*) AS n FROM orchestrator.journal")[0]["n"]
-    assert count == 7  # six events of work and the terminal one; nothing evicted
+    # New work stops while the journal still has room for every outcome: the two calls that
+    # began have their receipts, and the run's end is recorded; nothing was evicted.
+    assert count == 5 and count <= 6

@@ -1,0 +1,306 @@
+"""Edges where a run could end, hang or go on with an effect whose outcome is not settled
+(CONTRACT C4, C5, C7, C8). Each test names the path it closes."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import InvalidRequest, ResultTimeout, RunFailed, ToolError
+from tests.integration.conftest import running, wait_for
+
+
+def _status(sql, run):  # type: ignore[no-untyped-def]
+    return sql("SELECT status, outcome_code FROM orchestrator.runs WHERE id = %s",
+               (run.id,))[0]
+
+
+def _ops(sql):  # type: ignore[no-untyped-def]
+    return sql("SELECT id, attempt, tool_name, state FROM orchestrator.operations ORDER BY id")
+
+
+def _parked(sql, run):  # type: ignore[no-untyped-def]
+    return lambda: _status(sql, run)["status"] == "needs_reconciliation"
+
+
+async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(app, sql):
+    @app.tool(effect="idempotent", timeout=timedelta(seconds=0.2))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(5)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(sql, run))
+        ops = _ops(sql)
+        assert [o["state"] for o in ops] == ["unknown"] * 3
+        await app.operators.resolve_committed(ops[-1]["id"], receipt={"ok": 1},
+                                              evidence="seen at the provider", operator="al")
+        assert await run.result_async(timeout=10) == {"ok": 1}
+    assert [o["state"] for o in _ops(sql)] == ["committed"] * 3
+
+
+async def test_new_work_keeps_room_in_the_journal_for_receipts(make_app, sql):
+    app = make_app(max_journal_events=5)
+
+    @app.tool()
+    async def step(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        for _ in range(5):
+            await ctx.call(step)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=15)
+    assert all(o["state"] == "committed" for o in _ops(sql))
+
+
+async def test_caught_nondeterminism_still_stops_the_run(app, sql):
+    calls: list[str] = []
+    flip = {"changed": False}
+
+    @app.tool()
+    async def a(ctx):  # type: ignore[no-untyped-def]
+        calls.append("a")
+
+    @app.tool()
+    async def b(ctx):  # type: ignore[no-untyped-def]
+        calls.append("b")
+
+    @app.tool()
+    async def c(ctx):  # type: ignore[no-untyped-def]
+        calls.append("c")
+
+    @app.workflow()
+    async def drifting(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.call(b if flip["changed"] else a)
+        except Exception:  # noqa: BLE001 - ordinary defensive code must not swallow it
+            pass
+        flip["changed"] = True
+        await ctx.sleep(1.2)
+        await ctx.call(c)
+
+    async with running(app):
+        run = await app.submit_async(drifting, {})
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=20)
+    assert info.value.code == "NONDETERMINISM" and calls == ["a"]
+
+
+async def test_a_gather_branch_failing_waits_for_its_uncertain_sibling(app, sql):
+    @app.tool(timeout=timedelta(seconds=0.5))
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(5)
+
+    @app.tool()
+    async def bad(ctx):  # type: ignore[no-untyped-def]
+        raise ToolError.from_status(400, "nope")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.gather(ctx.call(slow), ctx.call(bad))
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(sql, run))  # not failed while an effect is unknown
+        unknown = [o for o in _ops(sql) if o["state"] == "unknown"]
+        await app.operators.resolve_not_applied(unknown[0]["id"], evidence="nothing there",
+                                                operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "WORKFLOW_FAILED"
+    assert "unknown" not in [o["state"] for o in _ops(sql)]
+
+
+async def test_an_unknown_effect_left_by_the_deadline_can_still_be_resolved(app, sql):
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(10)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    (op,) = _ops(sql)
+    assert op["state"] == "unknown"
+    assert await app.operators.resolve_committed(
+        op["id"], receipt={"x": 1}, evidence="the PSP shows it", operator="al") == "resolved"
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
+    assert _status(sql, run)["outcome_code"] == "DEADLINE_EXCEEDED"  # its journal is closed
+    await app.database.close()
+
+
+async def test_no_dispatch_once_the_deadline_passed_during_approval(app, sql):
+    calls: list[object] = []
+
+    @app.tool(approve_timeout=timedelta(seconds=20))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        calls.append(ctx.remaining())
+        return "charged"
+
+    @charge.approve
+    async def slow_human(pctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(2.0)
+        return True
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    assert calls == [] and [o["state"] for o in _ops(sql)] == ["cancelled"]
+
+
+async def test_cancel_with_gather_ends_cancelled_only_once_nothing_is_unknown(app, sql):
+    started, entered, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(30)
+
+    @app.tool(authorize_timeout=timedelta(seconds=20))
+    async def gated(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @gated.authorize
+    async def gate(pctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return True
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.gather(ctx.call(slow), ctx.call(gated))
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.wait_for(entered.wait(), 10)
+        await run.cancel_async()
+        await wait_for(_parked(sql, run))
+        states = {o["tool_name"]: o["state"] for o in _ops(sql)}
+        assert states == {"slow": "unknown", "gated": "cancelled"}
+        await app.operators.resolve_not_applied(
+            [o for o in _ops(sql) if o["tool_name"] == "slow"][0]["id"],
+            evidence="no effect", operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "CANCELLED"
+
+
+async def test_a_queued_run_with_a_dispatched_call_is_not_cancelled_blindly(app, sql):
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    run = await app.submit_async(wf, {})
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker="w", workflows=["wf@1"],
+                                                 limit=1, ttl=0.05)
+
+    async def begin(conn):  # type: ignore[no-untyped-def]
+        await ops_db.operation_begin(conn, {
+            "run_id": run.id, "position": 0, "attempt": 1, "tool_name": "charge",
+            "tool_version": "1", "effect_class": "consequential", "tenant": "acme",
+            "principal": "alice", "intent_digest": "a" * 64, "arguments": "{}",
+            "idempotency_key": "k", "worker_id": "w", "token": claim["lease_token"]},
+            pending=False)
+
+    await app.database.run_in_transaction(begin)
+    await asyncio.sleep(0.1)  # the "dead" worker's 50 ms lease lapses
+    async with app.database.connection() as conn:
+        await runs_db.run_release_expired(conn)
+    assert await run.cancel_async() == "queued"  # requested, not done: an effect is unsettled
+    assert _status(sql, run)["status"] == "queued"
+    await app.database.close()
+
+
+async def test_a_call_with_wrong_arguments_is_refused_before_any_write(app, sql):
+    @app.tool()
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        return cents
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.call(charge, amount=5)
+        except InvalidRequest as exc:
+            return exc.code
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=10) == "INVALID_REQUEST"
+    assert _ops(sql) == []
+
+
+async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql):
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(5)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.wait_for(ctx.call(charge), 0.3)
+        except TimeoutError:
+            return "gave up"
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(sql, run))
+        with pytest.raises(ResultTimeout):
+            await run.result_async(timeout=0.2)
+    assert [o["state"] for o in _ops(sql)] == ["unknown"]
+
+
+async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
+    app = make_app(lease_ttl=30.0)
+    started = asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(3)
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app, worker_id="A") as a:
+        run = await app.submit_async(wf, {})
+        await asyncio.wait_for(started.wait(), 10)
+        async with running(app, worker_id="B"):
+            key = a._liveness.key
+            sql("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND classid::bigint = %s AND objid::bigint = %s",
+                ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
+            assert await run.result_async(timeout=15) == {"ok": True}
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
