@@ -22,6 +22,7 @@ from orchestrator.errors import (
 )
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import Owner, RunInfo
+from orchestrator.recovery import RetryPolicy
 from orchestrator.registry import Tool, Workflow
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "Owner",
     "ResolutionConflict",
     "ResultTimeout",
+    "RetryPolicy",
     "RunFailed",
     "RunHandle",
     "RunInfo",

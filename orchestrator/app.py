@@ -78,6 +78,7 @@ class Orchestrator:
         authorize: Callable[..., Awaitable[Any]] | None = None,
         approve: Callable[..., Awaitable[Any]] | None = None,
         stage_timeout: timedelta = timedelta(seconds=30),
+        tool_timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         self._database_url = database_url
         self._database: Database | None = None
@@ -92,6 +93,8 @@ class Orchestrator:
         self.authorize = authorize  # app-wide policy stages, run before each tool's own
         self.approve = approve
         self.stage_timeout = stage_timeout.total_seconds()
+        self.tool_timeout = tool_timeout  # for tools that set none: a hung call never holds
+        # a run for ever; it ends as a timeout (outcome unknown)
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)

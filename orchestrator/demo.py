@@ -16,7 +16,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+from orchestrator import (
+    Committed,
+    NotApplied,
+    Orchestrator,
+    Owner,
+    ToolContext,
+    WorkflowContext,
+)
 
 OWNER = Owner(tenant="demo", principal="shop")
 app = Orchestrator(default_owner=OWNER, lease_ttl=3.0)
@@ -26,13 +33,16 @@ def _sink() -> Path:
     return Path(os.environ.get("ORCHESTRATOR_DEMO_SINK", "."))
 
 
-def apply_effect(key: str, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Apply an effect once per idempotency key, across processes (a file lock)."""
+def apply_effect(key: str, tool: str, arguments: dict[str, Any], *, dedup: bool = True
+                 ) -> dict[str, Any]:
+    """Apply an effect (across processes: a file lock). With ``dedup``, like a provider that
+    honours idempotency keys, a known key returns the saved receipt and applies nothing;
+    without it every call applies again (a consequential provider)."""
     sink = _sink()
     with open(sink / "effects.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         effects = read_effects(sink)
-        for effect in effects:
+        for effect in effects if dedup else ():
             if effect["key"] == key:
                 with open(sink / "dedup.jsonl", "a") as dup:
                     dup.write(json.dumps({"key": key, "tool": tool}) + "\n")
@@ -79,6 +89,22 @@ async def send_email(ctx: ToolContext, *, to: str, subject: str) -> Any:
     return await _provider(ctx, "send_email", 0.2, to=to, subject=subject)
 
 
+@app.tool()  # consequential: an uncertain shipment is never sent again automatically
+async def ship_parcel(ctx: ToolContext, *, customer: str, sku: str) -> Any:
+    await asyncio.sleep(0.3)
+    return await asyncio.to_thread(apply_effect, ctx.idempotency_key, "ship_parcel",
+                                   {"customer": customer, "sku": sku}, dedup=False)
+
+
+@ship_parcel.lookup
+async def find_parcel(ctx: ToolContext, *, customer: str, sku: str) -> Committed | NotApplied:
+    """Ask the carrier whether a parcel with this key exists: read-only."""
+    for effect in read_effects(_sink()):
+        if effect["key"] == ctx.idempotency_key:
+            return Committed(effect["receipt"])
+    return NotApplied("the carrier has no parcel with this key")
+
+
 @app.workflow(version="1")
 async def order(ctx: WorkflowContext, data: dict[str, Any]) -> dict[str, Any]:
     price = await ctx.call(fetch_price, sku=data["sku"])
@@ -87,7 +113,8 @@ async def order(ctx: WorkflowContext, data: dict[str, Any]) -> dict[str, Any]:
     charge = await ctx.call(charge_card, customer=data["customer"],
                             cents=price["cents"] * data["quantity"])
     await ctx.call(send_email, to=data["customer"], subject="your order")
-    return {"charge": charge["id"], "at": ctx.now().isoformat()}
+    parcel = await ctx.call(ship_parcel, customer=data["customer"], sku=data["sku"])
+    return {"charge": charge["id"], "parcel": parcel["id"], "at": ctx.now().isoformat()}
 
 
 @app.workflow(version="1")

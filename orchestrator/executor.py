@@ -571,7 +571,9 @@ class RunExecutor:
             text = canonical.canonical_bytes(
                 result, path="$.result", max_bytes=self.app.max_record_bytes).decode()
         except InvalidRequest as exc:
-            await self._fail("WORKFLOW_FAILED", f"the workflow's result is invalid: {exc.message}")
+            await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
+                             "within the size cap; see the incident",
+                             incident_detail=self._detail(exc))
             return
         if self.index.max_position >= self._position:
             await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "

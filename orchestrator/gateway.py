@@ -283,10 +283,10 @@ class Call:
         tctx = ToolContext(idempotency_key=key, run_id=ex.run_id, position=self.position,
                            attempt=number, operation_id=op_id, owner=ex.owner,
                            deadline=ex.deadline_at)
-        timeout = tool.timeout.total_seconds() if tool.timeout is not None else None
+        timeout = (tool.timeout or ex.app.tool_timeout).total_seconds()
         remaining = ex.remaining()
         if remaining is not None:
-            timeout = remaining if timeout is None else min(timeout, remaining)
+            timeout = min(timeout, remaining)
         try:
             verdict = await ex.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
                                                  tctx.cancelled)

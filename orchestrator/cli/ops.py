@@ -94,7 +94,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(render(["OP", "RUN", "TOOL", "ITEM", "OPERATION", "REASON", "LOOKUPS", "OWNER",
                   "SINCE"],
-                 [[i["operation_id"], str(i["run_id"])[:8], i["tool_name"], i["item_state"],
+                 [[i["operation_id"], i["run_id"], i["tool_name"], i["item_state"],
                    i["operation_state"], i["reason"], i["lookup_attempts"],
                    f"{i['tenant']}/{i['principal']}", i["created_at"]] for i in items]))
     return 0

@@ -115,6 +115,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         print(f"run {run_id} is cancelled")
     elif status in ("succeeded", "failed"):
         print(f"run {run_id} already finished ({status}); nothing to cancel")
+    elif status in ("needs_reconciliation", "queued"):
+        print(f"run {run_id} is {status}: cancellation requested; it takes effect once its "
+              "unsettled operations are reconciled (see `orchestrator ops list`)")
     else:
         print(f"run {run_id} is {status}: cancellation requested; it stops at its next step")
     return 0

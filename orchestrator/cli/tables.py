@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -11,7 +11,9 @@ def cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, datetime):
-        return value.strftime("%Y-%m-%d %H:%M:%S")
+        if value.tzinfo is not None:
+            value = value.astimezone(UTC)
+        return str(value.strftime("%Y-%m-%d %H:%M:%SZ"))
     return str(value)
 
 

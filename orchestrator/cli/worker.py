@@ -12,7 +12,8 @@ from typing import Any
 from orchestrator.app import Orchestrator
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
-from orchestrator.errors import ConfigurationError
+from orchestrator.db.probe import ping
+from orchestrator.errors import ConfigurationError, InvalidRequest
 
 
 def register(subparsers: Any) -> None:
@@ -72,8 +73,11 @@ def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.concurrency < 1:
+        raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = load_app(args.app, args.database_url)
+    ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
     options: dict[str, Any] = {"concurrency": args.concurrency}
     if args.lease_ttl is not None:
@@ -87,6 +91,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_reconciler(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = load_app(args.app, args.database_url)
+    ping(app.target)
     ensure_schema(app, upgrade=False)
     print(f"reconciler starting on {app.target.masked}; SIGTERM stops it", flush=True)
     app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay)

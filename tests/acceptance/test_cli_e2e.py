@@ -1,0 +1,50 @@
+"""The commands people run: the demo, and runs list/show/cancel on real runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.acceptance import flows
+from tests.acceptance.conftest import ROOT
+
+
+def _cli(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "--database-url", url, *args], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=timeout)
+
+
+def test_the_demo_runs_to_completion(empty_database_url):
+    done = _cli(empty_database_url, "demo", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every run finished and every effect was applied exactly once" in done.stdout
+    assert "worker A killed with SIGKILL" in done.stdout
+
+
+def test_runs_list_show_and_cancel(workers, client):
+    url = workers.url
+    workers.start("a")
+    finished = client.submit(flows.single, {"n": 1})
+    finished.result(timeout=30)
+    listed = _cli(url, "runs", "list")
+    assert listed.returncode == 0
+    assert str(finished.id) in listed.stdout and "single@1" in listed.stdout
+    assert "succeeded" in listed.stdout and "acceptance/tests" in listed.stdout
+    shown = _cli(url, "runs", "show", str(finished.id))
+    assert shown.returncode == 0
+    for text in ("status:    succeeded", "operations", "record@1", "committed", "timeline",
+                 "call.submitted", "call.completed", "run.completed"):
+        assert text in shown.stdout, text
+    workers.procs[0].terminate()
+    workers.procs[0].wait()
+    queued = client.submit(flows.one_call, {"tool": "record"})
+    note = _cli(url, "runs", "show", str(queued.id))
+    assert "no live worker registers it" in note.stdout  # nobody can run it now, and it says
+    cancelled = _cli(url, "runs", "cancel", str(queued.id))
+    assert cancelled.returncode == 0 and "is cancelled" in cancelled.stdout
+    assert client.get_run(queued.id).status() == "cancelled"
+    bad = _cli(url, "runs", "show", "not-a-run")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "INVALID_REQUEST" in bad.stderr
