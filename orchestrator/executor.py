@@ -289,6 +289,28 @@ class RunExecutor:
                 self.note_cancel()
             return result
 
+    async def write_direct(self, work: Callable[[Conn], Awaitable[tuple[T, datetime | None]]]
+                           ) -> T:
+        """A write whose one statement fences the run and appends its own single event (the
+        hot path of a call). Only when nothing is buffered; raises ``FastPathMiss`` (from the
+        statement) when it did not apply, and the caller takes the general path."""
+        async with self._write_lock:
+            if self.lost:
+                raise Stop("lease_lost")
+            try:
+                result, cancel_at = await self.worker.writer.run_in_transaction(work)
+            except DatabaseError:
+                self.lose_lease("database unavailable")
+                raise Stop("lease_lost") from None
+            self.revision += 1
+            if cancel_at is not None:
+                self.note_cancel()
+            return result
+
+    @property
+    def has_buffer(self) -> bool:
+        return bool(self._buffer)
+
     # -- commands ----------------------------------------------------------------------------
 
     def value(self, position: int, name: str) -> Any:

@@ -32,7 +32,7 @@ from orchestrator.db.events import incident_record
 from orchestrator.errors import InvalidRequest, ToolError, ToolFailed, new_incident_ref
 from orchestrator.recovery import Classification, Decision, decide, parse_retry_after
 from orchestrator.registry import Tool
-from orchestrator.replay import Nondeterminism
+from orchestrator.replay import SCHEMA_VERSION, Nondeterminism
 
 if TYPE_CHECKING:
     from orchestrator.executor import Event, RunExecutor
@@ -177,6 +177,21 @@ class Call:
             "arguments": self.args_text, "idempotency_key": key,
             "worker_id": ex.worker.worker_id, "token": ex.token,
         }
+
+        if not pending and not ex.has_buffer and not ex.cancel_requested:
+            payload = json.dumps({"tool_version": self.tool.version, "intent": self.intent,
+                                  "attempt": number, "key": key, "effect": self.tool.effect})
+
+            async def fast(conn: Conn) -> tuple[int, None]:
+                return await ops_db.operation_begin_fast(
+                    conn, row, expected=ex.revision, payload=payload, v=SCHEMA_VERSION), None
+
+            ex.check_room(1)
+            try:
+                with ex.active():
+                    return await ex.write_direct(fast), "submitted"
+            except ops_db.FastPathMiss:
+                pass  # cancelled, lease lost or a conflict: the general path tells which
 
         async def work(conn: Conn) -> tuple[tuple[int, str], list[Event]]:
             op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
@@ -334,6 +349,25 @@ class Call:
 
         ex = self.ex
         digest = canonical.digest(receipt)
+        resent = key != self.key_for(1) or self.tool.effect == "idempotent"
+        if not resent and not ex.has_buffer:
+            payload = json.dumps({"result": receipt, "op": op_id})
+
+            async def fast(conn: Conn) -> tuple[None, Any]:
+                return None, await ops_db.operation_commit_fast(
+                    conn, run_id=ex.run_id, token=ex.token, expected=ex.revision, op_id=op_id,
+                    position=self.position, name=self.tool.name, receipt=receipt_text,
+                    digest=digest, payload=payload, v=SCHEMA_VERSION)
+
+            try:
+                with ex.active():
+                    await ex.write_direct(fast)
+                return
+            except ops_db.FastPathMiss:
+                pass  # the general path below records why (or keeps the late receipt)
+            except Stop:
+                await self.keep_late_receipt(op_id, receipt, digest)
+                raise
 
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_commit(conn, op_id=op_id, token=ex.token,
@@ -348,14 +382,16 @@ class Call:
             with ex.active():
                 await ex.write(work)
         except Stop:
-            # The lease is gone: this receipt is not the outcome, but it is evidence (C8).
-            evidence = json.dumps({"kind": "late_receipt", "worker": ex.worker.worker_id,
-                                   "receipt": receipt, "receipt_digest": digest})
-            with contextlib.suppress(Exception):  # the database may be what failed
-                async with ex.db.connection() as conn:
-                    await ops_db.operation_attach_evidence(conn, op_id=op_id,
-                                                           evidence=evidence)
+            await self.keep_late_receipt(op_id, receipt, digest)
             raise
+
+    async def keep_late_receipt(self, op_id: int, receipt: Any, digest: str) -> None:
+        """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
+        evidence = json.dumps({"kind": "late_receipt", "worker": self.ex.worker.worker_id,
+                               "receipt": receipt, "receipt_digest": digest})
+        with contextlib.suppress(Exception):  # the database may be what failed
+            async with self.ex.db.connection() as conn:
+                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
 
     # -- after a failure ---------------------------------------------------------------------
 

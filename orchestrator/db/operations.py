@@ -281,3 +281,89 @@ async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int
                 VALUES (%s, %s, 'OUTCOME_UNRECORDED') ON CONFLICT (operation_id) DO NOTHING""",
             (op["id"], run_id))
     return stranded
+
+
+class FastPathMiss(Exception):
+    """A single-statement write did not apply (the lease, a cancellation or a conflict);
+    the caller takes the general path, which says which."""
+
+
+_FAST_BEGIN = f"""
+WITH fence AS (
+    UPDATE {S}.runs SET revision = revision + 1, updated_at = now()
+    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+      AND revision = %(expected)s AND cancel_requested_at IS NULL
+    RETURNING id
+), op AS (
+    INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
+                                effect_class, tenant, principal, intent_digest, arguments,
+                                idempotency_key, state, worker_id, lease_token, submitted_at)
+    SELECT fence.id, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
+           %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s, %(arguments)s::jsonb,
+           %(idempotency_key)s, 'submitted', %(worker_id)s, %(token)s, now()
+    FROM fence
+    ON CONFLICT (run_id, position, attempt) DO NOTHING
+    RETURNING id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT %(run_id)s, %(expected)s + 1, 'call.submitted', %(position)s, %(tool_name)s,
+           %(v)s, %(payload)s::jsonb || jsonb_build_object('op', op.id), %(token)s
+    FROM op
+    RETURNING 1
+)
+SELECT (SELECT id FROM op) AS op_id, (SELECT count(*) FROM ins) AS appended
+"""
+
+
+async def operation_begin_fast(conn: Conn, row: dict[str, Any], *, expected: int,
+                               payload: str, v: int) -> int:
+    """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event,
+    fenced, in one statement. Raises :class:`FastPathMiss` when it did not apply (the whole
+    statement then changed nothing that the caller's transaction keeps: it must roll back)."""
+    cur = await conn.execute(_FAST_BEGIN, {**row, "expected": expected, "payload": payload,
+                                           "v": v})
+    got = await cur.fetchone()
+    if got is None or got["op_id"] is None or got["appended"] != 1:
+        raise FastPathMiss("begin")
+    return int(got["op_id"])
+
+
+_FAST_COMMIT = f"""
+WITH fence AS (
+    UPDATE {S}.runs SET revision = revision + 1, updated_at = now()
+    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+      AND revision = %(expected)s
+    RETURNING id, cancel_requested_at
+), op AS (
+    UPDATE {S}.operations o SET state = 'committed', receipt = %(receipt)s::jsonb,
+           receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
+    FROM fence WHERE o.id = %(op_id)s AND o.state = 'submitted' AND o.run_id = fence.id
+    RETURNING o.id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT %(run_id)s, %(expected)s + 1, 'call.completed', %(position)s, %(name)s, %(v)s,
+           %(payload)s::jsonb, %(token)s
+    FROM op
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM ins) AS appended,
+       (SELECT cancel_requested_at FROM fence) AS cancel_requested_at
+"""
+
+
+async def operation_commit_fast(conn: Conn, *, run_id: uuid.UUID, token: int, expected: int,
+                                op_id: int, position: int, name: str, receipt: str,
+                                digest: str, payload: str, v: int) -> Any:
+    """submitted → committed with its ``call.completed`` event, fenced, in one statement.
+    Returns the run's ``cancel_requested_at``; raises :class:`FastPathMiss` if it did not
+    apply."""
+    cur = await conn.execute(_FAST_COMMIT, {
+        "run_id": run_id, "token": token, "expected": expected, "op_id": op_id,
+        "position": position, "name": name, "receipt": receipt, "digest": digest,
+        "payload": payload, "v": v})
+    got = await cur.fetchone()
+    if got is None or got["appended"] != 1:
+        raise FastPathMiss("commit")
+    return got["cancel_requested_at"]
