@@ -81,9 +81,20 @@ class Database:
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool] = (
             weakref.WeakKeyDictionary()
         )
+        self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def pool(self) -> AsyncConnectionPool:
         loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is not None:
+            return pool
+        lock = self._opening.setdefault(loop, asyncio.Lock())
+        async with lock:  # concurrent first calls share one pool
+            return await self._open_pool(loop)
+
+    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> AsyncConnectionPool:
         pool = self._pools.get(loop)
         if pool is None:
             pool = AsyncConnectionPool(
