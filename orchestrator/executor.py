@@ -32,6 +32,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take, incident_record
+from orchestrator.db.writer import Statement
 from orchestrator.errors import (
     DatabaseError,
     InvalidRequest,
@@ -289,8 +290,7 @@ class RunExecutor:
                 self.note_cancel()
             return result
 
-    async def write_direct(self, work: Callable[[Conn], Awaitable[tuple[T, datetime | None]]]
-                           ) -> T:
+    async def write_direct(self, statement: Statement) -> Any:
         """A write whose one statement fences the run and appends its own single event (the
         hot path of a call). Only when nothing is buffered; raises ``FastPathMiss`` (from the
         statement) when it did not apply, and the caller takes the general path."""
@@ -298,7 +298,7 @@ class RunExecutor:
             if self.lost:
                 raise Stop("lease_lost")
             try:
-                result, cancel_at = await self.worker.writer.run_in_transaction(work)
+                result, cancel_at = await self.worker.writer.run_statement(statement)
             except DatabaseError:
                 self.lose_lease("database unavailable")
                 raise Stop("lease_lost") from None

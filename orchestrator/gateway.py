@@ -182,14 +182,12 @@ class Call:
             payload = json.dumps({"tool_version": self.tool.version, "intent": self.intent,
                                   "attempt": number, "key": key, "effect": self.tool.effect})
 
-            async def fast(conn: Conn) -> tuple[int, None]:
-                return await ops_db.operation_begin_fast(
-                    conn, row, expected=ex.revision, payload=payload, v=SCHEMA_VERSION), None
-
             ex.check_room(1)
             try:
                 with ex.active():
-                    return await ex.write_direct(fast), "submitted"
+                    op_id: int = await ex.write_direct(ops_db.operation_begin_fast(
+                        row, expected=ex.revision, payload=payload, v=SCHEMA_VERSION))
+                    return op_id, "submitted"
             except ops_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
 
@@ -353,15 +351,12 @@ class Call:
         if not resent and not ex.has_buffer:
             payload = json.dumps({"result": receipt, "op": op_id})
 
-            async def fast(conn: Conn) -> tuple[None, Any]:
-                return None, await ops_db.operation_commit_fast(
-                    conn, run_id=ex.run_id, token=ex.token, expected=ex.revision, op_id=op_id,
-                    position=self.position, name=self.tool.name, receipt=receipt_text,
-                    digest=digest, payload=payload, v=SCHEMA_VERSION)
-
             try:
                 with ex.active():
-                    await ex.write_direct(fast)
+                    await ex.write_direct(ops_db.operation_commit_fast(
+                        run_id=ex.run_id, token=ex.token, expected=ex.revision, op_id=op_id,
+                        position=self.position, name=self.tool.name, receipt=receipt_text,
+                        digest=digest, payload=payload, v=SCHEMA_VERSION))
                 return
             except ops_db.FastPathMiss:
                 pass  # the general path below records why (or keeps the late receipt)

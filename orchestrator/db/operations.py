@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from orchestrator.db.database import Conn
+from orchestrator.db.writer import Statement
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -316,17 +317,20 @@ SELECT (SELECT id FROM op) AS op_id, (SELECT count(*) FROM ins) AS appended
 """
 
 
-async def operation_begin_fast(conn: Conn, row: dict[str, Any], *, expected: int,
-                               payload: str, v: int) -> int:
+def operation_begin_fast(row: dict[str, Any], *, expected: int, payload: str, v: int
+                         ) -> Statement:
     """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event,
-    fenced, in one statement. Raises :class:`FastPathMiss` when it did not apply (the whole
-    statement then changed nothing that the caller's transaction keeps: it must roll back)."""
-    cur = await conn.execute(_FAST_BEGIN, {**row, "expected": expected, "payload": payload,
-                                           "v": v})
-    got = await cur.fetchone()
-    if got is None or got["op_id"] is None or got["appended"] != 1:
-        raise FastPathMiss("begin")
-    return int(got["op_id"])
+    fenced, as one statement; its value is ``(operation id, None)``. It raises
+    :class:`FastPathMiss` when it did not apply (its transaction must then roll back: the
+    general path decides why)."""
+
+    def check(got: dict[str, Any] | None) -> tuple[int, None]:
+        if got is None or got["op_id"] is None or got["appended"] != 1:
+            raise FastPathMiss("begin")
+        return int(got["op_id"]), None
+
+    return Statement(_FAST_BEGIN, {**row, "expected": expected, "payload": payload, "v": v},
+                     check)
 
 
 _FAST_COMMIT = f"""
@@ -353,17 +357,19 @@ SELECT (SELECT count(*) FROM ins) AS appended,
 """
 
 
-async def operation_commit_fast(conn: Conn, *, run_id: uuid.UUID, token: int, expected: int,
-                                op_id: int, position: int, name: str, receipt: str,
-                                digest: str, payload: str, v: int) -> Any:
-    """submitted → committed with its ``call.completed`` event, fenced, in one statement.
-    Returns the run's ``cancel_requested_at``; raises :class:`FastPathMiss` if it did not
+def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
+                          position: int, name: str, receipt: str, digest: str, payload: str,
+                          v: int) -> Statement:
+    """submitted → committed with its ``call.completed`` event, fenced, as one statement; its
+    value is ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not
     apply."""
-    cur = await conn.execute(_FAST_COMMIT, {
+
+    def check(got: dict[str, Any] | None) -> tuple[None, Any]:
+        if got is None or got["appended"] != 1:
+            raise FastPathMiss("commit")
+        return None, got["cancel_requested_at"]
+
+    return Statement(_FAST_COMMIT, {
         "run_id": run_id, "token": token, "expected": expected, "op_id": op_id,
         "position": position, "name": name, "receipt": receipt, "digest": digest,
-        "payload": payload, "v": v})
-    got = await cur.fetchone()
-    if got is None or got["appended"] != 1:
-        raise FastPathMiss("commit")
-    return got["cancel_requested_at"]
+        "payload": payload, "v": v}, check)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -25,7 +26,20 @@ from orchestrator.errors import DatabaseError
 
 T = TypeVar("T")
 log = logging.getLogger("orchestrator.worker")
-Work = Callable[[Conn], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A write that is one SQL statement; ``check(row)`` turns its single result row into the
+    caller's value or raises (then the batch is rolled back and every write runs alone).
+    Statements of a batch are sent pipelined: one round trip for all of them."""
+
+    sql: str
+    params: dict[str, Any]
+    check: Callable[[dict[str, Any] | None], Any]
+
+
+Work = Callable[[Conn], Awaitable[Any]] | Statement
 
 
 class GroupWriter:
@@ -39,6 +53,14 @@ class GroupWriter:
         self._flusher: asyncio.Task[None] | None = None
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
+
+    async def run_statement(self, statement: Statement) -> Any:
+        """Run one statement write in a shared transaction; return ``check``'s value."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((statement, future, 0))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await future
 
     async def run_in_transaction(self, work: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``work(conn)`` inside a shared transaction; return once it has committed."""
@@ -87,8 +109,16 @@ class GroupWriter:
             conn = cast(Conn, raw)
             try:
                 async with conn.transaction():
+                    statements = [(w, f) for w, f, _ in batch if isinstance(w, Statement)]
+                    if statements:
+                        async with conn.pipeline():
+                            cursors = [await conn.execute(w.sql, w.params)
+                                       for w, _ in statements]
+                        for (w, f), cursor in zip(statements, cursors, strict=True):
+                            values.append((f, w.check(await cursor.fetchone()), None))
                     for work, future, _ in batch:
-                        values.append((future, await work(conn), None))
+                        if not isinstance(work, Statement):
+                            values.append((future, await work(conn), None))
             except psycopg.OperationalError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
@@ -104,6 +134,9 @@ class GroupWriter:
             conn = cast(Conn, raw)
             try:
                 async with conn.transaction():
+                    if isinstance(work, Statement):
+                        cursor = await conn.execute(work.sql, work.params)
+                        return future, work.check(await cursor.fetchone()), None
                     return future, await work(conn), None
             except psycopg.OperationalError:
                 raise
