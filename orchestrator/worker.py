@@ -171,8 +171,10 @@ class Worker:
     async def _execute(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
         try:
-            async with self.app.database.connection() as conn:
-                journal = await runs_db.journal_read(conn, run_id)
+            journal: list[dict[str, Any]] = []
+            if claim["revision"] > 0:  # a fresh run has nothing to replay
+                async with self.app.database.connection() as conn:
+                    journal = await runs_db.journal_read(conn, run_id)
             try:
                 executor = RunExecutor(self, claim, journal)
             except SchemaUnsupported:

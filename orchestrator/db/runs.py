@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.writer import Statement
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -506,3 +507,45 @@ async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[st
         (within_seconds,),
     )
     return await cur.fetchall()
+
+
+_FAST_SUCCEED = f"""
+WITH fence AS (
+    UPDATE {S}.runs SET status = 'succeeded', result = %(result)s::jsonb, finished_at = now(),
+           updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
+           available_at = NULL, waiting_for = NULL, revision = revision + 1
+    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+      AND revision = %(expected)s
+      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
+                      AND o.state IN ('pending', 'submitted', 'unknown'))
+    RETURNING id, parent_run_id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
+    SELECT id, %(expected)s + 1, 'run.completed', %(v)s, %(payload)s::jsonb, %(token)s
+    FROM fence
+    RETURNING 1
+), wake AS (
+    UPDATE {S}.runs p
+    SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
+    FROM fence WHERE p.id = fence.parent_run_id
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM ins) AS appended,
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '') FROM wake) AS n) AS woke
+"""
+
+
+def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str,
+                     payload: str, v: int) -> Statement:
+    """The common end of a run as one statement: fenced, guarded against unsettled
+    operations, with its ``run.completed`` event and its parent woken. Raises
+    ``FastPathMiss`` when it did not apply; the general path then says why."""
+    from orchestrator.db.operations import FastPathMiss
+
+    def check(got: dict[str, Any] | None) -> tuple[None, None]:
+        if got is None or got["appended"] != 1:
+            raise FastPathMiss("succeed")
+        return None, None
+
+    return Statement(_FAST_SUCCEED, {"run_id": run_id, "token": token, "expected": expected,
+                                     "result": result, "payload": payload, "v": v}, check)
