@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # e.g. make bench BENCH_ARGS=--quick, or BENCH_ARGS="--sections ceiling,throughput"
 BENCH_ARGS ?=
 
-.PHONY: test lint typecheck pytest demo bench
+.PHONY: test lint typecheck pytest demo chaos bench
 
 test: lint typecheck pytest
 
@@ -27,6 +27,18 @@ pytest: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/orchestrator demo
+
+# The chaos suite's long profile: thousands of runs under random faults, then the invariant
+# table. `make chaos CHAOS_RUNS=10000 CHAOS_FAULT_INTERVAL=0.3 CHAOS_SEED=42`; CHAOS_ARGS adds
+# more options of `python -m tests.chaos` (e.g. --duration 1800, --engine HEAD).
+CHAOS_RUNS ?= 2000
+CHAOS_FAULT_INTERVAL ?= 0.3
+CHAOS_WORKERS ?= 3
+CHAOS_SEED ?=
+CHAOS_ARGS ?=
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos --runs $(CHAOS_RUNS) --fault-interval $(CHAOS_FAULT_INTERVAL) \
+		--workers $(CHAOS_WORKERS) $(if $(CHAOS_SEED),--seed $(CHAOS_SEED)) $(CHAOS_ARGS)
 
 # The benchmark suite (bench/): tables on stdout, figures appended to bench/results/.
 bench: $(BENCH_STAMP)

@@ -486,29 +486,6 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
     return cur.rowcount
 
 
-async def worker_heartbeat(conn: Conn, worker_id: str) -> None:
-    await conn.execute(f"UPDATE {S}.workers SET heartbeat_at = now() WHERE id = %s",
-                       (worker_id,))
-
-
-async def worker_unregister(conn: Conn, worker_id: str) -> None:
-    await conn.execute(f"DELETE FROM {S}.workers WHERE id = %s", (worker_id,))
-
-
-async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[str, Any]]:
-    """Workers whose heartbeat is recent; older rows are left by workers that died."""
-    cur = await conn.execute(
-        f"""
-        SELECT id, hostname, pid, workflows, concurrency, started_at, heartbeat_at
-        FROM {S}.workers
-        WHERE heartbeat_at > now() - make_interval(secs => %s)
-        ORDER BY started_at
-        """,
-        (within_seconds,),
-    )
-    return await cur.fetchall()
-
-
 _FAST_SUCCEED = f"""
 WITH fence AS (
     UPDATE {S}.runs SET status = 'succeeded', result = %(result)s::jsonb, finished_at = now(),
