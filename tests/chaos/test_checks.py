@@ -1,0 +1,146 @@
+"""The invariant checks on hand-made evidence: each one notices what it is there to notice."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from tests.chaos import checks
+
+pytestmark = pytest.mark.chaos
+
+RUN = uuid.uuid4()
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(T0.timestamp() + seconds, UTC)
+
+
+def _run(**over: Any) -> dict[str, Any]:
+    return {"id": RUN, "workflow_name": "checkout", "status": "succeeded", "outcome_code": None,
+            "error": None, "revision": 3, "parent_run_id": None, "available_at": None,
+            "waiting_for": None, "idempotency_key": "k", **over}
+
+
+def _journal(*kinds: tuple[str, dict[str, Any]], tokens: list[int] | None = None
+             ) -> list[dict[str, Any]]:
+    tokens = tokens or [1] * len(kinds)
+    return [{"run_id": RUN, "seq": i + 1, "kind": kind, "position": 0 if "call" in kind else None,
+             "name": "pay", "payload": payload, "lease_token": tokens[i], "created_at": _at(i)}
+            for i, (kind, payload) in enumerate(kinds)]
+
+
+def _op(op_id: int, state: str, key: str, **over: Any) -> dict[str, Any]:
+    return {"id": op_id, "run_id": RUN, "position": 0, "attempt": op_id, "tool_name": "pay",
+            "effect_class": "consequential", "state": state, "idempotency_key": key,
+            "worker_id": "host:4242:abc", "submitted_at": _at(0), "receipt": None, **over}
+
+
+def _effect(effect_id: int, key: str, op_id: int, effect: str = "consequential"
+            ) -> dict[str, Any]:
+    return {"id": effect_id, "tool": "pay", "effect": effect, "key": key, "run_id": RUN,
+            "position": 0, "attempt": op_id, "op_id": op_id, "pid": 4242, "at": _at(1)}
+
+
+def _call(key: str, op_id: int, fault: str = "none", effect: str = "consequential",
+          started: float = 0.5) -> dict[str, Any]:
+    return {"tool": "pay", "effect": effect, "run_id": RUN, "position": 0, "attempt": op_id,
+            "op_id": op_id, "key": key, "pid": 4242, "fault": fault, "outcome": "ok",
+            "started_at": _at(started)}
+
+
+def _verdict(runs: list[dict[str, Any]], journal: list[dict[str, Any]],
+             ops: list[dict[str, Any]], effects: list[dict[str, Any]],
+             calls: list[dict[str, Any]] | None = None, items: list[dict[str, Any]] | None = None,
+             procs: list[checks.ProcRecord] | None = None) -> checks.Verdict:
+    data = checks.Data(runs, journal, ops, items or [], calls or [], effects, _at(100).timestamp())
+    observed = checks.Observed({"k": RUN}, procs or [], [])
+    return checks.verdict(data, observed, set())
+
+
+def _clean_story() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]],
+                            list[dict[str, Any]]]:
+    journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
+                       ("call.completed", {"op": 1}), ("run.completed", {}))
+    ops = [_op(1, "committed", "K1", receipt={"effect": 10})]
+    return [_run()], journal, ops, [_effect(10, "K1", 1)]
+
+
+def test_a_clean_story_passes() -> None:
+    verdict = _verdict(*_clean_story())
+    assert verdict.ok, checks.format_table(verdict)
+
+
+def test_a_second_application_of_a_consequential_call_is_a_duplicate() -> None:
+    runs, journal, ops, effects = _clean_story()
+    effects.append(_effect(11, "K2", 2))
+    ops.append(_op(2, "not_applied", "K2"))
+    verdict = _verdict(runs, journal, ops, effects)
+    assert verdict.row("duplicate consequential effects").value == 1
+    assert verdict.row("ledger/sink disagreements").value == 1  # not_applied, yet it applied
+    assert not verdict.ok
+
+
+def test_an_idempotent_effect_sent_again_under_another_key_is_counted() -> None:
+    runs, journal, ops, _ = _clean_story()
+    effects = [_effect(10, "K1", 1, "idempotent")]
+    calls = [_call("K1", 1, effect="idempotent"), _call("K3", 3, effect="idempotent", started=5)]
+    assert _verdict(runs, journal, ops, effects, calls).row(
+        "idempotent re-sends with a different key").value == 1
+
+
+def test_a_writer_with_an_older_lease_after_a_newer_one_breaks_the_history() -> None:
+    runs, _, ops, effects = _clean_story()
+    journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
+                       ("call.completed", {"op": 1}), ("run.completed", {}), tokens=[2, 1, 2])
+    assert _verdict(runs, journal, ops, effects).row("journal integrity violations").value == 1
+
+
+def test_a_gap_in_the_sequence_breaks_the_history() -> None:
+    runs, journal, ops, effects = _clean_story()
+    journal[2]["seq"] = 4
+    assert _verdict(runs, journal, ops, effects).row("journal integrity violations").value >= 1
+
+
+def test_an_unknown_without_a_fault_is_unexplained_and_one_left_unlisted_is_unresolved() -> None:
+    journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
+                       ("call.unknown", {"op": 1, "reason": "WORKER_LOST", "next": "reconcile"}))
+    ops = [_op(1, "unknown", "K1")]
+    procs = [checks.ProcRecord("worker", 4242, _at(-10).timestamp())]
+    verdict = _verdict([_run(status="needs_reconciliation", revision=2)], journal, ops, [],
+                       procs=procs)
+    assert verdict.row("unexplained unknowns").value == 1
+    assert verdict.row("unknowns neither auto-resolved nor listed for operators").value == 1
+    assert verdict.row("runs lost").value == 1  # blocked on an operation no list shows
+
+
+def test_an_unknown_whose_worker_was_killed_in_its_window_is_explained() -> None:
+    journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
+                       ("call.unknown", {"op": 1, "reason": "WORKER_LOST", "next": "reconcile"}))
+    ops = [_op(1, "unknown", "K1")]
+    killed = checks.ProcRecord("worker", 4242, _at(-10).timestamp(), ended=_at(0.5).timestamp(),
+                               faults=[checks.Interval(_at(0.5).timestamp(),
+                                                       _at(0.5).timestamp(), "SIGKILL")])
+    items = [{"operation_id": 1, "state": "operator", "reason": "WORKER_LOST",
+              "resolution": None}]
+    verdict = _verdict([_run(status="needs_reconciliation", revision=2)], journal, ops, [],
+                       items=items, procs=[killed])
+    assert verdict.ok, checks.format_table(verdict)
+
+
+def test_an_effect_the_ledger_does_not_know_and_an_operation_left_in_flight_disagree() -> None:
+    runs, journal, ops, effects = _clean_story()
+    effects.append(_effect(12, "K9", 9))
+    ops.append(_op(2, "submitted", "K2"))
+    assert _verdict(runs, journal, ops, effects).row("ledger/sink disagreements").value == 2
+
+
+def test_a_submission_that_never_became_a_run_is_lost() -> None:
+    runs, journal, ops, effects = _clean_story()
+    data = checks.Data(runs, journal, ops, [], [], effects, _at(100).timestamp())
+    observed = checks.Observed({"k": RUN, "other": None}, [], [])
+    assert checks.verdict(data, observed, set()).row("runs lost").value == 1
