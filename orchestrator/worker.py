@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from orchestrator.app import Orchestrator
 
 log = logging.getLogger("orchestrator.worker")
-SWEEP_INTERVAL = 1.0  # seconds between looks for expired leases and dead workers
+SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
 HEARTBEAT_INTERVAL = 0.5  # at most; a worker's liveness is judged by it
 DEAD_AFTER = 1.5  # seconds without a heartbeat (and without its lock) before a worker is dead
 
