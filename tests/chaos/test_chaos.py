@@ -1,0 +1,70 @@
+"""The chaos suite's short profile (CONTRACT C5-C8 under faults), its self-test, and the long
+profile (skipped unless selected; ``make chaos`` runs it from the command line).
+
+Each profile run starts real workers and a reconciler, submits a mix of workflows, injects
+faults at random from a printed seed, lets the system quiesce and fails if any invariant of the
+printed table broke. Re-run a failure with ``python -m tests.chaos --seed SEED --runs N``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.conftest import run_chaos
+from tests.chaos.environment import Environment
+from tests.chaos.harness import Config
+
+pytestmark = pytest.mark.chaos
+
+FIXED_SEED = 20261129
+SHORT = {"runs": 150, "workers": 3, "fault_interval": 0.5, "quiesce_timeout": 120.0,
+         "max_tail": 60.0}
+
+
+@pytest.mark.timeout(600)
+def test_short_profile_with_the_fixed_seed(chaos_env: Environment, tmp_path: Path) -> None:
+    result = run_chaos(Config(seed=FIXED_SEED, **SHORT), chaos_env, tmp_path / "logs")
+    assert result.ok, result.text
+
+
+@pytest.mark.timeout(600)
+def test_short_profile_with_a_random_seed(chaos_env: Environment, tmp_path: Path) -> None:
+    result = run_chaos(Config(seed=None, **SHORT), chaos_env, tmp_path / "logs")
+    assert result.ok, result.text
+
+
+@pytest.mark.timeout(600)
+def test_the_harness_catches_duplicates_when_the_no_redispatch_guard_is_off(
+        chaos_env: Environment, tmp_path: Path) -> None:
+    """With ORCHESTRATOR_TEST_UNSAFE_REDISPATCH=1 a worker that finds a consequential call
+    ``submitted`` without an outcome sends it again. Workers here die right after such a tool
+    returned; the sink must show the second application and the verdict must be FAIL."""
+    cfg = Config(seed=FIXED_SEED, runs=40, workers=3, fault_interval=0.4,
+                 unsafe_redispatch=True, tool_fault_rate=0.0, cancel_rate=0.0,
+                 workflows={"checkout": 1}, fault_weights={"worker_fault_point": 1},
+                 fault_points=("after_tool_return",), fault_tools=("pay",),
+                 quiesce_timeout=90.0, max_tail=30.0)
+    result = run_chaos(cfg, chaos_env, tmp_path / "logs")
+    duplicates = result.first_verdict.row("duplicate consequential effects")
+    assert result.faults["worker died at a fault point"] > 0, result.text
+    assert duplicates.value > 0, result.text
+    assert not result.ok
+    assert "verdict: FAIL" in result.text
+
+
+@pytest.mark.chaos_long
+@pytest.mark.timeout(0)
+def test_long_profile(chaos_env: Environment, tmp_path: Path) -> None:
+    """Thousands of runs; configure with CHAOS_RUNS, CHAOS_DURATION, CHAOS_SEED,
+    CHAOS_FAULT_INTERVAL and CHAOS_WORKERS."""
+    env = os.environ
+    cfg = Config(runs=int(env.get("CHAOS_RUNS", "2000")),
+                 duration=float(env["CHAOS_DURATION"]) if env.get("CHAOS_DURATION") else None,
+                 seed=int(env["CHAOS_SEED"]) if env.get("CHAOS_SEED") else None,
+                 fault_interval=float(env.get("CHAOS_FAULT_INTERVAL", "0.3")),
+                 workers=int(env.get("CHAOS_WORKERS", "3")))
+    result = run_chaos(cfg, chaos_env, tmp_path / "logs")
+    assert result.ok, result.text
