@@ -1,0 +1,114 @@
+"""Engine bugs the chaos suite found, each replayed as one deterministic scenario with real
+processes. These tests fail until the engine is fixed.
+
+An idempotent call whose first attempt became unknown is re-sent with the same key (C5). When
+that re-send is answered "not applied" (a provider that is busy says so for *that request*; it
+says nothing about the first one), the gateway starts the next attempt with a *new* key and
+leaves the first attempt ``unknown`` with no reconciliation item:
+
+- if the first attempt had been applied, the new key applies the effect a second time;
+- the run cannot finish: it ends up ``needs_reconciliation`` on an operation that no
+  reconciler or operator list shows, and stays there (a lost run).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from orchestrator import Orchestrator
+from tests.chaos import app as chaos_app
+from tests.chaos import sink
+from tests.chaos.environment import Environment
+from tests.chaos.harness import (
+    ENGINE_DIR,
+    process_env,
+    reconciler_command,
+    worker_command,
+)
+
+pytestmark = pytest.mark.chaos
+LEASE = 2.0
+
+
+class Processes:
+    def __init__(self, env: Environment, logs: Path) -> None:
+        self.env = env
+        self.logs = logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, cmd: list[str], **extra: str) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ENGINE_DIR, stdout=log, stderr=subprocess.STDOUT,
+                                    env=process_env(self.env.db_url, self.env.sink_url, LEASE,
+                                                    extra))
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _sql(url: str, query: str, params: Any = None) -> list[dict[str, Any]]:
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as conn:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.mark.timeout(120)
+def test_an_idempotent_resend_answered_not_applied_keeps_its_key(
+        chaos_env: Environment, tmp_path: Path) -> None:
+    sink.create(chaos_env.sink_url)
+    client = Orchestrator(chaos_env.db_url, default_owner=chaos_app.OWNER)
+    client.registry = chaos_app.app.registry
+    procs = Processes(chaos_env, tmp_path / "logs")
+    try:
+        # Worker A applies attempt 1 (key K1), then dies before recording the receipt.
+        a = procs.start("a", worker_command(4, LEASE),
+                        ORCHESTRATOR_FAULT_POINT="after_tool_return",
+                        ORCHESTRATOR_FAULT_TOOL="index")
+        run = client.submit(chaos_app.checkout, {"steps": [
+            {"call": "index", "id": "only", "fault": "resend_busy", "n": 2}]})
+        assert a.wait(timeout=60) == -9, "worker A did not die at after_tool_return"
+        # Worker B finds attempt 1 submitted without an outcome: unknown, re-sent with K1
+        # (attempt 2), which the provider answers "busy, not applied".
+        procs.start("b", worker_command(4, LEASE))
+        procs.start("reconciler", reconciler_command())
+        give_up, blocked_since = time.monotonic() + 45, None
+        while time.monotonic() < give_up:
+            status = _sql(chaos_env.db_url, "SELECT status FROM orchestrator.runs WHERE id = %s",
+                          (run.id,))[0]["status"]
+            if status in ("succeeded", "failed", "cancelled"):
+                break
+            if status != "needs_reconciliation":
+                blocked_since = None
+            elif blocked_since is None:
+                blocked_since = time.monotonic()
+            elif time.monotonic() - blocked_since > 5:
+                break  # blocked, and nothing here resolves an operation of index
+            time.sleep(0.2)
+        effects = _sql(chaos_env.sink_url, "SELECT key, attempt FROM chaos_effects "
+                       "WHERE run_id = %s ORDER BY id", (run.id,))
+        ops = _sql(chaos_env.db_url,
+                   "SELECT o.attempt, o.state, o.idempotency_key, i.state AS item FROM "
+                   "orchestrator.operations o LEFT JOIN orchestrator.reconciliation_items i "
+                   "ON i.operation_id = o.id WHERE o.run_id = %s ORDER BY o.attempt", (run.id,))
+        story = f"run {status}; ledger {ops}; sink effects {effects}"
+        assert len(effects) == 1, f"the effect was applied {len(effects)} times: {story}"
+        assert {e["key"] for e in effects} == {ops[0]["idempotency_key"]}, story
+        unlisted = [o for o in ops if o["state"] == "unknown" and o["item"] is None]
+        assert not unlisted, f"unknown operations no queue lists: {story}"
+        assert status == "succeeded", story
+    finally:
+        procs.close()
+        client.close()
