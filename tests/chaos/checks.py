@@ -195,10 +195,10 @@ def unknown_operations(data: Data, observed: Observed) -> tuple[Row, Row, dict[s
     """Every operation that became unknown needs a fault in its dispatch window (from its
     ``submitted`` commit to the moment it was marked unknown) and must end auto-resolved,
     settled by a permitted re-send, or listed for operators."""
-    marked: dict[int, dict[str, Any]] = {}
-    for ev in data.journal:
+    marked: dict[int, dict[str, Any]] = {}  # the event that first marked each one unknown
+    for ev in sorted(data.journal, key=lambda e: (str(e["run_id"]), e["seq"])):
         if ev["kind"] == "call.unknown":
-            marked[int(ev["payload"]["op"])] = ev
+            marked.setdefault(int(ev["payload"]["op"]), ev)
     ops = {o["id"]: o for o in data.ops}
     items = {i["operation_id"]: i for i in data.items}
     injected: dict[int, str] = {}
