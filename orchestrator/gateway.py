@@ -123,7 +123,7 @@ class Call:
             return Attempt(number, begun["payload"]["key"], pending_op=op_id)
         if kind == "call.retrying":
             await self.wait_until(datetime.fromisoformat(payload["not_before"]))
-            return Attempt(number + 1)
+            return Attempt(number + 1, payload.get("key"))
         if kind == "call.not_applied":  # reconciled: continue under the retry policy
             self.ex.boundary()  # a cancellation that waited for the reconciliation wins now
             decision = self.decide(Classification("not_applied", "none", True), number, None)
@@ -401,17 +401,24 @@ class Call:
 
     async def after_definitive(self, op_id: int, number: int, decision: Decision, cause: str,
                                ref: str | None, *, record_failure: bool = True) -> None:
-        """Nothing was applied: back off durably and try again, or stop with ToolFailed."""
+        """This attempt applied nothing: back off durably and try again, or stop with
+        ToolFailed. But if an earlier attempt at this position is still unknown (it was
+        re-sent with the same key), this answer says nothing about that one: the next attempt
+        keeps its key, and instead of failing the call goes to reconciliation."""
         ex = self.ex
+        earlier = await self.unknown_attempts(op_id)
+        key = earlier[0]["idempotency_key"] if earlier else None
         if decision.action == "retry":
             not_before = ex.now() + timedelta(milliseconds=decision.delay_ms)
             await self.fail(op_id, "call.retrying", {
                 "op": op_id, "attempt": number, "cause": cause, "incident": ref,
-                "delay_ms": decision.delay_ms, "not_before": not_before.isoformat()},
-                record_failure)
+                "delay_ms": decision.delay_ms, "not_before": not_before.isoformat(),
+                "key": key}, record_failure)
             await self.wait_until(not_before)
-            self.following = Attempt(number + 1)
+            self.following = Attempt(number + 1, key)
             return
+        if earlier:
+            await self.reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
         reason = decision.reason or "cause"
         await self.fail(op_id, "call.failed", {"op": op_id, "attempt": number, "cause": cause,
                                                "reason": reason, "incident": ref},
@@ -420,6 +427,29 @@ class Call:
             ex.stop_deadline()  # the next attempt cannot fit before the run's deadline
         raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name, cause=cause,
                          reason=reason, incident=ref)
+
+    async def unknown_attempts(self, current: int) -> list[dict[str, Any]]:
+        """Earlier attempts at this position whose outcome is still unknown (re-sent ones)."""
+        async with self.ex.db.connection() as conn:
+            rows = await ops_db.operation_for_position(conn, self.ex.run_id, self.position)
+        return [r for r in rows if r["state"] == "unknown" and r["id"] != current]
+
+    async def reconcile_earlier(self, op_id: int, earlier: int, cause: str, ref: str | None,
+                                record_failure: bool) -> None:
+        """Stop retrying, but do not fail: the earlier, re-sent attempt may have applied."""
+        error = json.dumps({"code": "TOOL_FAILED", "cause": cause, "incident": ref})
+
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            if record_failure:
+                await ops_db.operation_fail(conn, op_id=op_id, token=self.ex.token, error=error)
+            await ops_db.operation_enqueue(conn, op_id=earlier, reason="RESEND_NOT_APPLIED")
+            return None, [self.event("call.unknown", {"op": earlier,
+                                                      "reason": "RESEND_NOT_APPLIED",
+                                                      "next": "reconcile"})]
+
+        with self.ex.active():
+            await self.ex.write(work)
+        await self.park_blocked(earlier)
 
     async def fail(self, op_id: int, kind: str, payload: dict[str, Any],
                    record_failure: bool) -> None:

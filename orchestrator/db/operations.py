@@ -196,6 +196,19 @@ async def operation_mark_unknown(
         )
 
 
+async def operation_enqueue(conn: Conn, *, op_id: int, reason: str) -> None:
+    """Put an operation that is already unknown into the reconciliation queue."""
+    await conn.execute(
+        f"""
+        INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason)
+        SELECT id, run_id, %(reason)s FROM {S}.operations
+        WHERE id = %(op_id)s AND state = 'unknown'
+        ON CONFLICT (operation_id) DO NOTHING
+        """,
+        {"op_id": op_id, "reason": reason},
+    )
+
+
 async def operation_settle_resent(
     conn: Conn, *, run_id: uuid.UUID, position: int, key: str, receipt: str,
     receipt_digest: str
