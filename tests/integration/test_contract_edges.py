@@ -304,3 +304,36 @@ async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make
                 ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
             assert await run.result_async(timeout=15) == {"ok": True}
     assert [o["state"] for o in _ops(sql)] == ["committed"]
+
+
+@pytest.mark.parametrize("attempts", [3, 2])
+async def test_a_resend_answered_not_applied_keeps_the_uncertain_key(make_app, sql, attempts):
+    from orchestrator.recovery import RetryPolicy
+
+    app = make_app()
+    keys: list[str] = []
+
+    @app.tool(effect="idempotent", retry=RetryPolicy(max_attempts=attempts, base_delay_ms=0))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        keys.append(ctx.idempotency_key)
+        if len(keys) == 1:
+            raise ConnectionResetError("sent, then the connection dropped")
+        if len(keys) == 2:
+            raise ToolError.before_send("busy")  # says nothing about the first attempt
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        if attempts == 3:
+            assert await run.result_async(timeout=15) == {"ok": True}
+        else:  # out of attempts: the first one may have applied, so it is reconciled
+            await wait_for(_parked(sql, run))
+    assert len(set(keys)) == 1  # never a new key while an attempt with the old one is unknown
+    if attempts == 2:
+        item = sql("SELECT i.reason, o.attempt FROM orchestrator.reconciliation_items i "
+                   "JOIN orchestrator.operations o ON o.id = i.operation_id")
+        assert item == [{"reason": "RESEND_NOT_APPLIED", "attempt": 1}]
