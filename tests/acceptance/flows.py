@@ -94,6 +94,18 @@ async def record_idempotent(ctx: ToolContext, *, step: int) -> dict[str, Any]:
     return await _apply(ctx, step, call_id)
 
 
+@app.tool()
+async def record_gated(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    """A consequential effect behind an authorisation stage (its intent is ``pending`` first)."""
+    call_id = await _record_call(ctx, step)
+    return await _apply(ctx, step, call_id)
+
+
+@record_gated.authorize
+async def allow(pctx: Any) -> bool:
+    return True
+
+
 @app.workflow()
 async def one_call(ctx: WorkflowContext, data: Any) -> Any:
     return await ctx.call(data["tool"], step=1)

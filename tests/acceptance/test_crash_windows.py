@@ -86,3 +86,13 @@ def test_a_lookup_that_answers_committed_finishes_with_the_original_receipt(work
     assert op == [{"state": "committed", "receipt": result}]
     lookups = workers.sql("SELECT answer FROM orchestrator.reconciliation_lookups")
     assert [x["answer"] for x in lookups] == ["committed"]
+
+
+def test_a_crash_while_the_intent_is_pending_never_loses_or_repeats_the_call(workers, client):
+    """With a policy stage, the intent is committed as ``pending`` before the stage runs; a
+    worker that dies there left nothing dispatched, so the next one runs the stage again and
+    dispatches exactly once."""
+    run = _crash(workers, client, "record_gated", "after_intent")
+    assert client.get_run(run.id).result(timeout=30)["step"] == 1
+    assert len(_calls(workers)) == 1
+    assert workers.sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
