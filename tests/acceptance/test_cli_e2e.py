@@ -48,3 +48,20 @@ def test_runs_list_show_and_cancel(workers, client):
     assert client.get_run(queued.id).status() == "cancelled"
     bad = _cli(url, "runs", "show", "not-a-run")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "INVALID_REQUEST" in bad.stderr
+
+
+def test_the_process_entry_points_under_workers(workers, client):
+    import signal as signals
+
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", f"workers.{name}", "--app",
+                               "tests.acceptance.flows:app"], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name in ("worker", "reconciler")]
+    try:
+        assert client.submit(flows.single, {"n": 7}).result(timeout=30)["step"] == 1
+    finally:
+        for proc in procs:
+            proc.send_signal(signals.SIGTERM)
+        codes = [proc.wait(timeout=30) for proc in procs]
+    assert codes == [0, 0]  # both stop cleanly on SIGTERM
