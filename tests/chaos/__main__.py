@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import tempfile
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run against this committed revision of orchestrator/ (exported "
                              "with git archive) instead of the work tree")
     args = parser.parse_args(argv)
+    # The harness's own pool reconnects through every outage it causes; say so once, not
+    # for every attempt.
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
     if args.engine and not os.environ.get("CHAOS_ENGINE_DIR"):
         rest = list(sys.argv[1:] if argv is None else argv)
         at = rest.index("--engine") if "--engine" in rest else None

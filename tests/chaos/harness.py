@@ -602,17 +602,20 @@ class Harness:
             answer, receipt = await asyncio.to_thread(
                 sink.operator_evidence, self.sink_url, item["idempotency_key"],
                 item["tool_name"])
-            op_id = item["operation_id"]
-            if answer == "committed":
-                await operators.resolve_committed(
-                    op_id, receipt=receipt, operator=OPERATOR,
-                    evidence=f"the provider applied key {item['idempotency_key']} as effect "
-                             f"{receipt['effect'] if receipt else '?'}")
-            else:
-                await operators.resolve_not_applied(
+            op_id, key = item["operation_id"], item["idempotency_key"]
+
+            async def resolve(op_id: int = op_id, key: str = key, answer: str = answer,
+                              receipt: Any = receipt) -> str:
+                if answer == "committed":
+                    return await operators.resolve_committed(
+                        op_id, receipt=receipt, operator=OPERATOR,
+                        evidence=f"the provider applied key {key} as effect "
+                                 f"{receipt['effect'] if receipt else '?'}")
+                return await operators.resolve_not_applied(
                     op_id, operator=OPERATOR,
-                    evidence=f"the provider has no effect for key {item['idempotency_key']}; "
-                             "the key is voided")
+                    evidence=f"the provider has no effect for key {key}; the key is voided")
+
+            await self._retrying(f"resolve operation {op_id}", resolve)
             self.resolutions[answer] += 1
         return len(items)
 
@@ -671,14 +674,22 @@ class Harness:
             await self._quiesce("after the faults")
             timings["quiescence"] = time.monotonic() - t0 - timings["fault phase"]
             first = await self._verdict()
+            self.out("at quiescence, before any operator action:\n"
+                     + checks.format_table(first))
             resolved = 0
-            for _ in range(self.cfg.operator_rounds):
-                handled = await self._operate()
-                if not handled:
-                    break
-                resolved += handled
-                await self._quiesce("after operator resolutions")
-            verdict = await self._verdict() if resolved else first
+            try:
+                for _ in range(self.cfg.operator_rounds):
+                    handled = await self._operate()
+                    if not handled:
+                        break
+                    resolved += handled
+                    await self._quiesce("after operator resolutions")
+                verdict = await self._verdict() if resolved else first
+            except Exception as exc:  # noqa: BLE001 - keep the first table; fail the run
+                self.notes.append(f"the operator phase broke off: {type(exc).__name__}: {exc}")
+                verdict = checks.Verdict(
+                    [*first.rows, checks.Row("operator phase errors", 1, 0, [repr(exc)])],
+                    first.stats)
             timings["total"] = time.monotonic() - t0
         finally:
             self.stopping = True

@@ -1,14 +1,16 @@
-"""Engine bugs the chaos suite found, each replayed as one deterministic scenario with real
-processes. These tests fail until the engine is fixed.
+"""Engine bugs the chaos suite found, each replayed as one focused scenario with real
+processes, kept as regression tests once fixed.
 
 An idempotent call whose first attempt became unknown is re-sent with the same key (C5). When
-that re-send is answered "not applied" (a provider that is busy says so for *that request*; it
-says nothing about the first one), the gateway starts the next attempt with a *new* key and
-leaves the first attempt ``unknown`` with no reconciliation item:
+that re-send was answered "not applied" (a provider that is busy says so for *that request*; it
+says nothing about the first one), the gateway started the next attempt with a *new* key and
+left the first attempt ``unknown`` with no reconciliation item:
 
-- if the first attempt had been applied, the new key applies the effect a second time;
-- the run cannot finish: it ends up ``needs_reconciliation`` on an operation that no
-  reconciler or operator list shows, and stays there (a lost run).
+- the first attempt had been applied, so the new key applied the effect a second time;
+- the run could not finish: it ended ``needs_reconciliation`` on an operation that no
+  reconciler or operator list showed, and stayed there (a lost run).
+
+Found by the chaos suite at e03fbe0 (this test failed there); fixed in 7dad19b.
 """
 
 from __future__ import annotations
@@ -112,3 +114,4 @@ def test_an_idempotent_resend_answered_not_applied_keeps_its_key(
     finally:
         procs.close()
         client.close()
+
