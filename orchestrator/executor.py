@@ -307,6 +307,15 @@ class RunExecutor:
                 self.note_cancel()
             return result
 
+    async def read(self, query: Callable[[Conn], Awaitable[T]]) -> T:
+        """A read on the command path, with the storage layer's transient retries; if the
+        database stays unavailable the run stops here (it is replayed later), it never fails."""
+        try:
+            return await self.db.run_in_transaction(query)
+        except DatabaseError:
+            self.lose_lease("database unavailable")
+            raise Stop("lease_lost") from None
+
     @property
     def has_buffer(self) -> bool:
         return bool(self._buffer)
@@ -414,8 +423,8 @@ class RunExecutor:
             with self.active():
                 await self.write(start, new_work=True)
         with self.active():
-            async with self.db.connection() as conn:
-                rows = await runs_db.run_children_status(conn, self.run_id, [position])
+            rows = await self.read(
+                lambda conn: runs_db.run_children_status(conn, self.run_id, [position]))
         if rows and rows[0]["status"] in ("succeeded", "failed", "cancelled"):
             child = rows[0]
             if child["status"] == "succeeded":
@@ -614,6 +623,11 @@ class RunExecutor:
                              event("run.completed", None, None, {"result": result}))
 
     async def _fail_from(self, exc: BaseException) -> None:
+        if isinstance(exc, DatabaseError):
+            # Infrastructure, not the workflow: never an outcome. Stop here; the lease lapses
+            # and another claim replays the run.
+            self.lose_lease("database unavailable")
+            return
         if isinstance(exc, Nondeterminism):
             await self._fail("NONDETERMINISM", str(exc))
         elif isinstance(exc, WorkflowError):

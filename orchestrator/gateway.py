@@ -430,8 +430,8 @@ class Call:
 
     async def unknown_attempts(self, current: int) -> list[dict[str, Any]]:
         """Earlier attempts at this position whose outcome is still unknown (re-sent ones)."""
-        async with self.ex.db.connection() as conn:
-            rows = await ops_db.operation_for_position(conn, self.ex.run_id, self.position)
+        rows = await self.ex.read(
+            lambda conn: ops_db.operation_for_position(conn, self.ex.run_id, self.position))
         return [r for r in rows if r["state"] == "unknown" and r["id"] != current]
 
     async def reconcile_earlier(self, op_id: int, earlier: int, cause: str, ref: str | None,
