@@ -18,6 +18,9 @@ TERMINAL_EVENTS = ("run.completed", "run.failed", "run.cancelled")
 SETTLING_EVENTS = ("call.completed", "call.failed", "call.abandoned")
 UNCERTAIN_FAULTS = ("hang", "late", "error_after", "error_before")
 GRACE = 1.0  # seconds around a dispatch window when matching faults to it
+# A connection dropped while idle in a pool fails only when it is next used, which can be a
+# while later: a database fault explains what goes wrong this long after it.
+DB_FAULT_REACH = 10.0
 
 
 @dataclass
@@ -107,7 +110,7 @@ def runs_lost(data: Data, observed: Observed) -> Row:
             details.append(f"submission {key}: never accepted")
         elif run_id not in runs:
             details.append(f"submission {key}: run {run_id} is missing from the database")
-    listed = {i["operation_id"] for i in data.items if i["state"] == "operator"}
+    listed = _listed_groups(data)
     unknown_by_run = _by([o for o in data.ops if o["state"] == "unknown"], "run_id")
     children = _by([r for r in data.runs if r["parent_run_id"] is not None], "parent_run_id")
     for run in data.runs:
@@ -116,11 +119,15 @@ def runs_lost(data: Data, observed: Observed) -> Row:
             continue
         if status == "needs_reconciliation":
             blocking = unknown_by_run.get(run["id"], [])
-            unlisted = [o["id"] for o in blocking if o["id"] not in listed]
+            unlisted = [o["id"] for o in blocking if _group(o) not in listed]
             if blocking and not unlisted:
                 continue
-            details.append(f"run {run['id']} ({run['workflow_name']}) is blocked on "
-                           f"operations {unlisted or 'none'} that no operator list shows")
+            if not blocking:
+                details.append(f"run {run['id']} ({run['workflow_name']}) is blocked "
+                               f"({run['waiting_for']}) but none of its operations is unknown")
+            else:
+                details.append(f"run {run['id']} ({run['workflow_name']}) is blocked on "
+                               f"operations {unlisted} that no operator list shows")
             continue
         if status == "waiting":
             wake = _ts(run["available_at"])
@@ -191,6 +198,20 @@ def _overlaps(interval: Interval, start: float, end: float) -> bool:
     return interval.start <= end + GRACE and interval.end >= start - GRACE
 
 
+def _listed_groups(data: Data) -> set[tuple[Any, Any, Any]]:
+    """(run, position, key) of every operation whose queue item is with operators. An unknown
+    operation is listed when its group is: an idempotent re-send shares its key with earlier
+    attempts, and resolving one item settles the whole group."""
+    ops = {o["id"]: o for o in data.ops}
+    return {(ops[i["operation_id"]]["run_id"], ops[i["operation_id"]]["position"],
+             ops[i["operation_id"]]["idempotency_key"])
+            for i in data.items if i["state"] == "operator" and i["operation_id"] in ops}
+
+
+def _group(op: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return op["run_id"], op["position"], op["idempotency_key"]
+
+
 def unknown_operations(data: Data, observed: Observed) -> tuple[Row, Row, dict[str, int]]:
     """Every operation that became unknown needs a fault in its dispatch window (from its
     ``submitted`` commit to the moment it was marked unknown) and must end auto-resolved,
@@ -201,6 +222,7 @@ def unknown_operations(data: Data, observed: Observed) -> tuple[Row, Row, dict[s
             marked.setdefault(int(ev["payload"]["op"]), ev)
     ops = {o["id"]: o for o in data.ops}
     items = {i["operation_id"]: i for i in data.items}
+    listed = _listed_groups(data)
     injected: dict[int, str] = {}
     for call in data.calls:
         if call["fault"] in UNCERTAIN_FAULTS:
@@ -225,9 +247,11 @@ def unknown_operations(data: Data, observed: Observed) -> tuple[Row, Row, dict[s
                 why = "process"
             elif proc.ended is not None and start - GRACE <= proc.ended <= end + GRACE:
                 why = "process"
-        if why is None and reason == "WORKER_LOST" and any(
-                _overlaps(f, start, end) for f in observed.db_faults):
+        if why is None and any(f.start <= end + GRACE and f.end >= start - DB_FAULT_REACH
+                               for f in observed.db_faults):
             why = "database"
+            if reason != "WORKER_LOST":  # worth a look: the fault reached the call's outcome
+                stats[f"{reason} explained by a database fault"] += 1
         if why is None:
             where = "unknown process" if proc is None else f"pid {proc.pid}"
             unexplained.append(
@@ -238,7 +262,7 @@ def unknown_operations(data: Data, observed: Observed) -> tuple[Row, Row, dict[s
             stats[f"explained by {why} fault"] += 1
         item = items.get(op_id)
         if op["state"] == "unknown":
-            if item is not None and item["state"] == "operator":
+            if _group(op) in listed:
                 stats["listed for operators"] += 1
             else:
                 state = "no queue item" if item is None else f"queue item {item['state']}"

@@ -144,3 +144,27 @@ def test_a_submission_that_never_became_a_run_is_lost() -> None:
     data = checks.Data(runs, journal, ops, [], [], effects, _at(100).timestamp())
     observed = checks.Observed({"k": RUN, "other": None}, [], [])
     assert checks.verdict(data, observed, set()).row("runs lost").value == 1
+
+
+def test_an_earlier_attempt_is_listed_through_a_later_one_with_the_same_key() -> None:
+    journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
+                       ("call.unknown", {"op": 1, "reason": "WORKER_LOST", "next": "resend"}),
+                       ("call.submitted", {"op": 2, "attempt": 2}),
+                       ("call.unknown", {"op": 2, "reason": "WORKER_LOST",
+                                         "next": "reconcile"}))
+    ops = [_op(1, "unknown", "K1", effect_class="idempotent"),
+           _op(2, "unknown", "K1", effect_class="idempotent")]
+    killed = checks.ProcRecord("worker", 4242, _at(-10).timestamp(), ended=_at(0.5).timestamp())
+    items = [{"operation_id": 2, "state": "operator", "reason": "WORKER_LOST",
+              "resolution": None}]
+    verdict = _verdict([_run(status="needs_reconciliation", revision=4)], journal, ops, [],
+                       items=items, procs=[killed])
+    assert verdict.ok, checks.format_table(verdict)
+
+
+def test_a_blocked_run_with_nothing_unknown_is_lost() -> None:
+    runs, journal, ops, effects = _clean_story()
+    runs[0].update(status="needs_reconciliation", waiting_for="reconciliation of operation 1")
+    journal = journal[:2]
+    runs[0]["revision"] = 2
+    assert _verdict(runs, journal, ops, effects).row("runs lost").value == 1
