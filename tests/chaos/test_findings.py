@@ -16,6 +16,7 @@ Found by the chaos suite at e03fbe0 (this test failed there); fixed in 7dad19b.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,3 +116,104 @@ def test_an_idempotent_resend_answered_not_applied_keeps_its_key(
         procs.close()
         client.close()
 
+
+
+def _waiting_behind(url: str, blocker_pid: int, text: str) -> bool:
+    """A backend blocked by ``blocker_pid`` whose current statement contains ``text``."""
+    return bool(_sql(url, "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
+                     " AND query ILIKE %s", (blocker_pid, f"%{text}%")))
+
+
+def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+def test_a_resolution_that_lands_while_the_run_is_queued_reaches_the_run(
+        chaos_env: Environment, tmp_path: Path) -> None:
+    """Found by the long profile at 23bd8e4 (seed 912829479: 4 runs lost this way).
+
+    A worker marks a consequential call unknown (its tool timed out after applying), then dies
+    before it parks the run (there: a dropped connection failed the park; here: SIGKILL while
+    the park waits for a row lock). The lease lapses and a sweep queues the run again. The
+    reconciler may resolve the operation while the run is ``queued``: ``recon_settle`` then
+    settles only the ledger and writes nothing to the run's journal (db/reconciliation.py,
+    "a run that already moved on ... keeps its journal"). But the run had not moved on: its
+    journal still ends that call with ``call.unknown`` / ``next: reconcile``, so the next
+    claim replays into ``park_blocked`` and parks the run on an operation that is already
+    committed. Nothing resolves it again: the run is lost.
+
+    A worker of another application does the sweep here, so the run stays queued until the
+    resolution is in (with workers of one app it is the gap between a sweep and a claim)."""
+    sink.create(chaos_env.sink_url)
+    client = Orchestrator(chaos_env.db_url, default_owner=chaos_app.OWNER)
+    client.registry = chaos_app.app.registry
+    procs = Processes(chaos_env, tmp_path / "logs")
+    first = psycopg.connect(chaos_env.db_url, autocommit=False)
+    second = psycopg.connect(chaos_env.db_url, autocommit=False)
+    try:
+        a = procs.start("a", worker_command(4, LEASE))
+        run = client.submit(chaos_app.checkout, {"steps": [
+            {"call": "pay", "id": "only", "fault": "late", "n": 1}]})
+        # The tool applied and now hangs; the gateway's timeout fires within 2 s.
+        _until("the late payment to apply", lambda: _sql(
+            chaos_env.sink_url, "SELECT 1 FROM chaos_calls WHERE outcome = 'late'"))
+        first.execute("SELECT 1 FROM orchestrator.runs WHERE id = %s FOR UPDATE", (run.id,))
+        first_pid = first.info.backend_pid
+        # Worker A's write that marks the operation unknown waits behind our row lock ...
+        _until("the unknown mark to wait", lambda: _waiting_behind(
+            chaos_env.db_url, first_pid, "reconciliation_items") or _waiting_behind(
+            chaos_env.db_url, first_pid, "fence"))
+        # ... a second lock request queues behind it, and once the mark commits, the park
+        # that follows waits behind that one.
+        holder = threading.Thread(target=lambda: second.execute(
+            "SELECT 1 FROM orchestrator.runs WHERE id = %s FOR UPDATE", (run.id,)))
+        holder.start()
+        _until("the second lock request to queue", lambda: _sql(
+            chaos_env.db_url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND "
+            "wait_event_type = 'Lock'", (second.info.backend_pid,)))
+        first.commit()
+        holder.join(timeout=20)
+        _until("the operation to be marked unknown", lambda: _sql(
+            chaos_env.db_url, "SELECT 1 FROM orchestrator.operations WHERE state = 'unknown'"))
+        _until("the park to wait", lambda: _waiting_behind(
+            chaos_env.db_url, second.info.backend_pid, "needs_reconciliation"))
+        a.kill()
+        a.wait()
+        second.commit()
+        status = _sql(chaos_env.db_url, "SELECT status FROM orchestrator.runs WHERE id = %s",
+                      (run.id,))[0]["status"]
+        assert status == "running", f"the scenario did not set up: the run is {status}"
+        # A worker of another application sweeps the lapsed lease: the run is queued again.
+        procs.start("sweeper", [*worker_command(2, LEASE)[:5], "tests.acceptance.flows:app",
+                                *worker_command(2, LEASE)[6:]])
+        _until("the sweep", lambda: _sql(
+            chaos_env.db_url, "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = "
+            "'queued'", (run.id,)), timeout=30)
+        procs.start("reconciler", reconciler_command())
+        _until("the lookup to resolve the operation", lambda: _sql(
+            chaos_env.db_url, "SELECT 1 FROM orchestrator.reconciliation_items WHERE state = "
+            "'resolved'"), timeout=30)
+        procs.start("b", worker_command(4, LEASE))
+        give_up = time.monotonic() + 15
+        while time.monotonic() < give_up:
+            row = _sql(chaos_env.db_url, "SELECT status, waiting_for FROM orchestrator.runs "
+                       "WHERE id = %s", (run.id,))[0]
+            if row["status"] == "succeeded":
+                break
+            time.sleep(0.2)
+        journal = [e["kind"] for e in _sql(
+            chaos_env.db_url, "SELECT kind FROM orchestrator.journal WHERE run_id = %s "
+            "ORDER BY seq", (run.id,))]
+        ops = _sql(chaos_env.db_url, "SELECT state FROM orchestrator.operations")
+        assert row["status"] == "succeeded", (
+            f"run {row['status']} ({row['waiting_for']}); operations {ops}; journal {journal}")
+    finally:
+        first.close()
+        second.close()
+        procs.close()
+        client.close()
