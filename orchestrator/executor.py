@@ -546,24 +546,29 @@ class RunExecutor:
             conn, run_id=self.run_id, token=self.token, wake_at=wake_at,
             waiting_for=", ".join(parts), event_names=names, child_positions=children))
 
-    async def _strand(self) -> None:
+    async def _strand(self) -> bool:
         """The run was about to end with operations still unsettled (dispatched without an
         outcome, or unknown). It must not end yet: those become unknown, go to the
-        reconciliation queue, and the run waits for them (C5, C8)."""
-        async def work(conn: Conn) -> tuple[None, list[Event]]:
+        reconciliation queue, and the run waits for them (C5, C8). Returns False when nothing
+        is unknown after all (only never-dispatched intents were left: now cancelled)."""
+        async def work(conn: Conn) -> tuple[bool, list[Event]]:
             stranded = await ops_db.operation_strand(conn, run_id=self.run_id, token=self.token)
             events = [event("call.unknown", op["position"], op["tool_name"],
                             {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
                              "next": "reconcile"}) for op in stranded]
-            return None, events
+            unknown = await ops_db.operation_count_unknown(conn, run_id=self.run_id)
+            return unknown > 0, events
 
         try:
-            await self.write(work)
+            blocked = await self.write(work)
         except Stop:
-            return
+            return True
+        if not blocked:
+            return False
         await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
             conn, run_id=self.run_id, token=self.token,
             waiting_for="reconciliation of operations whose outcome is not recorded"))
+        return True
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
         async def tx(conn: Conn) -> None:
@@ -678,6 +683,7 @@ class RunExecutor:
         async def tx(conn: Conn) -> None:
             if extra is not None:
                 await extra(conn)
+            await ops_db.operation_enqueue_unlisted(conn, run_id=self.run_id)
             await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
                                          expected=self.revision, events=[*self._buffer, ev])
             await runs_db.run_finish(conn, run_id=self.run_id, token=self.token, status=status,
@@ -686,7 +692,10 @@ class RunExecutor:
         try:
             await self.worker.writer.run_in_transaction(tx)
         except runs_db.UnsettledOperations:
-            await self._strand()
+            if await self._strand():
+                return
+            # Only never-dispatched intents were left (now cancelled): end as intended.
+            await self._terminal(status, code, result, error, ev, extra)
             return
         except (LeaseLost, DatabaseError):
             self.lose_lease("outcome rejected")

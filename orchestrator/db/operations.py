@@ -294,7 +294,25 @@ async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int
             f"""INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason)
                 VALUES (%s, %s, 'OUTCOME_UNRECORDED') ON CONFLICT (operation_id) DO NOTHING""",
             (op["id"], run_id))
+    await operation_enqueue_unlisted(conn, run_id=run_id)
     return stranded
+
+
+async def operation_enqueue_unlisted(conn: Conn, *, run_id: uuid.UUID) -> int:
+    """Queue every unknown operation of a run that no reconciliation item lists yet (an
+    attempt left for a re-send that never came: the run was cancelled or ran out of time)."""
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.reconciliation_items (operation_id, run_id, reason)
+        SELECT o.id, o.run_id, 'RESEND_NOT_MADE' FROM {S}.operations o
+        WHERE o.run_id = %s AND o.state = 'unknown'
+          AND NOT EXISTS (SELECT 1 FROM {S}.reconciliation_items i
+                          WHERE i.operation_id = o.id)
+        ON CONFLICT (operation_id) DO NOTHING
+        """,
+        (run_id,),
+    )
+    return cur.rowcount
 
 
 class FastPathMiss(Exception):
@@ -386,3 +404,11 @@ def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id
         "run_id": run_id, "token": token, "expected": expected, "op_id": op_id,
         "position": position, "name": name, "receipt": receipt, "digest": digest,
         "payload": payload, "v": v}, check)
+
+
+async def operation_count_unknown(conn: Conn, *, run_id: uuid.UUID) -> int:
+    cur = await conn.execute(
+        f"SELECT count(*) AS n FROM {S}.operations WHERE run_id = %s AND state = 'unknown'",
+        (run_id,))
+    row = await cur.fetchone()
+    return int(row["n"]) if row else 0

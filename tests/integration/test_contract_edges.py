@@ -337,3 +337,25 @@ async def test_a_resend_answered_not_applied_keeps_the_uncertain_key(make_app, s
         item = sql("SELECT i.reason, o.attempt FROM orchestrator.reconciliation_items i "
                    "JOIN orchestrator.operations o ON o.id = i.operation_id")
         assert item == [{"reason": "RESEND_NOT_APPLIED", "attempt": 1}]
+
+
+async def test_a_cancel_between_an_uncertain_attempt_and_its_resend_lists_it(app, sql):
+    @app.tool(effect="idempotent")
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        await app.cancel_async(ctx.run_id)  # the cancel lands while this attempt is out
+        raise ConnectionResetError("sent, then the connection dropped")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(sql, run))  # not cancelled while the effect is unknown
+        (op,) = [o for o in _ops(sql) if o["state"] == "unknown"]
+        listed = sql("SELECT operation_id FROM orchestrator.reconciliation_items")
+        assert listed == [{"operation_id": op["id"]}]  # no run blocked on an unlisted op
+        await app.operators.resolve_not_applied(op["id"], evidence="nothing", operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "CANCELLED"
