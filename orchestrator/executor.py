@@ -71,7 +71,7 @@ class Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
-        self.reason = reason  # cancelled | deadline | lease_lost | drain | nondeterminism
+        self.reason = reason  # cancelled | deadline | abandoned | lease_lost | drain
         self.detail = detail
 
 
@@ -166,6 +166,9 @@ class RunExecutor:
 
     def stop_deadline(self) -> None:
         raise Stop("deadline")
+
+    def stop_abandoned(self, op_id: int) -> None:
+        raise Stop("abandoned", f"operation {op_id} was abandoned by an operator")
 
     async def race_cancellation(self, coro: Awaitable[Any], timeout: float | None,
                                 signal: asyncio.Event) -> Verdict:
@@ -654,6 +657,8 @@ class RunExecutor:
             await self._terminal("cancelled", "CANCELLED", None,
                                  _error_json("CANCELLED", "the run was cancelled"),
                                  event("run.cancelled", None, None, {}))
+        elif stop.reason == "abandoned":
+            await self._fail("OPERATION_ABANDONED", stop.detail)
         elif stop.reason == "deadline":
             self.worker.metrics.incr("deadline_exhausted")
             await self._fail("DEADLINE_EXCEEDED", "the run's deadline passed")

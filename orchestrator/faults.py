@@ -29,5 +29,6 @@ def reach(point: str, tool: str) -> None:
 
 # Test-only: re-dispatch consequential operations whose outcome is unknown, as engines without
 # an effect ledger do. It exists so that the chaos suite can show that it catches the duplicate
-# effects this causes; never set it anywhere else.
-UNSAFE_REDISPATCH = os.environ.get("ORCHESTRATOR_TEST_UNSAFE_REDISPATCH") == "1"
+# effects this causes. No configuration or environment variable turns it on: only code that
+# assigns it (the chaos suite's own application module does, for its self-test).
+UNSAFE_REDISPATCH = False

@@ -133,7 +133,7 @@ class Call:
         if kind == "call.unknown":
             step = payload.get("next", "reconcile")
             if step == "reconcile":
-                await self.park_blocked(op_id)
+                return await self.after_reconciliation(payload["op"], number)
             return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
         # call.submitted without an outcome: the worker that sent it is gone
         step = self.uncertain_step(number)
@@ -141,6 +141,36 @@ class Call:
         if step == "reconcile":
             await self.park_blocked(op_id)
         return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
+
+    async def after_reconciliation(self, op_id: int, number: int) -> Attempt:
+        """The journal says this call waits for reconciliation; the ledger says whether it is
+        still waiting. A resolution that landed while no worker held the run (it was queued
+        between a dead worker's lease and the next claim) is only in the ledger: take it from
+        there, and record it in the journal now."""
+        rows = await self.ex.read(
+            lambda conn: ops_db.operation_for_position(conn, self.ex.run_id, self.position))
+        row = next((r for r in rows if r["id"] == op_id), None)
+        state = row["state"] if row else "unknown"
+        if state == "committed":
+            assert row is not None
+
+            async def work(conn: Conn) -> tuple[None, list[Event]]:
+                return None, [self.event("call.completed", {"result": row["receipt"],
+                                                            "op": op_id, "resolved": True})]
+
+            with self.ex.active():
+                await self.ex.write(work)
+            raise _Done(row["receipt"])
+        if state == "not_applied":
+            self.ex.boundary()
+            decision = self.decide(Classification("not_applied", "none", True), number, None)
+            await self.after_definitive(op_id, number, decision, "not_applied", None,
+                                        record_failure=False)
+            return self.following
+        if state == "abandoned":
+            self.ex.stop_abandoned(op_id)
+        await self.park_blocked(op_id)
+        raise AssertionError("unreachable")  # pragma: no cover - park never returns
 
     # -- one attempt -------------------------------------------------------------------------
 

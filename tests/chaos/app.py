@@ -41,8 +41,14 @@ from orchestrator import (
     ToolError,
     ToolFailed,
     WorkflowContext,
+    faults,
 )
 from tests.chaos import sink
+
+# The self-test's guard switch: only this test application turns it on, from the variable the
+# harness sets for the workers it starts with the switch.
+if os.environ.get("ORCHESTRATOR_TEST_UNSAFE_REDISPATCH") == "1":
+    faults.UNSAFE_REDISPATCH = True
 
 OWNER = Owner(tenant="chaos", principal="harness")
 TOOL_TIMEOUT = timedelta(seconds=float(os.environ.get("CHAOS_TOOL_TIMEOUT", "2")))
