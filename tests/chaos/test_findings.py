@@ -1,16 +1,16 @@
 """Engine bugs the chaos suite found, each replayed as one focused scenario with real
 processes, kept as regression tests once fixed.
 
-An idempotent call whose first attempt became unknown is re-sent with the same key (C5). When
-that re-send was answered "not applied" (a provider that is busy says so for *that request*; it
-says nothing about the first one), the gateway started the next attempt with a *new* key and
-left the first attempt ``unknown`` with no reconciliation item:
-
-- the first attempt had been applied, so the new key applied the effect a second time;
-- the run could not finish: it ended ``needs_reconciliation`` on an operation that no
-  reconciler or operator list showed, and stayed there (a lost run).
-
-Found by the chaos suite at e03fbe0 (this test failed there); fixed in 7dad19b.
+1. An idempotent call whose first attempt became unknown is re-sent with the same key (C5).
+   When that re-send was answered "not applied" (a provider that is busy says so for *that
+   request*; it says nothing about the first one), the gateway started the next attempt with a
+   *new* key and left the first attempt ``unknown`` with no reconciliation item: the first
+   attempt had been applied, so the new key applied the effect a second time, and the run
+   ended ``needs_reconciliation`` on an operation no queue listed (a lost run). Found at
+   e03fbe0 (the test failed there); fixed in 7dad19b.
+2. A resolution that landed while its run was ``queued`` settled the ledger but not the run's
+   journal, and the next replay parked the run on an operation already resolved (a lost run).
+   Found by the long profile at 23bd8e4 and e922f1e (the test failed there); fixed in bced646.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def _until(what: str, predicate: Any, timeout: float = 20.0) -> None:
 @pytest.mark.timeout(120)
 def test_a_resolution_that_lands_while_the_run_is_queued_reaches_the_run(
         chaos_env: Environment, tmp_path: Path) -> None:
-    """Found by the long profile at 23bd8e4 (seed 912829479: 4 runs lost this way).
+    """Found by the long profile at 23bd8e4 and e922f1e (seeds 912829479 and 1497526820: 4
+    and 6 runs lost this way); fixed in bced646.
 
     A worker marks a consequential call unknown (its tool timed out after applying), then dies
     before it parks the run (there: a dropped connection failed the park; here: SIGKILL while
