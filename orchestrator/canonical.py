@@ -85,7 +85,12 @@ def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None
 
 def digest(value: Any) -> str:
     """SHA-256 (hex) of the canonical JSON of a valid JSON value."""
-    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+    return text_digest(canonical_json(value))
+
+
+def text_digest(text: str) -> str:
+    """:func:`digest` of a value whose canonical JSON text is already at hand."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def request_digest(
@@ -103,3 +108,11 @@ def intent_digest(tool_name: str, tool_version: str, owner: dict[str, str], argu
     return digest(
         {"tool": tool_name, "version": tool_version, "owner": owner, "arguments": arguments}
     )
+
+
+def intent_digest_text(tool_name: str, tool_version: str, owner_text: str,
+                       arguments_text: str) -> str:
+    """:func:`intent_digest` from the canonical texts of the owner and the arguments (equal
+    to it: the keys of a canonical object are sorted, its values are canonical texts)."""
+    return text_digest(f'{{"arguments":{arguments_text},"owner":{owner_text},'
+                       f'"tool":{canonical_json(tool_name)},"version":{canonical_json(tool_version)}}}')

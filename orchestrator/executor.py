@@ -119,11 +119,13 @@ class RunExecutor:
         self.db = worker.app.database
         self.run_id: uuid.UUID = claim["id"]
         self.owner = Owner(tenant=claim["tenant"], principal=claim["principal"])
+        self.owner_text = canonical.canonical_json(self.owner.as_dict())
         self.token: int = claim["lease_token"]
         self.revision: int = claim["revision"]
         self.deadline_at: datetime | None = claim["deadline_at"]
         self.cancel_requested = claim["cancel_requested_at"] is not None
         self.cancel_event = asyncio.Event()  # set as soon as this process learns of a cancel
+        self._cancel_waiters: set[Callable[[], None]] = set()  # races to end on a cancel
         if self.cancel_requested:
             self.cancel_event.set()
         self.input = claim["input"]
@@ -160,6 +162,8 @@ class RunExecutor:
         """A cancellation request reached this process (a write said so, or a NOTIFY)."""
         self.cancel_requested = True
         self.cancel_event.set()
+        for wake in list(self._cancel_waiters):
+            wake()
 
     def stop_cancelled(self) -> None:
         raise Stop("cancelled")
@@ -175,20 +179,34 @@ class RunExecutor:
         """Await ``coro`` for at most ``timeout`` seconds unless the run is cancelled first.
 
         When it does not finish, ``signal`` is set (the callee's cancellation signal) before it
-        is cancelled; the timer and the listener are cleaned up on every path.
+        is cancelled; the timer and the listener are cleaned up on every path. (One task and
+        one future per call: this is on every step's path.)
         """
+        loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(coro)
-        listener = asyncio.ensure_future(self.cancel_event.wait())
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(wake)
+        self._cancel_waiters.add(wake)
+        timer = loop.call_later(timeout, wake) if timeout is not None else None
+        if self.cancel_event.is_set():
+            wake()
         try:
-            done, _ = await asyncio.wait({task, listener}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            await woken
         except BaseException:
             signal.set()
             task.cancel()
             raise
         finally:
-            listener.cancel()
-        if task in done:
+            self._cancel_waiters.discard(wake)
+            task.remove_done_callback(wake)
+            if timer is not None:
+                timer.cancel()
+        if task.done():
             if task.cancelled():
                 return Verdict(error=asyncio.CancelledError("the call cancelled itself"))
             error = task.exception()
@@ -197,7 +215,7 @@ class RunExecutor:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        cancelled = listener in done
+        cancelled = self.cancel_event.is_set()
         return Verdict(cancelled=cancelled, timed_out=not cancelled)
 
     def next_position(self) -> int:
@@ -622,7 +640,7 @@ class RunExecutor:
             try:
                 await self.write_direct(runs_db.run_succeed_fast(
                     run_id=self.run_id, token=self.token, expected=self.revision, result=text,
-                    payload=json.dumps({"result": result}), v=SCHEMA_VERSION))
+                    v=SCHEMA_VERSION))
                 self.worker.metrics.incr("runs_succeeded")
                 return
             except (ops_db.FastPathMiss, Stop):

@@ -70,11 +70,11 @@ class Call:
         self.arguments = arguments
         self.args_text = canonical.canonical_bytes(
             arguments, path="$.arguments", max_bytes=ex.app.max_record_bytes).decode()
-        self.intent = canonical.intent_digest(tool.name, tool.version, ex.owner.as_dict(),
-                                              arguments)
+        self.intent = canonical.intent_digest_text(tool.name, tool.version, ex.owner_text,
+                                                   self.args_text)
         self.following = Attempt()  # set by each failed attempt: what to run next
         try:  # a call that cannot bind is a bug in the workflow: refuse it before any write
-            tool.signature.bind(None, **arguments)
+            tool.check_arguments(arguments)
         except TypeError as exc:
             raise InvalidRequest(f"tool {tool.name} does not take these arguments: {exc}",
                                  path="$.arguments") from None
@@ -209,14 +209,11 @@ class Call:
         }
 
         if not pending and not ex.has_buffer and not ex.cancel_requested:
-            payload = json.dumps({"tool_version": self.tool.version, "intent": self.intent,
-                                  "attempt": number, "key": key, "effect": self.tool.effect})
-
             ex.check_room(1)
             try:
                 with ex.active():
                     op_id: int = await ex.write_direct(ops_db.operation_begin_fast(
-                        row, expected=ex.revision, payload=payload, v=SCHEMA_VERSION))
+                        row, expected=ex.revision, v=SCHEMA_VERSION))
                     return op_id, "submitted"
             except ops_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
@@ -376,17 +373,15 @@ class Call:
         from orchestrator.executor import Stop
 
         ex = self.ex
-        digest = canonical.digest(receipt)
+        digest = canonical.text_digest(receipt_text)
         resent = key != self.key_for(1) or self.tool.effect == "idempotent"
         if not resent and not ex.has_buffer:
-            payload = json.dumps({"result": receipt, "op": op_id})
-
             try:
                 with ex.active():
                     await ex.write_direct(ops_db.operation_commit_fast(
                         run_id=ex.run_id, token=ex.token, expected=ex.revision, op_id=op_id,
                         position=self.position, name=self.tool.name, receipt=receipt_text,
-                        digest=digest, payload=payload, v=SCHEMA_VERSION))
+                        digest=digest, v=SCHEMA_VERSION))
                 return
             except ops_db.FastPathMiss:
                 pass  # the general path below records why (or keeps the late receipt)

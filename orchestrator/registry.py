@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -66,6 +66,8 @@ class Tool:
     approve_fn: Hook | None = None
     authorize_timeout: float = 30.0
     approve_timeout: float = 30.0
+    _accepted_names: set[frozenset[str]] = field(default_factory=set, repr=False,
+                                                 compare=False)
 
     @property
     def max_attempts(self) -> int:
@@ -75,6 +77,14 @@ class Tool:
     def signature(self) -> inspect.Signature:
         """The tool function's signature, to check a call's arguments before dispatch."""
         return inspect.signature(self.fn)
+
+    def check_arguments(self, names: Iterable[str]) -> None:
+        """Raise TypeError unless keyword arguments with these names bind to the tool (the
+        answer depends on the names alone, so accepted sets are remembered)."""
+        key = frozenset(names)
+        if key not in self._accepted_names:
+            self.signature.bind(None, **dict.fromkeys(key))
+            self._accepted_names.add(key)
 
     def lookup(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         """Register the read-only lookup the reconciler uses for uncertain outcomes."""

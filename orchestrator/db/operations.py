@@ -7,6 +7,7 @@ rejects any arrow not in CONTRACT C5, whatever the statement says.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -320,90 +321,126 @@ class FastPathMiss(Exception):
     the caller takes the general path, which says which."""
 
 
+def _rows_of(columns: str) -> str:
+    """The rows of a :class:`Statement` group: a JSON array, one record per write, numbered."""
+    return f"""SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
+                     jsonb_to_record(t.j) AS r({columns})"""
+
+
+def _row(scalars: dict[str, Any], **raw: str) -> str:
+    """One row's JSON object text; ``raw`` values are JSON texts already (spliced, not
+    re-encoded)."""
+    text = json.dumps(scalars, separators=(",", ":"))
+    extra = "".join(f',"{name}":{value}' for name, value in raw.items())
+    return text[:-1] + extra + "}"
+
+
 _FAST_BEGIN = f"""
-WITH fence AS (
-    UPDATE {S}.runs SET revision = revision + 1, updated_at = now()
-    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
-      AND revision = %(expected)s AND cancel_requested_at IS NULL
-    RETURNING id
+WITH x AS (
+    {_rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
+              "tool_name text, tool_version text, effect_class text, tenant text, "
+              "principal text, intent_digest text, arguments jsonb, idempotency_key text, "
+              "worker_id text, v smallint")}
+), fence AS (
+    UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+      AND r.revision = x.expected AND r.cancel_requested_at IS NULL
+    RETURNING x.i
 ), op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
                                 idempotency_key, state, worker_id, lease_token, submitted_at)
-    SELECT fence.id, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
-           %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s, %(arguments)s::jsonb,
-           %(idempotency_key)s, 'submitted', %(worker_id)s, %(token)s, now()
-    FROM fence
+    SELECT x.run_id, x.position, x.attempt, x.tool_name, x.tool_version, x.effect_class,
+           x.tenant, x.principal, x.intent_digest, x.arguments, x.idempotency_key,
+           'submitted', x.worker_id, x.token, now()
+    FROM x JOIN fence ON fence.i = x.i
     ON CONFLICT (run_id, position, attempt) DO NOTHING
-    RETURNING id
+    RETURNING id, run_id
 ), ins AS (
     INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
                              lease_token)
-    SELECT %(run_id)s, %(expected)s + 1, 'call.submitted', %(position)s, %(tool_name)s,
-           %(v)s, %(payload)s::jsonb || jsonb_build_object('op', op.id), %(token)s
-    FROM op
-    RETURNING 1
+    SELECT x.run_id, x.expected + 1, 'call.submitted', x.position, x.tool_name, x.v,
+           jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
+                              'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
+                              'effect', x.effect_class),
+           x.token
+    FROM x JOIN op ON op.run_id = x.run_id
+    RETURNING run_id
 )
-SELECT (SELECT id FROM op) AS op_id, (SELECT count(*) FROM ins) AS appended
+SELECT x.i, op.id AS op_id, ins.run_id IS NOT NULL AS appended
+FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN ins ON ins.run_id = x.run_id
 """
 
 
-def operation_begin_fast(row: dict[str, Any], *, expected: int, payload: str, v: int
-                         ) -> Statement:
-    """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event,
-    fenced, as one statement; its value is ``(operation id, None)``. It raises
+def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int) -> Statement:
+    """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event
+    (``tool_version``, ``intent``, ``attempt``, ``op``, ``key``, ``effect``), fenced, as one
+    row of a set-based statement; its value is ``(operation id, None)``. It raises
     :class:`FastPathMiss` when it did not apply (its transaction must then roll back: the
-    general path decides why)."""
+    general path decides why). ``row["arguments"]`` is canonical JSON text."""
 
     def check(got: dict[str, Any] | None) -> tuple[int, None]:
-        if got is None or got["op_id"] is None or got["appended"] != 1:
+        if got is None or got["op_id"] is None or not got["appended"]:
             raise FastPathMiss("begin")
         return int(got["op_id"]), None
 
-    return Statement(_FAST_BEGIN, {**row, "expected": expected, "payload": payload, "v": v},
-                     check)
+    text = _row({
+        "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
+        "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
+        "tool_version": row["tool_version"], "effect_class": row["effect_class"],
+        "tenant": row["tenant"], "principal": row["principal"],
+        "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
+        "worker_id": row["worker_id"], "v": v}, arguments=row["arguments"])
+    return Statement(_FAST_BEGIN, text, row["run_id"], check)
 
 
 _FAST_COMMIT = f"""
-WITH fence AS (
-    UPDATE {S}.runs SET revision = revision + 1, updated_at = now()
-    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
-      AND revision = %(expected)s
-    RETURNING id, cancel_requested_at
+WITH x AS (
+    {_rows_of("run_id uuid, token bigint, expected bigint, op_id bigint, position int, "
+              "name text, receipt jsonb, digest text, payload jsonb, v smallint")}
+), fence AS (
+    UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+      AND r.revision = x.expected
+    RETURNING x.i, r.cancel_requested_at
 ), op AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = %(receipt)s::jsonb,
-           receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
-    FROM fence WHERE o.id = %(op_id)s AND o.state = 'submitted' AND o.run_id = fence.id
-    RETURNING o.id
+    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
+           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+    FROM x JOIN fence ON fence.i = x.i
+    WHERE o.id = x.op_id AND o.state = 'submitted' AND o.run_id = x.run_id
+    RETURNING o.run_id
 ), ins AS (
     INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
                              lease_token)
-    SELECT %(run_id)s, %(expected)s + 1, 'call.completed', %(position)s, %(name)s, %(v)s,
-           %(payload)s::jsonb, %(token)s
-    FROM op
-    RETURNING 1
+    SELECT x.run_id, x.expected + 1, 'call.completed', x.position, x.name, x.v, x.payload,
+           x.token
+    FROM x JOIN op ON op.run_id = x.run_id
+    RETURNING run_id
 )
-SELECT (SELECT count(*) FROM ins) AS appended,
-       (SELECT cancel_requested_at FROM fence) AS cancel_requested_at
+SELECT x.i, ins.run_id IS NOT NULL AS appended, fence.cancel_requested_at
+FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
 """
 
 
 def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
-                          position: int, name: str, receipt: str, digest: str, payload: str,
-                          v: int) -> Statement:
-    """submitted → committed with its ``call.completed`` event, fenced, as one statement; its
-    value is ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not
-    apply."""
+                          position: int, name: str, receipt: str, digest: str, v: int
+                          ) -> Statement:
+    """submitted → committed with its ``call.completed`` event (``{"result": receipt, "op":
+    op_id}``), fenced, as one row of a set-based statement; ``receipt`` is the receipt's
+    canonical JSON text. Its value is ``(None, the run's cancel_requested_at)``;
+    :class:`FastPathMiss` if it did not apply."""
 
     def check(got: dict[str, Any] | None) -> tuple[None, Any]:
-        if got is None or got["appended"] != 1:
+        if got is None or not got["appended"]:
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    return Statement(_FAST_COMMIT, {
-        "run_id": run_id, "token": token, "expected": expected, "op_id": op_id,
-        "position": position, "name": name, "receipt": receipt, "digest": digest,
-        "payload": payload, "v": v}, check)
+    text = _row({"run_id": str(run_id), "token": token, "expected": expected, "op_id": op_id,
+                 "position": position, "name": name, "digest": digest, "v": v},
+                receipt=receipt, payload=f'{{"op":{op_id},"result":{receipt}}}')
+    return Statement(_FAST_COMMIT, text, run_id, check)
 
 
 async def operation_count_unknown(conn: Conn, *, run_id: uuid.UUID) -> int:

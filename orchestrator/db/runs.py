@@ -487,42 +487,54 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
 
 
 _FAST_SUCCEED = f"""
-WITH fence AS (
-    UPDATE {S}.runs SET status = 'succeeded', result = %(result)s::jsonb, finished_at = now(),
+WITH x AS (
+    SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
+                         jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint,
+                                                   result jsonb, v smallint)
+), fence AS (
+    UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-           available_at = NULL, waiting_for = NULL, revision = revision + 1
-    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
-      AND revision = %(expected)s
-      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
+           available_at = NULL, waiting_for = NULL, revision = r.revision + 1
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+      AND r.revision = x.expected
+      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
                       AND o.state IN ('pending', 'submitted', 'unknown'))
-    RETURNING id, parent_run_id
+    RETURNING r.id, r.parent_run_id
 ), ins AS (
     INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
-    SELECT id, %(expected)s + 1, 'run.completed', %(v)s, %(payload)s::jsonb, %(token)s
-    FROM fence
-    RETURNING 1
+    SELECT x.run_id, x.expected + 1, 'run.completed', x.v,
+           jsonb_build_object('result', x.result), x.token
+    FROM x JOIN fence ON fence.id = x.run_id
+    RETURNING run_id
 ), wake AS (
+    -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
+    -- A parent finishing in this same statement is left out: no row is updated twice.
     UPDATE {S}.runs p
     SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
-    FROM fence WHERE p.id = fence.parent_run_id
+    FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM ins) AS appended,
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '') FROM wake) AS n) AS woke
+SELECT x.i, ins.run_id IS NOT NULL AS appended,
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
+                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke
+FROM x LEFT JOIN ins ON ins.run_id = x.run_id
 """
 
 
-def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str,
-                     payload: str, v: int) -> Statement:
-    """The common end of a run as one statement: fenced, guarded against unsettled
-    operations, with its ``run.completed`` event and its parent woken. Raises
-    ``FastPathMiss`` when it did not apply; the general path then says why."""
+def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int
+                     ) -> Statement:
+    """The common end of a run as one row of a set-based statement: fenced, guarded against
+    unsettled operations, with its ``run.completed`` event and its parent woken. ``result``
+    is the result's canonical JSON text. Raises ``FastPathMiss`` when it did not apply; the
+    general path then says why."""
     from orchestrator.db.operations import FastPathMiss
 
     def check(got: dict[str, Any] | None) -> tuple[None, None]:
-        if got is None or got["appended"] != 1:
+        if got is None or not got["appended"]:
             raise FastPathMiss("succeed")
         return None, None
 
-    return Statement(_FAST_SUCCEED, {"run_id": run_id, "token": token, "expected": expected,
-                                     "result": result, "payload": payload, "v": v}, check)
+    text = json.dumps({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                      separators=(",", ":"))
+    return Statement(_FAST_SUCCEED, f'{text[:-1]},"result":{result}}}', run_id, check)

@@ -9,6 +9,13 @@ transaction holding its write has committed.
 
 Requests that arrive while a batch is being written form the next batch: under load batches
 grow by themselves; an idle worker commits a lone write at once.
+
+The hot writes (a call's write-ahead ``submitted``, its receipt, a run's success) are
+:class:`Statement` s whose SQL takes a JSON array of rows: the writes of one kind in a batch go
+to the server as *one* statement that fences, writes and appends per row and returns one result
+row per input row (by its position in the array). Each row is still checked on its own; what is
+shared is the round trip and the per-statement work, which is what a busy worker spends its CPU
+on.
 """
 
 from __future__ import annotations
@@ -30,51 +37,73 @@ log = logging.getLogger("orchestrator.worker")
 
 @dataclass(frozen=True)
 class Statement:
-    """A write that is one SQL statement; ``check(row)`` turns its single result row into the
-    caller's value or raises (then the batch is rolled back and every write runs alone).
-    Statements of a batch are sent pipelined: one round trip for all of them."""
+    """A write that is one row of a set-based SQL statement.
+
+    ``sql`` takes one parameter, a JSON array of rows, and returns a column ``i`` (the row's
+    1-based position in the array) with each row's result; ``row`` is this write's JSON object
+    text; ``key`` names what the row writes (its run): two rows with the same key never share
+    a statement. ``check(result)`` turns the write's result row (None if it returned none) into
+    the caller's value or raises; then the batch is rolled back and every write runs alone.
+    """
 
     sql: str
-    params: dict[str, Any]
+    row: str
+    key: object
     check: Callable[[dict[str, Any] | None], Any]
 
 
 Work = Callable[[Conn], Awaitable[Any]] | Statement
+Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
 
 
 class GroupWriter:
     """Batches transactions of many runs into one commit. One per worker (per event loop)."""
 
-    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3) -> None:
+    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3,
+                 flushers: int = 1) -> None:
         self.db = db
         self.max_batch = max_batch
         self.attempts = attempts
+        self.flushers = flushers  # batches in flight at once (one commits, the next fills)
         self._queue: list[tuple[Work, asyncio.Future[Any], int]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._flushing = 0  # flushers running; each one leaves only once the queue is empty
+        self._tasks: set[asyncio.Task[None]] = set()
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
+        self.statements = 0  # set-based statements sent for Statement writes
 
     async def run_statement(self, statement: Statement) -> Any:
         """Run one statement write in a shared transaction; return ``check``'s value."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((statement, future, 0))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        if self._flushing < self.flushers:
+            self._start_flusher()
         return await future
 
     async def run_in_transaction(self, work: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``work(conn)`` inside a shared transaction; return once it has committed."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((work, future, 0))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        if self._flushing < self.flushers:
+            self._start_flusher()
         return cast(T, await future)
 
+    def _start_flusher(self) -> None:
+        self._flushing += 1
+        task = asyncio.ensure_future(self._flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _flush(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-            if not await self._write(batch):
-                await asyncio.sleep(0.1)  # the database is having trouble: do not spin
+        # The count drops in the same step that finds the queue empty (no await in between),
+        # so a write queued after that always starts a flusher of its own.
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+                if not await self._write(batch):
+                    await asyncio.sleep(0.1)  # the database is having trouble: do not spin
+        finally:
+            self._flushing -= 1
 
     async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], int]]) -> bool:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back
@@ -108,17 +137,19 @@ class GroupWriter:
         async with pool.connection() as raw:
             conn = cast(Conn, raw)
             try:
-                async with conn.transaction():
-                    statements = [(w, f) for w, f, _ in batch if isinstance(w, Statement)]
-                    if statements:
-                        async with conn.pipeline():
-                            cursors = [await conn.execute(w.sql, w.params)
-                                       for w, _ in statements]
-                        for (w, f), cursor in zip(statements, cursors, strict=True):
-                            values.append((f, w.check(await cursor.fetchone()), None))
-                    for work, future, _ in batch:
-                        if not isinstance(work, Statement):
-                            values.append((future, await work(conn), None))
+                groups = _group([(w, f) for w, f, _ in batch if isinstance(w, Statement)])
+                if sum(len(group) for group in groups) == len(batch):
+                    # Statements only (the hot path): BEGIN and the statements travel in one
+                    # round trip (the first fetch syncs), COMMIT in a second.
+                    async with conn.pipeline(), conn.transaction():
+                        await self._statements(conn, groups, values)
+                else:
+                    # Other work reads row counts as it goes: it runs outside pipeline mode.
+                    async with conn.transaction():
+                        await self._statements(conn, groups, values)
+                        for work, future, _ in batch:
+                            if not isinstance(work, Statement):
+                                values.append((future, await work(conn), None))
             except psycopg.OperationalError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
@@ -126,6 +157,24 @@ class GroupWriter:
                     return [(batch[0][1], None, exc)]
                 return None
         return values
+
+    async def _statements(self, conn: Conn, groups: list[Group],
+                          values: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
+                          ) -> None:
+        """Send each group as one statement (pipelined), then check every row's result."""
+        if not groups:
+            return
+        self.statements += len(groups)
+        if conn.pgconn.pipeline_status:
+            cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
+        else:
+            async with conn.pipeline():
+                cursors = [await conn.execute(group[0][0].sql, (_rows(group),))
+                           for group in groups]
+        for group, cursor in zip(groups, cursors, strict=True):
+            got = {row["i"]: row for row in await cursor.fetchall()}
+            for i, (w, f) in enumerate(group, start=1):
+                values.append((f, w.check(got.get(i)), None))
 
     async def _alone(self, work: Work, future: asyncio.Future[Any]
                      ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
@@ -135,7 +184,7 @@ class GroupWriter:
             try:
                 async with conn.transaction():
                     if isinstance(work, Statement):
-                        cursor = await conn.execute(work.sql, work.params)
+                        cursor = await conn.execute(work.sql, (f"[{work.row}]",))
                         return future, work.check(await cursor.fetchone()), None
                     return future, await work(conn), None
             except psycopg.OperationalError:
@@ -155,3 +204,22 @@ class GroupWriter:
                 future.set_exception(error)
             else:
                 self._queue.append((work, future, tries + 1))
+
+
+def _group(statements: Group) -> list[Group]:
+    """Statements by SQL, in arrival order; a key seen twice in a group starts another one."""
+    groups: list[Group] = []
+    open_: dict[str, tuple[Group, set[object]]] = {}
+    for item in statements:
+        found = open_.get(item[0].sql)
+        if found is None or item[0].key in found[1]:
+            found = ([], set())
+            open_[item[0].sql] = found
+            groups.append(found[0])
+        found[0].append(item)
+        found[1].add(item[0].key)
+    return groups
+
+
+def _rows(group: Group) -> str:
+    return "[" + ",".join(w.row for w, _ in group) + "]"

@@ -1,5 +1,6 @@
-"""Group commit (orchestrator.db.writer): one transaction for many runs' writes, a savepoint
-each, so one rejected write never fails its neighbours."""
+"""Group commit (orchestrator.db.writer): one transaction for many runs' writes; when one of
+them is rejected the batch is rolled back and every write runs alone, so one rejected write
+never fails its neighbours."""
 
 from __future__ import annotations
 
@@ -54,4 +55,83 @@ async def test_writes_that_arrive_during_a_commit_form_the_next_batch(app, sql):
             return 1 / 0
 
         await writer.run_in_transaction(broken)
+    await app.database.close()
+
+
+_MARK_ROWS = """
+WITH x AS (
+    SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
+                         jsonb_to_record(t.j) AS r(name text)
+), ins AS (
+    INSERT INTO public.marks SELECT name FROM x ON CONFLICT DO NOTHING RETURNING name
+)
+SELECT x.i, ins.name IS NOT NULL AS inserted FROM x LEFT JOIN ins ON ins.name = x.name
+"""
+
+
+def _mark_statement(name: str, key: object = None):  # type: ignore[no-untyped-def]
+    import json
+
+    from orchestrator.db.writer import Statement
+
+    def check(row):  # type: ignore[no-untyped-def]
+        if row is None or not row["inserted"]:
+            raise LeaseLost(f"{name} was already marked")
+        return name
+
+    return Statement(_MARK_ROWS, json.dumps({"name": name}), key if key is not None else name,
+                     check)
+
+
+async def test_statements_of_one_kind_share_one_statement_and_are_checked_row_by_row(app, sql):
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    sql("INSERT INTO public.marks VALUES ('taken')")
+    writer = GroupWriter(app.database)
+    results = await asyncio.gather(*(writer.run_statement(_mark_statement(n))
+                                     for n in ("a", "b", "c")))
+    assert results == ["a", "b", "c"]
+    assert writer.batches == 1 and writer.statements == 1  # three writes, one statement
+
+    # One row that does not apply: the shared statement is rolled back and every write runs
+    # alone, so only that write fails and its neighbours still commit.
+    results = await asyncio.gather(
+        *(writer.run_statement(_mark_statement(n)) for n in ("d", "taken", "e")),
+        return_exceptions=True)
+    assert results[0] == "d" and results[2] == "e"
+    assert isinstance(results[1], LeaseLost)
+    assert sorted(r["name"] for r in sql("SELECT name FROM public.marks")) == [
+        "a", "b", "c", "d", "e", "taken"]
+    await app.database.close()
+
+
+async def test_two_writes_with_one_key_never_share_a_statement(app, sql):
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    writer = GroupWriter(app.database)
+    results = await asyncio.gather(writer.run_statement(_mark_statement("x", key="run-1")),
+                                   writer.run_statement(_mark_statement("y", key="run-1")),
+                                   writer.run_statement(_mark_statement("z", key="run-2")))
+    assert results == ["x", "y", "z"]
+    assert writer.batches == 1 and writer.statements == 2
+    await app.database.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_queued_as_the_flusher_finishes_is_still_written(app, sql):
+    """Each write here is queued by a coroutine woken by the previous commit, in the same loop
+    step in which the flusher finds its queue empty: it must start a flusher of its own."""
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    writer = GroupWriter(app.database)
+
+    async def one_after_another() -> None:
+        for i in range(20):  # awaited directly: woken by the commit itself (no wrapper task)
+            assert await writer.run_statement(_mark_statement(f"m{i}")) == f"m{i}"
+
+    await asyncio.wait_for(one_after_another(), 30)
+    assert writer.writes == 20
     await app.database.close()

@@ -17,7 +17,9 @@ from orchestrator.canonical import (
     canonical_json,
     digest,
     intent_digest,
+    intent_digest_text,
     request_digest,
+    text_digest,
     validate_json,
 )
 from orchestrator.errors import InvalidRequest, PayloadTooLarge
@@ -177,6 +179,18 @@ def test_intent_digest_covers_tool_owner_and_arguments() -> None:
     assert intent_digest("charge", "2", owner, {"amount": 5}) != base
     assert intent_digest("charge", "1", {"tenant": "t", "principal": "q"}, {"amount": 5}) != base
     assert intent_digest("charge", "1", owner, {"amount": 6}) != base
+
+
+@given(json_values, st.text(), st.text(), st.text(), st.text())
+def test_digests_from_canonical_texts_equal_the_digests_of_the_values(
+        arguments: Any, tool: str, version: str, tenant: str, principal: str) -> None:
+    # The worker's hot path digests texts it already has; the ledger must not tell the two
+    # apart (a replay compares intents computed either way).
+    owner = {"tenant": tenant, "principal": principal}
+    assert text_digest(canonical_json(arguments)) == digest(arguments)
+    assert intent_digest_text(tool, version, canonical_json(owner),
+                              canonical_json(arguments)) == intent_digest(tool, version, owner,
+                                                                          arguments)
 
 
 def test_digest_is_sha256_hex() -> None:
