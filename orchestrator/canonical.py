@@ -12,6 +12,7 @@ different one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -34,8 +35,39 @@ def _child(path: str, key: str | int) -> str:
     return f"{path}[{json.dumps(key)}]"
 
 
+def _plain(value: Any) -> bool:
+    """True when ``value`` is a plain JSON value (the common case, checked without paths)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if item is None or kind is str or kind is bool or kind is int:
+            continue
+        if kind is float:
+            if not math.isfinite(item):
+                return False
+        elif kind is dict:
+            for key in item:
+                if type(key) is not str:
+                    return False
+            stack.extend(item.values())
+        elif kind is list:
+            stack.extend(item)
+        else:
+            return False
+    return True
+
+
 def validate_json(value: Any, path: str = "$") -> None:
     """Raise :class:`InvalidRequest` (with ``path``) unless ``value`` is a plain JSON value."""
+    if _plain(value):
+        return
+    _explain(value, path)
+    raise InvalidRequest(f"{path} is not a plain JSON value", path=path)  # pragma: no cover
+
+
+def _explain(value: Any, path: str) -> None:
+    """Find what makes ``value`` not plain JSON and raise with its path."""
     # Exact type checks on purpose: bool is an int subclass and is fine, but an IntEnum or a
     # str subclass could serialise differently from what the caller sees.
     stack: list[tuple[Any, str]] = [(value, path)]
@@ -115,4 +147,10 @@ def intent_digest_text(tool_name: str, tool_version: str, owner_text: str,
     """:func:`intent_digest` from the canonical texts of the owner and the arguments (equal
     to it: the keys of a canonical object are sorted, its values are canonical texts)."""
     return text_digest(f'{{"arguments":{arguments_text},"owner":{owner_text},'
-                       f'"tool":{canonical_json(tool_name)},"version":{canonical_json(tool_version)}}}')
+                       f'"tool":{_string(tool_name)},"version":{_string(tool_version)}}}')
+
+
+@functools.lru_cache(maxsize=4096)
+def _string(text: str) -> str:
+    """The canonical JSON of a string (tool names and versions: few, and used on every call)."""
+    return canonical_json(text)
