@@ -34,6 +34,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
     UnknownWorkflow,
 )
+from orchestrator.ids import new_run_id
 from orchestrator.metrics import Metrics
 from orchestrator.models import JournalEntry, Owner, RunInfo, validate_idempotency_key
 from orchestrator.operators import Operators
@@ -199,7 +200,7 @@ class Orchestrator:
         if deadline is not None:
             options["deadline_seconds"] = deadline
         return {
-            "id": run_id or uuid.uuid4(),
+            "id": run_id or new_run_id(),
             "tenant": owner.tenant,
             "principal": owner.principal,
             "workflow_name": workflow.name,
@@ -243,8 +244,8 @@ class Orchestrator:
         if connection is not None:
             run_id, created, digest = await runs_db.run_insert(connection, row)
         else:
-            run_id, created, digest = await self.database.run_in_transaction(
-                lambda conn: runs_db.run_insert(conn, row))
+            run_id, created, digest = await self.database.run_autocommit(
+                lambda conn: runs_db.run_submit(conn, row))
         if not created and digest != row["request_digest"]:
             raise IdempotencyConflict(
                 "this idempotency key was already used by this owner for a different request")

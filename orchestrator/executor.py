@@ -134,6 +134,7 @@ class RunExecutor:
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
         self.lost = False
         self.draining = False
+        self.ending = False  # its final write (outcome, park, release) is under way
         self._position = 0
         self._buffer: list[Event] = []
         self._write_lock = asyncio.Lock()
@@ -545,6 +546,7 @@ class RunExecutor:
         await self._finish(task)
 
     async def _park_run(self) -> None:
+        self.ending = True
         waits = list(self._waits.values())
         blocked = [w for w in waits if w.kind == "blocked"]
         if blocked:
@@ -606,6 +608,7 @@ class RunExecutor:
     # -- outcomes ----------------------------------------------------------------------------
 
     async def _finish(self, task: asyncio.Task[Any]) -> None:
+        self.ending = True
         exc = task.exception()
         if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):
             await self._stop(exc)  # out of time: unknown operations stay listed for operators

@@ -30,8 +30,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
-HEARTBEAT_INTERVAL = 0.5  # at most; a worker's liveness is judged by it
-DEAD_AFTER = 1.5  # seconds without a heartbeat (and without its lock) before a worker is dead
+HEARTBEAT_INTERVAL = 0.25  # at most; a worker's liveness is judged by it (one row per beat)
+DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a worker is dead
+# A busy worker claims at most this often: under a stream of submissions every NOTIFY wakes
+# every worker, and claiming once per wake-up would cost a transaction per run. An idle worker
+# claims at once.
+CLAIM_GAP = 0.002
 
 
 def default_worker_id() -> str:
@@ -92,7 +96,7 @@ class Worker:
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                 workflows=workflows, concurrency=self.concurrency,
                 lock_key=self._liveness.key if held else None)
-        last_sweep = 0.0
+        last_sweep = last_claim = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
         try:
@@ -103,6 +107,11 @@ class Worker:
                     await self._sweep()
                 free = self.concurrency - len(self._running)
                 if free > 0 and workflows and self._liveness.held:
+                    gap = last_claim + CLAIM_GAP - time.monotonic()
+                    if self._running and gap > 0:
+                        await asyncio.sleep(gap)
+                        free = self.concurrency - len(self._running)
+                    last_claim = time.monotonic()
                     claims = await self._claim(workflows, free)
                     for claim in claims:
                         self._start(claim)
@@ -197,25 +206,43 @@ class Worker:
                           run_id)
 
     async def _heartbeat_loop(self) -> None:
+        """The worker's liveness beat (one row, often) and its runs' lease renewals (every
+        run it holds, a third of the lease TTL apart: they only have to outlive the TTL)."""
         interval = max(min(self.lease_ttl / 3, HEARTBEAT_INTERVAL), 0.05)
+        renew_every = max(self.lease_ttl / 3, interval)
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
-                    if ex is not None and not ex.lost]
             locked = await self._liveness.ensure()
             try:
                 async with self.app.database.connection() as conn:
                     await workers_db.worker_heartbeat(
                         conn, self.worker_id, lock_key=self._liveness.key if locked else None)
-                    kept = await runs_db.run_heartbeat(
-                        conn, worker=self.worker_id,
-                        leases=[(rid, ex.token) for rid, ex in held], ttl=self.lease_ttl)
             except OrchestratorError as exc:
                 log.warning("heartbeat failed: %s", exc.code)
                 continue
-            for rid, ex in held:
-                if rid not in kept and rid in self._running:
-                    ex.lose_lease("heartbeat rejected")
+            if time.monotonic() - renewed >= renew_every and await self._renew_leases():
+                renewed = time.monotonic()
+
+    async def _renew_leases(self) -> bool:
+        """Extend the leases of the runs this worker is working on; a run whose lease was not
+        extended has been taken away: stop working on it. Runs whose final write is under way
+        are left alone (their write is fenced; if it landed they are simply not running any
+        more, which is no loss). Returns False if the database could not be asked."""
+        held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
+                if ex is not None and not ex.lost and not ex.ending]
+        try:
+            async with self.app.database.connection() as conn:
+                kept = await runs_db.run_heartbeat(
+                    conn, worker=self.worker_id, leases=[(rid, ex.token) for rid, ex in held],
+                    ttl=self.lease_ttl)
+        except OrchestratorError as exc:
+            log.warning("lease renewal failed: %s", exc.code)
+            return False
+        for rid, ex in held:
+            if rid not in kept and rid in self._running and not ex.ending:
+                ex.lose_lease("heartbeat rejected")
+        return True
 
     async def _drain(self) -> None:
         for _, ex in self._running.values():

@@ -143,6 +143,26 @@ class Database:
                         return await work(cast(Conn, conn))
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def run_autocommit(
+        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
+    ) -> T:
+        """Run ``work(conn)`` without a transaction block (each statement commits on its own:
+        for work that is one statement, or whose statements stand alone); retry transient
+        database failures only."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_transient),
+            stop=stop_after_attempt(attempts),
+            wait=wait_random_exponential(multiplier=0.02, max=0.5),
+            reraise=True,
+        )
+        with translate_errors(self.target):
+            async for attempt in retrying:
+                with attempt:
+                    pool = await self.pool()
+                    async with pool.connection() as conn:
+                        return await work(cast(Conn, conn))
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],
                      stop: asyncio.Event) -> None:
         """LISTEN on ``channels`` until ``stop`` is set; reconnect after a dropped connection.

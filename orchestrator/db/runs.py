@@ -58,6 +58,27 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     return existing["id"], False, existing["request_digest"]
 
 
+_SUBMIT = f"""
+WITH ins AS ({_INSERT})
+SELECT id, (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')) AS n) AS notified
+FROM ins
+"""
+
+
+async def run_submit(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
+    """:func:`run_insert` for an autocommit connection: the insert and its wake-up are one
+    statement (one round trip, atomic on its own); only a taken key costs a second read."""
+    cur = await conn.execute(_SUBMIT, row)
+    inserted = await cur.fetchone()
+    if inserted is not None:
+        return inserted["id"], True, None
+    cur = await conn.execute(_BY_KEY, row)
+    existing = await cur.fetchone()
+    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
+        raise RuntimeError("idempotency key conflict without an existing run")
+    return existing["id"], False, existing["request_digest"]
+
+
 _RUN_COLUMNS = """
 id, tenant, principal, workflow_name, workflow_version, input, options, status, outcome_code,
 result, error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
