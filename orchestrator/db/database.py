@@ -129,19 +129,7 @@ class Database:
         self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
     ) -> T:
         """Run ``work(conn)`` in one transaction; retry transient database failures only."""
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(_transient),
-            stop=stop_after_attempt(attempts),
-            wait=wait_random_exponential(multiplier=0.02, max=0.5),
-            reraise=True,
-        )
-        with translate_errors(self.target):
-            async for attempt in retrying:
-                with attempt:
-                    pool = await self.pool()
-                    async with pool.connection() as conn, conn.transaction():
-                        return await work(cast(Conn, conn))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await self._run(work, attempts=attempts, transaction=True)
 
     async def run_autocommit(
         self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
@@ -149,6 +137,10 @@ class Database:
         """Run ``work(conn)`` without a transaction block (each statement commits on its own:
         for work that is one statement, or whose statements stand alone); retry transient
         database failures only."""
+        return await self._run(work, attempts=attempts, transaction=False)
+
+    async def _run(self, work: Callable[[Conn], Awaitable[T]], *, attempts: int,
+                   transaction: bool) -> T:
         retrying = AsyncRetrying(
             retry=retry_if_exception(_transient),
             stop=stop_after_attempt(attempts),
@@ -159,8 +151,12 @@ class Database:
             async for attempt in retrying:
                 with attempt:
                     pool = await self.pool()
-                    async with pool.connection() as conn:
-                        return await work(cast(Conn, conn))
+                    async with pool.connection() as raw:
+                        conn = cast(Conn, raw)
+                        if not transaction:
+                            return await work(conn)
+                        async with conn.transaction():
+                            return await work(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],

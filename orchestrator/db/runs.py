@@ -51,6 +51,10 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     if inserted is not None:
         await conn.execute(_NOTIFY)
         return inserted["id"], True, None
+    return await _holder_of_key(conn, row)
+
+
+async def _holder_of_key(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
     cur = await conn.execute(_BY_KEY, row)
     existing = await cur.fetchone()
     if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
@@ -72,11 +76,7 @@ async def run_submit(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     inserted = await cur.fetchone()
     if inserted is not None:
         return inserted["id"], True, None
-    cur = await conn.execute(_BY_KEY, row)
-    existing = await cur.fetchone()
-    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
-        raise RuntimeError("idempotency key conflict without an existing run")
-    return existing["id"], False, existing["request_digest"]
+    return await _holder_of_key(conn, row)
 
 
 _RUN_COLUMNS = """
