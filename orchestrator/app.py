@@ -245,7 +245,7 @@ class Orchestrator:
             run_id, created, digest = await runs_db.run_insert(connection, row)
         else:
             run_id, created, digest = await self.database.run_autocommit(
-                lambda conn: runs_db.run_submit(conn, row))
+                lambda conn: runs_db.run_insert(conn, row))
         if not created and digest != row["request_digest"]:
             raise IdempotencyConflict(
                 "this idempotency key was already used by this owner for a different request")

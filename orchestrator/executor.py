@@ -124,10 +124,7 @@ class RunExecutor:
         self.revision: int = claim["revision"]
         self.deadline_at: datetime | None = claim["deadline_at"]
         self.cancel_requested = claim["cancel_requested_at"] is not None
-        self.cancel_event = asyncio.Event()  # set as soon as this process learns of a cancel
         self._cancel_waiters: set[Callable[[], None]] = set()  # races to end on a cancel
-        if self.cancel_requested:
-            self.cancel_event.set()
         self.input = claim["input"]
         self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
         self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
@@ -162,7 +159,6 @@ class RunExecutor:
     def note_cancel(self) -> None:
         """A cancellation request reached this process (a write said so, or a NOTIFY)."""
         self.cancel_requested = True
-        self.cancel_event.set()
         for wake in list(self._cancel_waiters):
             wake()
 
@@ -194,7 +190,7 @@ class RunExecutor:
         task.add_done_callback(wake)
         self._cancel_waiters.add(wake)
         timer = loop.call_later(timeout, wake) if timeout is not None else None
-        if self.cancel_event.is_set():
+        if self.cancel_requested:
             wake()
         try:
             await woken
@@ -216,7 +212,7 @@ class RunExecutor:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        cancelled = self.cancel_event.is_set()
+        cancelled = self.cancel_requested
         return Verdict(cancelled=cancelled, timed_out=not cancelled)
 
     def next_position(self) -> int:

@@ -7,12 +7,11 @@ rejects any arrow not in CONTRACT C5, whatever the statement says.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from orchestrator.db.database import Conn
-from orchestrator.db.writer import Statement
+from orchestrator.db.writer import Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -321,23 +320,9 @@ class FastPathMiss(Exception):
     the caller takes the general path, which says which."""
 
 
-def _rows_of(columns: str) -> str:
-    """The rows of a :class:`Statement` group: a JSON array, one record per write, numbered."""
-    return f"""SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
-                     jsonb_to_record(t.j) AS r({columns})"""
-
-
-def _row(scalars: dict[str, Any], **raw: str) -> str:
-    """One row's JSON object text; ``raw`` values are JSON texts already (spliced, not
-    re-encoded)."""
-    text = json.dumps(scalars, separators=(",", ":"))
-    extra = "".join(f',"{name}":{value}' for name, value in raw.items())
-    return text[:-1] + extra + "}"
-
-
 _FAST_BEGIN = f"""
 WITH x AS (
-    {_rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
+    {rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
               "tool_name text, tool_version text, effect_class text, tenant text, "
               "principal text, intent_digest text, arguments jsonb, idempotency_key text, "
               "worker_id text, v smallint")}
@@ -385,7 +370,7 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int) -> State
             raise FastPathMiss("begin")
         return int(got["op_id"]), None
 
-    text = _row({
+    text = row_text({
         "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
         "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
         "tool_version": row["tool_version"], "effect_class": row["effect_class"],
@@ -397,7 +382,7 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int) -> State
 
 _FAST_COMMIT = f"""
 WITH x AS (
-    {_rows_of("run_id uuid, token bigint, expected bigint, op_id bigint, position int, "
+    {rows_of("run_id uuid, token bigint, expected bigint, op_id bigint, position int, "
               "name text, receipt jsonb, digest text, payload jsonb, v smallint")}
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
@@ -437,7 +422,7 @@ def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    text = _row({"run_id": str(run_id), "token": token, "expected": expected, "op_id": op_id,
+    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "op_id": op_id,
                  "position": position, "name": name, "digest": digest, "v": v},
                 receipt=receipt, payload=f'{{"op":{op_id},"result":{receipt}}}')
     return Statement(_FAST_COMMIT, text, run_id, check)

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
-from orchestrator.db.writer import Statement
+from orchestrator.db.writer import Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -40,28 +40,6 @@ WHERE tenant = %(tenant)s AND principal = %(principal)s AND idempotency_key = %(
 """
 
 
-async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
-    """Insert a queued run, or find the run that already holds its idempotency key.
-
-    Returns ``(run_id, created, existing_digest)``; ``existing_digest`` is set when the key was
-    already taken, so the caller can tell a replay from a conflict (CONTRACT C1).
-    """
-    cur = await conn.execute(_INSERT, row)
-    inserted = await cur.fetchone()
-    if inserted is not None:
-        await conn.execute(_NOTIFY)
-        return inserted["id"], True, None
-    return await _holder_of_key(conn, row)
-
-
-async def _holder_of_key(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
-    cur = await conn.execute(_BY_KEY, row)
-    existing = await cur.fetchone()
-    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
-        raise RuntimeError("idempotency key conflict without an existing run")
-    return existing["id"], False, existing["request_digest"]
-
-
 _SUBMIT = f"""
 WITH ins AS ({_INSERT})
 SELECT id, (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')) AS n) AS notified
@@ -69,14 +47,24 @@ FROM ins
 """
 
 
-async def run_submit(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
-    """:func:`run_insert` for an autocommit connection: the insert and its wake-up are one
-    statement (one round trip, atomic on its own); only a taken key costs a second read."""
+async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, str | None]:
+    """Insert a queued run and wake the workers, or find the run that already holds its
+    idempotency key.
+
+    The insert and its NOTIFY are one statement: on an autocommit connection that is one round
+    trip, atomic on its own; in a transaction the NOTIFY goes out when it commits. Returns
+    ``(run_id, created, existing_digest)``; ``existing_digest`` is set when the key was already
+    taken, so the caller can tell a replay from a conflict (CONTRACT C1).
+    """
     cur = await conn.execute(_SUBMIT, row)
     inserted = await cur.fetchone()
     if inserted is not None:
         return inserted["id"], True, None
-    return await _holder_of_key(conn, row)
+    cur = await conn.execute(_BY_KEY, row)
+    existing = await cur.fetchone()
+    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
+        raise RuntimeError("idempotency key conflict without an existing run")
+    return existing["id"], False, existing["request_digest"]
 
 
 _RUN_COLUMNS = """
@@ -509,9 +497,7 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
 
 _FAST_SUCCEED = f"""
 WITH x AS (
-    SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
-                         jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint,
-                                                   result jsonb, v smallint)
+    {rows_of("run_id uuid, token bigint, expected bigint, result jsonb, v smallint")}
 ), fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
@@ -556,6 +542,6 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
             raise FastPathMiss("succeed")
         return None, None
 
-    text = json.dumps({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
-                      separators=(",", ":"))
-    return Statement(_FAST_SUCCEED, f'{text[:-1]},"result":{result}}}', run_id, check)
+    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                    result=result)
+    return Statement(_FAST_SUCCEED, text, run_id, check)

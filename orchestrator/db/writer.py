@@ -21,6 +21,8 @@ on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,6 +54,20 @@ class Statement:
     check: Callable[[dict[str, Any] | None], Any]
 
 
+def rows_of(columns: str) -> str:
+    """The input of a :class:`Statement`'s SQL: its JSON array as numbered records (``i`` and
+    ``columns``, a column definition list), to use as ``WITH x AS (...)``."""
+    return f"""SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
+                     jsonb_to_record(t.j) AS r({columns})"""
+
+
+def row_text(scalars: dict[str, Any], **raw: str) -> str:
+    """One :class:`Statement` row's JSON object text; ``raw`` values are JSON texts already
+    (spliced in, not encoded again)."""
+    text = json.dumps(scalars, separators=(",", ":"))
+    return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
+
+
 Work = Callable[[Conn], Awaitable[Any]] | Statement
 Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
 
@@ -59,51 +75,39 @@ Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
 class GroupWriter:
     """Batches transactions of many runs into one commit. One per worker (per event loop)."""
 
-    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3,
-                 flushers: int = 1) -> None:
+    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3) -> None:
         self.db = db
         self.max_batch = max_batch
         self.attempts = attempts
-        self.flushers = flushers  # batches in flight at once (one commits, the next fills)
         self._queue: list[tuple[Work, asyncio.Future[Any], int]] = []
-        self._flushing = 0  # flushers running; each one leaves only once the queue is empty
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._flusher: asyncio.Task[None] | None = None
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
         self.statements = 0  # set-based statements sent for Statement writes
 
     async def run_statement(self, statement: Statement) -> Any:
         """Run one statement write in a shared transaction; return ``check``'s value."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((statement, future, 0))
-        if self._flushing < self.flushers:
-            self._start_flusher()
-        return await future
+        return await self._enqueue(statement)
 
     async def run_in_transaction(self, work: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``work(conn)`` inside a shared transaction; return once it has committed."""
+        return cast(T, await self._enqueue(work))
+
+    async def _enqueue(self, work: Work) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((work, future, 0))
-        if self._flushing < self.flushers:
-            self._start_flusher()
-        return cast(T, await future)
-
-    def _start_flusher(self) -> None:
-        self._flushing += 1
-        task = asyncio.ensure_future(self._flush())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # One flusher at a time (a second one measured slower: smaller batches). A task is
+        # done in the very step its loop finds the queue empty, so a write queued after that
+        # always starts a new one.
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await future
 
     async def _flush(self) -> None:
-        # The count drops in the same step that finds the queue empty (no await in between),
-        # so a write queued after that always starts a flusher of its own.
-        try:
-            while self._queue:
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-                if not await self._write(batch):
-                    await asyncio.sleep(0.1)  # the database is having trouble: do not spin
-        finally:
-            self._flushing -= 1
+        while self._queue:
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+            if not await self._write(batch):
+                await asyncio.sleep(0.1)  # the database is having trouble: do not spin
 
     async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], int]]) -> bool:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back
@@ -165,12 +169,9 @@ class GroupWriter:
         if not groups:
             return
         self.statements += len(groups)
-        if conn.pgconn.pipeline_status:
+        pipelined = bool(conn.pgconn.pipeline_status)
+        async with contextlib.nullcontext() if pipelined else conn.pipeline():
             cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
-        else:
-            async with conn.pipeline():
-                cursors = [await conn.execute(group[0][0].sql, (_rows(group),))
-                           for group in groups]
         for group, cursor in zip(groups, cursors, strict=True):
             got = {row["i"]: row for row in await cursor.fetchall()}
             for i, (w, f) in enumerate(group, start=1):

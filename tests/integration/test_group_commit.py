@@ -135,3 +135,49 @@ async def test_a_write_queued_as_the_flusher_finishes_is_still_written(app, sql)
     await asyncio.wait_for(one_after_another(), 30)
     assert writer.writes == 20
     await app.database.close()
+
+
+async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone(app, sql):
+    """CONTRACT C6 through the set-based hot path: two runs' write-ahead ``submitted`` rows go
+    to the server together; the one whose lease token is stale must leave no operation, no
+    journal event and no revision change, and its neighbour must still commit."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+    from orchestrator.db.writer import GroupWriter
+
+    @app.workflow(name="job")
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    for i in range(2):
+        await app.submit_async(job, {"i": i})
+    async with app.database.connection() as conn:
+        claims = await runs_db.run_claim_ready(conn, worker="w", workflows=["job@1"], limit=2,
+                                               ttl=30)
+    good, stale = claims
+
+    def begin(claim, token):  # type: ignore[no-untyped-def]
+        return ops_db.operation_begin_fast({
+            "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
+            "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
+            "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
+            "idempotency_key": f"{claim['id']}:0:1", "worker_id": "w", "token": token},
+            expected=claim["revision"], v=1)
+
+    writer = GroupWriter(app.database)
+    results = await asyncio.gather(
+        writer.run_statement(begin(good, good["lease_token"])),
+        writer.run_statement(begin(stale, stale["lease_token"] - 1)),
+        return_exceptions=True)
+    assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
+    assert isinstance(results[1], ops_db.FastPathMiss)
+    rows = {r["id"]: r for r in sql(
+        "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.operations o "
+        "WHERE o.run_id = r.id) AS ops, (SELECT count(*) FROM orchestrator.journal j "
+        "WHERE j.run_id = r.id) AS events FROM orchestrator.runs r")}
+    assert (rows[good["id"]]["revision"], rows[good["id"]]["ops"],
+            rows[good["id"]]["events"]) == (good["revision"] + 1, 1, 1)
+    assert (rows[stale["id"]]["revision"], rows[stale["id"]]["ops"],
+            rows[stale["id"]]["events"]) == (stale["revision"], 0, 0)
+    assert writer.statements >= 1
+    await app.database.close()
