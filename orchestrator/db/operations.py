@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from orchestrator.db.database import Conn
-from orchestrator.db.writer import Statement, row_text, rows_of
+from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -329,7 +329,7 @@ WITH x AS (
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected AND r.cancel_requested_at IS NULL
     RETURNING x.i
 ), op AS (
@@ -353,7 +353,7 @@ WITH x AS (
     FROM x JOIN op ON op.run_id = x.run_id
     RETURNING run_id
 )
-SELECT x.i, op.id AS op_id, ins.run_id IS NOT NULL AS appended
+SELECT x.i, op.id AS op_id, {S}.row_applied(ins.run_id IS NOT NULL, 'call begin') AS appended
 FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN ins ON ins.run_id = x.run_id
 """
 
@@ -387,7 +387,7 @@ WITH x AS (
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected
     RETURNING x.i, r.cancel_requested_at
 ), op AS (
@@ -404,7 +404,8 @@ WITH x AS (
     FROM x JOIN op ON op.run_id = x.run_id
     RETURNING run_id
 )
-SELECT x.i, ins.run_id IS NOT NULL AS appended, fence.cancel_requested_at
+SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,
+       fence.cancel_requested_at
 FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
 """
 

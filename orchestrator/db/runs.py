@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
-from orchestrator.db.writer import Statement, row_text, rows_of
+from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -161,17 +161,33 @@ async def run_release_expired(conn: Conn) -> int:
 async def run_heartbeat(
     conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]], ttl: float
 ) -> set[uuid.UUID]:
-    """Extend the leases still held; return the ids whose lease is still ours."""
+    """Extend the leases still held; return the ids whose lease is still ours.
+
+    A run whose row is locked at that moment (almost always by this worker's own write in
+    flight) is skipped, not waited for: the renewal and the writer lock the same rows in no
+    common order, and waiting would let them deadlock. Its lease still has two thirds of its
+    time to run before the next renewal, and it counts as still ours."""
     if not leases:
         return set()
     cur = await conn.execute(
         f"""
-        UPDATE {S}.runs AS r
-        SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
-        FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token)
-        WHERE r.id = h.id AND r.lease_token = h.token AND r.status = 'running'
-          AND r.lease_owner = %(worker)s
-        RETURNING r.id
+        WITH h AS (
+            SELECT * FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token)
+        ), ours AS (
+            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id
+            WHERE r.lease_token = h.token AND r.status = 'running'
+              AND r.lease_owner = %(worker)s
+        ), free AS (
+            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id
+            WHERE r.lease_token = h.token AND r.status = 'running'
+              AND r.lease_owner = %(worker)s
+            FOR NO KEY UPDATE OF r SKIP LOCKED
+        ), renewed AS (
+            UPDATE {S}.runs r SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+            FROM free WHERE r.id = free.id
+            RETURNING r.id
+        )
+        SELECT id FROM ours
         """,
         {"ttl": ttl, "worker": worker, "ids": [i for i, _ in leases],
          "tokens": [t for _, t in leases]},
@@ -503,7 +519,7 @@ WITH x AS (
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
            available_at = NULL, waiting_for = NULL, revision = r.revision + 1
     FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = 'running'
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected
       AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
                       AND o.state IN ('pending', 'submitted', 'unknown'))
@@ -522,7 +538,7 @@ WITH x AS (
     FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
     RETURNING 1
 )
-SELECT x.i, ins.run_id IS NOT NULL AS appended,
+SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'run success') AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
                               FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke
 FROM x LEFT JOIN ins ON ins.run_id = x.run_id

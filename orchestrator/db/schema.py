@@ -182,6 +182,9 @@ operations = Table(
     CheckConstraint("state <> 'committed' OR receipt_digest IS NOT NULL", name="committed_receipt"),
     UniqueConstraint("run_id", "position", "attempt"),
     Index("ix_operations_unknown", "updated_at", postgresql_where=text("state = 'unknown'")),
+    # A run's operations without an outcome: what a run may not finish with (migration 0005).
+    Index("ix_operations_unsettled", "run_id",
+          postgresql_where=text("state IN ('pending', 'submitted', 'unknown')")),
 )
 
 reconciliation_items = Table(

@@ -13,15 +13,16 @@ grow by themselves; an idle worker commits a lone write at once.
 The hot writes (a call's write-ahead ``submitted``, its receipt, a run's success) are
 :class:`Statement` s whose SQL takes a JSON array of rows: the writes of one kind in a batch go
 to the server as *one* statement that fences, writes and appends per row and returns one result
-row per input row (by its position in the array). Each row is still checked on its own; what is
+row per input row (by its position in the array). Each row is still checked on its own, by the
+statement itself (a row that did not apply raises, so the transaction cannot commit); what is
 shared is the round trip and the per-statement work, which is what a busy worker spends its CPU
-on.
+on. A batch of statements is one round trip: BEGIN, the statements and COMMIT are pipelined
+and the worker waits once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -44,8 +45,12 @@ class Statement:
     ``sql`` takes one parameter, a JSON array of rows, and returns a column ``i`` (the row's
     1-based position in the array) with each row's result; ``row`` is this write's JSON object
     text; ``key`` names what the row writes (its run): two rows with the same key never share
-    a statement. ``check(result)`` turns the write's result row (None if it returned none) into
-    the caller's value or raises; then the batch is rolled back and every write runs alone.
+    a statement. The SQL must refuse a row that does not apply by calling
+    ``orchestrator.row_applied(applied, what)`` for it (which raises SQLSTATE ``OR001``): a
+    batch is committed without looking at its results first, so a miss has to stop the
+    transaction on the server. The batch is then rolled back and every write runs alone; the
+    write that missed gets ``check(None)``, which raises the caller's error. After a commit,
+    ``check(result)`` turns the write's result row into the caller's value.
     """
 
     sql: str
@@ -56,9 +61,21 @@ class Statement:
 
 def rows_of(columns: str) -> str:
     """The input of a :class:`Statement`'s SQL: its JSON array as numbered records (``i`` and
-    ``columns``, a column definition list), to use as ``WITH x AS (...)``."""
-    return f"""SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
+    ``columns``, a column definition list), to use as ``WITH x AS (...)``.
+
+    ``orchestrator.batch_rows`` (migration 0005) is ``jsonb_array_elements`` planned for one
+    row, so that the statement's cached plan probes runs by primary key at any table size."""
+    return f"""SELECT t.i, r.* FROM orchestrator.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
                      jsonb_to_record(t.j) AS r({columns})"""
+
+
+RUNNING = "(SELECT 'running')"
+"""How a set-based fence spells ``status = 'running'``: ``r.status = {RUNNING}``. Written as
+the literal, the test would let the planner prove the predicate of the partial index
+``ix_runs_lease_expiry`` and scan it instead of probing the primary key: the index holds every
+running run and, until a vacuum, every dead version of one (each claim and lease renewal leaves
+one), so every statement would read the whole working set. A sub-select's value is not known
+when planning, which rules the index out."""
 
 
 def row_text(scalars: dict[str, Any], **raw: str) -> str:
@@ -143,10 +160,8 @@ class GroupWriter:
             try:
                 groups = _group([(w, f) for w, f, _ in batch if isinstance(w, Statement)])
                 if sum(len(group) for group in groups) == len(batch):
-                    # Statements only (the hot path): BEGIN and the statements travel in one
-                    # round trip (the first fetch syncs), COMMIT in a second.
-                    async with conn.pipeline(), conn.transaction():
-                        await self._statements(conn, groups, values)
+                    # Statements only (the hot path): one round trip (see _commit_statements).
+                    await self._commit_statements(conn, groups, values)
                 else:
                     # Other work reads row counts as it goes: it runs outside pipeline mode.
                     async with conn.transaction():
@@ -157,10 +172,30 @@ class GroupWriter:
             except psycopg.OperationalError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
+                await _roll_back(conn)
                 if len(batch) == 1:
-                    return [(batch[0][1], None, exc)]
+                    return [_miss(batch[0][0], batch[0][1], exc)]
                 return None
         return values
+
+    async def _commit_statements(self, conn: Conn, groups: list[Group],
+                                 values: list[tuple[asyncio.Future[Any], Any,
+                                                    BaseException | None]]) -> None:
+        """BEGIN, every group's statement and COMMIT in one pipeline: one round trip. A row
+        that does not apply makes its statement raise (``row_applied``), so COMMIT never runs
+        after a miss; the rows' results are read once the transaction has committed."""
+        self.statements += len(groups)
+        async with conn.pipeline():
+            await conn.execute("BEGIN")
+            cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
+            await conn.execute("COMMIT")
+        for group, cursor in zip(groups, cursors, strict=True):
+            got = {row["i"]: row for row in await cursor.fetchall()}
+            for i, (w, f) in enumerate(group, start=1):
+                try:  # committed: a check that still objects answers its own write only
+                    values.append((f, w.check(got.get(i)), None))
+                except Exception as exc:  # noqa: BLE001
+                    values.append((f, None, exc))
 
     async def _statements(self, conn: Conn, groups: list[Group],
                           values: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
@@ -169,8 +204,7 @@ class GroupWriter:
         if not groups:
             return
         self.statements += len(groups)
-        pipelined = bool(conn.pgconn.pipeline_status)
-        async with contextlib.nullcontext() if pipelined else conn.pipeline():
+        async with conn.pipeline():
             cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
         for group, cursor in zip(groups, cursors, strict=True):
             got = {row["i"]: row for row in await cursor.fetchall()}
@@ -183,15 +217,17 @@ class GroupWriter:
         async with pool.connection() as raw:
             conn = cast(Conn, raw)
             try:
+                if isinstance(work, Statement):
+                    values: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+                    await self._commit_statements(conn, [[(work, future)]], values)
+                    return values[0]
                 async with conn.transaction():
-                    if isinstance(work, Statement):
-                        cursor = await conn.execute(work.sql, (f"[{work.row}]",))
-                        return future, work.check(await cursor.fetchone()), None
                     return future, await work(conn), None
             except psycopg.OperationalError:
                 raise
             except Exception as exc:  # noqa: BLE001 - belongs to that write alone
-                return future, None, exc
+                await _roll_back(conn)
+                return _miss(work, future, exc)
 
     def _retry(self, batch: list[tuple[Work, asyncio.Future[Any], int]],
                exc: BaseException) -> None:
@@ -205,6 +241,29 @@ class GroupWriter:
                 future.set_exception(error)
             else:
                 self._queue.append((work, future, tries + 1))
+
+
+ROW_NOT_APPLIED = "OR001"
+"""SQLSTATE raised by ``orchestrator.row_applied`` for a row of a Statement that did not apply."""
+
+
+def _miss(work: Work, future: asyncio.Future[Any], exc: BaseException
+          ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
+    """The outcome of a write that failed alone: a Statement row that did not apply gets what
+    its ``check`` says of no result (its own error); anything else keeps the database's."""
+    if isinstance(work, Statement) and getattr(exc, "sqlstate", None) == ROW_NOT_APPLIED:
+        try:
+            return future, work.check(None), None
+        except Exception as miss:  # noqa: BLE001 - the check's verdict is the outcome
+            return future, None, miss
+    return future, None, exc
+
+
+async def _roll_back(conn: Conn) -> None:
+    """End a transaction left open by an error inside a pipeline (an explicit BEGIN that
+    failed before its COMMIT); nothing to do when the server ended it already."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        await conn.execute("ROLLBACK")
 
 
 def _group(statements: Group) -> list[Group]:

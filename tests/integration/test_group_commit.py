@@ -58,15 +58,26 @@ async def test_writes_that_arrive_during_a_commit_form_the_next_batch(app, sql):
     await app.database.close()
 
 
+# Like the engine's hot writes: every row leaves a trace (here in public.tries, as a fence
+# leaves a revision) and the statement refuses a row that did not apply, so that a batch holding
+# a miss can never commit any of it.
 _MARK_ROWS = """
 WITH x AS (
     SELECT t.i, r.* FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS t(j, i),
                          jsonb_to_record(t.j) AS r(name text)
+), tried AS (
+    INSERT INTO public.tries SELECT name FROM x
 ), ins AS (
     INSERT INTO public.marks SELECT name FROM x ON CONFLICT DO NOTHING RETURNING name
 )
-SELECT x.i, ins.name IS NOT NULL AS inserted FROM x LEFT JOIN ins ON ins.name = x.name
+SELECT x.i, orchestrator.row_applied(ins.name IS NOT NULL, 'mark') AS inserted
+FROM x LEFT JOIN ins ON ins.name = x.name
 """
+
+
+def _marks_tables(sql):  # type: ignore[no-untyped-def]
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    sql("CREATE TABLE public.tries (name text)")
 
 
 def _mark_statement(name: str, key: object = None):  # type: ignore[no-untyped-def]
@@ -86,7 +97,7 @@ def _mark_statement(name: str, key: object = None):  # type: ignore[no-untyped-d
 async def test_statements_of_one_kind_share_one_statement_and_are_checked_row_by_row(app, sql):
     from orchestrator.db.writer import GroupWriter
 
-    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    _marks_tables(sql)
     sql("INSERT INTO public.marks VALUES ('taken')")
     writer = GroupWriter(app.database)
     results = await asyncio.gather(*(writer.run_statement(_mark_statement(n))
@@ -103,13 +114,16 @@ async def test_statements_of_one_kind_share_one_statement_and_are_checked_row_by
     assert isinstance(results[1], LeaseLost)
     assert sorted(r["name"] for r in sql("SELECT name FROM public.marks")) == [
         "a", "b", "c", "d", "e", "taken"]
+    # Nothing of the write that missed was committed, neither in the batch nor alone.
+    assert sorted(r["name"] for r in sql("SELECT name FROM public.tries")) == [
+        "a", "b", "c", "d", "e"]
     await app.database.close()
 
 
 async def test_two_writes_with_one_key_never_share_a_statement(app, sql):
     from orchestrator.db.writer import GroupWriter
 
-    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    _marks_tables(sql)
     writer = GroupWriter(app.database)
     results = await asyncio.gather(writer.run_statement(_mark_statement("x", key="run-1")),
                                    writer.run_statement(_mark_statement("y", key="run-1")),
@@ -125,7 +139,7 @@ async def test_a_write_queued_as_the_flusher_finishes_is_still_written(app, sql)
     step in which the flusher finds its queue empty: it must start a flusher of its own."""
     from orchestrator.db.writer import GroupWriter
 
-    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    _marks_tables(sql)
     writer = GroupWriter(app.database)
 
     async def one_after_another() -> None:
@@ -181,3 +195,24 @@ async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone
             rows[stale["id"]]["events"]) == (stale["revision"], 0, 0)
     assert writer.statements >= 1
     await app.database.close()
+
+
+@pytest.mark.parametrize("name", ["begin", "commit", "succeed"])
+def test_the_hot_statements_cached_plans_probe_by_key_on_a_new_database(name, sql):
+    """The worker prepares its set-based statements once per connection and PostgreSQL keeps
+    their generic plan, made while the tables were empty. That plan must look runs and
+    operations up by key, never scan a table or the partial index of running runs, or every
+    batch would cost more as history grows (migration 0005: batch_rows, the unsettled index)."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+
+    statement = {"begin": ops_db._FAST_BEGIN, "commit": ops_db._FAST_COMMIT,
+                 "succeed": runs_db._FAST_SUCCEED}[name]
+    sql("SET plan_cache_mode = force_generic_plan")
+    sql(f"PREPARE hot(jsonb) AS {statement.replace('%s', '$1')}")
+    plan = "\n".join(r["QUERY PLAN"] for r in sql("EXPLAIN EXECUTE hot('[]')"))
+    sql("DEALLOCATE hot")
+    sql("RESET plan_cache_mode")
+    assert "Index Scan using pk_runs on runs" in plan, plan
+    for bad in ("Seq Scan on runs", "Seq Scan on operations", "ix_runs_lease_expiry"):
+        assert bad not in plan, plan

@@ -90,6 +90,37 @@ async def test_heartbeats_extend_only_leases_still_held(app, sql):
     await app.database.close()
 
 
+async def test_a_heartbeat_skips_a_run_whose_write_is_in_flight(app, migrated_database_url):
+    """The renewal and the worker's writer lock the same rows in no common order: if the
+    renewal waited for a locked row they could deadlock (and each deadlock stalls the writer
+    for deadlock_timeout). A row locked by a write in flight is skipped, counted as still
+    held, and its lease is left as it is; the other runs are renewed."""
+    import psycopg
+
+    job = _wf(app)
+    await app.submit_async(job, {})
+    await app.submit_async(job, {})
+    a, b = await _claim(app, "w1", ttl=5)
+    with psycopg.connect(migrated_database_url) as writer:  # a write of b's, not committed
+        writer.execute("UPDATE orchestrator.runs SET revision = revision WHERE id = %s",
+                       (b["id"],))
+        async with app.database.connection() as conn:
+            await conn.execute("SET lock_timeout = '2s'")  # waiting would fail the test
+            kept = await runs_db.run_heartbeat(
+                conn, worker="w1", leases=[(a["id"], a["lease_token"]),
+                                           (b["id"], b["lease_token"])], ttl=60)
+            await conn.execute("RESET lock_timeout")
+        writer.rollback()
+    assert kept == {a["id"], b["id"]}
+    async with app.database.connection() as conn:
+        cur = await conn.execute(
+            "SELECT id, lease_expires_at - now() > interval '30 seconds' AS long "
+            "FROM orchestrator.runs")
+        rows = {r["id"]: r["long"] for r in await cur.fetchall()}
+    assert rows == {a["id"]: True, b["id"]: False}
+    await app.database.close()
+
+
 async def test_an_expired_lease_is_claimed_by_another_worker(make_app, sql):
     app = make_app(lease_ttl=0.5)
     job = _wf(app)
