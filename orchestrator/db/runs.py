@@ -158,6 +158,9 @@ async def run_release_expired(conn: Conn) -> int:
     return cur.rowcount
 
 
+_HELD = "r.lease_token = h.token AND r.status = 'running' AND r.lease_owner = %(worker)s"
+
+
 async def run_heartbeat(
     conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]], ttl: float
 ) -> set[uuid.UUID]:
@@ -174,13 +177,9 @@ async def run_heartbeat(
         WITH h AS (
             SELECT * FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token)
         ), ours AS (
-            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id
-            WHERE r.lease_token = h.token AND r.status = 'running'
-              AND r.lease_owner = %(worker)s
-        ), free AS (
-            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id
-            WHERE r.lease_token = h.token AND r.status = 'running'
-              AND r.lease_owner = %(worker)s
+            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id WHERE {_HELD}
+        ), free AS (  -- the same rows, locked; a locked row's quals are checked again
+            SELECT r.id FROM {S}.runs r JOIN h ON r.id = h.id WHERE {_HELD}
             FOR NO KEY UPDATE OF r SKIP LOCKED
         ), renewed AS (
             UPDATE {S}.runs r SET lease_expires_at = now() + make_interval(secs => %(ttl)s)

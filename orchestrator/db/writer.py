@@ -87,6 +87,7 @@ def row_text(scalars: dict[str, Any], **raw: str) -> str:
 
 Work = Callable[[Conn], Awaitable[Any]] | Statement
 Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
+Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]  # a write's value or error
 
 
 class GroupWriter:
@@ -152,8 +153,8 @@ class GroupWriter:
         return True
 
     async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], int]]
-                        ) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]] | None:
-        values: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+                        ) -> list[Outcome] | None:
+        values: list[Outcome] = []
         pool = await self.db.pool()
         async with pool.connection() as raw:
             conn = cast(Conn, raw)
@@ -179,46 +180,35 @@ class GroupWriter:
         return values
 
     async def _commit_statements(self, conn: Conn, groups: list[Group],
-                                 values: list[tuple[asyncio.Future[Any], Any,
-                                                    BaseException | None]]) -> None:
+                                 values: list[Outcome]) -> None:
         """BEGIN, every group's statement and COMMIT in one pipeline: one round trip. A row
         that does not apply makes its statement raise (``row_applied``), so COMMIT never runs
         after a miss; the rows' results are read once the transaction has committed."""
-        self.statements += len(groups)
         async with conn.pipeline():
             await conn.execute("BEGIN")
-            cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
+            cursors = await self._send(conn, groups)
             await conn.execute("COMMIT")
-        for group, cursor in zip(groups, cursors, strict=True):
-            got = {row["i"]: row for row in await cursor.fetchall()}
-            for i, (w, f) in enumerate(group, start=1):
-                try:  # committed: a check that still objects answers its own write only
-                    values.append((f, w.check(got.get(i)), None))
-                except Exception as exc:  # noqa: BLE001
-                    values.append((f, None, exc))
+        await _read(groups, cursors, values)
 
     async def _statements(self, conn: Conn, groups: list[Group],
-                          values: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
-                          ) -> None:
-        """Send each group as one statement (pipelined), then check every row's result."""
-        if not groups:
-            return
-        self.statements += len(groups)
-        async with conn.pipeline():
-            cursors = [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
-        for group, cursor in zip(groups, cursors, strict=True):
-            got = {row["i"]: row for row in await cursor.fetchall()}
-            for i, (w, f) in enumerate(group, start=1):
-                values.append((f, w.check(got.get(i)), None))
+                          values: list[Outcome]) -> None:
+        """Each group as one statement (pipelined) inside the caller's transaction."""
+        if groups:
+            async with conn.pipeline():
+                cursors = await self._send(conn, groups)
+            await _read(groups, cursors, values)
 
-    async def _alone(self, work: Work, future: asyncio.Future[Any]
-                     ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
+    async def _send(self, conn: Conn, groups: list[Group]) -> list[Any]:
+        self.statements += len(groups)
+        return [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
+
+    async def _alone(self, work: Work, future: asyncio.Future[Any]) -> Outcome:
         pool = await self.db.pool()
         async with pool.connection() as raw:
             conn = cast(Conn, raw)
             try:
                 if isinstance(work, Statement):
-                    values: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+                    values: list[Outcome] = []
                     await self._commit_statements(conn, [[(work, future)]], values)
                     return values[0]
                 async with conn.transaction():
@@ -247,8 +237,7 @@ ROW_NOT_APPLIED = "OR001"
 """SQLSTATE raised by ``orchestrator.row_applied`` for a row of a Statement that did not apply."""
 
 
-def _miss(work: Work, future: asyncio.Future[Any], exc: BaseException
-          ) -> tuple[asyncio.Future[Any], Any, BaseException | None]:
+def _miss(work: Work, future: asyncio.Future[Any], exc: BaseException) -> Outcome:
     """The outcome of a write that failed alone: a Statement row that did not apply gets what
     its ``check`` says of no result (its own error); anything else keeps the database's."""
     if isinstance(work, Statement) and getattr(exc, "sqlstate", None) == ROW_NOT_APPLIED:
@@ -279,6 +268,18 @@ def _group(statements: Group) -> list[Group]:
         found[0].append(item)
         found[1].add(item[0].key)
     return groups
+
+
+async def _read(groups: list[Group], cursors: list[Any], values: list[Outcome]) -> None:
+    """Each row's value from its statement's result (by ``i``). The statements refused any row
+    that did not apply, so a check that still objects answers its own write only."""
+    for group, cursor in zip(groups, cursors, strict=True):
+        got = {row["i"]: row for row in await cursor.fetchall()}
+        for i, (w, f) in enumerate(group, start=1):
+            try:
+                values.append((f, w.check(got.get(i)), None))
+            except Exception as exc:  # noqa: BLE001
+                values.append((f, None, exc))
 
 
 def _rows(group: Group) -> str:

@@ -216,3 +216,62 @@ def test_the_hot_statements_cached_plans_probe_by_key_on_a_new_database(name, sq
     assert "Index Scan using pk_runs on runs" in plan, plan
     for bad in ("Seq Scan on runs", "Seq Scan on operations", "ix_runs_lease_expiry"):
         assert bad not in plan, plan
+
+
+async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commits(app, sql):
+    """CONTRACT: a run's revision is its last journal seq. A row whose fence passes but whose
+    write does not apply (its operation exists already, or is no longer ``submitted``) would
+    move the revision without an event; the statement refuses it (row_applied), so nothing of
+    it is committed, while a good row beside it commits."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+    from orchestrator.db.writer import GroupWriter
+
+    @app.workflow(name="job")
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    for i in range(3):
+        await app.submit_async(job, {"i": i})
+    async with app.database.connection() as conn:
+        good, taken, settled = await runs_db.run_claim_ready(
+            conn, worker="w", workflows=["job@1"], limit=3, ttl=30)
+
+    def begin(claim):  # type: ignore[no-untyped-def]
+        return ops_db.operation_begin_fast({
+            "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
+            "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
+            "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
+            "idempotency_key": f"{claim['id']}:0:1", "worker_id": "w",
+            "token": claim["lease_token"]}, expected=claim["revision"], v=1)
+
+    writer = GroupWriter(app.database)
+    # `taken` already has an operation at (0, 1) that its journal does not show; `settled`
+    # has a `submitted` one, committed behind the writer's back before the receipt arrives.
+    await writer.run_statement(begin(taken))
+    (settled_op, _) = await writer.run_statement(begin(settled))
+    sql("UPDATE orchestrator.runs SET revision = revision - 1 WHERE id = %s", (taken["id"],))
+    sql("DELETE FROM orchestrator.journal WHERE run_id = %s", (taken["id"],))
+    sql("UPDATE orchestrator.operations SET state = 'committed', receipt = '{}', "
+        "receipt_digest = 'x' WHERE id = %s", (settled_op,))
+    before = {r["id"]: r for r in sql(
+        "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.journal j "
+        "WHERE j.run_id = r.id) AS events FROM orchestrator.runs r")}
+
+    receipt = ops_db.operation_commit_fast(
+        run_id=settled["id"], token=settled["lease_token"], expected=settled["revision"] + 1,
+        op_id=settled_op, position=0, name="t", receipt='{"ok":true}', digest="d", v=1)
+    results = await asyncio.gather(writer.run_statement(begin(good)),
+                                   writer.run_statement(begin(taken)),
+                                   writer.run_statement(receipt), return_exceptions=True)
+    assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
+    assert isinstance(results[1], ops_db.FastPathMiss)
+    assert isinstance(results[2], ops_db.FastPathMiss)
+    after = {r["id"]: r for r in sql(
+        "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.journal j "
+        "WHERE j.run_id = r.id) AS events FROM orchestrator.runs r")}
+    for claim in (taken, settled):  # the fence passed for both, yet nothing moved
+        assert after[claim["id"]] == before[claim["id"]]
+    assert after[good["id"]]["revision"] == good["revision"] + 1
+    assert after[good["id"]]["events"] == 1
+    await app.database.close()

@@ -161,7 +161,6 @@ async def test_workers_only_claim_workflow_versions_they_registered(make_app, sq
     await submitter.database.close()
 
 
-
 async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, sql):
     """A renewal that meets a run whose final write already landed must not flag it lost;
     one that meets a run taken away while it was working must."""
