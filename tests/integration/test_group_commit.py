@@ -151,37 +151,46 @@ async def test_a_write_queued_as_the_flusher_finishes_is_still_written(app, sql)
     await app.database.close()
 
 
-async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone(app, sql):
-    """CONTRACT C6 through the set-based hot path: two runs' write-ahead ``submitted`` rows go
-    to the server together; the one whose lease token is stale must leave no operation, no
-    journal event and no revision change, and its neighbour must still commit."""
-    from orchestrator.db import operations as ops_db
+async def _claimed_runs(app, n):  # type: ignore[no-untyped-def]
+    """``n`` runs of a trivial workflow, claimed by worker "w" (running, lease token 1)."""
     from orchestrator.db import runs as runs_db
-    from orchestrator.db.writer import GroupWriter
 
     @app.workflow(name="job")
     async def job(ctx, data):  # type: ignore[no-untyped-def]
         return data
 
-    for i in range(2):
+    for i in range(n):
         await app.submit_async(job, {"i": i})
     async with app.database.connection() as conn:
-        claims = await runs_db.run_claim_ready(conn, worker="w", workflows=["job@1"], limit=2,
-                                               ttl=30)
-    good, stale = claims
+        return await runs_db.run_claim_ready(conn, worker="w", workflows=["job@1"], limit=n,
+                                             ttl=30)
 
-    def begin(claim, token):  # type: ignore[no-untyped-def]
-        return ops_db.operation_begin_fast({
-            "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
-            "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
-            "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
-            "idempotency_key": f"{claim['id']}:0:1", "worker_id": "w", "token": token},
-            expected=claim["revision"], v=1)
 
+def _begin(claim, token=None):  # type: ignore[no-untyped-def]
+    """The fast write-ahead ``submitted`` of a call at position 0 of a claimed run."""
+    from orchestrator.db import operations as ops_db
+
+    return ops_db.operation_begin_fast({
+        "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
+        "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
+        "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
+        "idempotency_key": f"{claim['id']}:0:1", "worker_id": "w",
+        "token": claim["lease_token"] if token is None else token},
+        expected=claim["revision"], v=1)
+
+
+async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone(app, sql):
+    """CONTRACT C6 through the set-based hot path: two runs' write-ahead ``submitted`` rows go
+    to the server together; the one whose lease token is stale must leave no operation, no
+    journal event and no revision change, and its neighbour must still commit."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db.writer import GroupWriter
+
+    good, stale = await _claimed_runs(app, 2)
     writer = GroupWriter(app.database)
     results = await asyncio.gather(
-        writer.run_statement(begin(good, good["lease_token"])),
-        writer.run_statement(begin(stale, stale["lease_token"] - 1)),
+        writer.run_statement(_begin(good)),
+        writer.run_statement(_begin(stale, stale["lease_token"] - 1)),
         return_exceptions=True)
     assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
     assert isinstance(results[1], ops_db.FastPathMiss)
@@ -224,32 +233,14 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
     move the revision without an event; the statement refuses it (row_applied), so nothing of
     it is committed, while a good row beside it commits."""
     from orchestrator.db import operations as ops_db
-    from orchestrator.db import runs as runs_db
     from orchestrator.db.writer import GroupWriter
 
-    @app.workflow(name="job")
-    async def job(ctx, data):  # type: ignore[no-untyped-def]
-        return data
-
-    for i in range(3):
-        await app.submit_async(job, {"i": i})
-    async with app.database.connection() as conn:
-        good, taken, settled = await runs_db.run_claim_ready(
-            conn, worker="w", workflows=["job@1"], limit=3, ttl=30)
-
-    def begin(claim):  # type: ignore[no-untyped-def]
-        return ops_db.operation_begin_fast({
-            "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
-            "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
-            "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
-            "idempotency_key": f"{claim['id']}:0:1", "worker_id": "w",
-            "token": claim["lease_token"]}, expected=claim["revision"], v=1)
-
+    good, taken, settled = await _claimed_runs(app, 3)
     writer = GroupWriter(app.database)
     # `taken` already has an operation at (0, 1) that its journal does not show; `settled`
     # has a `submitted` one, committed behind the writer's back before the receipt arrives.
-    await writer.run_statement(begin(taken))
-    (settled_op, _) = await writer.run_statement(begin(settled))
+    await writer.run_statement(_begin(taken))
+    (settled_op, _) = await writer.run_statement(_begin(settled))
     sql("UPDATE orchestrator.runs SET revision = revision - 1 WHERE id = %s", (taken["id"],))
     sql("DELETE FROM orchestrator.journal WHERE run_id = %s", (taken["id"],))
     sql("UPDATE orchestrator.operations SET state = 'committed', receipt = '{}', "
@@ -261,8 +252,8 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
     receipt = ops_db.operation_commit_fast(
         run_id=settled["id"], token=settled["lease_token"], expected=settled["revision"] + 1,
         op_id=settled_op, position=0, name="t", receipt='{"ok":true}', digest="d", v=1)
-    results = await asyncio.gather(writer.run_statement(begin(good)),
-                                   writer.run_statement(begin(taken)),
+    results = await asyncio.gather(writer.run_statement(_begin(good)),
+                                   writer.run_statement(_begin(taken)),
                                    writer.run_statement(receipt), return_exceptions=True)
     assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
     assert isinstance(results[1], ops_db.FastPathMiss)
