@@ -80,6 +80,7 @@ class Orchestrator:
         approve: Callable[..., Awaitable[Any]] | None = None,
         stage_timeout: timedelta = timedelta(seconds=30),
         tool_timeout: timedelta = timedelta(minutes=5),
+        receipts_ride: bool = True,
     ) -> None:
         self._database_url = database_url
         self._database: Database | None = None
@@ -96,6 +97,10 @@ class Orchestrator:
         self.stage_timeout = stage_timeout.total_seconds()
         self.tool_timeout = tool_timeout  # for tools that set none: a hung call never holds
         # a run for ever; it ends as a timeout (outcome unknown)
+        # A call's receipt is committed with the run's next write (the next call's write-ahead
+        # `submitted`, the run's end) rather than in a transaction of its own before the
+        # workflow goes on; False commits each receipt before the workflow sees it.
+        self.receipts_ride = receipts_ride
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)

@@ -9,6 +9,12 @@ database and drops the coroutine; the next claim replays it.
 
 Every write is fenced by the lease token and the expected revision; a rejected write means the
 lease is gone and the executor stops touching the run.
+
+A call's receipt rides with the run's next write (:meth:`RunExecutor.defer_receipt`): the next
+call's write-ahead ``submitted`` or the run's success commits it in the same fenced row, so an
+effect step costs one write, not two. Anything else the run writes, parks or ends on writes it
+first, and so does the moment the workflow awaits anything but a write; until then the
+operation is ``submitted``, exactly as if the worker had died before the receipt's commit.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from orchestrator import canonical
+from orchestrator import canonical, faults
 from orchestrator.context import WorkflowContext
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
@@ -134,6 +140,12 @@ class RunExecutor:
         self.ending = False  # its final write (outcome, park, release) is under way
         self._position = 0
         self._buffer: list[Event] = []
+        # Receipts known here but not yet written: each rides with the run's next write (or is
+        # written alone as soon as the workflow waits on anything else); see defer_receipt.
+        self._receipts: list[tuple[ops_db.Receipt, Any]] = []
+        self._settle_scheduled = False
+        self._task: asyncio.Task[Any] | None = None
+        self._settler: asyncio.Task[None] | None = None  # a lone receipt write (kept referenced)
         self._write_lock = asyncio.Lock()
         self._active = 0
         self._active_depth: dict[int, int] = {}
@@ -266,6 +278,8 @@ class RunExecutor:
     async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
                     *, new_work: bool = False) -> T | None:
         """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
+        Receipts still riding are written first (each in its own transaction, see
+        :meth:`defer_receipt`), so the journal keeps the order in which things happened.
 
         ``new_work`` writes (a call beginning, a child starting) are refused with
         ``JOURNAL_FULL`` unless they leave room for their own outcome and the run's; outcome
@@ -273,57 +287,177 @@ class RunExecutor:
         ("lease_lost") if the fence rejects it: nothing was written then.
         """
         async with self._write_lock:
-            if self.lost:
-                raise Stop("lease_lost")
-            pending = list(self._buffer)
+            await self._settle_locked()
+            return await self._write_locked(work, new_work=new_work)
 
-            async def tx(conn: Conn) -> tuple[T | None, list[Event], datetime | None]:
-                result: T | None = None
-                events: list[Event] = []
-                if work is not None:
-                    result, events = await work(conn)
-                all_events = pending + events
-                cancel_at = None
-                if all_events:
-                    cancel_at = await runs_db.journal_append(
-                        conn, run_id=self.run_id, token=self.token, expected=self.revision,
-                        events=all_events)
-                return result, all_events, cancel_at
+    async def _write_locked(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
+                            *, new_work: bool = False, with_buffer: bool = True) -> T | None:
+        if self.lost:
+            raise Stop("lease_lost")
+        pending = list(self._buffer) if with_buffer else []
 
-            if new_work:
-                self.check_room(len(pending) + 1)
-            try:
-                result, written, cancel_at = await self.worker.writer.run_in_transaction(tx)
-            except LeaseLost:
-                self.lose_lease("write rejected")
-                raise Stop("lease_lost") from None
-            except DatabaseError:
-                # The database keeps failing this write: stop here without guessing; the run
-                # is recovered from its journal once the lease lapses.
-                self.lose_lease("database unavailable")
-                raise Stop("lease_lost") from None
-            del self._buffer[: len(pending)]
-            self.revision += len(written)
-            if cancel_at is not None:
-                self.note_cancel()
-            return result
+        async def tx(conn: Conn) -> tuple[T | None, list[Event], datetime | None]:
+            result: T | None = None
+            events: list[Event] = []
+            if work is not None:
+                result, events = await work(conn)
+            all_events = pending + events
+            cancel_at = None
+            if all_events:
+                cancel_at = await runs_db.journal_append(
+                    conn, run_id=self.run_id, token=self.token, expected=self.revision,
+                    events=all_events)
+            return result, all_events, cancel_at
 
-    async def write_direct(self, statement: Statement) -> Any:
-        """A write whose one statement fences the run and appends its own single event (the
-        hot path of a call). Only when nothing is buffered; raises ``FastPathMiss`` (from the
-        statement) when it did not apply, and the caller takes the general path."""
+        if new_work:
+            self.check_room(len(pending) + 1)
+        try:
+            result, written, cancel_at = await self.worker.writer.run_in_transaction(tx)
+        except LeaseLost:
+            self.lose_lease("write rejected")
+            raise Stop("lease_lost") from None
+        except DatabaseError:
+            # The database keeps failing this write: stop here without guessing; the run
+            # is recovered from its journal once the lease lapses.
+            self.lose_lease("database unavailable")
+            raise Stop("lease_lost") from None
+        del self._buffer[: len(pending)]
+        self.revision += len(written)
+        if cancel_at is not None:
+            self.note_cancel()
+        return result
+
+    async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
+                           *, new_work: bool = False) -> Any:
+        """A write whose one statement fences the run and appends its own event (the hot path
+        of a call): ``make(expected revision, riding receipt)`` builds it under the run's write
+        lock. A receipt still riding goes in the same statement (the statement writes its
+        ``call.completed`` first). Only when nothing is buffered; raises ``FastPathMiss`` (from
+        the statement) when it did not apply, after writing the riding receipt alone, and the
+        caller takes the general path."""
         async with self._write_lock:
             if self.lost:
                 raise Stop("lease_lost")
+            if len(self._receipts) > 1:  # parallel branches: all but one go alone
+                await self._settle_locked(keep=1)
+            riding = self._receipts.pop(0) if self._receipts else None
             try:
+                if new_work:
+                    self.check_room(1 + (riding is not None))
+                statement = make(self.revision, None if riding is None else riding[0])
                 result, cancel_at = await self.worker.writer.run_statement(statement)
+            except ops_db.FastPathMiss:
+                if riding is not None:
+                    self._receipts.insert(0, riding)
+                    await self._settle_locked()
+                raise
             except DatabaseError:
+                if riding is not None:
+                    self._receipts.insert(0, riding)
                 self.lose_lease("database unavailable")
                 raise Stop("lease_lost") from None
-            self.revision += 1
+            except BaseException:
+                if riding is not None:
+                    self._receipts.insert(0, riding)
+                raise
+            self.revision += 1 + (riding is not None)
             if cancel_at is not None:
                 self.note_cancel()
+            if riding is not None:
+                faults.reach("after_receipt", riding[0].name)
             return result
+
+    # -- receipts that ride with the next write ----------------------------------------------
+
+    def defer_receipt(self, receipt: ops_db.Receipt, value: Any) -> None:
+        """Keep a call's receipt in memory until the run's next write carries it (CONTRACT C5:
+        the operation stays ``submitted`` until then; after a crash it is ``unknown`` and goes
+        to reconciliation, as for a crash before the receipt's own commit).
+
+        A workflow usually goes straight on to its next call or to its end, and that write
+        commits the receipt in the same statement: one fenced write per effect step instead of
+        two. Whatever else the workflow does first, the receipt does not wait for it: when the
+        workflow yields to the event loop with the receipt still unwritten (it awaits a timer,
+        another branch, anything), the receipt is written alone at once. Every other write,
+        parking and every end of the run write it first."""
+        self._receipts.append((receipt, value))
+        if not self._settle_scheduled:
+            self._settle_scheduled = True
+            asyncio.get_running_loop().call_soon(self._settle_soon)
+
+    def _settle_soon(self) -> None:
+        self._settle_scheduled = False
+        if not self._receipts or self._task is None or self._task.done():
+            return  # carried already, or the end of the run carries it
+        self._settler = asyncio.ensure_future(self._settle_in_background())
+
+    async def _settle_in_background(self) -> None:
+        with self.active():  # the run is not parked or ended while this is in flight
+            await self.settle()
+
+    async def settle(self) -> bool:
+        """Write every receipt still riding; False when the lease is gone (the receipts are
+        then kept as evidence on their operations, CONTRACT C8)."""
+        async with self._write_lock:
+            try:
+                await self._settle_locked()
+            except Stop:
+                return False
+        return True
+
+    async def _settle_locked(self, keep: int = 0) -> None:
+        """Write riding receipts alone, oldest first, until ``keep`` are left. Under the write
+        lock. Raises :class:`Stop` if the lease is gone."""
+        while len(self._receipts) > keep:
+            receipt, value = self._receipts[0]
+            if self.lost:
+                await self._keep_late_receipts()
+                raise Stop("lease_lost")
+            try:
+                try:
+                    _, cancel_at = await self.worker.writer.run_statement(
+                        ops_db.operation_commit_fast(
+                            run_id=self.run_id, token=self.token, expected=self.revision,
+                            op_id=receipt.op_id, position=receipt.position, name=receipt.name,
+                            receipt=receipt.text, digest=receipt.digest, v=SCHEMA_VERSION))
+                    self.revision += 1
+                    if cancel_at is not None:
+                        self.note_cancel()
+                except ops_db.FastPathMiss:
+                    await self._write_locked(self._commit_work(receipt, value),
+                                             with_buffer=False)
+            except DatabaseError:
+                self.lose_lease("database unavailable")
+                await self._keep_late_receipts()
+                raise Stop("lease_lost") from None
+            except Stop:
+                await self._keep_late_receipts()
+                raise
+            del self._receipts[0]
+            faults.reach("after_receipt", receipt.name)
+
+    def _commit_work(self, receipt: ops_db.Receipt, value: Any
+                     ) -> Callable[[Conn], Awaitable[tuple[None, list[Event]]]]:
+        """The general path of a receipt's write: the guarded transition says what is wrong."""
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            await ops_db.operation_commit(conn, op_id=receipt.op_id, token=self.token,
+                                          receipt=receipt.text, receipt_digest=receipt.digest)
+            return None, [event("call.completed", receipt.position, receipt.name,
+                                {"result": value, "op": receipt.op_id})]
+        return work
+
+    async def _keep_late_receipts(self) -> None:
+        while self._receipts:
+            receipt, value = self._receipts.pop(0)
+            await self.keep_late_receipt(receipt.op_id, value, receipt.digest)
+
+    async def keep_late_receipt(self, op_id: int, receipt: Any, digest: str) -> None:
+        """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
+        evidence = json.dumps({"kind": "late_receipt", "worker": self.worker.worker_id,
+                               "receipt": receipt, "receipt_digest": digest})
+        with contextlib.suppress(Exception):  # the database may be what failed
+            async with self.db.connection() as conn:
+                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
 
     async def read(self, query: Callable[[Conn], Awaitable[T]]) -> T:
         """A read on the command path, with the storage layer's transient retries; if the
@@ -509,9 +643,12 @@ class RunExecutor:
         """Run the workflow until it finishes or parks; record the outcome."""
         ctx = WorkflowContext(self)
         task: asyncio.Task[Any] = asyncio.ensure_future(workflow.fn(ctx, self.input))
+        self._task = task
         task.add_done_callback(lambda _: self._changed.set())
         try:
             await self._drive(task)
+            if self._receipts:  # every end writes them; this is the backstop
+                await self.settle()
         finally:  # whatever happened, nothing of this run keeps running in this process
             self.parking = True
             task.cancel()
@@ -590,6 +727,9 @@ class RunExecutor:
         return True
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
+        if not await self.settle():
+            return
+
         async def tx(conn: Conn) -> None:
             if self._buffer:
                 await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
@@ -637,9 +777,9 @@ class RunExecutor:
             return
         if not self._buffer and not self.lost:
             try:
-                await self.write_direct(runs_db.run_succeed_fast(
-                    run_id=self.run_id, token=self.token, expected=self.revision, result=text,
-                    v=SCHEMA_VERSION))
+                await self.write_direct(lambda expected, receipt: runs_db.run_succeed_fast(
+                    run_id=self.run_id, token=self.token, expected=expected, result=text,
+                    v=SCHEMA_VERSION, receipt=receipt))
                 self.worker.metrics.incr("runs_succeeded")
                 return
             except (ops_db.FastPathMiss, Stop):
@@ -670,6 +810,8 @@ class RunExecutor:
                 "traceback": "".join(traceback.format_exception(exc))[-20000:]}
 
     async def _stop(self, stop: Stop) -> None:
+        if not await self.settle():
+            return  # the lease is gone: write nothing more
         if stop.reason == "cancelled":
             await self._terminal("cancelled", "CANCELLED", None,
                                  _error_json("CANCELLED", "the run was cancelled"),
@@ -702,6 +844,9 @@ class RunExecutor:
     async def _terminal(self, status: str, code: str | None, result: str | None,
                         error: str | None, ev: Event,
                         extra: Callable[[Conn], Awaitable[None]] | None = None) -> None:
+        if not await self.settle():
+            return
+
         async def tx(conn: Conn) -> None:
             if extra is not None:
                 await extra(conn)

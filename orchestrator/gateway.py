@@ -209,11 +209,12 @@ class Call:
         }
 
         if not pending and not ex.has_buffer and not ex.cancel_requested:
-            ex.check_room(1)
             try:
                 with ex.active():
-                    op_id: int = await ex.write_direct(ops_db.operation_begin_fast(
-                        row, expected=ex.revision, v=SCHEMA_VERSION))
+                    op_id: int = await ex.write_direct(
+                        lambda expected, receipt: ops_db.operation_begin_fast(
+                            row, expected=expected, v=SCHEMA_VERSION, receipt=receipt),
+                        new_work=True)
                     return op_id, "submitted"
             except ops_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
@@ -365,29 +366,29 @@ class Call:
             await self.incident(op_id, "receipt", exc)
             await self.uncertain(op_id, number, key, "INVALID_RECEIPT")
             return None
-        await self.commit(op_id, key, receipt, receipt_text)
-        faults.reach("after_receipt", tool.name)
+        if await self.commit(op_id, key, receipt, receipt_text):
+            faults.reach("after_receipt", tool.name)
         return _Done(receipt)
 
-    async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> None:
+    async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:
+        """Record the receipt. The common case (a first attempt, nothing buffered) hands it to
+        the executor, which writes it with the run's next write (``receipts_ride``) or at once,
+        and reaches the ``after_receipt`` fault point itself: False. Otherwise it is written
+        here, with the re-sent attempts it settles: True."""
         from orchestrator.executor import Stop
 
         ex = self.ex
         digest = canonical.text_digest(receipt_text)
         resent = key != self.key_for(1) or self.tool.effect == "idempotent"
         if not resent and not ex.has_buffer:
-            try:
+            ex.defer_receipt(ops_db.Receipt(op_id=op_id, position=self.position,
+                                            name=self.tool.name, text=receipt_text,
+                                            digest=digest), receipt)
+            if not ex.app.receipts_ride:  # written now, alone (or kept as evidence)
                 with ex.active():
-                    await ex.write_direct(ops_db.operation_commit_fast(
-                        run_id=ex.run_id, token=ex.token, expected=ex.revision, op_id=op_id,
-                        position=self.position, name=self.tool.name, receipt=receipt_text,
-                        digest=digest, v=SCHEMA_VERSION))
-                return
-            except ops_db.FastPathMiss:
-                pass  # the general path below records why (or keeps the late receipt)
-            except Stop:
-                await self.keep_late_receipt(op_id, receipt, digest)
-                raise
+                    if not await ex.settle():
+                        raise Stop("lease_lost")
+            return False
 
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_commit(conn, op_id=op_id, token=ex.token,
@@ -402,16 +403,9 @@ class Call:
             with ex.active():
                 await ex.write(work)
         except Stop:
-            await self.keep_late_receipt(op_id, receipt, digest)
+            await ex.keep_late_receipt(op_id, receipt, digest)
             raise
-
-    async def keep_late_receipt(self, op_id: int, receipt: Any, digest: str) -> None:
-        """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
-        evidence = json.dumps({"kind": "late_receipt", "worker": self.ex.worker.worker_id,
-                               "receipt": receipt, "receipt_digest": digest})
-        with contextlib.suppress(Exception):  # the database may be what failed
-            async with self.ex.db.connection() as conn:
-                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
+        return True
 
     # -- after a failure ---------------------------------------------------------------------
 

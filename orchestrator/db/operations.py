@@ -8,6 +8,7 @@ rejects any arrow not in CONTRACT C5, whatever the statement says.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.db.database import Conn
@@ -320,18 +321,67 @@ class FastPathMiss(Exception):
     the caller takes the general path, which says which."""
 
 
+@dataclass(frozen=True)
+class Receipt:
+    """A call's receipt that is known in the worker but not yet written: it rides in the
+    transaction of the run's next write (CONTRACT C5 still holds: the operation stays
+    ``submitted`` until that transaction commits, and nothing that depends on the receipt
+    leaves the process before then). ``text`` is its canonical JSON."""
+
+    op_id: int
+    position: int
+    name: str
+    text: str
+    digest: str
+
+    def columns(self) -> dict[str, Any]:
+        """The receipt's fields of a fast statement's row (JSON texts spliced raw)."""
+        return {"prev_op": self.op_id, "prev_position": self.position,
+                "prev_name": self.name, "digest": self.digest}
+
+    def raw(self) -> dict[str, str]:
+        return {"receipt": self.text, "done": f'{{"op":{self.op_id},"result":{self.text}}}'}
+
+
+RECEIPT_COLUMNS = ("prev_op bigint, prev_position int, prev_name text, receipt jsonb, "
+                   "digest text, done jsonb")
+"""The columns of a fast statement's row that carry a :class:`Receipt` (all NULL without)."""
+
+
+def settle_receipt_sql(rows: str) -> str:
+    """A CTE body that commits each row's riding receipt (``submitted`` → ``committed``) once
+    its run's fence (CTE ``fence``, returning ``i``) held; returns the runs it committed for."""
+    return f"""
+    UPDATE {S}.operations o SET state = 'committed', receipt = {rows}.receipt,
+           receipt_digest = {rows}.digest, finished_at = now(), updated_at = now()
+    FROM {rows} JOIN fence ON fence.i = {rows}.i
+    WHERE o.id = {rows}.prev_op AND o.state = 'submitted' AND o.run_id = {rows}.run_id
+    RETURNING o.run_id"""
+
+
+def receipt_event_sql(rows: str) -> str:
+    """The ``call.completed`` journal rows (at ``expected + 1``) of the receipts that CTE
+    ``done`` committed, as a SELECT for the journal's INSERT."""
+    return f"""
+    SELECT {rows}.run_id, {rows}.expected + 1, 'call.completed', {rows}.prev_position,
+           {rows}.prev_name, {rows}.v, {rows}.done, {rows}.token
+    FROM {rows} JOIN done ON done.run_id = {rows}.run_id"""
+
+
 _FAST_BEGIN = f"""
 WITH x AS (
     {rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
               "tool_name text, tool_version text, effect_class text, tenant text, "
               "principal text, intent_digest text, arguments jsonb, idempotency_key text, "
-              "worker_id text, v smallint")}
+              "worker_id text, v smallint, " + RECEIPT_COLUMNS)}
 ), fence AS (
-    UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
+    UPDATE {S}.runs r SET revision = r.revision + 1 + (x.prev_op IS NOT NULL)::int,
+           updated_at = now()
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected AND r.cancel_requested_at IS NULL
     RETURNING x.i
+), done AS ({settle_receipt_sql("x")}
 ), op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
@@ -345,39 +395,54 @@ WITH x AS (
 ), ins AS (
     INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
                              lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.submitted', x.position, x.tool_name, x.v,
+    {receipt_event_sql("x")}
+    UNION ALL
+    SELECT x.run_id, x.expected + 1 + (x.prev_op IS NOT NULL)::int, 'call.submitted',
+           x.position, x.tool_name, x.v,
            jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
                               'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
                               'effect', x.effect_class),
            x.token
     FROM x JOIN op ON op.run_id = x.run_id
     RETURNING run_id
+), n AS (
+    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
 )
-SELECT x.i, op.id AS op_id, {S}.row_applied(ins.run_id IS NOT NULL, 'call begin') AS appended
-FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN ins ON ins.run_id = x.run_id
+SELECT x.i, op.id AS op_id,
+       {S}.row_applied(n.events = 1 + (x.prev_op IS NOT NULL)::int, 'call begin') AS appended
+FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN n ON n.run_id = x.run_id
 """
 
 
-def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int) -> Statement:
+def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
+                         receipt: Receipt | None = None) -> Statement:
     """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event
     (``tool_version``, ``intent``, ``attempt``, ``op``, ``key``, ``effect``), fenced, as one
     row of a set-based statement; its value is ``(operation id, None)``. It raises
     :class:`FastPathMiss` when it did not apply (its transaction must then roll back: the
-    general path decides why). ``row["arguments"]`` is canonical JSON text."""
+    general path decides why). ``row["arguments"]`` is canonical JSON text.
+
+    With ``receipt``, the run's previous call is committed in the same row first (its
+    ``call.completed`` event at ``expected + 1``, this call's ``call.submitted`` after it): one
+    fenced write for two steps of the ledger."""
 
     def check(got: dict[str, Any] | None) -> tuple[int, None]:
         if got is None or got["op_id"] is None or not got["appended"]:
             raise FastPathMiss("begin")
         return int(got["op_id"]), None
 
-    text = row_text({
+    scalars = {
         "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
         "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
         "tool_version": row["tool_version"], "effect_class": row["effect_class"],
         "tenant": row["tenant"], "principal": row["principal"],
         "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
-        "worker_id": row["worker_id"], "v": v}, arguments=row["arguments"])
-    return Statement(_FAST_BEGIN, text, row["run_id"], check)
+        "worker_id": row["worker_id"], "v": v}
+    raw = {"arguments": row["arguments"]}
+    if receipt is not None:
+        scalars.update(receipt.columns())
+        raw.update(receipt.raw())
+    return Statement(_FAST_BEGIN, row_text(scalars, **raw), row["run_id"], check)
 
 
 _FAST_COMMIT = f"""

@@ -14,6 +14,13 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.operations import (
+    RECEIPT_COLUMNS,
+    FastPathMiss,
+    Receipt,
+    receipt_event_sql,
+    settle_receipt_sql,
+)
 from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 
@@ -512,23 +519,32 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
 
 _FAST_SUCCEED = f"""
 WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, result jsonb, v smallint")}
+    {rows_of("run_id uuid, token bigint, expected bigint, result jsonb, v smallint, "
+             + RECEIPT_COLUMNS)}
 ), fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-           available_at = NULL, waiting_for = NULL, revision = r.revision + 1
+           available_at = NULL, waiting_for = NULL,
+           revision = r.revision + 1 + (x.prev_op IS NOT NULL)::int
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected
       AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
-                      AND o.state IN ('pending', 'submitted', 'unknown'))
-    RETURNING r.id, r.parent_run_id
+                      AND o.state IN ('pending', 'submitted', 'unknown')
+                      AND o.id IS DISTINCT FROM x.prev_op)
+    RETURNING x.i, r.id, r.parent_run_id
+), done AS ({settle_receipt_sql("x")}
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
-    SELECT x.run_id, x.expected + 1, 'run.completed', x.v,
-           jsonb_build_object('result', x.result), x.token
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    {receipt_event_sql("x")}
+    UNION ALL
+    SELECT x.run_id, x.expected + 1 + (x.prev_op IS NOT NULL)::int, 'run.completed', NULL,
+           NULL, x.v, jsonb_build_object('result', x.result), x.token
     FROM x JOIN fence ON fence.id = x.run_id
     RETURNING run_id
+), n AS (
+    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
 ), wake AS (
     -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
     -- A parent finishing in this same statement is left out: no row is updated twice.
@@ -537,26 +553,31 @@ WITH x AS (
     FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
     RETURNING 1
 )
-SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'run success') AS appended,
+SELECT x.i,
+       {S}.row_applied(n.events = 1 + (x.prev_op IS NOT NULL)::int, 'run success') AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
                               FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke
-FROM x LEFT JOIN ins ON ins.run_id = x.run_id
+FROM x LEFT JOIN n ON n.run_id = x.run_id
 """
 
 
-def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int
-                     ) -> Statement:
+def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int,
+                     receipt: Receipt | None = None) -> Statement:
     """The common end of a run as one row of a set-based statement: fenced, guarded against
     unsettled operations, with its ``run.completed`` event and its parent woken. ``result``
-    is the result's canonical JSON text. Raises ``FastPathMiss`` when it did not apply; the
-    general path then says why."""
-    from orchestrator.db.operations import FastPathMiss
+    is the result's canonical JSON text. With ``receipt``, the run's last call is committed in
+    the same row first (its ``call.completed`` event at ``expected + 1``). Raises
+    ``FastPathMiss`` when it did not apply; the general path then says why."""
 
     def check(got: dict[str, Any] | None) -> tuple[None, None]:
         if got is None or not got["appended"]:
             raise FastPathMiss("succeed")
         return None, None
 
-    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
-                    result=result)
-    return Statement(_FAST_SUCCEED, text, run_id, check)
+    scalars: dict[str, Any] = {"run_id": str(run_id), "token": token, "expected": expected,
+                               "v": v}
+    raw = {"result": result}
+    if receipt is not None:
+        scalars.update(receipt.columns())
+        raw.update(receipt.raw())
+    return Statement(_FAST_SUCCEED, row_text(scalars, **raw), run_id, check)

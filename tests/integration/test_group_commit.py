@@ -266,3 +266,82 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
     assert after[good["id"]]["revision"] == good["revision"] + 1
     assert after[good["id"]]["events"] == 1
     await app.database.close()
+
+
+def _riding(op_id, position=0):  # type: ignore[no-untyped-def]
+    from orchestrator.db import operations as ops_db
+
+    return ops_db.Receipt(op_id=op_id, position=position, name="t", text='{"ok":true}',
+                          digest="d")
+
+
+def _next_begin(claim, receipt, expected):  # type: ignore[no-untyped-def]
+    """The fast ``submitted`` of a call at position 1 carrying the receipt of position 0."""
+    from orchestrator.db import operations as ops_db
+
+    return ops_db.operation_begin_fast({
+        "run_id": claim["id"], "position": 1, "attempt": 1, "tool_name": "t",
+        "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
+        "principal": claim["principal"], "intent_digest": "1" * 64, "arguments": "{}",
+        "idempotency_key": f"{claim['id']}:1:1", "worker_id": "w",
+        "token": claim["lease_token"]}, expected=expected, v=1, receipt=receipt)
+
+
+async def test_a_receipt_rides_in_the_next_begin_and_in_the_success(app, sql):
+    """One fenced row commits the previous call (its receipt and ``call.completed``) and
+    records the next call's ``submitted`` after it; the success row does the same for the
+    last call. The journal keeps the order of what happened."""
+    from orchestrator.db import runs as runs_db
+    from orchestrator.db.writer import GroupWriter
+
+    (claim,) = await _claimed_runs(app, 1)
+    writer = GroupWriter(app.database)
+    first, _ = await writer.run_statement(_begin(claim))
+    second, _ = await writer.run_statement(
+        _next_begin(claim, _riding(first), claim["revision"] + 1))
+    assert sql("SELECT revision FROM orchestrator.runs")[0]["revision"] == claim["revision"] + 3
+    ops = sql("SELECT id, state, receipt, receipt_digest FROM orchestrator.operations "
+              "ORDER BY id")
+    assert [(o["id"], o["state"]) for o in ops] == [(first, "committed"), (second, "submitted")]
+    assert (ops[0]["receipt"], ops[0]["receipt_digest"]) == ({"ok": True}, "d")
+    await writer.run_statement(runs_db.run_succeed_fast(
+        run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 3,
+        result='{"done":1}', v=1, receipt=_riding(second, position=1)))
+    events = sql("SELECT seq, kind, position, payload FROM orchestrator.journal ORDER BY seq")
+    assert [(e["seq"] - claim["revision"], e["kind"], e["position"]) for e in events] == [
+        (1, "call.submitted", 0), (2, "call.completed", 0), (3, "call.submitted", 1),
+        (4, "call.completed", 1), (5, "run.completed", None)]
+    assert events[1]["payload"] == {"op": first, "result": {"ok": True}}
+    run = sql("SELECT status, revision, result FROM orchestrator.runs")[0]
+    assert (run["status"], run["revision"], run["result"]) == (
+        "succeeded", claim["revision"] + 5, {"done": 1})
+    assert {o["state"] for o in sql("SELECT state FROM orchestrator.operations")} == {
+        "committed"}
+    await app.database.close()
+
+
+async def test_a_riding_receipt_that_does_not_apply_takes_its_row_down(app, sql):
+    """The receipt is part of its row: if its operation is no longer ``submitted`` (settled
+    behind the worker's back), neither the next call's ``submitted`` nor the run's success
+    may commit, and nothing of the row is left."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+    from orchestrator.db.writer import GroupWriter
+
+    (claim,) = await _claimed_runs(app, 1)
+    writer = GroupWriter(app.database)
+    first, _ = await writer.run_statement(_begin(claim))
+    sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE id = %s", (first,))
+    before = sql("SELECT revision, status FROM orchestrator.runs")
+    with pytest.raises(ops_db.FastPathMiss):
+        await writer.run_statement(_next_begin(claim, _riding(first), claim["revision"] + 1))
+    sql("UPDATE orchestrator.operations SET state = 'committed', receipt = '{}', "
+        "receipt_digest = 'x' WHERE id = %s", (first,))  # as a reconciliation would
+    with pytest.raises(ops_db.FastPathMiss):
+        await writer.run_statement(runs_db.run_succeed_fast(
+            run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 1,
+            result="1", v=1, receipt=_riding(first)))
+    assert sql("SELECT revision, status FROM orchestrator.runs") == before
+    assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 1
+    assert sql("SELECT count(*) AS n FROM orchestrator.journal")[0]["n"] == 1
+    await app.database.close()

@@ -1,0 +1,207 @@
+"""A call's receipt rides with the run's next write (CONTRACT C5, C8; issue 7's "one commit per
+effect step"): the operation stays ``submitted`` until the transaction that carries the receipt
+commits, that transaction is the next call's write-ahead ``submitted`` or the run's end, and
+nothing waits on the receipt in memory for longer than the workflow's next step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.integration.conftest import running, wait_for
+
+
+def _journal(sql):  # type: ignore[no-untyped-def]
+    return [(e["kind"], e["position"]) for e in sql(
+        "SELECT kind, position FROM orchestrator.journal ORDER BY seq")]
+
+
+def _ops(sql):  # type: ignore[no-untyped-def]
+    return sql("SELECT position, state, receipt FROM orchestrator.operations ORDER BY id")
+
+
+async def test_each_receipt_is_committed_before_the_next_call_and_rides_with_it(app, sql):
+    seen = []
+
+    @app.tool()
+    async def step(ctx, *, n):  # type: ignore[no-untyped-def]
+        seen.append([(o["position"], o["state"]) for o in _ops(sql)])
+        return {"n": n}
+
+    @app.workflow()
+    async def three(ctx, data):  # type: ignore[no-untyped-def]
+        total = 0
+        for n in range(3):
+            total += (await ctx.call(step, n=n))["n"]
+        return {"total": total}
+
+    async with running(app) as worker:
+        run = await app.submit_async(three, {})
+        assert await run.result_async(timeout=10) == {"total": 3}
+        # Three write-ahead `submitted` (the last two carrying the receipt before them) and the
+        # success (carrying the last receipt): four writes for three effect steps.
+        assert worker.writer.writes == 4
+    assert seen == [[(0, "submitted")],
+                    [(0, "committed"), (1, "submitted")],
+                    [(0, "committed"), (1, "committed"), (2, "submitted")]]
+    assert _journal(sql) == [
+        ("call.submitted", 0), ("call.completed", 0), ("call.submitted", 1),
+        ("call.completed", 1), ("call.submitted", 2), ("call.completed", 2),
+        ("run.completed", None)]
+    assert [(o["state"], o["receipt"]) for o in _ops(sql)] == [
+        ("committed", {"n": 0}), ("committed", {"n": 1}), ("committed", {"n": 2})]
+    assert sql("SELECT revision FROM orchestrator.runs")[0]["revision"] == 7
+
+
+async def test_a_receipt_does_not_wait_while_the_workflow_waits_on_something_else(app, sql):
+    go_on = asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        receipt = await ctx.call(charge)
+        await go_on.wait()  # anything that is not a write of this run
+        return receipt
+
+    async with running(app):
+        run = await app.submit_async(pay, {})
+        # The workflow is blocked, and the receipt is committed all the same.
+        await wait_for(lambda: [o["state"] for o in _ops(sql)] == ["committed"])
+        assert sql("SELECT status FROM orchestrator.runs")[0]["status"] == "running"
+        go_on.set()
+        assert await run.result_async(timeout=10) == {"charged": True}
+    assert _journal(sql) == [("call.submitted", 0), ("call.completed", 0),
+                             ("run.completed", None)]
+
+
+async def test_events_recorded_after_a_receipt_follow_it_in_the_journal(app, sql):
+    @app.tool()
+    async def probe(ctx):  # type: ignore[no-untyped-def]
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(probe)
+        ctx.now()  # buffered: rides with the next write, after the receipt
+        await ctx.call(probe)
+        return 1
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=10) == 1
+    assert _journal(sql) == [
+        ("call.submitted", 0), ("call.completed", 0), ("value", 1), ("call.submitted", 2),
+        ("call.completed", 2), ("run.completed", None)]
+
+
+async def test_parallel_branches_receipts_all_land(app, sql):
+    @app.tool()
+    async def probe(ctx, *, n):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.01 * n)
+        return {"n": n}
+
+    @app.workflow()
+    async def fan(ctx, data):  # type: ignore[no-untyped-def]
+        got = await asyncio.gather(*(ctx.call(probe, n=n) for n in range(4)))
+        last = await ctx.call(probe, n=9)
+        return [g["n"] for g in got] + [last["n"]]
+
+    async with running(app):
+        run = await app.submit_async(fan, {})
+        assert await run.result_async(timeout=10) == [0, 1, 2, 3, 9]
+    assert [o["state"] for o in _ops(sql)] == ["committed"] * 5
+    kinds = [k for k, _ in _journal(sql)]
+    assert kinds.count("call.completed") == 5 and kinds[-1] == "run.completed"
+    revision = sql("SELECT revision FROM orchestrator.runs")[0]["revision"]
+    assert revision == len(kinds) == 11
+
+
+async def test_a_cancellation_that_lands_during_a_call_keeps_its_receipt(app, sql):
+    """The next call's write carries the receipt but is refused (the run was cancelled in the
+    meantime, and this worker has not heard yet): the receipt is written alone, and the next
+    call is recorded as cancelled, never dispatched."""
+    calls = []
+
+    @app.tool()
+    async def charge(ctx, *, n):  # type: ignore[no-untyped-def]
+        calls.append(n)
+        # Behind the worker's back (no NOTIFY): only the database knows.
+        sql("UPDATE orchestrator.runs SET cancel_requested_at = now() WHERE id = %s",
+            (ctx.run_id,))
+        return {"n": n}
+
+    @app.workflow()
+    async def two(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(charge, n=1)
+        return await ctx.call(charge, n=2)
+
+    async with running(app):
+        run = await app.submit_async(two, {})
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "cancelled")
+    assert calls == [1]
+    assert [(o["position"], o["state"], o["receipt"]) for o in _ops(sql)] == [
+        (0, "committed", {"n": 1}), (1, "cancelled", None)]
+    assert _journal(sql)[:3] == [("call.submitted", 0), ("call.completed", 0),
+                                 ("call.pending", 1)]
+    assert run.id
+
+
+async def test_a_receipt_whose_lease_is_gone_is_kept_as_evidence(app, sql):
+    """CONTRACT C8: the lease moved on while the receipt rode; it is not the outcome (the
+    operation stays ``submitted``, for the new holder to settle), but it is kept as evidence on
+    the operation's reconciliation item, and the next call is never dispatched."""
+    calls = []
+
+    @app.tool()
+    async def charge(ctx, *, n):  # type: ignore[no-untyped-def]
+        calls.append(n)
+        sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s",
+            (ctx.run_id,))
+        return {"charged": n}
+
+    @app.workflow()
+    async def two(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(charge, n=1)
+        return await ctx.call(charge, n=2)
+
+    async with running(app) as worker:
+        await app.submit_async(two, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.reconciliation_items"))
+        await wait_for(lambda: worker.metrics.snapshot().get("lease_losses", 0) >= 1)
+    assert calls == [1]
+    assert [o["state"] for o in _ops(sql)] == ["submitted"]
+    item = sql("SELECT reason, evidence FROM orchestrator.reconciliation_items")[0]
+    assert item["reason"] == "WORKER_LOST"
+    assert item["evidence"][0]["kind"] == "late_receipt"
+    assert item["evidence"][0]["receipt"] == {"charged": 1}
+
+
+async def test_without_riding_each_receipt_is_committed_before_the_workflow_sees_it(make_app,
+                                                                                   sql):
+    """``Orchestrator(receipts_ride=False)``: the receipt's own transaction commits before
+    ``ctx.call`` returns (one more commit per step)."""
+    seen = {}
+    for ride in (True, False):
+        app = make_app(receipts_ride=ride)
+
+        @app.tool(name="charge")
+        async def charge(ctx):  # type: ignore[no-untyped-def]
+            return {"ok": True}
+
+        @app.workflow(name=f"pay-{ride}")
+        async def pay(ctx, data):  # type: ignore[no-untyped-def]
+            await ctx.call("charge")
+            seen[data["ride"]] = sql(
+                "SELECT o.state FROM orchestrator.operations o JOIN orchestrator.runs r "
+                "ON r.id = o.run_id WHERE r.workflow_name = %s", (f"pay-{data['ride']}",))
+            return 1
+
+        async with running(app) as worker:
+            run = await app.submit_async(pay, {"ride": ride})
+            assert await run.result_async(timeout=10) == 1
+            writes = worker.writer.writes
+        assert writes == (2 if ride else 3)
+    assert seen == {True: [{"state": "submitted"}], False: [{"state": "committed"}]}
