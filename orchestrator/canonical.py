@@ -98,10 +98,13 @@ def _explain(value: Any, path: str) -> None:
         )
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)  # what json.dumps would build on every call
+
+
 def canonical_json(value: Any) -> str:
     """Return the canonical text of an already valid JSON value."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
+    return _CANONICAL.encode(value)
 
 
 def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None) -> bytes:

@@ -78,10 +78,13 @@ one), so every statement would read the whole working set. A sub-select's value 
 when planning, which rules the index out."""
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def row_text(scalars: dict[str, Any], **raw: str) -> str:
     """One :class:`Statement` row's JSON object text; ``raw`` values are JSON texts already
     (spliced in, not encoded again)."""
-    text = json.dumps(scalars, separators=(",", ":"))
+    text = _COMPACT.encode(scalars)
     return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
 
 
