@@ -647,13 +647,16 @@ class RunExecutor:
         task.add_done_callback(lambda _: self._changed.set())
         try:
             await self._drive(task)
-            if self._receipts:  # every end writes them; this is the backstop
-                await self.settle()
         finally:  # whatever happened, nothing of this run keeps running in this process
             self.parking = True
             task.cancel()
             for parked in self._parked:
                 parked.cancel()
+            if self._receipts:
+                # Every end of the run writes them first; this is the backstop, also for a run
+                # cancelled by a drain that ran out of time: what is known is still written.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.settle())
 
     async def _drive(self, task: asyncio.Task[Any]) -> None:
         while True:

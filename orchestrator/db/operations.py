@@ -447,26 +447,18 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
 
 _FAST_COMMIT = f"""
 WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, op_id bigint, position int, "
-              "name text, receipt jsonb, digest text, payload jsonb, v smallint")}
+    {rows_of("run_id uuid, token bigint, expected bigint, v smallint, " + RECEIPT_COLUMNS)}
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected
     RETURNING x.i, r.cancel_requested_at
-), op AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now()
-    FROM x JOIN fence ON fence.i = x.i
-    WHERE o.id = x.op_id AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id
+), done AS ({settle_receipt_sql("x")}
 ), ins AS (
     INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
                              lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed', x.position, x.name, x.v, x.payload,
-           x.token
-    FROM x JOIN op ON op.run_id = x.run_id
+    {receipt_event_sql("x")}
     RETURNING run_id
 )
 SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,
@@ -479,18 +471,18 @@ def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id
                           position: int, name: str, receipt: str, digest: str, v: int
                           ) -> Statement:
     """submitted → committed with its ``call.completed`` event (``{"result": receipt, "op":
-    op_id}``), fenced, as one row of a set-based statement; ``receipt`` is the receipt's
-    canonical JSON text. Its value is ``(None, the run's cancel_requested_at)``;
-    :class:`FastPathMiss` if it did not apply."""
+    op_id}``), fenced, as one row of a set-based statement: a :class:`Receipt` written alone
+    (``receipt`` is its canonical JSON text). Its value is ``(None, the run's
+    cancel_requested_at)``; :class:`FastPathMiss` if it did not apply."""
 
     def check(got: dict[str, Any] | None) -> tuple[None, Any]:
         if got is None or not got["appended"]:
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "op_id": op_id,
-                 "position": position, "name": name, "digest": digest, "v": v},
-                receipt=receipt, payload=f'{{"op":{op_id},"result":{receipt}}}')
+    alone = Receipt(op_id=op_id, position=position, name=name, text=receipt, digest=digest)
+    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v,
+                     **alone.columns()}, **alone.raw())
     return Statement(_FAST_COMMIT, text, run_id, check)
 
 
