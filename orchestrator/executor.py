@@ -387,8 +387,11 @@ class RunExecutor:
 
     def _settle_soon(self) -> None:
         self._settle_scheduled = False
-        if not self._receipts or self._task is None or self._task.done():
-            return  # carried already, or the end of the run carries it
+        if not self._receipts or self.ending or self.parking:
+            return  # carried already, or the end (or parking) under way writes it first
+        if self._task is not None and self._task.done() and self._active == 0:
+            return  # the workflow has just finished, nothing else is in flight: its end, which
+            # comes next, carries the receipt (a branch still in flight would delay that end)
         self._settler = asyncio.ensure_future(self._settle_in_background())
 
     async def _settle_in_background(self) -> None:
@@ -397,13 +400,18 @@ class RunExecutor:
 
     async def settle(self) -> bool:
         """Write every receipt still riding; False when the lease is gone (the receipts are
-        then kept as evidence on their operations, CONTRACT C8)."""
+        then kept as evidence on their operations, CONTRACT C8). A receipt the database itself
+        refuses is dropped (see :meth:`_settle_locked`) and the others are still written."""
         async with self._write_lock:
-            try:
-                await self._settle_locked()
-            except Stop:
-                return False
-        return True
+            while True:
+                try:
+                    await self._settle_locked()
+                    return True
+                except Stop:
+                    return False
+                except Exception as exc:  # noqa: BLE001 - logged; the end strands the operation
+                    log.warning("run %s: a receipt could not be written (%s)", self.run_id,
+                                type(exc).__name__)
 
     async def _settle_locked(self, keep: int = 0) -> None:
         """Write riding receipts alone, oldest first, until ``keep`` are left. Under the write
@@ -432,6 +440,13 @@ class RunExecutor:
                 raise Stop("lease_lost") from None
             except Stop:
                 await self._keep_late_receipts()
+                raise
+            except Exception:
+                # Refused for what it holds, not for the lease or the connection: it cannot be
+                # the recorded outcome. It leaves memory (so that it blocks no later write) and
+                # the operation stays `submitted`: the run's end strands it as unknown, for
+                # reconciliation, as any dispatched call without a recorded outcome.
+                del self._receipts[0]
                 raise
             del self._receipts[0]
             faults.reach("after_receipt", receipt.name)

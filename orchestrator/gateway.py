@@ -4,7 +4,8 @@ One attempt::
 
     pending (intent; only with policy stages) ─► authorize ─► approve ─┐
     submitted committed (write-ahead, fenced, unless cancelled) ◄───────┘
-        ─► tool called ─► committed (receipt recorded before the workflow sees it)
+        ─► tool called ─► committed (receipt recorded with the run's next write, before
+                          anything that follows from it; or at once: receipts_ride=False)
                        └► failed (proved not applied) ─► retry after a durable backoff, or stop
                        └► unknown ─► reconciliation (or a re-send its effect class allows)
 

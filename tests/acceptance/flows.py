@@ -3,7 +3,8 @@
 Every tool call writes a row to ``public.sink_calls`` (the test's own table, outside the
 orchestrator's schema) as soon as it starts, and effects go to ``public.sink_effects``, which
 deduplicates by idempotency key like a provider would. Tests count what happened there.
-``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set.
+``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set;
+``ACCEPTANCE_RECEIPTS_RIDE=0`` gives that worker ``receipts_ride=False``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from orchestrator import (
 
 app = Orchestrator(default_owner=Owner(tenant="acceptance", principal="tests"),
                    lease_ttl=float(os.environ.get("ACCEPTANCE_LEASE_TTL", "2")),
-                   operator_scopes={"outsider": ["another-tenant"]})
+                   operator_scopes={"outsider": ["another-tenant"]},
+                   receipts_ride=os.environ.get("ACCEPTANCE_RECEIPTS_RIDE", "1") != "0")
 
 SINK_DDL = """
 CREATE TABLE IF NOT EXISTS public.sink_calls (

@@ -16,12 +16,16 @@ from tests.acceptance import flows
 from tests.acceptance.conftest import ROOT
 
 
-def _crash(workers, client, tool, point):  # type: ignore[no-untyped-def]
-    """Submit one call of ``tool``; the first worker dies at ``point``; a second one starts."""
-    first = workers.start("a", ORCHESTRATOR_FAULT_POINT=point, ORCHESTRATOR_FAULT_TOOL=tool)
+def _crash(workers, client, tool, point, seen=None, **env):  # type: ignore[no-untyped-def]
+    """Submit one call of ``tool``; the first worker dies at ``point``; ``seen(run)`` looks at
+    what it left; a second worker starts."""
+    first = workers.start("a", ORCHESTRATOR_FAULT_POINT=point, ORCHESTRATOR_FAULT_TOOL=tool,
+                          **env)
     run = client.submit(flows.one_call, {"tool": tool})
     first.wait(timeout=30)
     assert first.returncode == -9, "the worker did not die at the fault point"
+    if seen is not None:
+        seen(run)
     workers.start("b")
     return run
 
@@ -47,10 +51,24 @@ def test_a_consequential_call_in_flight_goes_to_reconciliation(workers, client, 
     assert item == [{"reason": "WORKER_LOST", "state": "open", "op": "unknown"}]
 
 
-def test_after_the_receipt_the_run_finishes_without_calling_again(workers, client):
-    run = _crash(workers, client, "record", "after_receipt")
+@pytest.mark.parametrize("ride", ["1", "0"])
+def test_after_the_receipt_the_run_finishes_without_calling_again(workers, client, ride):
+    """The worker dies once the receipt is committed. Riding, that commit is the run's success
+    itself (the workflow's next write); with ``receipts_ride=False`` the receipt commits alone
+    and the second worker replays the run from it."""
+    def seen(run):  # type: ignore[no-untyped-def]
+        left = workers.sql("SELECT status FROM orchestrator.runs WHERE id = %s", (run.id,))
+        ops = workers.sql("SELECT state FROM orchestrator.operations")
+        assert left[0]["status"] == ("succeeded" if ride == "1" else "running")
+        assert ops == [{"state": "committed"}]
+
+    run = _crash(workers, client, "record", "after_receipt", seen=seen,
+                 ACCEPTANCE_RECEIPTS_RIDE=ride)
     assert client.get_run(run.id).result(timeout=30)["step"] == 1
     assert len(_calls(workers)) == 1
+    kinds = [e["kind"] for e in workers.sql(
+        "SELECT kind FROM orchestrator.journal WHERE run_id = %s ORDER BY seq", (run.id,))]
+    assert kinds == ["call.submitted", "call.completed", "run.completed"]
 
 
 @pytest.mark.parametrize("point", ["after_submitted", "after_tool_return"])

@@ -205,3 +205,41 @@ async def test_without_riding_each_receipt_is_committed_before_the_workflow_sees
             writes = worker.writer.writes
         assert writes == (2 if ride else 3)
     assert seen == {True: [{"state": "submitted"}], False: [{"state": "committed"}]}
+
+
+async def test_a_receipt_does_not_wait_for_a_slow_sibling_after_the_workflow_failed(app, sql):
+    """The workflow is done (a branch failed) but another call is still in flight, so the run's
+    end is that far away: a receipt that arrives meanwhile is written at once, not at the end."""
+    release = asyncio.Event()
+
+    @app.tool()
+    async def fast(ctx):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.2)
+        return {"fast": True}
+
+    @app.tool(effect="read")
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        await release.wait()
+        return {"slow": True}
+
+    @app.workflow()
+    async def fan(ctx, data):  # type: ignore[no-untyped-def]
+        async def boom():  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.05)
+            raise ValueError("a branch failed")
+
+        return await ctx.gather(ctx.call(fast), ctx.call(slow), boom())
+
+    async with running(app):
+        run = await app.submit_async(fan, {})
+
+        def fast_state():  # type: ignore[no-untyped-def]
+            return sql("SELECT state FROM orchestrator.operations WHERE tool_name = 'fast'")
+
+        await wait_for(lambda: fast_state() == [{"state": "committed"}], timeout=5)
+        assert sql("SELECT state FROM orchestrator.operations WHERE tool_name = 'slow'") == [
+            {"state": "submitted"}]  # still in flight: the end has not come
+        release.set()
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "failed")
+    assert run.id
