@@ -2,7 +2,9 @@
 
 A JSON value here is ``dict`` with ``str`` keys, ``list``, ``str``, ``int``, ``float`` (finite),
 ``bool`` or ``None``. Everything else (NaN, infinities, bytes, sets, tuples, non-str keys,
-objects with custom serialisation, subclasses of the basic types) is rejected with
+objects with custom serialisation, subclasses of the basic types, and strings or keys holding
+the NUL character, which PostgreSQL's ``jsonb`` cannot store, or a lone surrogate, which has no
+UTF-8 form) is rejected with
 ``INVALID_REQUEST`` naming the path of the offending value, e.g. ``$.items[3].price``.
 
 The canonical form sorts object keys, has no insignificant whitespace and is UTF-8 encoded, so
@@ -41,14 +43,18 @@ def _plain(value: Any) -> bool:
     while stack:
         item = stack.pop()
         kind = type(item)
-        if item is None or kind is str or kind is bool or kind is int:
+        if kind is str:
+            if "\x00" in item:
+                return False
+            continue
+        if item is None or kind is bool or kind is int:
             continue
         if kind is float:
             if not math.isfinite(item):
                 return False
         elif kind is dict:
             for key in item:
-                if type(key) is not str:
+                if type(key) is not str or "\x00" in key:
                     return False
             stack.extend(item.values())
         elif kind is list:
@@ -74,6 +80,9 @@ def _explain(value: Any, path: str) -> None:
     while stack:
         item, where = stack.pop()
         kind = type(item)
+        if kind is str and "\x00" in item:
+            raise InvalidRequest(f"{where} holds a NUL character (\\u0000), which cannot be "
+                                 "stored", path=where)
         if item is None or kind in (str, bool, int):
             continue
         if kind is float:
@@ -87,6 +96,9 @@ def _explain(value: Any, path: str) -> None:
                         f"{where} has a key of type {type(key).__name__}; keys must be str",
                         path=where,
                     )
+                if "\x00" in key:
+                    raise InvalidRequest(f"{where} has a key holding a NUL character "
+                                         "(\\u0000), which cannot be stored", path=where)
                 stack.append((sub, _child(where, key)))
             continue
         if kind is list:
@@ -102,6 +114,30 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
                               allow_nan=False)  # what json.dumps would build on every call
 
 
+def _explain_text(value: Any, path: str) -> None:
+    """Find the string (or key) of a valid JSON value that has no UTF-8 form (a lone
+    surrogate) and raise with its path."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if type(item) is str:
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(f"{where} holds a lone surrogate, which cannot be stored",
+                                     path=where) from None
+        elif type(item) is dict:
+            for key, sub in item.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequest(f"{where} has a key holding a lone surrogate, which "
+                                         "cannot be stored", path=where) from None
+                stack.append((sub, _child(where, key)))
+        elif type(item) is list:
+            stack.extend((sub, _child(where, i)) for i, sub in enumerate(item))
+
+
 def canonical_json(value: Any) -> str:
     """Return the canonical text of an already valid JSON value."""
     return _CANONICAL.encode(value)
@@ -110,7 +146,12 @@ def canonical_json(value: Any) -> str:
 def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None) -> bytes:
     """Validate ``value`` and return its canonical UTF-8 bytes, enforcing ``max_bytes``."""
     validate_json(value, path)
-    data = canonical_json(value).encode("utf-8")
+    try:
+        data = canonical_json(value).encode("utf-8")
+    except UnicodeEncodeError:
+        _explain_text(value, path)
+        raise  # pragma: no cover - _explain_text found and raised it
+
     if max_bytes is not None and len(data) > max_bytes:
         raise PayloadTooLarge(
             f"{path} is {len(data)} bytes serialised; the limit is {max_bytes}", path=path

@@ -26,22 +26,25 @@ from orchestrator.errors import InvalidRequest, PayloadTooLarge
 
 Path = tuple[str | int, ...]
 
+# Any text PostgreSQL's jsonb can store: everything but U+0000.
+texts = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"))
+keys = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=8)
 scalars = (
     st.none()
     | st.booleans()
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text()
+    | texts
 )
 json_values = st.recursive(
     scalars,
     lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    | st.dictionaries(keys, children, max_size=5),
     max_leaves=25,
 )
 containers = st.one_of(
     st.lists(json_values, min_size=1, max_size=5),
-    st.dictionaries(st.text(max_size=8), json_values, min_size=1, max_size=5),
+    st.dictionaries(keys, json_values, min_size=1, max_size=5),
 )
 
 
@@ -150,7 +153,7 @@ def test_array_order_changes_the_digest(items: list[Any], data: st.DataObject) -
     assert digest({"items": permuted}) != digest({"items": items})
 
 
-@given(value=containers, key=st.text(max_size=8), data=st.data())
+@given(value=containers, key=keys, data=st.data())
 def test_an_added_or_removed_member_changes_the_digest(
     value: Any, key: str, data: st.DataObject
 ) -> None:
@@ -316,3 +319,19 @@ def test_a_record_over_the_default_cap_names_its_size() -> None:
         canonical_bytes(big, path="input", max_bytes=DEFAULT_MAX_RECORD_BYTES)
     assert caught.value.path == "input"
     assert str(DEFAULT_MAX_RECORD_BYTES) in caught.value.message
+
+
+@pytest.mark.parametrize("value, path", [
+    ("a\x00b", "$"),
+    ({"note": ["ok", "nul \x00 inside"]}, "$.note[1]"),
+    ({"outer": {"k\x00": 1}}, "$.outer"),
+    ({"a": [1, "lone \ud800 surrogate"]}, "$.a[1]"),
+    ({"b": {"\udfff": 1}}, "$.b"),
+])
+def test_text_that_cannot_be_stored_is_refused_where_it_is(value: Any, path: str) -> None:
+    """PostgreSQL's jsonb cannot store U+0000, and UTF-8 has no lone surrogates: refused here
+    with its path, never an encoding or database error half-way through a write."""
+    with pytest.raises(InvalidRequest) as caught:
+        canonical_bytes(value)
+    assert caught.value.path == path
+    assert "cannot be stored" in caught.value.message
