@@ -346,19 +346,14 @@ class RunExecutor:
                     self.check_room(1 + (riding is not None))
                 statement = make(self.revision, None if riding is None else riding[0])
                 result, cancel_at = await self.worker.writer.run_statement(statement)
-            except ops_db.FastPathMiss:
-                if riding is not None:
+            except BaseException as exc:
+                if riding is not None:  # not written: it waits in line again
                     self._receipts.insert(0, riding)
-                    await self._settle_locked()
-                raise
-            except DatabaseError:
-                if riding is not None:
-                    self._receipts.insert(0, riding)
-                self.lose_lease("database unavailable")
-                raise Stop("lease_lost") from None
-            except BaseException:
-                if riding is not None:
-                    self._receipts.insert(0, riding)
+                    if isinstance(exc, ops_db.FastPathMiss):
+                        await self._settle_locked()  # alone, before the general path
+                if isinstance(exc, DatabaseError):
+                    self.lose_lease("database unavailable")
+                    raise Stop("lease_lost") from None
                 raise
             self.revision += 1 + (riding is not None)
             if cancel_at is not None:
@@ -424,15 +419,13 @@ class RunExecutor:
             try:
                 try:
                     _, cancel_at = await self.worker.writer.run_statement(
-                        ops_db.operation_commit_fast(
-                            run_id=self.run_id, token=self.token, expected=self.revision,
-                            op_id=receipt.op_id, position=receipt.position, name=receipt.name,
-                            receipt=receipt.text, digest=receipt.digest, v=SCHEMA_VERSION))
+                        ops_db.receipt_commit_fast(receipt, run_id=self.run_id, token=self.token,
+                                                   expected=self.revision, v=SCHEMA_VERSION))
                     self.revision += 1
                     if cancel_at is not None:
                         self.note_cancel()
                 except ops_db.FastPathMiss:
-                    await self._write_locked(self._commit_work(receipt, value),
+                    await self._write_locked(self.commit_work(receipt, value),
                                              with_buffer=False)
             except DatabaseError:
                 self.lose_lease("database unavailable")
@@ -451,9 +444,10 @@ class RunExecutor:
             del self._receipts[0]
             faults.reach("after_receipt", receipt.name)
 
-    def _commit_work(self, receipt: ops_db.Receipt, value: Any
+    def commit_work(self, receipt: ops_db.Receipt, value: Any
                      ) -> Callable[[Conn], Awaitable[tuple[None, list[Event]]]]:
-        """The general path of a receipt's write: the guarded transition says what is wrong."""
+        """The general path of a receipt's write (``submitted`` → ``committed`` and its
+        ``call.completed`` event): the guarded transition says what is wrong."""
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_commit(conn, op_id=receipt.op_id, token=self.token,
                                           receipt=receipt.text, receipt_digest=receipt.digest)

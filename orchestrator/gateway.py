@@ -381,24 +381,24 @@ class Call:
         ex = self.ex
         digest = canonical.text_digest(receipt_text)
         resent = key != self.key_for(1) or self.tool.effect == "idempotent"
+        recorded = ops_db.Receipt(op_id=op_id, position=self.position, name=self.tool.name,
+                                  text=receipt_text, digest=digest)
         if not resent and not ex.has_buffer:
-            ex.defer_receipt(ops_db.Receipt(op_id=op_id, position=self.position,
-                                            name=self.tool.name, text=receipt_text,
-                                            digest=digest), receipt)
+            ex.defer_receipt(recorded, receipt)
             if not ex.app.receipts_ride:  # written now, alone (or kept as evidence)
                 with ex.active():
                     if not await ex.settle():
                         raise Stop("lease_lost")
             return False
+        commit = ex.commit_work(recorded, receipt)
 
         async def work(conn: Conn) -> tuple[None, list[Event]]:
-            await ops_db.operation_commit(conn, op_id=op_id, token=ex.token,
-                                          receipt=receipt_text, receipt_digest=digest)
-            if key != self.key_for(1) or self.tool.effect == "idempotent":
+            outcome = await commit(conn)
+            if resent:
                 await ops_db.operation_settle_resent(
                     conn, run_id=ex.run_id, position=self.position, key=key,
                     receipt=receipt_text, receipt_digest=digest)
-            return None, [self.event("call.completed", {"result": receipt, "op": op_id})]
+            return outcome
 
         try:
             with ex.active():

@@ -347,6 +347,19 @@ RECEIPT_COLUMNS = ("prev_op bigint, prev_position int, prev_name text, receipt j
                    "digest text, done jsonb")
 """The columns of a fast statement's row that carry a :class:`Receipt` (all NULL without)."""
 
+EVENTS = "(1 + (x.prev_op IS NOT NULL)::int)"
+"""The journal events a fast row ``x`` appends: its own, after its riding receipt's if it has
+one. The fence moves the revision by as much, the row's own event has that seq above
+``expected``, and ``row_applied`` requires that many appended."""
+
+
+def riding_row(scalars: dict[str, Any], receipt: Receipt | None, **raw: str) -> str:
+    """A fast statement's row (:func:`row_text`) with ``receipt``'s columns when one rides."""
+    if receipt is not None:
+        scalars = {**scalars, **receipt.columns()}
+        raw = {**raw, **receipt.raw()}
+    return row_text(scalars, **raw)
+
 
 def settle_receipt_sql(rows: str) -> str:
     """A CTE body that commits each row's riding receipt (``submitted`` → ``committed``) once
@@ -375,8 +388,7 @@ WITH x AS (
               "principal text, intent_digest text, arguments jsonb, idempotency_key text, "
               "worker_id text, v smallint, " + RECEIPT_COLUMNS)}
 ), fence AS (
-    UPDATE {S}.runs r SET revision = r.revision + 1 + (x.prev_op IS NOT NULL)::int,
-           updated_at = now()
+    UPDATE {S}.runs r SET revision = r.revision + {EVENTS}, updated_at = now()
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected AND r.cancel_requested_at IS NULL
@@ -397,7 +409,7 @@ WITH x AS (
                              lease_token)
     {receipt_event_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + 1 + (x.prev_op IS NOT NULL)::int, 'call.submitted',
+    SELECT x.run_id, x.expected + {EVENTS}, 'call.submitted',
            x.position, x.tool_name, x.v,
            jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
                               'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
@@ -409,7 +421,7 @@ WITH x AS (
     SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
 )
 SELECT x.i, op.id AS op_id,
-       {S}.row_applied(n.events = 1 + (x.prev_op IS NOT NULL)::int, 'call begin') AS appended
+       {S}.row_applied(n.events = {EVENTS}, 'call begin') AS appended
 FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN n ON n.run_id = x.run_id
 """
 
@@ -431,18 +443,14 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
             raise FastPathMiss("begin")
         return int(got["op_id"]), None
 
-    scalars = {
+    text = riding_row({
         "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
         "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
         "tool_version": row["tool_version"], "effect_class": row["effect_class"],
         "tenant": row["tenant"], "principal": row["principal"],
         "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
-        "worker_id": row["worker_id"], "v": v}
-    raw = {"arguments": row["arguments"]}
-    if receipt is not None:
-        scalars.update(receipt.columns())
-        raw.update(receipt.raw())
-    return Statement(_FAST_BEGIN, row_text(scalars, **raw), row["run_id"], check)
+        "worker_id": row["worker_id"], "v": v}, receipt, arguments=row["arguments"])
+    return Statement(_FAST_BEGIN, text, row["run_id"], check)
 
 
 _FAST_COMMIT = f"""
@@ -467,23 +475,31 @@ FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
 """
 
 
-def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
-                          position: int, name: str, receipt: str, digest: str, v: int
-                          ) -> Statement:
-    """submitted → committed with its ``call.completed`` event (``{"result": receipt, "op":
-    op_id}``), fenced, as one row of a set-based statement: a :class:`Receipt` written alone
-    (``receipt`` is its canonical JSON text). Its value is ``(None, the run's
-    cancel_requested_at)``; :class:`FastPathMiss` if it did not apply."""
+def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expected: int,
+                        v: int) -> Statement:
+    """A :class:`Receipt` written alone: submitted → committed with its ``call.completed``
+    event (``{"result": receipt, "op": op_id}``), fenced, as one row of a set-based statement.
+    Its value is ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not
+    apply."""
 
     def check(got: dict[str, Any] | None) -> tuple[None, Any]:
         if got is None or not got["appended"]:
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    alone = Receipt(op_id=op_id, position=position, name=name, text=receipt, digest=digest)
-    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v,
-                     **alone.columns()}, **alone.raw())
+    text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                      receipt)
     return Statement(_FAST_COMMIT, text, run_id, check)
+
+
+def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
+                          position: int, name: str, receipt: str, digest: str, v: int
+                          ) -> Statement:
+    """:func:`receipt_commit_fast` from the receipt's parts (``receipt`` is its canonical
+    JSON text)."""
+    return receipt_commit_fast(
+        Receipt(op_id=op_id, position=position, name=name, text=receipt, digest=digest),
+        run_id=run_id, token=token, expected=expected, v=v)
 
 
 async def operation_count_unknown(conn: Conn, *, run_id: uuid.UUID) -> int:

@@ -15,13 +15,15 @@ from typing import Any
 
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
 from orchestrator.db.operations import (
+    EVENTS,
     RECEIPT_COLUMNS,
     FastPathMiss,
     Receipt,
     receipt_event_sql,
+    riding_row,
     settle_receipt_sql,
 )
-from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
+from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
 
 S = "orchestrator"
@@ -525,7 +527,7 @@ WITH x AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
            available_at = NULL, waiting_for = NULL,
-           revision = r.revision + 1 + (x.prev_op IS NOT NULL)::int
+           revision = r.revision + {EVENTS}
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
       AND r.revision = x.expected
@@ -539,7 +541,7 @@ WITH x AS (
                              lease_token)
     {receipt_event_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + 1 + (x.prev_op IS NOT NULL)::int, 'run.completed', NULL,
+    SELECT x.run_id, x.expected + {EVENTS}, 'run.completed', NULL,
            NULL, x.v, jsonb_build_object('result', x.result), x.token
     FROM x JOIN fence ON fence.id = x.run_id
     RETURNING run_id
@@ -554,7 +556,7 @@ WITH x AS (
     RETURNING 1
 )
 SELECT x.i,
-       {S}.row_applied(n.events = 1 + (x.prev_op IS NOT NULL)::int, 'run success') AS appended,
+       {S}.row_applied(n.events = {EVENTS}, 'run success') AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
                               FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke
 FROM x LEFT JOIN n ON n.run_id = x.run_id
@@ -574,10 +576,6 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
             raise FastPathMiss("succeed")
         return None, None
 
-    scalars: dict[str, Any] = {"run_id": str(run_id), "token": token, "expected": expected,
-                               "v": v}
-    raw = {"result": result}
-    if receipt is not None:
-        scalars.update(receipt.columns())
-        raw.update(receipt.raw())
-    return Statement(_FAST_SUCCEED, row_text(scalars, **raw), run_id, check)
+    text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                      receipt, result=result)
+    return Statement(_FAST_SUCCEED, text, run_id, check)
