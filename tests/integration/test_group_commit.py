@@ -345,3 +345,25 @@ async def test_a_riding_receipt_that_does_not_apply_takes_its_row_down(app, sql)
     assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 1
     assert sql("SELECT count(*) AS n FROM orchestrator.journal")[0]["n"] == 1
     await app.database.close()
+
+
+async def test_a_success_carrying_one_receipt_still_refuses_another_unsettled_call(app, sql):
+    """CONTRACT C5/C8: a run never ends with an operation dispatched and unsettled. The success
+    row's check leaves out only the operation whose receipt it carries, never another one."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+    from orchestrator.db.writer import GroupWriter
+
+    (claim,) = await _claimed_runs(app, 1)
+    writer = GroupWriter(app.database)
+    await writer.run_statement(_begin(claim))  # position 0: submitted, stays so
+    second, _ = await writer.run_statement(_next_begin(claim, None, claim["revision"] + 1))
+    before = sql("SELECT revision, status FROM orchestrator.runs")
+    with pytest.raises(ops_db.FastPathMiss):
+        await writer.run_statement(runs_db.run_succeed_fast(
+            run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 2,
+            result="1", v=1, receipt=_riding(second, position=1)))
+    assert sql("SELECT revision, status FROM orchestrator.runs") == before
+    assert sorted(o["state"] for o in sql("SELECT state FROM orchestrator.operations")) == [
+        "submitted", "submitted"]
+    await app.database.close()

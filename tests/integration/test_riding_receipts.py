@@ -118,24 +118,32 @@ async def test_parallel_branches_receipts_all_land(app, sql):
     assert revision == len(kinds) == 11
 
 
-async def test_a_cancellation_that_lands_during_a_call_keeps_its_receipt(app, sql):
-    """The next call's write carries the receipt but is refused (the run was cancelled in the
-    meantime, and this worker has not heard yet): the receipt is written alone, and the next
-    call is recorded as cancelled, never dispatched."""
+def _two_calls_with_a_change_behind_the_worker(app, sql, change):  # type: ignore[no-untyped-def]
+    """A workflow of two calls of one tool; the tool first runs ``change`` (an UPDATE of its
+    run, ``%s`` its id) on the database behind the worker's back (no NOTIFY): only the
+    database knows, so the next call's write, which carries the receipt, is refused."""
     calls = []
 
     @app.tool()
     async def charge(ctx, *, n):  # type: ignore[no-untyped-def]
         calls.append(n)
-        # Behind the worker's back (no NOTIFY): only the database knows.
-        sql("UPDATE orchestrator.runs SET cancel_requested_at = now() WHERE id = %s",
-            (ctx.run_id,))
+        sql(change, (ctx.run_id,))
         return {"n": n}
 
     @app.workflow()
     async def two(ctx, data):  # type: ignore[no-untyped-def]
         await ctx.call(charge, n=1)
         return await ctx.call(charge, n=2)
+
+    return two, calls
+
+
+async def test_a_cancellation_that_lands_during_a_call_keeps_its_receipt(app, sql):
+    """The next call's write carries the receipt but is refused (the run was cancelled in the
+    meantime, and this worker has not heard yet): the receipt is written alone, and the next
+    call is recorded as cancelled, never dispatched."""
+    two, calls = _two_calls_with_a_change_behind_the_worker(
+        app, sql, "UPDATE orchestrator.runs SET cancel_requested_at = now() WHERE id = %s")
 
     async with running(app):
         run = await app.submit_async(two, {})
@@ -153,19 +161,8 @@ async def test_a_receipt_whose_lease_is_gone_is_kept_as_evidence(app, sql):
     """CONTRACT C8: the lease moved on while the receipt rode; it is not the outcome (the
     operation stays ``submitted``, for the new holder to settle), but it is kept as evidence on
     the operation's reconciliation item, and the next call is never dispatched."""
-    calls = []
-
-    @app.tool()
-    async def charge(ctx, *, n):  # type: ignore[no-untyped-def]
-        calls.append(n)
-        sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s",
-            (ctx.run_id,))
-        return {"charged": n}
-
-    @app.workflow()
-    async def two(ctx, data):  # type: ignore[no-untyped-def]
-        await ctx.call(charge, n=1)
-        return await ctx.call(charge, n=2)
+    two, calls = _two_calls_with_a_change_behind_the_worker(
+        app, sql, "UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s")
 
     async with running(app) as worker:
         await app.submit_async(two, {})
@@ -176,7 +173,7 @@ async def test_a_receipt_whose_lease_is_gone_is_kept_as_evidence(app, sql):
     item = sql("SELECT reason, evidence FROM orchestrator.reconciliation_items")[0]
     assert item["reason"] == "WORKER_LOST"
     assert item["evidence"][0]["kind"] == "late_receipt"
-    assert item["evidence"][0]["receipt"] == {"charged": 1}
+    assert item["evidence"][0]["receipt"] == {"n": 1}
 
 
 async def test_without_riding_each_receipt_is_committed_before_the_workflow_sees_it(make_app,
