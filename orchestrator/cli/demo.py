@@ -126,7 +126,7 @@ def _report(app: Any, handles: list[Any], sink: Path, pids: dict[str, str]) -> b
         info = handle.info()
         run_effects = [e for e in effects if e["key"].startswith(str(handle.id))]
         workers = sorted({pids.get(op.split(":")[1], "?") for op in _op_workers(app, handle)})
-        rows.append([str(handle.id)[:8], info.workflow, info.status, len(run_effects),
+        rows.append([str(handle.id), info.workflow, info.status, len(run_effects),
                      ",".join(workers) or "-"])
     print()
     print(render(["RUN", "WORKFLOW", "STATUS", "EFFECTS", "WORKERS"], rows))

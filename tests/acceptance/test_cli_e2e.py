@@ -22,6 +22,12 @@ def test_the_demo_runs_to_completion(empty_database_url):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every run finished and every effect was applied exactly once" in done.stdout
     assert "worker A killed with SIGKILL" in done.stdout
+    # Every run in the table can be told apart and looked up (run ids are time-ordered, so
+    # their leading digits are shared by runs submitted together).
+    ids = [line.split()[0] for line in done.stdout.splitlines()
+           if line.split()[2:3] == ["succeeded"]]
+    assert len(ids) == len(set(ids)) > 1
+    assert _cli(empty_database_url, "runs", "show", ids[0]).returncode == 0
 
 
 def test_runs_list_show_and_cancel(workers, client):
