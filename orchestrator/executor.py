@@ -27,7 +27,7 @@ import random
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -147,6 +147,9 @@ class RunExecutor:
         self._task: asyncio.Task[Any] | None = None
         self._settler: asyncio.Task[None] | None = None  # a lone receipt write (kept referenced)
         self._write_lock = asyncio.Lock()
+        # Tasks cancelled while a write of theirs was in flight: the cancellation is delivered
+        # once the write has landed and been accounted for (see _landed).
+        self._held: set[asyncio.Task[Any]] = set()
         self._active = 0
         self._active_depth: dict[int, int] = {}
         self._waits: dict[int, Wait] = {}
@@ -276,7 +279,7 @@ class RunExecutor:
         self._buffer.append(ev)
 
     async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
-                    *, new_work: bool = False) -> T | None:
+                    *, new_work: bool = False, hold: bool = False) -> T | None:
         """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
         Receipts still riding are written first (each in its own transaction, see
         :meth:`defer_receipt`), so the journal keeps the order in which things happened.
@@ -285,10 +288,16 @@ class RunExecutor:
         ``JOURNAL_FULL`` unless they leave room for their own outcome and the run's; outcome
         writes are never refused, so nothing accepted loses its record. Raises :class:`Stop`
         ("lease_lost") if the fence rejects it: nothing was written then.
+
+        A cancellation of the caller while the write is in flight does not abandon it (the
+        group writer commits it all the same): it is delivered once the write has landed and
+        been accounted for, or, with ``hold``, left for the caller to take
+        (:meth:`take_held_cancel`).
         """
-        async with self._write_lock:
-            await self._settle_locked()
-            return await self._write_locked(work, new_work=new_work)
+        with self._delivering(hold):
+            async with self._write_lock:
+                await self._settle_locked()
+                return await self._write_locked(work, new_work=new_work)
 
     async def _write_locked(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
                             *, new_work: bool = False, with_buffer: bool = True) -> T | None:
@@ -312,7 +321,9 @@ class RunExecutor:
         if new_work:
             self.check_room(len(pending) + 1)
         try:
-            result, written, cancel_at = await self.worker.writer.run_in_transaction(tx)
+            landing: asyncio.Future[tuple[T | None, list[Event], datetime | None]]
+            landing = self.worker.writer.enqueue(tx)
+            result, written, cancel_at = await self._landed(landing)
         except LeaseLost:
             self.lose_lease("write rejected")
             raise Stop("lease_lost") from None
@@ -328,16 +339,24 @@ class RunExecutor:
         return result
 
     async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
-                           *, new_work: bool = False) -> Any:
+                           *, new_work: bool = False, hold: bool = False) -> Any:
         """A write whose one statement fences the run and appends its own event (the hot path
         of a call): ``make(expected revision, riding receipt)`` builds it under the run's write
         lock. A receipt still riding goes in the same statement (the statement writes its
-        ``call.completed`` first). Only when nothing is buffered; raises ``FastPathMiss`` (from
-        the statement) when it did not apply, after writing the riding receipt alone, and the
-        caller takes the general path."""
+        ``call.completed`` first). Raises ``FastPathMiss`` when events are buffered (nothing
+        written) or when the statement did not apply (after writing the riding receipt alone);
+        the caller then takes the general path. A cancellation meanwhile is handled as in
+        :meth:`write`."""
+        with self._delivering(hold):
+            return await self._write_direct(make, new_work)
+
+    async def _write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
+                            new_work: bool) -> Any:
         async with self._write_lock:
             if self.lost:
                 raise Stop("lease_lost")
+            if self._buffer:  # buffered by another branch while this one waited for the lock
+                raise ops_db.FastPathMiss("events are buffered: the general path writes them")
             if len(self._receipts) > 1:  # parallel branches: all but one go alone
                 await self._settle_locked(keep=1)
             riding = self._receipts.pop(0) if self._receipts else None
@@ -345,7 +364,7 @@ class RunExecutor:
                 if new_work:
                     self.check_room(1 + (riding is not None))
                 statement = make(self.revision, None if riding is None else riding[0])
-                result, cancel_at = await self.worker.writer.run_statement(statement)
+                result, cancel_at = await self._landed(self.worker.writer.enqueue(statement))
             except BaseException as exc:
                 if riding is not None:  # not written: it waits in line again
                     self._receipts.insert(0, riding)
@@ -361,6 +380,57 @@ class RunExecutor:
             if riding is not None:
                 faults.reach("after_receipt", riding[0].name)
             return result
+
+    async def _landed(self, future: asyncio.Future[T]) -> T:
+        """The outcome of a queued write, even if the caller is cancelled meanwhile.
+
+        The group writer commits a queued write whether or not anyone still waits for it, so
+        the caller's bookkeeping (the run's revision, a riding receipt) must follow the write,
+        not the cancellation: the cancellation is held until the write has landed and is then
+        delivered by :meth:`_delivering`. (Abandoning the write instead would leave the run's
+        revision behind the database's: its next write would miss and the run be dropped as
+        if its lease were lost.)"""
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                raise
+        task = asyncio.current_task()
+        if task is not None:
+            self._held.add(task)
+        while True:
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                if future.cancelled():
+                    raise
+
+    @contextlib.contextmanager
+    def _delivering(self, hold: bool = False) -> Iterator[None]:
+        """Deliver a cancellation that :meth:`_landed` held, once the write's bookkeeping is
+        done: after a write that landed, and instead of the error of one that did not (the
+        caller asked to stop; a :class:`Stop` of the run still wins). With ``hold`` a landed
+        write returns normally and the caller takes the cancellation itself."""
+        try:
+            yield
+        except Stop:
+            self.take_held_cancel()
+            raise
+        except BaseException as exc:
+            if self.take_held_cancel():
+                raise asyncio.CancelledError from exc
+            raise
+        if not hold and self.take_held_cancel():
+            raise asyncio.CancelledError
+
+    def take_held_cancel(self) -> bool:
+        """Whether the current task was cancelled while a write of its own was in flight (see
+        :meth:`_landed`); the caller now owns that cancellation."""
+        task = asyncio.current_task()
+        if task is not None and task in self._held:
+            self._held.discard(task)
+            return True
+        return False
 
     # -- receipts that ride with the next write ----------------------------------------------
 
@@ -397,16 +467,17 @@ class RunExecutor:
         """Write every receipt still riding; False when the lease is gone (the receipts are
         then kept as evidence on their operations, CONTRACT C8). A receipt the database itself
         refuses is dropped (see :meth:`_settle_locked`) and the others are still written."""
-        async with self._write_lock:
-            while True:
-                try:
-                    await self._settle_locked()
-                    return True
-                except Stop:
-                    return False
-                except Exception as exc:  # noqa: BLE001 - logged; the end strands the operation
-                    log.warning("run %s: a receipt could not be written (%s)", self.run_id,
-                                type(exc).__name__)
+        with self._delivering():
+            async with self._write_lock:
+                while True:
+                    try:
+                        await self._settle_locked()
+                        return True
+                    except Stop:
+                        return False
+                    except Exception as exc:  # noqa: BLE001 - logged; the end strands the op
+                        log.warning("run %s: a receipt could not be written (%s)", self.run_id,
+                                    type(exc).__name__)
 
     async def _settle_locked(self, keep: int = 0) -> None:
         """Write riding receipts alone, oldest first, until ``keep`` are left. Under the write
@@ -418,9 +489,9 @@ class RunExecutor:
                 raise Stop("lease_lost")
             try:
                 try:
-                    _, cancel_at = await self.worker.writer.run_statement(
+                    _, cancel_at = await self._landed(self.worker.writer.enqueue(
                         ops_db.receipt_commit_fast(receipt, run_id=self.run_id, token=self.token,
-                                                   expected=self.revision, v=SCHEMA_VERSION))
+                                                   expected=self.revision, v=SCHEMA_VERSION)))
                     self.revision += 1
                     if cancel_at is not None:
                         self.note_cancel()

@@ -112,6 +112,10 @@ class Call:
         number, op_id = begun["payload"]["attempt"], begun["payload"]["op"]
         if kind == "call.completed":
             raise _Done(payload["result"])
+        if kind == "call.failed" and payload.get("reason") == "withdrawn":
+            # Workflow code cancelled this call before it was sent: the same code cancels it
+            # again at this point (see withdraw); until then the call does not return.
+            await asyncio.get_running_loop().create_future()
         if kind in ("call.failed", "call.denied"):
             raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
                              cause=payload.get("cause"), reason=payload.get("reason"),
@@ -187,9 +191,12 @@ class Call:
         stages = self.stages()
         if op_id is None:
             op_id, status = await self.begin(state.number, key, pending=bool(stages))
+            withdrawn = ex.take_held_cancel()
             faults.reach("after_intent", tool.name)
             if status == "cancelled":
                 ex.stop_cancelled()
+            if withdrawn:
+                await self.withdraw(op_id, state.number, pending=bool(stages))
         if stages or state.pending_op is not None:
             await self.run_stages(op_id, state.number, key, stages)
         faults.reach("after_submitted", tool.name)
@@ -215,7 +222,7 @@ class Call:
                     op_id: int = await ex.write_direct(
                         lambda expected, receipt: ops_db.operation_begin_fast(
                             row, expected=expected, v=SCHEMA_VERSION, receipt=receipt),
-                        new_work=True)
+                        new_work=True, hold=True)
                     return op_id, "submitted"
             except ops_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
@@ -232,11 +239,35 @@ class Call:
 
         try:
             with ex.active():
-                result = await ex.write(work, new_work=True)
+                result = await ex.write(work, new_work=True, hold=True)
         except ops_db.OperationIdentityReused as exc:
             raise Nondeterminism(str(exc)) from None
         assert result is not None
         return result
+
+    async def withdraw(self, op_id: int, number: int, *, pending: bool) -> None:
+        """Workflow code cancelled this call (a timeout around ``ctx.call``, a race it lost)
+        while its intent was being written: the write landed, the tool was not called and will
+        not be. The operation is settled as never dispatched (``submitted → failed``, or
+        ``pending → cancelled``: nothing was applied), the journal records the withdrawal, and
+        the cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
+        point, for the same cancellation (:meth:`resume`)."""
+        error = json.dumps({"code": "CALL_WITHDRAWN", "cause": "cancelled",
+                            "message": "workflow code cancelled the call before it was sent"})
+
+        async def work(conn: Conn) -> tuple[None, list[Event]]:
+            if pending:
+                await ops_db.operation_cancel(conn, op_id=op_id, token=self.ex.token,
+                                              error=error)
+            else:
+                await ops_db.operation_fail(conn, op_id=op_id, token=self.ex.token, error=error)
+            return None, [self.event("call.failed", {"op": op_id, "attempt": number,
+                                                     "cause": "cancelled",
+                                                     "reason": "withdrawn", "incident": None})]
+
+        with self.ex.active():
+            await self.ex.write(work)
+        raise asyncio.CancelledError
 
     def stages(self) -> list[tuple[str, Any, float]]:
         app, tool = self.ex.app, self.tool

@@ -108,13 +108,19 @@ class GroupWriter:
 
     async def run_statement(self, statement: Statement) -> Any:
         """Run one statement write in a shared transaction; return ``check``'s value."""
-        return await self._enqueue(statement)
+        return await self.enqueue(statement)
 
     async def run_in_transaction(self, work: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``work(conn)`` inside a shared transaction; return once it has committed."""
-        return cast(T, await self._enqueue(work))
+        return cast(T, await self.enqueue(work))
 
-    async def _enqueue(self, work: Work) -> Any:
+    def enqueue(self, work: Work) -> asyncio.Future[Any]:
+        """Queue a write; the future gets its outcome once its transaction has ended.
+
+        A queued write is written even if nobody awaits it any more: a caller that must know
+        whether its write landed awaits the future through :func:`asyncio.shield`, which a
+        cancellation of the caller does not cancel. (Cancelling the future itself only stops
+        the outcome being delivered: a write already in a batch may still commit.)"""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((work, future, 0))
         # One flusher at a time (a second one measured slower: smaller batches). A task is
@@ -122,7 +128,7 @@ class GroupWriter:
         # always starts a new one.
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
-        return await future
+        return future
 
     async def _flush(self) -> None:
         while self._queue:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -278,6 +279,105 @@ async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql)
         with pytest.raises(ResultTimeout):
             await run.result_async(timeout=0.2)
     assert [o["state"] for o in _ops(sql)] == ["unknown"]
+
+
+@pytest.mark.parametrize("ride", [True, False])
+async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
+        make_app, sql, monkeypatch, ride):
+    """Workflow code cancels a call while its write-ahead is in the group writer: the write
+    lands all the same, so the run must account for it (its next writes are not refused as if
+    the lease were lost), the tool is never called, the operation is settled as never
+    dispatched, and a replay cancels the call at the same point again."""
+    from orchestrator.db.writer import GroupWriter
+
+    app = make_app(receipts_ride=ride)
+    queued = asyncio.Event()
+    enqueue = GroupWriter.enqueue
+
+    def spy(self, work):  # type: ignore[no-untyped-def]
+        queued.set()
+        return enqueue(self, work)
+
+    monkeypatch.setattr(GroupWriter, "enqueue", spy)
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.tool()
+    async def notify(ctx):  # type: ignore[no-untyped-def]
+        called.append("notify")
+        return {"sent": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        call = asyncio.ensure_future(ctx.call(charge))
+        await queued.wait()  # its intent is on its way (the run's first write; set for good)
+        call.cancel()
+        try:
+            await call
+            return "the call was not cancelled"
+        except asyncio.CancelledError:
+            pass
+        await ctx.sleep(1.2)  # long enough to park: the rest happens after a replay
+        return await ctx.call(notify)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == {"sent": True}
+    assert called == ["notify"]
+    ops = sql("SELECT tool_name, state, error FROM orchestrator.operations ORDER BY id")
+    assert [(o["tool_name"], o["state"]) for o in ops] == [("charge", "failed"),
+                                                            ("notify", "committed")]
+    assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
+    journal = sql("SELECT kind, position, payload FROM orchestrator.journal ORDER BY seq")
+    assert [(e["kind"], e["position"]) for e in journal][:3] == [
+        ("call.submitted", 0), ("call.failed", 0), ("timer", 1)]
+    assert journal[1]["payload"]["reason"] == "withdrawn"
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+
+
+async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_step(
+        make_app, sql, monkeypatch):
+    """The same for the receipt's own write (``receipts_ride=False``): it lands, the run's
+    revision follows it, the cancellation reaches the workflow, and the run goes on."""
+    from orchestrator.db.writer import GroupWriter
+
+    app = make_app(receipts_ride=False)
+    writes: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
+    enqueue = GroupWriter.enqueue
+
+    def spy(self, work):  # type: ignore[no-untyped-def]
+        for written in writes:
+            if not written.is_set():
+                written.set()
+                break
+        return enqueue(self, work)
+
+    monkeypatch.setattr(GroupWriter, "enqueue", spy)
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        call = asyncio.ensure_future(ctx.call(charge))
+        await writes[1].wait()  # the second write of the run: the receipt, on its way
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == {"charged": True}
+    assert [o["state"] for o in _ops(sql)] == ["committed", "committed"]
+    # One claim: the worker never lost track of the run (it used to, and the run only went on
+    # once its lease had lapsed and another claim replayed it).
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
 
 
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
