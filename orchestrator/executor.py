@@ -38,7 +38,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take, incident_record
-from orchestrator.db.writer import Statement
+from orchestrator.db.writer import Landing, Statement
 from orchestrator.errors import (
     DatabaseError,
     InvalidRequest,
@@ -321,9 +321,9 @@ class RunExecutor:
         if new_work:
             self.check_room(len(pending) + 1)
         try:
-            landing: asyncio.Future[tuple[T | None, list[Event], datetime | None]]
-            landing = self.worker.writer.enqueue(tx)
-            result, written, cancel_at = await self._landed(landing)
+            outcome: tuple[T | None, list[Event], datetime | None]
+            outcome = await self._landed(self.worker.writer.enqueue(tx))
+            result, written, cancel_at = outcome
         except LeaseLost:
             self.lose_lease("write rejected")
             raise Stop("lease_lost") from None
@@ -381,29 +381,25 @@ class RunExecutor:
                 faults.reach("after_receipt", riding[0].name)
             return result
 
-    async def _landed(self, future: asyncio.Future[T]) -> T:
+    async def _landed(self, landing: Landing) -> Any:
         """The outcome of a queued write, even if the caller is cancelled meanwhile.
 
         The group writer commits a queued write whether or not anyone still waits for it, so
         the caller's bookkeeping (the run's revision, a riding receipt) must follow the write,
-        not the cancellation: the cancellation is held until the write has landed and is then
-        delivered by :meth:`_delivering`. (Abandoning the write instead would leave the run's
-        revision behind the database's: its next write would miss and the run be dropped as
-        if its lease were lost.)"""
+        not the cancellation. A :class:`Landing` cannot be cancelled: a cancelled caller is
+        woken once its write has landed; the cancellation is then held, the outcome returned
+        for the bookkeeping, and :meth:`_delivering` delivers the cancellation. (Abandoning the
+        write instead would leave the run's revision behind the database's: its next write
+        would miss and the run be dropped as if its lease were lost.)"""
         try:
-            return await asyncio.shield(future)
+            return await landing
         except asyncio.CancelledError:
-            if future.cancelled():
+            if not landing.done():
                 raise
         task = asyncio.current_task()
         if task is not None:
             self._held.add(task)
-        while True:
-            try:
-                return await asyncio.shield(future)
-            except asyncio.CancelledError:
-                if future.cancelled():
-                    raise
+        return landing.result()
 
     @contextlib.contextmanager
     def _delivering(self, hold: bool = False) -> Iterator[None]:

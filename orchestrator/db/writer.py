@@ -88,6 +88,16 @@ def row_text(scalars: dict[str, Any], **raw: str) -> str:
     return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
 
 
+class Landing(asyncio.Future[Any]):
+    """The outcome of a queued write. It cannot be cancelled: a queued write is written whether
+    or not anyone still waits for it (a write already in a batch cannot be taken back), so a
+    task cancelled while it awaits one is woken only once the write has landed, with
+    ``CancelledError``, and can still read the outcome here (``result()``)."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
 Work = Callable[[Conn], Awaitable[Any]] | Statement
 Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
 Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]  # a write's value or error
@@ -114,14 +124,10 @@ class GroupWriter:
         """Run ``work(conn)`` inside a shared transaction; return once it has committed."""
         return cast(T, await self.enqueue(work))
 
-    def enqueue(self, work: Work) -> asyncio.Future[Any]:
-        """Queue a write; the future gets its outcome once its transaction has ended.
-
-        A queued write is written even if nobody awaits it any more: a caller that must know
-        whether its write landed awaits the future through :func:`asyncio.shield`, which a
-        cancellation of the caller does not cancel. (Cancelling the future itself only stops
-        the outcome being delivered: a write already in a batch may still commit.)"""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    def enqueue(self, work: Work) -> Landing:
+        """Queue a write; the returned :class:`Landing` gets its outcome once its transaction
+        has ended."""
+        future = Landing(loop=asyncio.get_running_loop())
         self._queue.append((work, future, 0))
         # One flusher at a time (a second one measured slower: smaller batches). A task is
         # done in the very step its loop finds the queue empty, so a write queued after that

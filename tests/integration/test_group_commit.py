@@ -40,6 +40,38 @@ async def test_a_rejected_write_rolls_back_alone(app, sql):
     await app.database.close()
 
 
+async def test_a_cancelled_caller_wakes_only_once_its_write_has_landed(app, sql):
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    writer = GroupWriter(app.database)
+    started = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def slow(conn):  # type: ignore[no-untyped-def]
+        started.set()
+        await go_on.wait()
+        await conn.execute("INSERT INTO public.marks VALUES ('kept')")
+        return "kept"
+
+    landing = writer.enqueue(slow)
+
+    async def wait():  # type: ignore[no-untyped-def]
+        return await landing
+
+    caller = asyncio.ensure_future(wait())
+    await started.wait()
+    caller.cancel()
+    await asyncio.sleep(0.05)
+    assert not caller.done() and not landing.cancelled()  # still waiting for the commit
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert landing.result() == "kept"  # the outcome is still there for the caller to read
+    assert sql("SELECT name FROM public.marks") == [{"name": "kept"}]
+    await app.database.close()
+
+
 async def test_writes_that_arrive_during_a_commit_form_the_next_batch(app, sql):
     from orchestrator.db.writer import GroupWriter
 
