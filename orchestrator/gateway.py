@@ -312,9 +312,12 @@ class Call:
                 "op": op_id, "key": key, "effect": self.tool.effect})]
 
         with ex.active():
-            status = await ex.write(submit)
+            status = await ex.write(submit, hold=True)
+        withdrawn = ex.take_held_cancel()
         if status == "cancelled":
             ex.stop_cancelled()
+        if withdrawn:
+            await self.withdraw(op_id, number, pending=False)
 
     async def admissible(self, op_id: int) -> None:
         """Before and after each stage and just before dispatch: a cancelled run, or one whose

@@ -281,21 +281,25 @@ async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql)
     assert [o["state"] for o in _ops(sql)] == ["unknown"]
 
 
-@pytest.mark.parametrize("ride", [True, False])
+@pytest.mark.parametrize(("ride", "gated"), [(True, False), (False, False), (True, True)])
 async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
-        make_app, sql, monkeypatch, ride):
-    """Workflow code cancels a call while its write-ahead is in the group writer: the write
-    lands all the same, so the run must account for it (its next writes are not refused as if
-    the lease were lost), the tool is never called, the operation is settled as never
+        make_app, sql, monkeypatch, ride, gated):
+    """Workflow code cancels a call while its write-ahead ``submitted`` is in the group writer
+    (the run's first write; with a policy stage, its second, after the ``pending`` intent): the
+    write lands all the same, so the run must account for it (its next writes are not refused
+    as if the lease were lost), the tool is never called, the operation is settled as never
     dispatched, and a replay cancels the call at the same point again."""
     from orchestrator.db.writer import GroupWriter
 
     app = make_app(receipts_ride=ride)
-    queued = asyncio.Event()
+    writes: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
     enqueue = GroupWriter.enqueue
 
     def spy(self, work):  # type: ignore[no-untyped-def]
-        queued.set()
+        for written in writes:
+            if not written.is_set():
+                written.set()
+                break
         return enqueue(self, work)
 
     monkeypatch.setattr(GroupWriter, "enqueue", spy)
@@ -306,6 +310,11 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
         called.append("charge")
         return {"charged": True}
 
+    if gated:
+        @charge.authorize
+        async def gate(pctx):  # type: ignore[no-untyped-def]
+            return True
+
     @app.tool()
     async def notify(ctx):  # type: ignore[no-untyped-def]
         called.append("notify")
@@ -314,7 +323,8 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         call = asyncio.ensure_future(ctx.call(charge))
-        await queued.wait()  # its intent is on its way (the run's first write; set for good)
+        # `submitted` is on its way (events stay set: a replay writes nothing here)
+        await writes[1 if gated else 0].wait()
         call.cancel()
         try:
             await call
@@ -333,9 +343,11 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
                                                             ("notify", "committed")]
     assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
     journal = sql("SELECT kind, position, payload FROM orchestrator.journal ORDER BY seq")
-    assert [(e["kind"], e["position"]) for e in journal][:3] == [
+    kinds = [(e["kind"], e["position"]) for e in journal]
+    assert kinds[:4 if gated else 3] == [
+        *([("call.pending", 0)] if gated else []),
         ("call.submitted", 0), ("call.failed", 0), ("timer", 1)]
-    assert journal[1]["payload"]["reason"] == "withdrawn"
+    assert journal[kinds.index(("call.failed", 0))]["payload"]["reason"] == "withdrawn"
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
 
 
