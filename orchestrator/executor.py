@@ -11,10 +11,11 @@ Every write is fenced by the lease token and the expected revision; a rejected w
 lease is gone and the executor stops touching the run.
 
 A call's receipt rides with the run's next write (:meth:`RunExecutor.defer_receipt`): the next
-call's write-ahead ``submitted`` or the run's success commits it in the same fenced row, so an
-effect step costs one write, not two. Anything else the run writes, parks or ends on writes it
-first, and so does the moment the workflow awaits anything but a write; until then the
-operation is ``submitted``, exactly as if the worker had died before the receipt's commit.
+call's write-ahead ``submitted`` or the run's success commits it in the same fenced row, and the
+run's park or any other end in the same transaction, so an effect step costs one write, not
+two. Any other write of the run writes it first, and so does the moment the workflow awaits
+anything but a write or a park; until then the operation is ``submitted``, exactly as if the
+worker had died before the receipt's commit.
 """
 
 from __future__ import annotations
@@ -438,9 +439,10 @@ class RunExecutor:
         A workflow usually goes straight on to its next call or to its end, and that write
         commits the receipt in the same statement: one fenced write per effect step instead of
         two. Whatever else the workflow does first, the receipt does not wait for it: when the
-        workflow yields to the event loop with the receipt still unwritten (it awaits a timer,
-        another branch, anything), the receipt is written alone at once. Every other write,
-        parking and every end of the run write it first."""
+        workflow yields to the event loop with the receipt still unwritten (it awaits another
+        branch, anything in memory), the receipt is written alone at once, unless every branch
+        now waits on the database: then the park, which comes next, carries it. Every other
+        write writes it first; parking and every end of the run carry it (_last_write)."""
         self._receipts.append((receipt, value))
         if not self._settle_scheduled:
             self._settle_scheduled = True
@@ -450,9 +452,11 @@ class RunExecutor:
         self._settle_scheduled = False
         if not self._receipts or self.ending or self.parking:
             return  # carried already, or the end (or parking) under way writes it first
-        if self._task is not None and self._task.done() and self._active == 0:
-            return  # the workflow has just finished, nothing else is in flight: its end, which
-            # comes next, carries the receipt (a branch still in flight would delay that end)
+        if self._active == 0 and (self._waits or (self._task is not None and self._task.done())):
+            return  # the workflow has just finished, or every branch waits on the database, and
+            # nothing else is in flight: its end or its park, which comes next, carries the
+            # receipt (_last_write; _drive writes it alone if the park does not happen). With a
+            # branch in flight, that end would wait for the branch: the receipt goes now.
         self._settler = asyncio.ensure_future(self._settle_in_background())
 
     async def _settle_in_background(self) -> None:
@@ -752,6 +756,8 @@ class RunExecutor:
                         await task
                     await self._park_run()
                     return
+                if self._receipts and not task.done():  # no park after all: see _settle_soon
+                    self._settler = asyncio.ensure_future(self._settle_in_background())
         while self._active:  # other branches still have work in flight: let it land
             await self._changed.wait()
             self._changed.clear()
@@ -806,19 +812,49 @@ class RunExecutor:
         return True
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
-        if not await self.settle():
-            return
-
-        async def tx(conn: Conn) -> None:
-            if self._buffer:
+        async def last(conn: Conn, events: list[Event]) -> None:
+            if events:
                 await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
-                                             expected=self.revision, events=self._buffer)
+                                             expected=self.revision, events=events)
             await final(conn)
 
         try:
-            await self.worker.writer.run_in_transaction(tx)
+            await self._last_write(last)
         except LeaseLost:
             self.lose_lease("parking rejected")
+
+    async def _last_write(self, final: Callable[[Conn, list[Event]], Awaitable[None]]) -> bool:
+        """The run's last write in this process (parking it, or an end other than the fast
+        success): ``final(conn, events)`` appends ``events`` and writes the run's new state.
+
+        Receipts still riding go in the same transaction, first (each ``submitted →
+        committed`` with its ``call.completed`` ahead of the buffered events), so a run that
+        parks right after a call commits once, not twice. If that transaction fails for any
+        reason, the receipts are written alone first, as anywhere else (that path tells what
+        is wrong with them), and then the write without them. False when the lease is gone
+        (nothing more written)."""
+        async def tx(conn: Conn, riding: list[tuple[ops_db.Receipt, Any]]) -> None:
+            events: list[Event] = []
+            for receipt, value in riding:
+                _, done = await self.commit_work(receipt, value)(conn)
+                events += done
+            await final(conn, events + self._buffer)
+
+        riding = [] if self.lost else list(self._receipts)
+        if riding:
+            try:
+                await self.worker.writer.run_in_transaction(lambda conn: tx(conn, riding))
+            except Exception:  # noqa: BLE001, S110 - retried below, receipts first and alone
+                pass
+            else:
+                del self._receipts[: len(riding)]
+                for receipt, _ in riding:
+                    faults.reach("after_receipt", receipt.name)
+                return True
+        if not await self.settle():
+            return False
+        await self.worker.writer.run_in_transaction(lambda conn: tx(conn, []))
+        return True
 
     # -- outcomes ----------------------------------------------------------------------------
 
@@ -923,20 +959,18 @@ class RunExecutor:
     async def _terminal(self, status: str, code: str | None, result: str | None,
                         error: str | None, ev: Event,
                         extra: Callable[[Conn], Awaitable[None]] | None = None) -> None:
-        if not await self.settle():
-            return
-
-        async def tx(conn: Conn) -> None:
+        async def last(conn: Conn, events: list[Event]) -> None:
             if extra is not None:
                 await extra(conn)
             await ops_db.operation_enqueue_unlisted(conn, run_id=self.run_id)
             await runs_db.journal_append(conn, run_id=self.run_id, token=self.token,
-                                         expected=self.revision, events=[*self._buffer, ev])
+                                         expected=self.revision, events=[*events, ev])
             await runs_db.run_finish(conn, run_id=self.run_id, token=self.token, status=status,
                                      outcome_code=code, result=result, error=error)
 
         try:
-            await self.worker.writer.run_in_transaction(tx)
+            if not await self._last_write(last):
+                return
         except runs_db.UnsettledOperations:
             if await self._strand():
                 return
