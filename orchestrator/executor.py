@@ -123,6 +123,9 @@ class RunExecutor:
     def __init__(self, worker: Worker, claim: dict[str, Any], journal: list[Event]) -> None:
         self.worker = worker
         self.app = worker.app
+        # The worker's loop. Kept: asyncio's own lookup of the running loop makes a getpid()
+        # system call each time on Python 3.11, and this is on every step's path.
+        self.loop = asyncio.get_running_loop()
         self.db = worker.app.database
         self.run_id: uuid.UUID = claim["id"]
         self.owner = Owner(tenant=claim["tenant"], principal=claim["principal"])
@@ -195,8 +198,8 @@ class RunExecutor:
         is cancelled; the timer and the listener are cleaned up on every path. (One task and
         one future per call: this is on every step's path.)
         """
-        loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(coro)
+        loop = self.loop
+        task = loop.create_task(coro) if asyncio.iscoroutine(coro) else asyncio.ensure_future(coro)
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake(_: object = None) -> None:
@@ -423,6 +426,8 @@ class RunExecutor:
     def take_held_cancel(self) -> bool:
         """Whether the current task was cancelled while a write of its own was in flight (see
         :meth:`_landed`); the caller now owns that cancellation."""
+        if not self._held:
+            return False  # the common case, without asking asyncio for the current task
         task = asyncio.current_task()
         if task is not None and task in self._held:
             self._held.discard(task)
@@ -446,7 +451,7 @@ class RunExecutor:
         self._receipts.append((receipt, value))
         if not self._settle_scheduled:
             self._settle_scheduled = True
-            asyncio.get_running_loop().call_soon(self._settle_soon)
+            self.loop.call_soon(self._settle_soon)
 
     def _settle_soon(self) -> None:
         self._settle_scheduled = False
@@ -457,7 +462,7 @@ class RunExecutor:
             # nothing else is in flight: its end or its park, which comes next, carries the
             # receipt (_last_write; _drive writes it alone if the park does not happen). With a
             # branch in flight, that end would wait for the branch: the receipt goes now.
-        self._settler = asyncio.ensure_future(self._settle_in_background())
+        self._settler = self.loop.create_task(self._settle_in_background())
 
     async def _settle_in_background(self) -> None:
         with self.active():  # the run is not parked or ended while this is in flight
@@ -712,7 +717,7 @@ class RunExecutor:
         depth = self._active_depth.get(wait.position, 0)
         self._active -= depth
         self._changed.set()
-        parked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        parked: asyncio.Future[None] = self.loop.create_future()
         self._parked.append(parked)
         try:
             await parked  # cancelled when the run is parked
@@ -757,7 +762,7 @@ class RunExecutor:
                     await self._park_run()
                     return
                 if self._receipts and not task.done():  # no park after all: see _settle_soon
-                    self._settler = asyncio.ensure_future(self._settle_in_background())
+                    self._settler = self.loop.create_task(self._settle_in_background())
         while self._active:  # other branches still have work in flight: let it land
             await self._changed.wait()
             self._changed.clear()

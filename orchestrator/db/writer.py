@@ -112,6 +112,7 @@ class GroupWriter:
         self.attempts = attempts
         self._queue: list[tuple[Work, asyncio.Future[Any], int]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first write
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
         self.statements = 0  # set-based statements sent for Statement writes
@@ -127,13 +128,16 @@ class GroupWriter:
     def enqueue(self, work: Work) -> Landing:
         """Queue a write; the returned :class:`Landing` gets its outcome once its transaction
         has ended."""
-        future = Landing(loop=asyncio.get_running_loop())
+        loop = self._loop
+        if loop is None:  # asyncio's lookup costs a getpid() system call on Python 3.11
+            loop = self._loop = asyncio.get_running_loop()
+        future = Landing(loop=loop)
         self._queue.append((work, future, 0))
         # One flusher at a time (a second one measured slower: smaller batches). A task is
         # done in the very step its loop finds the queue empty, so a write queued after that
         # always starts a new one.
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+            self._flusher = loop.create_task(self._flush())
         return future
 
     async def _flush(self) -> None:
