@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -84,8 +85,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
         options["lease_ttl"] = args.lease_ttl
     print(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
           "SIGTERM drains", flush=True)
+    settle_garbage_collector()
     app.run_worker(**options)
     return 0
+
+
+GC_YOUNG_THRESHOLD = 20_000
+"""Allocations between two collections of the youngest generation in a worker process
+(Python's default is 700). A step allocates hundreds of short-lived containers (tasks, futures,
+rows) that reference counting frees anyway; collecting every 700 made the collector a visible
+share of a busy worker's CPU."""
+
+
+def settle_garbage_collector() -> None:
+    """For a worker process (its own, so process-wide settings are ours to choose): what is
+    loaded by now (modules, the application, its registry) lives as long as the process, so it
+    is moved out of the collector's way (``gc.freeze``), and young generations are collected
+    less often. Reference cycles are still collected, a little later."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
