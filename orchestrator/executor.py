@@ -267,7 +267,9 @@ class RunExecutor:
             self._active -= 1
             if position is not None:
                 self._active_depth[position] -= 1
-            self._changed.set()
+            if self._active == 0 and (self._waits or (self._task is not None
+                                                      and self._task.done())):
+                self._changed.set()  # what _drive waits for: it may park or finish now
 
     # -- writes ------------------------------------------------------------------------------
 
