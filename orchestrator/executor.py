@@ -128,6 +128,7 @@ class RunExecutor:
         self.loop = asyncio.get_running_loop()
         self.db = worker.app.database
         self.run_id: uuid.UUID = claim["id"]
+        self.run_text = str(self.run_id)  # UUID.__str__ is slow Python; keys use it per call
         self.owner = Owner(tenant=claim["tenant"], principal=claim["principal"])
         self.owner_text = canonical.canonical_json(self.owner.as_dict())
         self.token: int = claim["lease_token"]

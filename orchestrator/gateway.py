@@ -86,7 +86,7 @@ class Call:
         return event(kind, self.position, self.tool.name, payload)
 
     def key_for(self, attempt: int) -> str:
-        return f"{self.ex.run_id}:{self.position}:{attempt}"
+        return f"{self.ex.run_text}:{self.position}:{attempt}"
 
     # -- the whole call ----------------------------------------------------------------------
 
