@@ -16,8 +16,8 @@ to the server as *one* statement that fences, writes and appends per row and ret
 row per input row (by its position in the array). Each row is still checked on its own, by the
 statement itself (a row that did not apply raises, so the transaction cannot commit); what is
 shared is the round trip and the per-statement work, which is what a busy worker spends its CPU
-on. A batch of statements is one round trip: BEGIN, the statements and COMMIT are pipelined
-and the worker waits once.
+on. A batch of statements is one round trip: the statements are pipelined, committed together
+at the pipeline's Sync, and the worker waits once.
 """
 
 from __future__ import annotations
@@ -200,13 +200,16 @@ class GroupWriter:
 
     async def _commit_statements(self, conn: Conn, groups: list[Group],
                                  values: list[Outcome]) -> None:
-        """BEGIN, every group's statement and COMMIT in one pipeline: one round trip. A row
-        that does not apply makes its statement raise (``row_applied``), so COMMIT never runs
-        after a miss; the rows' results are read once the transaction has committed."""
+        """Every group's statement in one pipeline: one round trip, one transaction. The
+        connection is in autocommit mode and the pipeline ends with a single Sync, and in the
+        extended query protocol everything up to a Sync is one transaction, committed at the
+        Sync (no BEGIN or COMMIT to send). A row that does not apply makes its statement raise
+        (``row_applied``), which aborts that transaction: nothing of the batch is committed.
+        The rows' results are read once it has committed."""
+        if not conn.autocommit:  # psycopg would open a transaction that nothing commits
+            raise DatabaseError("the group writer needs connections in autocommit mode")
         async with conn.pipeline():
-            await conn.execute("BEGIN")
             cursors = await self._send(conn, groups)
-            await conn.execute("COMMIT")
         await _read(groups, cursors, values)
 
     async def _statements(self, conn: Conn, groups: list[Group],
