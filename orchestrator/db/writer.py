@@ -271,8 +271,8 @@ def _miss(work: Work, future: asyncio.Future[Any], exc: BaseException) -> Outcom
 
 
 async def _roll_back(conn: Conn) -> None:
-    """End a transaction left open by an error inside a pipeline (an explicit BEGIN that
-    failed before its COMMIT); nothing to do when the server ended it already."""
+    """End a transaction that an error may have left open, so that the connection goes back to
+    the pool idle; nothing to do when the server ended it already (a pipeline's Sync does)."""
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         await conn.execute("ROLLBACK")
 
