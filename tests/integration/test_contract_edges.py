@@ -281,17 +281,11 @@ async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql)
     assert [o["state"] for o in _ops(sql)] == ["unknown"]
 
 
-@pytest.mark.parametrize(("ride", "gated"), [(True, False), (False, False), (True, True)])
-async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
-        make_app, sql, monkeypatch, ride, gated):
-    """Workflow code cancels a call while its write-ahead ``submitted`` is in the group writer
-    (the run's first write; with a policy stage, its second, after the ``pending`` intent): the
-    write lands all the same, so the run must account for it (its next writes are not refused
-    as if the lease were lost), the tool is never called, the operation is settled as never
-    dispatched, and a replay cancels the call at the same point again."""
+def _watch_writes(monkeypatch):  # type: ignore[no-untyped-def]
+    """Events set as the worker's group writer gets the first and the second write (they stay
+    set: a replay writes nothing at those points)."""
     from orchestrator.db.writer import GroupWriter
 
-    app = make_app(receipts_ride=ride)
     writes: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
     enqueue = GroupWriter.enqueue
 
@@ -303,6 +297,19 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
         return enqueue(self, work)
 
     monkeypatch.setattr(GroupWriter, "enqueue", spy)
+    return writes
+
+
+@pytest.mark.parametrize(("ride", "gated"), [(True, False), (False, False), (True, True)])
+async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
+        make_app, sql, monkeypatch, ride, gated):
+    """Workflow code cancels a call while its write-ahead ``submitted`` is in the group writer
+    (the run's first write; with a policy stage, its second, after the ``pending`` intent): the
+    write lands all the same, so the run must account for it (its next writes are not refused
+    as if the lease were lost), the tool is never called, the operation is settled as never
+    dispatched, and a replay cancels the call at the same point again."""
+    app = make_app(receipts_ride=ride)
+    writes = _watch_writes(monkeypatch)
     called: list[str] = []
 
     @app.tool()
@@ -355,20 +362,8 @@ async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_st
         make_app, sql, monkeypatch):
     """The same for the receipt's own write (``receipts_ride=False``): it lands, the run's
     revision follows it, the cancellation reaches the workflow, and the run goes on."""
-    from orchestrator.db.writer import GroupWriter
-
     app = make_app(receipts_ride=False)
-    writes: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
-    enqueue = GroupWriter.enqueue
-
-    def spy(self, work):  # type: ignore[no-untyped-def]
-        for written in writes:
-            if not written.is_set():
-                written.set()
-                break
-        return enqueue(self, work)
-
-    monkeypatch.setattr(GroupWriter, "enqueue", spy)
+    writes = _watch_writes(monkeypatch)
 
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.integration.conftest import running, wait_for
 
 
@@ -242,29 +244,13 @@ async def test_a_receipt_does_not_wait_for_a_slow_sibling_after_the_workflow_fai
     assert run.id
 
 
-async def test_a_run_that_parks_after_a_call_commits_the_receipt_with_its_park(app, sql):
-    """Every branch waits on the database right after a call (a durable timer here): the
-    park's transaction carries the receipt, one commit instead of two."""
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        return {"charged": True}
-
-    @app.workflow()
-    async def pay(ctx, data):  # type: ignore[no-untyped-def]
-        receipt = await ctx.call(charge)
-        await ctx.sleep(60)
-        return receipt
-
-    async with running(app) as worker:
-        await app.submit_async(pay, {})
-        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
-                       == "waiting")
-        assert worker.writer.writes == 2  # the call's `submitted`; the park with the receipt
-    assert [o["state"] for o in _ops(sql)] == ["committed"]
-    assert _journal(sql) == [("call.submitted", 0), ("call.completed", 0), ("timer", 1)]
-
-
-async def test_a_run_that_fails_after_a_call_commits_the_receipt_with_its_end(app, sql):
+@pytest.mark.parametrize(("then", "status", "last"), [
+    ("sleep", "waiting", ("timer", 1)), ("raise", "failed", ("run.failed", None))])
+async def test_the_park_or_end_right_after_a_call_carries_its_receipt(app, sql, then, status,
+                                                                     last):
+    """Every branch waits on the database right after a call (a durable timer here), or the
+    workflow fails: the park's or the end's transaction carries the receipt, one commit
+    instead of two."""
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
         return {"charged": True}
@@ -272,13 +258,14 @@ async def test_a_run_that_fails_after_a_call_commits_the_receipt_with_its_end(ap
     @app.workflow()
     async def pay(ctx, data):  # type: ignore[no-untyped-def]
         await ctx.call(charge)
+        if then == "sleep":
+            await ctx.sleep(60)
         raise RuntimeError("after the charge")
 
     async with running(app) as worker:
         await app.submit_async(pay, {})
         await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
-                       == "failed")
-        assert worker.writer.writes == 2  # the call's `submitted`; the end with the receipt
+                       == status)
+        assert worker.writer.writes == 2  # the call's `submitted`; the park or end (+ receipt)
     assert [o["state"] for o in _ops(sql)] == ["committed"]
-    assert _journal(sql) == [("call.submitted", 0), ("call.completed", 0),
-                             ("run.failed", None)]
+    assert _journal(sql) == [("call.submitted", 0), ("call.completed", 0), last]
