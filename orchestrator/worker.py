@@ -32,6 +32,9 @@ log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
 HEARTBEAT_INTERVAL = 0.25  # at most; a worker's liveness is judged by it (one row per beat)
 DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a worker is dead
+# Seconds a stopping worker waits, after its drain timeout, for writes in flight to land before
+# it gives up on them (GroupWriter.abandon).
+WRITE_GRACE = 5.0
 # A busy worker claims at most this often: under a stream of submissions every NOTIFY wakes
 # every worker, and claiming once per wake-up would cost a transaction per run. An idle worker
 # claims at once.
@@ -256,3 +259,7 @@ class Worker:
             for task in pending:
                 with contextlib.suppress(BaseException):
                     await task
+        # A workflow cancelled while its write is in flight wakes once the write has landed
+        # (its bookkeeping must follow the write); a database that does not answer must not
+        # hold the stop for as long as the writer's own attempts would take.
+        await self.writer.drain(WRITE_GRACE)

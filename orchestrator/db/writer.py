@@ -113,6 +113,8 @@ class GroupWriter:
         self._queue: list[tuple[Work, asyncio.Future[Any], int]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first write
+        self._in_flight: list[tuple[Work, asyncio.Future[Any], int]] = []  # the batch sent
+        self._abandoned: str | None = None  # why nothing more is written (see abandon)
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
         self.statements = 0  # set-based statements sent for Statement writes
@@ -132,6 +134,9 @@ class GroupWriter:
         if loop is None:  # asyncio's lookup costs a getpid() system call on Python 3.11
             loop = self._loop = asyncio.get_running_loop()
         future = Landing(loop=loop)
+        if self._abandoned is not None:  # the worker is stopping: nothing more is written
+            future.set_exception(DatabaseError(self._abandoned))
+            return future
         self._queue.append((work, future, 0))
         # One flusher at a time (a second one measured slower: smaller batches). A task is
         # done in the very step its loop finds the queue empty, so a write queued after that
@@ -143,8 +148,34 @@ class GroupWriter:
     async def _flush(self) -> None:
         while self._queue:
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
-            if not await self._write(batch):
+            self._in_flight = batch
+            try:
+                written = await self._write(batch)
+            finally:
+                self._in_flight = []
+            if not written:
                 await asyncio.sleep(0.1)  # the database is having trouble: do not spin
+
+    async def drain(self, timeout: float) -> None:
+        """Let the writes queued or in flight land for up to ``timeout`` seconds, then
+        :meth:`abandon` whatever is left (nothing, normally)."""
+        if self._flusher is not None and not self._flusher.done():
+            await asyncio.wait([self._flusher], timeout=timeout)
+        if self._queue or self._in_flight:
+            self.abandon("the worker stopped before the database answered")
+
+    def abandon(self, reason: str) -> None:
+        """Answer every write still waiting, and every later one, with :class:`DatabaseError`:
+        for a worker that must stop and cannot wait for the database any longer. A queued write was
+        never sent; one in flight may or may not have committed, which its run's fence settles
+        (the run is dropped here and replayed from its journal elsewhere)."""
+        self._abandoned = reason
+        for _, future, _ in [*self._in_flight, *self._queue]:
+            if not future.done():
+                future.set_exception(DatabaseError(reason))
+        self._queue.clear()
+        if self._flusher is not None:
+            self._flusher.cancel()
 
     async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], int]]) -> bool:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back

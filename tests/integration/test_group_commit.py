@@ -399,3 +399,43 @@ async def test_a_success_carrying_one_receipt_still_refuses_another_unsettled_ca
     assert sorted(o["state"] for o in sql("SELECT state FROM orchestrator.operations")) == [
         "submitted", "submitted"]
     await app.database.close()
+
+
+async def test_a_stopping_worker_does_not_wait_forever_for_a_database_that_does_not_answer(
+        app, sql, monkeypatch):
+    """A run cancelled at the end of a drain wakes only once its write in flight has landed;
+    when the database does not answer, the worker gives up on that write after a grace
+    period (the write's outcome is then unknown: the run is dropped and its lease lapses)."""
+    import time
+
+    from orchestrator import worker as worker_module
+    from orchestrator.db.writer import GroupWriter
+    from tests.integration.conftest import running, wait_for
+
+    never = asyncio.Event()
+    sent = asyncio.Event()
+
+    async def no_answer(self, batch):  # type: ignore[no-untyped-def]
+        sent.set()
+        await never.wait()
+
+    monkeypatch.setattr(GroupWriter, "_together", no_answer)
+    monkeypatch.setattr(worker_module, "WRITE_GRACE", 0.3)
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    started = time.monotonic()
+    async with running(app, drain_timeout=0.2) as worker:
+        run = await app.submit_async(wf, {})
+        await asyncio.wait_for(sent.wait(), 10)
+        assert worker.writer.writes == 0
+    assert time.monotonic() - started < 10  # not the writer's attempts of 30 s each
+    await wait_for(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                               (run.id,))[0]["status"] == "running")
+    assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 0
