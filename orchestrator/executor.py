@@ -465,9 +465,13 @@ class RunExecutor:
             # nothing else is in flight: its end or its park, which comes next, carries the
             # receipt (_last_write; _drive writes it alone if the park does not happen). With a
             # branch in flight, that end would wait for the branch: the receipt goes now.
-        self._settler = self.loop.create_task(self._settle_in_background())
+        self._settle_in_background()
 
-    async def _settle_in_background(self) -> None:
+    def _settle_in_background(self) -> None:
+        """Write the riding receipts alone, in a task of their own (kept referenced)."""
+        self._settler = self.loop.create_task(self._settle_holding_the_run())
+
+    async def _settle_holding_the_run(self) -> None:
         with self.active():  # the run is not parked or ended while this is in flight
             await self.settle()
 
@@ -765,7 +769,7 @@ class RunExecutor:
                     await self._park_run()
                     return
                 if self._receipts and not task.done():  # no park after all: see _settle_soon
-                    self._settler = self.loop.create_task(self._settle_in_background())
+                    self._settle_in_background()
         while self._active:  # other branches still have work in flight: let it land
             await self._changed.wait()
             self._changed.clear()

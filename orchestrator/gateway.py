@@ -115,7 +115,7 @@ class Call:
         if kind == "call.failed" and payload.get("reason") == "withdrawn":
             # Workflow code cancelled this call before it was sent: the same code cancels it
             # again at this point (see withdraw); until then the call does not return.
-            await asyncio.get_running_loop().create_future()
+            await self.ex.loop.create_future()
         if kind in ("call.failed", "call.denied"):
             raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
                              cause=payload.get("cause"), reason=payload.get("reason"),
@@ -191,12 +191,8 @@ class Call:
         stages = self.stages()
         if op_id is None:
             op_id, status = await self.begin(state.number, key, pending=bool(stages))
-            withdrawn = ex.take_held_cancel()
             faults.reach("after_intent", tool.name)
-            if status == "cancelled":
-                ex.stop_cancelled()
-            if withdrawn:
-                await self.withdraw(op_id, state.number, pending=bool(stages))
+            await self.written(op_id, state.number, status, pending=bool(stages))
         if stages or state.pending_op is not None:
             await self.run_stages(op_id, state.number, key, stages)
         faults.reach("after_submitted", tool.name)
@@ -244,6 +240,17 @@ class Call:
             raise Nondeterminism(str(exc)) from None
         assert result is not None
         return result
+
+    async def written(self, op_id: int, number: int, status: str | None, *,
+                      pending: bool) -> None:
+        """After the write of a call's intent (``pending`` or ``submitted``), made with
+        ``hold``: a cancelled run stops here (the operation is ``cancelled``), and a call that
+        workflow code cancelled while the write was in flight is withdrawn."""
+        withdrawn = self.ex.take_held_cancel()
+        if status == "cancelled":
+            self.ex.stop_cancelled()
+        if withdrawn:
+            await self.withdraw(op_id, number, pending=pending)
 
     async def withdraw(self, op_id: int, number: int, *, pending: bool) -> None:
         """Workflow code cancelled this call (a timeout around ``ctx.call``, a race it lost)
@@ -313,11 +320,7 @@ class Call:
 
         with ex.active():
             status = await ex.write(submit, hold=True)
-        withdrawn = ex.take_held_cancel()
-        if status == "cancelled":
-            ex.stop_cancelled()
-        if withdrawn:
-            await self.withdraw(op_id, number, pending=False)
+        await self.written(op_id, number, status, pending=False)
 
     async def admissible(self, op_id: int) -> None:
         """Before and after each stage and just before dispatch: a cancelled run, or one whose
