@@ -439,3 +439,26 @@ async def test_a_stopping_worker_does_not_wait_forever_for_a_database_that_does_
     await wait_for(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = %s",
                                (run.id,))[0]["status"] == "running")
     assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 0
+
+
+async def test_statements_are_committed_by_the_pipeline_sync_only_in_autocommit(app, sql,
+                                                                               migrated_database_url):
+    """A batch of statements is committed by its pipeline's Sync, which holds only for a
+    connection in autocommit mode (otherwise psycopg opens a transaction that nothing would
+    commit): such a connection is refused and nothing is written."""
+    import psycopg
+
+    from orchestrator.db.writer import GroupWriter, _group
+    from orchestrator.errors import DatabaseError
+
+    _marks_tables(sql)
+    writer = GroupWriter(app.database)
+    statement = _mark_statement("x")
+    future = asyncio.get_running_loop().create_future()
+    async with await psycopg.AsyncConnection.connect(migrated_database_url) as conn:
+        assert not conn.autocommit
+        with pytest.raises(DatabaseError):
+            await writer._commit_statements(conn, _group([(statement, future)]), [])
+    assert sql("SELECT name FROM public.marks") == []
+    assert await writer.run_statement(_mark_statement("y")) == "y"  # the pool's: autocommit
+    assert sql("SELECT name FROM public.marks") == [{"name": "y"}]
