@@ -115,14 +115,11 @@ async def run_list(
     return await cur.fetchall()
 
 
+# The oldest ready runs of these workflows, locked, read in the order of ix_runs_claimable
+# (migration 0007 says why a function: a plain SELECT here sorted the whole backlog).
 _CLAIM = f"""
 WITH picked AS (
-    SELECT id FROM {S}.runs
-    WHERE status IN ('queued', 'waiting') AND available_at IS NOT NULL AND available_at <= now()
-      AND workflow_name || '@' || workflow_version = ANY(%(workflows)s)
-    ORDER BY available_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    SELECT {S}.runs_ready(%(workflows)s, %(limit)s) AS id
 )
 UPDATE {S}.runs AS r
 SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 1,

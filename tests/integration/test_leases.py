@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import psycopg
 import pytest
 
 from orchestrator import admin
@@ -184,4 +185,44 @@ async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, s
     assert await worker._renew_leases()
     assert not ending.lost
     assert working.lost and worker.metrics.snapshot()["lease_losses"] == 1
+    await app.database.close()
+
+
+async def test_a_claim_takes_the_oldest_ready_runs_reading_only_the_claimable_index(app, sql):
+    """Oldest first, and without reading (or sorting) the backlog: the ready runs of a claim
+    come off ix_runs_claimable in its order whatever the table's statistics say (none, as after
+    a burst of submissions with autovacuum behind, then fresh ones), so a claim costs the same
+    with 3 or 3,000 runs queued. (A plain SELECT sorted all 3,000 here for 5 of them.)"""
+    _wf(app)
+    # A backlog written directly (only the claim reads it); run i has been ready for i s.
+    sql("""INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                                          workflow_version, input, request_digest, available_at)
+           SELECT gen_random_uuid(), 't', 'p', 'job', '1', jsonb_build_object('i', g), 'd',
+                  now() - make_interval(secs => g)
+           FROM generate_series(1, 3000) AS g""")
+
+    def selection_plan() -> str:
+        conn = psycopg.connect(app.database.target.url, autocommit=True)
+        notices: list[str] = []
+        conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+        conn.execute("LOAD 'auto_explain'")
+        for name, value in (("log_min_duration", "0"), ("log_nested_statements", "on"),
+                            ("log_level", "notice")):
+            conn.execute(f"SET auto_explain.{name} = '{value}'")
+        with conn.transaction(force_rollback=True):
+            got = conn.execute("SELECT orchestrator.runs_ready(ARRAY['job@1'], 5)").fetchall()
+        conn.close()
+        assert len(got) == 5
+        inner = [p for p in notices if "FOR UPDATE SKIP LOCKED" in p]
+        assert inner, notices
+        return inner[0]
+
+    for _statistics in ("none", "fresh"):
+        plan = selection_plan()
+        assert "Index Scan using ix_runs_claimable" in plan, plan
+        assert "Sort" not in plan, plan
+        sql("ANALYZE orchestrator.runs")
+
+    first = await _claim(app, "w1", limit=3)
+    assert sorted(r["input"]["i"] for r in first) == [2998, 2999, 3000]
     await app.database.close()
