@@ -23,7 +23,7 @@ import json
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from orchestrator import canonical, faults
 from orchestrator.context import PolicyContext, ToolContext
@@ -250,12 +250,22 @@ class Call:
         if status == "cancelled":
             self.ex.stop_cancelled()
         if withdrawn:
-            await self.withdraw(op_id, number, pending=pending)
+            await self.given_up(op_id, number, pending=pending)
 
-    async def withdraw(self, op_id: int, number: int, *, pending: bool) -> None:
+    async def given_up(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
+        """The calling task was cancelled before the tool was called. By workflow code: the
+        call is withdrawn. By the executor letting go of the run (parking, a lost lease, a
+        stopping worker whose drain ran out of time): nothing is recorded, the journal decides
+        on the next claim as for a worker that died (a withdrawal there would make the replay
+        wait for a cancellation that workflow code never makes)."""
+        if self.ex.parking or self.ex.lost:
+            raise asyncio.CancelledError
+        await self.withdraw(op_id, number, pending=pending)
+
+    async def withdraw(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
         """Workflow code cancelled this call (a timeout around ``ctx.call``, a race it lost)
-        while its intent was being written: the write landed, the tool was not called and will
-        not be. The operation is settled as never dispatched (``submitted → failed``, or
+        while its intent was being written or a policy stage ran: the tool was not called and
+        will not be. The operation is settled as never dispatched (``submitted → failed``, or
         ``pending → cancelled``: nothing was applied), the journal records the withdrawal, and
         the cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
         point, for the same cancellation (:meth:`resume`)."""
@@ -298,9 +308,12 @@ class Call:
         for name, hook, budget in stages:
             await self.admissible(op_id)
             remaining = ex.remaining()
-            verdict = await ex.race_cancellation(
-                hook(pctx), budget if remaining is None else min(budget, remaining),
-                pctx.cancelled)
+            try:
+                verdict = await ex.race_cancellation(
+                    hook(pctx), budget if remaining is None else min(budget, remaining),
+                    pctx.cancelled)
+            except asyncio.CancelledError:  # while the hook ran: the intent is still pending
+                await self.given_up(op_id, number, pending=True)
             if verdict.cancelled:
                 await self.cancel_pending(op_id)
             if verdict.timed_out or verdict.error is not None or verdict.value is False:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -356,6 +357,110 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
         ("call.submitted", 0), ("call.failed", 0), ("timer", 1)]
     assert journal[kinds.index(("call.failed", 0))]["payload"]["reason"] == "withdrawn"
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+
+
+async def test_a_call_cancelled_during_its_policy_stage_is_withdrawn(app, sql):
+    """Workflow code gives up on a call while its authorize hook runs (the intent is
+    ``pending``, nothing was sent): the operation is settled at once as never dispatched, and
+    a replay, where the hook would answer at once, does not dispatch the call behind the
+    workflow's back: it waits at that call for the same cancellation. (The intent used to stay
+    ``pending``, and the replay ran the stage again and called the tool.)"""
+    called: list[str] = []
+    hooks: list[int] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @charge.authorize
+    async def gate(pctx):  # type: ignore[no-untyped-def]
+        hooks.append(1)
+        if len(hooks) == 1:
+            await asyncio.sleep(5)  # the first time, slower than the workflow will wait
+        return True
+
+    @app.tool()
+    async def notify(ctx):  # type: ignore[no-untyped-def]
+        called.append("notify")
+        return {"sent": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.wait_for(ctx.call(charge), 0.3)
+            return "charged"
+        except TimeoutError:
+            pass
+        await ctx.sleep(1.2)  # long enough to park: the rest happens after a replay
+        return await ctx.call(notify)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == {"sent": True}
+    assert called == ["notify"] and len(hooks) == 1
+    ops = sql("SELECT tool_name, state, error FROM orchestrator.operations ORDER BY id")
+    assert [(o["tool_name"], o["state"]) for o in ops] == [("charge", "cancelled"),
+                                                            ("notify", "committed")]
+    assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
+    journal = sql("SELECT kind, position, payload FROM orchestrator.journal ORDER BY seq")
+    kinds = [(e["kind"], e["position"]) for e in journal]
+    assert kinds[:3] == [("call.pending", 0), ("call.failed", 0), ("timer", 1)]
+    assert journal[1]["payload"]["reason"] == "withdrawn"
+
+
+async def test_a_stopping_worker_does_not_withdraw_a_call_it_cancels(make_app, sql, monkeypatch):
+    """A worker whose drain runs out of time cancels its runs' workflows itself; a call whose
+    intent was being written at that moment was not given up by workflow code, so it must not
+    be recorded as withdrawn (a replay would wait forever for a cancellation that workflow code
+    never makes). The journal is left to decide, as for a worker that died: the operation stays
+    ``submitted`` and the next claim treats it as an uncertain attempt."""
+    from orchestrator.db.writer import GroupWriter, Landing
+
+    app = make_app()
+    stopping: list[Any] = []
+    enqueue = GroupWriter.enqueue
+
+    def late(self, work):  # type: ignore[no-untyped-def]
+        """The run's first write lands only once the stop has cancelled the workflow."""
+        landing = enqueue(self, work)
+        if stopping:
+            return landing
+        worker = app_worker[0]
+        stopping.append(True)
+        worker.request_stop()
+        delayed = Landing(loop=asyncio.get_running_loop())
+
+        def hand_over() -> None:
+            executors = [ex for _, ex in worker._running.values() if ex is not None]
+            if landing.done() and all(ex.parking for ex in executors):
+                if landing.exception() is not None:
+                    delayed.set_exception(landing.exception())  # type: ignore[arg-type]
+                else:
+                    delayed.set_result(landing.result())
+            else:
+                asyncio.get_running_loop().call_later(0.01, hand_over)
+
+        hand_over()
+        return delayed
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    run = await app.submit_async(wf, {})
+    monkeypatch.setattr(GroupWriter, "enqueue", late)
+    worker = app.create_worker(drain_timeout=0.05, poll_interval=0.2)
+    app_worker = [worker]
+    await asyncio.wait_for(worker.run(), 20)
+    journal = sql("SELECT kind, payload FROM orchestrator.journal ORDER BY seq")
+    assert [e["kind"] for e in journal] == ["call.submitted"]
+    assert [o["state"] for o in _ops(sql)] == ["submitted"]
+    assert _status(sql, run)["status"] == "running"  # until its lease lapses
 
 
 async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_step(
