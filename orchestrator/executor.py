@@ -475,11 +475,12 @@ class RunExecutor:
         with self.active():  # the run is not parked or ended while this is in flight
             await self.settle()
 
-    async def settle(self) -> bool:
+    async def settle(self, *, hold: bool = False) -> bool:
         """Write every receipt still riding; False when the lease is gone (the receipts are
         then kept as evidence on their operations, CONTRACT C8). A receipt the database itself
-        refuses is dropped (see :meth:`_settle_locked`) and the others are still written."""
-        with self._delivering():
+        refuses is dropped (see :meth:`_settle_locked`) and the others are still written.
+        ``hold`` as for :meth:`write`."""
+        with self._delivering(hold):
             async with self._write_lock:
                 while True:
                     try:

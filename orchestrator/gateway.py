@@ -437,8 +437,9 @@ class Call:
             ex.defer_receipt(recorded, receipt)
             if not ex.app.receipts_ride:  # written now, alone (or kept as evidence)
                 with ex.active():
-                    if not await ex.settle():
+                    if not await ex.settle(hold=True):
                         raise Stop("lease_lost")
+                self.completed()
             return False
         commit = ex.commit_work(recorded, receipt)
 
@@ -452,11 +453,21 @@ class Call:
 
         try:
             with ex.active():
-                await ex.write(work)
+                await ex.write(work, hold=True)
         except Stop:
             await ex.keep_late_receipt(op_id, receipt, digest)
             raise
+        self.completed()
         return True
+
+    def completed(self) -> None:
+        """After the receipt's own write, made with ``hold``. Workflow code that cancelled the
+        call meanwhile (a timeout around ``ctx.call``) gets the receipt all the same: the call
+        completed and is recorded, and a replay returns that receipt at once, so a workflow
+        that went the cancelled way the first time would take another path on replay. A run
+        that the executor lets go of (parking, a lost lease, a stopping worker) still stops."""
+        if self.ex.take_held_cancel() and (self.ex.parking or self.ex.lost):
+            raise asyncio.CancelledError
 
     # -- after a failure ---------------------------------------------------------------------
 

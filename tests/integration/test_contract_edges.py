@@ -466,7 +466,8 @@ async def test_a_stopping_worker_does_not_withdraw_a_call_it_cancels(make_app, s
 async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_step(
         make_app, sql, monkeypatch):
     """The same for the receipt's own write (``receipts_ride=False``): it lands, the run's
-    revision follows it, the cancellation reaches the workflow, and the run goes on."""
+    revision follows it, and the run goes on (the call returns its receipt: see the next
+    test)."""
     app = make_app(receipts_ride=False)
     writes = _watch_writes(monkeypatch)
 
@@ -490,6 +491,66 @@ async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_st
     # One claim: the worker never lost track of the run (it used to, and the run only went on
     # once its lease had lapsed and another claim replayed it).
     assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
+
+
+@pytest.mark.parametrize("how", ["receipts_ride=False", "idempotent tool"])
+async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
+        make_app, sql, monkeypatch, how):
+    """A timeout around ``ctx.call`` that fires while the receipt is being written (its own
+    write: ``receipts_ride=False``, or an idempotent tool, whose receipts never ride): the call
+    completed and its receipt is recorded, so the workflow gets the receipt, as a replay will
+    (a recorded call returns at once). It used to get the timeout, go another way, and fail
+    with ``NONDETERMINISM`` on the replay."""
+    from orchestrator.db.writer import GroupWriter, Landing
+
+    app = make_app(receipts_ride=how != "receipts_ride=False")
+    enqueue = GroupWriter.enqueue
+    count: list[int] = []
+
+    def slow_second(self, work):  # type: ignore[no-untyped-def]
+        """The run's second write (the receipt) lands 0.6 s late."""
+        landing = enqueue(self, work)
+        count.append(1)
+        if len(count) != 2:
+            return landing
+        loop = asyncio.get_running_loop()
+        late = Landing(loop=loop)
+
+        def hand_over(_: object) -> None:
+            exc = landing.exception()
+            loop.call_later(0.6, late.set_exception if exc else late.set_result,
+                            exc if exc else landing.result())
+
+        landing.add_done_callback(hand_over)
+        return late
+
+    monkeypatch.setattr(GroupWriter, "enqueue", slow_second)
+    called: list[str] = []
+
+    @app.tool(effect="idempotent" if how == "idempotent tool" else "consequential")
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.tool()
+    async def notify(ctx):  # type: ignore[no-untyped-def]
+        called.append("notify")
+        return {"sent": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            got = await asyncio.wait_for(ctx.call(charge), 0.3)
+        except TimeoutError:
+            got = await ctx.call(notify)  # the path a replay would not take
+        await ctx.sleep(1.2)  # long enough to park: the result comes from a replay
+        return got
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == {"charged": True}
+    assert called == ["charge"]
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
 
 
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
