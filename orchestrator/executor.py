@@ -28,7 +28,7 @@ import random
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -288,8 +288,11 @@ class RunExecutor:
     async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
                     *, new_work: bool = False, hold: bool = False) -> T | None:
         """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
-        Receipts still riding are written first (each in its own transaction, see
-        :meth:`defer_receipt`), so the journal keeps the order in which things happened.
+        Receipts still riding go first, in the same transaction (each ``submitted →
+        committed`` with its ``call.completed`` ahead of the other events), so the journal
+        keeps the order in which things happened and a call followed by anything else still
+        costs one commit. If that transaction fails for any reason, the receipts are written
+        alone (that path says what is wrong with them) and then the write without them.
 
         ``new_work`` writes (a call beginning, a child starting) are refused with
         ``JOURNAL_FULL`` unless they leave room for their own outcome and the run's; outcome
@@ -303,11 +306,18 @@ class RunExecutor:
         """
         with self._delivering(hold):
             async with self._write_lock:
+                riding = [] if self.lost else list(self._receipts)
+                if riding:
+                    try:
+                        return await self._write_locked(work, new_work=new_work, riding=riding)
+                    except (Exception, Stop):  # noqa: BLE001 - retried below, receipts alone
+                        pass
                 await self._settle_locked()
                 return await self._write_locked(work, new_work=new_work)
 
     async def _write_locked(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
-                            *, new_work: bool = False, with_buffer: bool = True) -> T | None:
+                            *, new_work: bool = False, with_buffer: bool = True,
+                            riding: Sequence[tuple[ops_db.Receipt, Any]] = ()) -> T | None:
         if self.lost:
             raise Stop("lease_lost")
         pending = list(self._buffer) if with_buffer else []
@@ -315,18 +325,21 @@ class RunExecutor:
         async def tx(conn: Conn) -> tuple[T | None, list[Event], datetime | None]:
             result: T | None = None
             events: list[Event] = []
+            for receipt, value in riding:
+                events += (await self.commit_work(receipt, value)(conn))[1]
+            events += pending
             if work is not None:
-                result, events = await work(conn)
-            all_events = pending + events
+                result, more = await work(conn)
+                events += more
             cancel_at = None
-            if all_events:
+            if events:
                 cancel_at = await runs_db.journal_append(
                     conn, run_id=self.run_id, token=self.token, expected=self.revision,
-                    events=all_events)
-            return result, all_events, cancel_at
+                    events=events)
+            return result, events, cancel_at
 
         if new_work:
-            self.check_room(len(pending) + 1)
+            self.check_room(len(riding) + len(pending) + 1)
         try:
             outcome: tuple[T | None, list[Event], datetime | None]
             outcome = await self._landed(self.worker.writer.enqueue(tx))
@@ -340,9 +353,12 @@ class RunExecutor:
             self.lose_lease("database unavailable")
             raise Stop("lease_lost") from None
         del self._buffer[: len(pending)]
+        del self._receipts[: len(riding)]
         self.revision += len(written)
         if cancel_at is not None:
             self.note_cancel()
+        for receipt, _ in riding:
+            faults.reach("after_receipt", receipt.name)
         return result
 
     async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],

@@ -269,3 +269,55 @@ async def test_the_park_or_end_right_after_a_call_carries_its_receipt(app, sql, 
         assert worker.writer.writes == 2  # the call's `submitted`; the park or end (+ receipt)
     assert [o["state"] for o in _ops(sql)] == ["committed"]
     assert _journal(sql) == [("call.submitted", 0), ("call.completed", 0), last]
+
+
+async def test_a_receipt_rides_with_a_write_of_the_general_path(app, sql):
+    """A call followed by something other than a call or the end (here an event that has
+    already arrived: its wait and its receipt are one write) still costs one commit: the
+    receipt goes first in that write's transaction."""
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        charged = await ctx.call(charge)
+        shipped = await ctx.wait_for_event("shipped")
+        return [charged, shipped]
+
+    run = await app.submit_async(wf, {})
+    await app.send_event_async(run.id, "shipped", {"tracking": "T1"})
+    async with running(app) as worker:
+        assert await run.result_async(timeout=10) == [{"charged": True}, {"tracking": "T1"}]
+        # The call's `submitted`; the receipt with the event's wait and take; the end.
+        assert worker.writer.writes == 3
+    assert _journal(sql) == [
+        ("call.submitted", 0), ("call.completed", 0), ("event.wait", 1),
+        ("event.received", 1), ("run.completed", None)]
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
+
+
+async def test_a_general_write_refused_with_its_receipt_keeps_the_receipt_as_evidence(app,
+                                                                                       sql):
+    """The same write refused by the fence (the lease moved on behind the worker's back): the
+    receipt is not the outcome but it is kept as evidence, as on the fast path, and nothing
+    after it is written."""
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s",
+            (ctx.run_id,))
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(charge)
+        return await ctx.wait_for_event("shipped")
+
+    async with running(app) as worker:
+        await app.submit_async(wf, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.reconciliation_items"))
+        await wait_for(lambda: worker.metrics.snapshot().get("lease_losses", 0) >= 1)
+    assert [o["state"] for o in _ops(sql)] == ["submitted"]
+    assert _journal(sql) == [("call.submitted", 0)]
+    item = sql("SELECT evidence FROM orchestrator.reconciliation_items")[0]
+    assert item["evidence"][0]["receipt"] == {"charged": True}
