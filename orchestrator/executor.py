@@ -28,10 +28,10 @@ import random
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from orchestrator import canonical, faults
 from orchestrator.context import WorkflowContext
@@ -182,7 +182,7 @@ class RunExecutor:
         for wake in list(self._cancel_waiters):
             wake()
 
-    def stop_cancelled(self) -> None:
+    def stop_cancelled(self) -> NoReturn:
         raise Stop("cancelled")
 
     def stop_deadline(self) -> None:
@@ -234,6 +234,24 @@ class RunExecutor:
             await task
         cancelled = self.cancel_requested
         return Verdict(cancelled=cancelled, timed_out=not cancelled)
+
+    async def until_cancelled(self) -> NoReturn:
+        """Wait until the calling task is cancelled (``CancelledError``) or the run is
+        (``Stop``): for the replay of a call that workflow code withdrew."""
+        woken: asyncio.Future[None] = self.loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        self._cancel_waiters.add(wake)
+        try:
+            if self.cancel_requested:
+                wake()
+            await woken
+        finally:
+            self._cancel_waiters.discard(wake)
+        self.stop_cancelled()
 
     def next_position(self) -> int:
         position = self._position
@@ -305,7 +323,7 @@ class RunExecutor:
         (:meth:`take_held_cancel`).
         """
         with self._delivering(hold):
-            async with self._write_lock:
+            async with self._locked():
                 riding = [] if self.lost else list(self._receipts)
                 if riding:
                     try:
@@ -375,7 +393,7 @@ class RunExecutor:
 
     async def _write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
                             new_work: bool) -> Any:
-        async with self._write_lock:
+        async with self._locked():
             if self.lost:
                 raise Stop("lease_lost")
             if self._buffer:  # buffered by another branch while this one waited for the lock
@@ -403,6 +421,33 @@ class RunExecutor:
             if riding is not None:
                 faults.reach("after_receipt", riding[0].name)
             return result
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        """The run's write lock: one write of the run at a time. A caller that workflow code
+        cancels while it waits for the lock (another branch's write is in flight) still makes
+        its write: the cancellation is held as in :meth:`_landed`, so that what the caller was
+        about to record (a call's intent, its receipt) is recorded and the cancellation then
+        handled as for a write in flight (a withdrawn call; a receipt returned), the same on
+        replay. When the executor itself lets go of the run (:meth:`letting_go`), the caller
+        stops at once and writes nothing."""
+        held = False
+        while True:
+            try:
+                await self._write_lock.acquire()
+                break
+            except asyncio.CancelledError:
+                if self.letting_go:
+                    raise
+                held = True
+        if held:
+            task = asyncio.current_task()
+            if task is not None:
+                self._held.add(task)
+        try:
+            yield
+        finally:
+            self._write_lock.release()
 
     async def _landed(self, landing: Landing) -> Any:
         """The outcome of a queued write, even if the caller is cancelled meanwhile.
@@ -441,6 +486,12 @@ class RunExecutor:
             raise
         if not hold and self.take_held_cancel():
             raise asyncio.CancelledError
+
+    @property
+    def letting_go(self) -> bool:
+        """The executor is giving up the run in this process (parking it, its lease lost, the
+        worker draining): a cancellation is then the executor's, not workflow code's."""
+        return self.parking or self.lost or self.draining
 
     def take_held_cancel(self) -> bool:
         """Whether the current task was cancelled while a write of its own was in flight (see
@@ -497,7 +548,7 @@ class RunExecutor:
         refuses is dropped (see :meth:`_settle_locked`) and the others are still written.
         ``hold`` as for :meth:`write`."""
         with self._delivering(hold):
-            async with self._write_lock:
+            async with self._locked():
                 while True:
                     try:
                         await self._settle_locked()
@@ -890,6 +941,8 @@ class RunExecutor:
     async def _finish(self, task: asyncio.Task[Any]) -> None:
         self.ending = True
         exc = task.exception()
+        if isinstance(exc, BaseExceptionGroup):  # asyncio.TaskGroup in workflow code
+            exc = _stop_in(exc) or exc  # a branch's Stop stops the run, as it does alone
         if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):
             await self._stop(exc)  # out of time: unknown operations stay listed for operators
             return
@@ -1018,3 +1071,21 @@ def _error_json(code: str, message: str, incident: str | None = None) -> str:
 
 
 __all__ = ["RunExecutor", "Stop", "Wait", "SchemaUnsupported", "event"]
+
+
+def _stop_in(group: BaseExceptionGroup[BaseException]) -> Stop | None:
+    """The :class:`Stop` a task group of workflow code collected, if any; a lost lease first
+    (nothing more can be written), then in the order the branches raised them."""
+    stops: list[Stop] = []
+
+    def collect(g: BaseExceptionGroup[BaseException]) -> None:
+        for exc in g.exceptions:
+            if isinstance(exc, BaseExceptionGroup):
+                collect(exc)
+            elif isinstance(exc, Stop):
+                stops.append(exc)
+
+    collect(group)
+    lost = [s for s in stops if s.reason == "lease_lost"]
+    return (lost or stops)[0] if stops else None
+

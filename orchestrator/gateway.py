@@ -115,7 +115,7 @@ class Call:
         if kind == "call.failed" and payload.get("reason") == "withdrawn":
             # Workflow code cancelled this call before it was sent: the same code cancels it
             # again at this point (see withdraw); until then the call does not return.
-            await self.ex.loop.create_future()
+            await self.ex.until_cancelled()
         if kind in ("call.failed", "call.denied"):
             raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
                              cause=payload.get("cause"), reason=payload.get("reason"),
@@ -255,10 +255,11 @@ class Call:
     async def given_up(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
         """The calling task was cancelled before the tool was called. By workflow code: the
         call is withdrawn. By the executor letting go of the run (parking, a lost lease, a
-        stopping worker whose drain ran out of time): nothing is recorded, the journal decides
-        on the next claim as for a worker that died (a withdrawal there would make the replay
-        wait for a cancellation that workflow code never makes)."""
-        if self.ex.parking or self.ex.lost:
+        draining worker, whose stop can cancel a task group's other branches): nothing more
+        is recorded, the journal decides on the next claim as for a worker that died (a
+        withdrawal there would make the replay wait for a cancellation that workflow code
+        never makes)."""
+        if self.ex.letting_go:
             raise asyncio.CancelledError
         await self.withdraw(op_id, number, pending=pending)
 
@@ -437,8 +438,10 @@ class Call:
             ex.defer_receipt(recorded, receipt)
             if not ex.app.receipts_ride:  # written now, alone (or kept as evidence)
                 with ex.active():
-                    if not await ex.settle(hold=True):
-                        raise Stop("lease_lost")
+                    settled = await ex.settle(hold=True)
+                if not settled:
+                    ex.take_held_cancel()
+                    raise Stop("lease_lost")
                 self.completed()
             return False
         commit = ex.commit_work(recorded, receipt)
@@ -462,12 +465,18 @@ class Call:
 
     def completed(self) -> None:
         """After the receipt's own write, made with ``hold``. Workflow code that cancelled the
-        call meanwhile (a timeout around ``ctx.call``) gets the receipt all the same: the call
-        completed and is recorded, and a replay returns that receipt at once, so a workflow
-        that went the cancelled way the first time would take another path on replay. A run
-        that the executor lets go of (parking, a lost lease, a stopping worker) still stops."""
-        if self.ex.take_held_cancel() and (self.ex.parking or self.ex.lost):
+        call meanwhile (a timeout around ``ctx.call``, a task group aborting this branch) gets
+        the receipt all the same and the cancellation request is dropped: the call completed
+        and is recorded, and a replay returns that receipt at once, so a workflow that went the
+        cancelled way the first time would take another path on replay. A run that the
+        executor lets go of (parking, a lost lease, a draining worker) still stops."""
+        if not self.ex.take_held_cancel():
+            return
+        if self.ex.letting_go:
             raise asyncio.CancelledError
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
 
     # -- after a failure ---------------------------------------------------------------------
 

@@ -553,6 +553,147 @@ async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
     assert [o["state"] for o in _ops(sql)] == ["committed"]
 
 
+def _slow_first_write(monkeypatch, delay=0.6):  # type: ignore[no-untyped-def]
+    """The first write through the group writer lands ``delay`` seconds late (it commits at
+    once; only the caller hears late), holding the run's write lock that long."""
+    from orchestrator.db.writer import GroupWriter, Landing
+
+    enqueue = GroupWriter.enqueue
+    count: list[int] = []
+
+    def slow(self, work):  # type: ignore[no-untyped-def]
+        landing = enqueue(self, work)
+        count.append(1)
+        if len(count) != 1:
+            return landing
+        loop = asyncio.get_running_loop()
+        late = Landing(loop=loop)
+
+        def hand_over(_: object) -> None:
+            exc = landing.exception()
+            loop.call_later(delay, late.set_exception if exc else late.set_result,
+                            exc if exc else landing.result())
+
+        landing.add_done_callback(hand_over)
+        return late
+
+    monkeypatch.setattr(GroupWriter, "enqueue", slow)
+
+
+async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
+        app, sql, monkeypatch):
+    """Two branches: the first one's write holds the run's write lock while workflow code
+    gives up on the second call, which is still waiting for that lock. The second call's intent
+    is still written and then withdrawn, so the replay waits at that call for the same
+    cancellation instead of sending it. (The call used to leave nothing behind: the replay
+    called the tool.)"""
+    _slow_first_write(monkeypatch)
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx, *, n):  # type: ignore[no-untyped-def]
+        called.append(f"charge {n}")
+        return {"n": n}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        async def patient():  # type: ignore[no-untyped-def]
+            return await ctx.call(charge, n=1)
+
+        async def impatient():  # type: ignore[no-untyped-def]
+            try:
+                return await asyncio.wait_for(ctx.call(charge, n=2), 0.2)
+            except TimeoutError:
+                return "gave up"
+
+        got = await ctx.gather(patient(), impatient())
+        await ctx.sleep(1.2)  # long enough to park: the result comes from a replay
+        return got
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == [{"n": 1}, "gave up"]
+    assert called == ["charge 1"]
+    ops = sql("SELECT position, state, error FROM orchestrator.operations ORDER BY position")
+    assert [(o["position"], o["state"]) for o in ops] == [(0, "committed"), (1, "failed")]
+    assert ops[1]["error"]["code"] == "CALL_WITHDRAWN"
+
+
+async def test_a_drain_stops_a_run_whose_workflow_uses_a_task_group(app, sql):
+    """A draining worker stops a run at its next new step with ``Stop``; in a branch of an
+    ``asyncio.TaskGroup`` that arrives wrapped in an exception group. The run is released for
+    another worker, as without the group. (It used to fail with ``WORKFLOW_FAILED``.)"""
+    started = asyncio.Event()
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await asyncio.sleep(0.5)
+        return 1
+
+    @app.tool()
+    async def fast(ctx):  # type: ignore[no-untyped-def]
+        return 2
+
+    async def steps(ctx):  # type: ignore[no-untyped-def]
+        return [await ctx.call(slow), await ctx.call(fast)]
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        async with asyncio.TaskGroup() as group:
+            task = group.create_task(steps(ctx))
+        return task.result()
+
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(started.wait(), 10)
+    worker.request_stop()
+    await asyncio.wait_for(working, 20)
+    assert _status(sql, run) == {"status": "queued", "outcome_code": None}
+    async with running(app):
+        assert await run.result_async(timeout=20) == [1, 2]
+
+
+async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sql):
+    """The replay of a withdrawn call waits there for workflow code to cancel it again; if
+    the run is cancelled meanwhile, it ends ``cancelled`` instead of waiting for ever."""
+    hooks: list[int] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @charge.authorize
+    async def gate(pctx):  # type: ignore[no-untyped-def]
+        hooks.append(1)
+        await asyncio.sleep(5)
+        return True
+
+    executions: list[int] = []
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        executions.append(1)
+        call = asyncio.ensure_future(ctx.call(charge))
+        if len(executions) == 1:
+            await asyncio.sleep(0.3)
+            call.cancel()  # withdrawn during its policy stage, the first time only
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await ctx.sleep(1.2)  # long enough to park: what follows is a replay
+        return "done"
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.journal WHERE kind = 'timer'"))
+        await wait_for(lambda: _status(sql, run)["status"] == "running", timeout=15)
+        await asyncio.sleep(0.5)  # the replay now waits at the withdrawn call
+        await run.cancel_async()
+        await wait_for(lambda: _status(sql, run)["status"] == "cancelled", timeout=15)
+    assert len(hooks) == 1 and len(executions) == 2
+
+
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
     app = make_app(lease_ttl=30.0)
     started = asyncio.Event()
