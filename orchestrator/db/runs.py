@@ -116,7 +116,10 @@ async def run_list(
 
 
 # The oldest ready runs of these workflows, locked, read in the order of ix_runs_claimable
-# (migration 0007 says why a function: a plain SELECT here sorted the whole backlog).
+# (migration 0007 says why a function: a plain SELECT here sorted the whole backlog). The
+# function's statement reads with a snapshot a moment younger than the UPDATE's: a run that
+# became ready in between is locked but not claimed, and stays ready; the NOTIFY that made it
+# ready comes after this claim began, so the worker claims again.
 _CLAIM = f"""
 WITH picked AS (
     SELECT {S}.runs_ready(%(workflows)s, %(limit)s) AS id
