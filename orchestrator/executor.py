@@ -142,6 +142,7 @@ class RunExecutor:
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
         self.lost = False
         self.draining = False
+        self.drain_stopped = False  # boundary() stopped a branch for the drain
         self.ending = False  # its final write (outcome, park, release) is under way
         self._position = 0
         self._buffer: list[Event] = []
@@ -267,6 +268,7 @@ class RunExecutor:
         if self.deadline_at is not None and self.now() >= self.deadline_at:
             raise Stop("deadline")
         if self.draining:
+            self.drain_stopped = True  # branches a task group now cancels are the engine's
             raise Stop("drain")
 
     def remaining(self) -> float | None:
@@ -304,7 +306,8 @@ class RunExecutor:
         self._buffer.append(ev)
 
     async def write(self, work: Callable[[Conn], Awaitable[tuple[T, list[Event]]]] | None,
-                    *, new_work: bool = False, hold: bool = False) -> T | None:
+                    *, new_work: bool = False, hold: bool = False,
+                    finish: bool = False) -> T | None:
         """One fenced transaction: ``work`` (if any), then the buffered and new events appended.
         Receipts still riding go first, in the same transaction (each ``submitted →
         committed`` with its ``call.completed`` ahead of the other events), so the journal
@@ -320,10 +323,11 @@ class RunExecutor:
         A cancellation of the caller while the write is in flight does not abandon it (the
         group writer commits it all the same): it is delivered once the write has landed and
         been accounted for, or, with ``hold``, left for the caller to take
-        (:meth:`take_held_cancel`).
+        (:meth:`take_held_cancel`). ``finish``: the write records what already happened (a
+        receipt); see :meth:`_locked`.
         """
         with self._delivering(hold):
-            async with self._locked():
+            async with self._locked(finish):
                 riding = [] if self.lost else list(self._receipts)
                 if riding:
                     try:
@@ -363,6 +367,8 @@ class RunExecutor:
             outcome = await self._landed(self.worker.writer.enqueue(tx))
             result, written, cancel_at = outcome
         except LeaseLost:
+            if riding:  # maybe the work's own guard: the receipts alone, then the work, tell
+                raise
             self.lose_lease("write rejected")
             raise Stop("lease_lost") from None
         except DatabaseError:
@@ -423,21 +429,22 @@ class RunExecutor:
             return result
 
     @contextlib.asynccontextmanager
-    async def _locked(self) -> AsyncIterator[None]:
+    async def _locked(self, finish: bool = False) -> AsyncIterator[None]:
         """The run's write lock: one write of the run at a time. A caller that workflow code
         cancels while it waits for the lock (another branch's write is in flight) still makes
         its write: the cancellation is held as in :meth:`_landed`, so that what the caller was
         about to record (a call's intent, its receipt) is recorded and the cancellation then
         handled as for a write in flight (a withdrawn call; a receipt returned), the same on
         replay. When the executor itself lets go of the run (:meth:`letting_go`), the caller
-        stops at once and writes nothing."""
+        stops at once and writes nothing, unless it is to ``finish`` recording what already
+        happened (a receipt), which is written all the same."""
         held = False
         while True:
             try:
                 await self._write_lock.acquire()
                 break
             except asyncio.CancelledError:
-                if self.letting_go:
+                if self.letting_go and not finish:
                     raise
                 held = True
         if held:
@@ -489,9 +496,11 @@ class RunExecutor:
 
     @property
     def letting_go(self) -> bool:
-        """The executor is giving up the run in this process (parking it, its lease lost, the
-        worker draining): a cancellation is then the executor's, not workflow code's."""
-        return self.parking or self.lost or self.draining
+        """The executor is giving up the run in this process (parking it, its lease lost, or a
+        branch stopped for the worker's drain, whose task group cancels the others): a
+        cancellation is then the executor's, not workflow code's. (A draining worker lets its
+        runs go on until their next new step; their own cancellations are still theirs.)"""
+        return self.parking or self.lost or self.drain_stopped
 
     def take_held_cancel(self) -> bool:
         """Whether the current task was cancelled while a write of its own was in flight (see
@@ -548,7 +557,7 @@ class RunExecutor:
         refuses is dropped (see :meth:`_settle_locked`) and the others are still written.
         ``hold`` as for :meth:`write`."""
         with self._delivering(hold):
-            async with self._locked():
+            async with self._locked(finish=True):
                 while True:
                     try:
                         await self._settle_locked()
@@ -942,7 +951,7 @@ class RunExecutor:
         self.ending = True
         exc = task.exception()
         if isinstance(exc, BaseExceptionGroup):  # asyncio.TaskGroup in workflow code
-            exc = _stop_in(exc) or exc  # a branch's Stop stops the run, as it does alone
+            exc = _engine_error_in(exc) or exc  # as it would end without the group
         if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):
             await self._stop(exc)  # out of time: unknown operations stay listed for operators
             return
@@ -1073,19 +1082,32 @@ def _error_json(code: str, message: str, incident: str | None = None) -> str:
 __all__ = ["RunExecutor", "Stop", "Wait", "SchemaUnsupported", "event"]
 
 
-def _stop_in(group: BaseExceptionGroup[BaseException]) -> Stop | None:
-    """The :class:`Stop` a task group of workflow code collected, if any; a lost lease first
-    (nothing more can be written), then in the order the branches raised them."""
-    stops: list[Stop] = []
+def _engine_error_in(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """What decides the end of a run whose workflow's task group collected ``group``, when the
+    engine raised it: a :class:`Stop` (a lost lease first: nothing more can be written), else
+    a :class:`DatabaseError` (never an outcome), else :class:`Nondeterminism`. None when the
+    group holds only the workflow's own errors (the run fails with the group)."""
+    found: list[BaseException] = []
 
     def collect(g: BaseExceptionGroup[BaseException]) -> None:
         for exc in g.exceptions:
             if isinstance(exc, BaseExceptionGroup):
                 collect(exc)
-            elif isinstance(exc, Stop):
-                stops.append(exc)
+            else:
+                found.append(exc)
 
     collect(group)
-    lost = [s for s in stops if s.reason == "lease_lost"]
-    return (lost or stops)[0] if stops else None
+    ranked = sorted((rank, i, exc) for i, exc in enumerate(found)
+                    if (rank := _engine_rank(exc)) is not None)
+    return ranked[0][2] if ranked else None
 
+
+def _engine_rank(exc: BaseException) -> int | None:
+    """Which engine error decides first (lower first); None for the workflow's own."""
+    if isinstance(exc, Stop):
+        return 0 if exc.reason == "lease_lost" else 1
+    if isinstance(exc, DatabaseError):
+        return 2
+    if isinstance(exc, Nondeterminism):
+        return 3
+    return None

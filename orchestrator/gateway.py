@@ -456,7 +456,7 @@ class Call:
 
         try:
             with ex.active():
-                await ex.write(work, hold=True)
+                await ex.write(work, hold=True, finish=True)
         except Stop:
             await ex.keep_late_receipt(op_id, receipt, digest)
             raise
@@ -469,10 +469,10 @@ class Call:
         the receipt all the same and the cancellation request is dropped: the call completed
         and is recorded, and a replay returns that receipt at once, so a workflow that went the
         cancelled way the first time would take another path on replay. A run that the
-        executor lets go of (parking, a lost lease, a draining worker) still stops."""
+        executor parks or has lost still stops (one that drains stops at its next new step)."""
         if not self.ex.take_held_cancel():
             return
-        if self.ex.letting_go:
+        if self.ex.parking or self.ex.lost:
             raise asyncio.CancelledError
         task = asyncio.current_task()
         if task is not None:

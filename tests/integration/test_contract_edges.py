@@ -694,6 +694,47 @@ async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sq
     assert len(hooks) == 1 and len(executions) == 2
 
 
+async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_up(
+        app, sql, monkeypatch):
+    """A worker that drains lets its runs go on to their next new step; a timeout of workflow
+    code in the meantime is still the workflow's: the call is withdrawn, and on the next worker
+    the replay gives up on it in the same way (it is not sent to reconciliation as if a worker
+    had died holding it)."""
+    _slow_first_write(monkeypatch)
+    called: list[str] = []
+    intent_sent = asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        call = asyncio.ensure_future(ctx.call(charge))
+        intent_sent.set()
+        try:
+            await asyncio.wait_for(call, 0.3)
+            return "charged"
+        except TimeoutError:
+            pass
+        await ctx.sleep(1.2)  # the drain stops the run here: the rest is a replay elsewhere
+        return "gave up"
+
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(intent_sent.wait(), 10)
+    worker.request_stop()  # the intent's write is in flight (it answers after 0.6 s)
+    await asyncio.wait_for(working, 20)
+    ops = sql("SELECT state, error FROM orchestrator.operations")
+    assert [o["state"] for o in ops] == ["failed"]
+    assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
+    async with running(app):
+        assert await run.result_async(timeout=20) == "gave up"
+    assert called == []
+
+
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
     app = make_app(lease_ttl=30.0)
     started = asyncio.Event()

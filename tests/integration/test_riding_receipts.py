@@ -321,3 +321,45 @@ async def test_a_general_write_refused_with_its_receipt_keeps_the_receipt_as_evi
     assert _journal(sql) == [("call.submitted", 0)]
     item = sql("SELECT evidence FROM orchestrator.reconciliation_items")[0]
     assert item["evidence"][0]["receipt"] == {"charged": True}
+
+
+async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_alone_first(
+        app, sql, monkeypatch):
+    """The combined transaction fails because of the write's own work (here the event's take,
+    once): the receipt is written alone, then the write again without it; the journal keeps
+    its order and the receipt is accounted for once."""
+    from orchestrator import executor, faults
+
+    take = executor.event_take
+    failures: list[int] = []
+
+    async def flaky_take(conn, **kwargs):  # type: ignore[no-untyped-def]
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("the take failed once")
+        return await take(conn, **kwargs)
+
+    monkeypatch.setattr(executor, "event_take", flaky_take)
+    reached: list[str] = []
+    real_reach = faults.reach
+    monkeypatch.setattr(faults, "reach", lambda point, tool: (
+        reached.append(point) if point == "after_receipt" else None, real_reach(point, tool)))
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        charged = await ctx.call(charge)
+        return [charged, await ctx.wait_for_event("shipped")]
+
+    run = await app.submit_async(wf, {})
+    await app.send_event_async(run.id, "shipped", {"tracking": "T1"})
+    async with running(app):
+        assert await run.result_async(timeout=10) == [{"charged": True}, {"tracking": "T1"}]
+    assert failures == [1] and reached == ["after_receipt"]
+    assert _journal(sql) == [
+        ("call.submitted", 0), ("call.completed", 0), ("event.wait", 1),
+        ("event.received", 1), ("run.completed", None)]
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
