@@ -493,6 +493,33 @@ async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_st
     assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
 
 
+def _slow_write(monkeypatch, nth=1, delay=0.6):  # type: ignore[no-untyped-def]
+    """The ``nth`` write through the group writer lands ``delay`` seconds late (it commits at
+    once; only the caller hears late), holding the run's write lock that long."""
+    from orchestrator.db.writer import GroupWriter, Landing
+
+    enqueue = GroupWriter.enqueue
+    count: list[int] = []
+
+    def slow(self, work):  # type: ignore[no-untyped-def]
+        landing = enqueue(self, work)
+        count.append(1)
+        if len(count) != nth:
+            return landing
+        loop = asyncio.get_running_loop()
+        late = Landing(loop=loop)
+
+        def hand_over(_: object) -> None:
+            exc = landing.exception()
+            loop.call_later(delay, late.set_exception if exc else late.set_result,
+                            exc if exc else landing.result())
+
+        landing.add_done_callback(hand_over)
+        return late
+
+    monkeypatch.setattr(GroupWriter, "enqueue", slow)
+
+
 @pytest.mark.parametrize("how", ["receipts_ride=False", "idempotent tool"])
 async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
         make_app, sql, monkeypatch, how):
@@ -501,30 +528,8 @@ async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
     completed and its receipt is recorded, so the workflow gets the receipt, as a replay will
     (a recorded call returns at once). It used to get the timeout, go another way, and fail
     with ``NONDETERMINISM`` on the replay."""
-    from orchestrator.db.writer import GroupWriter, Landing
-
     app = make_app(receipts_ride=how != "receipts_ride=False")
-    enqueue = GroupWriter.enqueue
-    count: list[int] = []
-
-    def slow_second(self, work):  # type: ignore[no-untyped-def]
-        """The run's second write (the receipt) lands 0.6 s late."""
-        landing = enqueue(self, work)
-        count.append(1)
-        if len(count) != 2:
-            return landing
-        loop = asyncio.get_running_loop()
-        late = Landing(loop=loop)
-
-        def hand_over(_: object) -> None:
-            exc = landing.exception()
-            loop.call_later(0.6, late.set_exception if exc else late.set_result,
-                            exc if exc else landing.result())
-
-        landing.add_done_callback(hand_over)
-        return late
-
-    monkeypatch.setattr(GroupWriter, "enqueue", slow_second)
+    _slow_write(monkeypatch, nth=2)  # the run's second write, the receipt's own
     called: list[str] = []
 
     @app.tool(effect="idempotent" if how == "idempotent tool" else "consequential")
@@ -553,33 +558,6 @@ async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
     assert [o["state"] for o in _ops(sql)] == ["committed"]
 
 
-def _slow_first_write(monkeypatch, delay=0.6):  # type: ignore[no-untyped-def]
-    """The first write through the group writer lands ``delay`` seconds late (it commits at
-    once; only the caller hears late), holding the run's write lock that long."""
-    from orchestrator.db.writer import GroupWriter, Landing
-
-    enqueue = GroupWriter.enqueue
-    count: list[int] = []
-
-    def slow(self, work):  # type: ignore[no-untyped-def]
-        landing = enqueue(self, work)
-        count.append(1)
-        if len(count) != 1:
-            return landing
-        loop = asyncio.get_running_loop()
-        late = Landing(loop=loop)
-
-        def hand_over(_: object) -> None:
-            exc = landing.exception()
-            loop.call_later(delay, late.set_exception if exc else late.set_result,
-                            exc if exc else landing.result())
-
-        landing.add_done_callback(hand_over)
-        return late
-
-    monkeypatch.setattr(GroupWriter, "enqueue", slow)
-
-
 async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
         app, sql, monkeypatch):
     """Two branches: the first one's write holds the run's write lock while workflow code
@@ -587,7 +565,7 @@ async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
     is still written and then withdrawn, so the replay waits at that call for the same
     cancellation instead of sending it. (The call used to leave nothing behind: the replay
     called the tool.)"""
-    _slow_first_write(monkeypatch)
+    _slow_write(monkeypatch)
     called: list[str] = []
 
     @app.tool()
@@ -700,7 +678,7 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
     code in the meantime is still the workflow's: the call is withdrawn, and on the next worker
     the replay gives up on it in the same way (it is not sent to reconciliation as if a worker
     had died holding it)."""
-    _slow_first_write(monkeypatch)
+    _slow_write(monkeypatch)
     called: list[str] = []
     intent_sent = asyncio.Event()
 
