@@ -226,6 +226,7 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                     result.append(t2 - t0)
                     ids.append(handle.id)
                 await asyncio.sleep(0.01)  # idle between samples
+            extra.update(await commit_probe(url))  # in the same conditions, load or not
             if load is not None:
                 async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
                     extra["backlog_at_end"] = await unfinished(conn)
@@ -247,6 +248,23 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
             server.drop_database(url)
     return {"samples": samples, **summary("first_step", first), **summary("result", result),
             **summary("db_created_to_finished", db), **extra}
+
+
+async def commit_probe(url: str, samples: int = 100, gap: float = 0.01) -> dict[str, float]:
+    """A lone single-row INSERT + COMMIT, ``gap`` seconds apart, on a scratch table: the
+    floor under every write on the way to a first step (submit, claim, write-ahead) in the
+    conditions of the latency run (an idle host wakes up for each; a loaded one queues it
+    behind other commits' WAL flushes)."""
+    times: list[float] = []
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (x int)")
+        for _ in range(samples):
+            await asyncio.sleep(gap)
+            t0 = time.perf_counter()
+            await conn.execute("INSERT INTO bench_commit_probe VALUES (1)")
+            times.append(time.perf_counter() - t0)
+        await conn.execute("DROP TABLE bench_commit_probe")
+    return {"lone_commit_p50": percentile(times, 50), "lone_commit_p99": percentile(times, 99)}
 
 
 def summary(name: str, values: Sequence[float]) -> dict[str, float]:
