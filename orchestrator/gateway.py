@@ -384,8 +384,8 @@ class Call:
             verdict = await ex.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
                                                  tctx.cancelled)
         except asyncio.CancelledError:
-            if ex.parking or ex.lost:
-                raise  # the executor is parking or dropping the run: the journal decides
+            if ex.letting_go:
+                raise  # the executor is parking, dropping or draining the run: the journal decides
             # Workflow code cancelled the call (a timeout around ctx.call): the effect may have
             # happened. Record that, and block the run on it instead of letting it go on.
             await asyncio.shield(self.record_unknown(op_id, "TOOL_OUTCOME_UNCERTAIN",
@@ -468,11 +468,12 @@ class Call:
         call meanwhile (a timeout around ``ctx.call``, a task group aborting this branch) gets
         the receipt all the same and the cancellation request is dropped: the call completed
         and is recorded, and a replay returns that receipt at once, so a workflow that went the
-        cancelled way the first time would take another path on replay. A run that the
-        executor parks or has lost still stops (one that drains stops at its next new step)."""
+        cancelled way the first time would take another path on replay. When the executor
+        lets go of the run (:attr:`RunExecutor.letting_go`) the cancellation is its own and
+        goes on (the receipt is recorded all the same)."""
         if not self.ex.take_held_cancel():
             return
-        if self.ex.parking or self.ex.lost:
+        if self.ex.letting_go:
             raise asyncio.CancelledError
         task = asyncio.current_task()
         if task is not None:

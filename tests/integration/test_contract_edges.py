@@ -713,6 +713,63 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
     assert called == []
 
 
+async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn(
+        app, sql, monkeypatch):
+    """A draining worker stops one branch of a task group at its next new step; the group then
+    cancels the other branch, whose intent is being written. That cancellation is the
+    engine's, not workflow code's: nothing is withdrawn, and on the next worker the replay
+    re-sends the (idempotent) call with its key and the run completes. (Recorded as withdrawn,
+    the replay would wait at that call for a cancellation that never comes.)"""
+    _slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch b's intent
+    slow_started = asyncio.Event()
+    called: list[str] = []
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        called.append("slow")
+        slow_started.set()
+        await asyncio.sleep(0.5)
+        return "slow"
+
+    @app.tool()
+    async def fast(ctx):  # type: ignore[no-untyped-def]
+        called.append("fast")
+        return "fast"
+
+    @app.tool(effect="idempotent")
+    async def ship(ctx):  # type: ignore[no-untyped-def]
+        called.append("ship")
+        return "shipped"
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        # Commands take their positions when called: these two in program order, every time.
+        slow_call, ship_call = ctx.call(slow), ctx.call(ship)
+
+        async def a():  # type: ignore[no-untyped-def]
+            return [await slow_call, await ctx.call(fast)]
+
+        async def b():  # type: ignore[no-untyped-def]
+            return await ship_call  # its intent is the run's second write
+
+        async with asyncio.TaskGroup() as group:
+            first, second = group.create_task(a()), group.create_task(b())
+        return [first.result(), second.result()]
+
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(slow_started.wait(), 10)
+    worker.request_stop()  # `a` stops at its next call; the group then cancels `b`
+    await asyncio.wait_for(working, 20)
+    assert _status(sql, run)["status"] == "queued"
+    assert sql("SELECT count(*) AS n FROM orchestrator.journal WHERE kind = 'call.failed'"
+               )[0]["n"] == 0
+    async with running(app):
+        assert await run.result_async(timeout=20) == [["slow", "fast"], "shipped"]
+    assert called.count("slow") == 1
+
+
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
     app = make_app(lease_ttl=30.0)
     started = asyncio.Event()

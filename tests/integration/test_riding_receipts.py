@@ -323,12 +323,15 @@ async def test_a_general_write_refused_with_its_receipt_keeps_the_receipt_as_evi
     assert item["evidence"][0]["receipt"] == {"charged": True}
 
 
+@pytest.mark.parametrize("error", ["RuntimeError", "LeaseLost"])
 async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_alone_first(
-        app, sql, monkeypatch):
+        app, sql, monkeypatch, error):
     """The combined transaction fails because of the write's own work (here the event's take,
-    once): the receipt is written alone, then the write again without it; the journal keeps
-    its order and the receipt is accounted for once."""
+    once; a guarded statement's refusal is a ``LeaseLost`` although the lease is held): the
+    receipt is written alone, then the write again without it; the journal keeps its order
+    and the receipt is accounted for once. The lease is not given up on the work's word."""
     from orchestrator import executor, faults
+    from orchestrator.errors import LeaseLost
 
     take = executor.event_take
     failures: list[int] = []
@@ -336,7 +339,7 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
     async def flaky_take(conn, **kwargs):  # type: ignore[no-untyped-def]
         if not failures:
             failures.append(1)
-            raise RuntimeError("the take failed once")
+            raise (LeaseLost if error == "LeaseLost" else RuntimeError)("the take failed once")
         return await take(conn, **kwargs)
 
     monkeypatch.setattr(executor, "event_take", flaky_take)
