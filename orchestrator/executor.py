@@ -28,7 +28,7 @@ import random
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -346,10 +346,7 @@ class RunExecutor:
 
         async def tx(conn: Conn) -> tuple[T | None, list[Event], datetime | None]:
             result: T | None = None
-            events: list[Event] = []
-            for receipt, value in riding:
-                events += (await self.commit_work(receipt, value)(conn))[1]
-            events += pending
+            events = await self._commit_riding(conn, riding) + pending
             if work is not None:
                 result, more = await work(conn)
                 events += more
@@ -377,12 +374,10 @@ class RunExecutor:
             self.lose_lease("database unavailable")
             raise Stop("lease_lost") from None
         del self._buffer[: len(pending)]
-        del self._receipts[: len(riding)]
         self.revision += len(written)
         if cancel_at is not None:
             self.note_cancel()
-        for receipt, _ in riding:
-            faults.reach("after_receipt", receipt.name)
+        self._riding_written(riding)
         return result
 
     async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
@@ -428,8 +423,7 @@ class RunExecutor:
                 faults.reach("after_receipt", riding[0].name)
             return result
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, finish: bool = False) -> AsyncIterator[None]:
+    def _locked(self, finish: bool = False) -> _WriteLock:
         """The run's write lock: one write of the run at a time. A caller that workflow code
         cancels while it waits for the lock (another branch's write is in flight) still makes
         its write: the cancellation is held as in :meth:`_landed`, so that what the caller was
@@ -438,6 +432,9 @@ class RunExecutor:
         replay. When the executor itself lets go of the run (:meth:`letting_go`), the caller
         stops at once and writes nothing, unless it is to ``finish`` recording what already
         happened (a receipt), which is written all the same."""
+        return _WriteLock(self, finish)
+
+    async def _acquire_write_lock(self, finish: bool) -> None:
         held = False
         while True:
             try:
@@ -451,10 +448,6 @@ class RunExecutor:
             task = asyncio.current_task()
             if task is not None:
                 self._held.add(task)
-        try:
-            yield
-        finally:
-            self._write_lock.release()
 
     async def _landed(self, landing: Landing) -> Any:
         """The outcome of a queued write, even if the caller is cancelled meanwhile.
@@ -602,6 +595,21 @@ class RunExecutor:
                 del self._receipts[0]
                 raise
             del self._receipts[0]
+            faults.reach("after_receipt", receipt.name)
+
+    async def _commit_riding(self, conn: Conn, riding: Sequence[tuple[ops_db.Receipt, Any]]
+                             ) -> list[Event]:
+        """Commit receipts still riding in the caller's transaction (:meth:`commit_work` for
+        each); returns their ``call.completed`` events, to be appended ahead of the others."""
+        events: list[Event] = []
+        for receipt, value in riding:
+            events += (await self.commit_work(receipt, value)(conn))[1]
+        return events
+
+    def _riding_written(self, riding: Sequence[tuple[ops_db.Receipt, Any]]) -> None:
+        """Bookkeeping once a transaction carrying ``riding`` (the oldest receipts) landed."""
+        del self._receipts[: len(riding)]
+        for receipt, _ in riding:
             faults.reach("after_receipt", receipt.name)
 
     def commit_work(self, receipt: ops_db.Receipt, value: Any
@@ -923,11 +931,7 @@ class RunExecutor:
         is wrong with them), and then the write without them. False when the lease is gone
         (nothing more written)."""
         async def tx(conn: Conn, riding: list[tuple[ops_db.Receipt, Any]]) -> None:
-            events: list[Event] = []
-            for receipt, value in riding:
-                _, done = await self.commit_work(receipt, value)(conn)
-                events += done
-            await final(conn, events + self._buffer)
+            await final(conn, await self._commit_riding(conn, riding) + self._buffer)
 
         riding = [] if self.lost else list(self._receipts)
         if riding:
@@ -936,9 +940,7 @@ class RunExecutor:
             except Exception:  # noqa: BLE001, S110 - retried below, receipts first and alone
                 pass
             else:
-                del self._receipts[: len(riding)]
-                for receipt, _ in riding:
-                    faults.reach("after_receipt", receipt.name)
+                self._riding_written(riding)
                 return True
         if not await self.settle():
             return False
@@ -1111,3 +1113,22 @@ def _engine_rank(exc: BaseException) -> int | None:
     if isinstance(exc, Nondeterminism):
         return 3
     return None
+
+
+class _WriteLock:
+    """``async with executor._locked(finish)``: a plain class, not a generator-based context
+    manager, because every write of every step goes through it (the generator cost four times
+    the lock itself)."""
+
+    __slots__ = ("ex", "finish")
+
+    def __init__(self, ex: RunExecutor, finish: bool) -> None:
+        self.ex = ex
+        self.finish = finish
+
+    async def __aenter__(self) -> None:
+        await self.ex._acquire_write_lock(self.finish)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.ex._write_lock.release()
+
