@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
@@ -54,6 +55,16 @@ from orchestrator.worker import Worker
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 TERMINAL = ("succeeded", "failed", "cancelled")
 _DENIED = "the run does not exist or is not accessible to this owner"
+
+_EARLY_STOP = threading.Event()  # a SIGTERM that came before the loop's own handler (below)
+
+
+def catch_early_sigterm() -> None:
+    """For a process's entry point, before its slow start (imports, the database check): a
+    SIGTERM that arrives before :meth:`Orchestrator.run_worker` or
+    :meth:`Orchestrator.run_reconciler` installs its handler is kept, and the process stops
+    cleanly as soon as it runs, instead of dying of the signal."""
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: _EARLY_STOP.set())
 
 
 class Orchestrator:
@@ -369,6 +380,8 @@ class Orchestrator:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, reconciler.request_stop)
+            if _EARLY_STOP.is_set():
+                reconciler.request_stop()
             try:
                 await reconciler.run()
             finally:
@@ -388,6 +401,8 @@ class Orchestrator:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.request_stop)
+            if _EARLY_STOP.is_set():
+                worker.request_stop()
             try:
                 await worker.run()
             finally:

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from orchestrator.app import Orchestrator
+from orchestrator.app import Orchestrator, catch_early_sigterm
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
@@ -74,6 +74,7 @@ def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    catch_early_sigterm()
     if args.concurrency < 1:
         raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -109,6 +110,7 @@ def settle_garbage_collector() -> None:
 
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
+    catch_early_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = load_app(args.app, args.database_url)
     ping(app.target)

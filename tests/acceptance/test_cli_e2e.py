@@ -71,3 +71,23 @@ def test_the_process_entry_points_under_workers(workers, client):
             proc.send_signal(signals.SIGTERM)
         codes = [proc.wait(timeout=30) for proc in procs]
     assert codes == [0, 0]  # both stop cleanly on SIGTERM
+
+
+def test_a_sigterm_during_start_up_stops_the_process_cleanly(workers):
+    """A process manager may stop a worker or a reconciler while it is still starting
+    (importing, checking the database): the signal is kept and the process stops cleanly as
+    soon as it runs, instead of dying of the signal (exit -15)."""
+    script = """
+import os, signal, sys
+from orchestrator.app import catch_early_sigterm
+catch_early_sigterm()
+os.kill(os.getpid(), signal.SIGTERM)  # before the loop's own handler exists
+from tests.acceptance.flows import app
+app.run_worker() if sys.argv[1] == "worker" else app.run_reconciler()
+print("stopped")
+"""
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)}
+    for role in ("worker", "reconciler"):
+        done = subprocess.run([sys.executable, "-c", script, role], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr[-2000:]
