@@ -770,6 +770,75 @@ async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn
     assert called.count("slow") == 1
 
 
+async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_stops(
+        app, sql, monkeypatch):
+    """Three branches of a task group. ``b``'s (idempotent) call has returned and its receipt
+    waits for the run's write lock, which ``c``'s slow intent write holds, when the draining
+    worker stops ``a`` at its next call and the group cancels the others. The receipt records
+    what already happened: it is written all the same (``finish``), so the next worker's
+    replay returns it instead of calling the tool again. (Dropped with the cancellation, the
+    operation stayed ``submitted`` and the replay re-sent the call.)"""
+    _slow_write(monkeypatch, nth=3, delay=1.5)  # the third write: branch c's intent
+    slow_started = asyncio.Event()
+    called: list[str] = []
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        called.append("slow")
+        slow_started.set()
+        await asyncio.sleep(0.5)
+        return "slow"
+
+    @app.tool()
+    async def fast(ctx):  # type: ignore[no-untyped-def]
+        called.append("fast")
+        return "fast"
+
+    @app.tool(effect="idempotent")
+    async def ship(ctx):  # type: ignore[no-untyped-def]
+        called.append("ship")
+        return "shipped"
+
+    @app.tool(effect="idempotent")
+    async def label(ctx):  # type: ignore[no-untyped-def]
+        called.append("label")
+        return "labelled"
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        # Commands take their positions when called: these three in program order.
+        slow_call, ship_call, label_call = ctx.call(slow), ctx.call(ship), ctx.call(label)
+
+        async def a():  # type: ignore[no-untyped-def]
+            return [await slow_call, await ctx.call(fast)]  # stops at `fast` in the drain
+
+        async def b():  # type: ignore[no-untyped-def]
+            return await ship_call  # its receipt waits for the lock that c's write holds
+
+        async def c():  # type: ignore[no-untyped-def]
+            return await label_call
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(a()), group.create_task(b()), group.create_task(c())]
+        return [task.result() for task in tasks]
+
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(slow_started.wait(), 10)
+    worker.request_stop()
+    await asyncio.wait_for(working, 20)
+    assert _status(sql, run)["status"] == "queued"
+    ops = {o["tool_name"]: o["state"] for o in sql(
+        "SELECT tool_name, state FROM orchestrator.operations")}
+    assert ops["ship"] == "committed"
+    assert called == ["slow", "ship"]
+    async with running(app):
+        assert await run.result_async(timeout=20) == [["slow", "fast"], "shipped", "labelled"]
+    assert called.count("ship") == 1
+    assert called.count("slow") == 1
+
+
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
     app = make_app(lease_ttl=30.0)
     started = asyncio.Event()
