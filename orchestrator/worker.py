@@ -229,11 +229,13 @@ class Worker:
 
     async def _renew_leases(self) -> bool:
         """Extend the leases of the runs this worker is working on; a run whose lease was not
-        extended has been taken away: stop working on it. Runs whose final write is under way
-        are left alone (their write is fenced; if it landed they are simply not running any
-        more, which is no loss). Returns False if the database could not be asked."""
+        extended has been taken away: stop working on it. A run whose final write is under way
+        is renewed too (a slow database must not let its lease lapse and send it to another
+        worker for a replay while the write is still coming), but never reported lost: if its
+        write landed it is simply not running any more, and if it was taken away the write is
+        fenced. Returns False if the database could not be asked."""
         held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
-                if ex is not None and not ex.lost and not ex.ending]
+                if ex is not None and not ex.lost]
         try:
             async with self.app.database.connection() as conn:
                 kept = await runs_db.run_heartbeat(

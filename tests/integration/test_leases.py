@@ -233,3 +233,35 @@ async def test_a_claim_takes_the_oldest_ready_runs_reading_only_the_claimable_in
 
     assert sorted(r["input"]["i"] for r in claimed) == [2995, 2996, 2997, 2998, 2999, 3000]
     await app.database.close()
+
+
+async def test_a_run_whose_final_write_is_slow_keeps_its_lease(make_app, sql, monkeypatch):
+    """The run's success is written late (the database is slow: the write reaches it only
+    after twice the lease TTL). The worker keeps renewing that run's lease meanwhile, so the
+    run is not released and claimed again for a replay while its outcome is on its way."""
+    from orchestrator.db.writer import GroupWriter, Landing, Statement
+
+    enqueue = GroupWriter.enqueue
+
+    def late(self, work):  # type: ignore[no-untyped-def]
+        if not (isinstance(work, Statement) and "'run.completed'" in work.sql):
+            return enqueue(self, work)
+        loop = asyncio.get_running_loop()
+        landing = Landing(loop=loop)
+
+        def send() -> None:
+            sent = enqueue(self, work)
+            sent.add_done_callback(lambda _: landing.set_exception(sent.exception())
+                                   if sent.exception() else landing.set_result(sent.result()))
+
+        loop.call_later(2.0, send)
+        return landing
+
+    monkeypatch.setattr(GroupWriter, "enqueue", late)
+    app = make_app(lease_ttl=0.9)
+    job = _wf(app)
+    run = await app.submit_async(job, {"slow": True})
+    async with running(app, lease_ttl=0.9) as worker:
+        assert await run.result_async(timeout=15) == {"slow": True}
+    assert worker.claimed == 1
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
