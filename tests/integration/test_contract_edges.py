@@ -713,6 +713,49 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
     assert called == []
 
 
+class _DrainTools:
+    """Tools for the drain tests: ``slow`` (0.5 s; sets ``slow_started``), ``fast``, and the
+    idempotent ``ship`` and ``label``; ``called`` lists the calls in order."""
+
+    def __init__(self, app):  # type: ignore[no-untyped-def]
+        self.called: list[str] = []
+        self.slow_started = asyncio.Event()
+
+        @app.tool()
+        async def slow(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("slow")
+            self.slow_started.set()
+            await asyncio.sleep(0.5)
+            return "slow"
+
+        @app.tool()
+        async def fast(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("fast")
+            return "fast"
+
+        @app.tool(effect="idempotent")
+        async def ship(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("ship")
+            return "shipped"
+
+        @app.tool(effect="idempotent")
+        async def label(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("label")
+            return "labelled"
+
+        self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
+
+    async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
+        """Submit ``wf``, start a worker, and stop it (a drain) once ``slow`` runs."""
+        run = await app.submit_async(wf, {})
+        worker = app.create_worker(poll_interval=0.2)
+        working = asyncio.ensure_future(worker.run())
+        await asyncio.wait_for(self.slow_started.wait(), 10)
+        worker.request_stop()
+        await asyncio.wait_for(working, 20)
+        return run
+
+
 async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn(
         app, sql, monkeypatch):
     """A draining worker stops one branch of a task group at its next new step; the group then
@@ -721,33 +764,15 @@ async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn
     re-sends the (idempotent) call with its key and the run completes. (Recorded as withdrawn,
     the replay would wait at that call for a cancellation that never comes.)"""
     _slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch b's intent
-    slow_started = asyncio.Event()
-    called: list[str] = []
-
-    @app.tool()
-    async def slow(ctx):  # type: ignore[no-untyped-def]
-        called.append("slow")
-        slow_started.set()
-        await asyncio.sleep(0.5)
-        return "slow"
-
-    @app.tool()
-    async def fast(ctx):  # type: ignore[no-untyped-def]
-        called.append("fast")
-        return "fast"
-
-    @app.tool(effect="idempotent")
-    async def ship(ctx):  # type: ignore[no-untyped-def]
-        called.append("ship")
-        return "shipped"
+    tools = _DrainTools(app)
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         # Commands take their positions when called: these two in program order, every time.
-        slow_call, ship_call = ctx.call(slow), ctx.call(ship)
+        slow_call, ship_call = ctx.call(tools.slow), ctx.call(tools.ship)
 
         async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(fast)]
+            return [await slow_call, await ctx.call(tools.fast)]
 
         async def b():  # type: ignore[no-untyped-def]
             return await ship_call  # its intent is the run's second write
@@ -756,18 +781,13 @@ async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn
             first, second = group.create_task(a()), group.create_task(b())
         return [first.result(), second.result()]
 
-    run = await app.submit_async(wf, {})
-    worker = app.create_worker(poll_interval=0.2)
-    working = asyncio.ensure_future(worker.run())
-    await asyncio.wait_for(slow_started.wait(), 10)
-    worker.request_stop()  # `a` stops at its next call; the group then cancels `b`
-    await asyncio.wait_for(working, 20)
+    run = await tools.drain_during_slow(app, wf)  # `a` stops at its next call; `b` cancelled
     assert _status(sql, run)["status"] == "queued"
     assert sql("SELECT count(*) AS n FROM orchestrator.journal WHERE kind = 'call.failed'"
                )[0]["n"] == 0
     async with running(app):
         assert await run.result_async(timeout=20) == [["slow", "fast"], "shipped"]
-    assert called.count("slow") == 1
+    assert tools.called.count("slow") == 1
 
 
 async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_stops(
@@ -779,38 +799,16 @@ async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_st
     replay returns it instead of calling the tool again. (Dropped with the cancellation, the
     operation stayed ``submitted`` and the replay re-sent the call.)"""
     _slow_write(monkeypatch, nth=3, delay=1.5)  # the third write: branch c's intent
-    slow_started = asyncio.Event()
-    called: list[str] = []
-
-    @app.tool()
-    async def slow(ctx):  # type: ignore[no-untyped-def]
-        called.append("slow")
-        slow_started.set()
-        await asyncio.sleep(0.5)
-        return "slow"
-
-    @app.tool()
-    async def fast(ctx):  # type: ignore[no-untyped-def]
-        called.append("fast")
-        return "fast"
-
-    @app.tool(effect="idempotent")
-    async def ship(ctx):  # type: ignore[no-untyped-def]
-        called.append("ship")
-        return "shipped"
-
-    @app.tool(effect="idempotent")
-    async def label(ctx):  # type: ignore[no-untyped-def]
-        called.append("label")
-        return "labelled"
+    tools = _DrainTools(app)
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         # Commands take their positions when called: these three in program order.
-        slow_call, ship_call, label_call = ctx.call(slow), ctx.call(ship), ctx.call(label)
+        slow_call, ship_call, label_call = (ctx.call(tools.slow), ctx.call(tools.ship),
+                                            ctx.call(tools.label))
 
         async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(fast)]  # stops at `fast` in the drain
+            return [await slow_call, await ctx.call(tools.fast)]  # stops at `fast`: the drain
 
         async def b():  # type: ignore[no-untyped-def]
             return await ship_call  # its receipt waits for the lock that c's write holds
@@ -822,21 +820,16 @@ async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_st
             tasks = [group.create_task(a()), group.create_task(b()), group.create_task(c())]
         return [task.result() for task in tasks]
 
-    run = await app.submit_async(wf, {})
-    worker = app.create_worker(poll_interval=0.2)
-    working = asyncio.ensure_future(worker.run())
-    await asyncio.wait_for(slow_started.wait(), 10)
-    worker.request_stop()
-    await asyncio.wait_for(working, 20)
+    run = await tools.drain_during_slow(app, wf)
     assert _status(sql, run)["status"] == "queued"
     ops = {o["tool_name"]: o["state"] for o in sql(
         "SELECT tool_name, state FROM orchestrator.operations")}
     assert ops["ship"] == "committed"
-    assert called == ["slow", "ship"]
+    assert tools.called == ["slow", "ship"]
     async with running(app):
         assert await run.result_async(timeout=20) == [["slow", "fast"], "shipped", "labelled"]
-    assert called.count("ship") == 1
-    assert called.count("slow") == 1
+    assert tools.called.count("ship") == 1
+    assert tools.called.count("slow") == 1
 
 
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
