@@ -282,6 +282,25 @@ async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql)
     assert [o["state"] for o in _ops(sql)] == ["unknown"]
 
 
+class _Tools:
+    """``charge`` (``effect`` as given) and ``notify``; ``called`` lists their calls in order."""
+
+    def __init__(self, app, effect="consequential"):  # type: ignore[no-untyped-def]
+        self.called: list[str] = []
+
+        @app.tool(effect=effect)
+        async def charge(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("charge")
+            return {"charged": True}
+
+        @app.tool()
+        async def notify(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("notify")
+            return {"sent": True}
+
+        self.charge, self.notify = charge, notify
+
+
 def _watch_writes(monkeypatch):  # type: ignore[no-untyped-def]
     """Events set as the worker's group writer gets the first and the second write (they stay
     set: a replay writes nothing at those points)."""
@@ -311,26 +330,16 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
     dispatched, and a replay cancels the call at the same point again."""
     app = make_app(receipts_ride=ride)
     writes = _watch_writes(monkeypatch)
-    called: list[str] = []
-
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        called.append("charge")
-        return {"charged": True}
+    tools = _Tools(app)
 
     if gated:
-        @charge.authorize
+        @tools.charge.authorize
         async def gate(pctx):  # type: ignore[no-untyped-def]
             return True
 
-    @app.tool()
-    async def notify(ctx):  # type: ignore[no-untyped-def]
-        called.append("notify")
-        return {"sent": True}
-
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        call = asyncio.ensure_future(ctx.call(charge))
+        call = asyncio.ensure_future(ctx.call(tools.charge))
         # `submitted` is on its way (events stay set: a replay writes nothing here)
         await writes[1 if gated else 0].wait()
         call.cancel()
@@ -340,12 +349,12 @@ async def test_a_call_cancelled_while_its_intent_is_written_is_withdrawn(
         except asyncio.CancelledError:
             pass
         await ctx.sleep(1.2)  # long enough to park: the rest happens after a replay
-        return await ctx.call(notify)
+        return await ctx.call(tools.notify)
 
     async with running(app):
         run = await app.submit_async(wf, {})
         assert await run.result_async(timeout=20) == {"sent": True}
-    assert called == ["notify"]
+    assert tools.called == ["notify"]
     ops = sql("SELECT tool_name, state, error FROM orchestrator.operations ORDER BY id")
     assert [(o["tool_name"], o["state"]) for o in ops] == [("charge", "failed"),
                                                             ("notify", "committed")]
@@ -365,40 +374,30 @@ async def test_a_call_cancelled_during_its_policy_stage_is_withdrawn(app, sql):
     a replay, where the hook would answer at once, does not dispatch the call behind the
     workflow's back: it waits at that call for the same cancellation. (The intent used to stay
     ``pending``, and the replay ran the stage again and called the tool.)"""
-    called: list[str] = []
+    tools = _Tools(app)
     hooks: list[int] = []
 
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        called.append("charge")
-        return {"charged": True}
-
-    @charge.authorize
+    @tools.charge.authorize
     async def gate(pctx):  # type: ignore[no-untyped-def]
         hooks.append(1)
         if len(hooks) == 1:
             await asyncio.sleep(5)  # the first time, slower than the workflow will wait
         return True
 
-    @app.tool()
-    async def notify(ctx):  # type: ignore[no-untyped-def]
-        called.append("notify")
-        return {"sent": True}
-
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         try:
-            await asyncio.wait_for(ctx.call(charge), 0.3)
+            await asyncio.wait_for(ctx.call(tools.charge), 0.3)
             return "charged"
         except TimeoutError:
             pass
         await ctx.sleep(1.2)  # long enough to park: the rest happens after a replay
-        return await ctx.call(notify)
+        return await ctx.call(tools.notify)
 
     async with running(app):
         run = await app.submit_async(wf, {})
         assert await run.result_async(timeout=20) == {"sent": True}
-    assert called == ["notify"] and len(hooks) == 1
+    assert tools.called == ["notify"] and len(hooks) == 1
     ops = sql("SELECT tool_name, state, error FROM orchestrator.operations ORDER BY id")
     assert [(o["tool_name"], o["state"]) for o in ops] == [("charge", "cancelled"),
                                                             ("notify", "committed")]
@@ -530,31 +529,21 @@ async def test_a_timeout_during_a_receipts_own_write_returns_the_receipt(
     with ``NONDETERMINISM`` on the replay."""
     app = make_app(receipts_ride=how != "receipts_ride=False")
     _slow_write(monkeypatch, nth=2)  # the run's second write, the receipt's own
-    called: list[str] = []
-
-    @app.tool(effect="idempotent" if how == "idempotent tool" else "consequential")
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        called.append("charge")
-        return {"charged": True}
-
-    @app.tool()
-    async def notify(ctx):  # type: ignore[no-untyped-def]
-        called.append("notify")
-        return {"sent": True}
+    tools = _Tools(app, effect="idempotent" if how == "idempotent tool" else "consequential")
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         try:
-            got = await asyncio.wait_for(ctx.call(charge), 0.3)
+            got = await asyncio.wait_for(ctx.call(tools.charge), 0.3)
         except TimeoutError:
-            got = await ctx.call(notify)  # the path a replay would not take
+            got = await ctx.call(tools.notify)  # the path a replay would not take
         await ctx.sleep(1.2)  # long enough to park: the result comes from a replay
         return got
 
     async with running(app):
         run = await app.submit_async(wf, {})
         assert await run.result_async(timeout=20) == {"charged": True}
-    assert called == ["charge"]
+    assert tools.called == ["charge"]
     assert [o["state"] for o in _ops(sql)] == ["committed"]
 
 
@@ -597,24 +586,63 @@ async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
     assert ops[1]["error"]["code"] == "CALL_WITHDRAWN"
 
 
+class _DrainTools:
+    """Tools for the drain tests: ``slow`` (0.5 s; sets ``slow_started``), ``fast``, and the
+    idempotent ``ship`` and ``label``; ``called`` lists the calls in order."""
+
+    def __init__(self, app):  # type: ignore[no-untyped-def]
+        self.called: list[str] = []
+        self.slow_started = asyncio.Event()
+
+        @app.tool()
+        async def slow(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("slow")
+            self.slow_started.set()
+            await asyncio.sleep(0.5)
+            return "slow"
+
+        @app.tool()
+        async def fast(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("fast")
+            return "fast"
+
+        @app.tool(effect="idempotent")
+        async def ship(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("ship")
+            return "shipped"
+
+        @app.tool(effect="idempotent")
+        async def label(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("label")
+            return "labelled"
+
+        self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
+
+    async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
+        """Submit ``wf`` and drain a worker once ``slow`` runs (:func:`_drain_once`)."""
+        return await _drain_once(app, wf, self.slow_started)
+
+
+async def _drain_once(app, wf, started):  # type: ignore[no-untyped-def]
+    """Submit ``wf``, start a worker, and stop it (a drain) once ``started`` is set; returns
+    the run once the worker has stopped."""
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(started.wait(), 10)
+    worker.request_stop()
+    await asyncio.wait_for(working, 20)
+    return run
+
+
 async def test_a_drain_stops_a_run_whose_workflow_uses_a_task_group(app, sql):
     """A draining worker stops a run at its next new step with ``Stop``; in a branch of an
     ``asyncio.TaskGroup`` that arrives wrapped in an exception group. The run is released for
     another worker, as without the group. (It used to fail with ``WORKFLOW_FAILED``.)"""
-    started = asyncio.Event()
-
-    @app.tool()
-    async def slow(ctx):  # type: ignore[no-untyped-def]
-        started.set()
-        await asyncio.sleep(0.5)
-        return 1
-
-    @app.tool()
-    async def fast(ctx):  # type: ignore[no-untyped-def]
-        return 2
+    tools = _DrainTools(app)
 
     async def steps(ctx):  # type: ignore[no-untyped-def]
-        return [await ctx.call(slow), await ctx.call(fast)]
+        return [await ctx.call(tools.slow), await ctx.call(tools.fast)]
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -622,15 +650,10 @@ async def test_a_drain_stops_a_run_whose_workflow_uses_a_task_group(app, sql):
             task = group.create_task(steps(ctx))
         return task.result()
 
-    run = await app.submit_async(wf, {})
-    worker = app.create_worker(poll_interval=0.2)
-    working = asyncio.ensure_future(worker.run())
-    await asyncio.wait_for(started.wait(), 10)
-    worker.request_stop()
-    await asyncio.wait_for(working, 20)
+    run = await tools.drain_during_slow(app, wf)
     assert _status(sql, run) == {"status": "queued", "outcome_code": None}
     async with running(app):
-        assert await run.result_async(timeout=20) == [1, 2]
+        assert await run.result_async(timeout=20) == ["slow", "fast"]
 
 
 async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sql):
@@ -679,17 +702,12 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
     the replay gives up on it in the same way (it is not sent to reconciliation as if a worker
     had died holding it)."""
     _slow_write(monkeypatch)
-    called: list[str] = []
+    tools = _Tools(app)
     intent_sent = asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        called.append("charge")
-        return {"charged": True}
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        call = asyncio.ensure_future(ctx.call(charge))
+        call = asyncio.ensure_future(ctx.call(tools.charge))
         intent_sent.set()
         try:
             await asyncio.wait_for(call, 0.3)
@@ -699,61 +717,13 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
         await ctx.sleep(1.2)  # the drain stops the run here: the rest is a replay elsewhere
         return "gave up"
 
-    run = await app.submit_async(wf, {})
-    worker = app.create_worker(poll_interval=0.2)
-    working = asyncio.ensure_future(worker.run())
-    await asyncio.wait_for(intent_sent.wait(), 10)
-    worker.request_stop()  # the intent's write is in flight (it answers after 0.6 s)
-    await asyncio.wait_for(working, 20)
+    run = await _drain_once(app, wf, intent_sent)  # the intent's write is in flight (0.6 s)
     ops = sql("SELECT state, error FROM orchestrator.operations")
     assert [o["state"] for o in ops] == ["failed"]
     assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
     async with running(app):
         assert await run.result_async(timeout=20) == "gave up"
-    assert called == []
-
-
-class _DrainTools:
-    """Tools for the drain tests: ``slow`` (0.5 s; sets ``slow_started``), ``fast``, and the
-    idempotent ``ship`` and ``label``; ``called`` lists the calls in order."""
-
-    def __init__(self, app):  # type: ignore[no-untyped-def]
-        self.called: list[str] = []
-        self.slow_started = asyncio.Event()
-
-        @app.tool()
-        async def slow(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("slow")
-            self.slow_started.set()
-            await asyncio.sleep(0.5)
-            return "slow"
-
-        @app.tool()
-        async def fast(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("fast")
-            return "fast"
-
-        @app.tool(effect="idempotent")
-        async def ship(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("ship")
-            return "shipped"
-
-        @app.tool(effect="idempotent")
-        async def label(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("label")
-            return "labelled"
-
-        self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
-
-    async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
-        """Submit ``wf``, start a worker, and stop it (a drain) once ``slow`` runs."""
-        run = await app.submit_async(wf, {})
-        worker = app.create_worker(poll_interval=0.2)
-        working = asyncio.ensure_future(worker.run())
-        await asyncio.wait_for(self.slow_started.wait(), 10)
-        worker.request_stop()
-        await asyncio.wait_for(working, 20)
-        return run
+    assert tools.called == []
 
 
 async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn(
