@@ -1089,19 +1089,17 @@ def _engine_error_in(group: BaseExceptionGroup[BaseException]) -> BaseException 
     engine raised it: a :class:`Stop` (a lost lease first: nothing more can be written), else
     a :class:`DatabaseError` (never an outcome), else :class:`Nondeterminism`. None when the
     group holds only the workflow's own errors (the run fails with the group)."""
-    found: list[BaseException] = []
+    ranked = [(rank, exc) for exc in _leaves(group) if (rank := _engine_rank(exc)) is not None]
+    return min(ranked, key=lambda pair: pair[0])[1] if ranked else None  # the first of the best
 
-    def collect(g: BaseExceptionGroup[BaseException]) -> None:
-        for exc in g.exceptions:
-            if isinstance(exc, BaseExceptionGroup):
-                collect(exc)
-            else:
-                found.append(exc)
 
-    collect(group)
-    ranked = sorted((rank, i, exc) for i, exc in enumerate(found)
-                    if (rank := _engine_rank(exc)) is not None)
-    return ranked[0][2] if ranked else None
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    """The exceptions of ``group`` and of the groups nested in it, in order."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 def _engine_rank(exc: BaseException) -> int | None:

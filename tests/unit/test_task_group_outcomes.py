@@ -16,6 +16,8 @@ def test_a_stop_wins_and_a_lost_lease_first() -> None:
     drain, lost = Stop("drain"), Stop("lease_lost")
     assert _engine_error_in(group(ValueError("x"), drain)) is drain
     assert _engine_error_in(group(drain, group(ValueError("y"), lost))) is lost
+    deadline = Stop("deadline")  # as strong as the drain: the first one met decides
+    assert _engine_error_in(group(ValueError("x"), group(deadline), drain)) is deadline
 
 
 def test_then_the_database_then_nondeterminism() -> None:
