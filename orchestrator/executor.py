@@ -445,9 +445,7 @@ class RunExecutor:
                     raise
                 held = True
         if held:
-            task = asyncio.current_task()
-            if task is not None:
-                self._held.add(task)
+            self._hold_cancel()
 
     async def _landed(self, landing: Landing) -> Any:
         """The outcome of a queued write, even if the caller is cancelled meanwhile.
@@ -464,10 +462,15 @@ class RunExecutor:
         except asyncio.CancelledError:
             if not landing.done():
                 raise
+        self._hold_cancel()
+        return landing.result()
+
+    def _hold_cancel(self) -> None:
+        """The current task was cancelled while it wrote: keep that for
+        :meth:`take_held_cancel` (the write goes on and is accounted for first)."""
         task = asyncio.current_task()
         if task is not None:
             self._held.add(task)
-        return landing.result()
 
     @contextlib.contextmanager
     def _delivering(self, hold: bool = False) -> Iterator[None]:
