@@ -239,19 +239,7 @@ class RunExecutor:
     async def until_cancelled(self) -> NoReturn:
         """Wait until the calling task is cancelled (``CancelledError``) or the run is
         (``Stop``): for the replay of a call that workflow code withdrew."""
-        woken: asyncio.Future[None] = self.loop.create_future()
-
-        def wake() -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        self._cancel_waiters.add(wake)
-        try:
-            if self.cancel_requested:
-                wake()
-            await woken
-        finally:
-            self._cancel_waiters.discard(wake)
+        await self.race_cancellation(self.loop.create_future(), None, asyncio.Event())
         self.stop_cancelled()
 
     def next_position(self) -> int:
@@ -433,19 +421,6 @@ class RunExecutor:
         stops at once and writes nothing, unless it is to ``finish`` recording what already
         happened (a receipt), which is written all the same."""
         return _WriteLock(self, finish)
-
-    async def _acquire_write_lock(self, finish: bool) -> None:
-        held = False
-        while True:
-            try:
-                await self._write_lock.acquire()
-                break
-            except asyncio.CancelledError:
-                if self.letting_go and not finish:
-                    raise
-                held = True
-        if held:
-            self._hold_cancel()
 
     async def _landed(self, landing: Landing) -> Any:
         """The outcome of a queued write, even if the caller is cancelled meanwhile.
@@ -1128,7 +1103,17 @@ class _WriteLock:
         self.finish = finish
 
     async def __aenter__(self) -> None:
-        await self.ex._acquire_write_lock(self.finish)
+        ex, held = self.ex, False
+        while True:
+            try:
+                await ex._write_lock.acquire()
+                break
+            except asyncio.CancelledError:
+                if ex.letting_go and not self.finish:
+                    raise
+                held = True
+        if held:
+            ex._hold_cancel()
 
     async def __aexit__(self, *exc: object) -> None:
         self.ex._write_lock.release()

@@ -250,26 +250,24 @@ class Call:
         if status == "cancelled":
             self.ex.stop_cancelled()
         if withdrawn:
-            await self.given_up(op_id, number, pending=pending)
-
-    async def given_up(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
-        """The calling task was cancelled before the tool was called. By workflow code: the
-        call is withdrawn. By the executor letting go of the run (parking, a lost lease, a
-        draining worker, whose stop can cancel a task group's other branches): nothing more
-        is recorded, the journal decides on the next claim as for a worker that died (a
-        withdrawal there would make the replay wait for a cancellation that workflow code
-        never makes)."""
-        if self.ex.letting_go:
-            raise asyncio.CancelledError
-        await self.withdraw(op_id, number, pending=pending)
+            await self.withdraw(op_id, number, pending=pending)
 
     async def withdraw(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
-        """Workflow code cancelled this call (a timeout around ``ctx.call``, a race it lost)
-        while its intent was being written or a policy stage ran: the tool was not called and
-        will not be. The operation is settled as never dispatched (``submitted → failed``, or
-        ``pending → cancelled``: nothing was applied), the journal records the withdrawal, and
-        the cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
-        point, for the same cancellation (:meth:`resume`)."""
+        """The calling task was cancelled after the call's intent was written (while that write
+        was in flight or a policy stage ran), before the tool was called; the tool will not be.
+
+        By workflow code (a timeout around ``ctx.call``, a race it lost): the call is withdrawn.
+        The operation is settled as never dispatched (``submitted → failed``, or ``pending →
+        cancelled``: nothing was applied), the journal records the withdrawal, and the
+        cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
+        point, for the same cancellation (:meth:`resume`).
+
+        By the executor letting go of the run (parking, a lost lease, a draining worker, whose
+        stop can cancel a task group's other branches): nothing more is recorded, the journal
+        decides on the next claim as for a worker that died (a withdrawal there would make the
+        replay wait for a cancellation that workflow code never makes)."""
+        if self.ex.letting_go:
+            raise asyncio.CancelledError
         error = json.dumps({"code": "CALL_WITHDRAWN", "cause": "cancelled",
                             "message": "workflow code cancelled the call before it was sent"})
 
@@ -314,7 +312,7 @@ class Call:
                     hook(pctx), budget if remaining is None else min(budget, remaining),
                     pctx.cancelled)
             except asyncio.CancelledError:  # while the hook ran: the intent is still pending
-                await self.given_up(op_id, number, pending=True)
+                await self.withdraw(op_id, number, pending=True)
             if verdict.cancelled:
                 await self.cancel_pending(op_id)
             if verdict.timed_out or verdict.error is not None or verdict.value is False:
