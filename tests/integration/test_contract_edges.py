@@ -588,7 +588,7 @@ async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
 
 class _DrainTools:
     """Tools for the drain tests: ``slow`` (0.5 s; sets ``slow_started``), ``fast``, and the
-    idempotent ``ship`` and ``label``; ``called`` lists the calls in order."""
+    idempotent ``ship``, ``label`` and ``pack`` (1 s); ``called`` lists the calls in order."""
 
     def __init__(self, app):  # type: ignore[no-untyped-def]
         self.called: list[str] = []
@@ -616,7 +616,14 @@ class _DrainTools:
             self.called.append("label")
             return "labelled"
 
+        @app.tool(effect="idempotent")
+        async def pack(ctx):  # type: ignore[no-untyped-def]
+            self.called.append("pack")
+            await asyncio.sleep(1.0)  # still running when a sibling stops for the drain
+            return "packed"
+
         self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
+        self.pack = pack
 
     async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
         """Submit ``wf`` and drain a worker once ``slow`` runs (:func:`_drain_once`)."""
@@ -800,6 +807,75 @@ async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_st
         assert await run.result_async(timeout=20) == [["slow", "fast"], "shipped", "labelled"]
     assert tools.called.count("ship") == 1
     assert tools.called.count("slow") == 1
+
+
+async def test_a_tool_running_when_a_sibling_stops_for_the_drain_is_left_to_the_journal(
+        app, sql):
+    """Branch ``b``'s idempotent tool is running when the draining worker stops ``a`` at its
+    next call and the task group cancels ``b``. That cancellation is the engine's: the call
+    is not recorded as uncertain (no reconciliation, the run is not blocked); the next worker
+    re-sends it with its key and the run completes."""
+    tools = _DrainTools(app)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        slow_call, pack_call = ctx.call(tools.slow), ctx.call(tools.pack)
+
+        async def a():  # type: ignore[no-untyped-def]
+            return [await slow_call, await ctx.call(tools.fast)]
+
+        async def b():  # type: ignore[no-untyped-def]
+            return await pack_call
+
+        async with asyncio.TaskGroup() as group:
+            first, second = group.create_task(a()), group.create_task(b())
+        return [first.result(), second.result()]
+
+    run = await tools.drain_during_slow(app, wf)
+    assert _status(sql, run)["status"] == "queued"
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+    async with running(app):
+        assert await run.result_async(timeout=20) == [["slow", "fast"], "packed"]
+    assert tools.called.count("pack") == 2 and tools.called.count("slow") == 1
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+
+
+async def test_an_intent_waiting_for_the_write_lock_when_a_sibling_stops_is_not_written(
+        app, sql, monkeypatch):
+    """Branch ``b``'s (consequential) call waits for the run's write lock, held by ``c``'s
+    slow intent write, when the draining worker stops ``a`` and the task group cancels the
+    others. The engine lets go of the run: ``b`` writes no intent (one written and never sent
+    would be an uncertain operation on the next worker, for reconciliation); the next worker
+    calls it once and the run completes."""
+    _slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch c's intent
+    tools = _DrainTools(app)
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        slow_call, label_call, fast_call = (ctx.call(tools.slow), ctx.call(tools.label),
+                                            ctx.call(tools.fast))
+
+        async def a():  # type: ignore[no-untyped-def]
+            return [await slow_call, await ctx.call(tools.fast)]  # stops here: the drain
+
+        async def c():  # type: ignore[no-untyped-def]
+            return await label_call  # its intent write holds the lock for 1.5 s
+
+        async def b():  # type: ignore[no-untyped-def]
+            return await fast_call  # waits for the lock meanwhile
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(a()), group.create_task(c()), group.create_task(b())]
+        return [task.result() for task in tasks]
+
+    run = await tools.drain_during_slow(app, wf)
+    assert _status(sql, run)["status"] == "queued"
+    assert [o["tool_name"] for o in sql(
+        "SELECT tool_name FROM orchestrator.operations ORDER BY id")] == ["slow", "label"]
+    async with running(app):
+        assert await run.result_async(timeout=20) == [["slow", "fast"], "labelled", "fast"]
+    assert tools.called.count("fast") == 2 and tools.called.count("slow") == 1
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
 
 
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
