@@ -217,12 +217,21 @@ async def test_the_deadline_fails_a_sleeping_run(app):
     assert app.metrics.snapshot()["deadline_exhausted"] == 1
 
 
-async def test_a_full_journal_rejects_new_work(make_app, sql):
+@pytest.mark.parametrize("gated", [False, True])
+async def test_a_full_journal_rejects_new_work(make_app, sql, gated):
+    """With ``gated``, each call's intent is written by the general path (a ``pending``
+    intent, then its policy stage), carrying the previous call's riding receipt: the room
+    check counts that receipt too."""
     app = make_app(max_journal_events=6)
 
     @app.tool()
     async def step(ctx):  # type: ignore[no-untyped-def]
         return 1
+
+    if gated:
+        @step.authorize
+        async def gate(pctx):  # type: ignore[no-untyped-def]
+            return True
 
     @app.workflow()
     async def chatty(ctx, data):  # type: ignore[no-untyped-def]
@@ -236,6 +245,7 @@ async def test_a_full_journal_rejects_new_work(make_app, sql):
     assert info.value.code == "WORKFLOW_FAILED"
     assert "JOURNAL_FULL" in info.value.message
     count = sql("SELECT count(*) AS n FROM orchestrator.journal")[0]["n"]
-    # New work stops while the journal still has room for every outcome: the two calls that
-    # began have their receipts, and the run's end is recorded; nothing was evicted.
-    assert count == 5 and count <= 6
+    # New work stops while the journal still has room for every outcome: the calls that
+    # began (two; one when each also records its `pending` intent) have their receipts, and
+    # the run's end is recorded; nothing was evicted.
+    assert count == (4 if gated else 5) and count <= 6
