@@ -572,8 +572,7 @@ class RunExecutor:
                 # reconciliation, as any dispatched call without a recorded outcome.
                 del self._receipts[0]
                 raise
-            del self._receipts[0]
-            faults.reach("after_receipt", receipt.name)
+            self._riding_written(self._receipts[:1])
 
     async def _commit_riding(self, conn: Conn, riding: Sequence[tuple[ops_db.Receipt, Any]]
                              ) -> list[Event]:
