@@ -253,6 +253,7 @@ class Harness:
         self.last_restart = 0.0
         self.notes: list[str] = []
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        self._connecting = asyncio.Lock()
         self.client = Orchestrator(_with_app_name(db_url), default_owner=chaos_app.OWNER)
         self.client.registry = chaos_app.app.registry
 
@@ -262,18 +263,24 @@ class Harness:
                   tries: int = 120) -> list[dict[str, Any]]:
         """Run one statement on the orchestrator database, reconnecting through outages."""
         for attempt in range(tries):
+            conn = None
             try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = await psycopg.AsyncConnection.connect(
-                        _with_app_name(self.db_url), autocommit=True, row_factory=dict_row,
-                        connect_timeout=5)
-                cur = await self._conn.execute(query, params)
+                # Background tasks call this concurrently: one of them (re)connects, the others
+                # wait and share that connection (two connecting at once left one unclosed).
+                async with self._connecting:
+                    if self._conn is None or self._conn.closed:
+                        self._conn = await psycopg.AsyncConnection.connect(
+                            _with_app_name(self.db_url), autocommit=True, row_factory=dict_row,
+                            connect_timeout=5)
+                    conn = self._conn
+                cur = await conn.execute(query, params)
                 return await cur.fetchall() if cur.description else []
             except psycopg.OperationalError:
-                if self._conn is not None:
+                if conn is not None:
                     with contextlib.suppress(Exception):
-                        await self._conn.close()
-                self._conn = None
+                        await conn.close()
+                    if self._conn is conn:
+                        self._conn = None
                 if attempt == tries - 1:
                     raise
                 await asyncio.sleep(0.5)
