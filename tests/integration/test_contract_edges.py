@@ -625,6 +625,27 @@ class _DrainTools:
         self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
         self.pack = pack
 
+    def branches(self, app, *others):  # type: ignore[no-untyped-def]
+        """A workflow whose task group runs ``a`` (``slow``, then ``fast``: the drain stops it
+        there) and one branch per tool of ``others``, in that order; it returns their results
+        in the same order."""
+        @app.workflow()
+        async def wf(ctx, data):  # type: ignore[no-untyped-def]
+            # Commands take their positions when called: these in program order, every time.
+            slow_call, *calls = ctx.call(self.slow), *(ctx.call(tool) for tool in others)
+
+            async def a():  # type: ignore[no-untyped-def]
+                return [await slow_call, await ctx.call(self.fast)]
+
+            async def one(call):  # type: ignore[no-untyped-def]
+                return await call
+
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(a()), *(group.create_task(one(c)) for c in calls)]
+            return [task.result() for task in tasks]
+
+        return wf
+
     async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
         """Submit ``wf`` and drain a worker once ``slow`` runs (:func:`_drain_once`)."""
         return await _drain_once(app, wf, self.slow_started)
@@ -742,21 +763,7 @@ async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn
     the replay would wait at that call for a cancellation that never comes.)"""
     _slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch b's intent
     tools = _DrainTools(app)
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        # Commands take their positions when called: these two in program order, every time.
-        slow_call, ship_call = ctx.call(tools.slow), ctx.call(tools.ship)
-
-        async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(tools.fast)]
-
-        async def b():  # type: ignore[no-untyped-def]
-            return await ship_call  # its intent is the run's second write
-
-        async with asyncio.TaskGroup() as group:
-            first, second = group.create_task(a()), group.create_task(b())
-        return [first.result(), second.result()]
+    wf = tools.branches(app, tools.ship)  # b's intent is the run's second write
 
     run = await tools.drain_during_slow(app, wf)  # `a` stops at its next call; `b` cancelled
     assert _status(sql, run)["status"] == "queued"
@@ -777,25 +784,8 @@ async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_st
     operation stayed ``submitted`` and the replay re-sent the call.)"""
     _slow_write(monkeypatch, nth=3, delay=1.5)  # the third write: branch c's intent
     tools = _DrainTools(app)
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        # Commands take their positions when called: these three in program order.
-        slow_call, ship_call, label_call = (ctx.call(tools.slow), ctx.call(tools.ship),
-                                            ctx.call(tools.label))
-
-        async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(tools.fast)]  # stops at `fast`: the drain
-
-        async def b():  # type: ignore[no-untyped-def]
-            return await ship_call  # its receipt waits for the lock that c's write holds
-
-        async def c():  # type: ignore[no-untyped-def]
-            return await label_call
-
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(a()), group.create_task(b()), group.create_task(c())]
-        return [task.result() for task in tasks]
+    # b (ship): its receipt waits for the lock that c's (label's) intent write holds
+    wf = tools.branches(app, tools.ship, tools.label)
 
     run = await tools.drain_during_slow(app, wf)
     assert _status(sql, run)["status"] == "queued"
@@ -816,20 +806,7 @@ async def test_a_tool_running_when_a_sibling_stops_for_the_drain_is_left_to_the_
     is not recorded as uncertain (no reconciliation, the run is not blocked); the next worker
     re-sends it with its key and the run completes."""
     tools = _DrainTools(app)
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        slow_call, pack_call = ctx.call(tools.slow), ctx.call(tools.pack)
-
-        async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(tools.fast)]
-
-        async def b():  # type: ignore[no-untyped-def]
-            return await pack_call
-
-        async with asyncio.TaskGroup() as group:
-            first, second = group.create_task(a()), group.create_task(b())
-        return [first.result(), second.result()]
+    wf = tools.branches(app, tools.pack)  # b's tool runs for 1 s
 
     run = await tools.drain_during_slow(app, wf)
     assert _status(sql, run)["status"] == "queued"
@@ -849,24 +826,8 @@ async def test_an_intent_waiting_for_the_write_lock_when_a_sibling_stops_is_not_
     calls it once and the run completes."""
     _slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch c's intent
     tools = _DrainTools(app)
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        slow_call, label_call, fast_call = (ctx.call(tools.slow), ctx.call(tools.label),
-                                            ctx.call(tools.fast))
-
-        async def a():  # type: ignore[no-untyped-def]
-            return [await slow_call, await ctx.call(tools.fast)]  # stops here: the drain
-
-        async def c():  # type: ignore[no-untyped-def]
-            return await label_call  # its intent write holds the lock for 1.5 s
-
-        async def b():  # type: ignore[no-untyped-def]
-            return await fast_call  # waits for the lock meanwhile
-
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(a()), group.create_task(c()), group.create_task(b())]
-        return [task.result() for task in tasks]
+    # c (label): its intent write holds the lock for 1.5 s; b (fast) waits for it meanwhile
+    wf = tools.branches(app, tools.label, tools.fast)
 
     run = await tools.drain_during_slow(app, wf)
     assert _status(sql, run)["status"] == "queued"
