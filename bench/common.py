@@ -438,3 +438,80 @@ def rss_kib(pid: int) -> int | None:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return None
+
+
+# -- CPU accounting (Linux /proc; every figure is None elsewhere) --------------------------------
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 onwards)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU a live process has used so far."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def children_of(parent: int) -> list[int]:
+    """The live processes whose parent is ``parent`` (a PostgreSQL server's postmaster: its
+    backends and background processes)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                fields = _stat_fields(int(name))
+                if fields is not None and int(fields[1]) == parent:
+                    found.append(int(name))
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
+def machine_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole machine since boot, from ``/proc/stat``."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    ticks = [int(v) for v in first[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+class CpuMeter:
+    """CPU used by some processes (by kind) and by the machine between :meth:`start` and
+    :meth:`stop`. A process that starts in between counts from zero; one that ends in between
+    is not counted (every process measured here outlives the interval)."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, float] = {}
+        self._machine: tuple[int, int] | None = None
+        self.used: dict[str, float] = {}
+        self.busy: float | None = None  # share of the machine's CPU time that was busy
+
+    def start(self, pids: dict[str, list[int]]) -> None:
+        self._first = {pid: cpu for group in pids.values() for pid in group
+                       if (cpu := cpu_seconds(pid)) is not None}
+        self._machine = machine_ticks()
+
+    def stop(self, pids: dict[str, list[int]]) -> None:
+        for kind, group in pids.items():
+            total = 0.0
+            for pid in group:
+                cpu = cpu_seconds(pid)
+                if cpu is not None:
+                    total += cpu - self._first.get(pid, 0.0)
+            self.used[kind] = total
+        end = machine_ticks()
+        if self._machine is not None and end is not None and end[1] > self._machine[1]:
+            self.busy = (end[0] - self._machine[0]) / (end[1] - self._machine[1])

@@ -17,17 +17,21 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg  # noqa: TID251 - fixtures and progress queries
 
 from bench.app import build_app
 from bench.common import (
+    CpuMeter,
     Proc,
     Server,
+    children_of,
     fetch_one,
     log,
     migrate,
+    parent_of,
     percentile,
     rss_kib,
     rss_peak_kib,
@@ -126,11 +130,30 @@ async def unfinished(conn: psycopg.AsyncConnection[Any]) -> int:
     return int(row[0])
 
 
+async def server_processes(conn: psycopg.AsyncConnection[Any]) -> list[int]:
+    """The processes of the PostgreSQL server behind ``conn`` when it runs on this machine
+    (the children of its postmaster), else nothing."""
+    backend = (await fetch_one(conn, "SELECT pg_backend_pid()"))[0]
+    postmaster = parent_of(backend)
+    if postmaster is None or backend not in children_of(postmaster):
+        return []
+    try:
+        name = Path(f"/proc/{postmaster}/comm").read_text().strip()
+    except OSError:
+        return []
+    return children_of(postmaster) if name.startswith("postgres") else []
+
+
 async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
-                timeout: float) -> tuple[float, dict[str, int]]:
-    """Release the held runs, wait until none is left, return (seconds, statuses)."""
+                timeout: float, meter: CpuMeter | None = None) -> tuple[float, dict[str, int]]:
+    """Release the held runs, wait until none is left, return (seconds, statuses). With
+    ``meter``, the CPU of the worker processes and of the server (when it is local) is
+    measured from the release until the last run has finished."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         t0 = (await fetch_one(conn, "SELECT clock_timestamp()"))[0]
+        server = await server_processes(conn) if meter is not None else []
+        if meter is not None:
+            meter.start({"worker": [p.pid for p in procs], "server": server})
         await release(conn, ids)
         deadline = time.monotonic() + timeout
         while await unfinished(conn) > 0:
@@ -140,6 +163,9 @@ async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"runs still unfinished after {timeout}s")
             await asyncio.sleep(0.1)
+        if meter is not None:  # backends the workers opened during the drain count too
+            meter.stop({"worker": [p.pid for p in procs],
+                        "server": sorted({*server, *await server_processes(conn)})})
         cur = await conn.execute(
             f"SELECT status, count(*), max(finished_at) FROM {S}.runs WHERE id = ANY(%s) "
             "GROUP BY status", (list(ids),))
@@ -167,14 +193,16 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
         procs = await start_workers(url, setup)
         try:
             await wait_registered(url, [p.pid for p in procs], procs)
+            meter = CpuMeter()
             if profile:
                 from bench.profile import Recorder
 
                 async with Recorder(procs[0].pid) as recorder:
-                    seconds, statuses = await drain(url, ids, procs, timeout=timeout)
+                    seconds, statuses = await drain(url, ids, procs, timeout=timeout,
+                                                    meter=meter)
                 extra = {"profile": recorder.summary()}
             else:
-                seconds, statuses = await drain(url, ids, procs, timeout=timeout)
+                seconds, statuses = await drain(url, ids, procs, timeout=timeout, meter=meter)
                 extra = {}
         finally:
             await asyncio.gather(*(p.stop() for p in procs))
@@ -185,7 +213,19 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
     if ok != n:
         log(f"k={k}: {n - ok} of {n} runs did not succeed: {statuses}")
     return {"k": k, "runs": n, "seconds": seconds, "runs_per_s": ok / seconds,
-            "steps_per_s": ok * k / seconds, "statuses": statuses, **extra}
+            "steps_per_s": ok * k / seconds, "statuses": statuses, **cpu_per_step(meter, n * k),
+            **extra}
+
+
+def cpu_per_step(meter: CpuMeter, steps: int) -> dict[str, float | None]:
+    """CPU microseconds per step, worker processes and server, and the machine's busy share
+    (None where it could not be measured: no /proc, or a server on another machine)."""
+    def per_step(kind: str) -> float | None:
+        used = meter.used.get(kind)
+        return used / steps * 1e6 if used else None
+
+    return {"worker_cpu_us_per_step": per_step("worker"),
+            "server_cpu_us_per_step": per_step("server"), "machine_busy": meter.busy}
 
 
 async def latency_once(server: Server, *, samples: int, warmup: int = 10,

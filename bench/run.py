@@ -51,6 +51,19 @@ from bench.common import (
 )
 from bench.peers import dbos_peer
 
+CPU_FIGURES = ("worker_cpu_us_per_step", "server_cpu_us_per_step", "machine_busy")
+
+
+def median_of(reps: list[dict[str, Any]], key: str) -> float | None:
+    """The median of a figure over repetitions, of those that measured it."""
+    values = [r[key] for r in reps if r.get(key) is not None]
+    return median(values) if values else None
+
+
+def pct(share: float | None) -> str:
+    return "—" if share is None else f"{share:.0%}"
+
+
 SECTIONS = ("ceiling", "throughput", "peers", "latency", "scale", "recovery", "memory",
             "profile")
 
@@ -185,7 +198,8 @@ class Suite:
                 self.server, k=k, n=self.plan.runs[k], setup=self.setup()))
             self.ours_tp[k] = {"reps": reps,
                                "runs_per_s": median([r["runs_per_s"] for r in reps]),
-                               "steps_per_s": median([r["steps_per_s"] for r in reps])}
+                               "steps_per_s": median([r["steps_per_s"] for r in reps]),
+                               **{key: median_of(reps, key) for key in CPU_FIGURES}}
         return self.ours_tp[k]
 
     async def section_throughput(self) -> None:
@@ -194,7 +208,8 @@ class Suite:
         table = Table(f"throughput: {p.workers} worker processes × concurrency {p.concurrency}, "
                       "K trivial consequential steps per run",
                       ["K", "runs", "runs/s", "steps/s", "steps/s min–max",
-                       "steps/s ÷ 16-client ceiling"])
+                       "steps/s ÷ 16-client ceiling", "CPU µs/step: worker", "server",
+                       "machine busy"])
         for k in sorted(p.runs):
             try:
                 tp = await self.ours_throughput(k)
@@ -205,10 +220,15 @@ class Suite:
             steps = [r["steps_per_s"] for r in tp["reps"]]
             table.add(str(k), str(p.runs[k]), tp["runs_per_s"], tp["steps_per_s"],
                       f"{min(steps):,.0f}–{max(steps):,.0f}",
-                      fx(ratio(tp["steps_per_s"], self.baseline_tps)))
+                      fx(ratio(tp["steps_per_s"], self.baseline_tps)),
+                      tp["worker_cpu_us_per_step"], tp["server_cpu_us_per_step"],
+                      pct(tp["machine_busy"]))
         table.notes.append(f"median of {p.reps}; each repetition drains N held runs on a fresh "
                            f"database; pool {p.pool_size} connections per worker; ceiling "
                            f"{self.baseline_tps:,.0f} tps")
+        table.notes.append("CPU: user + system time of the worker processes and of the server's "
+                           "processes from the release to the last finish, per step; machine "
+                           "busy = share of all CPUs' time not idle meanwhile (/proc)")
         table.print()
         self.record("throughput", {"results": self.ours_tp, "baseline_tps": self.baseline_tps})
 
