@@ -47,21 +47,27 @@ class Setup:
     concurrency: int
     pool_size: int
     lease_ttl: float | None = None
+    floor: bool = False  # bench.floor processes (the engine's writes alone), not workers
 
 
-def worker_args(concurrency: int) -> list[str]:
+def worker_args(concurrency: int, *, floor_k: int | None = None) -> list[str]:
+    if floor_k is not None:
+        return [sys.executable, "-m", "bench.floor", "--k", str(floor_k),
+                "--concurrency", str(concurrency)]
     return [sys.executable, "-m", "orchestrator", "worker", "--app", "bench.app:app",
             "--concurrency", str(concurrency)]
 
 
 async def start_workers(url: str, setup: Setup, count: int | None = None,
-                        prefix: str = "worker") -> list[Proc]:
+                        prefix: str = "worker", k: int | None = None) -> list[Proc]:
     env = {"ORCHESTRATOR_DATABASE_URL": url, "BENCH_POOL_SIZE": str(setup.pool_size)}
     if setup.lease_ttl is not None:
         env["BENCH_LEASE_TTL"] = str(setup.lease_ttl)
     n = setup.workers if count is None else count
-    return [await spawn(worker_args(setup.concurrency), name=f"{prefix}-{i}", env=env)
-            for i in range(n)]
+    if setup.floor and k is None:
+        raise ValueError("bench.floor processes drive runs of one K; give k")
+    args = worker_args(setup.concurrency, floor_k=k if setup.floor else None)
+    return [await spawn(args, name=f"{prefix}-{i}", env=env) for i in range(n)]
 
 
 async def wait_registered(url: str, pids: Sequence[int], procs: Sequence[Proc],
@@ -190,7 +196,7 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
     try:
         ids = await submit_many(url, f"k{k}", n)
         await hold(url, ids)
-        procs = await start_workers(url, setup)
+        procs = await start_workers(url, setup, k=k)
         try:
             await wait_registered(url, [p.pid for p in procs], procs)
             meter = CpuMeter()

@@ -5,6 +5,8 @@ Sections (``--sections a,b``; default: all):
 
   ceiling     pgbench, one single-row INSERT per commit, at 1, 4 and 16 clients
   throughput  N runs of K = 1, 3, 10 trivial consequential steps, W worker processes
+  floor       the same runs driven through the engine's writes alone (bench/floor.py), each
+              repetition beside one of ours: what the engine's own Python costs on top
   peers       DBOS (K = 3, 10), PgQueuer and Procrastinate (no-op jobs), matched concurrency
   latency     submit → first step, submit → result, K = 1, idle (ours and the peers), and ours
               again while another process submits K = 3 runs at 30% of the drain rate
@@ -27,7 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,7 @@ def pct(share: float | None) -> str:
     return "—" if share is None else f"{share:.0%}"
 
 
-SECTIONS = ("ceiling", "throughput", "peers", "latency", "scale", "recovery", "memory",
+SECTIONS = ("ceiling", "throughput", "floor", "peers", "latency", "scale", "recovery", "memory",
             "profile")
 
 
@@ -231,6 +233,47 @@ class Suite:
                            "busy = share of all CPUs' time not idle meanwhile (/proc)")
         table.print()
         self.record("throughput", {"results": self.ours_tp, "baseline_tps": self.baseline_tps})
+
+    # -- floor -------------------------------------------------------------------------------
+
+    async def section_floor(self) -> None:
+        await self.ensure_baseline()
+        p = self.plan
+        table = Table(f"floor: the same drains through the engine's writes alone "
+                      f"(bench/floor.py), {p.workers} processes × concurrency {p.concurrency}",
+                      ["K", "floor steps/s", "÷ 16-client ceiling", "ours steps/s",
+                       "ours ÷ floor", "CPU µs/step: floor process", "server", "machine busy"])
+        payload: dict[int, Any] = {}
+        for k in sorted(p.runs):
+            try:
+                pairs = []
+                for i in range(p.reps):  # side by side, so that the host's drift cancels out
+                    log(f"floor k={k}: repetition {i + 1}/{p.reps}")
+                    mine = await ours.throughput_once(self.server, k=k, n=p.runs[k],
+                                                      setup=self.setup())
+                    floor = await ours.throughput_once(
+                        self.server, k=k, n=p.runs[k], setup=replace(self.setup(), floor=True))
+                    pairs.append((mine, floor))
+            except Exception as exc:  # noqa: BLE001 - report and go on with the suite
+                table.add(str(k), f"failed: {exc}", "", "", "", "", "", "")
+                traceback.print_exc()
+                continue
+            floors = [f for _, f in pairs]
+            rate = median([f["steps_per_s"] for f in floors])
+            table.add(str(k), rate, fx(ratio(rate, self.baseline_tps)),
+                      median([m["steps_per_s"] for m, _ in pairs]),
+                      fx(median([m["steps_per_s"] / f["steps_per_s"] for m, f in pairs])),
+                      median_of(floors, "worker_cpu_us_per_step"),
+                      median_of(floors, "server_cpu_us_per_step"),
+                      pct(median_of(floors, "machine_busy")))
+            payload[k] = {"pairs": [{"ours": m, "floor": f} for m, f in pairs]}
+        table.notes.append(
+            "floor: the engine's claim, its set-based write-ahead/receipt/success statements "
+            "and its group writer, driven by a minimal loop (no workflow code, effect gateway, "
+            "lease renewal); the database does the same work; ours ÷ floor is the median of "
+            "the pairs' ratios")
+        table.print()
+        self.record("floor", {"results": payload, "baseline_tps": self.baseline_tps})
 
     # -- peers -------------------------------------------------------------------------------
 
