@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
+import sys
 import uuid
 from functools import partial
 from typing import Any
@@ -108,5 +110,6 @@ if __name__ == "__main__":
     parser.add_argument("--k", type=int, required=True)
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver stops us with SIGTERM
     asyncio.run(main(os.environ["ORCHESTRATOR_DATABASE_URL"], args.k, args.concurrency,
                      int(os.environ.get("BENCH_POOL_SIZE", "16"))))
