@@ -158,6 +158,9 @@ class RunExecutor:
         self._held: set[asyncio.Task[Any]] = set()
         self._active = 0
         self._active_depth: dict[int, int] = {}
+        self._in_flight = _Active(self, None)  # active() without a position (they hold no state)
+        self._delivering_now = _Delivering(self, hold=False)
+        self._holding = _Delivering(self, hold=True)
         self._waits: dict[int, Wait] = {}
         self._parked: list[asyncio.Future[None]] = []
         self._changed = asyncio.Event()
@@ -264,21 +267,19 @@ class RunExecutor:
             return None
         return max((self.deadline_at - self.now()).total_seconds(), 0.0)
 
-    @contextlib.contextmanager
-    def active(self, position: int | None = None) -> Any:
-        """Marks in-flight work: the run is not parked while any is going on."""
-        self._active += 1
+    def active(self, position: int | None = None) -> _Active:
+        """Marks in-flight work (``with executor.active():``): the run is not parked while any
+        is going on."""
+        return self._in_flight if position is None else _Active(self, position)
+
+    def _inactive(self, position: int | None) -> None:
+        """The end of an :meth:`active` section."""
+        self._active -= 1
         if position is not None:
-            self._active_depth[position] = self._active_depth.get(position, 0) + 1
-        try:
-            yield
-        finally:
-            self._active -= 1
-            if position is not None:
-                self._active_depth[position] -= 1
-            if self._active == 0 and (self._waits or (self._task is not None
-                                                      and self._task.done())):
-                self._changed.set()  # what _drive waits for: it may park or finish now
+            self._active_depth[position] -= 1
+        if self._active == 0 and (self._waits or (self._task is not None
+                                                  and self._task.done())):
+            self._changed.set()  # what _drive waits for: it may park or finish now
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -447,23 +448,12 @@ class RunExecutor:
         if task is not None:
             self._held.add(task)
 
-    @contextlib.contextmanager
-    def _delivering(self, hold: bool = False) -> Iterator[None]:
+    def _delivering(self, hold: bool = False) -> _Delivering:
         """Deliver a cancellation that :meth:`_landed` held, once the write's bookkeeping is
         done: after a write that landed, and instead of the error of one that did not (the
         caller asked to stop; a :class:`Stop` of the run still wins). With ``hold`` a landed
         write returns normally and the caller takes the cancellation itself."""
-        try:
-            yield
-        except Stop:
-            self.take_held_cancel()
-            raise
-        except BaseException as exc:
-            if self.take_held_cancel():
-                raise asyncio.CancelledError from exc
-            raise
-        if not hold and self.take_held_cancel():
-            raise asyncio.CancelledError
+        return self._holding if hold else self._delivering_now
 
     @property
     def letting_go(self) -> bool:
@@ -1088,6 +1078,50 @@ def _engine_rank(exc: BaseException) -> int | None:
     if isinstance(exc, Nondeterminism):
         return 3
     return None
+
+
+class _Active:
+    """``with executor.active(position):`` (a plain class, not a generator-based context
+    manager: a step enters several, and the generator cost four times the work)."""
+
+    __slots__ = ("ex", "position")
+
+    def __init__(self, ex: RunExecutor, position: int | None) -> None:
+        self.ex = ex
+        self.position = position
+
+    def __enter__(self) -> None:
+        ex, position = self.ex, self.position
+        ex._active += 1
+        if position is not None:
+            ex._active_depth[position] = ex._active_depth.get(position, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.ex._inactive(self.position)
+
+
+class _Delivering:
+    """``with executor._delivering(hold):``; see :meth:`RunExecutor._delivering`."""
+
+    __slots__ = ("ex", "hold")
+
+    def __init__(self, ex: RunExecutor, *, hold: bool) -> None:
+        self.ex = ex
+        self.hold = hold
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        ex = self.ex
+        if kind is None:
+            if not self.hold and ex.take_held_cancel():
+                raise asyncio.CancelledError
+        elif issubclass(kind, Stop):
+            ex.take_held_cancel()  # the run stops: that wins over the caller's cancellation
+        elif ex.take_held_cancel():
+            raise asyncio.CancelledError from exc
 
 
 class _WriteLock:
