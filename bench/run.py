@@ -229,8 +229,9 @@ class Suite:
                            f"database; pool {p.pool_size} connections per worker; ceiling "
                            f"{self.baseline_tps:,.0f} tps")
         table.notes.append("CPU: user + system time of the worker processes and of the server's "
-                           "processes from the release to the last finish, per step; machine "
-                           "busy = share of all CPUs' time not idle meanwhile (/proc)")
+                           "processes from the release until the progress poll (every 0.1 s) "
+                           "saw the last finish, per step; machine busy = share of all CPUs' "
+                           "time not idle meanwhile (/proc)")
         table.print()
         self.record("throughput", {"results": self.ours_tp, "baseline_tps": self.baseline_tps})
 
