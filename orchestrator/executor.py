@@ -158,9 +158,6 @@ class RunExecutor:
         self._held: set[asyncio.Task[Any]] = set()
         self._active = 0
         self._active_depth: dict[int, int] = {}
-        self._in_flight = _Active(self, None)  # active() without a position (they hold no state)
-        self._delivering_now = _Delivering(self, hold=False)
-        self._holding = _Delivering(self, hold=True)
         self._waits: dict[int, Wait] = {}
         self._parked: list[asyncio.Future[None]] = []
         self._changed = asyncio.Event()
@@ -270,7 +267,7 @@ class RunExecutor:
     def active(self, position: int | None = None) -> _Active:
         """Marks in-flight work (``with executor.active():``): the run is not parked while any
         is going on."""
-        return self._in_flight if position is None else _Active(self, position)
+        return _Active(self, position)
 
     def _inactive(self, position: int | None) -> None:
         """The end of an :meth:`active` section."""
@@ -453,7 +450,7 @@ class RunExecutor:
         done: after a write that landed, and instead of the error of one that did not (the
         caller asked to stop; a :class:`Stop` of the run still wins). With ``hold`` a landed
         write returns normally and the caller takes the cancellation itself."""
-        return self._holding if hold else self._delivering_now
+        return _Delivering(self, hold=hold)
 
     @property
     def letting_go(self) -> bool:
@@ -1082,7 +1079,9 @@ def _engine_rank(exc: BaseException) -> int | None:
 
 class _Active:
     """``with executor.active(position):`` (a plain class, not a generator-based context
-    manager: a step enters several, and the generator cost four times the work)."""
+    manager: a step enters several, and the generator cost three times as much). Made per
+    use: one kept on the executor would make a reference cycle, and an executor in a cycle
+    outlives its run until the cycle collector runs."""
 
     __slots__ = ("ex", "position")
 
