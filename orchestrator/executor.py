@@ -798,6 +798,10 @@ class RunExecutor:
                 # cancelled by a drain that ran out of time: what is known is still written.
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.settle())
+            # A workflow's exception holds its frames, and they hold the context and so this
+            # executor: keeping the task would leave the executor in a cycle, kept in memory
+            # until the cycle collector runs.
+            self._task = None
 
     async def _drive(self, task: asyncio.Task[Any]) -> None:
         while True:
