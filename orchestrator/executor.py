@@ -791,6 +791,10 @@ class RunExecutor:
         finally:  # whatever happened, nothing of this run keeps running in this process
             self.parking = True
             task.cancel()
+            # A workflow's exception holds its frames, and they hold the context and so this
+            # executor: kept, the task would leave the executor in a cycle, in memory until the
+            # cycle collector runs.
+            self._task = None
             for parked in self._parked:
                 parked.cancel()
             if self._receipts:
@@ -798,10 +802,6 @@ class RunExecutor:
                 # cancelled by a drain that ran out of time: what is known is still written.
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.settle())
-            # A workflow's exception holds its frames, and they hold the context and so this
-            # executor: keeping the task would leave the executor in a cycle, kept in memory
-            # until the cycle collector runs.
-            self._task = None
 
     async def _drive(self, task: asyncio.Task[Any]) -> None:
         while True:
