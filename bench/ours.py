@@ -262,7 +262,11 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                                     "--rate", str(load_rate)], name="load")
                 await load.expect("@ready", 60)
                 await asyncio.sleep(2.0)  # let the stream reach a steady state
+            meter, pids = CpuMeter(), await _latency_processes(url, procs, load)
             for i in range(warmup + samples):
+                if i == warmup:
+                    meter.start(pids)
+                    started = time.monotonic()
                 t0 = time.time()
                 handle = await orch.submit_async("k1", {"n": i})
                 out = await handle.result_async(timeout=30)
@@ -272,6 +276,8 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                     result.append(t2 - t0)
                     ids.append(handle.id)
                 await asyncio.sleep(0.01)  # idle between samples
+            meter.stop(pids)
+            extra.update(cores_used(meter, time.monotonic() - started, pids))
             extra.update(await commit_probe(url))  # in the same conditions, load or not
             if load is not None:
                 async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -294,6 +300,25 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
             server.drop_database(url)
     return {"samples": samples, **summary("first_step", first), **summary("result", result),
             **summary("db_created_to_finished", db), **extra}
+
+
+async def _latency_processes(url: str, procs: Sequence[Proc], load: Proc | None
+                             ) -> dict[str, list[int]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        server = await server_processes(conn)
+    return {"workers": [p.pid for p in procs], "server": server,
+            "load": [load.pid] if load is not None else [], "driver": [os.getpid()]}
+
+
+def cores_used(meter: CpuMeter, seconds: float, pids: dict[str, list[int]]
+               ) -> dict[str, float]:
+    """CPU used during the samples, in cores (CPU seconds per second), by kind of process,
+    and the machine's busy share; only what could be measured (a remote server's processes
+    or a machine without /proc leave their figures out)."""
+    out = {f"cores_{kind}": used / seconds for kind, used in meter.used.items() if pids[kind]}
+    if meter.busy is not None:
+        out["machine_busy"] = meter.busy
+    return out
 
 
 async def commit_probe(url: str, samples: int = 100, gap: float = 0.01) -> dict[str, float]:

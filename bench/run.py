@@ -62,6 +62,17 @@ def median_of(reps: list[dict[str, Any]], key: str) -> float | None:
     return median(values) if values else None
 
 
+def cpu_note(lat: dict[str, Any]) -> str:
+    """The CPU used while the latency samples ran (bench.ours.cores_used), for a table note."""
+    parts = [f"{label} {lat[key]:.2f}" for key, label in (
+        ("cores_workers", "workers"), ("cores_server", "server"),
+        ("cores_load", "load process"), ("cores_driver", "this driver"))
+        if lat.get(key) is not None]
+    if not parts:
+        return "CPU not measured"
+    return f"cores used meanwhile: {', '.join(parts)}; machine busy {pct(lat.get('machine_busy'))}"
+
+
 def pct(share: float | None) -> str:
     return "—" if share is None else f"{share:.0%}"
 
@@ -403,7 +414,7 @@ class Suite:
                       f"({p.load_fraction:.0%} of the measured drain rate) to "
                       f"{p.workers} × {p.concurrency} workers; backlog at the end "
                       f"{lat.get('backlog_at_end', float('nan')):.0f} runs; a lone commit "
-                      f"meanwhile {ms(lat.get('lone_commit_p50'))} ms p50")
+                      f"meanwhile {ms(lat.get('lone_commit_p50'))} ms p50; {cpu_note(lat)}")
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             table.add("ours, under load", "—", "—", "—", "—", "—", f"failed: {exc}")
