@@ -269,15 +269,6 @@ class RunExecutor:
         is going on."""
         return _Active(self, position)
 
-    def _inactive(self, position: int | None) -> None:
-        """The end of an :meth:`active` section."""
-        self._active -= 1
-        if position is not None:
-            self._active_depth[position] -= 1
-        if self._active == 0 and (self._waits or (self._task is not None
-                                                  and self._task.done())):
-            self._changed.set()  # what _drive waits for: it may park or finish now
-
     # -- writes ------------------------------------------------------------------------------
 
     def check_room(self, events: int) -> None:
@@ -1100,7 +1091,12 @@ class _Active:
             ex._active_depth[position] = ex._active_depth.get(position, 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        self.ex._inactive(self.position)
+        ex, position = self.ex, self.position
+        ex._active -= 1
+        if position is not None:
+            ex._active_depth[position] -= 1
+        if ex._active == 0 and (ex._waits or (ex._task is not None and ex._task.done())):
+            ex._changed.set()  # what _drive waits for: it may park or finish now
 
 
 class _Delivering:
