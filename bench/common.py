@@ -491,7 +491,8 @@ def machine_ticks() -> tuple[int, int] | None:
 class CpuMeter:
     """CPU used by some processes (by kind) and by the machine between :meth:`start` and
     :meth:`stop`. A process that starts in between counts from zero; one that ends in between
-    is not counted (every process measured here outlives the interval)."""
+    is not counted (every process measured here outlives the interval). A kind given no
+    processes (a server on another machine) is not measured: it is absent from ``used``."""
 
     def __init__(self) -> None:
         self._first: dict[int, float] = {}
@@ -506,6 +507,8 @@ class CpuMeter:
 
     def stop(self, pids: dict[str, list[int]]) -> None:
         for kind, group in pids.items():
+            if not group:
+                continue
             total = 0.0
             for pid in group:
                 cpu = cpu_seconds(pid)

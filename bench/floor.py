@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from functools import partial
 from typing import Any
@@ -45,6 +46,7 @@ async def drive(writer: GroupWriter, claim: dict[str, Any], k: int, worker: str)
                                       "tenant": claim["tenant"]})
     expected, receipt, run_text = claim["revision"], None, str(run_id)
     value: dict[str, Any] = {}
+    first_t = None
     for i in range(k):
         arguments = canonical.canonical_bytes({"i": i}).decode()
         row = {"run_id": run_id, "token": token, "position": i, "attempt": 1,
@@ -56,11 +58,12 @@ async def drive(writer: GroupWriter, claim: dict[str, Any], k: int, worker: str)
         op_id, _ = await writer.run_statement(ops_db.operation_begin_fast(
             row, expected=expected, v=SCHEMA_VERSION, receipt=receipt))
         expected += 2 if receipt is not None else 1
-        value = {"ok": True, "i": i}  # what the tool returns (bench.app's also has a time)
+        value = {"ok": True, "i": i, "t": time.time()}  # what bench.app's tool returns
         text = canonical.canonical_bytes(value).decode()
         receipt = ops_db.Receipt(op_id=op_id, position=i, name=TOOL, text=text,
                                  digest=canonical.text_digest(text))
-    result = canonical.canonical_bytes({"first_t": None, "last": value}).decode()
+        first_t = value["t"] if i == 0 else first_t
+    result = canonical.canonical_bytes({"first_t": first_t, "last": value}).decode()
     await writer.run_statement(runs_db.run_succeed_fast(
         run_id=run_id, token=token, expected=expected, result=result, v=SCHEMA_VERSION,
         receipt=receipt))

@@ -138,16 +138,20 @@ async def unfinished(conn: psycopg.AsyncConnection[Any]) -> int:
 
 async def server_processes(conn: psycopg.AsyncConnection[Any]) -> list[int]:
     """The processes of the PostgreSQL server behind ``conn`` when it runs on this machine
-    (the children of its postmaster), else nothing."""
+    (the children of its postmaster), else nothing: the backend's pid is only ours to read
+    if a local postgres process has it."""
     backend = (await fetch_one(conn, "SELECT pg_backend_pid()"))[0]
     postmaster = parent_of(backend)
-    if postmaster is None or backend not in children_of(postmaster):
+    if postmaster is None or not (_is_postgres(backend) and _is_postgres(postmaster)):
         return []
+    return children_of(postmaster)
+
+
+def _is_postgres(pid: int) -> bool:
     try:
-        name = Path(f"/proc/{postmaster}/comm").read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_text().startswith("postgres")
     except OSError:
-        return []
-    return children_of(postmaster) if name.startswith("postgres") else []
+        return False
 
 
 async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
@@ -228,7 +232,7 @@ def cpu_per_step(meter: CpuMeter, steps: int) -> dict[str, float | None]:
     (None where it could not be measured: no /proc, or a server on another machine)."""
     def per_step(kind: str) -> float | None:
         used = meter.used.get(kind)
-        return used / steps * 1e6 if used else None
+        return None if used is None else used / steps * 1e6
 
     return {"worker_cpu_us_per_step": per_step("worker"),
             "server_cpu_us_per_step": per_step("server"), "machine_busy": meter.busy}
@@ -277,7 +281,7 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                     ids.append(handle.id)
                 await asyncio.sleep(0.01)  # idle between samples
             meter.stop(pids)
-            extra.update(cores_used(meter, time.monotonic() - started, pids))
+            extra.update(cores_used(meter, time.monotonic() - started))
             extra.update(await commit_probe(url))  # in the same conditions, load or not
             if load is not None:
                 async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -310,12 +314,11 @@ async def _latency_processes(url: str, procs: Sequence[Proc], load: Proc | None
             "load": [load.pid] if load is not None else [], "driver": [os.getpid()]}
 
 
-def cores_used(meter: CpuMeter, seconds: float, pids: dict[str, list[int]]
-               ) -> dict[str, float]:
+def cores_used(meter: CpuMeter, seconds: float) -> dict[str, float]:
     """CPU used during the samples, in cores (CPU seconds per second), by kind of process,
     and the machine's busy share; only what could be measured (a remote server's processes
     or a machine without /proc leave their figures out)."""
-    out = {f"cores_{kind}": used / seconds for kind, used in meter.used.items() if pids[kind]}
+    out = {f"cores_{kind}": used / seconds for kind, used in meter.used.items()}
     if meter.busy is not None:
         out["machine_busy"] = meter.busy
     return out
