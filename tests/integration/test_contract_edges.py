@@ -606,15 +606,15 @@ class _DrainTools:
             self.called.append("fast")
             return "fast"
 
-        @app.tool(effect="idempotent")
-        async def ship(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("ship")
-            return "shipped"
+        def idempotent(name, result):  # type: ignore[no-untyped-def]
+            @app.tool(name=name, effect="idempotent")
+            async def tool(ctx):  # type: ignore[no-untyped-def]
+                self.called.append(name)
+                return result
 
-        @app.tool(effect="idempotent")
-        async def label(ctx):  # type: ignore[no-untyped-def]
-            self.called.append("label")
-            return "labelled"
+            return tool
+
+        ship, label = idempotent("ship", "shipped"), idempotent("label", "labelled")
 
         @app.tool(effect="idempotent")
         async def pack(ctx):  # type: ignore[no-untyped-def]
