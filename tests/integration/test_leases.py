@@ -143,6 +143,34 @@ async def test_notify_wakes_an_idle_worker_without_polling(app):
         assert time.monotonic() - started < 5  # a 60 s poll would not have made it
 
 
+async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app):
+    """A worker that holds a run still claims new work on NOTIFY (its claims are spaced by
+    ``CLAIM_GAP``, milliseconds), not at its poll interval."""
+    release = asyncio.Event()
+
+    @app.tool(effect="read")
+    async def wait(ctx):  # type: ignore[no-untyped-def]
+        await release.wait()
+        return "released"
+
+    @app.workflow()
+    async def holder(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(wait)
+
+    job = _wf(app)
+    async with running(app, poll_interval=60.0, concurrency=4) as worker:
+        held = await app.submit_async(holder, {})
+        await wait_for(lambda: worker.active_runs == 1)
+        await asyncio.sleep(0.3)  # the worker holds a run and waits on LISTEN
+        started = time.monotonic()
+        run = await app.submit_async(job, {"fast": True})
+        assert await run.result_async(timeout=10) == {"fast": True}
+        assert time.monotonic() - started < 5  # a 60 s poll would not have made it
+        assert worker.active_runs == 1  # the first run was still held all along
+        release.set()
+        assert await held.result_async(timeout=10) == "released"
+
+
 async def test_workers_only_claim_workflow_versions_they_registered(make_app, sql):
     submitter = make_app()
     _wf(submitter, "1")
