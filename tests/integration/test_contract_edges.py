@@ -462,6 +462,51 @@ async def test_a_stopping_worker_does_not_withdraw_a_call_it_cancels(make_app, s
     assert _status(sql, run)["status"] == "running"  # until its lease lapses
 
 
+async def test_a_drain_that_runs_out_of_time_still_writes_the_receipts_it_holds(
+        make_app, sql, monkeypatch):
+    """A worker whose drain runs out of time cancels a run that is busy in memory. A receipt
+    the run still holds (riding, not yet written) records what already happened: the run
+    writes it as it lets go (the backstop in ``drive``), so the operation is ``committed`` and
+    the next worker's replay returns it without calling the tool again. Normally a receipt is
+    written as soon as the workflow yields; that write is held back here so that only the
+    backstop is left to do it (without the backstop the operation stays ``submitted`` and
+    the next worker finds it uncertain)."""
+    from orchestrator.executor import RunExecutor
+
+    monkeypatch.setattr(RunExecutor, "_settle_soon",
+                        lambda self: setattr(self, "_settle_scheduled", False))
+    app = make_app(lease_ttl=1.0)
+    called: list[str] = []
+    returned = asyncio.Event()
+    go_on = asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        receipt = await ctx.call(charge)
+        returned.set()
+        await go_on.wait()  # busy in memory: no durable step, so no write carries the receipt
+        return receipt
+
+    run = await app.submit_async(wf, {})
+    worker = app.create_worker(poll_interval=0.2, drain_timeout=0.1)
+    working = asyncio.ensure_future(worker.run())
+    await asyncio.wait_for(returned.wait(), 10)
+    worker.request_stop()
+    await asyncio.wait_for(working, 20)
+    assert [o["state"] for o in _ops(sql)] == ["committed"]
+    assert [e["kind"] for e in sql("SELECT kind FROM orchestrator.journal ORDER BY seq")] == [
+        "call.submitted", "call.completed"]
+    go_on.set()
+    async with running(app):
+        assert await run.result_async(timeout=20) == {"charged": True}
+    assert called == ["charge"]
+
+
 async def test_a_call_cancelled_while_its_receipt_is_written_keeps_the_run_in_step(
         make_app, sql, monkeypatch):
     """The same for the receipt's own write (``receipts_ride=False``): it lands, the run's
