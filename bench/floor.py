@@ -34,7 +34,7 @@ from orchestrator.db import workers as workers_db
 from orchestrator.db.config import resolve_database
 from orchestrator.db.database import Database
 from orchestrator.db.writer import GroupWriter
-from orchestrator.executor import SCHEMA_VERSION
+from orchestrator.replay import SCHEMA_VERSION
 
 TOOL, VERSION, EFFECT = "noop", "1", "consequential"  # bench.app's tool, as the engine names it
 

@@ -7,6 +7,8 @@ Sections (``--sections a,b``; default: all):
   throughput  N runs of K = 1, 3, 10 trivial consequential steps, W worker processes
   floor       the same runs driven through the engine's writes alone (bench/floor.py), each
               repetition beside one of ours: what the engine's own Python costs on top
+  batches     the floor's writes in group commits of 1 to 64 writes: CPU per batch and per write,
+              server and writer (why a stream's small batches cost more per step than a drain)
   peers       DBOS (K = 3, 10), PgQueuer and Procrastinate (no-op jobs), matched concurrency
   latency     submit → first step, submit → result, K = 1, idle (ours and the peers), and ours
               again while another process submits K = 3 runs at 30% of the drain rate
@@ -34,8 +36,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench import batches, ours, peers, scale
 from bench import ceiling as ceiling_mod
-from bench import ours, peers, scale
 from bench.common import (
     Server,
     Table,
@@ -77,8 +79,8 @@ def pct(share: float | None) -> str:
     return "—" if share is None else f"{share:.0%}"
 
 
-SECTIONS = ("ceiling", "throughput", "floor", "peers", "latency", "scale", "recovery", "memory",
-            "profile")
+SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
+            "memory", "profile")
 
 
 @dataclass
@@ -103,6 +105,8 @@ class Plan:
     # The submitting process shares the machine: at half the drain rate its own CPU left the
     # workers short on 2 cores and the backlog grew without bound.
     load_fraction: float = 0.3
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)  # the batches section's group commit sizes
+    batch_runs: int = 512  # K=3 runs per batches measurement (2,048 writes)
     quick: bool = False
 
 
@@ -112,7 +116,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     runs={1: 200, 3: 150, 10: 50}, workers=2, concurrency=32, pool_size=16,
                     latency_samples=40, scale_rows=20_000, recovery_runs=100,
                     recovery_lease_ttl=3.0, memory_runs=1_000, memory_concurrency=100,
-                    pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), quick=True)
+                    pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), batch_sizes=(1, 8, 64),
+                    batch_runs=128, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -286,6 +291,45 @@ class Suite:
             "the pairs' ratios")
         table.print()
         self.record("floor", {"results": payload, "baseline_tps": self.baseline_tps})
+
+    # -- batches -----------------------------------------------------------------------------
+
+    async def section_batches(self) -> None:
+        p = self.plan
+        sizes = list(p.batch_sizes)
+        reps: dict[int, list[dict[str, Any]]] = {size: [] for size in sizes}
+        for i in range(p.reps):  # sizes interleaved, alternating order: the host drifts
+            for size in (sizes if i % 2 == 0 else sizes[::-1]):
+                log(f"batches of {size}: repetition {i + 1}/{p.reps}")
+                reps[size].append(await batches.batches_once(self.server, size=size,
+                                                             runs=p.batch_runs))
+        table = Table(f"batches: the floor's K=3 writes ({p.batch_runs} runs, "
+                      f"{p.batch_runs * 4:,} writes) in group commits of at most N writes",
+                      ["N", "writes per batch", "server µs/batch", "server µs/write",
+                       "writer process µs/batch", "µs/write", "machine busy"])
+        fits: dict[str, Any] = {}
+        for kind in ("server", "process"):
+            points = [(r["writes"] / r["batches"], r[f"{kind}_us_per_batch"])
+                      for size in sizes for r in reps[size]
+                      if r.get(f"{kind}_us_per_batch") is not None]
+            fits[kind] = batches.per_batch_and_write(points)
+        for size in sizes:
+            rs = reps[size]
+            table.add(str(size), median([r["writes"] / r["batches"] for r in rs]),
+                      median_of(rs, "server_us_per_batch"), median_of(rs, "server_us_per_write"),
+                      median_of(rs, "process_us_per_batch"), median_of(rs, "process_us_per_write"),
+                      pct(median_of(rs, "machine_busy")))
+        for kind, label in (("server", "server"), ("process", "writer process")):
+            fit = fits[kind]
+            if fit is not None:
+                table.notes.append(f"{label}: about {fit[0]:,.0f} µs per batch + {fit[1]:,.0f} µs "
+                                   "per write (least squares over every repetition)")
+        table.notes.append(
+            "a batch is one transaction: one set-based statement per kind of write in it and one "
+            "commit; a drain's batches hold tens of writes, a stream's a few (see latency under "
+            "load); the writer process is this driver running bench.floor's loop")
+        table.print()
+        self.record("batches", {"results": reps, "fits": fits})
 
     # -- peers -------------------------------------------------------------------------------
 
