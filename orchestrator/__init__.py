@@ -8,6 +8,8 @@ from orchestrator.app import Orchestrator, RunHandle
 from orchestrator.context import ToolContext, WorkflowContext
 from orchestrator.errors import (
     AccessDenied,
+    ConfigurationError,
+    DatabaseError,
     IdempotencyConflict,
     InvalidRequest,
     OperationInProgress,
@@ -28,6 +30,8 @@ from orchestrator.registry import Tool, Workflow
 __all__ = [
     "AccessDenied",
     "Committed",
+    "ConfigurationError",
+    "DatabaseError",
     "IdempotencyConflict",
     "InvalidRequest",
     "NotApplied",

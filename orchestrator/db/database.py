@@ -59,6 +59,17 @@ def translate_errors(target: DatabaseTarget) -> Any:
         ) from exc
     except psycopg_pool_errors() as exc:
         raise DatabaseError(f"no database connection available from {target.masked}") from exc
+    except _SCHEMA_MISSING as exc:
+        raise DatabaseError(
+            f"the database at {target.masked} has no orchestrator schema, or an older one "
+            f"({type(exc).__name__}); run `orchestrator db upgrade`",
+            code="SCHEMA_MISMATCH", retryable=False,
+        ) from exc
+
+
+_SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn,
+                   psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)
+"""What a statement meets on a database whose schema was never created or is behind the code."""
 
 
 def psycopg_pool_errors() -> type[Exception]:

@@ -58,6 +58,36 @@ def test_check_fails_on_an_empty_database(empty_database_url: str) -> None:
     assert _version(empty_database_url) is None
 
 
+def test_the_api_and_the_cli_on_a_database_without_the_schema_say_to_upgrade(
+    empty_database_url: str,
+) -> None:
+    """A database nobody upgraded yet: a submit raises SCHEMA_MISMATCH naming the command to
+    run (not the driver's UndefinedTable), and so does a CLI command that reads runs."""
+    from orchestrator import DatabaseError, Orchestrator, Owner
+
+    app = Orchestrator(empty_database_url, default_owner=Owner(tenant="t", principal="p"))
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    try:
+        with pytest.raises(DatabaseError) as caught:
+            app.submit(wf, {})
+    finally:
+        app.close()
+    assert caught.value.code == "SCHEMA_MISMATCH"
+    assert "orchestrator db upgrade" in str(caught.value)
+    assert not caught.value.retryable
+
+    listed = run_cli(["runs", "list"], database_url=empty_database_url)
+    assert listed.returncode == 2
+    assert listed.stderr_lines[0].startswith("orchestrator: error: SCHEMA_MISMATCH:"), listed.stderr
+    assert "orchestrator db upgrade" in listed.stderr
+    assert "Traceback" not in listed.stderr
+    assert _version(empty_database_url) is None
+
+
 def test_check_and_upgrade_refuse_a_database_from_a_newer_release(
     migrated_database_url: str,
 ) -> None:
