@@ -17,11 +17,14 @@ from orchestrator.errors import ConfigurationError, DatabaseError
 DEFAULT_CONNECT_TIMEOUT = 5.0
 """Seconds to wait for a server to answer. libpq rounds this to whole seconds, minimum 2."""
 
+_NO_DATABASE = ("the database does not exist (create it, e.g. with `createdb`, then run "
+                "`orchestrator db upgrade`)")
+
 # SQLSTATE codes a server sends back while refusing a connection.
 _SQLSTATE_REASONS = {
     "28P01": "authentication failed (wrong password?)",
     "28000": "the server rejected the user or client (authentication failed)",
-    "3D000": "the database does not exist",
+    "3D000": _NO_DATABASE,
     "53300": "the server has too many connections",
     "57P03": "the server is starting up or shutting down",
     "42501": "the user may not connect to that database",
@@ -44,7 +47,7 @@ _TEXT_REASONS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("no password supplied",), "the server requires a password and none was given"),
     (("authentication failed",), "authentication failed"),
     (("role", "does not exist"), "the user (role) does not exist"),
-    (("database", "does not exist"), "the database does not exist"),
+    (("database", "does not exist"), _NO_DATABASE),
     (("too many",), "the server has too many connections"),
     (("starting up",), "the server is starting up or shutting down"),
     (("shutting down",), "the server is starting up or shutting down"),

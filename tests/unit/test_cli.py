@@ -110,6 +110,12 @@ def test_connection_failures_get_a_controlled_reason(text: str, reason: str) -> 
     assert "\n" not in described
 
 
+def test_a_missing_database_says_how_to_create_it() -> None:
+    described = connection_failure_reason(
+        psycopg.OperationalError('FATAL:  database "nothing" does not exist'))
+    assert "createdb" in described and "orchestrator db upgrade" in described
+
+
 def test_url_names_the_embedded_server_when_nothing_is_configured(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
