@@ -28,6 +28,7 @@ EXIT_OK = 0
 EXIT_FINDING = 1
 EXIT_ERROR = 2
 EXIT_INTERNAL = 70
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a program that wrote to a closed pipe
 ENV_DEBUG = "ORCHESTRATOR_DEBUG"
 
 PROG = "orchestrator"
@@ -70,7 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.help_parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # `orchestrator runs show ID | head`: the reader closed the pipe; not a failure of the
+        # command, so nothing is printed. Later writes (the interpreter's own final flush) go
+        # to /dev/null instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except OrchestratorError as exc:
         error(str(exc))
         return EXIT_ERROR

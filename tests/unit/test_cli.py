@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 
 import psycopg
 import pytest
@@ -11,6 +13,7 @@ from orchestrator import cli
 from orchestrator.cli import db as db_group
 from orchestrator.db.probe import connection_failure_reason
 from orchestrator.errors import DatabaseError
+from tests.clitools import cli_env, command
 
 
 def test_every_group_registers_commands_with_a_func() -> None:
@@ -130,3 +133,19 @@ def test_url_names_the_embedded_server_when_nothing_is_configured(
     assert capsys.readouterr().out == (
         "postgresql://postgres:@/orchestrator?host=/tmp/pg (embedded PostgreSQL)\n"
     )
+
+
+def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:
+    """``orchestrator … | head``: once the reader has gone, the command stops quietly with the
+    shell's status for a closed pipe (141), not with an INTERNAL error or a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        proc = subprocess.run(
+            [*command(), "--database-url", "postgresql://u@127.0.0.1:1/d", "db", "url"],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=60,
+            check=False)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE, proc.stderr
+    assert proc.stderr == ""
