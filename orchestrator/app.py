@@ -458,7 +458,7 @@ class RunHandle:
             if row["status"] in TERMINAL:
                 return _outcome(row)
             if give_up is not None and loop.time() >= give_up:
-                raise ResultTimeout(f"the run is still {row['status']}", status=row["status"])
+                raise ResultTimeout(_still(row["status"], self.id), status=row["status"])
             pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
             await asyncio.sleep(pause)
             delay = min(delay * 2, 0.25)
@@ -501,6 +501,23 @@ class RunHandle:
 
     def journal(self) -> list[JournalEntry]:
         return self.app._portal.call(self.journal_async())
+
+
+
+_WHY_STILL = {
+    "queued": "is a worker running that serves this workflow and version? "
+              "(`orchestrator runs show {id}` says)",
+    "waiting": "it waits for a timer, an event or a child run",
+    "needs_reconciliation": "an operation's outcome is unknown and waits for reconciliation: "
+                            "see `orchestrator ops list`",
+}
+
+
+def _still(status: str, run_id: uuid.UUID) -> str:
+    """RESULT_TIMEOUT's message: the status the run is in, and what that usually means."""
+    why = _WHY_STILL.get(status)
+    text = f"the run's status is still {status}"
+    return text if why is None else f"{text}; {why.format(id=run_id)}"
 
 
 def _outcome(row: dict[str, Any]) -> Any:

@@ -90,7 +90,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         operator=args.operator, state=args.state, tool=args.tool,
         older_than=parse_age(args.older_than), limit=max(1, min(args.limit, 1000))))
     if not items:
-        print("no operations in the queue")
+        filters = " ".join(f"--{flag} {value}" for flag, value in (
+            ("state", args.state), ("tool", args.tool), ("older-than", args.older_than)) if value)
+        print(f"no operations match {filters}" if filters else "no operations in the queue")
         return 0
     print(render(["OP", "RUN", "TOOL", "ITEM", "OPERATION", "REASON", "LOOKUPS", "OWNER",
                   "SINCE"],

@@ -78,6 +78,7 @@ async def test_an_uncertain_consequential_call_blocks_the_run(app, sql):
         with pytest.raises(ResultTimeout) as info:
             await run.result_async(timeout=0.3)
         assert info.value.status == "needs_reconciliation"
+        assert "orchestrator ops list" in str(info.value)
         with pytest.raises(OperationUncertain) as uncertain:
             await run.outcome_async()
     assert uncertain.value.known_operations == [

@@ -57,6 +57,8 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
                                  "--older-than", "0s")
         assert code == 0
         assert all(str(op) in out for op in ops.values()) and "TOOL_OUTCOME_UNCERTAIN" in out
+        code, out, _ = await cli(url, "ops", "list", "--tool", "refund")
+        assert code == 0 and out.strip() == "no operations match --tool refund"
 
         code, out, _ = await cli(url, "ops", "show", str(ops["one"]))
         assert code == 0

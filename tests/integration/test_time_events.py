@@ -154,6 +154,7 @@ async def test_result_timeout_reports_the_status_and_changes_nothing(app, sql):
     with pytest.raises(ResultTimeout) as info:
         await run.result_async(timeout=0.2)
     assert info.value.code == "RESULT_TIMEOUT" and info.value.status == "queued"
+    assert f"orchestrator runs show {run.id}" in str(info.value)  # says what to look at
     assert _status(sql)() == "queued"
     await app.database.close()
 
