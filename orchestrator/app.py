@@ -23,7 +23,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
-from orchestrator.db.events import event_insert
+from orchestrator.db.events import event_insert, event_seen
 from orchestrator.errors import (
     AccessDenied,
     IdempotencyConflict,
@@ -311,7 +311,9 @@ class Orchestrator:
                                owner: Owner | None = None, event_key: str | None = None) -> bool:
         """Deliver an event to a run; with ``event_key``, delivered once however often sent.
 
-        Returns False when an event with the same key was already delivered.
+        Returns False when an event with the same key was already delivered, also once the
+        run has finished (a retried send is not an error); a new event to a finished run is
+        refused with ``INVALID_REQUEST``.
         """
         if not isinstance(name, str) or not name or len(name) > 200:
             raise InvalidRequest("event name must be a non-empty string", path="name")
@@ -326,9 +328,12 @@ class Orchestrator:
             row = await runs_db.run_lock(conn, rid) if rid is not None else None
             if row is None or (row["tenant"], row["principal"]) != (who.tenant, who.principal):
                 raise AccessDenied(_DENIED)
-            if row["status"] in TERMINAL:
-                raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
             assert rid is not None
+            if row["status"] in TERMINAL:
+                if event_key is not None and await event_seen(conn, run_id=rid,
+                                                              event_key=event_key):
+                    return False  # a retry of an event the run received: delivered once
+                raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
             created = await event_insert(conn, run_id=rid, name=name, event_key=event_key,
                                          payload=text)
             if created:

@@ -25,6 +25,14 @@ async def event_insert(
     return cur.rowcount == 1
 
 
+async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
+    """Whether an event with this key was delivered to the run."""
+    cur = await conn.execute(
+        f"SELECT 1 FROM {S}.external_events WHERE run_id = %s AND event_key = %s",
+        (run_id, event_key))
+    return await cur.fetchone() is not None
+
+
 async def event_take(
     conn: Conn, *, run_id: uuid.UUID, name: str, position: int
 ) -> dict[str, Any] | None:

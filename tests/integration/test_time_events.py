@@ -70,6 +70,11 @@ async def test_events_are_delivered_once_per_key(app, sql):
         assert await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
         assert not await app.send_event_async(run.id, "approval", {"ok": 2}, event_key="appr-1")
         assert await run.result_async(timeout=15) == [{"ok": 1}, "timed out"]
+    # A retry of the same keyed send after the run has finished is still a duplicate, not an
+    # error; a new event to a finished run is refused.
+    assert not await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+    with pytest.raises(InvalidRequest):
+        await app.send_event_async(run.id, "approval", {"ok": 3}, event_key="appr-2")
     assert sql("SELECT count(*) AS n FROM orchestrator.external_events")[0]["n"] == 1
 
 
