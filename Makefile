@@ -12,7 +12,10 @@ PYTEST_ARGS ?=
 # e.g. make bench BENCH_ARGS=--quick, or BENCH_ARGS="--sections ceiling,throughput"
 BENCH_ARGS ?=
 
-.PHONY: test lint typecheck pytest demo chaos bench
+.PHONY: install test lint typecheck pytest demo chaos bench
+
+# .venv with the package (editable), its `orchestrator` command and the dev tools.
+install: $(STAMP)
 
 test: lint typecheck pytest
 
