@@ -120,21 +120,24 @@ def _report(app: Any, handles: list[Any], sink: Path, pids: dict[str, str]) -> b
     effects = demo.read_effects(sink)
     by_key = collections.Counter(e["key"] for e in effects)
     dedup_path = sink / "dedup.jsonl"
-    resent = len(dedup_path.read_text().splitlines()) if dedup_path.exists() else 0
-    rows = []
-    for handle in handles:
-        info = handle.info()
-        run_effects = [e for e in effects if e["key"].startswith(str(handle.id))]
-        workers = sorted({pids.get(op.split(":")[1], "?") for op in _op_workers(app, handle)})
-        rows.append([str(handle.id), info.workflow, info.status, len(run_effects),
-                     ",".join(workers) or "-"])
+    deduplicated = len(dedup_path.read_text().splitlines()) if dedup_path.exists() else 0
+    rows, resent = [], 0
+    for run_id, workflow, status in _runs_and_children(app, handles):
+        run_effects = [e for e in effects if e["key"].startswith(str(run_id))]
+        operations = _operations(app, run_id)
+        resent += sum(1 for o in operations if o["attempt"] > 1)
+        workers = sorted({pids.get(o["worker_id"].split(":")[1], "?") for o in operations
+                          if o.get("worker_id")})
+        rows.append([str(run_id), workflow, status, len(run_effects), ",".join(workers) or "-"])
     print()
     print(render(["RUN", "WORKFLOW", "STATUS", "EFFECTS", "WORKERS"], rows))
     print()
     duplicates = sum(1 for n in by_key.values() if n > 1)
     print(f"effects applied: {len(effects)}; applied twice: {duplicates} (the shipments are "
           f"consequential and not deduplicated by the carrier, so a repeat would show here); "
-          f"re-sent after the crash and deduplicated by key: {resent}")
+          f"calls made again after the crash: {resent} (reads repeated, idempotent calls re-sent "
+          f"with their key: the provider had already applied {deduplicated} of those and "
+          f"answered with its saved receipt)")
     resolved = _lookups(app)
     if resolved:
         print(f"operations whose outcome died with worker A and a lookup settled: {resolved}")
@@ -154,12 +157,29 @@ def _lookups(app: Any) -> int:
     return result
 
 
-def _op_workers(app: Any, handle: Any) -> list[str]:
+def _operations(app: Any, run_id: Any) -> list[dict[str, Any]]:
     from orchestrator import admin
 
-    async def fetch() -> list[str]:
-        detail = await admin.show_run(app.database, handle.id)
-        return [o["worker_id"] for o in detail.operations if o.get("worker_id")]
+    async def fetch() -> list[dict[str, Any]]:
+        return (await admin.show_run(app.database, run_id)).operations
 
-    result: list[str] = app._portal.call(fetch())
+    result: list[dict[str, Any]] = app._portal.call(fetch())
     return result
+
+
+def _runs_and_children(app: Any, handles: list[Any]) -> list[tuple[Any, str, str]]:
+    """(run id, workflow, status) of the submitted runs, each followed by its child runs (their
+    effects count too)."""
+    from orchestrator import admin
+
+    async def fetch() -> list[dict[str, Any]]:
+        return await admin.list_runs(app.database, limit=1000)
+
+    everything: list[dict[str, Any]] = app._portal.call(fetch())
+    out = []
+    for handle in handles:
+        info = handle.info()
+        out.append((handle.id, info.workflow, info.status))
+        out += [(r["id"], f"  {r['workflow_name']} (child)", r["status"])
+                for r in reversed(everything) if r["parent_run_id"] == handle.id]
+    return out

@@ -24,9 +24,14 @@ def test_the_demo_runs_to_completion(empty_database_url):
     assert "worker A killed with SIGKILL" in done.stdout
     # Every run in the table can be told apart and looked up (run ids are time-ordered, so
     # their leading digits are shared by runs submitted together).
-    ids = [line.split()[0] for line in done.stdout.splitlines()
-           if line.split()[2:3] == ["succeeded"]]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.split()[-3:-2] == ["succeeded"]]  # … STATUS EFFECTS WORKERS
+    ids = [row[0] for row in rows]
     assert len(ids) == len(set(ids)) > 1
+    assert any("(child)" in row for row in rows)  # the bundle's child run has its own row
+    # The table accounts for every effect: its column adds up to the total printed below it.
+    applied = int(done.stdout.split("effects applied: ", 1)[1].split(";", 1)[0])
+    assert sum(int(row[-2]) for row in rows) == applied
     assert _cli(empty_database_url, "runs", "show", ids[0]).returncode == 0
 
 
