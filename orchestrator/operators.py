@@ -16,7 +16,7 @@ from orchestrator import reconcile
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
-from orchestrator.errors import AccessDenied, InvalidRequest
+from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
 
 ITEM_STATES = ("open", "operator", "resolved")
@@ -55,7 +55,7 @@ class Operators:
         async with self.db.connection() as conn:
             item = await recon_db.recon_get(conn, operation_id)
             if item is None or (tenants is not None and item["tenant"] not in tenants):
-                raise AccessDenied("the operation does not exist or is not accessible")
+                raise await reconcile.not_queued(conn, operation_id, tenants)
             return {
                 **item,
                 "attempts": await recon_db.operation_attempts(conn, item["run_id"],

@@ -52,6 +52,22 @@ def check_evidence(evidence: str, operator: str) -> None:
                              path="evidence")
 
 
+
+async def not_queued(conn: Conn, operation_id: int, tenants: list[str] | None
+                     ) -> OrchestratorError:
+    """The error for an operation without a reconciliation item this operator may see: one
+    that does not exist or is another owner's looks the same (CONTRACT C9); one the operator
+    may see but that is not queued (an earlier attempt left for a re-send, a settled call) says
+    so, and names the queued attempt of the same call if there is one."""
+    op = await recon_db.operation_outside_queue(conn, operation_id)
+    if op is None or (tenants is not None and op["tenant"] not in tenants):
+        return AccessDenied("the operation does not exist or is not accessible")
+    where = (f"; the queued attempt of the same call is operation {op['queued']}"
+             if op["queued"] is not None else "")
+    return InvalidRequest(f"operation {operation_id} is {op['state']} and not in the "
+                          f"reconciliation queue{where}", path="operation_id")
+
+
 async def resolve(
     db: Database,
     *,
@@ -79,7 +95,7 @@ async def resolve(
     async def tx(conn: Conn) -> str:
         item = await recon_db.recon_get(conn, operation_id, lock=True)
         if item is None or (tenants is not None and item["tenant"] not in tenants):
-            raise AccessDenied("the operation does not exist or is not accessible")
+            raise await not_queued(conn, operation_id, tenants)
         before = {"item": item["item_state"], "operation": item["operation_state"],
                   "resolution": item["resolution"]}
         if item["item_state"] == "resolved":

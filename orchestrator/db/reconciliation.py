@@ -130,6 +130,23 @@ async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False
     return await cur.fetchone()
 
 
+async def operation_outside_queue(conn: Conn, operation_id: int) -> dict[str, Any] | None:
+    """An operation that has no reconciliation item: its state and owner, and the attempt of
+    the same call that is queued and not resolved, if one is (``queued``)."""
+    cur = await conn.execute(
+        f"""
+        SELECT o.id, o.state, o.tenant,
+               (SELECT q.id FROM {S}.operations q
+                JOIN {S}.reconciliation_items i ON i.operation_id = q.id
+                WHERE q.run_id = o.run_id AND q.position = o.position AND i.state <> 'resolved'
+                ORDER BY q.attempt DESC LIMIT 1) AS queued
+        FROM {S}.operations o WHERE o.id = %s
+        """,
+        (operation_id,),
+    )
+    return await cur.fetchone()
+
+
 async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
     cur = await conn.execute(
         f"""SELECT attempt, answer, detail, created_at FROM {S}.reconciliation_lookups

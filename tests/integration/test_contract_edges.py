@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import InvalidRequest, ResultTimeout, RunFailed, ToolError
+from orchestrator import AccessDenied, InvalidRequest, ResultTimeout, RunFailed, ToolError
 from tests.integration.conftest import running, wait_for
 
 
@@ -41,6 +41,16 @@ async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(ap
         await wait_for(_parked(sql, run))
         ops = _ops(sql)
         assert [o["state"] for o in ops] == ["unknown"] * 3
+        # An earlier attempt is not in the queue: the operator is told which attempt is.
+        for attempt in (app.operators.show(ops[0]["id"], operator="al"),
+                        app.operators.resolve_committed(ops[0]["id"], receipt={"ok": 1},
+                                                        evidence="seen", operator="al")):
+            with pytest.raises(InvalidRequest) as info:
+                await attempt
+            assert f"the queued attempt of the same call is operation {ops[-1]['id']}" in str(
+                info.value)
+        with pytest.raises(AccessDenied):  # a missing one still looks like a foreign one
+            await app.operators.show(ops[-1]["id"] + 100, operator="al")
         await app.operators.resolve_committed(ops[-1]["id"], receipt={"ok": 1},
                                               evidence="seen at the provider", operator="al")
         assert await run.result_async(timeout=10) == {"ok": 1}
