@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import random
+import traceback
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -602,7 +603,8 @@ class Call:
         ex = self.ex
         ref = new_incident_ref()
         detail = {"type": type(exc).__name__, "message": str(exc)[:10000],
-                  "tool": self.tool.name}
+                  "tool": self.tool.name,
+                  "traceback": "".join(traceback.format_exception(exc))[-20000:]}
         status = getattr(exc, "status", None)
         with contextlib.suppress(Exception):
             async with ex.db.connection() as conn:

@@ -334,6 +334,7 @@ async def test_a_sensitive_string_stays_in_the_incident(make_app, sql, migrated_
     row = await read_incident(app.database, refs[0], operator="alice",
                               readers=app.incident_readers)
     assert secret in row["detail"]["message"]
+    assert "in charge" in row["detail"]["traceback"]  # the stack, down to the tool's own frame
     from orchestrator import AccessDenied
 
     with pytest.raises(AccessDenied):
