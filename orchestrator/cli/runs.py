@@ -63,10 +63,15 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _summary(payload: Any) -> str:
+    """An event's payload in a line; its incident reference first, so that no clipping hides
+    what an operator needs for `orchestrator incidents show`."""
     if isinstance(payload, dict):
-        shown = {k: v for k, v in payload.items() if k not in ("intent", "result", "payload")}
+        incident = payload.get("incident")
+        shown = {k: v for k, v in payload.items()
+                 if k not in ("intent", "result", "payload", "incident")}
         text = json.dumps(shown, default=str, sort_keys=True)
-        return text if len(text) < 80 else text[:77] + "…"
+        text = text if len(text) < 80 else text[:77] + "…"
+        return f"incident {incident} {text}" if incident else text
     return cell(payload)
 
 

@@ -329,6 +329,8 @@ async def test_a_sensitive_string_stays_in_the_incident(make_app, sql, migrated_
     refs = [r["ref"] for r in sql("SELECT ref FROM orchestrator.incidents "
                                   "WHERE detail::text LIKE %s", (f"%{secret}%",))]
     assert refs, "the incident record keeps the detail"
+    shown = [text for text in public if "timeline" in text]
+    assert shown and f"incident {refs[0]}" in shown[0]  # `runs show` names it in full
     from orchestrator.cli.incidents import read_incident
 
     row = await read_incident(app.database, refs[0], operator="alice",
