@@ -215,6 +215,8 @@ class Reconciler:
                 await recon_db.recon_to_operator(
                     conn, item_id=item["item_id"],
                     note=f"tool {item['tool_name']} has no lookup here; an operator decides")
+            log.info("operation %s handed to operators: tool %s has no lookup here",
+                     item["operation_id"], item["tool_name"])
             return
         ctx = ToolContext(idempotency_key=item["idempotency_key"], run_id=item["run_id"],
                           position=item["position"], attempt=item["attempt"],
@@ -249,6 +251,9 @@ class Reconciler:
         if state == "operator":
             log.info("operation %s handed to operators after %d lookups", item["operation_id"],
                      attempts)
+        elif retry_in is not None:
+            log.info("operation %s still unknown after lookup %d; next lookup in %.0f s",
+                     item["operation_id"], attempts, retry_in)
 
     def backoff(self, attempts: int) -> float:
         """A jittered exponential delay: between half and all of a window that doubles per

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from datetime import timedelta
 
 import pytest
@@ -308,7 +309,7 @@ async def test_inconclusive_lookups_hand_the_item_to_operators(make_app, sql):
                        {"attempt": 2, "answer": "still_unknown"}]
 
 
-async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql):
+async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql, caplog):
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
         raise ConnectionResetError("lost")
@@ -320,10 +321,12 @@ async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql):
     async with running(app):
         run = await app.submit_async(wf, {})
         await wait_for(_parked(sql))
+        caplog.set_level(logging.INFO, logger="orchestrator.reconciler")
         await app.create_reconciler().run_once()
         with pytest.raises(OperationUncertain):
             await run.outcome_async()
     assert _one(sql, "SELECT state FROM orchestrator.reconciliation_items")["state"] == "operator"
+    assert "handed to operators: tool charge has no lookup here" in caplog.text  # said, not silent
 
 
 async def test_outcome_now_says_in_progress_then_replays_the_stored_result(app):
