@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.db import operations as ops_db
@@ -67,13 +68,18 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]]) -> str | None:
         return f"ready; {len(able)} live worker(s) can run {key}"
     if run["status"] == "waiting":
         when = run["available_at"]
-        return f"waiting for {run['waiting_for']}" + (f" (wakes at {when:%Y-%m-%d %H:%M:%S%z})"
+        return f"waiting for {run['waiting_for']}" + (f" (wakes at {_utc(when)})"
                                                        if when else "")
     if run["status"] == "needs_reconciliation":
         return f"blocked: {run['waiting_for']}; see `orchestrator ops list`"
     if run["status"] == "running":
-        return f"held by {run['lease_owner']} until {run['lease_expires_at']:%H:%M:%S}"
+        return f"held by {run['lease_owner']} until {_utc(run['lease_expires_at'])}"
     return None
+
+
+def _utc(when: datetime) -> str:
+    """A time as every table prints it (UTC, ``Z``)."""
+    return f"{when.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z"
 
 
 async def cancel_run(db: Database, run_id: uuid.UUID) -> str:

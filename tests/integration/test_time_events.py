@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import timedelta
 
 import pytest
 
-from orchestrator import AccessDenied, ResultTimeout, RunFailed
+from orchestrator import AccessDenied, ResultTimeout, RunFailed, admin
 from orchestrator.errors import InvalidRequest
 from tests.integration.conftest import OTHER, running, wait_for
 
@@ -30,6 +31,10 @@ async def test_sleep_parks_the_run_in_the_database(app, sql):
                   "FROM orchestrator.runs")[0]
         assert row["lease_owner"] is None and row["waiting_for"] == "timer"
         assert timedelta(0) < row["left"] <= timedelta(seconds=2)
+        note = (await admin.show_run(app.database, run.id)).note or ""
+        # what `runs show` says, in UTC like every other time it prints
+        assert re.fullmatch(r"waiting for timer \(wakes at \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ\)",
+                            note), note
         assert await run.result_async(timeout=15) == "awake"
 
 
