@@ -159,15 +159,19 @@ async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app):
 
     job = _wf(app)
     async with running(app, poll_interval=60.0, concurrency=4) as worker:
-        held = await app.submit_async(holder, {})
-        await wait_for(lambda: worker.active_runs == 1)
-        await asyncio.sleep(0.3)  # the worker holds a run and waits on LISTEN
-        started = time.monotonic()
-        run = await app.submit_async(job, {"fast": True})
-        assert await run.result_async(timeout=10) == {"fast": True}
-        assert time.monotonic() - started < 5  # a 60 s poll would not have made it
-        assert worker.active_runs == 1  # the first run was still held all along
-        release.set()
+        try:
+            held = await app.submit_async(holder, {})
+            await wait_for(lambda: worker.active_runs == 1)
+            await asyncio.sleep(0.3)  # the worker holds a run and waits on LISTEN
+            started = time.monotonic()
+            run = await app.submit_async(job, {"fast": True})
+            assert await run.result_async(timeout=10) == {"fast": True}
+            assert time.monotonic() - started < 5  # a 60 s poll would not have made it
+            # The fast run's task lets go of it just after its success has landed.
+            await wait_for(lambda: worker.active_runs == 1)
+            assert held.id in worker._running  # the first run was still held all along
+        finally:
+            release.set()  # also when an assertion failed: the worker's drain waits for it
         assert await held.result_async(timeout=10) == "released"
 
 
