@@ -34,14 +34,18 @@ def register(subparsers: Any) -> None:
                             help="the application, for its operator scopes")
 
     ls = commands.add_parser("list", help="the queue, oldest first")
-    ls.add_argument("--state", choices=ITEM_STATES)
+    ls.add_argument("--state", choices=ITEM_STATES,
+                    help="open: lookups still to try; operator: waits for a person; "
+                         "resolved: settled (by a lookup or an operator)")
     ls.add_argument("--tool")
     ls.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 10m, 2h, 1d")
     ls.add_argument("--limit", type=int, default=100)
     common(ls, operator_required=False)
     ls.set_defaults(func=cmd_list)
 
-    show = commands.add_parser("show", help="intent, arguments, attempts, lookups, timeline")
+    show = commands.add_parser("show", help="a queued operation: intent, arguments, attempts, "
+                                            "lookups, timeline (`runs show` lists every operation "
+                                            "of a run)")
     show.add_argument("operation_id", type=int)
     common(show, operator_required=False)
     show.set_defaults(func=cmd_show)

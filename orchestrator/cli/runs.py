@@ -62,6 +62,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _clipped(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _summary(payload: Any) -> str:
     """An event's payload in a line; its incident reference first, so that no clipping hides
     what an operator needs for `orchestrator incidents show`."""
@@ -91,6 +95,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("finished", run["finished_at"]),
         ("parent", run["parent_run_id"]),
     ]
+    if run["result"] is not None:
+        fields.append(("result", _clipped(json.dumps(run["result"], sort_keys=True), 200)))
     if run["error"]:
         fields.append(("error", f"{run['error'].get('message')} "
                                 f"(incident {run['error'].get('incident')})"))

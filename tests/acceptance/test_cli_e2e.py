@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def test_runs_list_show_and_cancel(workers, client):
     for text in ("status:    succeeded", "operations", "record@1", "committed", "timeline",
                  "call.submitted", "call.completed", "run.completed"):
         assert text in shown.stdout, text
+    result = json.dumps(finished.result(timeout=30), sort_keys=True)
+    assert f"result:    {result[:40]}" in shown.stdout  # what the run returned, clipped
     workers.procs[0].terminate()
     workers.procs[0].wait()
     queued = client.submit(flows.one_call, {"tool": "record"})
