@@ -61,15 +61,16 @@ def translate_errors(target: DatabaseTarget) -> Any:
         raise DatabaseError(f"no database connection available from {target.masked}") from exc
     except _SCHEMA_MISSING as exc:
         raise DatabaseError(
-            f"the database at {target.masked} has no orchestrator schema, or an older one "
+            f"the database at {target.masked} has no orchestrator schema "
             f"({type(exc).__name__}); run `orchestrator db upgrade`",
             code="SCHEMA_MISMATCH", retryable=False,
         ) from exc
 
 
-_SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn,
-                   psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)
-"""What a statement meets on a database whose schema was never created or is behind the code."""
+_SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+"""What a statement meets on a database whose schema was never created. (A missing column or
+function could as well be a bug as a schema behind the code, so those are not translated; a
+schema that is behind is refused by ``db check`` and when a worker starts.)"""
 
 
 def psycopg_pool_errors() -> type[Exception]:
