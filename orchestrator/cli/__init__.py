@@ -6,7 +6,8 @@ Adding a group means writing such a module and listing it in :data:`GROUPS`.
 
 Exit codes: 0 success; 1 the command ran and found a problem it reports (``db check`` on a
 database that is not current); 2 bad usage or configuration, or any orchestrator error (one
-line on stderr, ``orchestrator: error: CODE: message``); 70 an unexpected internal error.
+line on stderr, ``orchestrator: error: CODE: message``); 70 an unexpected internal error;
+141 the output's reader went away (``| head``), nothing printed.
 Stack traces are never printed unless ``ORCHESTRATOR_DEBUG=1`` is set.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -74,19 +76,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = int(args.func(args))
         sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit
         return code
-    except BrokenPipeError:
-        # `orchestrator runs show ID | head`: the reader closed the pipe; not a failure of the
-        # command, so nothing is printed. Later writes (the interpreter's own final flush) go
-        # to /dev/null instead of failing again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
     except OrchestratorError as exc:
         error(str(exc))
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if os.environ.get(ENV_DEBUG) == "1":
+        debug = os.environ.get(ENV_DEBUG) == "1"
+        if isinstance(exc, BrokenPipeError) and not debug and _stdout_closed():
+            # `orchestrator runs show ID | head`: the reader closed the pipe; not a failure of
+            # the command, so nothing is printed. Later writes (the interpreter's own final
+            # flush) go to /dev/null instead of failing again. (A pipe of the command's own
+            # that breaks is an internal error like any other.)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BROKEN_PIPE
+        if debug:
             raise
         # The text of an unexpected exception may carry driver messages or credentials.
         error(
@@ -94,3 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"run again with {ENV_DEBUG}=1 to see the traceback"
         )
         return EXIT_INTERNAL
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (a write would fail)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or no real stdout
+        return False

@@ -149,3 +149,17 @@ def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:
         os.close(write_end)
     assert proc.returncode == cli.EXIT_BROKEN_PIPE, proc.stderr
     assert proc.stderr == ""
+
+
+def test_a_broken_pipe_of_the_commands_own_is_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only a closed standard output is the quiet 141; a pipe the command itself uses that
+    breaks is an unexpected error like any other."""
+    def broken(args: argparse.Namespace) -> int:
+        raise BrokenPipeError("a subprocess of ours went away")
+
+    monkeypatch.setattr(db_group, "cmd_url", broken)
+    monkeypatch.delenv(cli.ENV_DEBUG, raising=False)
+    assert cli.main(["db", "url"]) == cli.EXIT_INTERNAL
+    assert "INTERNAL: unexpected BrokenPipeError" in capsys.readouterr().err
