@@ -311,9 +311,10 @@ class Orchestrator:
                                owner: Owner | None = None, event_key: str | None = None) -> bool:
         """Deliver an event to a run; with ``event_key``, delivered once however often sent.
 
-        Returns False when an event with the same key was already delivered, also once the
-        run has finished (a retried send is not an error); a new event to a finished run is
-        refused with ``INVALID_REQUEST``.
+        Returns False when an event with the same key was already delivered (the key alone
+        decides: a different name or payload under a used key is not delivered either), also
+        once the run has finished (a retried send is not an error); a new event to a finished
+        run is refused with ``INVALID_REQUEST``.
         """
         if not isinstance(name, str) or not name or len(name) > 200:
             raise InvalidRequest("event name must be a non-empty string", path="name")

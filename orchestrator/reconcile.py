@@ -252,7 +252,7 @@ class Reconciler:
             log.info("operation %s handed to operators after %d lookups", item["operation_id"],
                      attempts)
         elif retry_in is not None:
-            log.info("operation %s still unknown after lookup %d; next lookup in %.0f s",
+            log.info("operation %s still unknown after lookup %d; next lookup in %.1f s",
                      item["operation_id"], attempts, retry_in)
 
     def backoff(self, attempts: int) -> float:
