@@ -981,7 +981,7 @@ class RunExecutor:
             return  # the lease is gone: write nothing more
         if stop.reason == "cancelled":
             await self._terminal("cancelled", "CANCELLED", None,
-                                 _error_json("CANCELLED", "the run was cancelled"),
+                                 _error_json("CANCELLED", "the run was cancelled", None),
                                  event("run.cancelled", None, None, {}))
         elif stop.reason == "abandoned":
             await self._fail("OPERATION_ABANDONED", stop.detail)
@@ -1000,11 +1000,12 @@ class RunExecutor:
         ev = event("run.failed", None, None, {"code": code, "message": message, "incident": ref})
 
         async def diagnostics(conn: Conn) -> None:
-            if incident_detail is not None:
-                await incident_record(conn, {
-                    "ref": ref, "code": code, "run_id": self.run_id, "operation_id": None,
-                    "phase": "workflow", "cause": incident_detail["type"],
-                    "upstream_status": None, "detail": json.dumps(incident_detail)})
+            # Every failure's reference leads somewhere: at least to its code and message.
+            detail = incident_detail or {"message": message}
+            await incident_record(conn, {
+                "ref": ref, "code": code, "run_id": self.run_id, "operation_id": None,
+                "phase": "workflow", "cause": detail.get("type"),
+                "upstream_status": None, "detail": json.dumps(detail)})
 
         await self._terminal("failed", code, None, error, ev, extra=diagnostics)
 
@@ -1035,9 +1036,11 @@ class RunExecutor:
         self.worker.metrics.incr(f"runs_{status}")
 
 
-def _error_json(code: str, message: str, incident: str | None = None) -> str:
+def _error_json(code: str, message: str, incident: str | None) -> str:
+    """A run's stored error; ``incident`` names its diagnostics (None: there are none, as for
+    a cancellation)."""
     return json.dumps({"code": code, "message": message, "retryable": False,
-                       "incident": incident or new_incident_ref()})
+                       "incident": incident})
 
 
 __all__ = ["RunExecutor", "Stop", "Wait", "SchemaUnsupported", "event"]

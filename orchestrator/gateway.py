@@ -393,8 +393,8 @@ class Call:
             raise
         if verdict.cancelled or verdict.timed_out:
             what = "cancelled after dispatch" if verdict.cancelled else "timed out"
-            await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
-            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN")
+            ref = await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
+            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
             return None
         if verdict.error is not None:
             ref = await self.incident(op_id, "tool", verdict.error)
@@ -406,7 +406,7 @@ class Call:
                     decision = self.decide(cls, number, (upstream, invalid))
                     await self.after_definitive(op_id, number, decision, cls.cause, ref)
                     return None
-            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN")
+            await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
             return None
         faults.reach("after_tool_return", tool.name)
         receipt = verdict.value
@@ -414,8 +414,8 @@ class Call:
             receipt_text = canonical.canonical_bytes(
                 receipt, path="$.receipt", max_bytes=ex.app.max_record_bytes).decode()
         except InvalidRequest as exc:
-            await self.incident(op_id, "receipt", exc)
-            await self.uncertain(op_id, number, key, "INVALID_RECEIPT")
+            ref = await self.incident(op_id, "receipt", exc)
+            await self.uncertain(op_id, number, key, "INVALID_RECEIPT", ref)
             return None
         if await self.commit(op_id, key, receipt, receipt_text):
             faults.reach("after_receipt", tool.name)
@@ -568,11 +568,13 @@ class Call:
             step = "new_attempt" if self.tool.effect == "read" else "reconcile"
         return step
 
-    async def uncertain(self, op_id: int, number: int, key: str, reason: str) -> None:
-        """The effect may or may not have happened: never guess (C5, C8)."""
+    async def uncertain(self, op_id: int, number: int, key: str, reason: str,
+                        incident: str | None = None) -> None:
+        """The effect may or may not have happened: never guess (C5, C8). ``incident`` is the
+        reference of the diagnostics kept for it, if any (its event names it for operators)."""
         ex = self.ex
         step = self.uncertain_step(number)
-        await self.record_unknown(op_id, reason, step)
+        await self.record_unknown(op_id, reason, step, incident)
         if ex.remaining() == 0:
             ex.stop_deadline()  # the effect stays unknown and listed; the run is out of time
         if ex.cancel_requested and step != "reconcile":
@@ -581,13 +583,17 @@ class Call:
             await self.park_blocked(op_id)
         self.following = Attempt(number + 1, key if step == "resend" else None)
 
-    async def record_unknown(self, op_id: int, reason: str, step: str) -> None:
+    async def record_unknown(self, op_id: int, reason: str, step: str,
+                             incident: str | None = None) -> None:
+        payload: dict[str, Any] = {"op": op_id, "reason": reason, "next": step}
+        if incident is not None:
+            payload["incident"] = incident
+
         async def work(conn: Conn) -> tuple[None, list[Event]]:
             await ops_db.operation_mark_unknown(
                 conn, op_id=op_id, token=self.ex.token, reason=reason,
                 enqueue=step == "reconcile", settle_read=step == "new_attempt")
-            return None, [self.event("call.unknown",
-                                     {"op": op_id, "reason": reason, "next": step})]
+            return None, [self.event("call.unknown", payload)]
 
         with self.ex.active():
             await self.ex.write(work)

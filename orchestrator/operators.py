@@ -16,6 +16,7 @@ from orchestrator import reconcile
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
+from orchestrator.db.events import incidents_of_operations
 from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
 
@@ -56,10 +57,12 @@ class Operators:
             item = await recon_db.recon_get(conn, operation_id)
             if item is None or (tenants is not None and item["tenant"] not in tenants):
                 raise await reconcile.not_queued(conn, operation_id, tenants)
+            attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
             return {
                 **item,
-                "attempts": await recon_db.operation_attempts(conn, item["run_id"],
-                                                              item["position"]),
+                "attempts": attempts,
+                "incidents": await incidents_of_operations(
+                    conn, item["run_id"], [a["id"] for a in attempts]),
                 "lookups": await recon_db.recon_lookups(conn, item["item_id"]),
                 "journal": await runs_db.journal_read(conn, item["run_id"]),
                 "audit": await recon_db.audit_list(conn, target_id=str(operation_id)),

@@ -19,6 +19,7 @@ from orchestrator import canonical
 from orchestrator.context import ToolContext
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database
+from orchestrator.db.events import incident_record
 from orchestrator.errors import (
     AccessDenied,
     InvalidRequest,
@@ -111,10 +112,18 @@ async def resolve(
             raise OperationInProgress(
                 f"operation {operation_id} is {item['operation_state']}, not unknown yet",
                 status=item["operation_state"])
+        ref = None
+        if resolution == "abandoned":  # the run fails: its error's reference leads here
+            ref = new_incident_ref()
+            await incident_record(conn, {
+                "ref": ref, "code": "OPERATION_ABANDONED", "run_id": item["run_id"],
+                "operation_id": operation_id, "phase": "reconciliation", "cause": "abandoned",
+                "upstream_status": None,
+                "detail": json.dumps({"operator": operator, "evidence": evidence})})
         await recon_db.recon_settle(
             conn, item=item, resolution=resolution, receipt=receipt_text,
             receipt_digest=digest, events=_events(item, resolution, receipt, operator),
-            fail_run=_abandon_error(operation_id) if resolution == "abandoned" else None)
+            fail_run=_abandon_error(operation_id, ref) if resolution == "abandoned" else None)
         await _audit(conn, operator, f"resolve.{resolution}", operation_id, evidence, before,
                      {"item": "resolved", "operation": resolution, "resolution": resolution})
         return "resolved"
@@ -135,10 +144,10 @@ def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str
             _ev("run.failed", None, None, {"code": code, "message": message, "incident": ref})]
 
 
-def _abandon_error(operation_id: int) -> tuple[str, str]:
+def _abandon_error(operation_id: int, ref: str | None) -> tuple[str, str]:
     message = f"operation {operation_id} was abandoned by an operator"
     return json.dumps({"code": "OPERATION_ABANDONED", "message": message, "retryable": False,
-                       "incident": new_incident_ref()}), message
+                       "incident": ref}), message
 
 
 async def _audit(conn: Conn, operator: str, action: str, operation_id: int, evidence: str,

@@ -129,6 +129,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(render(["OP", "ATTEMPT", "STATE", "KEY", "WORKER", "SUBMITTED"],
                  [[a["id"], a["attempt"], a["state"], a["idempotency_key"], a["worker_id"],
                    a["submitted_at"]] for a in d["attempts"]], max_width=44))
+    if d["incidents"]:
+        print("\nincidents (what went wrong, for `orchestrator incidents show REF --operator "
+              "NAME`)")
+        print(render(["REF", "OP", "PHASE", "CAUSE", "AT"],
+                     [[i["ref"], i["operation_id"], i["phase"], i["cause"], i["created_at"]]
+                      for i in d["incidents"]]))
     print("\nlookups")
     print(render(["#", "ANSWER", "DETAIL", "AT"],
                  [[x["attempt"], x["answer"], json.dumps(x["detail"]), x["created_at"]]
@@ -146,6 +152,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(render(["SEQ", "AT", "POS", "EVENT", "NAME"],
                  [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"]]
                   for e in d["journal"]]))
+    if d["item_state"] != "resolved":
+        op = d["operation_id"]
+        print(f"\nnext: orchestrator ops resolve {op} --committed --receipt JSON --evidence TEXT"
+              f" --operator NAME\n      orchestrator ops resolve {op} --not-applied --evidence "
+              f"TEXT --operator NAME\n      orchestrator ops abandon {op} --evidence TEXT "
+              "--operator NAME")
     return 0
 
 

@@ -98,8 +98,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if run["result"] is not None:
         fields.append(("result", _clipped(json.dumps(run["result"], sort_keys=True), 200)))
     if run["error"]:
-        fields.append(("error", f"{run['error'].get('message')} "
-                                f"(incident {run['error'].get('incident')})"))
+        incident = run["error"].get("incident")
+        fields.append(("error", run["error"].get("message")
+                       + (f" (incident {incident})" if incident else "")))
     for name, value in fields:
         if value is not None:
             print(f"{name + ':':<10} {cell(value)}")

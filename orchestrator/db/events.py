@@ -68,6 +68,16 @@ async def incident_record(conn: Conn, row: dict[str, Any]) -> None:
     )
 
 
+async def incidents_of_operations(conn: Conn, run_id: uuid.UUID, operation_ids: list[int]
+                                  ) -> list[dict[str, Any]]:
+    """The incident references kept for some operations of a run, oldest first."""
+    cur = await conn.execute(
+        f"""SELECT ref, operation_id, phase, cause, created_at FROM {S}.incidents
+            WHERE run_id = %s AND operation_id = ANY(%s) ORDER BY created_at, ref""",
+        (run_id, operation_ids))
+    return await cur.fetchall()
+
+
 async def incident_get(conn: Conn, ref: str) -> dict[str, Any] | None:
     cur = await conn.execute(f"SELECT * FROM {S}.incidents WHERE ref = %s", (ref,))
     return await cur.fetchone()

@@ -63,8 +63,16 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
         code, out, _ = await cli(url, "ops", "show", str(ops["one"]))
         assert code == 0
         for text in ('"order": "one"', "acme/alice", "attempts at this position", "lookups",
-                     "run timeline", "call.unknown", "intent:"):
+                     "run timeline", "call.unknown", "intent:",
+                     f"next: orchestrator ops resolve {ops['one']} --committed"):
             assert text in out, text
+        # What went wrong is one command away: the incident kept for the tool's exception.
+        ref = out.split("\nincidents (", 1)[1].split("\ninc_", 1)[1].split()[0]
+        code, shown, err = await cli(url, "incidents", "show", f"inc_{ref}", "--operator", "al")
+        assert code == 0, err
+        assert "ConnectionResetError" in shown and "lost after sending" in shown
+        code, out, _ = await cli(url, "runs", "show", str(runs["one"].id))
+        assert f"incident inc_{ref}" in out  # the call.unknown event names it too
 
         resolve_one = ["ops", "resolve", str(ops["one"]), "--committed", "--receipt",
                        '{"charge": "manual-1"}', "--evidence", "PSP dashboard shows ch_1",
@@ -94,6 +102,10 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
         with pytest.raises(RunFailed) as info:
             await runs["three"].result_async(timeout=10)
         assert info.value.code == "OPERATION_ABANDONED"
+        code, shown, err = await cli(url, "incidents", "show", info.value.incident,
+                                     "--operator", "al")
+        assert code == 0, err  # the failed run's reference leads to who abandoned it and why
+        assert "customer refunded by hand" in shown and "alice" in shown
 
         code, _, err = await cli(url, "ops", "resolve", str(ops["three"]), "--committed",
                                  "--evidence", "x", "--operator", "alice")

@@ -158,6 +158,10 @@ async def test_public_failures_show_their_message_and_others_only_an_incident(ap
     incident = sql("SELECT detail FROM orchestrator.incidents WHERE ref = %s",
                    (second.value.incident,))
     assert "secret-token-123" in incident[0]["detail"]["message"]
+    # A deliberate failure's reference leads to a record too (its code and message).
+    record = sql("SELECT code, detail FROM orchestrator.incidents WHERE ref = %s",
+                 (first.value.incident,))
+    assert record == [{"code": "WORKFLOW_FAILED", "detail": {"message": "the order was empty"}}]
 
 
 async def test_journal_events_from_a_newer_schema_are_refused(app, sql):

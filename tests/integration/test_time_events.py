@@ -212,6 +212,10 @@ async def test_cancel_a_waiting_run_and_a_running_one(app, sql):
     assert calls == ["slow"]  # the second tool was never dispatched
     kinds = [e.kind for e in await active.journal_async()]
     assert kinds[-1] == "run.cancelled"
+    # A cancellation has no diagnostics, so its stored error names no incident that isn't there.
+    assert [r["incident"] for r in sql("SELECT error->>'incident' AS incident "
+                                       "FROM orchestrator.runs WHERE status = 'cancelled'")] == [
+        None, None]
 
 
 async def test_the_deadline_fails_a_sleeping_run(app):
