@@ -21,6 +21,8 @@ from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
 
 ITEM_STATES = ("open", "operator", "resolved")
+UNRESOLVED = "unresolved"
+"""``list_items(state=UNRESOLVED)``: the items still waiting (``open`` or ``operator``)."""
 
 
 class Operators:
@@ -41,9 +43,13 @@ class Operators:
 
     async def list_items(self, *, operator: str, state: str | None = None, tool: str | None = None,
                    older_than: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """Queue items (one per unknown operation), oldest first."""
-        if state is not None and state not in ITEM_STATES:
-            raise InvalidRequest(f"state must be one of {', '.join(ITEM_STATES)}", path="state")
+        """Queue items (one per unknown operation), oldest first; ``state`` one of
+        :data:`ITEM_STATES` or :data:`UNRESOLVED` (None: every item)."""
+        if state is not None and state not in (*ITEM_STATES, UNRESOLVED):
+            raise InvalidRequest(f"state must be one of {', '.join((*ITEM_STATES, UNRESOLVED))}",
+                                 path="state")
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be between 1 and 1000", path="limit")
         async with self.db.connection() as conn:
             return await recon_db.recon_list(conn, state=state, tool=tool,
                                              older_than=older_than,

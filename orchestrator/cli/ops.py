@@ -14,7 +14,7 @@ from orchestrator.cli.tables import cell, render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
-from orchestrator.operators import ITEM_STATES, Operators
+from orchestrator.operators import ITEM_STATES, UNRESOLVED, Operators
 
 T = TypeVar("T")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
@@ -34,12 +34,13 @@ def register(subparsers: Any) -> None:
                             help="the application, for its operator scopes")
 
     ls = commands.add_parser("list", help="the queue, oldest first")
-    ls.add_argument("--state", choices=ITEM_STATES,
+    ls.add_argument("--state", choices=(*ITEM_STATES, UNRESOLVED, "all"), default=UNRESOLVED,
                     help="open: lookups still to try; operator: waits for a person; "
-                         "resolved: settled (by a lookup or an operator)")
+                         "resolved: settled (by a lookup or an operator); unresolved (the "
+                         "default): open or operator; all: every item")
     ls.add_argument("--tool")
     ls.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 10m, 2h, 1d")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (1 to 1000)")
     common(ls, operator_required=False)
     ls.set_defaults(func=cmd_list)
 
@@ -90,19 +91,24 @@ def _with_operators(args: argparse.Namespace, fn: Callable[[Operators], Awaitabl
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    state = None if args.state == "all" else args.state
     items = _with_operators(args, lambda ops: ops.list_items(
-        operator=args.operator, state=args.state, tool=args.tool,
-        older_than=parse_age(args.older_than), limit=max(1, min(args.limit, 1000))))
+        operator=args.operator, state=state, tool=args.tool,
+        older_than=parse_age(args.older_than), limit=args.limit))
     if not items:
         filters = " ".join(f"--{flag} {value}" for flag, value in (
-            ("state", args.state), ("tool", args.tool), ("older-than", args.older_than)) if value)
-        print(f"no operations match {filters}" if filters else "no operations in the queue")
+            ("state", None if args.state == UNRESOLVED else args.state), ("tool", args.tool),
+            ("older-than", args.older_than)) if value)
+        print(f"no operations match {filters}" if filters else
+              "nothing waits in the reconciliation queue (--state all lists settled items too)")
         return 0
     print(render(["OP", "RUN", "TOOL", "ITEM", "OPERATION", "REASON", "LOOKUPS", "OWNER",
                   "SINCE"],
                  [[i["operation_id"], i["run_id"], i["tool_name"], i["item_state"],
                    i["operation_state"], i["reason"], i["lookup_attempts"],
                    f"{i['tenant']}/{i['principal']}", i["created_at"]] for i in items]))
+    if len(items) == args.limit:
+        print(f"(the first {args.limit}, oldest first: there may be more; see --limit)")
     return 0
 
 

@@ -104,7 +104,8 @@ async def recon_list(
         f"""
         SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
         JOIN {S}.operations o ON o.id = i.operation_id
-        WHERE (%(state)s::text IS NULL OR i.state = %(state)s)
+        WHERE (%(state)s::text IS NULL OR i.state = %(state)s
+               OR (%(state)s = 'unresolved' AND i.state <> 'resolved'))
           AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
           AND (%(older)s::float8 IS NULL
                OR i.created_at < now() - make_interval(secs => %(older)s::float8))

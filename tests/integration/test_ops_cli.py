@@ -125,4 +125,11 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
     assert audit[0]["after"]["operation"] == "committed"
     code, out, _ = await cli(url, "ops", "list", "--state", "resolved")
     assert code == 0 and out.count("resolved") >= 3
+    # By default the list is what still waits: settled items never push it past --limit.
+    code, out, _ = await cli(url, "ops", "list")
+    assert code == 0 and out.startswith("nothing waits in the reconciliation queue")
+    code, out, _ = await cli(url, "ops", "list", "--state", "all", "--limit", "2")
+    assert code == 0 and out.count("resolved") == 2 and "there may be more" in out
+    code, _, err = await cli(url, "ops", "list", "--limit", "0")
+    assert code == 2 and "INVALID_REQUEST" in err and "limit" in err
     assert json.loads(json.dumps(app.metrics.snapshot()))["unknown_outcomes"] == 3
