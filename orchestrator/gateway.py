@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import traceback
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from orchestrator.errors import InvalidRequest, ToolError, ToolFailed, new_incid
 from orchestrator.recovery import Classification, Decision, decide, parse_retry_after
 from orchestrator.registry import Tool
 from orchestrator.replay import SCHEMA_VERSION, Nondeterminism
+
+log = logging.getLogger("orchestrator.worker")
 
 if TYPE_CHECKING:
     from orchestrator.executor import Event, RunExecutor
@@ -598,6 +601,9 @@ class Call:
         with self.ex.active():
             await self.ex.write(work)
         self.ex.worker.metrics.incr("unknown_outcomes")
+        log.warning("run %s: the outcome of operation %s (%s) is unknown (%s); next: %s%s",
+                    self.ex.run_id, op_id, self.tool.name, reason, step,
+                    f"; incident {incident}" if incident else "")
 
     async def park_blocked(self, op_id: int) -> None:
         from orchestrator.executor import Wait

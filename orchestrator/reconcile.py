@@ -258,8 +258,8 @@ class Reconciler:
         retry_in = None if attempts >= self.max_lookups else self.backoff(attempts)
         state = await self._record(item, "still_unknown", {"reason": reason[:500]}, retry_in)
         if state == "operator":
-            log.info("operation %s handed to operators after %d lookups", item["operation_id"],
-                     attempts)
+            log.info("operation %s handed to operators after %d lookups (the last: %s)",
+                     item["operation_id"], attempts, reason[:200])
         elif retry_in is not None:
             log.info("operation %s still unknown after lookup %d; next lookup in %.1f s",
                      item["operation_id"], attempts, retry_in)

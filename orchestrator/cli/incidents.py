@@ -62,6 +62,11 @@ def cmd_show(args: argparse.Namespace) -> int:
                  "upstream_status"):
         if row.get(name) is not None:
             print(f"{name + ':':<16} {cell(row[name])}")
+    detail = dict(row["detail"])
+    trace = detail.pop("traceback", None)
     print("detail:")
-    print(json.dumps(row["detail"], indent=2, sort_keys=True))
+    print(json.dumps(detail, indent=2, sort_keys=True))
+    if isinstance(trace, str):
+        print("traceback:")
+        print(trace.rstrip())
     return 0

@@ -87,7 +87,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("run", run["id"]),
         ("workflow", f"{run['workflow_name']} version {run['workflow_version']}"),
         ("owner", f"{run['tenant']}/{run['principal']}"),
-        ("status", run["status"] + (f" ({run['outcome_code']})" if run["outcome_code"] else "")),
+        ("status", run["status"] + (f" ({run['outcome_code']})" if run["outcome_code"]
+                                    and run["outcome_code"].lower() != run["status"] else "")),
         ("note", detail.note),
         ("revision", run["revision"]),
         ("deadline", run["deadline_at"]),

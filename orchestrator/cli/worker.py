@@ -117,4 +117,5 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     ensure_schema(app, upgrade=False)
     print(f"reconciler starting on {app.target.masked}; SIGTERM stops it", flush=True)
     app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay)
+    print("reconciler stopped", flush=True)
     return 0

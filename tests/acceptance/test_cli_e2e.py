@@ -60,6 +60,8 @@ def test_runs_list_show_and_cancel(workers, client):
     cancelled = _cli(url, "runs", "cancel", str(queued.id))
     assert cancelled.returncode == 0 and "is cancelled" in cancelled.stdout
     assert client.get_run(queued.id).status() == "cancelled"
+    shown = _cli(url, "runs", "show", str(queued.id))
+    assert "status:    cancelled\n" in shown.stdout  # not "cancelled (CANCELLED)"
     bad = _cli(url, "runs", "show", "not-a-run")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "INVALID_REQUEST" in bad.stderr
 

@@ -327,6 +327,9 @@ async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql, caplog
             await run.outcome_async()
     assert _one(sql, "SELECT state FROM orchestrator.reconciliation_items")["state"] == "operator"
     assert "handed to operators: tool charge has no lookup here" in caplog.text  # said, not silent
+    # and the worker said what it knew when the outcome became unknown
+    assert "(charge) is unknown (TOOL_OUTCOME_UNCERTAIN); next: reconcile; incident inc_" in (
+        caplog.text)
 
 
 async def test_outcome_now_says_in_progress_then_replays_the_stored_result(app):

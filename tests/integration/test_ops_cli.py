@@ -71,6 +71,7 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
         code, shown, err = await cli(url, "incidents", "show", f"inc_{ref}", "--operator", "al")
         assert code == 0, err
         assert "ConnectionResetError" in shown and "lost after sending" in shown
+        assert "\ntraceback:\nTraceback (most recent call last):" in shown  # as text
         code, out, _ = await cli(url, "runs", "show", str(runs["one"].id))
         assert f"incident inc_{ref}" in out  # the call.unknown event names it too
 
