@@ -112,18 +112,13 @@ async def resolve(
             raise OperationInProgress(
                 f"operation {operation_id} is {item['operation_state']}, not unknown yet",
                 status=item["operation_state"])
-        ref = None
-        if resolution == "abandoned":  # the run fails: its error's reference leads here
-            ref = new_incident_ref()
-            await incident_record(conn, {
-                "ref": ref, "code": "OPERATION_ABANDONED", "run_id": item["run_id"],
-                "operation_id": operation_id, "phase": "reconciliation", "cause": "abandoned",
-                "upstream_status": None,
-                "detail": json.dumps({"operator": operator, "evidence": evidence})})
+        fail_run = None
+        if resolution == "abandoned":  # the run fails; its error's reference leads here
+            fail_run = await _abandonment(conn, item, operator, evidence)
         await recon_db.recon_settle(
             conn, item=item, resolution=resolution, receipt=receipt_text,
-            receipt_digest=digest, events=_events(item, resolution, receipt, operator),
-            fail_run=_abandon_error(operation_id, ref) if resolution == "abandoned" else None)
+            receipt_digest=digest, events=_events(item, resolution, receipt, operator, fail_run),
+            fail_run=fail_run)
         await _audit(conn, operator, f"resolve.{resolution}", operation_id, evidence, before,
                      {"item": "resolved", "operation": resolution, "resolution": resolution})
         return "resolved"
@@ -131,23 +126,35 @@ async def resolve(
     return await db.run_in_transaction(tx)
 
 
-def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str
-            ) -> list[dict[str, Any]]:
+def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str,
+            failed: str | None) -> list[dict[str, Any]]:
+    """The journal events of a resolution; ``failed`` is the failed run's error (JSON) for an
+    abandonment (:func:`_abandonment`)."""
     position, tool, op = item["position"], item["tool_name"], item["operation_id"]
     if resolution == "committed":
         return [_ev("call.completed", position, tool,
                     {"result": receipt, "op": op, "resolved_by": operator})]
     if resolution == "not_applied":
         return [_ev("call.not_applied", position, tool, {"op": op, "resolved_by": operator})]
-    code, message, ref = "OPERATION_ABANDONED", f"operation {op} was abandoned", None
+    assert failed is not None
+    error = json.loads(failed)
     return [_ev("call.abandoned", position, tool, {"op": op, "resolved_by": operator}),
-            _ev("run.failed", None, None, {"code": code, "message": message, "incident": ref})]
+            _ev("run.failed", None, None, {key: error[key]
+                                           for key in ("code", "message", "incident")})]
 
 
-def _abandon_error(operation_id: int, ref: str | None) -> tuple[str, str]:
-    message = f"operation {operation_id} was abandoned by an operator"
+async def _abandonment(conn: Conn, item: dict[str, Any], operator: str, evidence: str) -> str:
+    """An abandoned operation fails its run: record the incident its error names (who gave
+    up, and why) and return the run's error (JSON)."""
+    ref = new_incident_ref()
+    await incident_record(conn, {
+        "ref": ref, "code": "OPERATION_ABANDONED", "run_id": item["run_id"],
+        "operation_id": item["operation_id"], "phase": "reconciliation", "cause": "abandoned",
+        "upstream_status": None, "detail": json.dumps({"operator": operator,
+                                                       "evidence": evidence})})
+    message = f"operation {item['operation_id']} was abandoned by an operator"
     return json.dumps({"code": "OPERATION_ABANDONED", "message": message, "retryable": False,
-                       "incident": ref}), message
+                       "incident": ref})
 
 
 async def _audit(conn: Conn, operator: str, action: str, operation_id: int, evidence: str,

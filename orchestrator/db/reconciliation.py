@@ -175,14 +175,15 @@ async def recon_settle(
     receipt: str | None,
     receipt_digest: str | None,
     events: list[dict[str, Any]],
-    fail_run: tuple[str, str] | None,
+    fail_run: str | None,
 ) -> None:
     """Apply a resolution inside the caller's transaction (the item and operation are locked).
 
     ``resolution`` is ``committed``, ``not_applied`` or ``abandoned``. The operation moves from
     ``unknown``, and so do earlier attempts at the same position that were re-sent with the same
     idempotency key (the provider made them one effect). If the run is parked on it, the run's
-    journal gets ``events`` at its next revision and the run is failed (``fail_run``) or, when
+    journal gets ``events`` at its next revision and the run is failed (``fail_run``: its error,
+    JSON) or, when
     nothing else is unknown, queued again. A run that already moved on or ended keeps its
     journal: only the ledger is settled. A run a worker is driving right now is not touched
     (``OPERATION_IN_PROGRESS``: try again in a moment).
@@ -227,7 +228,7 @@ async def recon_settle(
 
 
 async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
-                         events: list[dict[str, Any]], fail_run: tuple[str, str] | None
+                         events: list[dict[str, Any]], fail_run: str | None
                          ) -> None:
     await conn.execute(
         f"""
@@ -241,7 +242,7 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
          "events": encode_events(run["revision"], events)},
     )
     if fail_run is not None:
-        error, _ = fail_run
+        error = fail_run
         parent = await (await conn.execute(
             f"""
             UPDATE {S}.runs SET status = 'failed', outcome_code = 'OPERATION_ABANDONED',

@@ -107,6 +107,9 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
                                      "--operator", "al")
         assert code == 0, err  # the failed run's reference leads to who abandoned it and why
         assert "customer refunded by hand" in shown and "alice" in shown
+        failed = [e for e in await runs["three"].journal_async() if e.kind == "run.failed"]
+        assert [(e.payload["incident"], e.payload["message"]) for e in failed] == [
+            (info.value.incident, info.value.message)]  # the journal says what the error says
 
         code, _, err = await cli(url, "ops", "resolve", str(ops["three"]), "--committed",
                                  "--evidence", "x", "--operator", "alice")
