@@ -50,8 +50,10 @@ class Operators:
                                  path="state")
         if not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
+                  else [state])
         async with self.db.connection() as conn:
-            return await recon_db.recon_list(conn, state=state, tool=tool,
+            return await recon_db.recon_list(conn, states=states, tool=tool,
                                              older_than=older_than,
                                              tenants=self.tenants_of(operator), limit=limit)
 

@@ -97,15 +97,15 @@ async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
 
 
 async def recon_list(
-    conn: Conn, *, state: str | None, tool: str | None, older_than: float | None,
+    conn: Conn, *, states: list[str] | None, tool: str | None, older_than: float | None,
     tenants: list[str] | None, limit: int
 ) -> list[dict[str, Any]]:
+    """Items in any of ``states`` (None: every item), oldest first."""
     cur = await conn.execute(
         f"""
         SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
         JOIN {S}.operations o ON o.id = i.operation_id
-        WHERE (%(state)s::text IS NULL OR i.state = %(state)s
-               OR (%(state)s = 'unresolved' AND i.state <> 'resolved'))
+        WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
           AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
           AND (%(older)s::float8 IS NULL
                OR i.created_at < now() - make_interval(secs => %(older)s::float8))
@@ -113,7 +113,8 @@ async def recon_list(
         ORDER BY i.created_at, i.id
         LIMIT %(limit)s
         """,
-        {"state": state, "tool": tool, "older": older_than, "tenants": tenants, "limit": limit},
+        {"states": states, "tool": tool, "older": older_than, "tenants": tenants,
+         "limit": limit},
     )
     return await cur.fetchall()
 
