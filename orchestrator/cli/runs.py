@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator import admin
 from orchestrator.cli.common import database_target
-from orchestrator.cli.tables import cell, render
+from orchestrator.cli.tables import cell, clip, render
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
 
@@ -62,10 +62,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _clipped(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def _summary(payload: Any) -> str:
     """An event's payload in a line; its incident reference first, so that no clipping hides
     what an operator needs for `orchestrator incidents show`."""
@@ -73,8 +69,7 @@ def _summary(payload: Any) -> str:
         incident = payload.get("incident")
         shown = {k: v for k, v in payload.items()
                  if k not in ("intent", "result", "payload", "incident")}
-        text = json.dumps(shown, default=str, sort_keys=True)
-        text = text if len(text) < 80 else text[:77] + "…"
+        text = clip(json.dumps(shown, default=str, sort_keys=True), 78)
         return f"incident {incident} {text}" if incident else text
     return cell(payload)
 
@@ -97,7 +92,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("parent", run["parent_run_id"]),
     ]
     if run["result"] is not None:
-        fields.append(("result", _clipped(json.dumps(run["result"], sort_keys=True), 200)))
+        fields.append(("result", clip(json.dumps(run["result"], sort_keys=True), 200)))
     if run["error"]:
         incident = run["error"].get("incident")
         fields.append(("error", run["error"].get("message")

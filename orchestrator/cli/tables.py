@@ -19,7 +19,7 @@ def cell(value: Any) -> str:
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int = 60) -> str:
     """Columns sized to their content (each capped at ``max_width`` characters)."""
-    text = [[_clip(cell(v), max_width) for v in row] for row in rows]
+    text = [[clip(cell(v), max_width) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in text:
         widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
@@ -30,6 +30,7 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: 
     return "\n".join(lines)
 
 
-def _clip(value: str, width: int) -> str:
+def clip(value: str, width: int) -> str:
+    """``value`` on one line, cut to ``width`` characters (the last one then ``…``)."""
     value = " ".join(value.split())
     return value if len(value) <= width else value[: width - 1] + "…"
