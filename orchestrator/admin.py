@@ -29,10 +29,12 @@ def parse_run_id(value: str) -> uuid.UUID:
 
 
 async def list_runs(db: Database, *, tenant: str | None = None, status: str | None = None,
-                    workflow: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+                    workflow: str | None = None, parent: uuid.UUID | None = None,
+                    limit: int = 50) -> list[dict[str, Any]]:
+    """Runs of every owner, newest first; ``parent`` keeps the child runs of that run."""
     async with db.connection() as conn:
         return await runs_db.run_list(conn, tenant=tenant, principal=None, status=status,
-                                      workflow=workflow, limit=limit)
+                                      workflow=workflow, limit=limit, parent=parent)
 
 
 @dataclass

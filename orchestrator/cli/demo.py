@@ -172,14 +172,13 @@ def _runs_and_children(app: Any, handles: list[Any]) -> list[tuple[Any, str, str
     effects count too)."""
     from orchestrator import admin
 
-    async def fetch() -> list[dict[str, Any]]:
-        return await admin.list_runs(app.database, limit=1000)
+    async def children(run_id: Any) -> list[dict[str, Any]]:
+        return await admin.list_runs(app.database, parent=run_id, limit=1000)
 
-    everything: list[dict[str, Any]] = app._portal.call(fetch())
     out = []
     for handle in handles:
         info = handle.info()
         out.append((handle.id, info.workflow, info.status))
         out += [(r["id"], f"  {r['workflow_name']} (child)", r["status"])
-                for r in reversed(everything) if r["parent_run_id"] == handle.id]
+                for r in reversed(app._portal.call(children(handle.id)))]
     return out

@@ -97,8 +97,10 @@ async def run_list(
     status: str | None,
     workflow: str | None,
     limit: int,
+    parent: uuid.UUID | None = None,
 ) -> list[dict[str, Any]]:
-    """Newest first. ``tenant``/``principal`` None means every owner (operators only)."""
+    """Newest first. ``tenant``/``principal`` None means every owner (operators only);
+    ``parent`` keeps the child runs of that run."""
     cur = await conn.execute(
         f"""
         SELECT {_RUN_COLUMNS} FROM {S}.runs
@@ -106,11 +108,12 @@ async def run_list(
           AND (%(principal)s::text IS NULL OR principal = %(principal)s)
           AND (%(status)s::text IS NULL OR status = %(status)s)
           AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s)
+          AND (%(parent)s::uuid IS NULL OR parent_run_id = %(parent)s)
         ORDER BY created_at DESC, id DESC
         LIMIT %(limit)s
         """,
         {"tenant": tenant, "principal": principal, "status": status, "workflow": workflow,
-         "limit": limit},
+         "limit": limit, "parent": parent},
     )
     return await cur.fetchall()
 
