@@ -27,7 +27,9 @@ def _parked(sql, run):  # type: ignore[no-untyped-def]
     return lambda: _status(sql, run)["status"] == "needs_reconciliation"
 
 
-async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(app, sql):
+async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(make_app, sql):
+    app = make_app(operator_scopes={"bob": ["globex"]})  # bob may act on globex only
+
     @app.tool(effect="idempotent", timeout=timedelta(seconds=0.2))
     async def upsert(ctx):  # type: ignore[no-untyped-def]
         await asyncio.sleep(5)
@@ -51,6 +53,12 @@ async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(ap
                 info.value)
         with pytest.raises(AccessDenied):  # a missing one still looks like a foreign one
             await app.operators.show(ops[-1]["id"] + 100, operator="al")
+        # C9: to an operator of another tenant, an attempt that is not queued looks missing
+        # too (its state and the queued attempt's id are not told)
+        for attempt in (app.operators.show(ops[0]["id"], operator="bob"),
+                        app.operators.abandon(ops[0]["id"], evidence="x", operator="bob")):
+            with pytest.raises(AccessDenied):
+                await attempt
         await app.operators.resolve_committed(ops[-1]["id"], receipt={"ok": 1},
                                               evidence="seen at the provider", operator="al")
         assert await run.result_async(timeout=10) == {"ok": 1}
