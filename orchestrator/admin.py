@@ -70,18 +70,20 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]]) -> str | None:
         return f"ready; {len(able)} live worker(s) can run {key}"
     if run["status"] == "waiting":
         when = run["available_at"]
-        return f"waiting for {run['waiting_for']}" + (f" (wakes at {_utc(when)})"
+        return f"waiting for {run['waiting_for']}" + (f" (wakes at {utc_text(when)})"
                                                        if when else "")
     if run["status"] == "needs_reconciliation":
         return f"blocked: {run['waiting_for']}; see `orchestrator ops list`"
     if run["status"] == "running":
-        return f"held by {run['lease_owner']} until {_utc(run['lease_expires_at'])}"
+        return f"held by {run['lease_owner']} until {utc_text(run['lease_expires_at'])}"
     return None
 
 
-def _utc(when: datetime) -> str:
-    """A time as every table prints it (UTC, ``Z``)."""
-    return f"{when.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z"
+def utc_text(when: datetime) -> str:
+    """A time as operators read it everywhere (UTC, ``Z``); a naive one is taken as UTC."""
+    if when.tzinfo is not None:
+        when = when.astimezone(UTC)
+    return f"{when:%Y-%m-%d %H:%M:%S}Z"
 
 
 async def cancel_run(db: Database, run_id: uuid.UUID) -> str:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
+
+from orchestrator.admin import utc_text
 
 
 def cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(UTC)
-        return str(value.strftime("%Y-%m-%d %H:%M:%SZ"))
+        return utc_text(value)
     return str(value)
 
 
