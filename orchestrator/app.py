@@ -26,6 +26,7 @@ from orchestrator.db.database import Conn, Database
 from orchestrator.db.events import event_insert, event_seen
 from orchestrator.errors import (
     AccessDenied,
+    ConfigurationError,
     IdempotencyConflict,
     InvalidRequest,
     OperationInProgress,
@@ -82,6 +83,9 @@ class Orchestrator:
         default_owner: Owner | None = None,
         max_record_bytes: int = canonical.DEFAULT_MAX_RECORD_BYTES,
         max_journal_events: int = 10_000,
+        max_json_depth: int = canonical.DEFAULT_MAX_DEPTH,
+        max_int_digits: int = canonical.DEFAULT_MAX_INT_DIGITS,
+        max_pending_events: int = 1_000,
         lease_ttl: float = 30.0,
         pool_size: int = 10,
         operator_scopes: Mapping[str, Sequence[str]] | None = None,
@@ -97,6 +101,13 @@ class Orchestrator:
         self._database: Database | None = None
         self.default_owner = default_owner
         self.max_record_bytes = max_record_bytes
+        # Every JSON value accepted (inputs, arguments, receipts, results, events) is held to
+        # these caps before anything is written (C2).
+        self.json_limits = canonical.JsonLimits(max_record_bytes, max_json_depth,
+                                                max_int_digits)
+        if type(max_pending_events) is not int or max_pending_events < 1:
+            raise ConfigurationError("max_pending_events must be a positive integer")
+        self.max_pending_events = max_pending_events
         self.max_journal_events = max_journal_events
         self.lease_ttl = lease_ttl
         self.pool_size = pool_size
@@ -210,8 +221,7 @@ class Orchestrator:
         parent: tuple[uuid.UUID, int] | None = None,
     ) -> dict[str, Any]:
         """Validate a submission and build its row. Raises before anything is written."""
-        input_text = canonical.canonical_bytes(
-            input, path="$.input", max_bytes=self.max_record_bytes).decode()
+        input_text = self.json_limits.text(input, "$.input")
         options: dict[str, Any] = {}
         if deadline is not None:
             options["deadline_seconds"] = deadline
@@ -320,8 +330,7 @@ class Orchestrator:
             raise InvalidRequest("event name must be a non-empty string", path="name")
         if event_key is not None:
             validate_idempotency_key(event_key)
-        text = canonical.canonical_bytes(
-            payload, path="$.payload", max_bytes=self.max_record_bytes).decode()
+        text = self.json_limits.text(payload, "$.payload")
         who = self._owner(owner)
         rid = _as_uuid(run_id)
 

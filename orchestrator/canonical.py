@@ -10,6 +10,18 @@ UTF-8 form) is rejected with
 The canonical form sorts object keys, has no insignificant whitespace and is UTF-8 encoded, so
 two values that differ only in key order have the same digest and any other change gives a
 different one.
+
+Caps that keep a hostile value from hurting the process that reads it back (C2): containers
+nest at most ``max_depth`` deep (default 64) and integers have at most ``max_int_digits``
+decimal digits (default 100; never above Python's own 4,300-digit limit for parsing).
+
+Numbers keep their type and value through the database. PostgreSQL's ``jsonb`` stores numbers
+as decimals, so ``1e16`` would come back as the integer ``10000000000000000``; the canonical
+form therefore writes every float positionally with a fractional part
+(``10000000000000000.0``, ``0.00001``), which ``jsonb`` keeps as it is. It has no negative
+zero: ``-0.0`` is written ``0.0``. :func:`as_stored` gives the value exactly as the database
+will give it back (``-0.0`` as ``0.0``, object keys in ``jsonb``'s order), which is what
+workflow code is handed live, so that a value is the same live and on every replay (C4).
 """
 
 from __future__ import annotations
@@ -18,15 +30,27 @@ import functools
 import hashlib
 import json
 import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+from json.encoder import encode_basestring
 from typing import Any
 
-from orchestrator.errors import InvalidRequest, PayloadTooLarge
+from orchestrator.errors import ConfigurationError, InvalidRequest, PayloadTooLarge
 
 JSONValue = Any
 """A value that :func:`validate_json` accepts. Spelled ``Any`` because recursive aliases do not
 help callers; validation is what guarantees the shape."""
 
 DEFAULT_MAX_RECORD_BYTES = 1024 * 1024
+DEFAULT_MAX_DEPTH = 64
+DEFAULT_MAX_INT_DIGITS = 100
+MAX_DEPTH_LIMIT = 256
+"""The highest ``max_depth`` a host may configure: deeper values would come close to the
+recursion limit of the JSON decoder in the processes that read them back."""
+MAX_INT_DIGITS_LIMIT = 4300
+"""The highest ``max_int_digits`` a host may configure: Python's default limit for turning a
+decimal string into an int (``sys.get_int_max_str_digits``)."""
 
 
 def _child(path: str, key: str | int) -> str:
@@ -55,59 +79,89 @@ def _unstorable(text: str) -> str:
     return "a NUL character (\\u0000)" if "\x00" in text else "a lone surrogate"
 
 
-def _plain(value: Any) -> bool:
-    """True when ``value`` is a plain JSON value (the common case, checked without paths)."""
-    stack = [value]
+def _int_bound(max_int_digits: int) -> int:
+    return _BOUNDS.get(max_int_digits) or _BOUNDS.setdefault(max_int_digits,
+                                                               10 ** max_int_digits)
+
+
+_BOUNDS: dict[int, int] = {}
+
+
+def _plain(value: Any, max_depth: int, bound: int) -> bool:
+    """True when ``value`` is a plain JSON value within the caps (the common case, checked
+    without paths): containers at most ``max_depth`` deep, integers below ``bound``."""
+    stack = [(value, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         kind = type(item)
-        if kind is str:  # _storable, inlined: this runs for every string of every value
-            if "\x00" in item or not (item.isascii() or _has_utf8(item)):
+        if kind is dict:
+            if depth >= max_depth:
                 return False
-            continue
-        if item is None or kind is bool or kind is int:
-            continue
-        if kind is float:
-            if not math.isfinite(item):
-                return False
-        elif kind is dict:
             for key in item:
                 if type(key) is not str or "\x00" in key or not (key.isascii()
                                                                    or _has_utf8(key)):
                     return False
-            stack.extend(item.values())
+            children: Any = item.values()
         elif kind is list:
-            stack.extend(item)
+            if depth >= max_depth:
+                return False
+            children = item
         else:
-            return False
+            children = (item,)
+            depth -= 1  # a scalar at the top: no container to count
+        depth += 1
+        for sub in children:
+            sub_kind = type(sub)
+            if sub_kind is str:  # _storable, inlined: this runs for every string
+                if "\x00" in sub or not (sub.isascii() or _has_utf8(sub)):
+                    return False
+            elif sub_kind is int:
+                if not -bound < sub < bound:
+                    return False
+            elif sub_kind is float:
+                if not math.isfinite(sub):
+                    return False
+            elif sub_kind is dict or sub_kind is list:
+                stack.append((sub, depth))
+            elif sub is not None and sub_kind is not bool:
+                return False
     return True
 
 
-def validate_json(value: Any, path: str = "$") -> None:
-    """Raise :class:`InvalidRequest` (with ``path``) unless ``value`` is a plain JSON value."""
-    if _plain(value):
+def validate_json(value: Any, path: str = "$", *, max_depth: int = DEFAULT_MAX_DEPTH,
+                  max_int_digits: int = DEFAULT_MAX_INT_DIGITS) -> None:
+    """Raise :class:`InvalidRequest` (with ``path``) unless ``value`` is a plain JSON value
+    within the depth and integer caps."""
+    if _plain(value, max_depth, _int_bound(max_int_digits)):
         return
-    _explain(value, path)
+    _explain(value, path, max_depth, max_int_digits)
     raise InvalidRequest(f"{path} is not a plain JSON value", path=path)  # pragma: no cover
 
 
-def _explain(value: Any, path: str) -> None:
+def _explain(value: Any, path: str, max_depth: int, max_int_digits: int) -> None:
     """Find what makes ``value`` not plain JSON and raise with its path."""
     # Exact type checks on purpose: bool is an int subclass and is fine, but an IntEnum or a
     # str subclass could serialise differently from what the caller sees.
-    stack: list[tuple[Any, str]] = [(value, path)]
+    bound = _int_bound(max_int_digits)
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
     while stack:
-        item, where = stack.pop()
+        item, where, depth = stack.pop()
         kind = type(item)
         if kind is str and not _storable(item):
             raise InvalidRequest(f"{where} holds {_unstorable(item)}, which cannot be stored",
                                  path=where)
+        if kind is int and not -bound < item < bound:
+            raise InvalidRequest(f"{where} is an integer of more than {max_int_digits} digits; "
+                                 f"at most {max_int_digits} are allowed", path=where)
         if item is None or kind in (str, bool, int):
             continue
         if kind is float:
             if not math.isfinite(item):
                 raise InvalidRequest(f"{where} is {item!r}, which is not valid JSON", path=where)
             continue
+        if kind in (dict, list) and depth >= max_depth:
+            raise InvalidRequest(f"{where} is nested more than {max_depth} levels deep; at "
+                                 f"most {max_depth} are allowed", path=where)
         if kind is dict:
             for key, sub in item.items():
                 if type(key) is not str:
@@ -118,11 +172,11 @@ def _explain(value: Any, path: str) -> None:
                 if not _storable(key):
                     raise InvalidRequest(f"{where} has a key holding {_unstorable(key)}, which "
                                          "cannot be stored", path=where)
-                stack.append((sub, _child(where, key)))
+                stack.append((sub, _child(where, key), depth + 1))
             continue
         if kind is list:
             for index, sub in enumerate(item):
-                stack.append((sub, _child(where, index)))
+                stack.append((sub, _child(where, index), depth + 1))
             continue
         raise InvalidRequest(
             f"{where} is of type {kind.__name__}, which is not a JSON value", path=where
@@ -132,21 +186,120 @@ def _explain(value: Any, path: str) -> None:
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                               allow_nan=False)  # what json.dumps would build on every call
 
+# What the fast encoder writes for a float that the database would not give back as the
+# same float: an exponent (1e+16, 1.5e-07) or a negative zero. Text in strings may match too;
+# the slower encoder then writes the same text the fast one would have.
+_EXPONENT_OR_NEGATIVE_ZERO = re.compile(r"\de[+-]|-0\.0\b")
+
 
 def canonical_json(value: Any) -> str:
     """Return the canonical text of an already valid JSON value."""
-    return _CANONICAL.encode(value)
+    text: str = _CANONICAL.encode(value)
+    if not ("e+" in text or "e-" in text or "-0.0" in text):  # cheaper than the pattern
+        return text
+    if _EXPONENT_OR_NEGATIVE_ZERO.search(text) is None:
+        return text
+    return "".join(_encode(value))
 
 
-def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None) -> bytes:
-    """Validate ``value`` and return its canonical UTF-8 bytes, enforcing ``max_bytes``."""
-    validate_json(value, path)
+def _encode(value: Any) -> Any:
+    """The canonical text of ``value`` in pieces, floats written positionally (see the
+    module docstring). Used only for values that hold such floats; nested at most
+    ``MAX_DEPTH_LIMIT`` deep, so recursion is safe."""
+    kind = type(value)
+    if kind is float:
+        yield _float_text(value)
+    elif kind is dict:
+        yield "{"
+        for index, key in enumerate(sorted(value)):
+            yield ("," if index else "") + encode_basestring(key) + ":"
+            yield from _encode(value[key])
+        yield "}"
+    elif kind is list:
+        yield "["
+        for index, item in enumerate(value):
+            if index:
+                yield ","
+            yield from _encode(item)
+        yield "]"
+    else:
+        yield _CANONICAL.encode(value)
+
+
+def _float_text(value: float) -> str:
+    """A finite float as a positional decimal with a fractional part: the shortest digits
+    that give the same float back, which ``jsonb`` stores and returns unchanged."""
+    if value == 0.0:
+        return "0.0"  # jsonb has no negative zero
+    text = repr(value)
+    if "e" not in text:
+        return text
+    text = format(Decimal(text), "f")
+    return text if "." in text else text + ".0"
+
+
+def as_stored(value: Any) -> Any:
+    """``value`` (valid JSON) exactly as the database gives it back: object keys in ``jsonb``'s
+    order (shorter UTF-8 keys first, then bytewise), ``-0.0`` as ``0.0``. Workflow code is
+    handed a tool's receipt in this form, so that it sees the same value live and on replay."""
+    kind = type(value)
+    if kind is dict:
+        return {key: as_stored(value[key]) for key in sorted(value, key=_jsonb_key_order)}
+    if kind is list:
+        return [as_stored(item) for item in value]
+    if kind is float and value == 0.0:
+        return 0.0
+    return value
+
+
+def _jsonb_key_order(key: str) -> tuple[int, str]:
+    # Code point order is UTF-8 byte order (lone surrogates are refused before this).
+    return (len(key) if key.isascii() else len(key.encode("utf-8")), key)
+
+
+def canonical_bytes(value: Any, *, path: str = "$", max_bytes: int | None = None,
+                    max_depth: int = DEFAULT_MAX_DEPTH,
+                    max_int_digits: int = DEFAULT_MAX_INT_DIGITS) -> bytes:
+    """Validate ``value`` and return its canonical UTF-8 bytes, enforcing the caps."""
+    validate_json(value, path, max_depth=max_depth, max_int_digits=max_int_digits)
     data = canonical_json(value).encode("utf-8")
     if max_bytes is not None and len(data) > max_bytes:
         raise PayloadTooLarge(
             f"{path} is {len(data)} bytes serialised; the limit is {max_bytes}", path=path
         )
     return data
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """The caps every JSON value a caller or a tool hands the orchestrator is held to (C2)."""
+
+    max_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_int_digits: int = DEFAULT_MAX_INT_DIGITS
+
+    def __post_init__(self) -> None:
+        for name, value, top in (("max_record_bytes", self.max_bytes, None),
+                                 ("max_json_depth", self.max_depth, MAX_DEPTH_LIMIT),
+                                 ("max_int_digits", self.max_int_digits,
+                                  MAX_INT_DIGITS_LIMIT)):
+            if type(value) is not int or value < 1 or (top is not None and value > top):
+                raise ConfigurationError(
+                    f"{name} must be an integer from 1 to {top or 'any size'}, got {value!r}")
+
+    def text(self, value: Any, path: str) -> str:
+        """The canonical text of ``value``, or ``INVALID_REQUEST`` / ``PAYLOAD_TOO_LARGE``
+        naming the path of what breaks a cap; nothing is written before this passes."""
+        return canonical_bytes(value, path=path, max_bytes=self.max_bytes,
+                               max_depth=self.max_depth,
+                               max_int_digits=self.max_int_digits).decode()
+
+    def check(self, value: Any, path: str) -> None:
+        """Validate ``value`` against the caps (the size cap too) without keeping its text."""
+        self.text(value, path)
+
+
+DEFAULT_LIMITS = JsonLimits()
 
 
 def digest(value: Any) -> str:

@@ -585,8 +585,9 @@ class RunExecutor:
 
     async def keep_late_receipt(self, op_id: int, receipt: Any, digest: str) -> None:
         """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
-        evidence = json.dumps({"kind": "late_receipt", "worker": self.worker.worker_id,
-                               "receipt": receipt, "receipt_digest": digest})
+        evidence = canonical.canonical_json({"kind": "late_receipt",
+                                             "worker": self.worker.worker_id,
+                                             "receipt": receipt, "receipt_digest": digest})
         with contextlib.suppress(Exception):  # the database may be what failed
             async with self.db.connection() as conn:
                 await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
@@ -931,8 +932,7 @@ class RunExecutor:
 
     async def _succeed(self, result: Any) -> None:
         try:
-            text = canonical.canonical_bytes(
-                result, path="$.result", max_bytes=self.app.max_record_bytes).decode()
+            text = self.app.json_limits.text(result, "$.result")
         except InvalidRequest as exc:
             await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
                              "within the size cap; see the incident",

@@ -73,8 +73,7 @@ class Call:
         self.position = position
         self.tool = tool
         self.arguments = arguments
-        self.args_text = canonical.canonical_bytes(
-            arguments, path="$.arguments", max_bytes=ex.app.max_record_bytes).decode()
+        self.args_text = ex.app.json_limits.text(arguments, "$.arguments")
         self.intent = canonical.intent_digest_text(tool.name, tool.version, ex.owner_text,
                                                    self.args_text)
         self.following = Attempt()  # set by each failed attempt: what to run next
@@ -414,12 +413,12 @@ class Call:
         faults.reach("after_tool_return", tool.name)
         receipt = verdict.value
         try:
-            receipt_text = canonical.canonical_bytes(
-                receipt, path="$.receipt", max_bytes=ex.app.max_record_bytes).decode()
+            receipt_text = ex.app.json_limits.text(receipt, "$.receipt")
         except InvalidRequest as exc:
             ref = await self.incident(op_id, "receipt", exc)
             await self.uncertain(op_id, number, key, "INVALID_RECEIPT", ref)
             return None
+        receipt = canonical.as_stored(receipt)  # what a replay will read back (C4)
         if await self.commit(op_id, key, receipt, receipt_text):
             faults.reach("after_receipt", tool.name)
         return _Done(receipt)

@@ -78,6 +78,7 @@ async def resolve(
     operator: str,
     receipt: Any = None,
     tenants: list[str] | None = None,
+    limits: canonical.JsonLimits = canonical.DEFAULT_LIMITS,
 ) -> str:
     """Resolve an unknown operation; returns ``"resolved"`` or ``"noop"`` (already so).
 
@@ -88,8 +89,8 @@ async def resolve(
     check_evidence(evidence, operator)
     receipt_text = digest = None
     if resolution == "committed":
-        receipt_text = canonical.canonical_bytes(receipt, path="$.receipt").decode()
-        digest = canonical.digest(receipt)
+        receipt_text = limits.text(receipt, "$.receipt")
+        digest = canonical.text_digest(receipt_text)
     elif receipt is not None:
         raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")
 
@@ -246,7 +247,7 @@ class Reconciler:
             answer = StillUnknown(f"the lookup raised {type(exc).__name__}")
         if isinstance(answer, Committed):
             try:
-                canonical.validate_json(answer.receipt, "$.receipt")
+                self.app.json_limits.check(answer.receipt, "$.receipt")
             except InvalidRequest:
                 answer = StillUnknown("the lookup's receipt is not JSON")
         if isinstance(answer, Committed | NotApplied):

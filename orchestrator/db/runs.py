@@ -7,12 +7,12 @@ check the row count and stop working on the run when it is zero (CONTRACT C3, C6
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from orchestrator.canonical import canonical_json
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
 from orchestrator.db.operations import (
     EVENTS,
@@ -228,10 +228,7 @@ SELECT (SELECT count(*) FROM ins) AS inserted,
 
 def encode_events(expected: int, events: Sequence[dict[str, Any]]) -> str:
     """Number new events from ``expected + 1`` and encode them for :func:`journal_append`."""
-    return json.dumps(
-        [{"seq": expected + i, **e} for i, e in enumerate(events, start=1)],
-        separators=(",", ":"),
-    )
+    return canonical_json([{"seq": expected + i, **e} for i, e in enumerate(events, start=1)])
 
 
 async def journal_append(
