@@ -17,6 +17,7 @@ The tree::
     ├── AccessDenied                  ACCESS_DENIED
     ├── JournalFull                   JOURNAL_FULL
     ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
+    ├── RunUnreadable                 RUN_UNREADABLE (a stored value cannot be decoded)
     ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
     ├── ResultTimeout                 RESULT_TIMEOUT (carries the run's current ``status``)
     ├── ToolFailed                    TOOL_FAILED (raised into workflow code)
@@ -133,6 +134,14 @@ class SchemaUnsupported(OrchestratorError):
     """A journal event was written by a newer schema version than this code understands."""
 
     code = "SCHEMA_UNSUPPORTED"
+
+
+class RunUnreadable(OrchestratorError):
+    """A value stored for a run cannot be decoded by this process (nested too deep, an integer
+    too long to parse: written before today's caps, or by hand). The run fails alone with this
+    code; nothing else stops."""
+
+    code = "RUN_UNREADABLE"
 
 
 class LeaseLost(OrchestratorError):

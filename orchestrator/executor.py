@@ -37,7 +37,7 @@ from orchestrator import canonical, faults
 from orchestrator.context import WorkflowContext
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
-from orchestrator.db.database import Conn
+from orchestrator.db.database import Conn, load_json
 from orchestrator.db.events import event_take, incident_record
 from orchestrator.db.writer import Landing, Statement
 from orchestrator.errors import (
@@ -47,6 +47,7 @@ from orchestrator.errors import (
     LeaseLost,
     OrchestratorError,
     RunFailed,
+    RunUnreadable,
     SchemaUnsupported,
     UnknownWorkflow,
     WorkflowError,
@@ -129,14 +130,15 @@ class RunExecutor:
         self.db = worker.app.database
         self.run_id: uuid.UUID = claim["id"]
         self.run_text = str(self.run_id)  # UUID.__str__ is slow Python; keys use it per call
-        self.owner = Owner(tenant=claim["tenant"], principal=claim["principal"])
+        # Stored names are not checked again: a run written under older rules still runs.
+        self.owner = Owner.model_construct(tenant=claim["tenant"], principal=claim["principal"])
         self.owner_text = canonical.canonical_json(self.owner.as_dict())
         self.token: int = claim["lease_token"]
         self.revision: int = claim["revision"]
         self.deadline_at: datetime | None = claim["deadline_at"]
         self.cancel_requested = claim["cancel_requested_at"] is not None
         self._cancel_waiters: set[Callable[[], None]] = set()  # races to end on a cancel
-        self.input = claim["input"]
+        self.input = load_json(claim["input_text"])  # may raise RunUnreadable
         self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
         self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
@@ -962,6 +964,8 @@ class RunExecutor:
             return
         if isinstance(exc, Nondeterminism):
             await self._fail("NONDETERMINISM", str(exc))
+        elif isinstance(exc, RunUnreadable):
+            await self._fail(exc.code, exc.message, incident_detail=self._detail(exc))
         elif isinstance(exc, WorkflowError):
             await self._fail("WORKFLOW_FAILED", str(exc) or "the workflow failed")
         elif isinstance(exc, OrchestratorError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -20,10 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
-from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL
+from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.events import incident_record
 from orchestrator.db.writer import GroupWriter
-from orchestrator.errors import OrchestratorError, SchemaUnsupported
-from orchestrator.executor import RunExecutor
+from orchestrator.errors import (
+    DatabaseError,
+    LeaseLost,
+    OrchestratorError,
+    RunUnreadable,
+    SchemaUnsupported,
+)
+from orchestrator.executor import RunExecutor, event
 
 if TYPE_CHECKING:
     from orchestrator.app import Orchestrator
@@ -186,18 +194,8 @@ class Worker:
     async def _execute(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
         try:
-            journal: list[dict[str, Any]] = []
-            if claim["revision"] > 0:  # a fresh run has nothing to replay
-                async with self.app.database.connection() as conn:
-                    journal = await runs_db.journal_read(conn, run_id)
-            try:
-                executor = RunExecutor(self, claim, journal)
-            except SchemaUnsupported:
-                log.error("run %s has journal events newer than this code; released", run_id)
-                async with self.app.database.connection() as conn:
-                    await runs_db.run_release(
-                        conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
-                        waiting_for="a worker that understands its journal's schema version")
+            executor = await self._executor_for(claim)
+            if executor is None:
                 return
             task, _ = self._running[run_id]
             self._running[run_id] = (task, executor)
@@ -210,6 +208,73 @@ class Worker:
         except Exception:
             log.exception("run %s: the worker failed while driving it; its lease will expire",
                           run_id)
+
+    async def _executor_for(self, claim: dict[str, Any]) -> RunExecutor | None:
+        """Decode one claimed run (its input, its journal) and build its executor. A run whose
+        stored values this code cannot read fails alone (``RUN_UNREADABLE``, with an incident)
+        or, for a journal from newer code, goes back to the queue; None then. The worker goes
+        on claiming either way: no run's content can stop it."""
+        run_id = claim["id"]
+        try:
+            journal: list[dict[str, Any]] = []
+            if claim["revision"] > 0:  # a fresh run has nothing to replay
+                async with self.app.database.connection() as conn:
+                    journal = await runs_db.journal_read(conn, run_id)
+            return RunExecutor(self, claim, journal)
+        except SchemaUnsupported:
+            log.error("run %s has journal events newer than this code; released", run_id)
+            async with self.app.database.connection() as conn:
+                await runs_db.run_release(
+                    conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
+                    waiting_for="a worker that understands its journal's schema version")
+            return None
+        except DatabaseError:
+            raise  # infrastructure, not the run: its lease lapses and it is claimed again
+        except Exception as exc:  # noqa: BLE001 - whatever the stored rows hold
+            await self._fail_unreadable(claim, exc)
+            return None
+
+    async def _fail_unreadable(self, claim: dict[str, Any], exc: Exception) -> None:
+        """End a run this code cannot decode or replay: ``failed`` with ``RUN_UNREADABLE``, its
+        ``run.failed`` entry and an incident with the decoder's complaint. A run with an
+        operation still in flight cannot end (C5): it waits in the queue, an hour at a time,
+        for that to be settled, and says so."""
+        run_id, token = claim["id"], claim["lease_token"]
+        error = RunUnreadable("a value stored for this run cannot be decoded by this worker "
+                              "(see the incident)")
+        diagnostics = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+
+        async def fail(conn: Conn) -> None:
+            await incident_record(conn, {
+                "ref": error.incident, "code": error.code, "run_id": run_id,
+                "operation_id": None, "phase": "decode", "cause": type(exc).__name__,
+                "upstream_status": None, "detail": json.dumps(diagnostics)})
+            await runs_db.journal_append(
+                conn, run_id=run_id, token=token, expected=claim["revision"],
+                events=[event("run.failed", None, None, {
+                    "code": error.code, "message": error.message, "incident": error.incident})])
+            await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
+                                     outcome_code=error.code, result=None,
+                                     error=json.dumps(error.to_dict()))
+
+        try:
+            await self.app.database.run_in_transaction(fail)
+        except runs_db.UnsettledOperations:
+            async with self.app.database.connection() as conn:
+                await runs_db.run_release(
+                    conn, run_id=run_id, token=token, delay=3600.0,
+                    waiting_for=f"{error.code}: it cannot be read, and it may not end while "
+                                "an operation of it is unsettled; see `orchestrator ops list`")
+            log.error("run %s: %s (%s); an operation of it is unsettled, so it waits",
+                      run_id, error.code, type(exc).__name__)
+            return
+        except (LeaseLost, DatabaseError) as lost:
+            log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
+                        error.code, lost.code)
+            return
+        self.metrics.incr("runs_failed")
+        log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,
+                  error.code, error.incident, type(exc).__name__)
 
     async def _heartbeat_loop(self) -> None:
         """The worker's liveness beat (one row, often) and its runs' lease renewals (every

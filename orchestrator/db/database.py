@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 from tenacity import (
     AsyncRetrying,
@@ -24,7 +26,7 @@ from tenacity import (
 )
 
 from orchestrator.db.config import DatabaseTarget
-from orchestrator.errors import DatabaseError, OrchestratorError
+from orchestrator.errors import DatabaseError, OrchestratorError, RunUnreadable
 
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[dict[str, Any]]
@@ -73,6 +75,22 @@ function could as well be a bug as a schema behind the code, so those are not tr
 schema that is behind is refused by ``db check`` and when a worker starts.)"""
 
 
+def load_json(data: bytes | str) -> Any:
+    """The decoder of every ``json``/``jsonb`` value this package reads: a value this process
+    cannot decode (nested deeper than the interpreter's recursion allows, an integer longer
+    than it parses) raises :class:`RunUnreadable` instead of the interpreter's own error, so
+    that it fails the one run it belongs to and never the process reading it."""
+    try:
+        return json.loads(data)
+    except (RecursionError, ValueError) as exc:
+        raise RunUnreadable(f"a stored JSON value cannot be decoded here "
+                            f"({type(exc).__name__})") from None
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    set_json_loads(load_json, conn)
+
+
 def psycopg_pool_errors() -> type[Exception]:
     from psycopg_pool import PoolTimeout
 
@@ -117,6 +135,7 @@ class Database:
                         "prepare_threshold": 0},
                 open=False,
                 timeout=30,
+                configure=_configure,
             )
             with translate_errors(self.target):
                 await pool.open(wait=True, timeout=15)

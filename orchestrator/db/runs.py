@@ -76,8 +76,10 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     return existing["id"], False, existing["request_digest"]
 
 
+# Not the input: no reader of a run's summary needs it, and a summary must be readable whatever
+# the input holds.
 _RUN_COLUMNS = """
-id, tenant, principal, workflow_name, workflow_version, input, options, status, outcome_code,
+id, tenant, principal, workflow_name, workflow_version, options, status, outcome_code,
 result, error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
 parent_run_id, parent_position, idempotency_key
@@ -132,9 +134,9 @@ SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 
     lease_expires_at = now() + make_interval(secs => %(ttl)s), waiting_for = NULL,
     available_at = NULL, updated_at = now()
 FROM picked WHERE r.id = picked.id
-RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version, r.input, r.options,
-          r.deadline_at, r.lease_token, r.revision, r.cancel_requested_at, r.parent_run_id,
-          now() AS db_now
+RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
+          r.input::text AS input_text, r.deadline_at, r.lease_token, r.revision,
+          r.cancel_requested_at, r.parent_run_id, now() AS db_now
 """
 
 
@@ -145,6 +147,8 @@ async def run_claim_ready(
 
     ``FOR UPDATE SKIP LOCKED`` lets many workers claim at once without blocking each other;
     the lease token grows on every claim so that an older holder's writes are rejected.
+    The input comes as its JSON text (``input_text``): each run's worker task decodes its own,
+    so that no run's content can fail the claim of the others.
     """
     if limit <= 0:
         return []

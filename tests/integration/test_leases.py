@@ -4,6 +4,7 @@ expired leases claimed again, stale writers rejected, NOTIFY wake-ups, registere
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import psycopg
@@ -263,7 +264,7 @@ async def test_a_claim_takes_the_oldest_ready_runs_reading_only_the_claimable_in
             assert "Seq Scan on runs" not in plan, plan
         sql("ANALYZE orchestrator.runs")
 
-    assert sorted(r["input"]["i"] for r in claimed) == [2995, 2996, 2997, 2998, 2999, 3000]
+    assert sorted(json.loads(r["input_text"])["i"] for r in claimed) == [2995, 2996, 2997, 2998, 2999, 3000]
     await app.database.close()
 
 
