@@ -17,6 +17,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.errors import AccessDenied, InvalidRequest
+from orchestrator.models import check_run_filters
 
 LIVE_WORKER_SECONDS = 60.0
 
@@ -32,6 +33,7 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
                     workflow: str | None = None, parent: uuid.UUID | None = None,
                     limit: int = 50) -> list[dict[str, Any]]:
     """Runs of every owner, newest first; ``parent`` keeps the child runs of that run."""
+    check_run_filters(status=status, workflow=workflow, tenant=tenant, limit=limit)
     async with db.connection() as conn:
         return await runs_db.run_list(conn, tenant=tenant, principal=None, status=status,
                                       workflow=workflow, limit=limit, parent=parent)

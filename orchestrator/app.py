@@ -23,10 +23,11 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
-from orchestrator.db.events import event_insert, event_seen
+from orchestrator.db.events import event_insert, event_pending_count, event_seen
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
+    EventBacklogFull,
     IdempotencyConflict,
     InvalidRequest,
     OperationInProgress,
@@ -38,7 +39,13 @@ from orchestrator.errors import (
 )
 from orchestrator.ids import new_run_id
 from orchestrator.metrics import Metrics
-from orchestrator.models import JournalEntry, Owner, RunInfo, validate_idempotency_key
+from orchestrator.models import (
+    JournalEntry,
+    Owner,
+    RunInfo,
+    check_run_filters,
+    validate_idempotency_key,
+)
 from orchestrator.operators import Operators
 from orchestrator.reconcile import Reconciler
 from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
@@ -51,6 +58,7 @@ from orchestrator.registry import (
     check_name,
 )
 from orchestrator.replay import SCHEMA_VERSION
+from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -306,8 +314,7 @@ class Orchestrator:
     async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,
                               workflow: str | None = None, limit: int = 50) -> list[RunInfo]:
         who = self._owner(owner)
-        if not 1 <= limit <= 1000:
-            raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        check_run_filters(status=status, workflow=workflow, limit=limit)
         async with self.database.connection() as conn:
             rows = await runs_db.run_list(conn, tenant=who.tenant, principal=who.principal,
                                           status=status, workflow=workflow, limit=limit)
@@ -326,10 +333,9 @@ class Orchestrator:
         once the run has finished (a retried send is not an error); a new event to a finished
         run is refused with ``INVALID_REQUEST``.
         """
-        if not isinstance(name, str) or not name or len(name) > 200:
-            raise InvalidRequest("event name must be a non-empty string", path="name")
+        check_identifier("name", name)
         if event_key is not None:
-            validate_idempotency_key(event_key)
+            validate_idempotency_key(event_key, "event_key")
         text = self.json_limits.text(payload, "$.payload")
         who = self._owner(owner)
         rid = _as_uuid(run_id)
@@ -344,6 +350,15 @@ class Orchestrator:
                                                               event_key=event_key):
                     return False  # a retry of an event the run received: delivered once
                 raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
+            if event_key is not None and await event_seen(conn, run_id=rid,
+                                                          event_key=event_key):
+                return False  # delivered once, even when the backlog is full now
+            # The run's row is locked: no other sender counts at the same time (C15).
+            cap = self.max_pending_events
+            if await event_pending_count(conn, run_id=rid, cap=cap) >= cap:
+                raise EventBacklogFull(
+                    f"the run has {cap} events waiting to be consumed, its cap "
+                    "(max_pending_events); nothing was stored")
             created = await event_insert(conn, run_id=rid, name=name, event_key=event_key,
                                          payload=text)
             if created:

@@ -16,6 +16,7 @@ The tree::
     ├── IdempotencyConflict           IDEMPOTENCY_CONFLICT
     ├── AccessDenied                  ACCESS_DENIED
     ├── JournalFull                   JOURNAL_FULL
+    ├── EventBacklogFull              EVENT_BACKLOG_FULL
     ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
     ├── RunUnreadable                 RUN_UNREADABLE (a stored value cannot be decoded)
     ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
@@ -128,6 +129,15 @@ class JournalFull(OrchestratorError):
     """The run's journal reached its cap; no new work is accepted for it (CONTRACT C2)."""
 
     code = "JOURNAL_FULL"
+
+
+class EventBacklogFull(OrchestratorError):
+    """The run already has as many events waiting to be consumed as its cap allows
+    (``max_pending_events``); nothing was stored. Retryable: the cap frees up as the run
+    consumes its events."""
+
+    code = "EVENT_BACKLOG_FULL"
+    retryable = True
 
 
 class SchemaUnsupported(OrchestratorError):

@@ -7,22 +7,42 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.errors import InvalidRequest
+from orchestrator.text import check_identifier
 
 _IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
 
 
-def validate_idempotency_key(key: str) -> str:
-    """1–128 ASCII letters, digits, ``.``, ``_``, ``:``, ``-``; first a letter or digit (C1)."""
+def validate_idempotency_key(key: str, field: str = "idempotency_key") -> str:
+    """1–128 ASCII letters, digits, ``.``, ``_``, ``:``, ``-``; first a letter or digit (C1).
+    ``field`` names the argument in the error (``event_key`` uses the same rules)."""
     if not isinstance(key, str) or not _IDEMPOTENCY_KEY.fullmatch(key) or not key.isascii():
         raise InvalidRequest(
-            "idempotency_key must be 1-128 ASCII letters, digits, '.', '_', ':' or '-', "
+            f"{field} must be 1-128 ASCII letters, digits, '.', '_', ':' or '-', "
             "starting with a letter or digit",
-            path="idempotency_key",
+            path=field,
         )
     return key
+
+
+RUN_STATUSES = ("queued", "running", "waiting", "needs_reconciliation", "succeeded", "failed",
+                "cancelled")
+
+
+def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any = None,
+                      limit: Any = 50) -> None:
+    """Refuse run-list filters that could never match, or that the database could not take
+    (a NUL byte, a lone surrogate), with ``INVALID_REQUEST`` naming the filter."""
+    if type(limit) is not int or not 1 <= limit <= 1000:
+        raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+    if status is not None and status not in RUN_STATUSES:
+        raise InvalidRequest(f"status must be one of {', '.join(RUN_STATUSES)}", path="status")
+    if workflow is not None:
+        check_identifier("workflow", workflow)
+    if tenant is not None:
+        check_identifier("tenant", tenant)
 
 
 class Owner(BaseModel):
@@ -32,6 +52,13 @@ class Owner(BaseModel):
 
     tenant: str = Field(min_length=1, max_length=200)
     principal: str = Field(min_length=1, max_length=200)
+
+    @field_validator("tenant", "principal", mode="before")
+    @classmethod
+    def _names(cls, value: Any, info: Any) -> Any:
+        # InvalidRequest is not a ValueError, so pydantic lets it through as it is: a bad owner
+        # is INVALID_REQUEST naming the field, like every other bad input.
+        return check_identifier(f"owner.{info.field_name}", value)
 
     def as_dict(self) -> dict[str, str]:
         return {"tenant": self.tenant, "principal": self.principal}

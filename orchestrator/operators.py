@@ -19,6 +19,7 @@ from orchestrator.db.database import Database
 from orchestrator.db.events import incidents_of_operations
 from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
+from orchestrator.text import check_identifier
 
 ITEM_STATES = ("open", "operator", "resolved")
 UNRESOLVED = "unresolved"
@@ -50,6 +51,8 @@ class Operators:
                                  path="state")
         if not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        if tool is not None:
+            check_identifier("tool", tool)
         states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
                   else [state])
         async with self.db.connection() as conn:

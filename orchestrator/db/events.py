@@ -25,6 +25,21 @@ async def event_insert(
     return cur.rowcount == 1
 
 
+async def event_pending_count(conn: Conn, *, run_id: uuid.UUID, cap: int) -> int:
+    """How many events wait for the run to consume them, counted up to ``cap`` (a bounded
+    scan whatever the backlog)."""
+    cur = await conn.execute(
+        f"""
+        SELECT count(*) AS n FROM (
+            SELECT 1 FROM {S}.external_events
+            WHERE run_id = %s AND consumed_position IS NULL LIMIT %s) AS waiting
+        """,
+        (run_id, cap))
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
 async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
     """Whether an event with this key was delivered to the run."""
     cur = await conn.execute(

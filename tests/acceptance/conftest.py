@@ -34,13 +34,14 @@ class Workers:
         cur = self.conn.execute(query, params)
         return cur.fetchall() if cur.description else []
 
-    def start(self, name: str, *, concurrency: int = 10, **env: str) -> subprocess.Popen[bytes]:
+    def start(self, name: str, *, concurrency: int = 10, app: str = "tests.acceptance.flows:app",
+              **env: str) -> subprocess.Popen[bytes]:
         environ = {**os.environ, "ORCHESTRATOR_DATABASE_URL": self.url,
                    "PYTHONPATH": str(ROOT), **env}
         with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator", "worker", "--app",
-                 "tests.acceptance.flows:app", "--concurrency", str(concurrency)],
+                [sys.executable, "-m", "orchestrator", "worker", "--app", app,
+                 "--concurrency", str(concurrency)],
                 cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.wait(lambda: self.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s",

@@ -264,7 +264,8 @@ async def test_a_claim_takes_the_oldest_ready_runs_reading_only_the_claimable_in
             assert "Seq Scan on runs" not in plan, plan
         sql("ANALYZE orchestrator.runs")
 
-    assert sorted(json.loads(r["input_text"])["i"] for r in claimed) == [2995, 2996, 2997, 2998, 2999, 3000]
+    assert sorted(json.loads(r["input_text"])["i"] for r in claimed) == [
+        2995, 2996, 2997, 2998, 2999, 3000]
     await app.database.close()
 
 

@@ -1,0 +1,122 @@
+"""Bad strings and values at the owners' API: a stable code naming the field, nothing written
+(C2, C10); and the cap on events a run has not consumed yet."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from orchestrator import InvalidRequest, Orchestrator, OrchestratorError, Owner, WorkflowContext
+from orchestrator.errors import EventBacklogFull
+from tests.integration.conftest import running, wait_for
+
+
+def _nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def _refused(call: Any, path: str) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        call()
+    assert caught.value.code == "INVALID_REQUEST", caught.value
+    assert caught.value.path == path, (caught.value.path, caught.value.message)
+    return caught.value
+
+
+@pytest.fixture
+def flows(app: Orchestrator) -> Any:
+    @app.workflow()
+    async def listen(ctx: WorkflowContext, data: Any) -> Any:
+        first = await ctx.wait_for_event("go", timeout=timedelta(minutes=5))
+        second = await ctx.wait_for_event("go", timeout=timedelta(minutes=5))
+        return [first, second]
+
+    return listen
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "\ud800", "", " acme", "acme ", "ac\u200bme",
+                                  "\x1b[31m", "x" * 201])
+def test_owner_names_with_unstorable_or_invisible_characters_are_refused(name, app, sql):
+    with pytest.raises(InvalidRequest) as caught:
+        Owner(tenant=name, principal="p")
+    assert caught.value.path == "owner.tenant"
+    with pytest.raises(InvalidRequest) as caught:
+        Owner(tenant="t", principal=name)
+    assert caught.value.path == "owner.principal"
+
+
+def test_bad_event_names_keys_and_filters_name_their_field(app, flows, sql):
+    run = app.submit(flows, None)
+    for name in ("a\x00b", "\ud800", "", "x" * 201, "go\u200b"):
+        _refused(lambda name=name: app.send_event(run.id, name, 1), "name")
+    error = _refused(lambda: app.send_event(run.id, "x" * 201, 1), "name")
+    assert "201 characters; at most 200" in error.message
+    error = _refused(lambda: app.send_event(run.id, "go", 1, event_key="bad key"), "event_key")
+    assert error.message.startswith("event_key must be")
+    _refused(lambda: app.list_runs(status="\x00"), "status")
+    _refused(lambda: app.list_runs(status="done"), "status")
+    _refused(lambda: app.list_runs(workflow="\ud800"), "workflow")
+    _refused(lambda: app.list_runs(limit=0), "limit")
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 0}]
+
+
+def test_deep_values_and_huge_integers_are_refused_everywhere_with_their_path(app, flows, sql):
+    _refused(lambda: app.submit(flows, {"x": _nested(64)}), "$.input" + ".x" + ".a" * 63)
+    _refused(lambda: app.submit(flows, [10**100]), "$.input[0]")
+    run = app.submit(flows, {"x": _nested(63), "n": 10**99})
+    _refused(lambda: app.send_event(run.id, "go", _nested(65)), "$.payload" + ".a" * 64)
+    _refused(lambda: app.send_event(run.id, "go", {"n": -(10**100)}), "$.payload.n")
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs") == [{"n": 1}]
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 0}]
+
+
+def test_the_caps_are_the_hosts_to_set(make_app):
+    app = make_app(max_json_depth=3, max_int_digits=5)
+
+    @app.workflow()
+    async def noop(ctx: WorkflowContext, data: Any) -> Any:
+        return data
+
+    _refused(lambda: app.submit(noop, _nested(4)), "$.input" + ".a" * 3)
+    _refused(lambda: app.submit(noop, 123456), "$.input")
+    app.submit(noop, {"a": {"a": 12345}})
+    for bad in ({"max_json_depth": 0}, {"max_json_depth": 1000}, {"max_int_digits": 5000},
+                {"max_pending_events": 0}):
+        with pytest.raises(OrchestratorError) as caught:
+            make_app(**bad)
+        assert caught.value.code == "CONFIGURATION_ERROR"
+
+
+async def test_a_run_holds_at_most_max_pending_events_waiting_to_be_consumed(make_app, sql):
+    app = make_app(max_pending_events=2)
+
+    @app.workflow()
+    async def listen(ctx: WorkflowContext, data: Any) -> Any:
+        return [await ctx.wait_for_event("go", timeout=timedelta(minutes=5)) for _ in range(3)]
+
+    run = await app.submit_async(listen, None)
+    assert await app.send_event_async(run.id, "other", 1, event_key="o-1")
+    assert await app.send_event_async(run.id, "other", 2)
+    with pytest.raises(EventBacklogFull) as caught:
+        await app.send_event_async(run.id, "go", 3)
+    assert caught.value.code == "EVENT_BACKLOG_FULL" and caught.value.retryable
+    # A retried send of a delivered event is still a duplicate, full or not.
+    assert await app.send_event_async(run.id, "other", 1, event_key="o-1") is False
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 2}]
+
+    # Events the run consumes make room again.
+    run2 = await app.submit_async(listen, None)
+    async with running(app):
+        for i in range(3):
+            async def room(i: int = i) -> bool:
+                try:
+                    return await app.send_event_async(run2.id, "go", i, event_key=f"g-{i}")
+                except EventBacklogFull:
+                    return False
+            await wait_for(room)
+        assert await run2.result_async(timeout=30) == [0, 1, 2]
