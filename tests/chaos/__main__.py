@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-interval", type=float, default=0.3,
                         help="mean seconds between faults (default 0.3)")
     parser.add_argument("--lease-ttl", type=float, default=3.0)
+    parser.add_argument("--poison-runs", type=int, default=10,
+                        help="runs planted with input no worker can decode, spread among the "
+                             "others (default 10): each must fail alone, no worker may die")
     parser.add_argument("--max-in-flight", type=int, default=80)
     parser.add_argument("--no-postgres-restarts", action="store_true",
                         help="no private cluster: everything on the test server, no restarts")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(runs=args.runs, seed=args.seed, workers=args.workers,
                  concurrency=args.concurrency, fault_interval=args.fault_interval,
                  duration=args.duration, lease_ttl=args.lease_ttl,
-                 max_in_flight=args.max_in_flight, unsafe_redispatch=args.unsafe_redispatch)
+                 max_in_flight=args.max_in_flight, unsafe_redispatch=args.unsafe_redispatch,
+                 poison_runs=args.poison_runs)
     seed = cfg.resolved_seed()
     print(f"chaos seed: {seed}", flush=True)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"chaos-{seed}-"))

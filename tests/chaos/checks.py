@@ -39,6 +39,7 @@ class ProcRecord:
     started: float
     ended: float | None = None
     faults: list[Interval] = field(default_factory=list)  # things done to this process
+    exit_code: int | None = None  # once it ended: its status (negative: the signal)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Observed:
     submitted: dict[str, uuid.UUID | None]  # run idempotency key -> run id (None: not accepted)
     procs: list[ProcRecord]
     db_faults: list[Interval]  # connection terminations, server restarts: every worker
+    poison: set[uuid.UUID] = field(default_factory=set)  # runs planted with unreadable input
 
 
 @dataclass
@@ -390,12 +392,46 @@ def ledger_sink_agreement(data: Data) -> Row:
     return Row("ledger/sink disagreements", len(details), 0, details)
 
 
-def failed_runs(data: Data, expected_cancel: set[uuid.UUID]) -> Row:
+# An unexpected exception ends a worker with this status (the CLI's INTERNAL).
+EXIT_INTERNAL = 70
+# What the harness does to workers: SIGKILL; SIGTERM is handled (a drain, then status 0).
+HARNESS_SIGNALS = (-9, -15)
+
+
+def workers_killed_by_a_run(observed: Observed) -> Row:
+    """Worker processes that ended on an unexpected error (status 70) or on a signal the
+    harness never sends (a crash in the interpreter): what a poison run did before its
+    content was decoded per run."""
+    details = [f"worker pid {p.pid} ended with status {p.exit_code}" for p in observed.procs
+               if p.role == "worker" and p.exit_code is not None
+               and (p.exit_code == EXIT_INTERNAL
+                    or (p.exit_code < 0 and p.exit_code not in HARNESS_SIGNALS))]
+    return Row("workers killed by a run", len(details), 0, details)
+
+
+def poison_runs(data: Data, observed: Observed) -> Row:
+    """Every run planted with an input no worker can decode fails alone, RUN_UNREADABLE."""
+    runs = {r["id"]: r for r in data.runs}
+    details = []
+    for run_id in sorted(observed.poison, key=str):
+        run = runs.get(run_id)
+        if run is None or (run["status"], run["outcome_code"]) != ("failed", "RUN_UNREADABLE"):
+            details.append(f"poison run {run_id}: "
+                           + ("missing" if run is None else
+                              f"{run['status']} ({run['outcome_code']})"))
+    return Row("poison runs not failed alone", len(details), 0, details)
+
+
+def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
+                poison: set[uuid.UUID] | None = None) -> Row:
     """Workflows here never fail on purpose: tool failures and timeouts are caught and recorded
     in the result. A failed run (or a cancelled one the harness did not cancel) means the
-    engine turned something else, such as an infrastructure fault, into an outcome."""
+    engine turned something else, such as an infrastructure fault, into an outcome. (The
+    planted poison runs fail on purpose, and are checked by :func:`poison_runs`.)"""
     details = []
     for run in data.runs:
+        if poison and run["id"] in poison:
+            continue
         if run["status"] == "failed" or (
                 run["status"] == "cancelled" and run["id"] not in expected_cancel
                 and run["parent_run_id"] not in expected_cancel):
@@ -417,7 +453,9 @@ def verdict(data: Data, observed: Observed, expected_cancel: set[uuid.UUID]) -> 
         unresolved,
         journal_integrity(data),
         ledger_sink_agreement(data),
-        failed_runs(data, expected_cancel),
+        failed_runs(data, expected_cancel, observed.poison),
+        workers_killed_by_a_run(observed),
+        poison_runs(data, observed),
     ]
     stats: dict[str, Any] = {
         "runs": dict(Counter(r["status"] for r in data.runs)),

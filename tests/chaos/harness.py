@@ -93,6 +93,11 @@ class Config:
     quiesce_timeout: float = 240.0
     max_tail: float = 120.0  # without duration: faults go on this long at most after submitting
     operator_rounds: int = 5
+    # Runs planted among the others with an input no worker can decode (nested 3,000 deep,
+    # an integer of 10,000 digits), as an older release or a hand-written INSERT could leave
+    # them; each must fail alone (RUN_UNREADABLE) and no worker may die of one. The same
+    # values are also offered through the API, which must refuse them.
+    poison_runs: int = 0
 
     def resolved_seed(self) -> int:
         if self.seed is None:
@@ -244,6 +249,7 @@ class Harness:
         self.resolutions: Counter[str] = Counter()
         self.submitted: dict[str, uuid.UUID | None] = {p.key: None for p in self.plans}
         self.cancelled: set[uuid.UUID] = set()
+        self.poison: set[uuid.UUID] = set()
         self.events: list[tuple[float, int, uuid.UUID, str, Any, str | None]] = []
         self.cancels: list[tuple[float, uuid.UUID]] = []
         self._seq = itertools.count()
@@ -318,6 +324,7 @@ class Harness:
         now = time.time()
         code = slot.proc.returncode
         slot.record.ended = now
+        slot.record.exit_code = code
         if not slot.killed:
             if code == -signal.SIGKILL and slot.armed:
                 kind = f"fault point {slot.armed.split(':')[0]}"
@@ -484,9 +491,33 @@ class Harness:
                 self.answers[f"{what.split()[0]} refused: {exc.code}"] += 1
                 return None
 
+    async def _plant_poison(self, number: int) -> None:
+        """One run whose stored input no worker can decode, inserted as a hand-written
+        statement would (the API refuses such input: checked first)."""
+        deep = "[" * 3000 + "1" + "]" * 3000
+        text = deep if number % 2 else '{"n": ' + "7" * 10_000 + "}"
+        value: Any = {"n": 10**400} if number % 2 == 0 else json.loads("[" * 100 + "]" * 100)
+        refused = await self._retrying(f"hostile submit {number}", lambda: (
+            self.client.submit_async(chaos_app.WORKFLOWS["checkout"], value)))
+        if refused is not None:
+            self.notes.append(f"the API accepted hostile input {number}")
+        rows = await self.sql(
+            "INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name, "
+            "workflow_version, input, options, request_digest, idempotency_key, status, "
+            "available_at) VALUES (gen_random_uuid(), %s, %s, 'checkout', '1', %s::jsonb, "
+            "'{}'::jsonb, 'poison', %s, 'queued', now()) RETURNING id",
+            (chaos_app.OWNER.tenant, chaos_app.OWNER.principal, text,
+             f"poison-{self.seed}-{number}"))
+        await self.sql("SELECT pg_notify('orchestrator_runs', '')")
+        self.poison.add(rows[0]["id"])
+
     async def _submit_all(self) -> None:
         began = time.monotonic()
+        every = max(len(self.plans) // self.cfg.poison_runs, 1) if self.cfg.poison_runs else 0
         for plan in self.plans:
+            if every and plan.index % every == every // 2 and len(self.poison) < (
+                    self.cfg.poison_runs):
+                await self._plant_poison(len(self.poison))
             if self.cfg.duration:
                 due = began + plan.index * self.cfg.duration / max(len(self.plans), 1)
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
@@ -643,7 +674,7 @@ class Harness:
         data = checks.Data(runs, journal, ops, items, found["calls"], found["effects"],
                            time.time())
         observed = checks.Observed(dict(self.submitted), list(self.records),
-                                   list(self.db_faults))
+                                   list(self.db_faults), set(self.poison))
         return checks.verdict(data, observed, set(self.cancelled))
 
     # -- the whole run ---------------------------------------------------------------------

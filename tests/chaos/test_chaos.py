@@ -21,7 +21,7 @@ pytestmark = pytest.mark.chaos
 
 FIXED_SEED = 20261129
 SHORT = {"runs": 150, "workers": 3, "fault_interval": 0.5, "quiesce_timeout": 120.0,
-         "max_tail": 60.0}
+         "max_tail": 60.0, "poison_runs": 3}
 
 
 @pytest.mark.timeout(600)
@@ -65,6 +65,7 @@ def test_long_profile(chaos_env: Environment, tmp_path: Path) -> None:
                  duration=float(env["CHAOS_DURATION"]) if env.get("CHAOS_DURATION") else None,
                  seed=int(env["CHAOS_SEED"]) if env.get("CHAOS_SEED") else None,
                  fault_interval=float(env.get("CHAOS_FAULT_INTERVAL", "0.3")),
-                 workers=int(env.get("CHAOS_WORKERS", "3")))
+                 workers=int(env.get("CHAOS_WORKERS", "3")),
+                 poison_runs=int(env.get("CHAOS_POISON_RUNS", "10")))
     result = run_chaos(cfg, chaos_env, tmp_path / "logs")
     assert result.ok, result.text

@@ -168,3 +168,33 @@ def test_a_blocked_run_with_nothing_unknown_is_lost() -> None:
     journal = journal[:2]
     runs[0]["revision"] = 2
     assert _verdict(runs, journal, ops, effects).row("runs lost").value == 1
+
+
+def test_a_worker_that_died_of_an_unexpected_error_or_a_crash_is_counted() -> None:
+    procs = [checks.ProcRecord("worker", 1, 0.0, 5.0, exit_code=70),
+             checks.ProcRecord("worker", 2, 0.0, 5.0, exit_code=-11),
+             checks.ProcRecord("worker", 3, 0.0, 5.0, exit_code=-9),  # the harness's SIGKILL
+             checks.ProcRecord("worker", 4, 0.0, 5.0, exit_code=0),
+             checks.ProcRecord("reconciler", 5, 0.0, 5.0, exit_code=70)]
+    verdict = _verdict(*_clean_story(), procs=procs)
+    row = verdict.row("workers killed by a run")
+    assert row.value == 2 and not verdict.ok
+    assert any("pid 1" in d for d in row.details) and any("pid 2" in d for d in row.details)
+
+
+def test_a_poison_run_must_fail_alone_with_run_unreadable() -> None:
+    runs, journal, ops, effects = _clean_story()
+    poison = uuid.uuid4()
+    data = checks.Data([*runs, _run(id=poison, status="queued", revision=0)], journal, ops, [],
+                       [], effects, _at(100).timestamp())
+    observed = checks.Observed({"k": RUN}, [], [], {poison})
+    verdict = checks.verdict(data, observed, set())
+    assert verdict.row("poison runs not failed alone").value == 1
+    failed = _run(id=poison, status="failed", outcome_code="RUN_UNREADABLE", revision=1)
+    journal_failed = [*journal, {"run_id": poison, "seq": 1, "kind": "run.failed",
+                                 "position": None, "name": None, "payload": {},
+                                 "lease_token": 1, "created_at": _at(5)}]
+    data = checks.Data([*runs, failed], journal_failed, ops, [], [], effects,
+                       _at(100).timestamp())
+    verdict = checks.verdict(data, observed, set())
+    assert verdict.ok, checks.format_table(verdict)  # not counted as a failure without reason
