@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator, OrchestratorError, Owner, WorkflowContext
-from orchestrator.errors import EventBacklogFull
 from tests.integration.conftest import running, wait_for
 
 
@@ -92,7 +91,9 @@ def test_the_caps_are_the_hosts_to_set(make_app):
         assert caught.value.code == "CONFIGURATION_ERROR"
 
 
-async def test_a_run_holds_at_most_max_pending_events_waiting_to_be_consumed(make_app, sql):
+async def test_a_run_holds_at_most_max_pending_events_waiting_to_be_consumed(make_app, sql):  # noqa: E501
+    from orchestrator.errors import EventBacklogFull
+
     app = make_app(max_pending_events=2)
 
     @app.workflow()
