@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator import canonical
 from orchestrator.context import ToolContext
+from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database
 from orchestrator.db.events import incident_record
@@ -192,6 +193,8 @@ class Reconciler:
         self._wake.set()
 
     async def run(self) -> None:
+        async with self.db.connection() as conn:
+            await grants_db.require_privileges(conn, "reconciler")
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(
             self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))

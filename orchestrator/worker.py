@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.db import grants as grants_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn
@@ -97,6 +98,8 @@ class Worker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Work until ``stop`` is set (or :meth:`request_stop`), then drain."""
+        async with self.app.database.connection() as conn:  # before anything else starts
+            await grants_db.require_privileges(conn, "worker")
         if stop is not None:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()
@@ -164,8 +167,8 @@ class Worker:
                 await runs_db.run_release_expired(conn)
                 await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
-        except OrchestratorError as exc:
-            log.warning("lease sweep failed: %s", exc.code)
+        except OrchestratorError as exc:  # the next sweep tries again; the message says why
+            log.warning("lease sweep failed: %s", exc)
 
     async def _claim(self, workflows: list[str], free: int) -> list[dict[str, Any]]:
         try:

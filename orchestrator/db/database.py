@@ -26,7 +26,12 @@ from tenacity import (
 )
 
 from orchestrator.db.config import DatabaseTarget
-from orchestrator.errors import DatabaseError, OrchestratorError, RunUnreadable
+from orchestrator.errors import (
+    ConfigurationError,
+    DatabaseError,
+    OrchestratorError,
+    RunUnreadable,
+)
 
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[dict[str, Any]]
@@ -50,7 +55,9 @@ def _transient(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def translate_errors(target: DatabaseTarget) -> Any:
-    """Turn driver errors into public :class:`DatabaseError`, keeping the cause chained."""
+    """Turn driver errors into public errors, keeping the cause chained: an unreachable
+    database or a missing schema is a :class:`DatabaseError`, a missing privilege a
+    :class:`ConfigurationError` that names it."""
     try:
         yield
     except OrchestratorError:
@@ -61,6 +68,8 @@ def translate_errors(target: DatabaseTarget) -> Any:
         ) from exc
     except psycopg_pool_errors() as exc:
         raise DatabaseError(f"no database connection available from {target.masked}") from exc
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise privilege_denied(target, exc) from exc
     except _SCHEMA_MISSING as exc:
         raise DatabaseError(
             f"the database at {target.masked} has no orchestrator schema "
@@ -89,6 +98,16 @@ def load_json(data: bytes | str) -> Any:
 
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     set_json_loads(load_json, conn)
+
+
+def privilege_denied(target: DatabaseTarget, exc: psycopg.Error) -> ConfigurationError:
+    """A statement the database user may not run: a deployment's grants, not a bug. The
+    server's primary message names the object ("permission denied for table workers") and
+    nothing else, so it is kept."""
+    denied = exc.diag.message_primary or type(exc).__name__
+    return ConfigurationError(
+        f"the database at {target.masked} refused a statement: {denied}; grant the runtime "
+        "role's privileges with `orchestrator db grant --role ROLE` (see docs/security.md)")
 
 
 def psycopg_pool_errors() -> type[Exception]:

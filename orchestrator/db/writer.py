@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 
-from orchestrator.db.database import Conn, Database, translate_errors
+from orchestrator.db.database import Conn, Database, privilege_denied, translate_errors
 from orchestrator.errors import DatabaseError
 
 T = TypeVar("T")
@@ -196,6 +196,9 @@ class GroupWriter:
         for future, value, error in outcomes:
             if future.done():
                 continue
+            if isinstance(error, psycopg.errors.InsufficientPrivilege):
+                denied = privilege_denied(self.db.target, error)
+                denied.__cause__, error = error, denied
             if error is not None:
                 future.set_exception(error)
             else:
