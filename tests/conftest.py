@@ -11,7 +11,9 @@ Fixtures:
 - ``template_database`` (session): the *name* of a database migrated to head once per session,
   used as the template of every clone; dropped at the end;
 - ``migrated_database_url`` (function): URL of a fresh clone of the template;
-- ``empty_database_url`` (function): URL of a fresh empty database.
+- ``empty_database_url`` (function): URL of a fresh empty database;
+- ``make_role`` (function): ``make_role(kind)`` creates a login role for the test's migrated
+  database (see :mod:`tests.roles`); every role it made is dropped after the test.
 
 Function-scoped databases are dropped after the test, after terminating any connection the
 test left open. Tests under ``tests/<kind>/`` get the ``<kind>`` marker automatically, so
@@ -22,12 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
 from tests import dbtools
+from tests.roles import Role, create_role, drop_role
 
 _DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations")
 _TESTS_DIR = Path(__file__).parent
@@ -89,3 +95,21 @@ def empty_database_url(pg_admin_url: str) -> Iterator[str]:
         yield url
     finally:
         dbtools.drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+def make_role(migrated_database_url: str) -> Iterator[Any]:
+    """``make_role(kind)``: a new login role for the test's database, dropped at the end."""
+    admin = psycopg.connect(migrated_database_url, autocommit=True, row_factory=dict_row)
+    made: list[Role] = []
+
+    def make(kind: str = "rt") -> Role:
+        made.append(create_role(admin, migrated_database_url, kind))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for role in made:
+            drop_role(role)
+        admin.close()

@@ -1,0 +1,72 @@
+"""The runtime role's grants against the migrated schema itself, and the seam's translation of
+a missing privilege (docs/security.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.db import grants
+from orchestrator.db import workers as workers_db
+from orchestrator.db.config import DatabaseTarget, validate_url
+from orchestrator.db.database import Database
+from orchestrator.errors import ConfigurationError
+
+
+def test_every_object_the_migrations_create_has_its_decision(sql):
+    """A table or function a migration adds is granted (or left out on purpose) here."""
+    tables = {r["name"] for r in sql(
+        "SELECT 'orchestrator.' || relname AS name FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'orchestrator' AND c.relkind IN ('r', 'p', 'v', 'm')")}
+    assert tables == {g.name for g in grants.RUNTIME if g.kind == "table"}
+    functions = {r["name"] for r in sql(
+        "SELECT p.oid::regprocedure::text AS name FROM pg_proc p "
+        "JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = 'orchestrator' AND p.prorettype <> 'trigger'::regtype")}
+    assert functions == {g.name.replace(" ", "") for g in grants.RUNTIME if g.kind == "function"}
+    # Every generated key is an identity column: no sequence needs a grant.
+    assert sql("SELECT a.attrelid::regclass::text AS t FROM pg_attribute a "
+               "JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
+               "JOIN pg_class c ON c.oid = a.attrelid "
+               "JOIN pg_namespace n ON n.oid = c.relnamespace "
+               "WHERE n.nspname = 'orchestrator' "
+               "AND pg_get_expr(d.adbin, d.adrelid) LIKE 'nextval%%'") == []
+
+
+def _database(url: str) -> Database:
+    return Database(DatabaseTarget(validate_url(url), "argument"), max_pool_size=1)
+
+
+async def test_a_missing_privilege_is_a_configuration_error_naming_it(make_role):
+    role = make_role()
+    role.sql("""GRANT USAGE ON SCHEMA orchestrator TO {role};
+                GRANT SELECT, INSERT, UPDATE ON orchestrator.workers TO {role};
+                REVOKE EXECUTE ON FUNCTION orchestrator.runs_ready(text[], integer)
+                    FROM PUBLIC""")
+    db = _database(role.url)
+    try:
+        async with db.connection() as conn:
+            who, missing = await grants.privileges_missing(conn)
+        assert who == role.name
+        assert "DELETE on orchestrator.workers" in missing
+        assert "INSERT on orchestrator.journal" in missing
+        assert "EXECUTE on function orchestrator.runs_ready(text[], integer)" in missing
+        assert "SELECT (ref) on orchestrator.incidents" in missing
+        assert "SELECT on orchestrator.workers" not in missing
+        assert not [m for m in missing if "pg_catalog" in m]  # PUBLIC has those
+
+        with pytest.raises(ConfigurationError) as refused:
+            async with db.connection() as conn:
+                await grants.require_privileges(conn, "worker")
+        assert refused.value.code == "CONFIGURATION_ERROR"
+        assert "lacks privileges a worker needs: " in refused.value.message
+        assert f"orchestrator db grant --role {role.name}" in refused.value.message
+
+        with pytest.raises(ConfigurationError) as denied:
+            async with db.connection() as conn:
+                await workers_db.worker_forget_dead(conn)
+        assert "permission denied for table workers" in denied.value.message
+        assert "orchestrator db grant" in denied.value.message
+        assert isinstance(denied.value.__cause__, Exception)
+    finally:
+        await db.close()

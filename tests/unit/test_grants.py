@@ -1,0 +1,77 @@
+"""The runtime role's grants as data and as statements (docs/security.md), without a database."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.db import grants
+from orchestrator.db.schema import SCHEMA, metadata
+from orchestrator.errors import InvalidRequest
+
+
+def _tables(grant_list: tuple[grants.Grant, ...]) -> dict[str, set[str]]:
+    held: dict[str, set[str]] = {}
+    for grant in grant_list:
+        if grant.kind == "table":
+            held.setdefault(grant.name, set()).update(grant.privileges)
+    return held
+
+
+def test_every_table_of_the_schema_has_its_grant():
+    """A new table is a decision about who may change it: listed, or this fails."""
+    tables = {f"{SCHEMA}.{table.name}" for table in metadata.tables.values()}
+    granted = set(_tables(grants.RUNTIME)) - {f"{SCHEMA}.alembic_version"}
+    assert granted == tables
+    assert set(_tables(grants.REQUIRED)) - {"pg_catalog.pg_locks"} == granted | {
+        f"{SCHEMA}.alembic_version"}
+
+
+@pytest.mark.parametrize("details", [True, False])
+def test_the_runtime_role_may_not_rewrite_the_journal_or_the_audit(details):
+    held = _tables(grants.runtime_grants(incident_details=details))
+    for table in grants.APPEND_ONLY:
+        assert held[table] == {"SELECT", "INSERT"}
+    assert all("DELETE" not in privileges for table, privileges in held.items()
+               if table != f"{SCHEMA}.workers")
+    assert all("TRUNCATE" not in privileges for privileges in held.values())
+
+
+def test_without_incident_details_the_detail_column_is_not_readable():
+    restricted = grants.runtime_grants(incident_details=False)
+    incidents = [g for g in restricted if g.name == f"{SCHEMA}.incidents"]
+    assert [(g.privileges, g.columns) for g in incidents] == [
+        (("INSERT",), ()), (("SELECT",), grants.INCIDENT_SUMMARY)]
+    assert "detail" not in grants.INCIDENT_SUMMARY and "ref" in grants.INCIDENT_SUMMARY
+
+
+def test_the_statements_revoke_first_and_quote_the_role():
+    script = grants.render(grants.grant_statements('we"ird Role'))
+    lines = script.splitlines()
+    who = '"we""ird Role"'
+    assert lines[0] == f'REVOKE ALL ON SCHEMA "orchestrator" FROM {who};'
+    assert lines[1] == f'GRANT USAGE ON SCHEMA "orchestrator" TO {who};'
+    journal = lines.index(f'REVOKE ALL ON TABLE "orchestrator"."journal" FROM {who};')
+    assert lines[journal + 1] == f'GRANT SELECT, INSERT ON TABLE "orchestrator"."journal" TO {who};'
+    assert f"GRANT EXECUTE ON FUNCTION orchestrator.batch_rows(jsonb) TO {who};" in lines
+    assert all(line.endswith(f"{who};") for line in lines)
+
+
+@pytest.mark.parametrize("name", ["", " runtime", "run\ntime", "r\u200bt", "x" * 64, "é" * 32])
+def test_a_role_name_that_cannot_be_granted_to_as_given_is_refused(name):
+    with pytest.raises(InvalidRequest):
+        grants.check_role_name(name)
+
+
+def test_db_grant_print_connects_to_nothing(capsys, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    assert main(["db", "grant", "--role", "app_runtime", "--print"]) == 0
+    out = capsys.readouterr().out
+    assert out == grants.render(grants.grant_statements("app_runtime"))
+    assert 'GRANT SELECT, INSERT ON TABLE "orchestrator"."operator_audit" TO "app_runtime";' in out
+    assert main(["db", "grant", "--role", "r", "--print", "--no-incident-details"]) == 0
+    out = capsys.readouterr().out
+    assert 'GRANT INSERT ON TABLE "orchestrator"."incidents" TO "r";' in out
+    assert '"upstream_status") ON TABLE "orchestrator"."incidents" TO "r";' in out
+    assert main(["db", "grant", "--role", "bad\nname", "--print"]) == 2
+    assert "INVALID_REQUEST" in capsys.readouterr().err
