@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.db import events as events_db
 from orchestrator.db import grants
 from orchestrator.db import workers as workers_db
 from orchestrator.db.config import DatabaseTarget, validate_url
@@ -68,5 +69,32 @@ async def test_a_missing_privilege_is_a_configuration_error_naming_it(make_role)
         assert "permission denied for table workers" in denied.value.message
         assert "orchestrator db grant" in denied.value.message
         assert isinstance(denied.value.__cause__, Exception)
+    finally:
+        await db.close()
+
+
+async def test_without_incident_details_the_engine_runs_and_only_details_are_refused(
+        make_role, migrated_database_url):
+    role = make_role()
+    admin = DatabaseTarget(validate_url(migrated_database_url), "argument")
+    grants.grant_runtime(admin, role.name, incident_details=False)
+    run_id = role.sql("""INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                                                        workflow_version, input, request_digest)
+                         VALUES (gen_random_uuid(), 't', 'p', 'w', '1', '{{}}', 'd')
+                         RETURNING id""")[0]["id"]
+    db = _database(role.url)
+    try:
+        async with db.connection() as conn:
+            assert (await grants.privileges_missing(conn))[1] == []
+            row = {"ref": "inc_1", "code": "TOOL_ERROR", "run_id": run_id, "operation_id": 7,
+                   "phase": "call", "cause": "KeyError", "upstream_status": None,
+                   "detail": '{"message": "token=secret"}'}
+            await events_db.incident_record(conn, row)
+            await events_db.incident_record(conn, row)  # ON CONFLICT (ref) reads ref only
+            listed = await events_db.incidents_of_operations(conn, run_id, [7])
+            assert [r["ref"] for r in listed] == ["inc_1"]
+        with pytest.raises(ConfigurationError, match="permission denied for table incidents"):
+            async with db.connection() as conn:
+                await events_db.incident_get(conn, "inc_1")
     finally:
         await db.close()
