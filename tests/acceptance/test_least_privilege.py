@@ -14,12 +14,13 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, RunFailed
 from tests.acceptance import flows
 from tests.acceptance.conftest import ROOT, Workers
 from tests.clitools import run_cli
-from tests.roles import Role
+from tests.roles import Role, create_role, drop_role
 
 APP = "tests.acceptance.flows:app"
 
@@ -274,3 +275,23 @@ def test_db_grant_is_idempotent_and_refuses_what_it_cannot_do(migrated_database_
     admin = role.sql("SELECT current_user AS u")[0]["u"]
     refused = run_cli(["db", "grant", "--role", admin], database_url=migrated_database_url)
     assert refused.returncode == 2 and "CONFIGURATION_ERROR" in refused.stderr
+
+
+def test_a_migration_role_that_is_no_superuser_upgrades_and_grants(empty_database_url):
+    admin = psycopg.connect(empty_database_url, autocommit=True, row_factory=dict_row)
+    owner = create_role(admin, empty_database_url, "owner")
+    runtime = create_role(admin, empty_database_url, "rt")
+    try:
+        # All the migration role needs: to create the schema (then it owns what is in it).
+        owner.sql("GRANT CREATE ON DATABASE {db} TO {role}".replace(
+            "{db}", sql.Identifier(admin.info.dbname).as_string(admin)))
+        upgraded = run_cli(["db", "upgrade"], database_url=owner.url)
+        assert upgraded.returncode == 0, upgraded.stderr
+        granted = run_cli(["db", "grant", "--role", runtime.name], database_url=owner.url)
+        assert granted.returncode == 0, granted.stderr
+        checked = run_cli(["db", "check"], database_url=runtime.url)
+        assert checked.returncode == 0, checked.stderr
+    finally:
+        for role in (runtime, owner):
+            drop_role(role)
+        admin.close()
