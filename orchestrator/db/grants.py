@@ -47,11 +47,11 @@ class Grant:
     privileges: tuple[str, ...]
     columns: tuple[str, ...] = ()
 
-    def describe(self, privilege: str) -> str:
-        """``DELETE on orchestrator.workers``: one privilege, in words."""
+    def describe(self, privilege: str, column: str | None = None) -> str:
+        """``DELETE on orchestrator.workers``: one privilege (on one column), in words."""
         kind = "" if self.kind == "table" else f"{self.kind} "
-        columns = f" ({', '.join(self.columns)})" if self.columns else ""
-        return f"{privilege}{columns} on {kind}{self.name}"
+        on = f" ({column})" if column else ""
+        return f"{privilege}{on} on {kind}{self.name}"
 
 
 def _table(name: str, *privileges: str) -> Grant:
@@ -64,8 +64,7 @@ INCIDENT_SUMMARY = ("ref", "created_at", "code", "run_id", "operation_id", "phas
 lists, and what ``INSERT … ON CONFLICT (ref)`` reads. ``detail`` (the upstream message, the
 exception and its traceback) is read only by ``orchestrator incidents show``."""
 
-_COMMON = (
-    Grant("schema", SCHEMA, ("USAGE",)),
+_TABLES = (
     _table("runs", "SELECT", "INSERT", "UPDATE"),
     _table("journal", "SELECT", "INSERT"),
     _table("operations", "SELECT", "INSERT", "UPDATE"),
@@ -73,9 +72,11 @@ _COMMON = (
     _table("reconciliation_lookups", "SELECT", "INSERT"),
     _table("external_events", "SELECT", "INSERT", "UPDATE"),
     _table("operator_audit", "SELECT", "INSERT"),
-    # (orchestrator.incidents here: see runtime_grants)
     _table("workers", "SELECT", "INSERT", "UPDATE", "DELETE"),
     _table("alembic_version", "SELECT"),
+)
+
+_FUNCTIONS = (
     Grant("function", f"{SCHEMA}.runs_ready(text[], integer)", ("EXECUTE",)),
     Grant("function", f"{SCHEMA}.batch_rows(jsonb)", ("EXECUTE",)),
     Grant("function", f"{SCHEMA}.row_applied(boolean, text)", ("EXECUTE",)),
@@ -92,8 +93,7 @@ def runtime_grants(*, incident_details: bool = True) -> tuple[Grant, ...]:
     else:
         incidents = (_table("incidents", "INSERT"),
                      Grant("table", f"{SCHEMA}.incidents", ("SELECT",), INCIDENT_SUMMARY))
-    at = next(i for i, g in enumerate(_COMMON) if g.name == f"{SCHEMA}.workers")
-    return _COMMON[:at] + incidents + _COMMON[at:]
+    return (Grant("schema", SCHEMA, ("USAGE",)), *_TABLES, *incidents, *_FUNCTIONS)
 
 
 RUNTIME = runtime_grants()
@@ -179,6 +179,10 @@ def grant_runtime(target: DatabaseTarget, role: str, *, incident_details: bool =
                 _check_append_only(conn, role)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise _not_grantor(conn) from exc
+        except psycopg.errors.DependentObjectsStillExist as exc:
+            raise ConfigurationError(
+                f"role {role!r} passed some of its privileges on to other roles (it held them "
+                "WITH GRANT OPTION); revoke those grants first (nothing was changed)") from exc
     return [statement.as_string(None) for statement in statements]
 
 
@@ -248,9 +252,8 @@ def _checks(grants: tuple[Grant, ...], role: str | None) -> dict[str, Any]:
     for grant in grants:
         for privilege in grant.privileges:
             for column in grant.columns or (None,):
-                what = grant.describe(privilege) if column is None else (
-                    f"{privilege} ({column}) on {grant.name}")
-                rows.append((grant.kind, grant.name, column, privilege, what))
+                rows.append((grant.kind, grant.name, column, privilege,
+                             grant.describe(privilege, column)))
     keys = ("kinds", "names", "columns", "privileges", "whats")
     params: dict[str, Any] = {key: [row[i] for row in rows] for i, key in enumerate(keys)}
     params["role"] = role

@@ -272,6 +272,16 @@ def test_db_grant_is_idempotent_and_refuses_what_it_cannot_do(migrated_database_
         inherited.stderr)
     assert _privileges(other) == []  # rolled back
 
+    # A role that passed a privilege on (it had the grant option) cannot be reset silently.
+    lender, borrower = make_role("lend"), make_role("borrow")
+    lender.sql("GRANT USAGE ON SCHEMA orchestrator TO {role}; "
+               "GRANT SELECT ON orchestrator.runs TO {role} WITH GRANT OPTION")
+    with psycopg.connect(lender.url, autocommit=True) as conn:
+        conn.execute(sql.SQL("GRANT SELECT ON orchestrator.runs TO {}").format(
+            sql.Identifier(borrower.name)))
+    lent = run_cli(["db", "grant", "--role", lender.name], database_url=migrated_database_url)
+    assert lent.returncode == 2 and "passed some of its privileges on" in lent.stderr
+
     admin = role.sql("SELECT current_user AS u")[0]["u"]
     refused = run_cli(["db", "grant", "--role", admin], database_url=migrated_database_url)
     assert refused.returncode == 2 and "CONFIGURATION_ERROR" in refused.stderr
