@@ -107,7 +107,7 @@ async def resolve(
             if not same:
                 raise ResolutionConflict(
                     f"operation {operation_id} was already resolved as {item['resolution']}")
-            await _audit(conn, operator, f"resolve.{resolution}.noop", operation_id, evidence,
+            await _audit(conn, operator, f"resolve.{resolution}.noop", item, evidence,
                          before, before)
             return "noop"
         if item["operation_state"] != "unknown":
@@ -121,7 +121,7 @@ async def resolve(
             conn, item=item, resolution=resolution, receipt=receipt_text,
             receipt_digest=digest, events=_events(item, resolution, receipt, operator, fail_run),
             fail_run=fail_run)
-        await _audit(conn, operator, f"resolve.{resolution}", operation_id, evidence, before,
+        await _audit(conn, operator, f"resolve.{resolution}", item, evidence, before,
                      {"item": "resolved", "operation": resolution, "resolution": resolution})
         return "resolved"
 
@@ -159,11 +159,12 @@ async def _abandonment(conn: Conn, item: dict[str, Any], operator: str, evidence
                        "incident": ref})
 
 
-async def _audit(conn: Conn, operator: str, action: str, operation_id: int, evidence: str,
+async def _audit(conn: Conn, operator: str, action: str, item: dict[str, Any], evidence: str,
                  before: dict[str, Any], after: dict[str, Any]) -> None:
     await recon_db.audit_record(conn, operator=operator, action=action, target_kind="operation",
-                                target_id=str(operation_id), evidence=evidence,
-                                before=json.dumps(before), after=json.dumps(after))
+                                target_id=str(item["operation_id"]), tenant=item["tenant"],
+                                evidence=evidence, before=json.dumps(before),
+                                after=json.dumps(after))
 
 
 class Reconciler:

@@ -271,24 +271,31 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
 
 
 async def audit_record(
-    conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str,
+    conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str, tenant: str,
     evidence: str, before: str | None, after: str | None
 ) -> None:
+    """One audit row; ``tenant`` is the tenant of the target (an operation's owner), which
+    decides which operators may read the row."""
     await conn.execute(
         f"""
-        INSERT INTO {S}.operator_audit (operator, action, target_kind, target_id, evidence,
-                                        before, after)
-        VALUES (%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
+        INSERT INTO {S}.operator_audit (operator, action, target_kind, target_id, tenant,
+                                        evidence, before, after)
+        VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)
         """,
-        (operator, action, target_kind, target_id, evidence, before, after),
+        (operator, action, target_kind, target_id, tenant, evidence, before, after),
     )
 
 
-async def audit_list(conn: Conn, *, target_id: str | None = None) -> list[dict[str, Any]]:
+async def audit_list(conn: Conn, *, target_id: str | None = None,
+                     tenants: list[str] | None = None) -> list[dict[str, Any]]:
+    """Audit rows, oldest first: of one target (``target_id``) or all, of ``tenants`` only
+    (None: every row, including those without a tenant)."""
     cur = await conn.execute(
-        f"""SELECT id, created_at, operator, action, target_kind, target_id, evidence, before,
-                   after FROM {S}.operator_audit
-            WHERE %(target)s::text IS NULL OR target_id = %(target)s ORDER BY id""",
-        {"target": target_id},
+        f"""SELECT id, created_at, operator, action, target_kind, target_id, tenant, evidence,
+                   before, after FROM {S}.operator_audit
+            WHERE (%(target)s::text IS NULL OR target_id = %(target)s)
+              AND (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
+            ORDER BY id""",
+        {"target": target_id, "tenants": tenants},
     )
     return await cur.fetchall()

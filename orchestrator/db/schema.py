@@ -253,10 +253,15 @@ operator_audit = Table(
     Column("action", Text, nullable=False),
     Column("target_kind", Text, nullable=False),
     Column("target_id", Text, nullable=False),
+    # The tenant of the target (an operation's owner), kept in the row so that the audit
+    # stays scoped after the operation it names is pruned (migration 0008). NULL: no tenant
+    # (rows written before 0008 whose operation was gone), seen only without operator scopes.
+    Column("tenant", Text),
     Column("evidence", Text, nullable=False),
     Column("before", JSONB),
     Column("after", JSONB),
     Index("ix_operator_audit_target", "target_kind", "target_id"),
+    Index("ix_operator_audit_tenant", "tenant", "id"),
 )
 
 incidents = Table(
