@@ -46,7 +46,7 @@ from orchestrator.models import (
     check_run_filters,
     validate_idempotency_key,
 )
-from orchestrator.operators import Operators
+from orchestrator.operators import Operators, check_readers, check_scopes
 from orchestrator.reconcile import Reconciler
 from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
 from orchestrator.registry import (
@@ -119,8 +119,10 @@ class Orchestrator:
         self.max_journal_events = max_journal_events
         self.lease_ttl = lease_ttl
         self.pool_size = pool_size
-        self.operator_scopes = dict(operator_scopes or {})
-        self.incident_readers = None if incident_readers is None else list(incident_readers)
+        # Checked now, so that a name no operator could type (or a tenant given as a bare
+        # string) is a CONFIGURATION_ERROR at start, not a scope that silently never matches.
+        self.operator_scopes = check_scopes(operator_scopes)
+        self.incident_readers = check_readers(incident_readers)
         self.retry_policy = retry_policy
         self.authorize = authorize  # app-wide policy stages, run before each tool's own
         self.approve = approve
@@ -395,8 +397,9 @@ class Orchestrator:
 
     @property
     def operators(self) -> Operators:
-        """The operator API (async), scoped by ``operator_scopes``."""
-        return Operators(self.database, self.operator_scopes, self.metrics)
+        """The operator API (async), scoped by ``operator_scopes`` and ``incident_readers``."""
+        return Operators(self.database, self.operator_scopes, self.metrics,
+                         incident_readers=self.incident_readers)
 
     def create_reconciler(self, **options: Any) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""

@@ -1,51 +1,142 @@
-"""The operator API: list, inspect and resolve operations whose outcome is unknown (C8, C9).
+"""The operator API: list, inspect and resolve operations whose outcome is unknown (C8, C9, C17).
 
-Consoles and the ``orchestrator ops`` command use this. Every action names an operator and
-carries evidence; every resolution is audited. A host may restrict named operators to tenants
-(``Orchestrator(operator_scopes={"bob": ["acme"]})``); an operator without an entry may act on
-every tenant. Acting outside one's tenants gives ``ACCESS_DENIED``, the same answer as for an
-operation that does not exist.
+Consoles and the ``orchestrator ops`` and ``orchestrator incidents`` commands use this. Every
+action names an operator and carries evidence; every resolution is audited.
+
+Who sees what:
+
+- An operator's name is checked by :func:`orchestrator.text.check_operator` (1 to 200
+  characters, no whitespace, no control or invisible characters): ``'alice '`` or
+  ``'alice\\u200b'`` is an ``INVALID_REQUEST``, never a second identity.
+- A host may restrict operators to tenants (``Orchestrator(operator_scopes={"bob": ["acme"]})``).
+  Once it does, the map is the list of operators: a name that is not in it sees nothing and may
+  do nothing (``ACCESS_DENIED``: the operator is not configured). Without any scopes, every
+  operator may act on every tenant.
+- Within an operator's tenants, an operation, an incident or an audit row of another tenant
+  looks exactly like one that does not exist (``ACCESS_DENIED``, or absent from a list). An
+  incident belongs to its run's tenant; one without a run (or whose run is gone) belongs to no
+  tenant and is readable only when no scopes are configured.
+- Protected diagnostics (incidents: upstream text, tracebacks, what a lookup said) need the
+  incident-reader grant as well (``Orchestrator(incident_readers=[...])``; without it, any
+  operator in scope). The grant adds reading within the operator's tenants, never across them.
+  Every other view shows a lookup's answer, attempt and time, and the incident reference that
+  holds its text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from orchestrator import reconcile
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
-from orchestrator.db.events import incidents_of_operations
-from orchestrator.errors import InvalidRequest
+from orchestrator.db.events import incident_get, incidents_of_operations
+from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
 from orchestrator.metrics import Metrics
-from orchestrator.text import check_identifier
+from orchestrator.text import check_identifier, check_operator
 
 ITEM_STATES = ("open", "operator", "resolved")
 UNRESOLVED = "unresolved"
 """``list_items(state=UNRESOLVED)``: the items still waiting (``open`` or ``operator``)."""
 
+_NO_INCIDENT = "the incident does not exist or is not accessible"
+
+
+def check_scopes(scopes: Mapping[str, Sequence[str]] | None) -> dict[str, list[str]]:
+    """The host's operator scopes as a plain dict, or ``CONFIGURATION_ERROR`` saying which key
+    or tenant is unacceptable: keys are operator names, values lists of tenant names (a bare
+    string is refused: it is not a list of tenants)."""
+    if scopes is None:
+        return {}
+    if not isinstance(scopes, Mapping):
+        raise ConfigurationError("operator_scopes must map operator names to lists of tenants")
+    checked: dict[str, list[str]] = {}
+    for name, tenants in scopes.items():
+        _configured("operator_scopes", name)
+        if isinstance(tenants, str | bytes) or not isinstance(tenants, Iterable):
+            raise ConfigurationError(f"operator_scopes[{name!r}] must be a list of tenant "
+                                     "names, not a single string")
+        listed = list(tenants)
+        for tenant in listed:
+            try:
+                check_identifier("tenant", tenant)
+            except InvalidRequest as exc:
+                raise ConfigurationError(f"operator_scopes[{name!r}]: {exc}") from None
+        checked[name] = listed
+    return checked
+
+
+def check_readers(readers: Sequence[str] | None) -> list[str] | None:
+    """The host's incident readers as a list (None: every operator in scope), or
+    ``CONFIGURATION_ERROR`` naming the unacceptable entry."""
+    if readers is None:
+        return None
+    if isinstance(readers, str | bytes) or not isinstance(readers, Iterable):
+        raise ConfigurationError("incident_readers must be a list of operator names, not a "
+                                 "single string")
+    listed = list(readers)
+    for name in listed:
+        _configured("incident_readers", name)
+    return listed
+
+
+def _configured(option: str, name: Any) -> None:
+    try:
+        check_operator(name)
+    except InvalidRequest as exc:
+        raise ConfigurationError(f"{option}: {name!r} is not a valid operator name ({exc})"
+                                 ) from None
+
+
+def _plausible_ref(ref: Any) -> bool:
+    """Whether ``ref`` could name an incident (a NUL byte or a lone surrogate could not be
+    looked up; such a reference is as missing as any other unknown one)."""
+    try:
+        check_identifier("ref", ref)
+    except InvalidRequest:
+        return False
+    return True
+
 
 class Operators:
-    """Operator actions on one database, with the host's operator scopes."""
+    """Operator actions on one database, with the host's operator scopes and incident
+    readers (see the module docstring for the rules)."""
 
     def __init__(self, database: Database,
                  scopes: Mapping[str, Sequence[str]] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, *,
+                 incident_readers: Sequence[str] | None = None) -> None:
         self.db = database
-        self.scopes = {k: list(v) for k, v in (scopes or {}).items()}
+        self.scopes = check_scopes(scopes)
+        self.incident_readers = check_readers(incident_readers)
         self.metrics = metrics or Metrics()
 
     def tenants_of(self, operator: str) -> list[str] | None:
-        """The tenants ``operator`` may act on; None means all."""
-        if not isinstance(operator, str) or not operator.strip():
-            raise InvalidRequest("an operator identity is required", path="operator")
-        return self.scopes.get(operator)
+        """The tenants ``operator`` may act on; None means all (no scopes are configured).
+
+        ``INVALID_REQUEST`` for a name that is not a valid operator name; ``ACCESS_DENIED``
+        for one that is not in the configured scopes."""
+        check_operator(operator)
+        if not self.scopes:
+            return None
+        tenants = self.scopes.get(operator)
+        if tenants is None:
+            raise AccessDenied(f"operator {operator!r} is not configured in this "
+                               "application's operator scopes")
+        return tenants
+
+    def may_read_incidents(self, operator: str) -> bool:
+        """Whether ``operator`` holds the incident-reader grant (within its tenants)."""
+        self.tenants_of(operator)
+        return self.incident_readers is None or operator in self.incident_readers
 
     async def list_items(self, *, operator: str, state: str | None = None, tool: str | None = None,
                    older_than: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Queue items (one per unknown operation), oldest first; ``state`` one of
         :data:`ITEM_STATES` or :data:`UNRESOLVED` (None: every item)."""
+        tenants = self.tenants_of(operator)
         if state is not None and state not in (*ITEM_STATES, UNRESOLVED):
             raise InvalidRequest(f"state must be one of {', '.join((*ITEM_STATES, UNRESOLVED))}",
                                  path="state")
@@ -57,12 +148,13 @@ class Operators:
                   else [state])
         async with self.db.connection() as conn:
             return await recon_db.recon_list(conn, states=states, tool=tool,
-                                             older_than=older_than,
-                                             tenants=self.tenants_of(operator), limit=limit)
+                                             older_than=older_than, tenants=tenants,
+                                             limit=limit)
 
     async def show(self, operation_id: int, *, operator: str) -> dict[str, Any]:
         """The item with the operation's intent, arguments, owner, every attempt at its
-        position, the lookup history, the evidence and the run's timeline."""
+        position, its incidents, the lookup history (answer, attempt, time and the incident
+        that keeps what the lookup said), the evidence and the run's timeline."""
         tenants = self.tenants_of(operator)
         async with self.db.connection() as conn:
             item = await recon_db.recon_get(conn, operation_id)
@@ -76,8 +168,22 @@ class Operators:
                     conn, item["run_id"], [a["id"] for a in attempts]),
                 "lookups": await recon_db.recon_lookups(conn, item["item_id"]),
                 "journal": await runs_db.journal_read(conn, item["run_id"]),
-                "audit": await recon_db.audit_list(conn, target_id=str(operation_id)),
+                "audit": await recon_db.audit_list(conn, target_id=str(operation_id),
+                                                   tenants=tenants),
             }
+
+    async def incident(self, ref: str, *, operator: str) -> dict[str, Any]:
+        """The protected diagnostics behind an incident reference, for an incident reader
+        whose tenants include the incident's run's. A reference that does not exist, one of
+        another tenant and a reader without the grant all get the same ``ACCESS_DENIED``."""
+        tenants = self.tenants_of(operator)
+        if not self.may_read_incidents(operator) or not _plausible_ref(ref):
+            raise AccessDenied(_NO_INCIDENT)
+        async with self.db.connection() as conn:
+            row = await incident_get(conn, ref)
+        if row is None or (tenants is not None and row["tenant"] not in tenants):
+            raise AccessDenied(_NO_INCIDENT)
+        return row
 
     async def resolve_committed(self, operation_id: int, *, receipt: Any, evidence: str,
                                 operator: str) -> str:
@@ -102,8 +208,12 @@ class Operators:
             self.metrics.incr("reconciliation_operator")
         return outcome
 
-    async def audit(self, operation_id: int | None = None) -> list[dict[str, Any]]:
-        """The audit log, oldest first (all of it, or one operation's)."""
+    async def audit(self, operation_id: int | None = None, *, operator: str
+                    ) -> list[dict[str, Any]]:
+        """The audit log, oldest first (all of it, or one operation's), as far as it concerns
+        ``operator``'s tenants: each row belongs to the tenant of the operation it acted on."""
+        tenants = self.tenants_of(operator)
         async with self.db.connection() as conn:
             return await recon_db.audit_list(
-                conn, target_id=None if operation_id is None else str(operation_id))
+                conn, target_id=None if operation_id is None else str(operation_id),
+                tenants=tenants)

@@ -1,9 +1,10 @@
 """``orchestrator incidents show REF``: protected diagnostics, for operators (CONTRACT C10).
 
 A public error carries only a code, a controlled message and an incident reference; what went
-wrong in detail (upstream text, the exception, its stack) is here. A host may restrict who
-reads it with ``Orchestrator(incident_readers=[...])`` (give ``--app``); without that, any
-operator may.
+wrong in detail (upstream text, the exception, its stack, what a lookup said) is here. With
+``--app`` the application's operator scopes and ``incident_readers`` apply (an incident belongs
+to its run's tenant); without it, any operator may read any incident. The checks are
+:meth:`orchestrator.operators.Operators.incident`'s, as for every console.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from orchestrator.cli.common import database_target
 from orchestrator.cli.tables import cell
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
-from orchestrator.db.events import incident_get
-from orchestrator.errors import AccessDenied, InvalidRequest
+from orchestrator.operators import Operators
+from orchestrator.text import check_operator
 
 
 def register(subparsers: Any) -> None:
@@ -29,31 +30,20 @@ def register(subparsers: Any) -> None:
     show.add_argument("ref")
     show.add_argument("--operator", required=True, help="who reads it")
     show.add_argument("--app", default=None, metavar="MODULE:ATTR",
-                      help="the application, for its incident_readers")
+                      help="the application, for its operator scopes and incident_readers")
     show.set_defaults(func=cmd_show)
 
 
-async def read_incident(db: Database, ref: str, *, operator: str,
-                        readers: list[str] | None) -> dict[str, Any]:
-    """The incident, if ``operator`` may read it; ``ACCESS_DENIED`` otherwise or if missing."""
-    if not operator.strip():
-        raise InvalidRequest("an operator identity is required", path="operator")
-    if readers is not None and operator not in readers:
-        raise AccessDenied("the incident does not exist or is not accessible")
-    async with db.connection() as conn:
-        row = await incident_get(conn, ref)
-    if row is None:
-        raise AccessDenied("the incident does not exist or is not accessible")
-    return row
-
-
 def cmd_show(args: argparse.Namespace) -> int:
-    readers = load_app(args.app, args.database_url).incident_readers if args.app else None
+    operator = check_operator(args.operator)
+    app = load_app(args.app, args.database_url) if args.app else None
 
     async def main() -> dict[str, Any]:
         db = Database(database_target(args), max_pool_size=1)
         try:
-            return await read_incident(db, args.ref, operator=args.operator, readers=readers)
+            ops = (Operators(db) if app is None else
+                   Operators(db, app.operator_scopes, incident_readers=app.incident_readers))
+            return await ops.incident(args.ref, operator=operator)
         finally:
             await db.close()
 

@@ -1,4 +1,9 @@
-"""``orchestrator ops``: the reconciliation queue, for operators (CONTRACT C8)."""
+"""``orchestrator ops``: the reconciliation queue, for operators (CONTRACT C8, C9, C17).
+
+With ``--app`` the application's operator scopes apply, and every command needs
+``--operator NAME`` (a default name would be an identity nobody configured). Without ``--app``
+nothing restricts the operator; ``list`` and ``show`` then act as ``operator`` unless told.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,11 @@ from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import ITEM_STATES, UNRESOLVED, Operators
+from orchestrator.text import check_operator
 
 T = TypeVar("T")
+DEFAULT_OPERATOR = "operator"
+"""The name ``ops list`` and ``ops show`` act under without ``--app`` and ``--operator``."""
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -27,11 +35,13 @@ def register(subparsers: Any) -> None:
     group.set_defaults(func=None, help_parser=group)
 
     def common(parser: argparse.ArgumentParser, *, operator_required: bool) -> None:
-        parser.add_argument("--operator", required=operator_required,
-                            default=None if operator_required else "operator",
-                            help="who acts (recorded in the audit log)")
+        parser.add_argument("--operator", required=operator_required, default=None,
+                            help="who acts (recorded in the audit log); required with --app"
+                                 + ("" if operator_required else
+                                    f" (without it: {DEFAULT_OPERATOR!r})"))
         parser.add_argument("--app", default=None, metavar="MODULE:ATTR",
-                            help="the application, for its operator scopes")
+                            help="the application, for its operator scopes (then "
+                                 "--operator is required)")
 
     ls = commands.add_parser("list", help="the queue, oldest first")
     ls.add_argument("--state", choices=(*ITEM_STATES, UNRESOLVED, "all"), default=UNRESOLVED,
@@ -77,13 +87,29 @@ def parse_age(text: str | None) -> float | None:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _with_operators(args: argparse.Namespace, fn: Callable[[Operators], Awaitable[T]]) -> T:
-    scopes = load_app(args.app, args.database_url).operator_scopes if args.app else None
+def operator_of(args: argparse.Namespace) -> str:
+    """Who acts: ``--operator``, required with ``--app`` (whose scopes name the operators);
+    without ``--app``, :data:`DEFAULT_OPERATOR`. The name is checked like any other."""
+    if args.operator is None:
+        if args.app:
+            raise InvalidRequest("--app applies the application's operator scopes: pass "
+                                 "--operator NAME", path="operator")
+        return check_operator(DEFAULT_OPERATOR)
+    return check_operator(args.operator)
+
+
+def _with_operators(args: argparse.Namespace,
+                    fn: Callable[[Operators, str], Awaitable[T]]) -> T:
+    operator = operator_of(args)
+    app = load_app(args.app, args.database_url) if args.app else None
 
     async def main() -> T:
         db = Database(database_target(args), max_pool_size=2)
         try:
-            return await fn(Operators(db, scopes))
+            if app is None:
+                return await fn(Operators(db), operator)
+            return await fn(Operators(db, app.operator_scopes,
+                                      incident_readers=app.incident_readers), operator)
         finally:
             await db.close()
 
@@ -92,8 +118,8 @@ def _with_operators(args: argparse.Namespace, fn: Callable[[Operators], Awaitabl
 
 def cmd_list(args: argparse.Namespace) -> int:
     state = None if args.state == "all" else args.state
-    items = _with_operators(args, lambda ops: ops.list_items(
-        operator=args.operator, state=state, tool=args.tool,
+    items = _with_operators(args, lambda ops, operator: ops.list_items(
+        operator=operator, state=state, tool=args.tool,
         older_than=parse_age(args.older_than), limit=args.limit))
     if not items:
         filters = " ".join(f"--{flag} {value}" for flag, value in (
@@ -113,7 +139,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    d = _with_operators(args, lambda ops: ops.show(args.operation_id, operator=args.operator))
+    d = _with_operators(args, lambda ops, operator: ops.show(args.operation_id,
+                                                             operator=operator))
     fields = [
         ("operation", d["operation_id"]),
         ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
@@ -183,19 +210,19 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             receipt = json.loads(args.receipt)
         except ValueError:
             raise InvalidRequest("--receipt is not valid JSON", path="receipt") from None
-        outcome = _with_operators(args, lambda ops: ops.resolve_committed(
-            args.operation_id, receipt=receipt, evidence=args.evidence, operator=args.operator))
+        outcome = _with_operators(args, lambda ops, operator: ops.resolve_committed(
+            args.operation_id, receipt=receipt, evidence=args.evidence, operator=operator))
         return _report(args.operation_id, outcome, "committed")
     if args.receipt is not None:
         raise InvalidRequest("--receipt goes only with --committed")
-    outcome = _with_operators(args, lambda ops: ops.resolve_not_applied(
-        args.operation_id, evidence=args.evidence, operator=args.operator))
+    outcome = _with_operators(args, lambda ops, operator: ops.resolve_not_applied(
+        args.operation_id, evidence=args.evidence, operator=operator))
     return _report(args.operation_id, outcome, "not applied")
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
-    outcome = _with_operators(args, lambda ops: ops.abandon(
-        args.operation_id, evidence=args.evidence, operator=args.operator))
+    outcome = _with_operators(args, lambda ops, operator: ops.abandon(
+        args.operation_id, evidence=args.evidence, operator=operator))
     if outcome == "noop":
         print(f"operation {args.operation_id} was already abandoned; nothing changed")
     else:

@@ -94,5 +94,10 @@ async def incidents_of_operations(conn: Conn, run_id: uuid.UUID, operation_ids: 
 
 
 async def incident_get(conn: Conn, ref: str) -> dict[str, Any] | None:
-    cur = await conn.execute(f"SELECT * FROM {S}.incidents WHERE ref = %s", (ref,))
+    """An incident with the tenant it belongs to (``tenant``): its run's, or None for an
+    incident without a run or whose run is gone."""
+    cur = await conn.execute(
+        f"""SELECT i.*, r.tenant FROM {S}.incidents i LEFT JOIN {S}.runs r ON r.id = i.run_id
+            WHERE i.ref = %s""",
+        (ref,))
     return await cur.fetchone()

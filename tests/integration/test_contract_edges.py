@@ -28,7 +28,7 @@ def _parked(sql, run):  # type: ignore[no-untyped-def]
 
 
 async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(make_app, sql):
-    app = make_app(operator_scopes={"bob": ["globex"]})  # bob may act on globex only
+    app = make_app(operator_scopes={"bob": ["globex"], "al": ["acme"]})  # one tenant each
 
     @app.tool(effect="idempotent", timeout=timedelta(seconds=0.2))
     async def upsert(ctx):  # type: ignore[no-untyped-def]

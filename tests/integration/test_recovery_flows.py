@@ -331,15 +331,11 @@ async def test_a_sensitive_string_stays_in_the_incident(make_app, sql, migrated_
     assert refs, "the incident record keeps the detail"
     shown = [text for text in public if "timeline" in text]
     assert shown and f"incident {refs[0]}" in shown[0]  # `runs show` names it in full
-    from orchestrator.cli.incidents import read_incident
-
-    row = await read_incident(app.database, refs[0], operator="alice",
-                              readers=app.incident_readers)
+    row = await app.operators.incident(refs[0], operator="alice")
     assert secret in row["detail"]["message"]
     assert "in charge" in row["detail"]["traceback"]  # the stack, down to the tool's own frame
     from orchestrator import AccessDenied
 
     with pytest.raises(AccessDenied):
-        await read_incident(app.database, refs[0], operator="mallory",
-                            readers=app.incident_readers)
+        await app.operators.incident(refs[0], operator="mallory")
     await app.database.close()
