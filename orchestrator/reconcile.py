@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import random
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import canonical
@@ -32,6 +33,7 @@ from orchestrator.errors import (
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import Owner
 from orchestrator.replay import SCHEMA_VERSION
+from orchestrator.text import check_operator, check_prose, storable
 from orchestrator.worker import default_worker_id
 
 if TYPE_CHECKING:
@@ -47,12 +49,10 @@ def _ev(kind: str, position: int | None, name: str | None, payload: Any) -> dict
 
 
 def check_evidence(evidence: str, operator: str) -> None:
-    if not isinstance(operator, str) or not operator.strip() or len(operator) > 200:
-        raise InvalidRequest("an operator identity is required", path="operator")
-    if not isinstance(evidence, str) or not evidence.strip() or len(evidence) > 10_000:
-        raise InvalidRequest("evidence text is required (at most 10,000 characters)",
-                             path="evidence")
-
+    """A resolution's operator name and evidence text, checked before anything is read or
+    written (``INVALID_REQUEST`` with ``path`` ``operator`` or ``evidence``)."""
+    check_operator(operator)
+    check_prose("evidence", evidence)
 
 
 async def not_queued(conn: Conn, operation_id: int, tenants: list[str] | None
@@ -244,11 +244,12 @@ class Reconciler:
                           operation_id=item["operation_id"],
                           owner=Owner(tenant=item["tenant"], principal=item["principal"]),
                           deadline=None)
+        raised: Exception | None = None
         try:
             answer = await asyncio.wait_for(tool.lookup_fn(ctx, **item["arguments"]),
                                             self.lookup_timeout)
         except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
-            answer = StillUnknown(f"the lookup raised {type(exc).__name__}")
+            answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc
         if isinstance(answer, Committed):
             try:
                 self.app.json_limits.check(answer.receipt, "$.receipt")
@@ -256,8 +257,8 @@ class Reconciler:
                 answer = StillUnknown("the lookup's receipt is not JSON")
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
-            detail = {"answer": kind}
-            await self._record(item, kind, detail, retry_in=self.base_delay)
+            said = answer.evidence if isinstance(answer, NotApplied) else ""
+            await self._record(item, kind, said, None, retry_in=self.base_delay)
             await resolve(
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
@@ -265,16 +266,19 @@ class Reconciler:
             self.app.metrics.incr(f"reconciliation_auto_{kind}")
             log.info("operation %s resolved by lookup: %s", item["operation_id"], kind)
             return
-        reason = answer.reason if isinstance(answer, StillUnknown) else "not a lookup answer"
+        said = answer.reason if isinstance(answer, StillUnknown) else "not a lookup answer"
         attempts = item["lookup_attempts"] + 1
         retry_in = None if attempts >= self.max_lookups else self.backoff(attempts)
-        state = await self._record(item, "still_unknown", {"reason": reason[:500]}, retry_in)
+        state, ref = await self._record(item, "still_unknown", said, raised, retry_in)
+        # What the lookup said is tool text (it may hold a URL with a key in it): the log
+        # names the incident that keeps it, never the text.
+        kept = f", its reason in incident {ref}" if ref else ""
         if state == "operator":
-            log.info("operation %s handed to operators after %d lookups (the last: %s)",
-                     item["operation_id"], attempts, reason[:200])
+            log.info("operation %s handed to operators after %d lookups (the last: still "
+                     "unknown%s)", item["operation_id"], attempts, kept)
         elif retry_in is not None:
-            log.info("operation %s still unknown after lookup %d; next lookup in %.1f s",
-                     item["operation_id"], attempts, retry_in)
+            log.info("operation %s still unknown after lookup %d%s; next lookup in %.1f s",
+                     item["operation_id"], attempts, kept, retry_in)
 
     def backoff(self, attempts: int) -> float:
         """A jittered exponential delay: between half and all of a window that doubles per
@@ -282,9 +286,34 @@ class Reconciler:
         window = min(self.max_delay, self.base_delay * 2 ** (attempts - 1))
         return random.uniform(window / 2, window)
 
-    async def _record(self, item: dict[str, Any], answer: str, detail: dict[str, Any],
-                      retry_in: float | None) -> str:
-        async with self.db.connection() as conn:
+    async def _record(self, item: dict[str, Any], answer: str, said: Any,
+                      raised: Exception | None, retry_in: float | None
+                      ) -> tuple[str, str | None]:
+        """Keep one lookup in the item's history; return the item's new state and the incident
+        that keeps what the lookup said. That text (a ``NotApplied``'s or ``StillUnknown``'s
+        reason, the exception a lookup raised) is the tool's and may hold secrets, so it goes
+        to the operation's protected diagnostics, in the same transaction; the history keeps
+        only the answer and the incident's reference."""
+        text = "" if said is None else str(said)
+        ref = new_incident_ref() if text or raised is not None else None
+        detail: dict[str, Any] = {"tool": item["tool_name"],
+                                  "lookup": item["lookup_attempts"] + 1, "answer": answer,
+                                  "reason": storable(text[:10_000])}
+        if raised is not None:
+            detail |= {"type": type(raised).__name__,
+                       "message": storable(str(raised)[:10_000]),
+                       "traceback": storable("".join(
+                           traceback.format_exception(raised))[-20_000:])}
+
+        async def tx(conn: Conn) -> str:
+            if ref is not None:
+                await incident_record(conn, {
+                    "ref": ref, "code": "LOOKUP", "run_id": item["run_id"],
+                    "operation_id": item["operation_id"], "phase": "lookup",
+                    "cause": answer if raised is None else type(raised).__name__,
+                    "upstream_status": None, "detail": json.dumps(detail)})
             return await recon_db.recon_record_lookup(
                 conn, item_id=item["item_id"], claimer=self.id, answer=answer,
-                detail=json.dumps(detail), retry_in=retry_in)
+                detail=json.dumps({"incident": ref} if ref else {}), retry_in=retry_in)
+
+        return await self.db.run_in_transaction(tx), ref

@@ -92,3 +92,10 @@ def check_prose(field: str, value: Any, *, max_length: int = EVIDENCE_MAX) -> st
     if refused is not None:
         raise InvalidRequest(f"{field} holds {refused}, which cannot be stored", path=field)
     return value
+
+
+def storable(value: str) -> str:
+    """``value`` with what PostgreSQL cannot keep in ``text`` or ``jsonb`` spelled out: a NUL
+    byte as ``\\x00``, a lone surrogate as ``\\udXXX``. For diagnostics taken from a tool (a
+    lookup's reason, an exception's message), which are kept as they came, not refused."""
+    return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")

@@ -168,9 +168,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(render(["REF", "OP", "PHASE", "CAUSE", "AT"],
                      [[i["ref"], i["operation_id"], i["phase"], i["cause"], i["created_at"]]
                       for i in d["incidents"]]))
-    print("\nlookups")
-    print(render(["#", "ANSWER", "DETAIL", "AT"],
-                 [[x["attempt"], x["answer"], json.dumps(x["detail"]), x["created_at"]]
+    print("\nlookups (what a lookup said is kept in its incident)")
+    print(render(["#", "ANSWER", "INCIDENT", "AT"],
+                 [[x["attempt"], x["answer"], x["incident"] or "", x["created_at"]]
                   for x in d["lookups"]]) if d["lookups"] else "(none)")
     if d["evidence"]:
         print("\nevidence")

@@ -150,9 +150,12 @@ async def operation_outside_queue(conn: Conn, operation_id: int) -> dict[str, An
 
 
 async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
+    """An item's lookup history as operators see it: the answer, its attempt number, its time
+    and the incident that keeps what the lookup said (``incident``, None if it said nothing).
+    The lookup's own text is tool text and stays in that incident (protected diagnostics)."""
     cur = await conn.execute(
-        f"""SELECT attempt, answer, detail, created_at FROM {S}.reconciliation_lookups
-            WHERE item_id = %s ORDER BY attempt""",
+        f"""SELECT attempt, answer, detail->>'incident' AS incident, created_at
+            FROM {S}.reconciliation_lookups WHERE item_id = %s ORDER BY attempt""",
         (item_id,),
     )
     return await cur.fetchall()
