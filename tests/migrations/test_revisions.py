@@ -167,3 +167,32 @@ def test_schema_comparison_sees_our_tables(empty_database_url: str) -> None:
     diff = _schema_diff(_target(empty_database_url))
     added = {entry[1].name for entry in diff if entry[0] == "add_table"}
     assert added == {table.name for table in metadata.sorted_tables}
+
+
+def test_audit_rows_written_before_0008_take_their_operations_tenant(
+        empty_database_url: str) -> None:
+    target = _target(empty_database_url)
+    migrate.upgrade(target, "0007")
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("""
+            INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                                           workflow_version, input, request_digest)
+            VALUES ('00000000-0000-0000-0000-000000000001', 'acme', 'alice', 'wf', '1',
+                    '{}', 'd')""")
+        conn.execute("""
+            INSERT INTO orchestrator.operations (run_id, position, attempt, tool_name,
+                tool_version, effect_class, tenant, principal, intent_digest, arguments,
+                idempotency_key, state)
+            VALUES ('00000000-0000-0000-0000-000000000001', 0, 1, 'charge', '1',
+                    'consequential', 'acme', 'alice', 'i', '{}', 'k', 'pending')""")
+        op_id = conn.execute("SELECT id FROM orchestrator.operations").fetchall()[0][0]
+        for target_id in (str(op_id), "999"):  # the second's operation is gone
+            conn.execute("""INSERT INTO orchestrator.operator_audit (operator, action,
+                            target_kind, target_id, evidence) VALUES
+                            ('alice', 'resolve.committed', 'operation', %s, 'seen')""",
+                         (target_id,))
+    migrate.upgrade(target)
+    with psycopg.connect(empty_database_url) as conn:
+        rows = conn.execute("SELECT target_id, tenant FROM orchestrator.operator_audit "
+                            "ORDER BY id").fetchall()
+    assert rows == [(str(op_id), "acme"), ("999", None)]
