@@ -2,6 +2,11 @@
 
 A lookup is read-only: it asks the provider whether the request with ``ctx.idempotency_key``
 (and these arguments) was applied, and answers with one of these.
+
+The text a lookup gives (``NotApplied.evidence``, ``StillUnknown.reason``) is the tool's own and
+may hold what the provider echoed (a URL with a key in it): it is kept with the operation's
+incidents, for incident readers, and never logged or shown in other operator views, which show
+the answer, its attempt and its time.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def check_scopes(scopes: Mapping[str, Sequence[str]] | None) -> dict[str, list[s
             try:
                 check_identifier("tenant", tenant)
             except InvalidRequest as exc:
-                raise ConfigurationError(f"operator_scopes[{name!r}]: {exc}") from None
+                raise ConfigurationError(f"operator_scopes[{name!r}]: {tenant!r} is not a valid "
+                                         f"tenant name ({exc.message})") from None
         checked[name] = listed
     return checked
 
@@ -86,8 +87,8 @@ def _configured(option: str, name: Any) -> None:
     try:
         check_operator(name)
     except InvalidRequest as exc:
-        raise ConfigurationError(f"{option}: {name!r} is not a valid operator name ({exc})"
-                                 ) from None
+        raise ConfigurationError(f"{option}: {name!r} is not a valid operator name "
+                                 f"({exc.message})") from None
 
 
 def _plausible_ref(ref: Any) -> bool:
