@@ -57,6 +57,7 @@ from orchestrator.gateway import call_tool
 from orchestrator.models import Owner
 from orchestrator.registry import Tool, Workflow
 from orchestrator.replay import SCHEMA_VERSION, JournalIndex, Nondeterminism
+from orchestrator.text import storable
 
 if TYPE_CHECKING:
     from orchestrator.worker import Worker
@@ -977,8 +978,8 @@ class RunExecutor:
                              incident_detail=self._detail(exc))
 
     def _detail(self, exc: BaseException) -> dict[str, Any]:
-        return {"type": type(exc).__name__, "message": str(exc),
-                "traceback": "".join(traceback.format_exception(exc))[-20000:]}
+        return {"type": type(exc).__name__, "message": storable(str(exc)),
+                "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}
 
     async def _stop(self, stop: Stop) -> None:
         if not await self.settle():

@@ -36,6 +36,7 @@ from orchestrator.errors import InvalidRequest, ToolError, ToolFailed, new_incid
 from orchestrator.recovery import Classification, Decision, decide, parse_retry_after
 from orchestrator.registry import Tool
 from orchestrator.replay import SCHEMA_VERSION, Nondeterminism
+from orchestrator.text import storable
 
 log = logging.getLogger("orchestrator.worker")
 
@@ -613,9 +614,9 @@ class Call:
         """Keep what went wrong in protected diagnostics; return the incident reference."""
         ex = self.ex
         ref = new_incident_ref()
-        detail = {"type": type(exc).__name__, "message": str(exc)[:10000],
+        detail = {"type": type(exc).__name__, "message": storable(str(exc)[:10000]),
                   "tool": self.tool.name,
-                  "traceback": "".join(traceback.format_exception(exc))[-20000:]}
+                  "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}
         status = getattr(exc, "status", None)
         with contextlib.suppress(Exception):
             async with ex.db.connection() as conn:

@@ -20,7 +20,7 @@ from orchestrator import canonical
 from orchestrator.context import ToolContext
 from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
-from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database
+from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
 from orchestrator.errors import (
     AccessDenied,
@@ -28,6 +28,7 @@ from orchestrator.errors import (
     OperationInProgress,
     OrchestratorError,
     ResolutionConflict,
+    RunUnreadable,
     new_incident_ref,
 )
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
@@ -239,14 +240,26 @@ class Reconciler:
             log.info("operation %s handed to operators: tool %s has no lookup here",
                      item["operation_id"], item["tool_name"])
             return
+        try:
+            arguments = load_json(item["arguments_text"])
+        except RunUnreadable:
+            async with self.db.connection() as conn:
+                await recon_db.recon_to_operator(
+                    conn, item_id=item["item_id"],
+                    note="its arguments cannot be decoded here (RUN_UNREADABLE); an operator "
+                         "decides")
+            log.warning("operation %s handed to operators: its stored arguments cannot be "
+                        "decoded (RUN_UNREADABLE)", item["operation_id"])
+            return
         ctx = ToolContext(idempotency_key=item["idempotency_key"], run_id=item["run_id"],
                           position=item["position"], attempt=item["attempt"],
                           operation_id=item["operation_id"],
-                          owner=Owner(tenant=item["tenant"], principal=item["principal"]),
+                          owner=Owner.model_construct(tenant=item["tenant"],
+                                                      principal=item["principal"]),
                           deadline=None)
         raised: Exception | None = None
         try:
-            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **item["arguments"]),
+            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **arguments),
                                             self.lookup_timeout)
         except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
             answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc

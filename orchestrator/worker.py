@@ -33,6 +33,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
 )
 from orchestrator.executor import RunExecutor, event
+from orchestrator.text import storable
 
 if TYPE_CHECKING:
     from orchestrator.app import Orchestrator
@@ -245,7 +246,7 @@ class Worker:
         run_id, token = claim["id"], claim["lease_token"]
         error = RunUnreadable("a value stored for this run cannot be decoded by this worker "
                               "(see the incident)")
-        diagnostics = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+        diagnostics = {"type": type(exc).__name__, "message": storable(str(exc)[:2000])}
 
         async def fail(conn: Conn) -> None:
             await incident_record(conn, {

@@ -25,11 +25,17 @@ o.receipt, o.receipt_digest, o.submitted_at, o.worker_id,
 (SELECT status FROM {S}.runs r WHERE r.id = i.run_id) AS run_status
 """
 
+# What the reconciler claims: the arguments as their JSON text, decoded per item, so that no
+# item's content can fail the claim of the others (see the worker's claim).
+_CLAIMED_COLUMNS = _ITEM_COLUMNS.replace("o.arguments,", "o.arguments::text AS arguments_text,")
+assert _CLAIMED_COLUMNS != _ITEM_COLUMNS
+
 
 async def recon_claim_due(
     conn: Conn, *, claimer: str, limit: int, ttl: float
 ) -> list[dict[str, Any]]:
-    """Claim open items whose next lookup is due (and whose run no worker is driving)."""
+    """Claim open items whose next lookup is due (and whose run no worker is driving); each
+    item's arguments come as text (``arguments_text``)."""
     cur = await conn.execute(
         f"""
         WITH picked AS (
@@ -47,7 +53,7 @@ async def recon_claim_due(
         SET claimed_by = %(claimer)s, claimed_until = now() + make_interval(secs => %(ttl)s)
         FROM picked, {S}.operations o
         WHERE i.id = picked.id AND o.id = i.operation_id
-        RETURNING {_ITEM_COLUMNS}
+        RETURNING {_CLAIMED_COLUMNS}
         """,
         {"claimer": claimer, "limit": limit, "ttl": ttl},
     )

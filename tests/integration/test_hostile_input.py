@@ -121,3 +121,63 @@ async def test_a_run_holds_at_most_max_pending_events_waiting_to_be_consumed(mak
                     return False
             await wait_for(room)
         assert await run2.result_async(timeout=30) == [0, 1, 2]
+
+
+async def test_a_tool_message_the_database_cannot_store_still_leaves_its_incident(app, sql):
+    from orchestrator import ToolContext, ToolError
+
+    @app.tool()
+    async def noisy(ctx: ToolContext) -> Any:
+        raise ToolError.after_send("timeout", "upstream said a\x00b and \ud800")
+
+    @app.workflow()
+    async def calls_noisy(ctx: WorkflowContext, data: Any) -> Any:
+        return await ctx.call(noisy)
+
+    run = await app.submit_async(calls_noisy, None)
+    async with running(app):
+        async def blocked() -> bool:
+            return await run.status_async() == "needs_reconciliation"
+        await wait_for(blocked)
+    rows = sql("SELECT detail FROM orchestrator.incidents WHERE run_id = %s AND phase = 'tool'",
+               (run.id,))
+    assert len(rows) == 1, "the incident was lost"
+    assert rows[0]["detail"]["message"] == "upstream said a\\x00b and \\ud800"
+
+
+async def test_an_item_whose_arguments_cannot_be_decoded_goes_to_operators_alone(app, sql):
+    from orchestrator import NotApplied, ToolContext, ToolError
+
+    @app.tool()
+    async def lost(ctx: ToolContext, *, n: int) -> Any:
+        raise ToolError.after_send("timeout")
+
+    @lost.lookup
+    async def find(ctx: ToolContext, *, n: int) -> Any:
+        return NotApplied("nothing with this key")
+
+    @app.workflow()
+    async def calls_lost(ctx: WorkflowContext, data: Any) -> Any:
+        try:
+            return await ctx.call(lost, n=data)
+        except Exception:  # noqa: BLE001 - not applied: the run ends either way
+            return "gave up"
+
+    runs = [await app.submit_async(calls_lost, n) for n in (1, 2)]
+    async with running(app):
+        async def blocked() -> bool:
+            return all([await r.status_async() == "needs_reconciliation" for r in runs])
+        await wait_for(blocked)
+    deep = "[" * 3000 + "1" + "]" * 3000
+    sql("ALTER TABLE orchestrator.operations DISABLE TRIGGER USER")
+    sql("UPDATE orchestrator.operations SET arguments = jsonb_build_object('n', %s::jsonb) "
+        "WHERE run_id = %s", (deep, runs[0].id))
+    sql("ALTER TABLE orchestrator.operations ENABLE TRIGGER USER")
+    reconciler = app.create_reconciler(base_delay=0.01)
+    assert await reconciler.run_once() == 2
+    items = {r["run_id"]: r for r in sql(
+        "SELECT run_id, state, resolution FROM orchestrator.reconciliation_items")}
+    assert items[runs[0].id]["state"] == "operator"
+    assert (items[runs[1].id]["state"], items[runs[1].id]["resolution"]) == (
+        "resolved", "not_applied")
+    await app.database.close()
