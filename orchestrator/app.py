@@ -113,8 +113,10 @@ class Orchestrator:
         # these caps before anything is written (C2).
         self.json_limits = canonical.JsonLimits(max_record_bytes, max_json_depth,
                                                 max_int_digits)
-        if type(max_pending_events) is not int or max_pending_events < 1:
-            raise ConfigurationError("max_pending_events must be a positive integer")
+        for name, cap in (("max_pending_events", max_pending_events),
+                          ("max_journal_events", max_journal_events)):
+            if type(cap) is not int or cap < 1:
+                raise ConfigurationError(f"{name} must be a positive integer, got {cap!r}")
         self.max_pending_events = max_pending_events
         self.max_journal_events = max_journal_events
         self.lease_ttl = lease_ttl
@@ -299,8 +301,9 @@ class Orchestrator:
         who = self._owner(owner)
         rid = _as_uuid(run_id)
         async with self.database.connection() as conn:
-            row = await runs_db.run_get(conn, rid) if rid is not None else None
-        if row is None or (row["tenant"], row["principal"]) != (who.tenant, who.principal):
+            row = (await runs_db.run_get(conn, rid, owner=(who.tenant, who.principal))
+                   if rid is not None else None)
+        if row is None:
             raise AccessDenied(_DENIED)
         return row
 
@@ -343,8 +346,9 @@ class Orchestrator:
         rid = _as_uuid(run_id)
 
         async def deliver(conn: Conn) -> bool:
-            row = await runs_db.run_lock(conn, rid) if rid is not None else None
-            if row is None or (row["tenant"], row["principal"]) != (who.tenant, who.principal):
+            row = (await runs_db.run_lock(conn, rid, owner=(who.tenant, who.principal))
+                   if rid is not None else None)
+            if row is None:
                 raise AccessDenied(_DENIED)
             assert rid is not None
             if row["status"] in TERMINAL:
@@ -399,7 +403,7 @@ class Orchestrator:
     def operators(self) -> Operators:
         """The operator API (async), scoped by ``operator_scopes`` and ``incident_readers``."""
         return Operators(self.database, self.operator_scopes, self.metrics,
-                         incident_readers=self.incident_readers)
+                         incident_readers=self.incident_readers, json_limits=self.json_limits)
 
     def create_reconciler(self, **options: Any) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""
@@ -482,7 +486,7 @@ class RunHandle:
         Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
         waiting changes nothing.
         """
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        seconds = _timeout_seconds(timeout)
         loop = asyncio.get_running_loop()
         give_up = None if seconds is None else loop.time() + seconds
         delay = 0.005
@@ -561,6 +565,19 @@ def _outcome(row: dict[str, Any]) -> Any:
                                    else "WORKFLOW_FAILED")
     raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
                     incident=error.get("incident"))
+
+
+def _timeout_seconds(timeout: float | timedelta | None) -> float | None:
+    """``result(timeout=)`` in seconds: None (wait as long as it takes), a timedelta or a
+    number of seconds, finite and not negative; anything else is ``INVALID_REQUEST``."""
+    if timeout is None:
+        return None
+    seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+               else timeout if type(timeout) in (int, float) else None)
+    if seconds is None or not 0 <= seconds < float("inf"):
+        raise InvalidRequest("timeout must be a timedelta or a number of seconds, not "
+                             "negative", path="timeout")
+    return float(seconds)
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

@@ -244,12 +244,28 @@ def as_stored(value: Any) -> Any:
     handed a tool's receipt in this form, so that it sees the same value live and on replay."""
     kind = type(value)
     if kind is dict:
-        return {key: as_stored(value[key]) for key in sorted(value, key=_jsonb_key_order)}
+        keys = list(value)
+        order = sorted(keys, key=_jsonb_key_order) if len(keys) > 1 else keys
+        changed = order != keys
+        stored = []
+        for key in order:
+            sub = value[key]
+            if type(sub) in _CONTAINERS_AND_FLOATS:
+                new = as_stored(sub)
+                changed = changed or new is not sub
+                sub = new
+            stored.append((key, sub))
+        return dict(stored) if changed else value  # unchanged: no copy (the common receipt)
     if kind is list:
-        return [as_stored(item) for item in value]
-    if kind is float and value == 0.0:
+        items = [as_stored(item) if type(item) in _CONTAINERS_AND_FLOATS else item
+                 for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    if kind is float and value == 0.0 and math.copysign(1.0, value) < 0:
         return 0.0
     return value
+
+
+_CONTAINERS_AND_FLOATS = frozenset({dict, list, float})
 
 
 def _jsonb_key_order(key: str) -> tuple[int, str]:

@@ -41,6 +41,7 @@ from orchestrator.db.database import Conn, load_json
 from orchestrator.db.events import event_take, incident_record
 from orchestrator.db.writer import Landing, Statement
 from orchestrator.errors import (
+    ConfigurationError,
     DatabaseError,
     InvalidRequest,
     JournalFull,
@@ -958,10 +959,10 @@ class RunExecutor:
                              event("run.completed", None, None, {"result": result}))
 
     async def _fail_from(self, exc: BaseException) -> None:
-        if isinstance(exc, DatabaseError):
-            # Infrastructure, not the workflow: never an outcome. Stop here; the lease lapses
-            # and another claim replays the run.
-            self.lose_lease("database unavailable")
+        if isinstance(exc, DatabaseError | ConfigurationError):
+            # Infrastructure (the database, or a grant it lacks), not the workflow: never an
+            # outcome. Stop here; the lease lapses and another claim replays the run.
+            self.lose_lease(f"{exc.code}: the run goes back to the queue")
             return
         if isinstance(exc, Nondeterminism):
             await self._fail("NONDETERMINISM", str(exc))
@@ -1073,7 +1074,7 @@ def _engine_rank(exc: BaseException) -> int | None:
     """Which engine error decides first (lower first); None for the workflow's own."""
     if isinstance(exc, Stop):
         return 0 if exc.reason == "lease_lost" else 1
-    if isinstance(exc, DatabaseError):
+    if isinstance(exc, DatabaseError | ConfigurationError):
         return 2
     if isinstance(exc, Nondeterminism):
         return 3

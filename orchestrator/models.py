@@ -89,7 +89,8 @@ class RunInfo(BaseModel):
             id=row["id"],
             workflow=row["workflow_name"],
             version=row["workflow_version"],
-            owner=Owner(tenant=row["tenant"], principal=row["principal"]),
+            # Stored names are not checked again: a run written under older rules is readable.
+            owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
             status=row["status"],
             outcome=row["outcome_code"],
             waiting_for=row["waiting_for"],

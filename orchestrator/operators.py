@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from orchestrator import reconcile
+from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
@@ -101,6 +102,18 @@ def _plausible_ref(ref: Any) -> bool:
     return True
 
 
+MAX_AGE = 10 * 365 * 86400.0
+"""The largest ``older_than`` (seconds) ``list_items`` takes: ten years."""
+
+
+def check_operation_id(value: Any) -> int:
+    """An operation id is a positive integer (a database ``bigint``); anything else is
+    ``INVALID_REQUEST``, never a driver error."""
+    if type(value) is not int or not 0 < value < 2**63:
+        raise InvalidRequest("an operation id is a positive integer", path="operation_id")
+    return value
+
+
 class Operators:
     """Operator actions on one database, with the host's operator scopes and incident
     readers (see the module docstring for the rules)."""
@@ -108,11 +121,13 @@ class Operators:
     def __init__(self, database: Database,
                  scopes: Mapping[str, Sequence[str]] | None = None,
                  metrics: Metrics | None = None, *,
-                 incident_readers: Sequence[str] | None = None) -> None:
+                 incident_readers: Sequence[str] | None = None,
+                 json_limits: JsonLimits = DEFAULT_LIMITS) -> None:
         self.db = database
         self.scopes = check_scopes(scopes)
         self.incident_readers = check_readers(incident_readers)
         self.metrics = metrics or Metrics()
+        self.json_limits = json_limits  # an operator's receipt is held to the app's caps
 
     def tenants_of(self, operator: str) -> list[str] | None:
         """The tenants ``operator`` may act on; None means all (no scopes are configured).
@@ -141,10 +156,14 @@ class Operators:
         if state is not None and state not in (*ITEM_STATES, UNRESOLVED):
             raise InvalidRequest(f"state must be one of {', '.join((*ITEM_STATES, UNRESOLVED))}",
                                  path="state")
-        if not 1 <= limit <= 1000:
+        if type(limit) is not int or not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
         if tool is not None:
             check_identifier("tool", tool)
+        if older_than is not None and (
+                type(older_than) not in (int, float) or not 0 <= older_than <= MAX_AGE):
+            raise InvalidRequest("older_than must be a number of seconds from 0 to ten years",
+                                 path="older_than")
         states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
                   else [state])
         async with self.db.connection() as conn:
@@ -156,10 +175,11 @@ class Operators:
         """The item with the operation's intent, arguments, owner, every attempt at its
         position, its incidents, the lookup history (answer, attempt, time and the incident
         that keeps what the lookup said), the evidence and the run's timeline."""
+        check_operation_id(operation_id)
         tenants = self.tenants_of(operator)
         async with self.db.connection() as conn:
-            item = await recon_db.recon_get(conn, operation_id)
-            if item is None or (tenants is not None and item["tenant"] not in tenants):
+            item = await recon_db.recon_get(conn, operation_id, tenants=tenants)
+            if item is None:
                 raise await reconcile.not_queued(conn, operation_id, tenants)
             attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
             return {
@@ -202,9 +222,11 @@ class Operators:
 
     async def _resolve(self, operation_id: int, resolution: str, evidence: str, operator: str,
                        receipt: Any = None) -> str:
+        check_operation_id(operation_id)
         outcome = await reconcile.resolve(
             self.db, operation_id=operation_id, resolution=resolution, receipt=receipt,
-            evidence=evidence, operator=operator, tenants=self.tenants_of(operator))
+            evidence=evidence, operator=operator, tenants=self.tenants_of(operator),
+            limits=self.json_limits)
         if outcome == "resolved":
             self.metrics.incr("reconciliation_operator")
         return outcome

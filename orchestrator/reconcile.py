@@ -97,8 +97,8 @@ async def resolve(
         raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")
 
     async def tx(conn: Conn) -> str:
-        item = await recon_db.recon_get(conn, operation_id, lock=True)
-        if item is None or (tenants is not None and item["tenant"] not in tenants):
+        item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
+        if item is None:
             raise await not_queued(conn, operation_id, tenants)
         before = {"item": item["item_state"], "operation": item["operation_state"],
                   "resolution": item["resolution"]}
@@ -275,7 +275,8 @@ class Reconciler:
             await resolve(
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
-                evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler")
+                evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
+                limits=self.app.json_limits)
             self.app.metrics.incr(f"reconciliation_auto_{kind}")
             log.info("operation %s resolved by lookup: %s", item["operation_id"], kind)
             return

@@ -2,8 +2,10 @@
 
 Pure functions, no I/O. Every identifier a caller hands the orchestrator is checked here before
 anything is written or looked up, so that a NUL byte, a lone surrogate or an invisible
-character is an ``INVALID_REQUEST`` naming the field, never a driver error, and two names that
-look alike on a screen are never two different identities.
+character is an ``INVALID_REQUEST`` naming the field, never a driver error, and the commonest
+look-alikes (a trailing space, a zero-width character) cannot pose as another identity.
+Names are compared exactly as given: no Unicode normalisation, no case folding, so other
+look-alikes (a no-break space inside, homoglyphs) are different names.
 
 Two kinds of text:
 

@@ -20,6 +20,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.db import grants as grants_db
+from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn
@@ -240,19 +241,34 @@ class Worker:
 
     async def _fail_unreadable(self, claim: dict[str, Any], exc: Exception) -> None:
         """End a run this code cannot decode or replay: ``failed`` with ``RUN_UNREADABLE``, its
-        ``run.failed`` entry and an incident with the decoder's complaint. A run with an
-        operation still in flight cannot end (C5): it waits in the queue, an hour at a time,
-        for that to be settled, and says so."""
+        ``run.failed`` entry and an incident with the decoder's complaint. A run may not end
+        while an operation of it was dispatched without an outcome (C5): as a replay would,
+        such operations become ``unknown`` and go to the reconciliation queue, and the run
+        waits for them (``needs_reconciliation``); once they are settled, it is claimed again
+        and fails here."""
         run_id, token = claim["id"], claim["lease_token"]
         error = RunUnreadable("a value stored for this run cannot be decoded by this worker "
                               "(see the incident)")
         diagnostics = {"type": type(exc).__name__, "message": storable(str(exc)[:2000])}
 
-        async def fail(conn: Conn) -> None:
+        async def end(conn: Conn) -> bool:
             await incident_record(conn, {
                 "ref": error.incident, "code": error.code, "run_id": run_id,
                 "operation_id": None, "phase": "decode", "cause": type(exc).__name__,
                 "upstream_status": None, "detail": json.dumps(diagnostics)})
+            stranded = await ops_db.operation_strand(conn, run_id=run_id, token=token)
+            if await ops_db.operation_count_unknown(conn, run_id=run_id):
+                if stranded:
+                    await runs_db.journal_append(
+                        conn, run_id=run_id, token=token, expected=claim["revision"],
+                        events=[event("call.unknown", op["position"], op["tool_name"],
+                                      {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
+                                       "next": "reconcile"}) for op in stranded])
+                await runs_db.run_block_for_reconciliation(
+                    conn, run_id=run_id, token=token,
+                    waiting_for=f"reconciliation of its unsettled operations; then it fails: "
+                                f"{error.code} (incident {error.incident})")
+                return False
             await runs_db.journal_append(
                 conn, run_id=run_id, token=token, expected=claim["revision"],
                 events=[event("run.failed", None, None, {
@@ -260,21 +276,18 @@ class Worker:
             await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
                                      outcome_code=error.code, result=None,
                                      error=json.dumps(error.to_dict()))
+            return True
 
         try:
-            await self.app.database.run_in_transaction(fail)
-        except runs_db.UnsettledOperations:
-            async with self.app.database.connection() as conn:
-                await runs_db.run_release(
-                    conn, run_id=run_id, token=token, delay=3600.0,
-                    waiting_for=f"{error.code}: it cannot be read, and it may not end while "
-                                "an operation of it is unsettled; see `orchestrator ops list`")
-            log.error("run %s: %s (%s); an operation of it is unsettled, so it waits",
-                      run_id, error.code, type(exc).__name__)
-            return
+            ended = await self.app.database.run_in_transaction(end)
         except (LeaseLost, DatabaseError) as lost:
             log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
                         error.code, lost.code)
+            return
+        if not ended:
+            log.error("run %s: %s (incident %s: %s); it waits for the reconciliation of its "
+                      "unsettled operations first", run_id, error.code, error.incident,
+                      type(exc).__name__)
             return
         self.metrics.incr("runs_failed")
         log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,

@@ -42,7 +42,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         db = Database(database_target(args), max_pool_size=1)
         try:
             ops = (Operators(db) if app is None else
-                   Operators(db, app.operator_scopes, incident_readers=app.incident_readers))
+                   Operators(db, app.operator_scopes, incident_readers=app.incident_readers,
+                             json_limits=app.json_limits))
             return await ops.incident(args.ref, operator=operator)
         finally:
             await db.close()

@@ -109,7 +109,8 @@ def _with_operators(args: argparse.Namespace,
             if app is None:
                 return await fn(Operators(db), operator)
             return await fn(Operators(db, app.operator_scopes,
-                                      incident_readers=app.incident_readers), operator)
+                                      incident_readers=app.incident_readers,
+                                      json_limits=app.json_limits), operator)
         finally:
             await db.close()
 
@@ -208,8 +209,9 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             raise InvalidRequest("--committed needs --receipt JSON (what the tool returned)")
         try:
             receipt = json.loads(args.receipt)
-        except ValueError:
-            raise InvalidRequest("--receipt is not valid JSON", path="receipt") from None
+        except (ValueError, RecursionError):
+            raise InvalidRequest("--receipt is not valid JSON (or is nested too deep)",
+                                 path="receipt") from None
         outcome = _with_operators(args, lambda ops, operator: ops.resolve_committed(
             args.operation_id, receipt=receipt, evidence=args.evidence, operator=operator))
         return _report(args.operation_id, outcome, "committed")

@@ -4,7 +4,8 @@ Every statement in this package was read for what it asks of the server; :data:`
 the result, object by object (``docs/security.md`` explains each line). The runtime role is the
 one workers, reconcilers, submitting applications and the operator CLI connect as. It never
 owns the schema (the migration role does) and it holds no UPDATE, DELETE or TRUNCATE on the
-journal or the operator audit: those two are append-only by grant as well as by trigger.
+journal or the operator audit: for this role both are append-only by grant (the journal's
+trigger also refuses UPDATE, for every role; the audit has no trigger).
 
 Nothing here needs a grant on a sequence: every generated key is an identity column, whose
 sequence PostgreSQL advances for an INSERT without checking privileges on it. The trigger

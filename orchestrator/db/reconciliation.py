@@ -125,15 +125,19 @@ async def recon_list(
     return await cur.fetchall()
 
 
-async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False
-                    ) -> dict[str, Any] | None:
+async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False,
+                    tenants: list[str] | None = None) -> dict[str, Any] | None:
+    """The item of an operation; with ``tenants``, only one of theirs: another tenant's is
+    not read at all, so it answers exactly as a missing one (C9)."""
     cur = await conn.execute(
         f"""
         SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
         JOIN {S}.operations o ON o.id = i.operation_id
-        WHERE i.operation_id = %s {"FOR UPDATE OF i, o" if lock else ""}
+        WHERE i.operation_id = %(op)s
+          AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
+        {"FOR UPDATE OF i, o" if lock else ""}
         """,
-        (operation_id,),
+        {"op": operation_id, "tenants": tenants},
     )
     return await cur.fetchone()
 

@@ -76,18 +76,33 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     return existing["id"], False, existing["request_digest"]
 
 
-# Not the input: no reader of a run's summary needs it, and a summary must be readable whatever
-# the input holds.
-_RUN_COLUMNS = """
+# A run's summary: not its input or result, which no list needs, so that a list stays readable
+# whatever a run holds. One run, read by its owner or an operator, comes with its result.
+_SUMMARY_COLUMNS = """
 id, tenant, principal, workflow_name, workflow_version, options, status, outcome_code,
-result, error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
+error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
 parent_run_id, parent_position, idempotency_key
 """
+_RUN_COLUMNS = _SUMMARY_COLUMNS + ", result"
 
 
-async def run_get(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
-    cur = await conn.execute(f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE id = %s", (run_id,))
+_OWNED = """id = %(id)s AND (%(tenant)s::text IS NULL
+                              OR (tenant = %(tenant)s AND principal = %(principal)s))"""
+"""A run by id, and with ``owner`` only if it is that owner's: a run of another owner is not
+read at all (nothing of it is decoded), so it answers exactly as a missing one (C9)."""
+
+
+def _owned(run_id: uuid.UUID, owner: tuple[str, str] | None) -> dict[str, Any]:
+    tenant, principal = owner if owner is not None else (None, None)
+    return {"id": run_id, "tenant": tenant, "principal": principal}
+
+
+async def run_get(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None
+                  ) -> dict[str, Any] | None:
+    """A run (``owner``: only if it is that ``(tenant, principal)``'s)."""
+    cur = await conn.execute(f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE {_OWNED}",
+                             _owned(run_id, owner))
     return await cur.fetchone()
 
 
@@ -105,7 +120,7 @@ async def run_list(
     ``parent`` keeps the child runs of that run."""
     cur = await conn.execute(
         f"""
-        SELECT {_RUN_COLUMNS} FROM {S}.runs
+        SELECT {_SUMMARY_COLUMNS} FROM {S}.runs
         WHERE (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
           AND (%(principal)s::text IS NULL OR principal = %(principal)s)
           AND (%(status)s::text IS NULL OR status = %(status)s)
@@ -413,11 +428,13 @@ async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int, delay: float
     return cur.rowcount == 1
 
 
-async def run_lock(conn: Conn, run_id: uuid.UUID) -> dict[str, Any] | None:
-    """Lock a run's row for an API-side change (event delivery, cancellation)."""
+async def run_lock(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None
+                   ) -> dict[str, Any] | None:
+    """Lock a run's row for an API-side change (event delivery, cancellation); ``owner`` as
+    for :func:`run_get`."""
     cur = await conn.execute(
-        f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE id = %s FOR UPDATE", (run_id,)
-    )
+        f"SELECT {_SUMMARY_COLUMNS} FROM {S}.runs WHERE {_OWNED} FOR UPDATE",
+        _owned(run_id, owner))
     return await cur.fetchone()
 
 

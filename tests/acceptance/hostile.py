@@ -11,6 +11,7 @@ covers it: if a replay saw a different value, its ``note`` call would not match 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from datetime import timedelta
@@ -54,6 +55,18 @@ async def note(ctx: ToolContext, *, seen: str, again: Any) -> dict[str, Any]:
 async def uncertain(ctx: ToolContext) -> Any:
     """Sent, outcome unknown: every call goes to the reconciliation queue."""
     raise ToolError.after_send("timeout")
+
+
+@app.tool()
+async def hangs(ctx: ToolContext) -> Any:
+    """Sent, and no answer for a minute: the test kills the worker meanwhile."""
+    await asyncio.sleep(60)
+    return None
+
+
+@app.workflow()
+async def hanging(ctx: WorkflowContext, data: Any) -> Any:
+    return await ctx.call(hangs)
 
 
 @app.workflow()

@@ -104,6 +104,33 @@ def test_a_stored_poison_run_fails_alone_and_the_worker_goes_on_claiming(
     assert shown.returncode == 0 and "RUN_UNREADABLE" in shown.stdout, shown.stderr
 
 
+def test_an_unreadable_run_with_an_operation_in_flight_waits_for_its_reconciliation(
+        workers, probe):
+    first = workers.start("first", app=HOSTILE_APP)
+    run = probe.submit(hostile.hanging, None)
+    workers.wait(lambda: workers.sql("SELECT 1 FROM orchestrator.operations WHERE run_id = %s "
+                                     "AND state = 'submitted'", (run.id,)),
+                 "the call to be sent", proc=first)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    workers.sql("ALTER TABLE orchestrator.journal DISABLE TRIGGER USER")
+    workers.sql("UPDATE orchestrator.journal SET payload = %s::jsonb WHERE run_id = %s",
+                ('{"x": ' + _deep(3000) + "}", run.id))
+    workers.sql("ALTER TABLE orchestrator.journal ENABLE TRIGGER USER")
+    second = workers.start("second", app=HOSTILE_APP)
+    workers.wait(lambda: run.status() == "needs_reconciliation", "the run to wait", proc=second)
+    [op] = workers.sql("SELECT id, state FROM orchestrator.operations WHERE run_id = %s",
+                       (run.id,))
+    assert op["state"] == "unknown"  # never re-sent, never dropped: reconciled
+    assert "RUN_UNREADABLE" in probe.get_run(run.id).info().waiting_for
+    probe._portal.call(probe.operators.resolve_not_applied(
+        op["id"], evidence="the provider has nothing", operator="alice"))
+    with pytest.raises(RunFailed) as caught:
+        run.result(timeout=30)
+    assert caught.value.code == "RUN_UNREADABLE"
+    assert second.poll() is None
+
+
 # --- finding 2: floats change type in storage and a restart fails the run -------------------
 
 

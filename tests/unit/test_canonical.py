@@ -448,3 +448,24 @@ def test_as_stored_orders_keys_as_jsonb_does_and_drops_negative_zero() -> None:
     assert list(stored["a"][0]) == ["y", "zz"]
     assert math.copysign(1, stored["a"][0]["zz"]) == 1
     assert as_stored(7) == 7 and as_stored("x") == "x" and as_stored(None) is None
+
+
+@given(value=json_values)
+def test_as_stored_copies_only_what_it_changes(value: Any) -> None:
+    from orchestrator.canonical import as_stored
+
+    stored = as_stored(value)
+    assert stored == value and canonical_json(stored) == canonical_json(value)
+    assert as_stored(stored) is stored  # what is already as stored comes back as it is
+    assert json.dumps(stored, ensure_ascii=False) == json.dumps(_jsonb_ordered(value),
+                                                                ensure_ascii=False)
+
+
+def _jsonb_ordered(value: Any) -> Any:
+    """The order PostgreSQL's jsonb keeps object keys in, and its zero without a sign."""
+    if isinstance(value, dict):
+        return {k: _jsonb_ordered(value[k])
+                for k in sorted(value, key=lambda k: (len(k.encode("utf-8")), k.encode()))}
+    if isinstance(value, list):
+        return [_jsonb_ordered(v) for v in value]
+    return 0.0 if type(value) is float and value == 0.0 else value
