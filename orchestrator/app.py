@@ -297,11 +297,15 @@ class Orchestrator:
 
     # -- reading and acting on runs ----------------------------------------------------------
 
-    async def _row(self, run_id: uuid.UUID | str, owner: Owner | None) -> dict[str, Any]:
+    async def _row(self, run_id: uuid.UUID | str, owner: Owner | None, *,
+                   result: bool = False) -> dict[str, Any]:
+        """The owner's run (its summary; with ``result``, its result too), else
+        ``ACCESS_DENIED``."""
         who = self._owner(owner)
         rid = _as_uuid(run_id)
         async with self.database.connection() as conn:
-            row = (await runs_db.run_get(conn, rid, owner=(who.tenant, who.principal))
+            row = (await runs_db.run_get(conn, rid, owner=(who.tenant, who.principal),
+                                         result=result)
                    if rid is not None else None)
         if row is None:
             raise AccessDenied(_DENIED)
@@ -491,7 +495,7 @@ class RunHandle:
         give_up = None if seconds is None else loop.time() + seconds
         delay = 0.005
         while True:
-            row = await self.app._row(self.id, self.owner)
+            row = await self.app._row(self.id, self.owner, result=True)
             if row["status"] in TERMINAL:
                 return _outcome(row)
             if give_up is not None and loop.time() >= give_up:
@@ -510,7 +514,7 @@ class RunHandle:
         Blocked on an unknown operation: ``OPERATION_UNCERTAIN`` with the operations known to be
         committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status.
         """
-        row = await self.app._row(self.id, self.owner)
+        row = await self.app._row(self.id, self.owner, result=True)
         if row["status"] in TERMINAL:
             return _outcome(row)
         if row["status"] == "needs_reconciliation":

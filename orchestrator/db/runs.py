@@ -98,10 +98,12 @@ def _owned(run_id: uuid.UUID, owner: tuple[str, str] | None) -> dict[str, Any]:
     return {"id": run_id, "tenant": tenant, "principal": principal}
 
 
-async def run_get(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None
-                  ) -> dict[str, Any] | None:
-    """A run (``owner``: only if it is that ``(tenant, principal)``'s)."""
-    cur = await conn.execute(f"SELECT {_RUN_COLUMNS} FROM {S}.runs WHERE {_OWNED}",
+async def run_get(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None,
+                  result: bool = True) -> dict[str, Any] | None:
+    """A run (``owner``: only if it is that ``(tenant, principal)``'s); ``result=False``
+    leaves its result out (a summary)."""
+    columns = _RUN_COLUMNS if result else _SUMMARY_COLUMNS
+    cur = await conn.execute(f"SELECT {columns} FROM {S}.runs WHERE {_OWNED}",
                              _owned(run_id, owner))
     return await cur.fetchone()
 

@@ -181,3 +181,72 @@ async def test_an_item_whose_arguments_cannot_be_decoded_goes_to_operators_alone
     assert (items[runs[1].id]["state"], items[runs[1].id]["resolution"]) == (
         "resolved", "not_applied")
     await app.database.close()
+
+
+async def test_another_owners_unreadable_run_looks_missing_and_lists_stay_readable(
+        make_app, sql, migrated_database_url):
+    from orchestrator import AccessDenied
+    from tests.integration.conftest import OTHER
+    from tests.integration.test_ops_cli import cli
+
+    app = make_app()
+
+    @app.workflow()
+    async def noop(ctx: WorkflowContext, data: Any) -> Any:
+        return data
+
+    victim = await app.submit_async(noop, None)
+    sql("UPDATE orchestrator.runs SET result = %s::jsonb WHERE id = %s",
+        ("[" * 3000 + "]" * 3000, victim.id))
+    for call in (lambda: app.get_run_async(victim.id, owner=OTHER),
+                 lambda: app.send_event_async(victim.id, "go", 1, owner=OTHER),
+                 lambda: app.cancel_async(victim.id, owner=OTHER)):
+        with pytest.raises(AccessDenied):
+            await call()
+    assert [r.id for r in await app.list_runs_async()] == [victim.id]
+    assert await victim.status_async() == "queued"
+    with pytest.raises(OrchestratorError) as caught:
+        await victim.result_async(timeout=0)
+    assert caught.value.code == "RUN_UNREADABLE"  # its owner is told what is wrong
+    code, out, err = await cli(migrated_database_url, "runs", "list")
+    assert code == 0 and str(victim.id) in out, err
+    await app.database.close()
+
+
+async def test_operator_inputs_are_checked_before_any_statement(make_app, migrated_database_url):
+    from tests.integration.test_ops_cli import cli
+
+    app = make_app(max_json_depth=3, max_record_bytes=200)
+    ops = app.operators
+    for call, path in (
+            (lambda: ops.list_items(operator="alice", older_than=float("nan")), "older_than"),
+            (lambda: ops.list_items(operator="alice", older_than=1e300), "older_than"),
+            (lambda: ops.list_items(operator="alice", older_than="x"), "older_than"),
+            (lambda: ops.list_items(operator="alice", limit="x"), "limit"),
+            (lambda: ops.show("x", operator="alice"), "operation_id"),
+            (lambda: ops.show(2**70, operator="alice"), "operation_id"),
+            (lambda: ops.resolve_not_applied("1; x", evidence="e", operator="alice"),
+             "operation_id"),
+            (lambda: ops.resolve_committed(1, receipt=_nested(5), evidence="e",
+                                           operator="alice"), "$.receipt" + ".a" * 3),
+            (lambda: ops.resolve_committed(1, receipt="x" * 500, evidence="e",
+                                           operator="alice"), "$.receipt")):
+        with pytest.raises(InvalidRequest) as caught:
+            await call()
+        assert caught.value.path == path, (path, caught.value)
+    code, _, err = await cli(migrated_database_url, "ops", "resolve", "1", "--committed",
+                             "--receipt", "[" * 5000 + "]" * 5000, "--evidence", "e",
+                             "--operator", "alice")
+    assert code == 2 and "INVALID_REQUEST" in err, err
+    code, _, err = await cli(migrated_database_url, "ops", "list", "--older-than",
+                             "99999999999999999999999d")
+    assert code == 2 and "INVALID_REQUEST" in err, err
+    await app.database.close()
+
+
+def test_result_timeouts_are_checked(app, flows):
+    run = app.submit(flows, None)
+    for timeout in (float("nan"), "x", -1, float("inf")):
+        with pytest.raises(InvalidRequest) as caught:
+            run.result(timeout=timeout)
+        assert caught.value.path == "timeout"
