@@ -58,7 +58,7 @@ def _first_refused(value: str, *, prose: bool, spaces: bool) -> str | None:
 
 
 def check_identifier(field: str, value: Any, *, max_length: int = NAME_MAX,
-               spaces: bool = True) -> str:
+                     spaces: bool = True) -> str:
     """``value`` if it is an acceptable name (see the module docstring), else
     ``INVALID_REQUEST`` with ``path=field``. ``spaces=False`` refuses whitespace anywhere."""
     if not isinstance(value, str) or not value:
