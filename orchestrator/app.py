@@ -56,6 +56,7 @@ from orchestrator.registry import (
     Tool,
     Workflow,
     check_name,
+    version_order,
 )
 from orchestrator.replay import SCHEMA_VERSION
 from orchestrator.text import check_identifier
@@ -219,7 +220,7 @@ class Orchestrator:
                    if w.name == workflow and (version is None or w.version == version)]
         if not matches:
             raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
-        return max(matches, key=lambda w: w.version)
+        return max(matches, key=lambda w: version_order(w.version))
 
     def new_run_row(
         self,

@@ -22,6 +22,13 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
 
 
+def version_order(version: str) -> tuple[tuple[int, int, str], ...]:
+    """The key that orders versions naturally: runs of digits as numbers, so "10" comes after
+    "9" and "1.10" after "1.9"; other text bytewise, after any number at the same place."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.findall(r"\d+|\D+", version))
+
+
 def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidRequest(

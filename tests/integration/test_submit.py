@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -148,3 +149,18 @@ def test_unknown_workflow_name_is_rejected(make_app):
     app: Orchestrator = make_app()
     with pytest.raises(UnknownWorkflow):
         app.submit("nope", {})
+
+
+def test_submit_by_name_takes_the_highest_version_in_natural_order(make_app):
+    from orchestrator.registry import version_order
+
+    app = make_app()
+    for version in ("9", "10", "1.10"):
+        @app.workflow(name="report", version=version)
+        async def report(ctx: Any, data: Any) -> Any:
+            return data
+
+    run = app.submit("report", {})
+    assert run.info().version == "10"
+    assert sorted(["1.10", "1.9", "10", "9", "2a", "2"], key=version_order) == [
+        "1.9", "1.10", "2", "2a", "9", "10"]
