@@ -245,7 +245,17 @@ def as_stored(value: Any) -> Any:
     kind = type(value)
     if kind is dict:
         keys = list(value)
-        order = sorted(keys, key=_jsonb_key_order) if len(keys) > 1 else keys
+        if len(keys) < 2:
+            order = keys
+        elif "".join(keys).isascii():  # the common case, in C: by text, then (stably) length
+            order = sorted(sorted(keys), key=len)
+        else:
+            order = sorted(keys, key=_jsonb_key_order)
+        values = value.values()
+        if _CONTAINERS.isdisjoint(map(type, values)) and 0.0 not in values:
+            # Flat, and no zero that could be negative (0 and False compare equal to 0.0
+            # too, and take the longer way): a copy only for the order.
+            return value if order == keys else {key: value[key] for key in order}
         changed = order != keys
         stored = []
         for key in order:
@@ -266,6 +276,7 @@ def as_stored(value: Any) -> Any:
 
 
 _CONTAINERS_AND_FLOATS = frozenset({dict, list, float})
+_CONTAINERS = frozenset({dict, list})
 
 
 def _jsonb_key_order(key: str) -> tuple[int, str]:
