@@ -34,7 +34,11 @@ from orchestrator.db import workers as workers_db
 from orchestrator.db.config import resolve_database
 from orchestrator.db.database import Database
 from orchestrator.db.writer import GroupWriter
-from orchestrator.replay import SCHEMA_VERSION
+
+try:
+    from orchestrator.journal import SCHEMA_VERSION
+except ImportError:  # an engine from before the journal module (bench --engine <older ref>)
+    from orchestrator.replay import SCHEMA_VERSION  # type: ignore[no-redef]
 
 TOOL, VERSION, EFFECT = "noop", "1", "consequential"  # bench.app's tool, as the engine names it
 

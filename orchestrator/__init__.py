@@ -18,10 +18,10 @@ from orchestrator.errors import (
     ResolutionConflict,
     ResultTimeout,
     RunFailed,
-    ToolError,
     ToolFailed,
     WorkflowError,
 )
+from orchestrator.failures import ToolError
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import Owner, RunInfo
 from orchestrator.recovery import RetryPolicy

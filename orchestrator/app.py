@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import threading
 import uuid
@@ -24,6 +23,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.events import event_insert, event_pending_count, event_seen
+from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
@@ -37,7 +37,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
     UnknownWorkflow,
 )
-from orchestrator.ids import new_run_id
+from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
 from orchestrator.models import (
     JournalEntry,
@@ -58,7 +58,6 @@ from orchestrator.registry import (
     check_name,
     version_order,
 )
-from orchestrator.replay import SCHEMA_VERSION
 from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
 
@@ -149,6 +148,14 @@ class Orchestrator:
         return self._database
 
     @property
+    def engine_config(self) -> EngineConfig:
+        """The settings the engine (workers, reconcilers) runs with, taken now."""
+        return EngineConfig(json_limits=self.json_limits,
+                            max_journal_events=self.max_journal_events, lease_ttl=self.lease_ttl,
+                            tool_timeout=self.tool_timeout, receipts_ride=self.receipts_ride,
+                            authorize=self.authorize, approve=self.approve)
+
+    @property
     def target(self) -> DatabaseTarget:
         if self._database is not None:
             return self._database.target
@@ -234,25 +241,9 @@ class Orchestrator:
         parent: tuple[uuid.UUID, int] | None = None,
     ) -> dict[str, Any]:
         """Validate a submission and build its row. Raises before anything is written."""
-        input_text = self.json_limits.text(input, "$.input")
-        options: dict[str, Any] = {}
-        if deadline is not None:
-            options["deadline_seconds"] = deadline
-        return {
-            "id": run_id or new_run_id(),
-            "tenant": owner.tenant,
-            "principal": owner.principal,
-            "workflow_name": workflow.name,
-            "workflow_version": workflow.version,
-            "input": input_text,
-            "options": json.dumps(options),
-            "request_digest": canonical.request_digest(
-                workflow.name, workflow.version, input, options),
-            "idempotency_key": idempotency_key,
-            "parent_run_id": parent[0] if parent else None,
-            "parent_position": parent[1] if parent else None,
-            "deadline_seconds": deadline,
-        }
+        return runs_db.run_row(workflow.name, workflow.version, input, limits=self.json_limits,
+                               owner=owner, idempotency_key=idempotency_key, deadline=deadline,
+                               run_id=run_id, parent=parent)
 
     async def submit_async(
         self,
@@ -412,7 +403,8 @@ class Orchestrator:
 
     def create_reconciler(self, **options: Any) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""
-        return Reconciler(self, **options)
+        return Reconciler(self.engine_config, self.registry, self.database, self.metrics,
+                          **options)
 
     def run_reconciler(self, **options: Any) -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT."""
@@ -433,7 +425,7 @@ class Orchestrator:
 
     def create_worker(self, **options: Any) -> Worker:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop."""
-        return Worker(self, **options)
+        return Worker(self.engine_config, self.registry, self.database, self.metrics, **options)
 
     def run_worker(self, **options: Any) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return."""

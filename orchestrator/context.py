@@ -12,13 +12,38 @@ import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orchestrator.models import Owner
 
 if TYPE_CHECKING:
-    from orchestrator.executor import RunExecutor
     from orchestrator.registry import Tool, Workflow
+
+
+class Commands(Protocol):
+    """What a :class:`WorkflowContext` asks of the engine (``orchestrator.engine.commands``
+    implements it); each command is given the journal position it took."""
+
+    @property
+    def run_id(self) -> uuid.UUID: ...
+
+    @property
+    def owner(self) -> Owner: ...
+
+    def next_position(self) -> int: ...
+
+    def value(self, position: int, name: str) -> Any: ...
+
+    def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]
+             ) -> Awaitable[Any]: ...
+
+    def sleep(self, position: int, duration: timedelta | float) -> Awaitable[None]: ...
+
+    def wait_for_event(self, position: int, name: str, timeout: timedelta | float | None
+                       ) -> Awaitable[Any]: ...
+
+    def run_child(self, position: int, workflow: Workflow | str, input: Any
+                  ) -> Awaitable[Any]: ...
 
 
 class WorkflowContext:
@@ -29,8 +54,8 @@ class WorkflowContext:
     journal recorded.
     """
 
-    def __init__(self, executor: RunExecutor) -> None:
-        self._ex = executor
+    def __init__(self, commands: Commands) -> None:
+        self._ex = commands
 
     @property
     def run_id(self) -> uuid.UUID:

@@ -34,6 +34,7 @@ a run with a message that callers may see (CONTRACT C13).
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -41,6 +42,19 @@ from typing import Any
 def new_incident_ref() -> str:
     """Return a short, unguessable reference that links a public error to its diagnostics."""
     return "inc_" + secrets.token_hex(8)
+
+
+def error_json(code: str, message: str, incident: str | None) -> str:
+    """A run's stored error (what its owner reads): ``incident`` names its diagnostics (None:
+    there are none, as for a cancellation). Built only from controlled fields (C10)."""
+    return json.dumps({"code": code, "message": message, "retryable": False,
+                       "incident": incident})
+
+
+def operation_error_json(code: str, **fields: Any) -> str:
+    """An operation's stored error: its ``code`` and controlled ``fields`` (``cause``,
+    ``stage``, ``incident``, ``message``)."""
+    return json.dumps({"code": code, **fields})
 
 
 class OrchestratorError(Exception):
@@ -206,66 +220,6 @@ class ToolFailed(OrchestratorError):
         self.tool = tool
         self.cause = cause  # e.g. authentication, conflict, rate_limited, denied
         self.reason = reason  # why it was not retried: cause, visible, effects or budget
-
-
-class ToolError(Exception):
-    """Raised by tool code to say what is known about a failed call (CONTRACT C7).
-
-    Build it from what happened, and the orchestrator classifies it:
-
-    - ``ToolError.from_status(429, proves_not_applied=True, retry_after="2")``: a provider's
-      status; 401/403, 400/404/422 and 409 are definitive; 408/429 are retryable only when
-      they prove nothing was applied; ≥ 500 leaves the effects unknown;
-    - ``ToolError.before_send("connection")``: the request never left: retryable;
-    - ``ToolError.after_send("timeout")``: it was sent; the effects are unknown;
-    - ``ToolError(msg, applied=False, retryable=True)``: the general form.
-
-    Every other exception from a tool is a protocol failure: not retryable, and after
-    dispatch the effects are unknown. The message is kept in protected diagnostics only.
-    """
-
-    def __init__(
-        self,
-        message: str = "",
-        *,
-        applied: bool | None = None,
-        retryable: bool = False,
-        status: int | None = None,
-        retry_after: str | float | None = None,
-        cause: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.applied = applied
-        self.retryable = retryable
-        self.status = status
-        self.retry_after = retry_after
-        self.cause = cause
-
-    @classmethod
-    def from_status(cls, status: int, message: str = "", *, proves_not_applied: bool = False,
-                    retry_after: str | float | None = None) -> ToolError:
-        return cls(message, status=status, applied=False if proves_not_applied else None,
-                   retry_after=retry_after)
-
-    @classmethod
-    def before_send(cls, kind: str = "connection", message: str = "", *,
-                    retry_after: str | float | None = None) -> ToolError:
-        return cls(message, applied=False, retryable=True, cause=f"{kind}_before_send",
-                   retry_after=retry_after)
-
-    @classmethod
-    def after_send(cls, kind: str = "timeout", message: str = "") -> ToolError:
-        return cls(message, applied=None, cause=f"{kind}_after_send")
-
-    def classification(self) -> Any:
-        """The :class:`orchestrator.recovery.Classification` of this failure."""
-        from orchestrator.recovery import Classification, classify_status
-
-        if self.status is not None and self.status >= 400:
-            return classify_status(self.status, proves_not_applied=self.applied is False)
-        if self.applied is False:
-            return Classification(self.cause or "not_applied", "none", self.retryable)
-        return Classification(self.cause or "outcome_unknown", "unknown", False)
 
 
 class OperationInProgress(OrchestratorError):

@@ -1,4 +1,4 @@
-"""Run identifiers: UUIDs whose first 48 bits are the creation time (RFC 9562 version 7).
+"""Identifiers. Run ids: UUIDs whose first 48 bits are the creation time (RFC 9562 version 7).
 
 Every hot index is keyed by the run id first (runs, the journal, the operation ledger). With
 random (version 4) ids each new run lands on a random leaf page of each of those indexes, so
@@ -11,6 +11,7 @@ The remaining 74 bits are random, so ids are still unique and not guessable in p
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 
@@ -25,3 +26,8 @@ def new_run_id() -> uuid.UUID:
     value |= 0b10 << 62  # RFC 9562 variant
     value |= rand & ((1 << 62) - 1)  # rand_b: 62 bits
     return uuid.UUID(int=value)
+
+
+def default_worker_id() -> str:
+    """A worker's (or reconciler's) id: host, process and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

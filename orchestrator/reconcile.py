@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator import canonical
 from orchestrator.context import ToolContext
@@ -22,6 +22,7 @@ from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
+from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
     InvalidRequest,
@@ -29,24 +30,19 @@ from orchestrator.errors import (
     OrchestratorError,
     ResolutionConflict,
     RunUnreadable,
+    error_json,
     new_incident_ref,
 )
+from orchestrator.ids import default_worker_id
+from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
+from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
-from orchestrator.replay import SCHEMA_VERSION
+from orchestrator.registry import Registry
 from orchestrator.text import check_operator, check_prose, storable
-from orchestrator.worker import default_worker_id
-
-if TYPE_CHECKING:
-    from orchestrator.app import Orchestrator
 
 log = logging.getLogger("orchestrator.reconciler")
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
-
-
-def _ev(kind: str, position: int | None, name: str | None, payload: Any) -> dict[str, Any]:
-    return {"kind": kind, "position": position, "name": name, "v": SCHEMA_VERSION,
-            "payload": payload}
 
 
 def check_evidence(evidence: str, operator: str) -> None:
@@ -130,20 +126,21 @@ async def resolve(
 
 
 def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str,
-            failed: str | None) -> list[dict[str, Any]]:
+            failed: str | None) -> list[Entry]:
     """The journal events of a resolution; ``failed`` is the failed run's error (JSON) for an
     abandonment (:func:`_abandonment`)."""
     position, tool, op = item["position"], item["tool_name"], item["operation_id"]
     if resolution == "committed":
-        return [_ev("call.completed", position, tool,
+        return [entry(EventKind.CALL_COMPLETED, position, tool,
                     {"result": receipt, "op": op, "resolved_by": operator})]
     if resolution == "not_applied":
-        return [_ev("call.not_applied", position, tool, {"op": op, "resolved_by": operator})]
+        return [entry(EventKind.CALL_NOT_APPLIED, position, tool,
+                      {"op": op, "resolved_by": operator})]
     assert failed is not None
     error = json.loads(failed)
-    return [_ev("call.abandoned", position, tool, {"op": op, "resolved_by": operator}),
-            _ev("run.failed", None, None, {key: error[key]
-                                           for key in ("code", "message", "incident")})]
+    return [entry(EventKind.CALL_ABANDONED, position, tool, {"op": op, "resolved_by": operator}),
+            entry(EventKind.RUN_FAILED, None, None, {key: error[key]
+                                                     for key in ("code", "message", "incident")})]
 
 
 async def _abandonment(conn: Conn, item: dict[str, Any], operator: str, evidence: str) -> str:
@@ -156,8 +153,7 @@ async def _abandonment(conn: Conn, item: dict[str, Any], operator: str, evidence
         "upstream_status": None, "detail": json.dumps({"operator": operator,
                                                        "evidence": evidence})})
     message = f"operation {item['operation_id']} was abandoned by an operator"
-    return json.dumps({"code": "OPERATION_ABANDONED", "message": message, "retryable": False,
-                       "incident": ref})
+    return error_json("OPERATION_ABANDONED", message, ref)
 
 
 async def _audit(conn: Conn, operator: str, action: str, item: dict[str, Any], evidence: str,
@@ -175,11 +171,14 @@ class Reconciler:
     item goes to operators. Every lookup and its answer stays in the item's history.
     """
 
-    def __init__(self, app: Orchestrator, *, max_lookups: int = 5, base_delay: float = 1.0,
+    def __init__(self, config: EngineConfig, registry: Registry, database: Database,
+                 metrics: Metrics, *, max_lookups: int = 5, base_delay: float = 1.0,
                  max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
                  lookup_timeout: float = 30.0) -> None:
-        self.app = app
-        self.db = app.database
+        self.config = config
+        self.registry = registry
+        self.db = database
+        self.metrics = metrics
         self.max_lookups = max_lookups
         self.base_delay = base_delay
         self.max_delay = max_delay
@@ -231,7 +230,7 @@ class Reconciler:
         return len(items)
 
     async def _handle(self, item: dict[str, Any]) -> None:
-        tool = self.app.registry.tools.get(item["tool_name"])
+        tool = self.registry.tools.get(item["tool_name"])
         if tool is None or tool.lookup_fn is None:
             async with self.db.connection() as conn:
                 await recon_db.recon_to_operator(
@@ -265,7 +264,7 @@ class Reconciler:
             answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc
         if isinstance(answer, Committed):
             try:
-                self.app.json_limits.check(answer.receipt, "$.receipt")
+                self.config.json_limits.check(answer.receipt, "$.receipt")
             except InvalidRequest:
                 answer = StillUnknown("the lookup's receipt is not JSON")
         if isinstance(answer, Committed | NotApplied):
@@ -276,8 +275,8 @@ class Reconciler:
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
                 evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
-                limits=self.app.json_limits)
-            self.app.metrics.incr(f"reconciliation_auto_{kind}")
+                limits=self.config.json_limits)
+            self.metrics.incr(f"reconciliation_auto_{kind}")
             log.info("operation %s resolved by lookup: %s", item["operation_id"], kind)
             return
         said = answer.reason if isinstance(answer, StillUnknown) else "not a lookup answer"

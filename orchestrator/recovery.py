@@ -26,8 +26,13 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from orchestrator.errors import InvalidRequest
+from orchestrator.failures import (  # noqa: F401 - re-exported: recovery speaks of them
+    Classification,
+    EffectKnowledge,
+    classify_status,
+    classify_transport,
+)
 
-EffectKnowledge = Literal["none", "committed", "unknown"]
 StopReason = Literal["cause", "visible", "effects", "budget"]
 MAX_ATTEMPTS_LIMIT = 10
 
@@ -170,48 +175,3 @@ def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[i
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return max(0, math.ceil((when - now).total_seconds() * 1000)), False
-
-
-@dataclass(frozen=True)
-class Classification:
-    """What a failure means: a public ``cause``, whether anything may have been applied, and
-    whether a retry is allowed at all."""
-
-    cause: str
-    effects: EffectKnowledge
-    transient: bool
-
-
-def classify_status(status: int, *, proves_not_applied: bool = False) -> Classification:
-    """Classify an HTTP-style status returned by a provider (C7).
-
-    401/403 authentication and 400/404/422 invalid requests are definitive and not retryable;
-    409 is a conflict (not a rate limit), not retryable; 408/429 are retryable only when the
-    failure proves the request was not applied; ≥500 leaves the effects unknown.
-    """
-    if status in (401, 403):
-        return Classification("authentication", "none", False)
-    if status in (400, 404, 422):
-        return Classification("invalid_request", "none", False)
-    if status == 409:
-        return Classification("conflict", "none", False)
-    if status in (408, 429):
-        if proves_not_applied:
-            return Classification("rate_limited" if status == 429 else "request_timeout",
-                                  "none", True)
-        return Classification("rate_limited" if status == 429 else "request_timeout",
-                              "unknown", False)
-    if status >= 500:
-        return Classification("upstream_error", "unknown", False)
-    if 400 <= status < 500:
-        return Classification("rejected", "none", False)
-    raise InvalidRequest(f"status {status} is not a failure", path="status")
-
-
-def classify_transport(phase: Literal["before_send", "after_send"], kind: str) -> Classification:
-    """Classify a transport failure: before the request left, nothing was applied and a retry
-    is allowed; after it was sent (timeouts, dropped connections, partial responses) the
-    effects are unknown."""
-    if phase == "before_send":
-        return Classification(f"{kind}_before_send", "none", True)
-    return Classification(f"{kind}_after_send", "unknown", False)

@@ -17,15 +17,17 @@ import secrets
 import socket
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator.db import grants as grants_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
-from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn, Database
 from orchestrator.db.events import incident_record
 from orchestrator.db.writer import GroupWriter
+from orchestrator.engine.config import EngineConfig
+from orchestrator.engine.executor import RunExecutor
 from orchestrator.errors import (
     DatabaseError,
     LeaseLost,
@@ -33,11 +35,11 @@ from orchestrator.errors import (
     RunUnreadable,
     SchemaUnsupported,
 )
-from orchestrator.executor import RunExecutor, event
+from orchestrator.ids import default_worker_id
+from orchestrator.journal import EventKind, entry
+from orchestrator.metrics import Metrics
+from orchestrator.registry import Registry
 from orchestrator.text import storable
-
-if TYPE_CHECKING:
-    from orchestrator.app import Orchestrator
 
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
@@ -55,16 +57,15 @@ WRITE_GRACE = 5.0
 CLAIM_GAP = 0.010
 
 
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
 class Worker:
-    """Claims and runs the workflows registered on ``app``. Create with ``app.create_worker``."""
+    """Claims and runs the workflows in ``registry``. Create with ``app.create_worker``."""
 
     def __init__(
         self,
-        app: Orchestrator,
+        config: EngineConfig,
+        registry: Registry,
+        database: Database,
+        metrics: Metrics,
         *,
         concurrency: int = 10,
         worker_id: str | None = None,
@@ -74,16 +75,18 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        self.app = app
-        self.metrics = app.metrics
+        self.config = config
+        self.registry = registry
+        self.database = database
+        self.metrics = metrics
         self.concurrency = concurrency
         self.worker_id = worker_id or default_worker_id()
-        self.lease_ttl = lease_ttl if lease_ttl is not None else app.lease_ttl
+        self.lease_ttl = lease_ttl if lease_ttl is not None else config.lease_ttl
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
-        self._liveness = workers_db.LivenessLock(app.target.url,
+        self._liveness = workers_db.LivenessLock(database.target.url,
                                                  secrets.randbits(62) + 1)
-        self.writer = GroupWriter(app.database)
+        self.writer = GroupWriter(database)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -100,17 +103,17 @@ class Worker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Work until ``stop`` is set (or :meth:`request_stop`), then drain."""
-        async with self.app.database.connection() as conn:  # before anything else starts
+        async with self.database.connection() as conn:  # before anything else starts
             await grants_db.require_privileges(conn, "worker")
         if stop is not None:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()
-        listener = asyncio.ensure_future(self.app.database.listen(
+        listener = asyncio.ensure_future(self.database.listen(
             [RUNS_CHANNEL, CANCEL_CHANNEL], self._on_notify, listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
-        workflows = list(self.app.registry.workflows)
+        workflows = list(self.registry.workflows)
         held = await self._liveness.ensure()  # before registering: never seen alive without
-        async with self.app.database.connection() as conn:
+        async with self.database.connection() as conn:
             await workers_db.worker_register(
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                 workflows=workflows, concurrency=self.concurrency,
@@ -146,7 +149,7 @@ class Worker:
                 with contextlib.suppress(BaseException):
                     await task
             with contextlib.suppress(OrchestratorError):
-                async with self.app.database.connection() as conn:
+                async with self.database.connection() as conn:
                     await workers_db.worker_unregister(conn, self.worker_id)
             await self._liveness.close()
             log.info("worker %s stopped", self.worker_id)
@@ -155,7 +158,7 @@ class Worker:
         if channel == CANCEL_CHANNEL:
             for rid, (_, ex) in self._running.items():
                 if ex is not None and str(rid) == payload:
-                    ex.note_cancel()
+                    ex.run.note_cancel()
             return
         self._wake.set()
 
@@ -165,7 +168,7 @@ class Worker:
 
     async def _sweep(self) -> None:
         try:
-            async with self.app.database.connection() as conn:
+            async with self.database.connection() as conn:
                 await runs_db.run_release_expired(conn)
                 await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
@@ -174,7 +177,7 @@ class Worker:
 
     async def _claim(self, workflows: list[str], free: int) -> list[dict[str, Any]]:
         try:
-            async with self.app.database.connection() as conn:
+            async with self.database.connection() as conn:
                 claims = await runs_db.run_claim_ready(
                     conn, worker=self.worker_id, workflows=workflows, limit=free,
                     ttl=self.lease_ttl)
@@ -205,8 +208,8 @@ class Worker:
             task, _ = self._running[run_id]
             self._running[run_id] = (task, executor)
             if self._stop.is_set():
-                executor.draining = True
-            workflow = self.app.registry.workflows[executor.workflow_key]
+                executor.run.request_drain()
+            workflow = self.registry.workflows[executor.workflow_key]
             await executor.drive(workflow)
         except asyncio.CancelledError:
             raise
@@ -223,12 +226,12 @@ class Worker:
         try:
             journal: list[dict[str, Any]] = []
             if claim["revision"] > 0:  # a fresh run has nothing to replay
-                async with self.app.database.connection() as conn:
+                async with self.database.connection() as conn:
                     journal = await runs_db.journal_read(conn, run_id)
-            return RunExecutor(self, claim, journal)
+            return self.new_executor(claim, journal)
         except SchemaUnsupported:
             log.error("run %s has journal events newer than this code; released", run_id)
-            async with self.app.database.connection() as conn:
+            async with self.database.connection() as conn:
                 await runs_db.run_release(
                     conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
                     waiting_for="a worker that understands its journal's schema version")
@@ -238,6 +241,12 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - whatever the stored rows hold
             await self._fail_unreadable(claim, exc)
             return None
+
+    def new_executor(self, claim: dict[str, Any], journal: list[dict[str, Any]]) -> RunExecutor:
+        """The executor of a run this worker claimed (raises what decoding it raises)."""
+        return RunExecutor(claim, journal, config=self.config, registry=self.registry,
+                           database=self.database, writer=self.writer, metrics=self.metrics,
+                           worker_id=self.worker_id)
 
     async def _fail_unreadable(self, claim: dict[str, Any], exc: Exception) -> None:
         """End a run this code cannot decode or replay: ``failed`` with ``RUN_UNREADABLE``, its
@@ -261,7 +270,7 @@ class Worker:
                 if stranded:
                     await runs_db.journal_append(
                         conn, run_id=run_id, token=token, expected=claim["revision"],
-                        events=[event("call.unknown", op["position"], op["tool_name"],
+                        events=[entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
                                       {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
                                        "next": "reconcile"}) for op in stranded])
                 await runs_db.run_block_for_reconciliation(
@@ -271,7 +280,7 @@ class Worker:
                 return False
             await runs_db.journal_append(
                 conn, run_id=run_id, token=token, expected=claim["revision"],
-                events=[event("run.failed", None, None, {
+                events=[entry(EventKind.RUN_FAILED, None, None, {
                     "code": error.code, "message": error.message, "incident": error.incident})])
             await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
                                      outcome_code=error.code, result=None,
@@ -279,7 +288,7 @@ class Worker:
             return True
 
         try:
-            ended = await self.app.database.run_in_transaction(end)
+            ended = await self.database.run_in_transaction(end)
         except (LeaseLost, DatabaseError) as lost:
             log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
                         error.code, lost.code)
@@ -303,7 +312,7 @@ class Worker:
             await asyncio.sleep(interval)
             locked = await self._liveness.ensure()
             try:
-                async with self.app.database.connection() as conn:
+                async with self.database.connection() as conn:
                     await workers_db.worker_heartbeat(
                         conn, self.worker_id, lock_key=self._liveness.key if locked else None)
             except OrchestratorError as exc:
@@ -320,9 +329,9 @@ class Worker:
         write landed it is simply not running any more, and if it was taken away the write is
         fenced. Returns False if the database could not be asked."""
         held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
-                if ex is not None and not ex.lost]
+                if ex is not None and not ex.run.lost]
         try:
-            async with self.app.database.connection() as conn:
+            async with self.database.connection() as conn:
                 kept = await runs_db.run_heartbeat(
                     conn, worker=self.worker_id, leases=[(rid, ex.token) for rid, ex in held],
                     ttl=self.lease_ttl)
@@ -330,14 +339,14 @@ class Worker:
             log.warning("lease renewal failed: %s", exc.code)
             return False
         for rid, ex in held:
-            if rid not in kept and rid in self._running and not ex.ending:
-                ex.lose_lease("heartbeat rejected")
+            if rid not in kept and rid in self._running and not ex.run.ending:
+                ex.run.lose_lease("heartbeat rejected")
         return True
 
     async def _drain(self) -> None:
         for _, ex in self._running.values():
             if ex is not None:
-                ex.draining = True
+                ex.run.request_drain()
         tasks = [task for task, _ in self._running.values()]
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)

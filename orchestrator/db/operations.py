@@ -14,6 +14,7 @@ from typing import Any
 from orchestrator.db.database import Conn
 from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
+from orchestrator.journal import EventKind, sql_payload
 
 S = "orchestrator"
 
@@ -340,11 +341,10 @@ class Receipt:
                 "prev_name": self.name, "digest": self.digest}
 
     def raw(self) -> dict[str, str]:
-        return {"receipt": self.text, "done": f'{{"op":{self.op_id},"result":{self.text}}}'}
+        return {"receipt": self.text}
 
 
-RECEIPT_COLUMNS = ("prev_op bigint, prev_position int, prev_name text, receipt jsonb, "
-                   "digest text, done jsonb")
+RECEIPT_COLUMNS = "prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text"
 """The columns of a fast statement's row that carry a :class:`Receipt` (all NULL without)."""
 
 EVENTS = "(1 + (x.prev_op IS NOT NULL)::int)"
@@ -376,8 +376,10 @@ def receipt_event_sql(rows: str) -> str:
     """The ``call.completed`` journal rows (at ``expected + 1``) of the receipts that CTE
     ``done`` committed, as a SELECT for the journal's INSERT."""
     return f"""
-    SELECT {rows}.run_id, {rows}.expected + 1, 'call.completed', {rows}.prev_position,
-           {rows}.prev_name, {rows}.v, {rows}.done, {rows}.token
+    SELECT {rows}.run_id, {rows}.expected + 1, '{EventKind.CALL_COMPLETED}', {rows}.prev_position,
+           {rows}.prev_name, {rows}.v,
+           {sql_payload(EventKind.CALL_COMPLETED, result=f"{rows}.receipt", op=f"{rows}.prev_op")},
+           {rows}.token
     FROM {rows} JOIN done ON done.run_id = {rows}.run_id"""
 
 
@@ -409,11 +411,11 @@ WITH x AS (
                              lease_token)
     {receipt_event_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + {EVENTS}, 'call.submitted',
+    SELECT x.run_id, x.expected + {EVENTS}, '{EventKind.CALL_SUBMITTED}',
            x.position, x.tool_name, x.v,
-           jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
-                              'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
-                              'effect', x.effect_class),
+           {sql_payload(EventKind.CALL_SUBMITTED, tool_version="x.tool_version",
+                        intent="x.intent_digest", attempt="x.attempt", op="op.id",
+                        key="x.idempotency_key", effect="x.effect_class")},
            x.token
     FROM x JOIN op ON op.run_id = x.run_id
     RETURNING run_id

@@ -7,12 +7,13 @@ check the row count and stop working on the run when it is zero (CONTRACT C3, C6
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from orchestrator.canonical import canonical_json
+from orchestrator.canonical import JsonLimits, canonical_json, request_digest
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
 from orchestrator.db.operations import (
     EVENTS,
@@ -25,10 +26,39 @@ from orchestrator.db.operations import (
 )
 from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
+from orchestrator.ids import new_run_id
+from orchestrator.journal import SCHEMA_VERSION, EventKind, sql_payload
+from orchestrator.models import Owner
 
 S = "orchestrator"
 
 _NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
+
+def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: JsonLimits,
+            owner: Owner, idempotency_key: str | None, deadline: float | None,
+            run_id: uuid.UUID | None = None,
+            parent: tuple[uuid.UUID, int] | None = None) -> dict[str, Any]:
+    """A new run's row for :func:`run_insert`, its input held to ``limits``. Raises before
+    anything is written (a submission's and a child's alike)."""
+    input_text = limits.text(input, "$.input")
+    options: dict[str, Any] = {}
+    if deadline is not None:
+        options["deadline_seconds"] = deadline
+    return {
+        "id": run_id or new_run_id(),
+        "tenant": owner.tenant,
+        "principal": owner.principal,
+        "workflow_name": workflow_name,
+        "workflow_version": workflow_version,
+        "input": input_text,
+        "options": json.dumps(options),
+        "request_digest": request_digest(workflow_name, workflow_version, input, options),
+        "idempotency_key": idempotency_key,
+        "parent_run_id": parent[0] if parent else None,
+        "parent_position": parent[1] if parent else None,
+        "deadline_seconds": deadline,
+    }
+
 
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
@@ -481,7 +511,8 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
     await conn.execute(
         f"""
         INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
-        VALUES (%s, %s, 'run.cancelled', 1, '{{}}'::jsonb, %s)
+        VALUES (%s, %s, '{EventKind.RUN_CANCELLED}', {SCHEMA_VERSION},
+                {sql_payload(EventKind.RUN_CANCELLED)}, %s)
         """,
         (run_id, revision + 1, row["lease_token"]),
     )
@@ -564,8 +595,8 @@ WITH x AS (
                              lease_token)
     {receipt_event_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + {EVENTS}, 'run.completed', NULL,
-           NULL, x.v, jsonb_build_object('result', x.result), x.token
+    SELECT x.run_id, x.expected + {EVENTS}, '{EventKind.RUN_COMPLETED}', NULL,
+           NULL, x.v, {sql_payload(EventKind.RUN_COMPLETED, result="x.result")}, x.token
     FROM x JOIN fence ON fence.id = x.run_id
     RETURNING run_id
 ), n AS (

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from orchestrator import AccessDenied, InvalidRequest, ResultTimeout, RunFailed, ToolError
+from orchestrator.engine.control import Phase
 from tests.integration.conftest import running, wait_for
 
 
@@ -450,7 +451,8 @@ async def test_a_stopping_worker_does_not_withdraw_a_call_it_cancels(make_app, s
 
         def hand_over() -> None:
             executors = [ex for _, ex in worker._running.values() if ex is not None]
-            if landing.done() and all(ex.parking for ex in executors):
+            if landing.done() and all(ex.run.phase in (Phase.PARKING, Phase.GONE)
+                                      for ex in executors):
                 if landing.exception() is not None:
                     delayed.set_exception(landing.exception())  # type: ignore[arg-type]
                 else:
@@ -489,10 +491,9 @@ async def test_a_drain_that_runs_out_of_time_still_writes_the_receipts_it_holds(
     written as soon as the workflow yields; that write is held back here so that only the
     backstop is left to do it (without the backstop the operation stays ``submitted`` and
     the next worker finds it uncertain)."""
-    from orchestrator.executor import RunExecutor
+    from orchestrator.engine.session import Rider
 
-    monkeypatch.setattr(RunExecutor, "_settle_soon",
-                        lambda self: setattr(self, "_settle_scheduled", False))
+    monkeypatch.setattr(Rider, "_settle_soon", lambda self: setattr(self, "_scheduled", False))
     app = make_app(lease_ttl=1.0)
     called: list[str] = []
     returned = asyncio.Event()

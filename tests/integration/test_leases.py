@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator import admin
 from orchestrator.db import runs as runs_db
+from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
 from tests.integration.conftest import running, wait_for
 
@@ -198,8 +199,6 @@ async def test_workers_only_claim_workflow_versions_they_registered(make_app, sq
 async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, sql):
     """A renewal that meets a run whose final write already landed must not flag it lost;
     one that meets a run taken away while it was working must."""
-    from orchestrator.executor import RunExecutor
-
     job = _wf(app)
     for i in range(2):
         await app.submit_async(job, {"i": i})
@@ -207,17 +206,17 @@ async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, s
     claims = await _claim(app, worker.worker_id, limit=2)
     executors = []
     for claim in claims:
-        ex = RunExecutor(worker, claim, [])
+        ex = worker.new_executor(claim, [])
         worker._running[claim["id"]] = (asyncio.get_running_loop().create_future(), ex)
         executors.append(ex)
     ending, working = executors
-    ending.ending = True  # its success was just committed; its task has not returned yet
+    ending.run.enter(Phase.ENDING)  # its success was just committed; its task has not returned yet
     for ex in executors:  # both runs are no longer running under these leases
         sql("UPDATE orchestrator.runs SET status = 'succeeded', finished_at = now(), "
-            "lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (ex.run_id,))
+            "lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (ex.run.run_id,))
     assert await worker._renew_leases()
-    assert not ending.lost
-    assert working.lost and worker.metrics.snapshot()["lease_losses"] == 1
+    assert not ending.run.lost
+    assert working.run.lost and worker.metrics.snapshot()["lease_losses"] == 1
     await app.database.close()
 
 

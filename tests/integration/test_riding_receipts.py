@@ -330,10 +330,11 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
     once; a guarded statement's refusal is a ``LeaseLost`` although the lease is held): the
     receipt is written alone, then the write again without it; the journal keeps its order
     and the receipt is accounted for once. The lease is not given up on the work's word."""
-    from orchestrator import executor, faults
+    from orchestrator import faults
+    from orchestrator.engine import commands
     from orchestrator.errors import LeaseLost
 
-    take = executor.event_take
+    take = commands.event_take
     failures: list[int] = []
 
     async def flaky_take(conn, **kwargs):  # type: ignore[no-untyped-def]
@@ -342,7 +343,7 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
             raise (LeaseLost if error == "LeaseLost" else RuntimeError)("the take failed once")
         return await take(conn, **kwargs)
 
-    monkeypatch.setattr(executor, "event_take", flaky_take)
+    monkeypatch.setattr(commands, "event_take", flaky_take)
     reached: list[str] = []
     real_reach = faults.reach
     monkeypatch.setattr(faults, "reach", lambda point, tool: (

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.executor import RunExecutor
+from orchestrator.engine.executor import RunExecutor
 from tests.integration.conftest import running, wait_for
 
 ENDINGS = {

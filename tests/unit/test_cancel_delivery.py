@@ -1,5 +1,5 @@
 """How a cancellation held during a write is delivered once the write is accounted for
-(``RunExecutor._delivering``): after a write that landed, instead of the error of one that did
+(``engine.session._Delivering``): after a write that landed, instead of the error of one that did
 not, never instead of a stop of the run, and not at all when the caller takes it itself."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from typing import Any, cast
 
 import pytest
 
-from orchestrator.executor import RunExecutor, Stop, _Delivering
+from orchestrator.engine.control import Stop
+from orchestrator.engine.session import Session, _Delivering
 
 
 class Held:
-    """Stands in for the executor: only the held-cancellation flag is read."""
+    """Stands in for the session: only the held-cancellation flag is read."""
 
     def __init__(self, held: bool) -> None:
         self.held = held
@@ -26,7 +27,7 @@ class Held:
 
 
 def delivering(ex: Held, *, hold: bool = False) -> _Delivering:
-    return _Delivering(cast(RunExecutor, ex), hold=hold)
+    return _Delivering(cast(Session, ex), hold)
 
 
 def test_a_landed_write_delivers_a_held_cancellation_after_its_bookkeeping() -> None:

@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from orchestrator.errors import InvalidRequest, ToolError
+from orchestrator.errors import InvalidRequest
+from orchestrator.failures import ToolError
 from orchestrator.recovery import (
     Decision,
     RetryPolicy,

@@ -3,9 +3,10 @@ engine's own signals win over the workflow's errors, as they would without the g
 
 from __future__ import annotations
 
+from orchestrator.engine.control import Stop
+from orchestrator.engine.control import engine_error_in as _engine_error_in
 from orchestrator.errors import DatabaseError
-from orchestrator.executor import Stop, _engine_error_in
-from orchestrator.replay import Nondeterminism
+from orchestrator.journal import Nondeterminism
 
 
 def group(*excs: BaseException) -> BaseExceptionGroup[BaseException]:

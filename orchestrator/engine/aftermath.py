@@ -1,0 +1,125 @@
+"""What follows an attempt that did not return a receipt (CONTRACT C5, C7, C8): a durable
+backoff and the next attempt, a definitive failure raised into the workflow, or an unknown
+outcome that goes to reconciliation (or is re-sent, where the effect class allows)."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from orchestrator.db import operations as ops_db
+from orchestrator.db.database import Conn
+from orchestrator.engine.site import Attempt, CallSite
+from orchestrator.errors import ToolFailed, operation_error_json
+from orchestrator.failures import Classification
+from orchestrator.journal import Entry, EventKind
+from orchestrator.recovery import Decision, decide
+
+NOT_APPLIED = Classification("not_applied", "none", True)
+"""A reconciliation's answer that the attempt was not applied: retried under the policy."""
+
+
+class Aftermath:
+    """After one failed or uncertain attempt of one call."""
+
+    def __init__(self, site: CallSite) -> None:
+        self.site = site
+
+    def decide(self, cls: Classification, number: int,
+               upstream: tuple[int | None, bool] | None) -> Decision:
+        remaining = self.site.run.remaining()
+        wait, invalid = upstream if upstream is not None else (None, False)
+        return decide(transient=cls.transient, effects=cls.effects, visible=False,
+                      attempts=number, policy=self.site.tool.policy, jitter=random.random(),
+                      remaining_ms=None if remaining is None else int(remaining * 1000),
+                      upstream_wait_ms=wait, upstream_invalid=invalid)
+
+    async def not_applied(self, op_id: int, number: int) -> Attempt:
+        """Reconciliation proved the attempt was not applied: go on under the retry policy."""
+        self.site.run.boundary()  # a cancellation that waited for the reconciliation wins now
+        decision = self.decide(NOT_APPLIED, number, None)
+        return await self.definitive(op_id, number, decision, "not_applied", None,
+                                     record_failure=False)
+
+    async def definitive(self, op_id: int, number: int, decision: Decision, cause: str,
+                         ref: str | None, *, record_failure: bool = True) -> Attempt:
+        """This attempt applied nothing: back off durably and return the next attempt, or stop
+        with ToolFailed. But if an earlier attempt at this position is still unknown (it was
+        re-sent with the same key), this answer says nothing about that one: the next attempt
+        keeps its key, and instead of failing the call goes to reconciliation."""
+        site = self.site
+        earlier = await self._unknown_attempts(op_id)
+        key = earlier[0]["idempotency_key"] if earlier else None
+        if decision.action == "retry":
+            not_before = site.run.now() + timedelta(milliseconds=decision.delay_ms)
+            await self._fail(op_id, EventKind.CALL_RETRYING, {
+                "op": op_id, "attempt": number, "cause": cause, "incident": ref,
+                "delay_ms": decision.delay_ms, "not_before": not_before.isoformat(),
+                "key": key}, record_failure)
+            await site.wait_until(not_before)
+            return Attempt(number + 1, key)
+        if earlier:
+            await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
+        reason = decision.reason or "cause"
+        await self._fail(op_id, EventKind.CALL_FAILED, {
+            "op": op_id, "attempt": number, "cause": cause, "reason": reason, "incident": ref},
+            record_failure)
+        if decision.detail == "deadline":
+            site.run.stop_deadline()  # the next attempt cannot fit before the run's deadline
+        raise ToolFailed(f"tool {site.tool.name} failed", tool=site.tool.name, cause=cause,
+                         reason=reason, incident=ref)
+
+    async def uncertain(self, op_id: int, number: int, key: str, reason: str,
+                        incident: str | None = None) -> Attempt:
+        """The effect may or may not have happened: never guess (C5, C8). ``incident`` is the
+        reference of the diagnostics kept for it, if any (its event names it for operators).
+        Returns the next attempt where the effect class allows one."""
+        site, run = self.site, self.site.run
+        step = site.uncertain_step(number)
+        await site.record_unknown(op_id, reason, step, incident)
+        if run.remaining() == 0:
+            run.stop_deadline()  # the effect stays unknown and listed; the run is out of time
+        if run.cancel_requested and step != "reconcile":
+            run.stop_cancelled()  # an uncertain read settles as not applied; nothing is unknown
+        if step == "reconcile":
+            await site.park_blocked(op_id)
+        return Attempt(number + 1, key if step == "resend" else None)
+
+    async def _unknown_attempts(self, current: int) -> list[dict[str, Any]]:
+        """Earlier attempts at this position whose outcome is still unknown (re-sent ones)."""
+        site = self.site
+        rows = await site.session.read(
+            lambda conn: ops_db.operation_for_position(conn, site.run.run_id, site.position))
+        return [r for r in rows if r["state"] == "unknown" and r["id"] != current]
+
+    async def _reconcile_earlier(self, op_id: int, earlier: int, cause: str, ref: str | None,
+                                 record_failure: bool) -> NoReturn:
+        """Stop retrying, but do not fail: the earlier, re-sent attempt may have applied."""
+        site = self.site
+        error = operation_error_json("TOOL_FAILED", cause=cause, incident=ref)
+        token = site.run.token
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            if record_failure:
+                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+            await ops_db.operation_enqueue(conn, op_id=earlier, reason="RESEND_NOT_APPLIED")
+            return None, [site.event(EventKind.CALL_UNKNOWN, {
+                "op": earlier, "reason": "RESEND_NOT_APPLIED", "next": "reconcile"})]
+
+        await site.append(work)
+        await site.park_blocked(earlier)
+
+    async def _fail(self, op_id: int, kind: EventKind, payload: dict[str, Any],
+                    record_failure: bool) -> None:
+        site = self.site
+        error = operation_error_json("TOOL_FAILED", cause=payload["cause"],
+                                     incident=payload["incident"])
+        token = site.run.token
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            if record_failure:
+                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+            return None, [site.event(kind, payload)]
+
+        await site.append(work)

@@ -1,0 +1,151 @@
+"""The branch scheduler: drives the workflow's coroutine, counts the work in flight of its
+branches, and parks the run once every branch waits on the database.
+
+The executor runs the workflow coroutine once from the top, feeding recorded results from the
+journal (replay) and executing new commands, and keeps the coroutine in memory while the run
+makes progress, so a run with *n* steps costs *n* steps, not *n²*. When every branch waits on
+something durable (a timer, an event, a child run, an unknown operation) the run is *parked* in
+the database and the coroutine dropped; the next claim replays it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import Any
+
+from orchestrator.engine.control import Phase, Wait
+from orchestrator.engine.outcome import Outcome
+from orchestrator.engine.run import RunState
+from orchestrator.engine.session import Session
+
+
+class Branches:
+    """The workflow's branches in this process: what is in flight, what waits."""
+
+    def __init__(self, run: RunState, session: Session, outcome: Outcome) -> None:
+        self.run = run
+        self.session = session
+        self.outcome = outcome
+        self.active_count = 0
+        self.active_depth: dict[int, int] = {}
+        self.waits: dict[int, Wait] = {}
+        self._parked: list[asyncio.Future[None]] = []
+        self.changed = asyncio.Event()
+        self.task: asyncio.Task[Any] | None = None
+        session.rider.last_write_next = self.last_write_next
+        session.holding = self.active
+
+    def active(self, position: int | None = None) -> _Active:
+        """Marks in-flight work (``with branches.active():``): the run is not parked while any
+        is going on."""
+        return _Active(self, position)
+
+    def last_write_next(self) -> bool:
+        """Nothing is in flight and the workflow has finished or every branch waits on the
+        database: the run's end or its park comes next (and carries the riding receipts). With
+        a branch in flight that end would wait for the branch, so a receipt goes at once."""
+        task = self.task
+        return self.active_count == 0 and bool(
+            self.waits or (task is not None and task.done()))
+
+    async def park(self, wait: Wait) -> Any:
+        """Wait for the database's help: never returns in this process.
+
+        The run is parked once no branch has work in flight; the next claim replays.
+        """
+        if wait.kind != "blocked":
+            self.run.boundary()
+        self.waits[wait.position] = wait
+        # A command may park from inside its own active() section (a call whose outcome became
+        # unknown): while parked it is not work in flight.
+        depth = self.active_depth.get(wait.position, 0)
+        self.active_count -= depth
+        self.changed.set()
+        parked: asyncio.Future[None] = self.run.loop.create_future()
+        self._parked.append(parked)
+        try:
+            await parked  # cancelled when the run is parked
+        finally:
+            self.active_count += depth
+
+    async def drive(self, workflow: Awaitable[Any]) -> None:
+        """Run the workflow until it finishes or parks; record the outcome."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(workflow)
+        self.task = task
+        task.add_done_callback(lambda _: self.changed.set())
+        try:
+            await self._drive(task)
+        finally:  # whatever happened, nothing of this run keeps running in this process
+            self.run.enter(Phase.GONE)
+            task.cancel()
+            # A workflow's exception holds its frames, and they hold the context and so this
+            # executor: kept, the task would leave the executor in a cycle, in memory until the
+            # cycle collector runs.
+            self.task = None
+            for parked in self._parked:
+                parked.cancel()
+            try:
+                if self.session.rider.receipts:
+                    # Every end of the run writes them first; this is the backstop, also for a
+                    # run cancelled by a drain that ran out of time: what is known is written.
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.session.settle())
+            finally:
+                self.session.detach()
+
+    async def _drive(self, task: asyncio.Task[Any]) -> None:
+        changed = self.changed
+        while True:
+            await changed.wait()
+            changed.clear()
+            if task.done():
+                break
+            if self.active_count == 0 and self.waits:
+                for _ in range(4):  # let callbacks that are already due run first
+                    await asyncio.sleep(0)
+                if task.done():
+                    break
+                if self.active_count == 0 and self.waits and not changed.is_set():
+                    self.run.enter(Phase.PARKING)
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    await self.outcome.park(list(self.waits.values()))
+                    return
+                if self.session.rider.receipts and not task.done():  # no park after all
+                    self.session.settle_in_background()
+        while self.active_count:  # other branches still have work in flight: let it land
+            await changed.wait()
+            changed.clear()
+        self.run.enter(Phase.ENDING)
+        await self.outcome.finish(task, list(self.waits.values()))
+
+
+class _Active:
+    """``with branches.active(position):`` (a plain class, not a generator-based context
+    manager: a step enters several, and the generator cost three times as much). Made per
+    use: one kept on the scheduler would make a reference cycle, and an executor in a cycle
+    outlives its run until the cycle collector runs."""
+
+    __slots__ = ("branches", "position")
+
+    def __init__(self, branches: Branches, position: int | None) -> None:
+        self.branches = branches
+        self.position = position
+
+    def __enter__(self) -> None:
+        branches, position = self.branches, self.position
+        branches.active_count += 1
+        if position is not None:
+            branches.active_depth[position] = branches.active_depth.get(position, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        branches, position = self.branches, self.position
+        branches.active_count -= 1
+        if position is not None:
+            branches.active_depth[position] -= 1
+        if branches.active_count == 0 and (
+                branches.waits or (branches.task is not None and branches.task.done())):
+            branches.changed.set()  # what _drive waits for: it may park or finish now

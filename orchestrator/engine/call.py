@@ -1,0 +1,304 @@
+"""The effect gateway: every tool call is an operation in the ledger (CONTRACT C5, C7).
+
+One attempt::
+
+    pending (intent; only with policy stages) ─► authorize ─► approve ─┐
+    submitted committed (write-ahead, fenced, unless cancelled) ◄───────┘
+        ─► tool called ─► committed (receipt recorded with the run's next write, before
+                          anything that follows from it; or at once: receipts_ride=False)
+                       └► failed (proved not applied) ─► retry after a durable backoff, or stop
+                       └► unknown ─► reconciliation (or a re-send its effect class allows)
+
+A replayed call returns what the journal recorded and never calls the tool. A call found
+``submitted`` without an outcome (its worker died) is never sent again unless its effect class
+allows: ``idempotent`` tools are re-sent with the same idempotency key and ``read`` tools as a
+new attempt, within the retry budget; ``consequential`` tools go to reconciliation.
+
+The parts: :class:`Call` (this module) runs attempts and records receipts;
+:mod:`~orchestrator.engine.stages` runs the policy stages; :mod:`~orchestrator.engine.aftermath`
+decides what follows a failed or uncertain attempt; :mod:`~orchestrator.engine.site` holds
+what they share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+from orchestrator import canonical, faults
+from orchestrator.context import ToolContext
+from orchestrator.db import operations as ops_db
+from orchestrator.db.database import Conn
+from orchestrator.engine.aftermath import Aftermath
+from orchestrator.engine.control import Stop
+from orchestrator.engine.site import Attempt, CallSite
+from orchestrator.engine.stages import Stages, policy_stages
+from orchestrator.errors import InvalidRequest, ToolFailed
+from orchestrator.failures import ToolError
+from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
+from orchestrator.recovery import parse_retry_after
+
+
+class Call(CallSite):
+    """One ``ctx.call`` at one journal position: its attempts, until a receipt or a failure."""
+
+    async def perform(self) -> Any:
+        """The call's receipt: recorded (a replay), or from its attempts now."""
+        recorded = self.run.index.expect(self.position, "call", self.tool.name)
+        try:
+            state = await self.resume(recorded) if recorded else Attempt()
+        except _Done as done:
+            return done.value
+        while True:
+            outcome = await self.attempt(state)
+            if isinstance(outcome, _Done):
+                return outcome.value
+            state = outcome
+
+    async def resume(self, recorded: list[Entry]) -> Attempt:
+        """Continue from what the journal says about this call."""
+        if recorded[0]["payload"]["intent"] != self.intent:
+            raise Nondeterminism(
+                f"position {self.position}: tool {self.tool.name!r} was recorded with other "
+                "arguments (intent digest differs)")
+        last = recorded[-1]
+        kind, payload = last["kind"], last["payload"]
+        begun = self.run.index.last(self.position,
+                                    (EventKind.CALL_PENDING, EventKind.CALL_SUBMITTED))
+        assert begun is not None
+        number, op_id = begun["payload"]["attempt"], begun["payload"]["op"]
+        if kind == EventKind.CALL_COMPLETED:
+            raise _Done(payload["result"])
+        if kind == EventKind.CALL_FAILED and payload.get("reason") == "withdrawn":
+            # Workflow code cancelled this call before it was sent: the same code cancels it
+            # again at this point (see withdraw); until then the call does not return.
+            await self.run.until_cancelled()
+        if kind in (EventKind.CALL_FAILED, EventKind.CALL_DENIED):
+            raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
+                             cause=payload.get("cause"), reason=payload.get("reason"),
+                             incident=payload.get("incident"))
+        if kind == EventKind.CALL_CANCELLED:
+            raise Stop("deadline" if payload.get("why") == "deadline" else "cancelled")
+        if kind == EventKind.CALL_PENDING:
+            return Attempt(number, begun["payload"]["key"], pending_op=op_id)
+        if kind == EventKind.CALL_RETRYING:
+            await self.wait_until(datetime.fromisoformat(payload["not_before"]))
+            return Attempt(number + 1, payload.get("key"))
+        if kind == EventKind.CALL_NOT_APPLIED:  # reconciled: continue under the retry policy
+            return await Aftermath(self).not_applied(op_id, number)
+        if kind == EventKind.CALL_UNKNOWN:
+            step = payload.get("next", "reconcile")
+            if step == "reconcile":
+                return await self.after_reconciliation(payload["op"], number)
+            return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
+        # call.submitted without an outcome: the worker that sent it is gone
+        step = self.uncertain_step(number)
+        await self.record_unknown(op_id, "WORKER_LOST", step)
+        if step == "reconcile":
+            await self.park_blocked(op_id)
+        return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
+
+    async def after_reconciliation(self, op_id: int, number: int) -> Attempt:
+        """The journal says this call waits for reconciliation; the ledger says whether it is
+        still waiting. A resolution that landed while no worker held the run (it was queued
+        between a dead worker's lease and the next claim) is only in the ledger: take it from
+        there, and record it in the journal now."""
+        run_id, position = self.run.run_id, self.position
+        rows = await self.session.read(
+            lambda conn: ops_db.operation_for_position(conn, run_id, position))
+        row = next((r for r in rows if r["id"] == op_id), None)
+        state = row["state"] if row else "unknown"
+        if state == "committed":
+            assert row is not None
+
+            async def work(conn: Conn) -> tuple[None, list[Entry]]:
+                return None, [self.event(EventKind.CALL_COMPLETED, {
+                    "result": row["receipt"], "op": op_id, "resolved": True})]
+
+            await self.append(work)
+            raise _Done(row["receipt"])
+        if state == "not_applied":
+            return await Aftermath(self).not_applied(op_id, number)
+        if state == "abandoned":
+            self.run.stop_abandoned(op_id)
+        await self.park_blocked(op_id)
+
+    # -- one attempt -------------------------------------------------------------------------
+
+    async def attempt(self, state: Attempt) -> Attempt | _Done:
+        """Run one attempt: its receipt (:class:`_Done`), or the attempt to run next."""
+        run, tool = self.run, self.tool
+        run.boundary()
+        remaining = run.remaining()
+        if remaining is not None and remaining * 1000 <= tool.policy.min_attempt_ms:
+            run.stop_deadline()  # not even the minimum attempt fits: never dispatch
+        key = state.key or self.key_for(state.number)
+        op_id = state.pending_op
+        stages = policy_stages(self.config, tool)
+        if op_id is None:
+            op_id, status = await self.begin(state.number, key, pending=bool(stages))
+            faults.reach("after_intent", tool.name)
+            await self.written(op_id, state.number, status, pending=bool(stages))
+        if stages or state.pending_op is not None:
+            await Stages(self).run(op_id, state.number, key, stages)
+        faults.reach("after_submitted", tool.name)
+        run.metrics.incr("operations_dispatched")
+        if state.number > 1:
+            run.metrics.incr("operations_retried")
+        return await self.dispatch(op_id, state.number, key)
+
+    async def begin(self, number: int, key: str, *, pending: bool) -> tuple[int, str]:
+        """Record the attempt's intent: ``submitted`` (write-ahead), or ``pending`` when policy
+        stages come first. One fenced statement in the common case."""
+        run, session = self.run, self.session
+        row = {
+            "run_id": run.run_id, "position": self.position, "attempt": number,
+            "tool_name": self.tool.name, "tool_version": self.tool.version,
+            "effect_class": self.tool.effect, "tenant": run.owner.tenant,
+            "principal": run.owner.principal, "intent_digest": self.intent,
+            "arguments": self.args_text, "idempotency_key": key,
+            "worker_id": run.worker_id, "token": run.token,
+        }
+
+        if not pending and not session.buffered and not run.cancel_requested:
+            try:
+                with self.branches.active():
+                    op_id: int = await session.write_direct(
+                        lambda expected, receipt: ops_db.operation_begin_fast(
+                            row, expected=expected, v=SCHEMA_VERSION, receipt=receipt),
+                        new_work=True, hold=True)
+                    return op_id, "submitted"
+            except ops_db.FastPathMiss:
+                pass  # cancelled, lease lost or a conflict: the general path tells which
+
+        async def work(conn: Conn) -> tuple[tuple[int, str], list[Entry]]:
+            op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
+            kind = EventKind.CALL_SUBMITTED if status == "submitted" else EventKind.CALL_PENDING
+            events = [self.event(kind, self.submitted_payload(number, op_id, key))]
+            if status == "cancelled":
+                events.append(self.event(EventKind.CALL_CANCELLED, {"op": op_id}))
+            return (op_id, status), events
+
+        try:
+            with self.branches.active():
+                result = await session.write(work, new_work=True, hold=True)
+        except ops_db.OperationIdentityReused as exc:
+            raise Nondeterminism(str(exc)) from None
+        assert result is not None
+        return result
+
+    async def dispatch(self, op_id: int, number: int, key: str) -> Attempt | _Done:
+        """Call the tool: its receipt (:class:`_Done`), or the attempt to run next."""
+        run, tool = self.run, self.tool
+        tctx = ToolContext(idempotency_key=key, run_id=run.run_id, position=self.position,
+                           attempt=number, operation_id=op_id, owner=run.owner,
+                           deadline=run.deadline_at)
+        timeout = (tool.timeout or self.config.tool_timeout).total_seconds()
+        remaining = run.remaining()
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        try:
+            verdict = await run.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
+                                                  tctx.cancelled)
+        except asyncio.CancelledError:
+            if run.letting_go:
+                raise  # the executor is parking, dropping or draining the run: the journal decides
+            # Workflow code cancelled the call (a timeout around ctx.call): the effect may have
+            # happened. Record that, and block the run on it instead of letting it go on.
+            await asyncio.shield(self.record_unknown(op_id, "TOOL_OUTCOME_UNCERTAIN",
+                                                     "reconcile"))
+            await self.park_blocked(op_id)
+        if verdict.cancelled or verdict.timed_out:
+            what = "cancelled after dispatch" if verdict.cancelled else "timed out"
+            ref = await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
+            return await Aftermath(self).uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN",
+                                                   ref)
+        if verdict.error is not None:
+            return await self.failed(op_id, number, key, verdict.error)
+        faults.reach("after_tool_return", tool.name)
+        receipt = verdict.value
+        try:
+            receipt_text = self.config.json_limits.text(receipt, "$.receipt")
+        except InvalidRequest as exc:
+            ref = await self.incident(op_id, "receipt", exc)
+            return await Aftermath(self).uncertain(op_id, number, key, "INVALID_RECEIPT", ref)
+        receipt = canonical.as_stored(receipt)  # what a replay will read back (C4)
+        if await self.commit(op_id, key, receipt, receipt_text):
+            faults.reach("after_receipt", tool.name)
+        return _Done(receipt)
+
+    async def failed(self, op_id: int, number: int, key: str, exc: BaseException) -> Attempt:
+        """The tool raised: a :class:`ToolError` that proves nothing was applied is retried
+        under the policy or fails the call; anything else leaves the outcome unknown."""
+        ref = await self.incident(op_id, "tool", exc)
+        aftermath = Aftermath(self)
+        if isinstance(exc, ToolError):
+            cls = exc.classification()
+            if cls.effects != "unknown":
+                upstream, invalid = parse_retry_after(exc.retry_after, self.run.now())
+                decision = aftermath.decide(cls, number, (upstream, invalid))
+                return await aftermath.definitive(op_id, number, decision, cls.cause, ref)
+        return await aftermath.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
+
+    async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:
+        """Record the receipt. The common case (a first attempt, nothing buffered) hands it to
+        the session, which writes it with the run's next write (``receipts_ride``) or at once,
+        and reaches the ``after_receipt`` fault point itself: False. Otherwise it is written
+        here, with the re-sent attempts it settles: True."""
+        run, session = self.run, self.session
+        digest = canonical.text_digest(receipt_text)
+        resent = key != self.key_for(1) or self.tool.effect == "idempotent"
+        recorded = ops_db.Receipt(op_id=op_id, position=self.position, name=self.tool.name,
+                                  text=receipt_text, digest=digest)
+        if not resent and not session.buffered:
+            session.rider.defer(recorded, receipt)
+            if not self.config.receipts_ride:  # written now, alone (or kept as evidence)
+                with self.branches.active():
+                    settled = await session.settle(hold=True)
+                if not settled:
+                    session.take_held_cancel()
+                    raise Stop("lease_lost")
+                self.completed()
+            return False
+        commit = session.rider.commit_work(recorded, receipt)
+        position = self.position
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            outcome = await commit(conn)
+            if resent:
+                await ops_db.operation_settle_resent(
+                    conn, run_id=run.run_id, position=position, key=key,
+                    receipt=receipt_text, receipt_digest=digest)
+            return outcome
+
+        try:
+            with self.branches.active():
+                await session.write(work, hold=True, finish=True)
+        except Stop:
+            await session.keep_late(op_id, receipt, digest)
+            raise
+        self.completed()
+        return True
+
+    def completed(self) -> None:
+        """After the receipt's own write, made with ``hold``. Workflow code that cancelled the
+        call meanwhile (a timeout around ``ctx.call``, a task group aborting this branch) gets
+        the receipt all the same and the cancellation request is dropped: the call completed
+        and is recorded, and a replay returns that receipt at once, so a workflow that went the
+        cancelled way the first time would take another path on replay. When the executor
+        lets go of the run (``RunState.letting_go``) the cancellation is its own and goes on
+        (the receipt is recorded all the same)."""
+        if not self.session.take_held_cancel():
+            return
+        if self.run.letting_go:
+            raise asyncio.CancelledError
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+
+
+class _Done(Exception):  # noqa: N818 - carries a recorded receipt (raised out of resume)
+    def __init__(self, value: Any) -> None:
+        super().__init__("done")
+        self.value = value

@@ -1,0 +1,206 @@
+"""The workflow commands behind :class:`~orchestrator.context.WorkflowContext`: call, sleep,
+wait_for_event, run_child and the recorded values. Each takes the next journal position when
+it is issued; on replay it returns what the journal recorded there (CONTRACT C3, C4)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Conn
+from orchestrator.db.events import event_take
+from orchestrator.engine.branches import Branches
+from orchestrator.engine.call import Call
+from orchestrator.engine.config import EngineConfig
+from orchestrator.engine.control import Wait, as_seconds
+from orchestrator.engine.run import RunState
+from orchestrator.engine.session import Session
+from orchestrator.errors import InvalidRequest, RunFailed, UnknownWorkflow
+from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.models import Owner
+from orchestrator.registry import Registry, Tool, Workflow
+
+# Timers this short are waited for in memory (the timer is still journaled) rather than
+# parking the run and paying for a replay.
+IN_MEMORY_SLEEP = 1.0
+
+_TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class Commands:
+    """What a workflow can ask of the engine, for one run."""
+
+    def __init__(self, run: RunState, session: Session, branches: Branches,
+                 config: EngineConfig, registry: Registry) -> None:
+        self.run = run
+        self.session = session
+        self.branches = branches
+        self.config = config
+        self.registry = registry
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.run.run_id
+
+    @property
+    def owner(self) -> Owner:
+        return self.run.owner
+
+    def next_position(self) -> int:
+        return self.run.next_position()
+
+    def value(self, position: int, name: str) -> Any:
+        recorded = self.run.index.expect(position, "value", name)
+        if recorded:
+            raw = recorded[0]["payload"]["value"]
+        else:
+            if name == "now":
+                raw = self.run.now().isoformat()
+            elif name == "uuid":
+                raw = str(uuid.uuid4())
+            else:
+                raw = random.random()
+            self.session.buffer(entry(EventKind.VALUE, position, name, {"value": raw}))
+        if name == "now":
+            return datetime.fromisoformat(raw)
+        if name == "uuid":
+            return uuid.UUID(raw)
+        return float(raw)
+
+    async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
+        resolved = self._tool(tool)
+        with self.branches.active(position):
+            return await Call(self.run, self.session, self.branches, self.config, position,
+                              resolved, arguments).perform()
+
+    async def sleep(self, position: int, duration: timedelta | float) -> None:
+        run = self.run
+        recorded = run.index.expect(position, "sleep", "sleep")
+        if recorded:
+            until = datetime.fromisoformat(recorded[0]["payload"]["until"])
+        else:
+            seconds = as_seconds(duration) or 0.0
+            run.boundary()
+            until = run.now() + timedelta(seconds=seconds)
+            self.session.buffer(entry(EventKind.TIMER, position, "sleep",
+                                      {"until": until.isoformat()}))
+        left = (until - run.now()).total_seconds()
+        if left <= 0:
+            return
+        if left <= IN_MEMORY_SLEEP:
+            with self.branches.active():
+                await asyncio.sleep(left)
+            return
+        await self.branches.park(Wait("timer", position, wake_at=until))
+
+    async def wait_for_event(self, position: int, name: str,
+                             timeout: timedelta | float | None) -> Any:
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("an event name must be a non-empty string")
+        run = self.run
+        recorded = run.index.expect(position, "event", name)
+        if recorded:
+            outcome = run.index.last(position, (EventKind.EVENT_RECEIVED,
+                                                EventKind.EVENT_TIMEOUT))
+            if outcome is not None:
+                if outcome["kind"] == EventKind.EVENT_TIMEOUT:
+                    raise TimeoutError(f"event {name!r} did not arrive in time")
+                return outcome["payload"]["payload"]
+            raw = recorded[0]["payload"]["timeout_at"]
+            timeout_at = None if raw is None else datetime.fromisoformat(raw)
+        else:
+            seconds = as_seconds(timeout)
+            run.boundary()
+            timeout_at = None if seconds is None else run.now() + timedelta(seconds=seconds)
+            self.session.buffer(entry(EventKind.EVENT_WAIT, position, name, {
+                "timeout_at": None if timeout_at is None else timeout_at.isoformat()}))
+
+        async def take(conn: Conn) -> tuple[Any, list[Entry]]:
+            got = await event_take(conn, run_id=run.run_id, name=name, position=position)
+            if got is None:
+                return None, []
+            return got, [entry(EventKind.EVENT_RECEIVED, position, name,
+                               {"payload": got["payload"], "event_id": got["id"]})]
+
+        with self.branches.active():
+            got = await self.session.write(take)
+        if got is not None:
+            return got["payload"]
+        if timeout_at is not None and run.now() >= timeout_at:
+            await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
+            raise TimeoutError(f"event {name!r} did not arrive in time")
+        await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
+
+    async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
+        run = self.run
+        wf = self._workflow(workflow)
+        recorded = run.index.expect(position, "child", wf.name)
+        if recorded:
+            child_id = uuid.UUID(recorded[0]["payload"]["run_id"])
+            outcome = run.index.last(position, (EventKind.CHILD_COMPLETED,
+                                                EventKind.CHILD_FAILED))
+            if outcome is not None:
+                return _child_outcome(child_id, outcome)
+        else:
+            run.boundary()
+            child_id = uuid.uuid5(run.run_id, f"child:{position}")
+            row = runs_db.run_row(
+                wf.name, wf.version, input, limits=self.config.json_limits, owner=run.owner,
+                idempotency_key=None, deadline=run.remaining(), run_id=child_id,
+                parent=(run.run_id, position))
+
+            async def start(conn: Conn) -> tuple[None, list[Entry]]:
+                await runs_db.run_insert(conn, row)
+                return None, [entry(EventKind.CHILD_STARTED, position, wf.name,
+                                    {"run_id": str(child_id), "version": wf.version})]
+
+            with self.branches.active():
+                await self.session.write(start, new_work=True)
+        with self.branches.active():
+            rows = await self.session.read(
+                lambda conn: runs_db.run_children_status(conn, run.run_id, [position]))
+        if rows and rows[0]["status"] in _TERMINAL:
+            child = rows[0]
+            if child["status"] == "succeeded":
+                outcome = entry(EventKind.CHILD_COMPLETED, position, wf.name,
+                                {"result": child["result"]})
+            else:
+                outcome = entry(EventKind.CHILD_FAILED, position, wf.name, {
+                    "code": child["outcome_code"], "message": (child["error"] or {}).get(
+                        "message", "the child run failed")})
+            await self._append(outcome)
+            return _child_outcome(child_id, outcome)
+        await self.branches.park(Wait("child", position))
+
+    async def _append(self, ev: Entry) -> None:
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            return None, [ev]
+
+        with self.branches.active():
+            await self.session.write(work)
+
+    def _tool(self, tool: Tool | str) -> Tool:
+        name = tool if isinstance(tool, str) else tool.name
+        found = self.registry.tools.get(name)
+        if found is None:
+            raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
+        return found
+
+    def _workflow(self, workflow: Workflow | str) -> Workflow:
+        if isinstance(workflow, str):
+            matches = [w for w in self.registry.workflows.values() if w.name == workflow]
+            if len(matches) != 1:
+                raise UnknownWorkflow(f"workflow {workflow!r} is not registered (or ambiguous)")
+            return matches[0]
+        return workflow
+
+
+def _child_outcome(child_id: uuid.UUID, outcome: Entry) -> Any:
+    if outcome["kind"] == EventKind.CHILD_COMPLETED:
+        return outcome["payload"]["result"]
+    raise RunFailed(outcome["payload"]["message"], code=outcome["payload"]["code"],
+                    run_id=str(child_id))

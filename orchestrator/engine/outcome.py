@@ -1,0 +1,244 @@
+"""How a run leaves this process: its outcome (succeeded, failed, cancelled), a stop (its
+lease lost, a drain, its deadline), or a park until the database wakes it (CONTRACT C5, C8,
+C11)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import traceback
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+from orchestrator.db import operations as ops_db
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Conn
+from orchestrator.db.events import incident_record
+from orchestrator.engine.control import Stop, Wait, engine_error_in
+from orchestrator.engine.run import RunState
+from orchestrator.engine.session import Session
+from orchestrator.errors import (
+    ConfigurationError,
+    DatabaseError,
+    InvalidRequest,
+    LeaseLost,
+    OrchestratorError,
+    RunUnreadable,
+    WorkflowError,
+    error_json,
+    new_incident_ref,
+)
+from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
+from orchestrator.text import storable
+
+
+class Outcome:
+    """The last write of a run in this process."""
+
+    def __init__(self, run: RunState, session: Session) -> None:
+        self.run = run
+        self.session = session
+
+    # -- parking -----------------------------------------------------------------------------
+
+    async def park(self, waits: Collection[Wait]) -> None:
+        """Every branch waits on the database: record what for, and let the run go."""
+        run = self.run
+        blocked = [w for w in waits if w.kind == "blocked"]
+        if blocked:
+            ops = ", ".join(str(w.operation_id) for w in blocked)
+            await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
+                conn, run_id=run.run_id, token=run.token,
+                waiting_for=f"reconciliation of operation {ops}"))
+            return
+        wakes = [w.wake_at for w in waits if w.wake_at is not None]
+        wake_at = min(wakes) if wakes else None  # the earliest timer; other waits re-park
+        names = sorted({w.name for w in waits if w.kind == "event" and w.name})
+        children = [w.position for w in waits if w.kind == "child"]
+        parts = []
+        if any(w.kind == "timer" for w in waits):
+            parts.append("timer")
+        parts += [f"event {n!r}" for n in names]
+        if children:
+            parts.append("child run")
+        await self._flush_then(lambda conn: runs_db.run_suspend(
+            conn, run_id=run.run_id, token=run.token, wake_at=wake_at,
+            waiting_for=", ".join(parts), event_names=names, child_positions=children))
+
+    async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
+        run, session = self.run, self.session
+
+        async def last(conn: Conn, events: list[Entry]) -> None:
+            if events:
+                await runs_db.journal_append(conn, run_id=run.run_id, token=run.token,
+                                             expected=session.revision, events=events)
+            await final(conn)
+
+        try:
+            await session.last_write(last)
+        except LeaseLost:
+            run.lose_lease("parking rejected")
+
+    async def _strand(self) -> bool:
+        """The run was about to end with operations still unsettled (dispatched without an
+        outcome, or unknown). It must not end yet: those become unknown, go to the
+        reconciliation queue, and the run waits for them (C5, C8). Returns False when nothing
+        is unknown after all (only never-dispatched intents were left: now cancelled)."""
+        run = self.run
+
+        async def work(conn: Conn) -> tuple[bool, list[Entry]]:
+            stranded = await ops_db.operation_strand(conn, run_id=run.run_id, token=run.token)
+            events = [entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
+                            {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
+                             "next": "reconcile"}) for op in stranded]
+            unknown = await ops_db.operation_count_unknown(conn, run_id=run.run_id)
+            return unknown > 0, events
+
+        try:
+            blocked = await self.session.write(work)
+        except Stop:
+            return True
+        if not blocked:
+            return False
+        await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
+            conn, run_id=run.run_id, token=run.token,
+            waiting_for="reconciliation of operations whose outcome is not recorded"))
+        return True
+
+    # -- the end -----------------------------------------------------------------------------
+
+    async def finish(self, task: asyncio.Task[Any], waits: Collection[Wait]) -> None:
+        """The workflow's task is done: write what it came to."""
+        exc = task.exception()
+        if isinstance(exc, BaseExceptionGroup):  # asyncio.TaskGroup in workflow code
+            exc = engine_error_in(exc) or exc  # as it would end without the group
+        if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):
+            await self._stop(exc)  # out of time: unknown operations stay listed for operators
+            return
+        if any(w.kind == "blocked" for w in waits):
+            # Another branch is blocked on an operation whose outcome is unknown: the run
+            # cannot end before that is known (it ends the same way after a replay).
+            await self.park(waits)
+            return
+        if isinstance(exc, Stop):
+            await self._stop(exc)
+            return
+        if exc is None:
+            await self._succeed(task.result())
+            return
+        await self._fail_from(exc)
+
+    async def _succeed(self, result: Any) -> None:
+        run, session = self.run, self.session
+        try:
+            text = session.config.json_limits.text(result, "$.result")
+        except InvalidRequest as exc:
+            await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
+                             "within the size cap; see the incident",
+                             incident_detail=_detail(exc))
+            return
+        if run.index.max_position >= run.position:
+            await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "
+                             "recorded in its journal")
+            return
+        if not session.buffered and not run.lost:
+            try:
+                await session.write_direct(lambda expected, receipt: runs_db.run_succeed_fast(
+                    run_id=run.run_id, token=run.token, expected=expected, result=text,
+                    v=SCHEMA_VERSION, receipt=receipt))
+                run.metrics.incr("runs_succeeded")
+                return
+            except (ops_db.FastPathMiss, Stop):
+                pass  # the general path below finds out why, and acts on it
+        await self._terminal("succeeded", None, text, None,
+                             entry(EventKind.RUN_COMPLETED, None, None, {"result": result}))
+
+    async def _fail_from(self, exc: BaseException) -> None:
+        if isinstance(exc, DatabaseError | ConfigurationError):
+            # Infrastructure (the database, or a grant it lacks), not the workflow: never an
+            # outcome. Stop here; the lease lapses and another claim replays the run.
+            self.run.lose_lease(f"{exc.code}: the run goes back to the queue")
+            return
+        if isinstance(exc, Nondeterminism):
+            await self._fail("NONDETERMINISM", str(exc))
+        elif isinstance(exc, RunUnreadable):
+            await self._fail(exc.code, exc.message, incident_detail=_detail(exc))
+        elif isinstance(exc, WorkflowError):
+            await self._fail("WORKFLOW_FAILED", str(exc) or "the workflow failed")
+        elif isinstance(exc, OrchestratorError):
+            await self._fail("WORKFLOW_FAILED", f"the workflow stopped on {exc.code}",
+                             incident_detail=_detail(exc))
+        else:
+            await self._fail("WORKFLOW_FAILED",
+                             "the workflow raised an exception; see the incident for details",
+                             incident_detail=_detail(exc))
+
+    async def _stop(self, stop: Stop) -> None:
+        run = self.run
+        if not await self.session.settle():
+            return  # the lease is gone: write nothing more
+        if stop.reason == "cancelled":
+            await self._terminal("cancelled", "CANCELLED", None,
+                                 error_json("CANCELLED", "the run was cancelled", None),
+                                 entry(EventKind.RUN_CANCELLED, None, None, {}))
+        elif stop.reason == "abandoned":
+            await self._fail("OPERATION_ABANDONED", stop.detail)
+        elif stop.reason == "deadline":
+            run.metrics.incr("deadline_exhausted")
+            await self._fail("DEADLINE_EXCEEDED", "the run's deadline passed")
+        elif stop.reason == "drain":
+            async with self.session.db.connection() as conn:
+                await runs_db.run_release(conn, run_id=run.run_id, token=run.token)
+        # lease_lost: someone else owns the run now; write nothing.
+
+    async def _fail(self, code: str, message: str,
+                    incident_detail: dict[str, Any] | None = None) -> None:
+        ref = new_incident_ref()
+        error = error_json(code, message, ref)
+        ev = entry(EventKind.RUN_FAILED, None, None,
+                   {"code": code, "message": message, "incident": ref})
+        run_id = self.run.run_id
+
+        async def diagnostics(conn: Conn) -> None:
+            # Every failure's reference leads somewhere: at least to its code and message.
+            detail = incident_detail or {"message": message}
+            await incident_record(conn, {
+                "ref": ref, "code": code, "run_id": run_id, "operation_id": None,
+                "phase": "workflow", "cause": detail.get("type"),
+                "upstream_status": None, "detail": json.dumps(detail)})
+
+        await self._terminal("failed", code, None, error, ev, extra=diagnostics)
+
+    async def _terminal(self, status: str, code: str | None, result: str | None,
+                        error: str | None, ev: Entry,
+                        extra: Callable[[Conn], Awaitable[None]] | None = None) -> None:
+        run, session = self.run, self.session
+
+        async def last(conn: Conn, events: list[Entry]) -> None:
+            if extra is not None:
+                await extra(conn)
+            await ops_db.operation_enqueue_unlisted(conn, run_id=run.run_id)
+            await runs_db.journal_append(conn, run_id=run.run_id, token=run.token,
+                                         expected=session.revision, events=[*events, ev])
+            await runs_db.run_finish(conn, run_id=run.run_id, token=run.token, status=status,
+                                     outcome_code=code, result=result, error=error)
+
+        try:
+            if not await session.last_write(last):
+                return
+        except runs_db.UnsettledOperations:
+            if await self._strand():
+                return
+            # Only never-dispatched intents were left (now cancelled): end as intended.
+            await self._terminal(status, code, result, error, ev, extra)
+            return
+        except (LeaseLost, DatabaseError):
+            run.lose_lease("outcome rejected")
+            return
+        run.metrics.incr(f"runs_{status}")
+
+
+def _detail(exc: BaseException) -> dict[str, Any]:
+    """What an incident keeps of an exception that failed a run (protected diagnostics)."""
+    return {"type": type(exc).__name__, "message": storable(str(exc)),
+            "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}

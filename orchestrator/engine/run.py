@@ -1,0 +1,183 @@
+"""One claimed run's state in this process: who it is, its clock, its lease, its phase, its
+cancellation, and the checks made before every new step (:meth:`RunState.boundary`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from orchestrator import canonical
+from orchestrator.db.database import load_json
+from orchestrator.engine.control import Phase, Stop, Verdict
+from orchestrator.journal import Entry, JournalIndex
+from orchestrator.metrics import Metrics
+from orchestrator.models import Owner
+
+log = logging.getLogger("orchestrator.worker")
+
+_LETTING_GO = frozenset({Phase.DRAIN_STOPPED, Phase.PARKING, Phase.GONE})
+
+
+class RunState:
+    """A claimed run as this process holds it. Built from the claim's row and the journal."""
+
+    def __init__(self, claim: dict[str, Any], journal: list[Entry], *, worker_id: str,
+                 metrics: Metrics) -> None:
+        # The worker's loop. Kept: asyncio's own lookup of the running loop makes a getpid()
+        # system call each time on Python 3.11, and this is on every step's path.
+        self.loop = asyncio.get_running_loop()
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.run_id: uuid.UUID = claim["id"]
+        self.run_text = str(self.run_id)  # UUID.__str__ is slow Python; keys use it per call
+        # Stored names are not checked again: a run written under older rules still runs.
+        self.owner = Owner.model_construct(tenant=claim["tenant"], principal=claim["principal"])
+        self.owner_text = canonical.canonical_json(self.owner.as_dict())
+        self.token: int = claim["lease_token"]
+        self.deadline_at: datetime | None = claim["deadline_at"]
+        self.cancel_requested = claim["cancel_requested_at"] is not None
+        self._cancel_waiters: set[Callable[[], None]] = set()  # races to end on a cancel
+        self.input = load_json(claim["input_text"])  # may raise RunUnreadable
+        self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
+        self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
+        self.index = JournalIndex(journal)  # may raise SchemaUnsupported
+        self.lost = False  # the fence rejected a write (or a renewal): the lease is gone
+        self.phase = Phase.RUNNING
+        self.position = 0  # the next command's journal position
+
+    # -- lease and phase ---------------------------------------------------------------------
+
+    def lose_lease(self, where: str) -> None:
+        """The fence rejected us (or a heartbeat did): stop writing for this run."""
+        if not self.lost:
+            self.lost = True
+            self.metrics.incr("lease_losses")
+            log.warning("run %s: lease %d lost (%s); this worker stops working on it",
+                        self.run_id, self.token, where)
+
+    def enter(self, phase: Phase) -> None:
+        """Move to ``phase`` if it is ahead of the current one (phases never go back)."""
+        if phase.value > self.phase.value:
+            self.phase = phase
+
+    def request_drain(self) -> None:
+        """The worker stops: the run goes on until its next new step (then ``Stop("drain")``)."""
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.DRAINING
+
+    @property
+    def ending(self) -> bool:
+        """Its last write in this process (an outcome, a park) is decided or under way."""
+        return self.phase.value >= Phase.ENDING.value
+
+    @property
+    def letting_go(self) -> bool:
+        """The executor is giving up the run in this process (parking it, its lease lost, or a
+        branch stopped for the worker's drain, whose task group cancels the others): a
+        cancellation is then the executor's, not workflow code's. (A draining worker lets its
+        runs go on until their next new step; their own cancellations are still theirs.)"""
+        return self.lost or self.phase in _LETTING_GO
+
+    # -- time --------------------------------------------------------------------------------
+
+    def now(self) -> datetime:
+        """The database's clock, as seen from this process."""
+        return datetime.fromtimestamp(time.time() + self.skew, UTC)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the run's deadline (None: no deadline)."""
+        if self.deadline_at is None:
+            return None
+        return max((self.deadline_at - self.now()).total_seconds(), 0.0)
+
+    # -- boundaries and positions ------------------------------------------------------------
+
+    def next_position(self) -> int:
+        position = self.position
+        self.position += 1
+        return position
+
+    def boundary(self) -> None:
+        """Checks made before any new durable step: lease, drain, cancellation, deadline."""
+        if self.lost:
+            raise Stop("lease_lost")
+        if self.cancel_requested:
+            raise Stop("cancelled")
+        if self.deadline_at is not None and self.now() >= self.deadline_at:
+            raise Stop("deadline")
+        if self.phase is Phase.DRAINING or self.phase is Phase.DRAIN_STOPPED:
+            self.phase = Phase.DRAIN_STOPPED  # branches a task group now cancels are ours
+            raise Stop("drain")
+
+    def stop_cancelled(self) -> NoReturn:
+        raise Stop("cancelled")
+
+    def stop_deadline(self) -> NoReturn:
+        raise Stop("deadline")
+
+    def stop_abandoned(self, op_id: int) -> NoReturn:
+        raise Stop("abandoned", f"operation {op_id} was abandoned by an operator")
+
+    # -- cancellation ------------------------------------------------------------------------
+
+    def note_cancel(self) -> None:
+        """A cancellation request reached this process (a write said so, or a NOTIFY)."""
+        self.cancel_requested = True
+        for wake in list(self._cancel_waiters):
+            wake()
+
+    async def race_cancellation(self, coro: Awaitable[Any], timeout: float | None,
+                                signal: asyncio.Event) -> Verdict:
+        """Await ``coro`` for at most ``timeout`` seconds unless the run is cancelled first.
+
+        When it does not finish, ``signal`` is set (the callee's cancellation signal) before it
+        is cancelled; the timer and the listener are cleaned up on every path. (One task and
+        one future per call: this is on every step's path.)
+        """
+        loop = self.loop
+        task = loop.create_task(coro) if asyncio.iscoroutine(coro) else asyncio.ensure_future(coro)
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(wake)
+        self._cancel_waiters.add(wake)
+        timer = loop.call_later(timeout, wake) if timeout is not None else None
+        if self.cancel_requested:
+            wake()
+        try:
+            await woken
+        except BaseException:
+            signal.set()
+            task.cancel()
+            raise
+        finally:
+            self._cancel_waiters.discard(wake)
+            task.remove_done_callback(wake)
+            if timer is not None:
+                timer.cancel()
+        if task.done():
+            if task.cancelled():
+                return Verdict(error=asyncio.CancelledError("the call cancelled itself"))
+            error = task.exception()
+            return Verdict(error=error) if error is not None else Verdict(value=task.result())
+        signal.set()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        cancelled = self.cancel_requested
+        return Verdict(cancelled=cancelled, timed_out=not cancelled)
+
+    async def until_cancelled(self) -> NoReturn:
+        """Wait until the calling task is cancelled (``CancelledError``) or the run is
+        (``Stop``): for the replay of a call that workflow code withdrew."""
+        await self.race_cancellation(self.loop.create_future(), None, asyncio.Event())
+        self.stop_cancelled()

@@ -1,0 +1,187 @@
+"""One tool call at one journal position, as every part of the gateway sees it: what is
+called, with what intent, under which run, and the steps they share (withdrawing the call,
+recording an unknown outcome, parking on it, keeping an incident)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import traceback
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NoReturn
+
+from orchestrator import canonical, faults
+from orchestrator.db import operations as ops_db
+from orchestrator.db.database import Conn
+from orchestrator.db.events import incident_record
+from orchestrator.engine.branches import Branches
+from orchestrator.engine.config import EngineConfig
+from orchestrator.engine.control import Wait
+from orchestrator.engine.run import RunState
+from orchestrator.engine.session import Session
+from orchestrator.errors import InvalidRequest, new_incident_ref, operation_error_json
+from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.registry import Tool
+from orchestrator.text import storable
+
+log = logging.getLogger("orchestrator.worker")
+
+
+def next_step_after_uncertain(effect: str, attempts: int, max_attempts: int) -> str:
+    """What may follow an attempt whose outcome is unknown (CONTRACT C5). Pure.
+
+    Returns ``"resend"`` (same idempotency key), ``"new_attempt"`` or ``"reconcile"``.
+    """
+    if faults.UNSAFE_REDISPATCH and effect == "consequential":
+        return "new_attempt"  # the guard disabled on purpose by the chaos suite's self-test
+    if attempts >= max_attempts or effect == "consequential":
+        return "reconcile"
+    return "resend" if effect == "idempotent" else "new_attempt"
+
+
+@dataclass
+class Attempt:
+    """Where a call stands: the attempt to run next and what it reuses."""
+
+    number: int = 1
+    key: str | None = None  # an idempotent re-send reuses the uncertain attempt's key
+    pending_op: int | None = None  # an intent recorded before a crash, stages not yet passed
+
+
+class CallSite:
+    """``ctx.call(tool, **arguments)`` at one position of one run."""
+
+    def __init__(self, run: RunState, session: Session, branches: Branches,
+                 config: EngineConfig, position: int, tool: Tool,
+                 arguments: dict[str, Any]) -> None:
+        self.run = run
+        self.session = session
+        self.branches = branches
+        self.config = config
+        self.position = position
+        self.tool = tool
+        self.arguments = arguments
+        self.args_text = config.json_limits.text(arguments, "$.arguments")
+        self.intent = canonical.intent_digest_text(tool.name, tool.version, run.owner_text,
+                                                   self.args_text)
+        try:  # a call that cannot bind is a bug in the workflow: refuse it before any write
+            tool.check_arguments(arguments)
+        except TypeError as exc:
+            raise InvalidRequest(f"tool {tool.name} does not take these arguments: {exc}",
+                                 path="$.arguments") from None
+
+    def event(self, kind: EventKind, payload: dict[str, Any]) -> Entry:
+        return entry(kind, self.position, self.tool.name, payload)
+
+    def key_for(self, attempt: int) -> str:
+        return f"{self.run.run_text}:{self.position}:{attempt}"
+
+    def submitted_payload(self, number: int, op_id: int, key: str) -> dict[str, Any]:
+        """The payload of this call's ``call.pending`` / ``call.submitted`` entry."""
+        return {"tool_version": self.tool.version, "intent": self.intent, "attempt": number,
+                "op": op_id, "key": key, "effect": self.tool.effect}
+
+    async def append(self, work: Any) -> Any:
+        """A write of this call, marked in flight."""
+        with self.branches.active():
+            return await self.session.write(work)
+
+    # -- steps the parts share ---------------------------------------------------------------
+
+    async def written(self, op_id: int, number: int, status: str | None, *,
+                      pending: bool) -> None:
+        """After the write of a call's intent (``pending`` or ``submitted``), made with
+        ``hold``: a cancelled run stops here (the operation is ``cancelled``), and a call that
+        workflow code cancelled while the write was in flight is withdrawn."""
+        withdrawn = self.session.take_held_cancel()
+        if status == "cancelled":
+            self.run.stop_cancelled()
+        if withdrawn:
+            await self.withdraw(op_id, number, pending=pending)
+
+    async def withdraw(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
+        """The calling task was cancelled after the call's intent was written (while that write
+        was in flight or a policy stage ran), before the tool was called; the tool will not be.
+
+        By workflow code (a timeout around ``ctx.call``, a race it lost): the call is withdrawn.
+        The operation is settled as never dispatched (``submitted → failed``, or ``pending →
+        cancelled``: nothing was applied), the journal records the withdrawal, and the
+        cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
+        point, for the same cancellation.
+
+        By the executor letting go of the run (parking, a lost lease, a draining worker, whose
+        stop can cancel a task group's other branches): nothing more is recorded, the journal
+        decides on the next claim as for a worker that died (a withdrawal there would make the
+        replay wait for a cancellation that workflow code never makes)."""
+        if self.run.letting_go:
+            raise asyncio.CancelledError
+        error = operation_error_json("CALL_WITHDRAWN", cause="cancelled",
+                                     message="workflow code cancelled the call before it was "
+                                             "sent")
+        token = self.run.token
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            if pending:
+                await ops_db.operation_cancel(conn, op_id=op_id, token=token, error=error)
+            else:
+                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+            return None, [self.event(EventKind.CALL_FAILED, {
+                "op": op_id, "attempt": number, "cause": "cancelled", "reason": "withdrawn",
+                "incident": None})]
+
+        await self.append(work)
+        raise asyncio.CancelledError
+
+    def uncertain_step(self, number: int) -> str:
+        run = self.run
+        step = next_step_after_uncertain(self.tool.effect, number, self.tool.max_attempts)
+        if step != "reconcile" and (run.cancel_requested or run.remaining() == 0):
+            step = "new_attempt" if self.tool.effect == "read" else "reconcile"
+        return step
+
+    async def record_unknown(self, op_id: int, reason: str, step: str,
+                             incident: str | None = None) -> None:
+        payload: dict[str, Any] = {"op": op_id, "reason": reason, "next": step}
+        if incident is not None:
+            payload["incident"] = incident
+        token = self.run.token
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            await ops_db.operation_mark_unknown(
+                conn, op_id=op_id, token=token, reason=reason,
+                enqueue=step == "reconcile", settle_read=step == "new_attempt")
+            return None, [self.event(EventKind.CALL_UNKNOWN, payload)]
+
+        await self.append(work)
+        self.run.metrics.incr("unknown_outcomes")
+        log.warning("run %s: the outcome of operation %s (%s) is unknown (%s); next: %s%s",
+                    self.run.run_id, op_id, self.tool.name, reason, step,
+                    f"; incident {incident}" if incident else "")
+
+    async def park_blocked(self, op_id: int) -> NoReturn:
+        await self.branches.park(Wait("blocked", self.position, operation_id=op_id))
+        raise AssertionError("unreachable")  # pragma: no cover - park never returns
+
+    async def wait_until(self, when: datetime) -> None:
+        """A durable wait before the next attempt: the run is parked, not a process asleep."""
+        if when > self.run.now():
+            await self.branches.park(Wait("timer", self.position, wake_at=when))
+
+    async def incident(self, op_id: int, phase: str, exc: BaseException) -> str:
+        """Keep what went wrong in protected diagnostics; return the incident reference."""
+        ref = new_incident_ref()
+        detail = {"type": type(exc).__name__, "message": storable(str(exc)[:10000]),
+                  "tool": self.tool.name,
+                  "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}
+        status = getattr(exc, "status", None)
+        with contextlib.suppress(Exception):
+            async with self.session.db.connection() as conn:
+                await incident_record(conn, {
+                    "ref": ref, "code": "TOOL_ERROR", "run_id": self.run.run_id,
+                    "operation_id": op_id, "phase": phase, "cause": type(exc).__name__,
+                    "upstream_status": status if isinstance(status, int) else None,
+                    "detail": json.dumps(detail)})
+        return ref

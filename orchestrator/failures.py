@@ -1,0 +1,118 @@
+"""How a failed tool call is classified (CONTRACT C7): what tool code raises to say what it
+knows (:class:`ToolError`) and what the engine makes of it (:class:`Classification`).
+
+Pure: no I/O, no engine state. :mod:`orchestrator.recovery` decides what to do next from a
+classification; this module only says what a failure means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.errors import InvalidRequest
+
+EffectKnowledge = Literal["none", "committed", "unknown"]
+
+
+@dataclass(frozen=True)
+class Classification:
+    """What a failure means: a public ``cause``, whether anything may have been applied, and
+    whether a retry is allowed at all."""
+
+    cause: str
+    effects: EffectKnowledge
+    transient: bool
+
+
+def classify_status(status: int, *, proves_not_applied: bool = False) -> Classification:
+    """Classify an HTTP-style status returned by a provider (C7).
+
+    401/403 authentication and 400/404/422 invalid requests are definitive and not retryable;
+    409 is a conflict (not a rate limit), not retryable; 408/429 are retryable only when the
+    failure proves the request was not applied; ≥500 leaves the effects unknown.
+    """
+    if status in (401, 403):
+        return Classification("authentication", "none", False)
+    if status in (400, 404, 422):
+        return Classification("invalid_request", "none", False)
+    if status == 409:
+        return Classification("conflict", "none", False)
+    if status in (408, 429):
+        if proves_not_applied:
+            return Classification("rate_limited" if status == 429 else "request_timeout",
+                                  "none", True)
+        return Classification("rate_limited" if status == 429 else "request_timeout",
+                              "unknown", False)
+    if status >= 500:
+        return Classification("upstream_error", "unknown", False)
+    if 400 <= status < 500:
+        return Classification("rejected", "none", False)
+    raise InvalidRequest(f"status {status} is not a failure", path="status")
+
+
+def classify_transport(phase: Literal["before_send", "after_send"], kind: str) -> Classification:
+    """Classify a transport failure: before the request left, nothing was applied and a retry
+    is allowed; after it was sent (timeouts, dropped connections, partial responses) the
+    effects are unknown."""
+    if phase == "before_send":
+        return Classification(f"{kind}_before_send", "none", True)
+    return Classification(f"{kind}_after_send", "unknown", False)
+
+
+class ToolError(Exception):
+    """Raised by tool code to say what is known about a failed call (CONTRACT C7).
+
+    Build it from what happened, and the orchestrator classifies it:
+
+    - ``ToolError.from_status(429, proves_not_applied=True, retry_after="2")``: a provider's
+      status; 401/403, 400/404/422 and 409 are definitive; 408/429 are retryable only when
+      they prove nothing was applied; ≥ 500 leaves the effects unknown;
+    - ``ToolError.before_send("connection")``: the request never left: retryable;
+    - ``ToolError.after_send("timeout")``: it was sent; the effects are unknown;
+    - ``ToolError(msg, applied=False, retryable=True)``: the general form.
+
+    Every other exception from a tool is a protocol failure: not retryable, and after
+    dispatch the effects are unknown. The message is kept in protected diagnostics only.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        applied: bool | None = None,
+        retryable: bool = False,
+        status: int | None = None,
+        retry_after: str | float | None = None,
+        cause: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.applied = applied
+        self.retryable = retryable
+        self.status = status
+        self.retry_after = retry_after
+        self.cause = cause
+
+    @classmethod
+    def from_status(cls, status: int, message: str = "", *, proves_not_applied: bool = False,
+                    retry_after: str | float | None = None) -> ToolError:
+        return cls(message, status=status, applied=False if proves_not_applied else None,
+                   retry_after=retry_after)
+
+    @classmethod
+    def before_send(cls, kind: str = "connection", message: str = "", *,
+                    retry_after: str | float | None = None) -> ToolError:
+        return cls(message, applied=False, retryable=True, cause=f"{kind}_before_send",
+                   retry_after=retry_after)
+
+    @classmethod
+    def after_send(cls, kind: str = "timeout", message: str = "") -> ToolError:
+        return cls(message, applied=None, cause=f"{kind}_after_send")
+
+    def classification(self) -> Classification:
+        """What this failure means (:class:`Classification`)."""
+        if self.status is not None and self.status >= 400:
+            return classify_status(self.status, proves_not_applied=self.applied is False)
+        if self.applied is False:
+            return Classification(self.cause or "not_applied", "none", self.retryable)
+        return Classification(self.cause or "outcome_unknown", "unknown", False)

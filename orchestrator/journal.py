@@ -1,0 +1,183 @@
+"""What a journal entry is (CONTRACT C3, C4): its kinds, their payloads, the schema version,
+and the index a replay reads them through. Pure: no I/O.
+
+A run's journal is the ordered list of what happened to it. Every entry has a ``kind`` (one of
+:class:`EventKind`), the command ``position`` it belongs to (None for the run's own entries),
+a ``name`` (the tool, event, workflow or value name), the schema version ``v`` and a
+``payload`` whose fields :data:`PAYLOAD_FIELDS` defines for each kind. Python builds entries
+with :func:`entry`; the set-based statements that write an entry in SQL build its payload with
+:func:`sql_payload` from the same definition, so a payload's shape is written down once.
+
+When workflow code issues the command at position *p*, :meth:`JournalIndex.expect` checks that
+what was recorded there is the same kind of command with the same name; anything else is
+nondeterminism and stops the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Any
+
+from orchestrator.errors import SchemaUnsupported
+
+SCHEMA_VERSION = 1
+"""The journal event schema this code writes and understands."""
+
+Entry = dict[str, Any]
+"""One journal entry as written: ``kind``, ``position``, ``name``, ``v`` and ``payload``; read
+back, it also has ``seq``, ``schema_version``, ``lease_token`` and ``created_at``."""
+
+
+class EventKind(StrEnum):
+    """Every kind of journal entry. The value is what the journal stores."""
+
+    # a tool call (the gateway), one attempt after another at one position
+    CALL_PENDING = "call.pending"  # intent recorded; policy stages not yet passed
+    CALL_SUBMITTED = "call.submitted"  # write-ahead: about to be sent
+    CALL_COMPLETED = "call.completed"  # its receipt (or an operator's / a lookup's)
+    CALL_FAILED = "call.failed"  # definitively failed, nothing applied (or withdrawn)
+    CALL_DENIED = "call.denied"  # a policy stage said no; never sent
+    CALL_CANCELLED = "call.cancelled"  # never sent: the run was cancelled or out of time
+    CALL_RETRYING = "call.retrying"  # failed, nothing applied; the next attempt waits
+    CALL_UNKNOWN = "call.unknown"  # sent, outcome unknown: what comes next
+    CALL_NOT_APPLIED = "call.not_applied"  # reconciliation proved nothing was applied
+    CALL_ABANDONED = "call.abandoned"  # an operator gave up on it; the run fails
+    # the other commands
+    TIMER = "timer"
+    EVENT_WAIT = "event.wait"
+    EVENT_RECEIVED = "event.received"
+    EVENT_TIMEOUT = "event.timeout"
+    VALUE = "value"  # ctx.now(), ctx.uuid(), ctx.random()
+    CHILD_STARTED = "child.started"
+    CHILD_COMPLETED = "child.completed"
+    CHILD_FAILED = "child.failed"
+    # the run's end
+    RUN_COMPLETED = "run.completed"
+    RUN_FAILED = "run.failed"
+    RUN_CANCELLED = "run.cancelled"
+
+
+K = EventKind
+
+PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # kind: (fields always present, fields present only in some entries)
+    K.CALL_PENDING: (("tool_version", "intent", "attempt", "op", "key", "effect"), ()),
+    K.CALL_SUBMITTED: (("tool_version", "intent", "attempt", "op", "key", "effect"), ()),
+    K.CALL_COMPLETED: (("result", "op"), ("resolved", "resolved_by")),
+    K.CALL_FAILED: (("op", "attempt", "cause", "reason", "incident"), ()),
+    K.CALL_DENIED: (("op", "stage", "cause", "incident"), ()),
+    K.CALL_CANCELLED: (("op",), ("why",)),
+    K.CALL_RETRYING: (("op", "attempt", "cause", "incident", "delay_ms", "not_before", "key"),
+                      ()),
+    K.CALL_UNKNOWN: (("op", "reason", "next"), ("incident",)),
+    K.CALL_NOT_APPLIED: (("op", "resolved_by"), ()),
+    K.CALL_ABANDONED: (("op", "resolved_by"), ()),
+    K.TIMER: (("until",), ()),
+    K.EVENT_WAIT: (("timeout_at",), ()),
+    K.EVENT_RECEIVED: (("payload", "event_id"), ()),
+    K.EVENT_TIMEOUT: ((), ()),
+    K.VALUE: (("value",), ()),
+    K.CHILD_STARTED: (("run_id", "version"), ()),
+    K.CHILD_COMPLETED: (("result",), ()),
+    K.CHILD_FAILED: (("code", "message"), ()),
+    K.RUN_COMPLETED: (("result",), ()),
+    K.RUN_FAILED: (("code", "message", "incident"), ()),
+    K.RUN_CANCELLED: ((), ()),
+}
+"""The payload of each kind: the fields it always has, and those only some entries have."""
+
+# Which kinds a command of each kind may find first at its position.
+FIRST_KIND: Mapping[str, tuple[str, ...]] = {
+    "call": (K.CALL_SUBMITTED, K.CALL_PENDING),
+    "sleep": (K.TIMER,),
+    "event": (K.EVENT_WAIT,),
+    "value": (K.VALUE,),
+    "child": (K.CHILD_STARTED,),
+}
+
+
+def entry(kind: EventKind, position: int | None, name: str | None,
+          payload: dict[str, Any]) -> Entry:
+    """A journal entry of ``kind``, to be appended (the storage numbers it)."""
+    return {"kind": kind._value_, "position": position, "name": name, "v": SCHEMA_VERSION,
+            "payload": payload}
+
+
+def check_payload(kind: EventKind, payload: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``payload`` has exactly the fields ``kind`` defines (for
+    tests and tools: the engine builds payloads from this definition and does not re-check)."""
+    required, optional = PAYLOAD_FIELDS[kind]
+    keys = set(payload)
+    missing = set(required) - keys
+    extra = keys - set(required) - set(optional)
+    if missing or extra:
+        raise ValueError(f"{kind.value}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+
+
+def sql_payload(kind: EventKind, **columns: str) -> str:
+    """The SQL expression that builds ``kind``'s payload from ``columns`` (field → SQL
+    expression), for statements that write an entry in SQL; every field of the kind that is
+    always present must be given, and no field the kind does not define."""
+    check_payload(kind, columns)
+    if not columns:
+        return "'{}'::jsonb"
+    args = ", ".join(f"'{field}', {expr}" for field, expr in columns.items())
+    return f"jsonb_build_object({args})"
+
+
+class Nondeterminism(BaseException):  # noqa: N818
+    """The workflow issued a command that does not match the journal at that position.
+
+    A BaseException, so that ordinary ``except Exception`` in workflow code cannot swallow it
+    and carry on (CONTRACT C4: never silently continued)."""
+
+
+class JournalIndex:
+    """The events of one run, grouped by command position, with schema versions checked."""
+
+    def __init__(self, events: Iterable[Entry]) -> None:
+        self.by_position: dict[int, list[Entry]] = {}
+        self.run_events: list[Entry] = []
+        self.max_position = -1
+        for event in events:
+            if event["schema_version"] > SCHEMA_VERSION:
+                raise SchemaUnsupported(
+                    f"journal event {event['seq']} has schema version "
+                    f"{event['schema_version']}; this code understands up to {SCHEMA_VERSION}"
+                )
+            position = event["position"]
+            if position is None:
+                self.run_events.append(event)
+                continue
+            self.by_position.setdefault(position, []).append(event)
+            self.max_position = max(self.max_position, position)
+
+    def expect(self, position: int, command: str, name: str) -> list[Entry]:
+        """The events recorded at ``position`` (possibly none), checked against the command."""
+        events = self.by_position.get(position)
+        if not events:
+            return []
+        first = events[0]
+        if first["kind"] not in FIRST_KIND[command] or first["name"] != name:
+            raise Nondeterminism(
+                f"position {position}: the workflow issued {command} {name!r} but the journal "
+                f"recorded {first['kind']} {first['name']!r}"
+            )
+        return events
+
+    def add(self, event: Entry) -> None:
+        """Keep the index current with an event this process just committed."""
+        position = event["position"]
+        if position is None:
+            self.run_events.append(event)
+            return
+        self.by_position.setdefault(position, []).append(event)
+        self.max_position = max(self.max_position, position)
+
+    def last(self, position: int, kinds: tuple[str, ...]) -> Entry | None:
+        """The last event at ``position`` whose kind is one of ``kinds``."""
+        for event in reversed(self.by_position.get(position, ())):
+            if event["kind"] in kinds:
+                return event
+        return None
