@@ -21,6 +21,7 @@ test: lint typecheck pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check orchestrator workers tests
+	$(BIN)/lint-imports --no-cache
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict orchestrator

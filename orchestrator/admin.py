@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
@@ -55,7 +56,7 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
         run = await runs_db.run_get(conn, run_id)
         if run is None:
             raise AccessDenied("the run does not exist or is not accessible")
-        journal = await runs_db.journal_read(conn, run_id)
+        journal = await journal_db.journal_read(conn, run_id)
         operations = await ops_db.operation_list_for_run(conn, run_id)
         workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
     return RunDetail(run, journal, operations, _note(run, workers), workers)

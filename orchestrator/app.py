@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from orchestrator import admin, canonical
 from orchestrator._portal import Portal
+from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
@@ -385,7 +386,7 @@ class Orchestrator:
         """The run's journal, oldest first. Reading it never dispatches anything (C3)."""
         row = await self._row(run_id, owner)
         async with self.database.connection() as conn:
-            events = await runs_db.journal_read(conn, row["id"])
+            events = await journal_db.journal_read(conn, row["id"])
         newer = [e for e in events if e["schema_version"] > SCHEMA_VERSION]
         if newer:
             raise SchemaUnsupported(

@@ -30,8 +30,8 @@ from typing import Any
 
 from orchestrator import reconcile
 from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
+from orchestrator.db import journal as journal_db
 from orchestrator.db import reconciliation as recon_db
-from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.db.events import incident_get, incidents_of_operations
 from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
@@ -188,7 +188,7 @@ class Operators:
                 "incidents": await incidents_of_operations(
                     conn, item["run_id"], [a["id"] for a in attempts]),
                 "lookups": await recon_db.recon_lookups(conn, item["item_id"]),
-                "journal": await runs_db.journal_read(conn, item["run_id"]),
+                "journal": await journal_db.journal_read(conn, item["run_id"]),
                 "audit": await recon_db.audit_list(conn, target_id=str(operation_id),
                                                    tenants=tenants),
             }

@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from orchestrator.db import grants as grants_db
+from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
@@ -227,7 +228,7 @@ class Worker:
             journal: list[dict[str, Any]] = []
             if claim["revision"] > 0:  # a fresh run has nothing to replay
                 async with self.database.connection() as conn:
-                    journal = await runs_db.journal_read(conn, run_id)
+                    journal = await journal_db.journal_read(conn, run_id)
             return self.new_executor(claim, journal)
         except SchemaUnsupported:
             log.error("run %s has journal events newer than this code; released", run_id)
@@ -239,7 +240,7 @@ class Worker:
         except DatabaseError:
             raise  # infrastructure, not the run: its lease lapses and it is claimed again
         except Exception as exc:  # noqa: BLE001 - whatever the stored rows hold
-            await self._fail_unreadable(claim, exc)
+            await fail_unreadable(self.database, self.metrics, claim, exc)
             return None
 
     def new_executor(self, claim: dict[str, Any], journal: list[dict[str, Any]]) -> RunExecutor:
@@ -247,60 +248,6 @@ class Worker:
         return RunExecutor(claim, journal, config=self.config, registry=self.registry,
                            database=self.database, writer=self.writer, metrics=self.metrics,
                            worker_id=self.worker_id)
-
-    async def _fail_unreadable(self, claim: dict[str, Any], exc: Exception) -> None:
-        """End a run this code cannot decode or replay: ``failed`` with ``RUN_UNREADABLE``, its
-        ``run.failed`` entry and an incident with the decoder's complaint. A run may not end
-        while an operation of it was dispatched without an outcome (C5): as a replay would,
-        such operations become ``unknown`` and go to the reconciliation queue, and the run
-        waits for them (``needs_reconciliation``); once they are settled, it is claimed again
-        and fails here."""
-        run_id, token = claim["id"], claim["lease_token"]
-        error = RunUnreadable("a value stored for this run cannot be decoded by this worker "
-                              "(see the incident)")
-        diagnostics = {"type": type(exc).__name__, "message": storable(str(exc)[:2000])}
-
-        async def end(conn: Conn) -> bool:
-            await incident_record(conn, {
-                "ref": error.incident, "code": error.code, "run_id": run_id,
-                "operation_id": None, "phase": "decode", "cause": type(exc).__name__,
-                "upstream_status": None, "detail": json.dumps(diagnostics)})
-            stranded = await ops_db.operation_strand(conn, run_id=run_id, token=token)
-            if await ops_db.operation_count_unknown(conn, run_id=run_id):
-                if stranded:
-                    await runs_db.journal_append(
-                        conn, run_id=run_id, token=token, expected=claim["revision"],
-                        events=[entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
-                                      {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
-                                       "next": "reconcile"}) for op in stranded])
-                await runs_db.run_block_for_reconciliation(
-                    conn, run_id=run_id, token=token,
-                    waiting_for=f"reconciliation of its unsettled operations; then it fails: "
-                                f"{error.code} (incident {error.incident})")
-                return False
-            await runs_db.journal_append(
-                conn, run_id=run_id, token=token, expected=claim["revision"],
-                events=[entry(EventKind.RUN_FAILED, None, None, {
-                    "code": error.code, "message": error.message, "incident": error.incident})])
-            await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
-                                     outcome_code=error.code, result=None,
-                                     error=json.dumps(error.to_dict()))
-            return True
-
-        try:
-            ended = await self.database.run_in_transaction(end)
-        except (LeaseLost, DatabaseError) as lost:
-            log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
-                        error.code, lost.code)
-            return
-        if not ended:
-            log.error("run %s: %s (incident %s: %s); it waits for the reconciliation of its "
-                      "unsettled operations first", run_id, error.code, error.incident,
-                      type(exc).__name__)
-            return
-        self.metrics.incr("runs_failed")
-        log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,
-                  error.code, error.incident, type(exc).__name__)
 
     async def _heartbeat_loop(self) -> None:
         """The worker's liveness beat (one row, often) and its runs' lease renewals (every
@@ -359,3 +306,59 @@ class Worker:
         # (its bookkeeping must follow the write); a database that does not answer must not
         # hold the stop for as long as the writer's own attempts would take.
         await self.writer.drain(WRITE_GRACE)
+
+
+async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str, Any],
+                          exc: Exception) -> None:
+    """End a run this code cannot decode or replay: ``failed`` with ``RUN_UNREADABLE``, its
+    ``run.failed`` entry and an incident with the decoder's complaint. A run may not end
+    while an operation of it was dispatched without an outcome (C5): as a replay would,
+    such operations become ``unknown`` and go to the reconciliation queue, and the run
+    waits for them (``needs_reconciliation``); once they are settled, it is claimed again
+    and fails here."""
+    run_id, token = claim["id"], claim["lease_token"]
+    error = RunUnreadable("a value stored for this run cannot be decoded by this worker "
+                          "(see the incident)")
+    diagnostics = {"type": type(exc).__name__, "message": storable(str(exc)[:2000])}
+
+    async def end(conn: Conn) -> bool:
+        await incident_record(conn, {
+            "ref": error.incident, "code": error.code, "run_id": run_id,
+            "operation_id": None, "phase": "decode", "cause": type(exc).__name__,
+            "upstream_status": None, "detail": json.dumps(diagnostics)})
+        stranded = await ops_db.operation_strand(conn, run_id=run_id, token=token)
+        if await ops_db.operation_count_unknown(conn, run_id=run_id):
+            if stranded:
+                await journal_db.journal_append(
+                    conn, run_id=run_id, token=token, expected=claim["revision"],
+                    events=[entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
+                                  {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
+                                   "next": "reconcile"}) for op in stranded])
+            await runs_db.run_block_for_reconciliation(
+                conn, run_id=run_id, token=token,
+                waiting_for=f"reconciliation of its unsettled operations; then it fails: "
+                            f"{error.code} (incident {error.incident})")
+            return False
+        await journal_db.journal_append(
+            conn, run_id=run_id, token=token, expected=claim["revision"],
+            events=[entry(EventKind.RUN_FAILED, None, None, {
+                "code": error.code, "message": error.message, "incident": error.incident})])
+        await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
+                                 outcome_code=error.code, result=None,
+                                 error=json.dumps(error.to_dict()))
+        return True
+
+    try:
+        ended = await database.run_in_transaction(end)
+    except (LeaseLost, DatabaseError) as lost:
+        log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
+                    error.code, lost.code)
+        return
+    if not ended:
+        log.error("run %s: %s (incident %s: %s); it waits for the reconciliation of its "
+                  "unsettled operations first", run_id, error.code, error.incident,
+                  type(exc).__name__)
+        return
+    metrics.incr("runs_failed")
+    log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,
+              error.code, error.incident, type(exc).__name__)

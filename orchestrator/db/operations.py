@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.db.database import Conn
+from orchestrator.db.journal import JOURNAL_INSERT, entry_sql, receipt_entry_sql
 from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
-from orchestrator.journal import EventKind, sql_payload
+from orchestrator.journal import EventKind
 
 S = "orchestrator"
 
@@ -372,17 +373,6 @@ def settle_receipt_sql(rows: str) -> str:
     RETURNING o.run_id"""
 
 
-def receipt_event_sql(rows: str) -> str:
-    """The ``call.completed`` journal rows (at ``expected + 1``) of the receipts that CTE
-    ``done`` committed, as a SELECT for the journal's INSERT."""
-    return f"""
-    SELECT {rows}.run_id, {rows}.expected + 1, '{EventKind.CALL_COMPLETED}', {rows}.prev_position,
-           {rows}.prev_name, {rows}.v,
-           {sql_payload(EventKind.CALL_COMPLETED, result=f"{rows}.receipt", op=f"{rows}.prev_op")},
-           {rows}.token
-    FROM {rows} JOIN done ON done.run_id = {rows}.run_id"""
-
-
 _FAST_BEGIN = f"""
 WITH x AS (
     {rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
@@ -407,16 +397,14 @@ WITH x AS (
     ON CONFLICT (run_id, position, attempt) DO NOTHING
     RETURNING id, run_id
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    {receipt_event_sql("x")}
+    {JOURNAL_INSERT}
+    {receipt_entry_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + {EVENTS}, '{EventKind.CALL_SUBMITTED}',
-           x.position, x.tool_name, x.v,
-           {sql_payload(EventKind.CALL_SUBMITTED, tool_version="x.tool_version",
-                        intent="x.intent_digest", attempt="x.attempt", op="op.id",
-                        key="x.idempotency_key", effect="x.effect_class")},
-           x.token
+    SELECT {entry_sql(EventKind.CALL_SUBMITTED, run_id="x.run_id", seq=f"x.expected + {EVENTS}",
+                      position="x.position", name="x.tool_name", v="x.v", token="x.token",
+                      tool_version="x.tool_version", intent="x.intent_digest",
+                      attempt="x.attempt", op="op.id", key="x.idempotency_key",
+                      effect="x.effect_class")}
     FROM x JOIN op ON op.run_id = x.run_id
     RETURNING run_id
 ), n AS (
@@ -466,9 +454,8 @@ WITH x AS (
     RETURNING x.i, r.cancel_requested_at
 ), done AS ({settle_receipt_sql("x")}
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    {receipt_event_sql("x")}
+    {JOURNAL_INSERT}
+    {receipt_entry_sql("x")}
     RETURNING run_id
 )
 SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,

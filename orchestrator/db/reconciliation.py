@@ -11,7 +11,8 @@ import uuid
 from typing import Any
 
 from orchestrator.db.database import RUNS_CHANNEL, Conn
-from orchestrator.db.runs import encode_events, run_wake
+from orchestrator.db.journal import journal_insert_held
+from orchestrator.db.runs import run_wake
 from orchestrator.errors import OperationInProgress, ResolutionConflict
 
 S = "orchestrator"
@@ -244,17 +245,8 @@ async def recon_settle(
 async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
                          events: list[dict[str, Any]], fail_run: str | None
                          ) -> None:
-    await conn.execute(
-        f"""
-        INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                                 lease_token)
-        SELECT %(run_id)s, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
-        FROM jsonb_to_recordset(%(events)s::jsonb)
-             AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)
-        """,
-        {"run_id": item["run_id"], "token": run["lease_token"],
-         "events": encode_events(run["revision"], events)},
-    )
+    await journal_insert_held(conn, run_id=item["run_id"], token=run["lease_token"],
+                              revision=run["revision"], events=events)
     if fail_run is not None:
         error = fail_run
         parent = await (await conn.execute(

@@ -13,21 +13,26 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from orchestrator.canonical import JsonLimits, canonical_json, request_digest
+from orchestrator.canonical import JsonLimits, request_digest
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.journal import (
+    JOURNAL_INSERT,
+    entry_sql,
+    journal_insert_held,
+    receipt_entry_sql,
+)
 from orchestrator.db.operations import (
     EVENTS,
     RECEIPT_COLUMNS,
     FastPathMiss,
     Receipt,
-    receipt_event_sql,
     riding_row,
     settle_receipt_sql,
 )
 from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
 from orchestrator.ids import new_run_id
-from orchestrator.journal import SCHEMA_VERSION, EventKind, sql_payload
+from orchestrator.journal import EventKind, entry
 from orchestrator.models import Owner
 
 S = "orchestrator"
@@ -257,58 +262,6 @@ async def run_heartbeat(
     return {row["id"] for row in await cur.fetchall()}
 
 
-_APPEND = f"""
-WITH fence AS (
-    UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now()
-    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
-      AND revision = %(expected)s
-    RETURNING id, cancel_requested_at
-), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
-    FROM fence, jsonb_to_recordset(%(events)s::jsonb)
-         AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM ins) AS inserted,
-       (SELECT cancel_requested_at FROM fence) AS cancel_requested_at,
-       EXISTS (SELECT 1 FROM fence) AS fenced
-"""
-
-
-def encode_events(expected: int, events: Sequence[dict[str, Any]]) -> str:
-    """Number new events from ``expected + 1`` and encode them for :func:`journal_append`."""
-    return canonical_json([{"seq": expected + i, **e} for i, e in enumerate(events, start=1)])
-
-
-async def journal_append(
-    conn: Conn,
-    *,
-    run_id: uuid.UUID,
-    token: int,
-    expected: int,
-    events: Sequence[dict[str, Any]],
-) -> datetime | None:
-    """Append ``events`` after revision ``expected`` under lease ``token``.
-
-    Each event is a dict with ``kind``, ``position``, ``name``, ``v`` (schema version) and
-    ``payload``. Returns the run's ``cancel_requested_at``. Raises :class:`LeaseLost` when the
-    run is not running under this token at this revision: nothing is written then.
-    """
-    cur = await conn.execute(
-        _APPEND,
-        {"run_id": run_id, "token": token, "expected": expected, "n": len(events),
-         "events": encode_events(expected, events)},
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    if not row["fenced"] or row["inserted"] != len(events):
-        raise LeaseLost(f"run {run_id} is no longer held under lease {token} at {expected}")
-    cancel_requested_at: datetime | None = row["cancel_requested_at"]
-    return cancel_requested_at
-
-
 class UnsettledOperations(Exception):
     """A run may not end while an operation is pending, submitted or (but for running out of
     time) unknown: the outcome of its effects would be lost."""
@@ -508,28 +461,11 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
     row = await cur.fetchone()
     if row is None:
         return False
-    await conn.execute(
-        f"""
-        INSERT INTO {S}.journal (run_id, seq, kind, schema_version, payload, lease_token)
-        VALUES (%s, %s, '{EventKind.RUN_CANCELLED}', {SCHEMA_VERSION},
-                {sql_payload(EventKind.RUN_CANCELLED)}, %s)
-        """,
-        (run_id, revision + 1, row["lease_token"]),
-    )
+    await journal_insert_held(conn, run_id=run_id, token=row["lease_token"], revision=revision,
+                              events=[entry(EventKind.RUN_CANCELLED, None, None, {})])
     if row["parent_run_id"] is not None:
         await run_wake(conn, row["parent_run_id"])
     return True
-
-
-async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[dict[str, Any]]:
-    cur = await conn.execute(
-        f"""
-        SELECT seq, kind, position, name, schema_version, payload, lease_token, created_at
-        FROM {S}.journal WHERE run_id = %s ORDER BY seq
-        """,
-        (run_id,),
-    )
-    return await cur.fetchall()
 
 
 async def run_children_status(
@@ -591,12 +527,12 @@ WITH x AS (
     RETURNING x.i, r.id, r.parent_run_id
 ), done AS ({settle_receipt_sql("x")}
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    {receipt_event_sql("x")}
+    {JOURNAL_INSERT}
+    {receipt_entry_sql("x")}
     UNION ALL
-    SELECT x.run_id, x.expected + {EVENTS}, '{EventKind.RUN_COMPLETED}', NULL,
-           NULL, x.v, {sql_payload(EventKind.RUN_COMPLETED, result="x.result")}, x.token
+    SELECT {entry_sql(EventKind.RUN_COMPLETED, run_id="x.run_id", seq=f"x.expected + {EVENTS}",
+                      position="NULL", name="NULL", v="x.v", token="x.token",
+                      result="x.result")}
     FROM x JOIN fence ON fence.id = x.run_id
     RETURNING run_id
 ), n AS (

@@ -276,7 +276,7 @@ class Call(CallSite):
             with self.branches.active():
                 await session.write(work, hold=True, finish=True)
         except Stop:
-            await session.keep_late(op_id, receipt, digest)
+            await session.rider.keep_late(op_id, receipt, digest)
             raise
         self.completed()
         return True

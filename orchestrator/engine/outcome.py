@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
@@ -70,7 +71,7 @@ class Outcome:
 
         async def last(conn: Conn, events: list[Entry]) -> None:
             if events:
-                await runs_db.journal_append(conn, run_id=run.run_id, token=run.token,
+                await journal_db.journal_append(conn, run_id=run.run_id, token=run.token,
                                              expected=session.revision, events=events)
             await final(conn)
 
@@ -218,7 +219,7 @@ class Outcome:
             if extra is not None:
                 await extra(conn)
             await ops_db.operation_enqueue_unlisted(conn, run_id=run.run_id)
-            await runs_db.journal_append(conn, run_id=run.run_id, token=run.token,
+            await journal_db.journal_append(conn, run_id=run.run_id, token=run.token,
                                          expected=session.revision, events=[*events, ev])
             await runs_db.run_finish(conn, run_id=run.run_id, token=run.token, status=status,
                                      outcome_code=code, result=result, error=error)

@@ -25,8 +25,8 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from orchestrator import canonical, faults
+from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
-from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.writer import GroupWriter, Landing, Statement
 from orchestrator.engine.config import EngineConfig
@@ -63,7 +63,7 @@ class Session:
         self._settler: asyncio.Task[None] | None = None  # a lone receipt write (kept referenced)
         # Set by the branch scheduler: marks a write in flight (the run is not parked meanwhile)
         self.holding: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
-        self.rider = Rider(run)
+        self.rider = Rider(run, database)
         self.rider.settle_now = self.settle_in_background
 
     def detach(self) -> None:
@@ -133,7 +133,7 @@ class Session:
                 events += more
             cancel_at = None
             if events:
-                cancel_at = await runs_db.journal_append(
+                cancel_at = await journal_db.journal_append(
                     conn, run_id=run.run_id, token=run.token, expected=self.revision,
                     events=events)
             return result, events, cancel_at
@@ -273,7 +273,7 @@ class Session:
         while len(rider.receipts) > keep:
             receipt, value = rider.receipts[0]
             if run.lost:
-                await self.keep_all_late()
+                await self.rider.keep_all_late()
                 raise Stop("lease_lost")
             try:
                 try:
@@ -287,10 +287,10 @@ class Session:
                     await self.write_locked(rider.commit_work(receipt, value), with_buffer=False)
             except DatabaseError:
                 run.lose_lease("database unavailable")
-                await self.keep_all_late()
+                await self.rider.keep_all_late()
                 raise Stop("lease_lost") from None
             except Stop:
-                await self.keep_all_late()
+                await self.rider.keep_all_late()
                 raise
             except Exception:
                 # Refused for what it holds, not for the lease or the connection: it cannot be
@@ -300,21 +300,6 @@ class Session:
                 del rider.receipts[0]
                 raise
             rider.written(rider.receipts[:1])
-
-    async def keep_all_late(self) -> None:
-        receipts = self.rider.receipts
-        while receipts:
-            receipt, value = receipts.pop(0)
-            await self.keep_late(receipt.op_id, value, receipt.digest)
-
-    async def keep_late(self, op_id: int, receipt: Any, digest: str) -> None:
-        """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
-        evidence = canonical.canonical_json({"kind": "late_receipt",
-                                             "worker": self.run.worker_id,
-                                             "receipt": receipt, "receipt_digest": digest})
-        with contextlib.suppress(Exception):  # the database may be what failed
-            async with self.db.connection() as conn:
-                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
 
     # -- the write lock and cancellations in flight ------------------------------------------
 
@@ -372,8 +357,9 @@ class Rider:
     the branch scheduler, and cleared by :meth:`detach` when the run leaves the process (no
     reference cycle keeps an executor in memory)."""
 
-    def __init__(self, run: RunState) -> None:
+    def __init__(self, run: RunState, database: Database) -> None:
         self.run = run
+        self.db = database
         self.receipts: list[tuple[ops_db.Receipt, Any]] = []
         self._scheduled = False
         # Whether the run's end or park comes next (and will carry the receipts); how to write
@@ -429,6 +415,22 @@ class Rider:
             return None, [entry(EventKind.CALL_COMPLETED, receipt.position, receipt.name,
                                 {"result": value, "op": receipt.op_id})]
         return work
+
+    async def keep_all_late(self) -> None:
+        """The lease is gone: every riding receipt leaves memory as evidence (:meth:`keep_late`)."""
+        receipts = self.receipts
+        while receipts:
+            receipt, value = receipts.pop(0)
+            await self.keep_late(receipt.op_id, value, receipt.digest)
+
+    async def keep_late(self, op_id: int, receipt: Any, digest: str) -> None:
+        """The lease is gone: this receipt is not the outcome, but it is evidence (C8)."""
+        evidence = canonical.canonical_json({"kind": "late_receipt",
+                                             "worker": self.run.worker_id,
+                                             "receipt": receipt, "receipt_digest": digest})
+        with contextlib.suppress(Exception):  # the database may be what failed
+            async with self.db.connection() as conn:
+                await ops_db.operation_attach_evidence(conn, op_id=op_id, evidence=evidence)
 
 
 def _no() -> bool:

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from orchestrator import admin
+from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
@@ -53,7 +54,7 @@ async def test_a_stale_lease_token_cannot_write(app, sql):
     assert second["lease_token"] == first["lease_token"] + 1
     async with app.database.connection() as conn:
         with pytest.raises(LeaseLost):
-            await runs_db.journal_append(
+            await journal_db.journal_append(
                 conn, run_id=run.id, token=first["lease_token"], expected=0,
                 events=[{"kind": "value", "position": 0, "name": "now", "v": 1,
                          "payload": {"value": 1}}])
@@ -62,12 +63,12 @@ async def test_a_stale_lease_token_cannot_write(app, sql):
                                      status="succeeded", outcome_code=None, result="1",
                                      error=None)
         # the holder of the new token can write
-        await runs_db.journal_append(
+        await journal_db.journal_append(
             conn, run_id=run.id, token=second["lease_token"], expected=0,
             events=[{"kind": "value", "position": 0, "name": "now", "v": 1,
                      "payload": {"value": 1}}])
         with pytest.raises(LeaseLost):  # a wrong expected revision is rejected too
-            await runs_db.journal_append(
+            await journal_db.journal_append(
                 conn, run_id=run.id, token=second["lease_token"], expected=0,
                 events=[{"kind": "value", "position": 1, "name": "now", "v": 1,
                          "payload": {"value": 2}}])

@@ -1,0 +1,127 @@
+"""Statements on ``orchestrator.journal``: every journal row is inserted here.
+
+The entries themselves (kinds, payloads, schema version) are defined in
+:mod:`orchestrator.journal`; this module writes and reads them. Three ways in:
+
+- :func:`journal_append`: the fenced append that moves a run's revision (the general path of
+  every worker write);
+- :func:`journal_insert_held`: an append by a caller that already holds the run's row in its
+  transaction (a guarded ``UPDATE`` of the run, or its lock), numbered from the revision it
+  read;
+- :data:`JOURNAL_INSERT` with :func:`receipt_entry_sql` and :func:`entry_sql`: the journal part
+  of the set-based fast statements, which build their entries in SQL from the same
+  definitions.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from orchestrator.canonical import canonical_json
+from orchestrator.db.database import Conn
+from orchestrator.errors import LeaseLost
+from orchestrator.journal import Entry, EventKind, sql_payload
+
+S = "orchestrator"
+
+JOURNAL_INSERT = (f"INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, "
+                  "payload, lease_token)")
+"""The head of every journal insert; the rows follow as a SELECT."""
+
+_FROM_JSON = """jsonb_to_recordset(%(events)s::jsonb)
+         AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)"""
+
+_APPEND = f"""
+WITH fence AS (
+    UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now()
+    WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+      AND revision = %(expected)s
+    RETURNING id, cancel_requested_at
+), ins AS (
+    {JOURNAL_INSERT}
+    SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
+    FROM fence, {_FROM_JSON}
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM ins) AS inserted,
+       (SELECT cancel_requested_at FROM fence) AS cancel_requested_at,
+       EXISTS (SELECT 1 FROM fence) AS fenced
+"""
+
+_INSERT_HELD = f"""
+{JOURNAL_INSERT}
+SELECT %(run_id)s, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
+FROM {_FROM_JSON}
+"""
+
+
+def encode_events(expected: int, events: Sequence[Entry]) -> str:
+    """Number new events from ``expected + 1`` and encode them for an insert."""
+    return canonical_json([{"seq": expected + i, **e} for i, e in enumerate(events, start=1)])
+
+
+async def journal_append(
+    conn: Conn,
+    *,
+    run_id: uuid.UUID,
+    token: int,
+    expected: int,
+    events: Sequence[Entry],
+) -> datetime | None:
+    """Append ``events`` after revision ``expected`` under lease ``token``.
+
+    Each event is an :func:`orchestrator.journal.entry`. Returns the run's
+    ``cancel_requested_at``. Raises :class:`LeaseLost` when the run is not running under this
+    token at this revision: nothing is written then.
+    """
+    cur = await conn.execute(
+        _APPEND,
+        {"run_id": run_id, "token": token, "expected": expected, "n": len(events),
+         "events": encode_events(expected, events)},
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    if not row["fenced"] or row["inserted"] != len(events):
+        raise LeaseLost(f"run {run_id} is no longer held under lease {token} at {expected}")
+    cancel_requested_at: datetime | None = row["cancel_requested_at"]
+    return cancel_requested_at
+
+
+async def journal_insert_held(conn: Conn, *, run_id: uuid.UUID, token: int | None,
+                              revision: int, events: Sequence[Entry]) -> None:
+    """Insert ``events`` after ``revision`` for a caller whose transaction already holds the
+    run's row and moved (or checked) its revision itself."""
+    await conn.execute(_INSERT_HELD, {"run_id": run_id, "token": token,
+                                      "events": encode_events(revision, events)})
+
+
+async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
+    cur = await conn.execute(
+        f"""
+        SELECT seq, kind, position, name, schema_version, payload, lease_token, created_at
+        FROM {S}.journal WHERE run_id = %s ORDER BY seq
+        """,
+        (run_id,),
+    )
+    return list(await cur.fetchall())
+
+
+def receipt_entry_sql(rows: str) -> str:
+    """The ``call.completed`` journal rows (at ``expected + 1``) of the riding receipts that CTE
+    ``done`` committed, as a SELECT for :data:`JOURNAL_INSERT`."""
+    payload = sql_payload(EventKind.CALL_COMPLETED, result=f"{rows}.receipt",
+                          op=f"{rows}.prev_op")
+    return f"""
+    SELECT {rows}.run_id, {rows}.expected + 1, '{EventKind.CALL_COMPLETED}',
+           {rows}.prev_position, {rows}.prev_name, {rows}.v, {payload}, {rows}.token
+    FROM {rows} JOIN done ON done.run_id = {rows}.run_id"""
+
+
+def entry_sql(kind: EventKind, *, run_id: str, seq: str, position: str, name: str, v: str,
+              token: str, **payload: str) -> str:
+    """One journal row of ``kind`` built in SQL (each argument an SQL expression), as the
+    select list of a SELECT for :data:`JOURNAL_INSERT`."""
+    return (f"{run_id}, {seq}, '{kind}', {position}, {name}, {v}, "
+            f"{sql_payload(kind, **payload)}, {token}")
