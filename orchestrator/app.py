@@ -12,10 +12,15 @@ import dataclasses
 import json
 import signal
 import threading
+import time
 import uuid
 from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
     Awaitable,
     Callable,
+    Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -76,6 +81,7 @@ P = ParamSpec("P")
 I = TypeVar("I")  # noqa: E741 - a workflow's input
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True, default=Any)
+H = TypeVar("H", bound="RunHandle")
 TERMINAL = ("succeeded", "failed", "cancelled")
 _DENIED = "the run does not exist or is not accessible to this owner"
 
@@ -486,6 +492,101 @@ class Orchestrator:
                 f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
         return [JournalEntry(**e) for e in events]
 
+    # -- waiting for many runs ---------------------------------------------------------------
+
+    async def wait_async(self, handles: Iterable[H], *,
+                         timeout: float | timedelta | None = None) -> list[H]:
+        """Wait until every run is terminal; return the handles, in the order given.
+
+        One statement per poll round reads every run still unfinished, however many there are
+        (at the pauses of :meth:`RunHandle.result_async`: 5 ms doubling to 250 ms). As
+        ``result(timeout=)`` does, raises ``RESULT_TIMEOUT`` when ``timeout`` passes first,
+        with ``pending`` (the ids not finished, in the order given) and ``status`` (the first
+        one's); waiting changes nothing. A handle of another owner's run is ``ACCESS_DENIED``.
+        Read each outcome with ``handle.result()``.
+        """
+        pending, give_up = self._wait_plan(handles, timeout)
+        given = list(pending)
+        async for _ in self._finishing(pending, give_up, len(given)):
+            pass
+        return given
+
+    def wait(self, handles: Iterable[H], *,
+             timeout: float | timedelta | None = None) -> list[H]:
+        """Sync twin of :meth:`wait_async`."""
+        return self._portal.call(self.wait_async(handles, timeout=timeout))
+
+    def as_completed_async(self, handles: Iterable[H], *,
+                           timeout: float | timedelta | None = None) -> AsyncIterator[H]:
+        """Yield the handles as their runs become terminal (those found in one poll round in
+        the order given), polling as :meth:`wait_async` does; ``RESULT_TIMEOUT`` (with
+        ``pending``) once ``timeout``, counted from this call, passes with runs still
+        unfinished. The handles and the timeout are checked here, before any iteration."""
+        pending, give_up = self._wait_plan(handles, timeout)
+        return _one_by_one(self._finishing(pending, give_up, len(pending)))
+
+    def as_completed(self, handles: Iterable[H], *,
+                     timeout: float | timedelta | None = None) -> Iterator[H]:
+        """Sync twin of :meth:`as_completed_async`: each poll round runs on the private loop;
+        the caller's thread waits between the handles it yields."""
+        pending, give_up = self._wait_plan(handles, timeout)
+        return self._portal_iterate(self._finishing(pending, give_up, len(pending)))
+
+    def _wait_plan(self, handles: Iterable[H], timeout: float | timedelta | None
+                   ) -> tuple[list[H], float | None]:
+        """The handles to wait for and when to give up (:func:`time.monotonic`), checked."""
+        seconds = _timeout_seconds(timeout)
+        pending = list(handles)
+        for handle in pending:
+            if not isinstance(handle, RunHandle) or handle.app is not self:
+                raise InvalidRequest("handles must be RunHandles of this orchestrator",
+                                     path="handles")
+        return pending, None if seconds is None else time.monotonic() + seconds
+
+    async def _finishing(self, pending: list[H], give_up: float | None, total: int
+                         ) -> AsyncGenerator[list[H], None]:
+        """Batches of ``pending`` as their runs become terminal, until none is left (removed
+        from ``pending`` as they are yielded): one statement per round for all of them."""
+        delay = 0.005
+        while pending:
+            keys = {h: (h.id, h.owner.tenant, h.owner.principal) for h in pending}
+            async with self.database.connection() as conn:
+                statuses = await runs_db.run_statuses(conn, list(set(keys.values())))
+            if any(key not in statuses for key in keys.values()):
+                raise AccessDenied(_DENIED)
+            done = [h for h in pending if statuses[keys[h]] in TERMINAL]
+            if done:
+                pending[:] = [h for h in pending if statuses[keys[h]] not in TERMINAL]
+                yield done
+                if not pending:
+                    return
+                delay = 0.005  # runs tend to finish together: look again soon
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                first = pending[0]
+                status = statuses[keys[first]]
+                raise ResultTimeout(
+                    f"{len(pending)} of {total} runs have not finished; run {first.id}: "
+                    f"{_still(status, first.id)}",
+                    status=status, pending=tuple(str(h.id) for h in pending))
+            await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
+            delay = min(delay * 2, 0.25)
+
+    def _portal_iterate(self, batches: AsyncGenerator[list[H], None]) -> Iterator[H]:
+        """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
+
+        async def step() -> list[H] | None:
+            return await anext(batches, None)
+
+        async def close() -> None:
+            await batches.aclose()
+
+        try:
+            while (batch := self._portal.call(step())) is not None:
+                yield from batch
+        finally:
+            self._portal.call(close())
+
     # -- workers -----------------------------------------------------------------------------
 
     @property
@@ -672,6 +773,12 @@ def _outcome(row: dict[str, Any]) -> Any:
                                    else "WORKFLOW_FAILED")
     raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
                     incident=error.get("incident"))
+
+
+async def _one_by_one(batches: AsyncIterator[list[H]]) -> AsyncIterator[H]:
+    async for batch in batches:
+        for handle in batch:
+            yield handle
 
 
 def _timeout_seconds(timeout: float | timedelta | None) -> float | None:
