@@ -239,8 +239,7 @@ class Orchestrator:
             raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
         return self.default_owner
 
-    def _resolve_workflow(self, workflow: Workflow[Any, Any] | str,
-                          version: str | None = None) -> Workflow[Any, Any]:
+    def _resolve_workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         if isinstance(workflow, Workflow):
             return workflow
         matches = [w for w in self.registry.workflows.values()
@@ -251,7 +250,7 @@ class Orchestrator:
 
     def new_run_row(
         self,
-        workflow: Workflow[Any, Any],
+        workflow: Workflow,
         input: Any,
         *,
         owner: Owner,
