@@ -15,6 +15,12 @@ BENCH_ARGS ?=
 .PHONY: install test lint typecheck pytest demo chaos bench
 
 # .venv with the package (editable), its `orchestrator` command and the dev tools.
+# The editable install is `strict`: a tree of links to the sources under build/, on sys.path by
+# a plain .pth file. setuptools' default editable install is an import hook (our package-dir
+# maps migrations/ to orchestrator._migrations, so a path entry alone cannot serve it), and
+# mypy, which reads .pth paths but runs no import hooks, would not find the package from an
+# application's directory. The links follow edits to existing files; a file added or removed
+# changes its folder, which re-installs (SOURCE_DIRS below).
 install: $(STAMP)
 
 test: lint typecheck pytest
@@ -51,10 +57,14 @@ bench: $(BENCH_STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+# The package's folders: their mtimes change when a file in them is added, removed or renamed.
+SOURCE_DIRS := $(shell find orchestrator migrations workers -type d -not -name __pycache__)
+EDITABLE := --config-settings editable_mode=strict
+
+$(STAMP): pyproject.toml $(SOURCE_DIRS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e '.[dev]'
 	touch $@
 
-$(BENCH_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+$(BENCH_STAMP): pyproject.toml $(SOURCE_DIRS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(EDITABLE) -e '.[bench]'
 	touch $@

@@ -5,7 +5,7 @@ the truth about what it knows. Start with :class:`Orchestrator`.
 """
 
 from orchestrator.app import Orchestrator, RunHandle
-from orchestrator.context import ToolContext, WorkflowContext
+from orchestrator.context import PolicyContext, ToolContext, WorkflowContext
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
@@ -23,7 +23,7 @@ from orchestrator.errors import (
 )
 from orchestrator.failures import ToolError
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
-from orchestrator.models import Owner, RunInfo
+from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.recovery import RetryPolicy
 from orchestrator.registry import Tool, Workflow
 
@@ -34,12 +34,14 @@ __all__ = [
     "DatabaseError",
     "IdempotencyConflict",
     "InvalidRequest",
+    "JournalEntry",
     "NotApplied",
     "OperationInProgress",
     "OperationUncertain",
     "Orchestrator",
     "OrchestratorError",
     "Owner",
+    "PolicyContext",
     "ResolutionConflict",
     "ResultTimeout",
     "RetryPolicy",

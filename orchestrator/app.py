@@ -11,13 +11,26 @@ import asyncio
 import dataclasses
 import signal
 import threading
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, overload
+
+from typing_extensions import TypeVar
 
 from orchestrator import admin, canonical
 from orchestrator._portal import Portal
+from orchestrator.context import ToolContext, WorkflowContext
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
@@ -62,7 +75,13 @@ from orchestrator.registry import (
 from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# Always inferred from a function or a workflow, so without defaults (mypy does not match a
+# decorator factory's ParamSpec that has one). A RunHandle's result type defaults to Any.
+P = ParamSpec("P")
+I = TypeVar("I")  # noqa: E741 - a workflow's input
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True, default=Any)
+H = TypeVar("H", bound="RunHandle")
 TERMINAL = ("succeeded", "failed", "cancelled")
 _DENIED = "the run does not exist or is not accessible to this owner"
 
@@ -164,10 +183,14 @@ class Orchestrator:
         self._database = Database(target, max_pool_size=self.pool_size)
         return target
 
-    def workflow(self, *, version: str = "1", name: str | None = None) -> Callable[[F], Workflow]:
-        """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's."""
+    def workflow(
+        self, *, version: str = "1", name: str | None = None
+    ) -> Callable[[Callable[[WorkflowContext, I], Awaitable[R]]], Workflow[I, R]]:
+        """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's.
 
-        def register(fn: F) -> Workflow:
+        Returns a :class:`Workflow` typed by the function's input and result."""
+
+        def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
             wf = Workflow(name=check_name("workflow", name or fn.__name__),
                           version=check_name("version", str(version)), fn=fn)
             self.registry.add_workflow(wf)
@@ -186,8 +209,11 @@ class Orchestrator:
         retry: RetryPolicy | None = None,
         authorize_timeout: timedelta | None = None,
         approve_timeout: timedelta | None = None,
-    ) -> Callable[[F], Tool]:
+    ) -> Callable[[Callable[Concatenate[ToolContext, P], Awaitable[R]]], Tool[P, R]]:
         """Register an async tool ``fn(ctx: ToolContext, **arguments)`` returning JSON.
+
+        Returns a :class:`Tool` typed by the function's parameters after ``ctx`` and its
+        return type, which ``ctx.call`` checks and returns.
 
         ``retry`` (a :class:`~orchestrator.recovery.RetryPolicy`) defaults to the app's, else
         to the effect class's: one attempt for ``consequential``, three for ``idempotent`` and
@@ -199,7 +225,7 @@ class Orchestrator:
         if max_attempts is not None:
             policy = dataclasses.replace(policy, max_attempts=max_attempts)
 
-        def register(fn: F) -> Tool:
+        def register(fn: Callable[Concatenate[ToolContext, P], Awaitable[R]]) -> Tool[P, R]:
             tool = Tool(name=check_name("tool", name or fn.__name__),
                         version=check_name("version", str(version)), fn=fn, effect=effect,
                         timeout=timeout, policy=policy,
@@ -246,16 +272,40 @@ class Orchestrator:
                                owner=owner, idempotency_key=idempotency_key, deadline=deadline,
                                run_id=run_id, parent=parent)
 
+    @overload
     async def submit_async(
         self,
-        workflow: Workflow | str,
+        workflow: Workflow[I, R],
+        input: I,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle[R]: ...
+
+    @overload
+    async def submit_async(
+        self,
+        workflow: str,
         input: Any = None,
         *,
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
         connection: Conn | None = None,
-    ) -> RunHandle:
+    ) -> RunHandle[Any]: ...
+
+    async def submit_async(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        input: Any = None,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle[Any]:
         """Submit a run; with ``idempotency_key``, at most one run per owner and key (C1).
 
         With ``connection`` (a psycopg async connection in a transaction), the run is written
@@ -284,9 +334,44 @@ class Orchestrator:
             self.metrics.incr("runs_submitted")
         return RunHandle(self, run_id, who)
 
-    def submit(self, workflow: Workflow | str, input: Any = None, **options: Any) -> RunHandle:
+    @overload
+    def submit(
+        self,
+        workflow: Workflow[I, R],
+        input: I,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle[R]: ...
+
+    @overload
+    def submit(
+        self,
+        workflow: str,
+        input: Any = None,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle[Any]: ...
+
+    def submit(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        input: Any = None,
+        *,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> RunHandle[Any]:
         """Sync twin of :meth:`submit_async`."""
-        return self._portal.call(self.submit_async(workflow, input, **options))
+        return self._portal.call(self.submit_async(
+            workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
+            connection=connection))
 
     # -- reading and acting on runs ----------------------------------------------------------
 
@@ -305,11 +390,12 @@ class Orchestrator:
         return row
 
     async def get_run_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
-                            ) -> RunHandle:
+                            ) -> RunHandle[Any]:
         row = await self._row(run_id, owner)
         return RunHandle(self, row["id"], self._owner(owner))
 
-    def get_run(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> RunHandle:
+    def get_run(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                ) -> RunHandle[Any]:
         """A handle to an existing run; ``ACCESS_DENIED`` if it is missing or not the owner's."""
         return self._portal.call(self.get_run_async(run_id, owner=owner))
 
@@ -322,9 +408,11 @@ class Orchestrator:
                                           status=status, workflow=workflow, limit=limit)
         return [RunInfo.from_row(r) for r in rows]
 
-    def list_runs(self, **options: Any) -> list[RunInfo]:
+    def list_runs(self, *, owner: Owner | None = None, status: str | None = None,
+                  workflow: str | None = None, limit: int = 50) -> list[RunInfo]:
         """The owner's runs, newest first."""
-        return self._portal.call(self.list_runs_async(**options))
+        return self._portal.call(self.list_runs_async(owner=owner, status=status,
+                                                      workflow=workflow, limit=limit))
 
     async def send_event_async(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                                owner: Owner | None = None, event_key: str | None = None) -> bool:
@@ -370,10 +458,11 @@ class Orchestrator:
 
         return await self.database.run_in_transaction(deliver)
 
-    def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None,
-                   **options: Any) -> bool:
+    def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
+                   owner: Owner | None = None, event_key: str | None = None) -> bool:
         """Sync twin of :meth:`send_event_async`."""
-        return self._portal.call(self.send_event_async(run_id, name, payload, **options))
+        return self._portal.call(self.send_event_async(run_id, name, payload, owner=owner,
+                                                       event_key=event_key))
 
     async def cancel_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> str:
         """Request cancellation; returns the run's status afterwards (see
@@ -394,6 +483,101 @@ class Orchestrator:
                 f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
         return [JournalEntry(**e) for e in events]
 
+    # -- waiting for many runs ---------------------------------------------------------------
+
+    async def wait_async(self, handles: Iterable[H], *,
+                         timeout: float | timedelta | None = None) -> list[H]:
+        """Wait until every run is terminal; return the handles, in the order given.
+
+        One statement per poll round reads every run still unfinished, however many there are
+        (at the pauses of :meth:`RunHandle.result_async`: 5 ms doubling to 250 ms). As
+        ``result(timeout=)`` does, raises ``RESULT_TIMEOUT`` when ``timeout`` passes first,
+        with ``pending`` (the ids not finished, in the order given) and ``status`` (the first
+        one's); waiting changes nothing. A handle of another owner's run is ``ACCESS_DENIED``.
+        Read each outcome with ``handle.result()``.
+        """
+        pending, give_up = self._wait_plan(handles, timeout)
+        given = list(pending)
+        async for _ in self._finishing(pending, give_up, len(given)):
+            pass
+        return given
+
+    def wait(self, handles: Iterable[H], *,
+             timeout: float | timedelta | None = None) -> list[H]:
+        """Sync twin of :meth:`wait_async`."""
+        return self._portal.call(self.wait_async(handles, timeout=timeout))
+
+    def as_completed_async(self, handles: Iterable[H], *,
+                           timeout: float | timedelta | None = None) -> AsyncIterator[H]:
+        """Yield the handles as their runs become terminal (those found in one poll round in
+        the order given), polling as :meth:`wait_async` does; ``RESULT_TIMEOUT`` (with
+        ``pending``) once ``timeout``, counted from this call, passes with runs still
+        unfinished. The handles and the timeout are checked here, before any iteration."""
+        pending, give_up = self._wait_plan(handles, timeout)
+        return _one_by_one(self._finishing(pending, give_up, len(pending)))
+
+    def as_completed(self, handles: Iterable[H], *,
+                     timeout: float | timedelta | None = None) -> Iterator[H]:
+        """Sync twin of :meth:`as_completed_async`: each poll round runs on the private loop;
+        the caller's thread waits between the handles it yields."""
+        pending, give_up = self._wait_plan(handles, timeout)
+        return self._portal_iterate(self._finishing(pending, give_up, len(pending)))
+
+    def _wait_plan(self, handles: Iterable[H], timeout: float | timedelta | None
+                   ) -> tuple[list[H], float | None]:
+        """The handles to wait for and when to give up (:func:`time.monotonic`), checked."""
+        seconds = _timeout_seconds(timeout)
+        pending = list(handles)
+        for handle in pending:
+            if not isinstance(handle, RunHandle) or handle.app is not self:
+                raise InvalidRequest("handles must be RunHandles of this orchestrator",
+                                     path="handles")
+        return pending, None if seconds is None else time.monotonic() + seconds
+
+    async def _finishing(self, pending: list[H], give_up: float | None, total: int
+                         ) -> AsyncGenerator[list[H], None]:
+        """Batches of ``pending`` as their runs become terminal, until none is left (removed
+        from ``pending`` as they are yielded): one statement per round for all of them."""
+        delay = 0.005
+        while pending:
+            keys = {h: (h.id, h.owner.tenant, h.owner.principal) for h in pending}
+            async with self.database.connection() as conn:
+                statuses = await runs_db.run_statuses(conn, list(set(keys.values())))
+            if any(key not in statuses for key in keys.values()):
+                raise AccessDenied(_DENIED)
+            done = [h for h in pending if statuses[keys[h]] in TERMINAL]
+            if done:
+                pending[:] = [h for h in pending if statuses[keys[h]] not in TERMINAL]
+                yield done
+                if not pending:
+                    return
+                delay = 0.005  # runs tend to finish together: look again soon
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                first = pending[0]
+                status = statuses[keys[first]]
+                raise ResultTimeout(
+                    f"{len(pending)} of {total} runs have not finished; run {first.id}: "
+                    f"{_still(status, first.id)}",
+                    status=status, pending=tuple(str(h.id) for h in pending))
+            await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
+            delay = min(delay * 2, 0.25)
+
+    def _portal_iterate(self, batches: AsyncGenerator[list[H], None]) -> Iterator[H]:
+        """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
+
+        async def step() -> list[H] | None:
+            return await anext(batches, None)
+
+        async def close() -> None:
+            await batches.aclose()
+
+        try:
+            while (batch := self._portal.call(step())) is not None:
+                yield from batch
+        finally:
+            self._portal.call(close())
+
     # -- workers -----------------------------------------------------------------------------
 
     @property
@@ -402,16 +586,24 @@ class Orchestrator:
         return Operators(self.database, self.operator_scopes, self.metrics,
                          incident_readers=self.incident_readers, json_limits=self.json_limits)
 
-    def create_reconciler(self, **options: Any) -> Reconciler:
+    def create_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
+                          max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
+                          lookup_timeout: float = 30.0) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""
         return Reconciler(self.engine_config, self.registry, self.database, self.metrics,
-                          **options)
+                          max_lookups=max_lookups, base_delay=base_delay,
+                          max_delay=max_delay, batch=batch, poll_interval=poll_interval,
+                          lookup_timeout=lookup_timeout)
 
-    def run_reconciler(self, **options: Any) -> None:
+    def run_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
+                       max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
+                       lookup_timeout: float = 30.0) -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT."""
 
         async def main() -> None:
-            reconciler = self.create_reconciler(**options)
+            reconciler = self.create_reconciler(
+                max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay,
+                batch=batch, poll_interval=poll_interval, lookup_timeout=lookup_timeout)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, reconciler.request_stop)
@@ -424,15 +616,23 @@ class Orchestrator:
 
         asyncio.run(main())
 
-    def create_worker(self, **options: Any) -> Worker:
+    def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
+                      lease_ttl: float | None = None, poll_interval: float = 1.0,
+                      drain_timeout: float = 30.0) -> Worker:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop."""
-        return Worker(self.engine_config, self.registry, self.database, self.metrics, **options)
+        return Worker(self.engine_config, self.registry, self.database, self.metrics,
+                      concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
+                      poll_interval=poll_interval, drain_timeout=drain_timeout)
 
-    def run_worker(self, **options: Any) -> None:
+    def run_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
+                   lease_ttl: float | None = None, poll_interval: float = 1.0,
+                   drain_timeout: float = 30.0) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return."""
 
         async def main() -> None:
-            worker = self.create_worker(**options)
+            worker = self.create_worker(
+                concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
+                poll_interval=poll_interval, drain_timeout=drain_timeout)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.request_stop)
@@ -454,8 +654,9 @@ class Orchestrator:
         self._portal.close()
 
 
-class RunHandle:
-    """One run, as seen by its owner."""
+class RunHandle(Generic[R_co]):
+    """One run, as seen by its owner; ``R_co`` is its workflow's result type (for type
+    checkers: ``submit(workflow, input)`` gives a ``RunHandle`` of what ``workflow`` returns)."""
 
     def __init__(self, app: Orchestrator, run_id: uuid.UUID, owner: Owner) -> None:
         self.app = app
@@ -478,7 +679,7 @@ class RunHandle:
         """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded``."""
         return self.app._portal.call(self.status_async())
 
-    async def result_async(self, timeout: float | timedelta | None = None) -> Any:
+    async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
         """Wait until the run is terminal; return its result or raise its outcome (C13).
 
         Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
@@ -491,17 +692,18 @@ class RunHandle:
         while True:
             row = await self.app._row(self.id, self.owner, result=True)
             if row["status"] in TERMINAL:
-                return _outcome(row)
+                result: R_co = _outcome(row)
+                return result
             if give_up is not None and loop.time() >= give_up:
                 raise ResultTimeout(_still(row["status"], self.id), status=row["status"])
             pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
             await asyncio.sleep(pause)
             delay = min(delay * 2, 0.25)
 
-    def result(self, timeout: float | timedelta | None = None) -> Any:
+    def result(self, timeout: float | timedelta | None = None) -> R_co:
         return self.app._portal.call(self.result_async(timeout))
 
-    async def outcome_async(self) -> Any:
+    async def outcome_async(self) -> R_co:
         """The outcome now, without waiting (submission-level replay).
 
         Finished: the stored result, or the stored failure raised again; nothing is called.
@@ -510,7 +712,8 @@ class RunHandle:
         """
         row = await self.app._row(self.id, self.owner, result=True)
         if row["status"] in TERMINAL:
-            return _outcome(row)
+            result: R_co = _outcome(row)
+            return result
         if row["status"] == "needs_reconciliation":
             async with self.app.database.connection() as conn:
                 ops = await ops_db.operation_list_for_run(conn, self.id)
@@ -521,7 +724,7 @@ class RunHandle:
                 known_operations=known)
         raise OperationInProgress(f"the run is {row['status']}", status=row["status"])
 
-    def outcome(self) -> Any:
+    def outcome(self) -> R_co:
         return self.app._portal.call(self.outcome_async())
 
     async def cancel_async(self) -> str:
@@ -563,6 +766,12 @@ def _outcome(row: dict[str, Any]) -> Any:
                                    else "WORKFLOW_FAILED")
     raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
                     incident=error.get("incident"))
+
+
+async def _one_by_one(batches: AsyncIterator[list[H]]) -> AsyncIterator[H]:
+    async for batch in batches:
+        for handle in batch:
+            yield handle
 
 
 def _timeout_seconds(timeout: float | timedelta | None) -> float | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from orchestrator.models import Owner
 
 if TYPE_CHECKING:
-    from orchestrator.registry import Tool, Workflow
+    from orchestrator.registry import I, P, R, Tool, Workflow
 
 
 class Commands(Protocol):
@@ -65,8 +65,16 @@ class WorkflowContext:
     def owner(self) -> Owner:
         return self._ex.owner
 
-    def call(self, tool: Tool | str, /, **arguments: Any) -> Awaitable[Any]:
-        """Call a tool through the effect gateway; returns its receipt (a JSON value)."""
+    def call(self, tool: Tool[P, R] | str, /, *args: P.args, **arguments: P.kwargs
+             ) -> Awaitable[R]:
+        """Call a tool through the effect gateway; returns its receipt (a JSON value).
+
+        Arguments go by keyword (they are recorded by name). A type checker checks them against
+        the tool's signature and types the receipt as the tool's return type; a tool given by
+        name is checked at run time only (its receipt is ``Any``).
+        """
+        if args:
+            raise TypeError("ctx.call takes the tool's arguments by keyword only")
         return self._ex.call(self._ex.next_position(), tool, arguments)
 
     def sleep(self, duration: timedelta | float) -> Awaitable[None]:
@@ -82,8 +90,9 @@ class WorkflowContext:
         """
         return self._ex.wait_for_event(self._ex.next_position(), name, timeout)
 
-    def run_child(self, workflow: Workflow | str, input: Any, /) -> Awaitable[Any]:
-        """Start a child run (same owner) and wait for its result."""
+    def run_child(self, workflow: Workflow[I, R] | str, input: I, /) -> Awaitable[R]:
+        """Start a child run (same owner) and wait for its result (typed as the workflow's;
+        ``Any`` for a workflow given by name)."""
         return self._ex.run_child(self._ex.next_position(), workflow, input)
 
     async def gather(self, *commands: Awaitable[Any]) -> list[Any]:

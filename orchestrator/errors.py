@@ -176,14 +176,20 @@ class LeaseLost(OrchestratorError):
 
 
 class ResultTimeout(OrchestratorError):
-    """``result(timeout)`` passed before the run became terminal; nothing was changed."""
+    """``result(timeout)`` passed before the run became terminal; nothing was changed.
+
+    From ``wait`` and ``as_completed``, ``pending`` lists the runs not finished yet (their ids,
+    in the order given) and ``status`` is the first one's.
+    """
 
     code = "RESULT_TIMEOUT"
     retryable = True
 
-    def __init__(self, message: str, *, status: str, **kw: Any) -> None:
+    def __init__(self, message: str, *, status: str, pending: tuple[str, ...] = (),
+                 **kw: Any) -> None:
         super().__init__(message, **kw)
         self.status = status
+        self.pending = pending
 
 
 class RunFailed(OrchestratorError):

@@ -11,16 +11,30 @@ import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Concatenate, Generic, Literal
+
+from typing_extensions import ParamSpec, TypeVar
 
 from orchestrator.errors import InvalidRequest
 from orchestrator.recovery import RetryPolicy
+
+# The context a tool or workflow function receives is typed ``Any`` here: the contexts
+# (orchestrator.context) sit above the registry in the layers, and the decorators that users
+# call (``app.tool``, ``app.workflow``) take the precisely typed functions.
 
 EffectClass = Literal["consequential", "idempotent", "read"]
 EFFECT_CLASSES: tuple[EffectClass, ...] = ("consequential", "idempotent", "read")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
-
+# The type parameters of Tool and Workflow. Their defaults (PEP 696) make a bare ``Tool`` mean
+# ``Tool[..., Any]``, and give ``ctx.call("name", ...)`` (a tool by name, nothing to infer from)
+# an ``Any`` result instead of a type checker's "cannot infer".
+P = ParamSpec("P", default=...)
+"""A tool's parameters after its :class:`~orchestrator.ToolContext`: what ``ctx.call`` takes."""
+I = TypeVar("I", default=Any)  # noqa: E741 - a workflow's input
+R = TypeVar("R", default=Any)
+"""What a tool returns (its receipt) or a workflow returns (its run's result)."""
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 def version_order(version: str) -> tuple[tuple[int, int, str], ...]:
     """The key that orders versions naturally: runs of digits as numbers, so "10" comes after
@@ -39,12 +53,17 @@ def check_name(kind: str, name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Workflow:
-    """A registered workflow: ``name`` and ``version`` identify it in the database."""
+class Workflow(Generic[I, R]):
+    """A registered workflow: ``name`` and ``version`` identify it in the database.
+
+    Generic over its input ``I`` and its result ``R`` (``fn(ctx, input: I) -> R``), so that
+    ``submit`` and ``ctx.run_child`` check the input and type the result; the parameters are
+    for type checkers only and cost nothing at run time.
+    """
 
     name: str
     version: str
-    fn: Callable[..., Awaitable[Any]]
+    fn: Callable[[Any, I], Awaitable[R]]  # fn(ctx: WorkflowContext, input)
 
     @property
     def key(self) -> str:
@@ -55,8 +74,13 @@ Hook = Callable[..., Awaitable[Any]]
 
 
 @dataclass
-class Tool:
+class Tool(Generic[P, R]):
     """A registered tool: every call goes through the effect gateway as an operation.
+
+    Generic over its parameters ``P`` (those after the :class:`~orchestrator.ToolContext`) and
+    its receipt ``R``, so that ``ctx.call(tool, **arguments)`` checks the arguments against the
+    tool's signature and types what it returns (for type checkers only: at run time the
+    arguments are checked by :meth:`check_arguments`).
 
     ``authorize`` and ``approve`` are optional policy stages run before dispatch, each bounded
     by its own time budget (seconds); cancellation is checked before and after each.
@@ -64,7 +88,7 @@ class Tool:
 
     name: str
     version: str
-    fn: Callable[..., Awaitable[Any]]
+    fn: Callable[Concatenate[Any, P], Awaitable[R]]  # fn(ctx: ToolContext, **arguments)
     effect: EffectClass = "consequential"
     timeout: timedelta | None = None
     policy: RetryPolicy = field(default_factory=RetryPolicy)
@@ -93,24 +117,25 @@ class Tool:
             self.signature.bind(None, **dict.fromkeys(key))
             self._accepted_names.add(key)
 
-    def lookup(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        """Register the read-only lookup the reconciler uses for uncertain outcomes."""
+    def lookup(self, fn: F) -> F:
+        """Register the read-only lookup the reconciler uses for uncertain outcomes:
+        ``fn(ctx: ToolContext, **arguments)`` with the tool's own arguments."""
         self.lookup_fn = fn
         return fn
 
-    def authorize(self, fn: Hook) -> Hook:
+    def authorize(self, fn: F) -> F:
         """Register an authorisation stage: ``fn(ctx: PolicyContext)``; False denies."""
         self.authorize_fn = fn
         return fn
 
-    def approve(self, fn: Hook) -> Hook:
+    def approve(self, fn: F) -> F:
         """Register an approval stage: ``fn(ctx: PolicyContext)``; False denies."""
         self.approve_fn = fn
         return fn
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    async def __call__(self, ctx: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calling a tool directly runs its function without the ledger (for unit tests)."""
-        return await self.fn(*args, **kwargs)
+        return await self.fn(ctx, *args, **kwargs)
 
 
 class Registry:

@@ -42,8 +42,20 @@ def _cause_name(exc: SQLAlchemyError) -> str:
 
 
 def script_location() -> Path:
-    """The migrations folder, whether running from a checkout or an installed package."""
-    return Path(str(resources.files("orchestrator._migrations")))
+    """The migrations folder, whether running from a checkout or an installed package.
+
+    Installed (a wheel, or the link tree of ``make install``'s editable install), the folder is
+    the package ``orchestrator._migrations``. A checkout imported as it is (the repository root
+    on ``sys.path``, as the tests and ``python -m orchestrator`` from the root have it) has no
+    such package: its ``migrations/`` folder, beside the package, is the same scripts.
+    """
+    try:
+        return Path(str(resources.files("orchestrator._migrations")))
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parents[2] / "migrations"
+        if not (checkout / "env.py").is_file():
+            raise
+        return checkout
 
 
 def alembic_config(target: DatabaseTarget) -> Config:

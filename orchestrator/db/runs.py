@@ -143,6 +143,23 @@ async def run_get(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | Non
     return await cur.fetchone()
 
 
+async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
+                       ) -> dict[tuple[uuid.UUID, str, str], str]:
+    """The status of each ``(run_id, tenant, principal)`` that names that owner's run, in one
+    statement whatever their number (``wait`` polls many runs with it); a run of another owner
+    is left out, as a missing one is (C9)."""
+    cur = await conn.execute(
+        f"""
+        SELECT r.id, r.tenant, r.principal, r.status
+        FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS w(id, tenant, principal)
+        JOIN {S}.runs AS r ON r.id = w.id AND r.tenant = w.tenant AND r.principal = w.principal
+        """,
+        ([r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]),
+    )
+    return {(row["id"], row["tenant"], row["principal"]): row["status"]
+            for row in await cur.fetchall()}
+
+
 async def run_list(
     conn: Conn,
     *,

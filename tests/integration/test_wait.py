@@ -1,0 +1,183 @@
+"""Waiting for many runs: ``app.wait`` and ``app.as_completed`` (and their ``_async`` twins)
+against a real worker. One statement per poll round reads every run still unfinished; handles
+come back as their runs end; a timeout is ``RESULT_TIMEOUT`` naming the runs still pending, as
+``result(timeout=)`` is, and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from orchestrator import (
+    AccessDenied,
+    InvalidRequest,
+    Orchestrator,
+    ResultTimeout,
+    RunFailed,
+    WorkflowError,
+)
+from orchestrator.db import runs as runs_db
+from tests.integration.conftest import OTHER, running, wait_for
+
+
+def _register(app: Orchestrator) -> tuple[Any, Any, Any]:
+    @app.workflow()
+    async def gate(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("go")
+        return n
+
+    @app.workflow()
+    async def quick(ctx, n):  # type: ignore[no-untyped-def]
+        return n * 2
+
+    @app.workflow()
+    async def broken(ctx, n):  # type: ignore[no-untyped-def]
+        raise WorkflowError("broken on purpose")
+
+    return gate, quick, broken
+
+
+def _status(sql, run) -> str:  # type: ignore[no-untyped-def]
+    return sql("SELECT status FROM orchestrator.runs WHERE id = %s", (run.id,))[0]["status"]
+
+
+@pytest.fixture
+def polls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many runs each poll round asked about (a spy on the one statement ``wait`` uses)."""
+    sizes: list[int] = []
+    real = runs_db.run_statuses
+
+    async def spy(conn, runs):  # type: ignore[no-untyped-def]
+        sizes.append(len(runs))
+        return await real(conn, runs)
+
+    monkeypatch.setattr(runs_db, "run_statuses", spy)
+    return sizes
+
+
+async def test_wait_polls_every_pending_run_in_one_statement(app, sql, polls, monkeypatch):
+    gate, _, broken = _register(app)
+    single_reads: list[object] = []
+    real_row = Orchestrator._row
+
+    async def row_spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        single_reads.append(args[0])
+        return await real_row(self, *args, **kwargs)
+
+    async with running(app, concurrency=25):
+        gates = [await app.submit_async(gate, i) for i in range(20)]
+        failing = await app.submit_async(broken, 0)
+        handles = [*gates, failing]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates), 20)
+        monkeypatch.setattr(Orchestrator, "_row", row_spy)
+        waiting = asyncio.ensure_future(app.wait_async(handles, timeout=30))
+        await wait_for(lambda: len(polls) >= 3)
+        assert not waiting.done()
+        for handle in gates:
+            await app.send_event_async(handle.id, "go")
+        done = await waiting
+        monkeypatch.setattr(Orchestrator, "_row", real_row)
+        assert done == handles and all(a is b for a, b in zip(done, handles, strict=True))
+        assert single_reads == []  # no per-handle read while waiting
+        # each round asks about every run still unfinished, in one statement: all 21 first,
+        # then fewer as they end (never one statement per run)
+        assert polls[0] == 21 and polls == sorted(polls, reverse=True)
+        assert [await h.result_async() for h in gates] == list(range(20))
+        with pytest.raises(RunFailed) as failed:
+            await failing.result_async()
+        assert failed.value.code == "WORKFLOW_FAILED"
+
+
+async def test_as_completed_yields_each_run_as_it_ends(app, sql):
+    gate, _, _ = _register(app)
+    async with running(app):
+        a, b, c = [await app.submit_async(gate, name) for name in "abc"]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in (a, b, c)))
+        finished = app.as_completed_async([a, b, c], timeout=30)
+        for handle in (c, a, b):
+            await app.send_event_async(handle.id, "go")
+            assert await anext(finished) is handle
+            assert await handle.result_async() == {a: "a", b: "b", c: "c"}[handle]
+        with pytest.raises(StopAsyncIteration):
+            await anext(finished)
+
+
+async def test_a_timeout_raises_result_timeout_naming_the_pending_runs(app, sql):
+    gate, quick, _ = _register(app)
+    async with running(app):
+        blocked = await app.submit_async(gate, 1)
+        done = await app.submit_async(quick, 2)
+        await wait_for(lambda: _status(sql, blocked) == "waiting" and _status(sql, done)
+                       == "succeeded")
+        with pytest.raises(ResultTimeout) as timed_out:
+            await app.wait_async([done, blocked], timeout=0.2)
+        error = timed_out.value
+        assert error.code == "RESULT_TIMEOUT" and error.retryable
+        assert error.pending == (str(blocked.id),) and error.status == "waiting"
+        assert "1 of 2 runs have not finished" in str(error)
+        assert _status(sql, blocked) == "waiting"  # waiting changed nothing
+
+        finished = app.as_completed_async([blocked, done], timeout=0.2)
+        assert await anext(finished) is done
+        with pytest.raises(ResultTimeout) as timed_out:
+            await anext(finished)
+        assert timed_out.value.pending == (str(blocked.id),)
+
+        await app.send_event_async(blocked.id, "go")
+        assert await app.wait_async([done, blocked], timeout=30) == [done, blocked]
+        assert await app.wait_async([], timeout=0) == []
+
+
+async def test_the_sync_forms_wait_from_a_thread_while_runs_end(app, sql):
+    gate, quick, _ = _register(app)
+    async with running(app):
+        gates = [await app.submit_async(gate, i) for i in range(3)]
+        quicks = [await app.submit_async(quick, i) for i in range(3)]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates))
+        every = [*gates, *quicks]
+        waiting = asyncio.ensure_future(asyncio.to_thread(app.wait, every, timeout=30))
+        streaming = asyncio.ensure_future(asyncio.to_thread(
+            lambda: list(app.as_completed(every, timeout=30))))
+        for handle in gates:
+            await app.send_event_async(handle.id, "go")
+        assert await waiting == every
+        streamed = await streaming
+        assert sorted(h.id for h in streamed) == sorted(h.id for h in every)
+        assert len(streamed) == len(every)
+
+        # a sync caller may stop early: the iteration on the private loop is closed with it
+        def first_then_close() -> object:
+            finished = app.as_completed(every)
+            first = next(finished)
+            finished.close()
+            return first
+
+        assert await asyncio.to_thread(first_then_close) in every
+        with pytest.raises(ResultTimeout):
+            await asyncio.to_thread(app.wait, [await app.submit_async(gate, 9)], timeout=0)
+
+
+async def test_handles_and_timeouts_are_checked_before_anything_is_read(app, make_app, polls):
+    gate, _, _ = _register(app)
+    other_app = make_app()
+    other_gate, _, _ = _register(other_app)
+    run = await app.submit_async(gate, 1)
+    foreign = await other_app.submit_async(other_gate, 1)  # the same database, another app
+    for bad in ([run, foreign], [run, "not a handle"], [run.id]):
+        with pytest.raises(InvalidRequest) as refused:
+            await app.wait_async(bad)  # type: ignore[arg-type]
+        assert refused.value.code == "INVALID_REQUEST"
+        with pytest.raises(InvalidRequest):
+            app.as_completed_async(bad)  # type: ignore[arg-type]
+    for timeout in (-1, float("nan"), "1", True):
+        with pytest.raises(InvalidRequest):
+            await app.wait_async([run], timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest):
+            app.as_completed(iter([run]), timeout=timeout)  # type: ignore[arg-type]
+    assert polls == []
+    # a handle that names another owner's run is refused as a missing run is
+    other = type(run)(app, run.id, OTHER)
+    with pytest.raises(AccessDenied):
+        await app.wait_async([run, other], timeout=0)
