@@ -4,7 +4,7 @@ A run never loses work, never repeats an effect whose outcome is uncertain, and 
 the truth about what it knows. Start with :class:`Orchestrator`.
 """
 
-from orchestrator.app import Orchestrator, RunHandle
+from orchestrator.app import Orchestrator
 from orchestrator.context import PolicyContext, ToolContext, WorkflowContext
 from orchestrator.errors import (
     AccessDenied,
@@ -22,6 +22,7 @@ from orchestrator.errors import (
     WorkflowError,
 )
 from orchestrator.failures import ToolError
+from orchestrator.handle import RunHandle
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.recovery import RetryPolicy

@@ -1,4 +1,4 @@
-"""The public entry point: :class:`Orchestrator`, and :class:`RunHandle` for one run.
+"""The public entry point: :class:`Orchestrator` (a run's handle is in :mod:`orchestrator.handle`).
 
 Sync callers (scripts, WSGI apps) use the plain methods; async callers use the ``*_async``
 twins. The sync methods run their async twin on a private event loop thread, so both share one
@@ -11,10 +11,8 @@ import asyncio
 import dataclasses
 import signal
 import threading
-import time
 import uuid
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
@@ -24,15 +22,15 @@ from collections.abc import (
     Sequence,
 )
 from datetime import timedelta
-from typing import Any, Concatenate, Generic, ParamSpec, overload
+from typing import Any, Concatenate, ParamSpec, overload
 
 from typing_extensions import TypeVar
 
 from orchestrator import admin, canonical
+from orchestrator import handle as waiting
 from orchestrator._portal import Portal
 from orchestrator.context import ToolContext, WorkflowContext
 from orchestrator.db import journal as journal_db
-from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
@@ -44,13 +42,10 @@ from orchestrator.errors import (
     EventBacklogFull,
     IdempotencyConflict,
     InvalidRequest,
-    OperationInProgress,
-    OperationUncertain,
-    ResultTimeout,
-    RunFailed,
     SchemaUnsupported,
     UnknownWorkflow,
 )
+from orchestrator.handle import DENIED, TERMINAL, H, RunHandle
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
 from orchestrator.models import (
@@ -76,14 +71,10 @@ from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
 
 # Always inferred from a function or a workflow, so without defaults (mypy does not match a
-# decorator factory's ParamSpec that has one). A RunHandle's result type defaults to Any.
+# decorator factory's ParamSpec that has one).
 P = ParamSpec("P")
 I = TypeVar("I")  # noqa: E741 - a workflow's input
 R = TypeVar("R")
-R_co = TypeVar("R_co", covariant=True, default=Any)
-H = TypeVar("H", bound="RunHandle")
-TERMINAL = ("succeeded", "failed", "cancelled")
-_DENIED = "the run does not exist or is not accessible to this owner"
 
 _EARLY_STOP = threading.Event()  # a SIGTERM that came before the loop's own handler (below)
 
@@ -386,7 +377,7 @@ class Orchestrator:
                                          result=result)
                    if rid is not None else None)
         if row is None:
-            raise AccessDenied(_DENIED)
+            raise AccessDenied(DENIED)
         return row
 
     async def get_run_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
@@ -434,7 +425,7 @@ class Orchestrator:
             row = (await runs_db.run_lock(conn, rid, owner=(who.tenant, who.principal))
                    if rid is not None else None)
             if row is None:
-                raise AccessDenied(_DENIED)
+                raise AccessDenied(DENIED)
             assert rid is not None
             if row["status"] in TERMINAL:
                 if event_key is not None and await event_seen(conn, run_id=rid,
@@ -496,11 +487,7 @@ class Orchestrator:
         one's); waiting changes nothing. A handle of another owner's run is ``ACCESS_DENIED``.
         Read each outcome with ``handle.result()``.
         """
-        pending, give_up = self._wait_plan(handles, timeout)
-        given = list(pending)
-        async for _ in self._finishing(pending, give_up, len(given)):
-            pass
-        return given
+        return await waiting.wait_all(self, handles, timeout)
 
     def wait(self, handles: Iterable[H], *,
              timeout: float | timedelta | None = None) -> list[H]:
@@ -513,70 +500,13 @@ class Orchestrator:
         the order given), polling as :meth:`wait_async` does; ``RESULT_TIMEOUT`` (with
         ``pending``) once ``timeout``, counted from this call, passes with runs still
         unfinished. The handles and the timeout are checked here, before any iteration."""
-        pending, give_up = self._wait_plan(handles, timeout)
-        return _one_by_one(self._finishing(pending, give_up, len(pending)))
+        return waiting.completing(self, handles, timeout)
 
     def as_completed(self, handles: Iterable[H], *,
                      timeout: float | timedelta | None = None) -> Iterator[H]:
         """Sync twin of :meth:`as_completed_async`: each poll round runs on the private loop;
         the caller's thread waits between the handles it yields."""
-        pending, give_up = self._wait_plan(handles, timeout)
-        return self._portal_iterate(self._finishing(pending, give_up, len(pending)))
-
-    def _wait_plan(self, handles: Iterable[H], timeout: float | timedelta | None
-                   ) -> tuple[list[H], float | None]:
-        """The handles to wait for and when to give up (:func:`time.monotonic`), checked."""
-        seconds = _timeout_seconds(timeout)
-        pending = list(handles)
-        for handle in pending:
-            if not isinstance(handle, RunHandle) or handle.app is not self:
-                raise InvalidRequest("handles must be RunHandles of this orchestrator",
-                                     path="handles")
-        return pending, None if seconds is None else time.monotonic() + seconds
-
-    async def _finishing(self, pending: list[H], give_up: float | None, total: int
-                         ) -> AsyncGenerator[list[H], None]:
-        """Batches of ``pending`` as their runs become terminal, until none is left (removed
-        from ``pending`` as they are yielded): one statement per round for all of them."""
-        delay = 0.005
-        while pending:
-            keys = {h: (h.id, h.owner.tenant, h.owner.principal) for h in pending}
-            async with self.database.connection() as conn:
-                statuses = await runs_db.run_statuses(conn, list(set(keys.values())))
-            if any(key not in statuses for key in keys.values()):
-                raise AccessDenied(_DENIED)
-            done = [h for h in pending if statuses[keys[h]] in TERMINAL]
-            if done:
-                pending[:] = [h for h in pending if statuses[keys[h]] not in TERMINAL]
-                yield done
-                if not pending:
-                    return
-                delay = 0.005  # runs tend to finish together: look again soon
-            now = time.monotonic()
-            if give_up is not None and now >= give_up:
-                first = pending[0]
-                status = statuses[keys[first]]
-                raise ResultTimeout(
-                    f"{len(pending)} of {total} runs have not finished; run {first.id}: "
-                    f"{_still(status, first.id)}",
-                    status=status, pending=tuple(str(h.id) for h in pending))
-            await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
-            delay = min(delay * 2, 0.25)
-
-    def _portal_iterate(self, batches: AsyncGenerator[list[H], None]) -> Iterator[H]:
-        """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
-
-        async def step() -> list[H] | None:
-            return await anext(batches, None)
-
-        async def close() -> None:
-            await batches.aclose()
-
-        try:
-            while (batch := self._portal.call(step())) is not None:
-                yield from batch
-        finally:
-            self._portal.call(close())
+        return waiting.completing_sync(self, handles, timeout)
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -599,22 +529,9 @@ class Orchestrator:
                        max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
                        lookup_timeout: float = 30.0) -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT."""
-
-        async def main() -> None:
-            reconciler = self.create_reconciler(
-                max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay,
-                batch=batch, poll_interval=poll_interval, lookup_timeout=lookup_timeout)
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, reconciler.request_stop)
-            if _EARLY_STOP.is_set():
-                reconciler.request_stop()
-            try:
-                await reconciler.run()
-            finally:
-                await self.database.close()
-
-        asyncio.run(main())
+        _run_until_stopped(self, lambda: self.create_reconciler(
+            max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
+            poll_interval=poll_interval, lookup_timeout=lookup_timeout))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -628,22 +545,9 @@ class Orchestrator:
                    lease_ttl: float | None = None, poll_interval: float = 1.0,
                    drain_timeout: float = 30.0) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return."""
-
-        async def main() -> None:
-            worker = self.create_worker(
-                concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
-                poll_interval=poll_interval, drain_timeout=drain_timeout)
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.request_stop)
-            if _EARLY_STOP.is_set():
-                worker.request_stop()
-            try:
-                await worker.run()
-            finally:
-                await self.database.close()
-
-        asyncio.run(main())
+        _run_until_stopped(self, lambda: self.create_worker(
+            concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
+            poll_interval=poll_interval, drain_timeout=drain_timeout))
 
     async def _close_pools(self) -> None:
         if self._database is not None:
@@ -654,137 +558,23 @@ class Orchestrator:
         self._portal.close()
 
 
-class RunHandle(Generic[R_co]):
-    """One run, as seen by its owner; ``R_co`` is its workflow's result type (for type
-    checkers: ``submit(workflow, input)`` gives a ``RunHandle`` of what ``workflow`` returns)."""
+def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconciler]) -> None:
+    """Run a worker or a reconciler on a new event loop in this thread until SIGTERM or
+    SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close the pools."""
 
-    def __init__(self, app: Orchestrator, run_id: uuid.UUID, owner: Owner) -> None:
-        self.app = app
-        self.id = run_id
-        self.owner = owner
-
-    def __repr__(self) -> str:
-        return f"RunHandle({self.id})"
-
-    async def info_async(self) -> RunInfo:
-        return RunInfo.from_row(await self.app._row(self.id, self.owner))
-
-    def info(self) -> RunInfo:
-        return self.app._portal.call(self.info_async())
-
-    async def status_async(self) -> str:
-        return (await self.info_async()).status
-
-    def status(self) -> str:
-        """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded``."""
-        return self.app._portal.call(self.status_async())
-
-    async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
-        """Wait until the run is terminal; return its result or raise its outcome (C13).
-
-        Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
-        waiting changes nothing.
-        """
-        seconds = _timeout_seconds(timeout)
+    async def main() -> None:
+        service = create()
         loop = asyncio.get_running_loop()
-        give_up = None if seconds is None else loop.time() + seconds
-        delay = 0.005
-        while True:
-            row = await self.app._row(self.id, self.owner, result=True)
-            if row["status"] in TERMINAL:
-                result: R_co = _outcome(row)
-                return result
-            if give_up is not None and loop.time() >= give_up:
-                raise ResultTimeout(_still(row["status"], self.id), status=row["status"])
-            pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, 0.25)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.request_stop)
+        if _EARLY_STOP.is_set():
+            service.request_stop()
+        try:
+            await service.run()
+        finally:
+            await app.database.close()
 
-    def result(self, timeout: float | timedelta | None = None) -> R_co:
-        return self.app._portal.call(self.result_async(timeout))
-
-    async def outcome_async(self) -> R_co:
-        """The outcome now, without waiting (submission-level replay).
-
-        Finished: the stored result, or the stored failure raised again; nothing is called.
-        Blocked on an unknown operation: ``OPERATION_UNCERTAIN`` with the operations known to be
-        committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status.
-        """
-        row = await self.app._row(self.id, self.owner, result=True)
-        if row["status"] in TERMINAL:
-            result: R_co = _outcome(row)
-            return result
-        if row["status"] == "needs_reconciliation":
-            async with self.app.database.connection() as conn:
-                ops = await ops_db.operation_list_for_run(conn, self.id)
-            known = [{"position": o["position"], "tool": o["tool_name"], "receipt": o["receipt"]}
-                     for o in ops if o["state"] == "committed"]
-            raise OperationUncertain(
-                "the run is blocked on an operation whose outcome is unknown",
-                known_operations=known)
-        raise OperationInProgress(f"the run is {row['status']}", status=row["status"])
-
-    def outcome(self) -> R_co:
-        return self.app._portal.call(self.outcome_async())
-
-    async def cancel_async(self) -> str:
-        return await self.app.cancel_async(self.id, owner=self.owner)
-
-    def cancel(self) -> str:
-        """Request cancellation (see :meth:`Orchestrator.cancel_async`)."""
-        return self.app._portal.call(self.cancel_async())
-
-    async def journal_async(self) -> list[JournalEntry]:
-        return await self.app.journal_async(self.id, owner=self.owner)
-
-    def journal(self) -> list[JournalEntry]:
-        return self.app._portal.call(self.journal_async())
-
-
-
-_WHY_STILL = {
-    "queued": "is a worker running that serves this workflow and version? "
-              "(`orchestrator runs show {id}` says)",
-    "waiting": "it waits for a timer, an event or a child run",
-    "needs_reconciliation": "an operation's outcome is unknown and waits for reconciliation: "
-                            "see `orchestrator ops list`",
-}
-
-
-def _still(status: str, run_id: uuid.UUID) -> str:
-    """RESULT_TIMEOUT's message: the status the run is in, and what that usually means."""
-    why = _WHY_STILL.get(status)
-    text = f"the run's status is still {status}"
-    return text if why is None else f"{text}; {why.format(id=run_id)}"
-
-
-def _outcome(row: dict[str, Any]) -> Any:
-    if row["status"] == "succeeded":
-        return row["result"]
-    error = row["error"] or {}
-    code = row["outcome_code"] or ("CANCELLED" if row["status"] == "cancelled"
-                                   else "WORKFLOW_FAILED")
-    raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
-                    incident=error.get("incident"))
-
-
-async def _one_by_one(batches: AsyncIterator[list[H]]) -> AsyncIterator[H]:
-    async for batch in batches:
-        for handle in batch:
-            yield handle
-
-
-def _timeout_seconds(timeout: float | timedelta | None) -> float | None:
-    """``result(timeout=)`` in seconds: None (wait as long as it takes), a timedelta or a
-    number of seconds, finite and not negative; anything else is ``INVALID_REQUEST``."""
-    if timeout is None:
-        return None
-    seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
-               else timeout if type(timeout) in (int, float) else None)
-    if seconds is None or not 0 <= seconds < float("inf"):
-        raise InvalidRequest("timeout must be a timedelta or a number of seconds, not "
-                             "negative", path="timeout")
-    return float(seconds)
+    asyncio.run(main())
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

@@ -1,0 +1,272 @@
+"""A run as its owner sees it (:class:`RunHandle`), and waiting for many runs at once.
+
+A handle holds the run's id and owner and asks the orchestrator that made it (any object with
+the :class:`Client` members: the :class:`~orchestrator.app.Orchestrator` is one) for its
+status, result and journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterable, Iterator
+from datetime import timedelta
+from typing import Any, Generic, Protocol, TypeVar
+
+from typing_extensions import TypeVar as DefaultTypeVar
+
+from orchestrator.db import operations as ops_db
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Database
+from orchestrator.errors import (
+    AccessDenied,
+    InvalidRequest,
+    OperationInProgress,
+    OperationUncertain,
+    ResultTimeout,
+    RunFailed,
+)
+from orchestrator.models import JournalEntry, Owner, RunInfo
+
+T = TypeVar("T")
+R_co = DefaultTypeVar("R_co", covariant=True, default=Any)
+H = TypeVar("H", bound="RunHandle[Any]")
+TERMINAL = ("succeeded", "failed", "cancelled")
+DENIED = "the run does not exist or is not accessible to this owner"
+
+
+class _Portal(Protocol):
+    def call(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+
+class Client(Protocol):
+    """What a handle asks of the orchestrator that made it."""
+
+    @property
+    def database(self) -> Database: ...
+
+    @property
+    def _portal(self) -> _Portal: ...
+
+    async def _row(self, run_id: uuid.UUID, owner: Owner, *, result: bool = False
+                   ) -> dict[str, Any]: ...
+
+    async def cancel_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                           ) -> str: ...
+
+    async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                            ) -> list[JournalEntry]: ...
+
+
+class RunHandle(Generic[R_co]):
+    """One run, as seen by its owner; ``R_co`` is its workflow's result type (for type
+    checkers: ``submit(workflow, input)`` gives a ``RunHandle`` of what ``workflow`` returns)."""
+
+    def __init__(self, app: Client, run_id: uuid.UUID, owner: Owner) -> None:
+        self.app = app
+        self.id = run_id
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.id})"
+
+    async def info_async(self) -> RunInfo:
+        return RunInfo.from_row(await self.app._row(self.id, self.owner))
+
+    def info(self) -> RunInfo:
+        return self.app._portal.call(self.info_async())
+
+    async def status_async(self) -> str:
+        return (await self.info_async()).status
+
+    def status(self) -> str:
+        """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded``."""
+        return self.app._portal.call(self.status_async())
+
+    async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
+        """Wait until the run is terminal; return its result or raise its outcome (C13).
+
+        Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
+        waiting changes nothing.
+        """
+        seconds = _timeout_seconds(timeout)
+        loop = asyncio.get_running_loop()
+        give_up = None if seconds is None else loop.time() + seconds
+        delay = 0.005
+        while True:
+            row = await self.app._row(self.id, self.owner, result=True)
+            if row["status"] in TERMINAL:
+                result: R_co = _outcome(row)
+                return result
+            if give_up is not None and loop.time() >= give_up:
+                raise ResultTimeout(_still(row["status"], self.id), status=row["status"])
+            pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, 0.25)
+
+    def result(self, timeout: float | timedelta | None = None) -> R_co:
+        return self.app._portal.call(self.result_async(timeout))
+
+    async def outcome_async(self) -> R_co:
+        """The outcome now, without waiting (submission-level replay).
+
+        Finished: the stored result, or the stored failure raised again; nothing is called.
+        Blocked on an unknown operation: ``OPERATION_UNCERTAIN`` with the operations known to be
+        committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status.
+        """
+        row = await self.app._row(self.id, self.owner, result=True)
+        if row["status"] in TERMINAL:
+            result: R_co = _outcome(row)
+            return result
+        if row["status"] == "needs_reconciliation":
+            async with self.app.database.connection() as conn:
+                ops = await ops_db.operation_list_for_run(conn, self.id)
+            known = [{"position": o["position"], "tool": o["tool_name"], "receipt": o["receipt"]}
+                     for o in ops if o["state"] == "committed"]
+            raise OperationUncertain(
+                "the run is blocked on an operation whose outcome is unknown",
+                known_operations=known)
+        raise OperationInProgress(f"the run is {row['status']}", status=row["status"])
+
+    def outcome(self) -> R_co:
+        return self.app._portal.call(self.outcome_async())
+
+    async def cancel_async(self) -> str:
+        return await self.app.cancel_async(self.id, owner=self.owner)
+
+    def cancel(self) -> str:
+        """Request cancellation (see ``Orchestrator.cancel_async``)."""
+        return self.app._portal.call(self.cancel_async())
+
+    async def journal_async(self) -> list[JournalEntry]:
+        return await self.app.journal_async(self.id, owner=self.owner)
+
+    def journal(self) -> list[JournalEntry]:
+        return self.app._portal.call(self.journal_async())
+
+
+
+_WHY_STILL = {
+    "queued": "is a worker running that serves this workflow and version? "
+              "(`orchestrator runs show {id}` says)",
+    "waiting": "it waits for a timer, an event or a child run",
+    "needs_reconciliation": "an operation's outcome is unknown and waits for reconciliation: "
+                            "see `orchestrator ops list`",
+}
+
+
+def _still(status: str, run_id: uuid.UUID) -> str:
+    """RESULT_TIMEOUT's message: the status the run is in, and what that usually means."""
+    why = _WHY_STILL.get(status)
+    text = f"the run's status is still {status}"
+    return text if why is None else f"{text}; {why.format(id=run_id)}"
+
+
+def _outcome(row: dict[str, Any]) -> Any:
+    if row["status"] == "succeeded":
+        return row["result"]
+    error = row["error"] or {}
+    code = row["outcome_code"] or ("CANCELLED" if row["status"] == "cancelled"
+                                   else "WORKFLOW_FAILED")
+    raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
+                    incident=error.get("incident"))
+
+
+async def _one_by_one(batches: AsyncIterator[list[H]]) -> AsyncIterator[H]:
+    async for batch in batches:
+        for handle in batch:
+            yield handle
+
+
+def _timeout_seconds(timeout: float | timedelta | None) -> float | None:
+    """``result(timeout=)`` in seconds: None (wait as long as it takes), a timedelta or a
+    number of seconds, finite and not negative; anything else is ``INVALID_REQUEST``."""
+    if timeout is None:
+        return None
+    seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+               else timeout if type(timeout) in (int, float) else None)
+    if seconds is None or not 0 <= seconds < float("inf"):
+        raise InvalidRequest("timeout must be a timedelta or a number of seconds, not "
+                             "negative", path="timeout")
+    return float(seconds)
+
+
+async def wait_all(app: Client, handles: Iterable[H], timeout: float | timedelta | None
+                   ) -> list[H]:
+    """``Orchestrator.wait_async``: every handle, once every run is terminal."""
+    pending, give_up = _wait_plan(app, handles, timeout)
+    given = list(pending)
+    async for _ in _finishing(app, pending, give_up, len(given)):
+        pass
+    return given
+
+
+def completing(app: Client, handles: Iterable[H], timeout: float | timedelta | None
+               ) -> AsyncIterator[H]:
+    """``Orchestrator.as_completed_async``: the handles as their runs become terminal."""
+    pending, give_up = _wait_plan(app, handles, timeout)
+    return _one_by_one(_finishing(app, pending, give_up, len(pending)))
+
+
+def completing_sync(app: Client, handles: Iterable[H], timeout: float | timedelta | None
+                    ) -> Iterator[H]:
+    """``Orchestrator.as_completed``: :func:`completing` driven from a sync caller."""
+    pending, give_up = _wait_plan(app, handles, timeout)
+    return _portal_iterate(app, _finishing(app, pending, give_up, len(pending)))
+
+
+def _wait_plan(app: Client, handles: Iterable[H], timeout: float | timedelta | None
+               ) -> tuple[list[H], float | None]:
+    """The handles to wait for and when to give up (:func:`time.monotonic`), checked."""
+    seconds = _timeout_seconds(timeout)
+    pending = list(handles)
+    for handle in pending:
+        if not isinstance(handle, RunHandle) or handle.app is not app:
+            raise InvalidRequest("handles must be RunHandles of this orchestrator",
+                                 path="handles")
+    return pending, None if seconds is None else time.monotonic() + seconds
+
+async def _finishing(app: Client, pending: list[H], give_up: float | None, total: int
+                     ) -> AsyncGenerator[list[H], None]:
+    """Batches of ``pending`` as their runs become terminal, until none is left (removed
+    from ``pending`` as they are yielded): one statement per round for all of them."""
+    delay = 0.005
+    while pending:
+        keys = {h: (h.id, h.owner.tenant, h.owner.principal) for h in pending}
+        async with app.database.connection() as conn:
+            statuses = await runs_db.run_statuses(conn, list(set(keys.values())))
+        if any(key not in statuses for key in keys.values()):
+            raise AccessDenied(DENIED)
+        done = [h for h in pending if statuses[keys[h]] in TERMINAL]
+        if done:
+            pending[:] = [h for h in pending if statuses[keys[h]] not in TERMINAL]
+            yield done
+            if not pending:
+                return
+            delay = 0.005  # runs tend to finish together: look again soon
+        now = time.monotonic()
+        if give_up is not None and now >= give_up:
+            first = pending[0]
+            status = statuses[keys[first]]
+            raise ResultTimeout(
+                f"{len(pending)} of {total} runs have not finished; run {first.id}: "
+                f"{_still(status, first.id)}",
+                status=status, pending=tuple(str(h.id) for h in pending))
+        await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
+        delay = min(delay * 2, 0.25)
+
+def _portal_iterate(app: Client, batches: AsyncGenerator[list[H], None]) -> Iterator[H]:
+    """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
+
+    async def step() -> list[H] | None:
+        return await anext(batches, None)
+
+    async def close() -> None:
+        await batches.aclose()
+
+    try:
+        while (batch := app._portal.call(step())) is not None:
+            yield from batch
+    finally:
+        app._portal.call(close())
