@@ -67,6 +67,8 @@ class LeaseHolder:
     heartbeat_at: datetime | None
     heartbeat_age: float | None
     reclaim: str | None
+    checked_at: datetime
+    """The database's time when this was judged."""
 
 
 @dataclass
@@ -113,7 +115,8 @@ def lease_holder(run: dict[str, Any], seen: dict[str, Any]) -> LeaseHolder:
     else:
         state, reclaim = "live", None
     return LeaseHolder(worker_id=run["lease_owner"], state=state, lease_expires_at=expires,
-                       heartbeat_at=seen["heartbeat_at"], heartbeat_age=age, reclaim=reclaim)
+                       heartbeat_at=seen["heartbeat_at"], heartbeat_age=age, reclaim=reclaim,
+                       checked_at=seen["db_now"])
 
 
 def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
@@ -121,7 +124,8 @@ def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
     expiry = utc_text(until) if until is not None else "(no expiry)"
     silence = ("" if holder.heartbeat_age is None
                else f"last heartbeat {holder.heartbeat_age:.0f} s ago")
-    sweepers = [w for w in workers if w["id"] != who]
+    sweepers = [w for w in workers if w["id"] != who and (
+        holder.checked_at - w["heartbeat_at"]).total_seconds() <= DEAD_AFTER]
     later = ("" if sweepers else
              "; no other live worker is registered now, so it happens once one runs")
     if holder.state == "expired":

@@ -158,7 +158,7 @@ def parse_run_id(value: Any) -> uuid.UUID:
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
             return uuid.UUID(value)
-    raise InvalidRequest(f"{value!r} is not a run id (a UUID)", path="run_id")
+    raise InvalidRequest(f"run_id must be a run id (a UUID), not {value!r}", path="run_id")
 
 
 @dataclass(frozen=True)
