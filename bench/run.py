@@ -16,6 +16,7 @@ Sections (``--sections a,b``; default: all):
   recovery    SIGKILL a worker holding 100 in-flight runs: time until they run elsewhere
   memory      one worker's peak RSS draining 10,000 queued runs at concurrency 100
   profile     py-spy samples of one worker during a K = 3 throughput drain
+  bulk        `orchestrator ops resolve-many` on 200 unknown operations: seconds, audit rows
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -36,7 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import batches, ours, peers, scale
+from bench import batches, bulk, ours, peers, scale
 from bench import ceiling as ceiling_mod
 from bench.common import (
     Server,
@@ -80,7 +81,7 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile")
+            "memory", "profile", "bulk")
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Plan:
     load_fraction: float = 0.3
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)  # the batches section's group commit sizes
     batch_runs: int = 512  # K=3 runs per batches measurement (2,048 writes)
+    bulk_items: int = 200  # unknown operations one `ops resolve-many` resolves
     quick: bool = False
 
 
@@ -613,6 +615,31 @@ class Suite:
             table.add("  " + name, f"{share:.1%}")
         table.print()
         self.record("profile", {"result": result})
+
+    # -- bulk --------------------------------------------------------------------------------
+
+    async def section_bulk(self) -> None:
+        p = self.plan
+        reps = await self.repeat("bulk", lambda: bulk.bulk_once(self.server,
+                                                                items=p.bulk_items))
+        seconds = [r["seconds"] for r in reps]
+        table = Table(f"bulk: `orchestrator ops resolve-many --not-applied --yes` on "
+                      f"{p.bulk_items} unknown operations",
+                      ["figure", "median", "min", "max", "target"])
+        table.add("command seconds (start to exit)", f"{median(seconds):.2f}",
+                  f"{min(seconds):.2f}", f"{max(seconds):.2f}", "< 5")
+        spans = [r["audit_span"] for r in reps]
+        table.add("first to last audit row, seconds", f"{median(spans):.2f}",
+                  f"{min(spans):.2f}", f"{max(spans):.2f}", "")
+        table.add("audit rows written", f"{median([r['audit_rows'] for r in reps]):.0f}",
+                  str(min(r["audit_rows"] for r in reps)),
+                  str(max(r["audit_rows"] for r in reps)), str(p.bulk_items))
+        table.notes.append(f"median of {p.reps}; each repetition parks {p.bulk_items} runs on a "
+                           "fresh database first (not timed); the command runs as a subprocess, "
+                           "interpreter start-up included; one transaction and one audit row "
+                           "per item")
+        table.print()
+        self.record("bulk", {"reps": reps})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,7 @@ from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.models import check_run_filters
+from orchestrator.worker import DEAD_AFTER
 
 LIVE_WORKER_SECONDS = 60.0
 
@@ -32,12 +33,43 @@ def parse_run_id(value: str) -> uuid.UUID:
 
 async def list_runs(db: Database, *, tenant: str | None = None, status: str | None = None,
                     workflow: str | None = None, parent: uuid.UUID | None = None,
-                    limit: int = 50) -> list[dict[str, Any]]:
-    """Runs of every owner, newest first; ``parent`` keeps the child runs of that run."""
-    check_run_filters(status=status, workflow=workflow, tenant=tenant, limit=limit)
+                    submission_key: str | None = None, limit: int = 50
+                    ) -> list[dict[str, Any]]:
+    """Runs of every owner, newest first; ``parent`` keeps the child runs of that run,
+    ``submission_key`` those submitted with that idempotency key (one per owner)."""
+    check_run_filters(status=status, workflow=workflow, tenant=tenant, limit=limit,
+                      submission_key=submission_key)
     async with db.connection() as conn:
         return await runs_db.run_list(conn, tenant=tenant, principal=None, status=status,
-                                      workflow=workflow, limit=limit, parent=parent)
+                                      workflow=workflow, limit=limit, parent=parent,
+                                      submission_key=submission_key)
+
+
+HOLDER_STATES = ("live", "silent", "dead", "gone", "expired")
+"""How the worker holding a running run's lease looks (:class:`LeaseHolder`)."""
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """The worker holding a running run's lease, as far as the database can tell.
+
+    ``state``: ``live`` (it heartbeats); ``silent`` (no heartbeat for longer than the
+    dead-after threshold, but its liveness lock is held or it has none: paused, overloaded or
+    partitioned); ``dead`` (no heartbeat and its liveness lock released: its process is gone);
+    ``gone`` (it is not registered any more); ``expired`` (the lease itself has expired).
+    ``reclaim``: ``sweep`` (the next sweep of a live worker re-queues the run: within about a
+    second of one running), ``expiry`` (the run is re-queued when its lease expires at
+    ``lease_expires_at``), or None (the holder is live and keeps it).
+    """
+
+    worker_id: str
+    state: str
+    lease_expires_at: datetime | None
+    heartbeat_at: datetime | None
+    heartbeat_age: float | None
+    reclaim: str | None
+    checked_at: datetime
+    """The database's time when this was judged."""
 
 
 @dataclass
@@ -49,6 +81,7 @@ class RunDetail:
     operations: list[dict[str, Any]]
     note: str | None = None
     live_workers: list[dict[str, Any]] = field(default_factory=list)
+    holder: LeaseHolder | None = None
 
 
 async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
@@ -59,10 +92,62 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
         journal = await journal_db.journal_read(conn, run_id)
         operations = await ops_db.operation_list_for_run(conn, run_id)
         workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
-    return RunDetail(run, journal, operations, _note(run, workers), workers)
+        holder = None
+        if run["status"] == "running" and run["lease_owner"] is not None:
+            holder = lease_holder(run, await workers_db.worker_lease_holder(
+                conn, run["lease_owner"]))
+    return RunDetail(run, journal, operations, _note(run, workers, holder), workers, holder)
 
 
-def _note(run: dict[str, Any], workers: list[dict[str, Any]]) -> str | None:
+def lease_holder(run: dict[str, Any], seen: dict[str, Any]) -> LeaseHolder:
+    """Judge a lease holder by the worker's own rule (:data:`DEAD_AFTER` without a heartbeat
+    and without its liveness lock is dead); ``seen`` is
+    :func:`~orchestrator.db.workers.worker_lease_holder`'s row."""
+    expires = run["lease_expires_at"]
+    age = seen["heartbeat_age"]
+    if expires is not None and expires <= seen["db_now"]:
+        state, reclaim = "expired", "sweep"
+    elif not seen["registered"]:
+        state, reclaim = "gone", "expiry"
+    elif age is not None and age > DEAD_AFTER and seen["lock_held"] is False:
+        state, reclaim = "dead", "sweep"
+    elif age is not None and age > DEAD_AFTER:
+        state, reclaim = "silent", "expiry"
+    else:
+        state, reclaim = "live", None
+    return LeaseHolder(worker_id=run["lease_owner"], state=state, lease_expires_at=expires,
+                       heartbeat_at=seen["heartbeat_at"], heartbeat_age=age, reclaim=reclaim,
+                       checked_at=seen["db_now"])
+
+
+def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
+    who, until = holder.worker_id, holder.lease_expires_at
+    expiry = utc_text(until) if until is not None else "(no expiry)"
+    silence = ("" if holder.heartbeat_age is None
+               else f"last heartbeat {holder.heartbeat_age:.0f} s ago")
+    sweepers = [w for w in workers if w["id"] != who and (
+        holder.checked_at - w["heartbeat_at"]).total_seconds() <= DEAD_AFTER]
+    later = ("" if sweepers else
+             "; no other live worker is registered now, so it happens once one runs")
+    if holder.state == "expired":
+        return (f"held by {who}, whose lease expired at {expiry}: the next sweep of a live "
+                f"worker re-queues the run{later}")
+    if holder.state == "gone":
+        return (f"held by {who}, which is gone (no longer registered): the run is re-queued "
+                f"when its lease expires at {expiry}{later}")
+    if holder.state == "dead":
+        return (f"held by {who}, which is dead ({silence}, its liveness lock released): the "
+                f"next sweep of a live worker re-queues the run, at the latest when the lease "
+                f"expires at {expiry}{later}")
+    if holder.state == "silent":
+        return (f"held by {who}, which is silent ({silence}; paused or overloaded, its "
+                f"liveness lock still held or never taken): the run is re-queued when its "
+                f"lease expires at {expiry} unless the worker heartbeats again{later}")
+    return f"held by {who} until {expiry}" + (f" ({silence})" if silence else "")
+
+
+def _note(run: dict[str, Any], workers: list[dict[str, Any]],
+          holder: LeaseHolder | None = None) -> str | None:
     """Why a run that is not finished is not moving, in words."""
     key = f"{run['workflow_name']}@{run['workflow_version']}"
     if run["status"] == "queued":
@@ -78,6 +163,8 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]]) -> str | None:
     if run["status"] == "needs_reconciliation":
         return f"blocked: {run['waiting_for']}; see `orchestrator ops list`"
     if run["status"] == "running":
+        if holder is not None:
+            return _holder_note(holder, workers)
         return f"held by {run['lease_owner']} until {utc_text(run['lease_expires_at'])}"
     return None
 

@@ -32,7 +32,7 @@ RUN_STATUSES = ("queued", "running", "waiting", "needs_reconciliation", "succeed
 
 
 def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any = None,
-                      limit: Any = 50) -> None:
+                      limit: Any = 50, submission_key: Any = None) -> None:
     """Refuse run-list filters that could never match, or that the database could not take
     (a NUL byte, a lone surrogate), with ``INVALID_REQUEST`` naming the filter."""
     if type(limit) is not int or not 1 <= limit <= 1000:
@@ -43,6 +43,8 @@ def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any =
         check_identifier("workflow", workflow)
     if tenant is not None:
         check_identifier("tenant", tenant)
+    if submission_key is not None:
+        validate_idempotency_key(submission_key, "submission_key")
 
 
 class Owner(BaseModel):

@@ -25,7 +25,11 @@ Who sees what:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime
 from typing import Any
 
 from orchestrator import reconcile
@@ -34,8 +38,15 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import Database
 from orchestrator.db.events import incident_get, incidents_of_operations
-from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
+from orchestrator.errors import (
+    AccessDenied,
+    ConfigurationError,
+    InvalidRequest,
+    OperationInProgress,
+    ResolutionConflict,
+)
 from orchestrator.metrics import Metrics
+from orchestrator.models import validate_idempotency_key
 from orchestrator.text import check_identifier, check_operator
 
 ITEM_STATES = ("open", "operator", "resolved")
@@ -106,6 +117,96 @@ MAX_AGE = 10 * 365 * 86400.0
 """The largest ``older_than`` (seconds) ``list_items`` takes: ten years."""
 
 
+BULK_LIMIT = 1000
+"""How many items ``resolve_many`` and ``abandon_many`` act on unless told (oldest first)."""
+MAX_BULK = 10_000
+BULK_STATES = ("open", "operator", UNRESOLVED)
+"""The states a bulk action selects from: only items that still wait can be resolved."""
+
+
+def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run_id: Any,
+                 workflow: Any, bulk: bool = False) -> dict[str, Any]:
+    """A queue filter checked (``INVALID_REQUEST`` naming the bad one) and turned into
+    :func:`~orchestrator.db.reconciliation.recon_list`'s keywords."""
+    allowed = BULK_STATES if bulk else (*ITEM_STATES, UNRESOLVED)
+    if state is not None and state not in allowed:
+        raise InvalidRequest(f"state must be one of {', '.join(allowed)}", path="state")
+    if bulk and state is None:
+        raise InvalidRequest(f"state must be one of {', '.join(allowed)}", path="state")
+    if tool is not None:
+        check_identifier("tool", tool)
+    if older_than is not None and (
+            type(older_than) not in (int, float) or not 0 <= older_than <= MAX_AGE):
+        raise InvalidRequest("older_than must be a number of seconds from 0 to ten years",
+                             path="older_than")
+    if key is not None:
+        validate_idempotency_key(key, "key")
+    if workflow is not None:
+        check_identifier("workflow", workflow)
+    states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
+              else [state])
+    return {"states": states, "tool": tool, "older_than": older_than, "key": key,
+            "run_id": None if run_id is None else parse_run_id(run_id),
+            "workflow": workflow}
+
+
+def parse_run_id(value: Any) -> uuid.UUID:
+    """A run id as a UUID (a ``UUID`` or its text), else ``INVALID_REQUEST`` naming
+    ``run_id``."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return uuid.UUID(value)
+    raise InvalidRequest(f"run_id must be a run id (a UUID), not {value!r}", path="run_id")
+
+
+@dataclass(frozen=True)
+class BulkItem:
+    """One queue item a bulk action selected (or would, with ``dry_run``)."""
+
+    operation_id: int
+    run_id: uuid.UUID
+    item_state: str
+    tool_name: str
+    tenant: str
+    principal: str
+    idempotency_key: str
+    reason: str
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> BulkItem:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An item a bulk action left alone: the stable code and message of what it met."""
+
+    item: BulkItem
+    code: str
+    reason: str
+
+
+@dataclass
+class BulkSummary:
+    """What ``resolve_many`` or ``abandon_many`` did: the items it selected (``matched``;
+    ``more`` when the limit left some out), those it resolved and those it skipped."""
+
+    resolution: str
+    dry_run: bool
+    matched: list[BulkItem]
+    more: bool
+    resolved: list[BulkItem] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    declined: bool = False
+
+
+Confirm = Callable[[BulkSummary], bool]
+"""Asked with a bulk action's selection before it acts; False: act on nothing."""
+
+
 def check_operation_id(value: Any) -> int:
     """An operation id is a positive integer (a database ``bigint``); anything else is
     ``INVALID_REQUEST``, never a driver error."""
@@ -149,27 +250,20 @@ class Operators:
         return self.incident_readers is None or operator in self.incident_readers
 
     async def list_items(self, *, operator: str, state: str | None = None, tool: str | None = None,
-                   older_than: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+                         older_than: float | None = None, limit: int = 100,
+                         key: str | None = None, run_id: uuid.UUID | str | None = None,
+                         workflow: str | None = None) -> list[dict[str, Any]]:
         """Queue items (one per unknown operation), oldest first; ``state`` one of
-        :data:`ITEM_STATES` or :data:`UNRESOLVED` (None: every item)."""
+        :data:`ITEM_STATES` or :data:`UNRESOLVED` (None: every item). ``key`` is the
+        operation's idempotency key, ``run_id`` its run, ``workflow`` its run's workflow
+        name; every filter is checked (``INVALID_REQUEST`` naming it) and applied in SQL."""
         tenants = self.tenants_of(operator)
-        if state is not None and state not in (*ITEM_STATES, UNRESOLVED):
-            raise InvalidRequest(f"state must be one of {', '.join((*ITEM_STATES, UNRESOLVED))}",
-                                 path="state")
         if type(limit) is not int or not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
-        if tool is not None:
-            check_identifier("tool", tool)
-        if older_than is not None and (
-                type(older_than) not in (int, float) or not 0 <= older_than <= MAX_AGE):
-            raise InvalidRequest("older_than must be a number of seconds from 0 to ten years",
-                                 path="older_than")
-        states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
-                  else [state])
+        where = _item_filter(state=state, tool=tool, older_than=older_than, key=key,
+                             run_id=run_id, workflow=workflow)
         async with self.db.connection() as conn:
-            return await recon_db.recon_list(conn, states=states, tool=tool,
-                                             older_than=older_than, tenants=tenants,
-                                             limit=limit)
+            return await recon_db.recon_list(conn, **where, tenants=tenants, limit=limit)
 
     async def show(self, operation_id: int, *, operator: str) -> dict[str, Any]:
         """The item with the operation's intent, arguments, owner, every attempt at its
@@ -230,6 +324,89 @@ class Operators:
         if outcome == "resolved":
             self.metrics.incr("reconciliation_operator")
         return outcome
+
+    async def resolve_many(self, *, resolution: str, evidence: str, operator: str,
+                           receipt: Any = None, state: str = UNRESOLVED,
+                           tool: str | None = None, older_than: float | None = None,
+                           key: str | None = None, run_id: uuid.UUID | str | None = None,
+                           workflow: str | None = None, limit: int = BULK_LIMIT,
+                           dry_run: bool = False, confirm: Confirm | None = None,
+                           progress: Callable[[int, int], None] | None = None) -> BulkSummary:
+        """Resolve every unresolved item matching the filter (``resolution`` ``committed``,
+        with one ``receipt`` for all, or ``not_applied``), oldest first, at most ``limit``.
+
+        Each item is resolved in its own transaction with its own audit row, exactly as
+        :meth:`resolve_committed` / :meth:`resolve_not_applied` would; an item whose state
+        changed after the selection (resolved by someone else, the queue item moved on, its
+        run picked up by a worker) is skipped and listed with the error it met, and the rest
+        go on. ``dry_run`` selects and acts on nothing. ``confirm(summary)`` is asked with
+        the selection before anything is done: False leaves everything as it is
+        (``declined``). ``progress(done, total)`` is called after each item. Bad input (a
+        filter, the evidence, the receipt) is an ``INVALID_REQUEST`` before anything is read
+        or written."""
+        if resolution not in ("committed", "not_applied"):
+            raise InvalidRequest("resolution must be committed or not_applied "
+                                 "(abandon_many gives up on operations)", path="resolution")
+        return await self._bulk(resolution, evidence, operator, receipt, limit, dry_run,
+                                confirm, progress, _item_filter(state=state, tool=tool,
+                                                       older_than=older_than, key=key,
+                                                       run_id=run_id, workflow=workflow,
+                                                       bulk=True))
+
+    async def abandon_many(self, *, evidence: str, operator: str, state: str = UNRESOLVED,
+                           tool: str | None = None, older_than: float | None = None,
+                           key: str | None = None, run_id: uuid.UUID | str | None = None,
+                           workflow: str | None = None, limit: int = BULK_LIMIT,
+                           dry_run: bool = False, confirm: Confirm | None = None,
+                           progress: Callable[[int, int], None] | None = None) -> BulkSummary:
+        """Abandon every unresolved item matching the filter, as :meth:`abandon` does one
+        (each run fails with ``OPERATION_ABANDONED``); otherwise as :meth:`resolve_many`."""
+        return await self._bulk("abandoned", evidence, operator, None, limit, dry_run,
+                                confirm, progress, _item_filter(state=state, tool=tool,
+                                                       older_than=older_than, key=key,
+                                                       run_id=run_id, workflow=workflow,
+                                                       bulk=True))
+
+    async def _bulk(self, resolution: str, evidence: str, operator: str, receipt: Any,
+                    limit: int, dry_run: bool, confirm: Confirm | None,
+                    progress: Callable[[int, int], None] | None, where: dict[str, Any]
+                    ) -> BulkSummary:
+        tenants = self.tenants_of(operator)
+        if type(limit) is not int or not 1 <= limit <= MAX_BULK:
+            raise InvalidRequest(f"limit must be between 1 and {MAX_BULK:,}", path="limit")
+        if type(dry_run) is not bool:
+            raise InvalidRequest("dry_run must be True or False", path="dry_run")
+        reconcile.check_evidence(evidence, operator)  # resolve() checks it all again per item
+        if resolution == "committed":
+            self.json_limits.text(receipt, "$.receipt")
+        elif receipt is not None:
+            raise InvalidRequest("a receipt goes only with a committed resolution",
+                                 path="receipt")
+        async with self.db.connection() as conn:
+            rows = await recon_db.recon_match(conn, **where, tenants=tenants, limit=limit + 1)
+        items = [BulkItem.from_row(row) for row in rows[:limit]]
+        summary = BulkSummary(resolution=resolution, dry_run=dry_run, matched=items,
+                              more=len(rows) > limit)
+        if dry_run or not items:
+            return summary
+        if confirm is not None and not confirm(summary):
+            summary.declined = True
+            return summary
+        for done, item in enumerate(items, 1):
+            try:
+                outcome = await reconcile.resolve(
+                    self.db, operation_id=item.operation_id, resolution=resolution,
+                    receipt=receipt, evidence=evidence, operator=operator, tenants=tenants,
+                    limits=self.json_limits, expect=item.item_state)
+            except (ResolutionConflict, OperationInProgress, AccessDenied) as exc:
+                summary.skipped.append(Skipped(item, code=exc.code, reason=exc.message))
+            else:
+                assert outcome == "resolved"  # expect= turns a no-op into a conflict
+                self.metrics.incr("reconciliation_operator")
+                summary.resolved.append(item)
+            if progress is not None:
+                progress(done, len(items))
+        return summary
 
     async def audit(self, operation_id: int | None = None, *, operator: str
                     ) -> list[dict[str, Any]]:

@@ -77,10 +77,14 @@ async def resolve(
     receipt: Any = None,
     tenants: list[str] | None = None,
     limits: canonical.JsonLimits = canonical.DEFAULT_LIMITS,
+    expect: str | None = None,
 ) -> str:
     """Resolve an unknown operation; returns ``"resolved"`` or ``"noop"`` (already so).
 
     ``tenants`` restricts which owners' operations this operator may touch (None: all).
+    ``expect`` is the item state the caller saw when it chose the item (a bulk action): an
+    item found in another state, resolved included, is a ``RESOLUTION_CONFLICT`` and nothing
+    is written (no no-op, no audit row).
     """
     if resolution not in RESOLUTIONS:
         raise InvalidRequest(f"resolution must be one of {', '.join(RESOLUTIONS)}")
@@ -98,6 +102,8 @@ async def resolve(
             raise await not_queued(conn, operation_id, tenants)
         before = {"item": item["item_state"], "operation": item["operation_state"],
                   "resolution": item["resolution"]}
+        if expect is not None and item["item_state"] != expect:
+            raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
             same = item["resolution"] == resolution and (
                 resolution != "committed" or item["receipt_digest"] == digest)
@@ -123,6 +129,14 @@ async def resolve(
         return "resolved"
 
     return await db.run_in_transaction(tx)
+
+
+def _changed(operation_id: int, expect: str, item: dict[str, Any]) -> str:
+    if item["item_state"] == "resolved":
+        return (f"operation {operation_id} was resolved as {item['resolution']} after it was "
+                "selected")
+    return (f"operation {operation_id}'s queue item is {item['item_state']} now, not "
+            f"{expect} as when it was selected")
 
 
 def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str,

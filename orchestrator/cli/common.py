@@ -29,3 +29,9 @@ def database_target(args: argparse.Namespace, *, reachable: bool = True) -> Data
 def describe_source(target: DatabaseTarget) -> str:
     """Where the database URL came from, in words."""
     return SOURCE_LABELS.get(target.source, target.source)
+
+
+def json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json``: one JSON document on stdout instead of the table (docs/cli-json.md)."""
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (fields: docs/cli-json.md)")

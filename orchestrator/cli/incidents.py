@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 from typing import Any
 
-from orchestrator.cli.common import database_target
+from orchestrator.cli import records
+from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
+from orchestrator.errors import InvalidRequest
 from orchestrator.operators import Operators
 from orchestrator.text import check_operator
 
@@ -28,14 +31,30 @@ def register(subparsers: Any) -> None:
     group.set_defaults(func=None, help_parser=group)
     show = commands.add_parser("show", help="what happened behind an incident reference")
     show.add_argument("ref")
-    show.add_argument("--operator", required=True, help="who reads it")
+    show.add_argument("--operator", default=None,
+                      help="who reads it (required: the name decides what may be read)")
     show.add_argument("--app", default=None, metavar="MODULE:ATTR",
                       help="the application, for its operator scopes and incident_readers")
+    json_option(show)
     show.set_defaults(func=cmd_show)
 
 
+def reader_of(args: argparse.Namespace) -> str:
+    """``--operator``, or an ``INVALID_REQUEST`` that says why it is needed and what to run:
+    an incident holds protected diagnostics, and which ones an operator may read depends on
+    who they are (the application's operator scopes and incident readers)."""
+    if args.operator is None:
+        app = f" --app {shlex.quote(args.app)}" if args.app else ""
+        raise InvalidRequest(
+            "incidents show needs --operator NAME: an incident holds protected diagnostics "
+            "(upstream text, tracebacks), and whether you may read it depends on who you are "
+            "(the application's operator_scopes and incident_readers). Run: orchestrator "
+            f"incidents show {shlex.quote(args.ref)} --operator NAME{app}", path="operator")
+    return check_operator(args.operator)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    operator = check_operator(args.operator)
+    operator = reader_of(args)
     app = load_app(args.app, args.database_url) if args.app else None
 
     async def main() -> dict[str, Any]:
@@ -49,6 +68,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             await db.close()
 
     row = asyncio.run(main())
+    if args.json:
+        records.emit(records.incident(row))
+        return 0
     for name in ("ref", "created_at", "code", "run_id", "operation_id", "phase", "cause",
                  "upstream_status"):
         if row.get(name) is not None:

@@ -8,25 +8,21 @@ nothing restricts the operator; ``list`` and ``show`` then act as ``operator`` u
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from orchestrator.cli.common import database_target
+from orchestrator.cli import bulk, records
+from orchestrator.cli.common import json_option
+from orchestrator.cli.operating import (
+    described,
+    filter_of,
+    filters,
+    operator_options,
+    receipt_of,
+    with_operators,
+)
 from orchestrator.cli.tables import cell, render
-from orchestrator.cli.worker import load_app
-from orchestrator.db.database import Database
-from orchestrator.errors import InvalidRequest
-from orchestrator.operators import ITEM_STATES, UNRESOLVED, Operators
-from orchestrator.text import check_operator
-
-T = TypeVar("T")
-DEFAULT_OPERATOR = "operator"
-"""The name ``ops list`` and ``ops show`` act under without ``--app`` and ``--operator``."""
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+from orchestrator.operators import ITEM_STATES, UNRESOLVED
 
 
 def register(subparsers: Any) -> None:
@@ -34,31 +30,23 @@ def register(subparsers: Any) -> None:
     commands = group.add_subparsers(title="ops commands", metavar="COMMAND")
     group.set_defaults(func=None, help_parser=group)
 
-    def common(parser: argparse.ArgumentParser, *, operator_required: bool) -> None:
-        parser.add_argument("--operator", required=operator_required, default=None,
-                            help="who acts (recorded in the audit log); required with --app"
-                                 + ("" if operator_required else
-                                    f" (without it: {DEFAULT_OPERATOR!r})"))
-        parser.add_argument("--app", default=None, metavar="MODULE:ATTR",
-                            help="the application, for its operator scopes (then "
-                                 "--operator is required)")
-
     ls = commands.add_parser("list", help="the queue, oldest first")
     ls.add_argument("--state", choices=(*ITEM_STATES, UNRESOLVED, "all"), default=UNRESOLVED,
                     help="open: lookups still to try; operator: waits for a person; "
                          "resolved: settled (by a lookup or an operator); unresolved (the "
                          "default): open or operator; all: every item")
-    ls.add_argument("--tool")
-    ls.add_argument("--older-than", metavar="AGE", help="e.g. 90s, 10m, 2h, 1d")
+    filters(ls)
     ls.add_argument("--limit", type=int, default=100, help="at most this many rows (1 to 1000)")
-    common(ls, operator_required=False)
+    operator_options(ls, operator_required=False)
+    json_option(ls)
     ls.set_defaults(func=cmd_list)
 
     show = commands.add_parser("show", help="a queued operation: intent, arguments, attempts, "
                                             "lookups, timeline (`runs show` lists every operation "
                                             "of a run)")
     show.add_argument("operation_id", type=int)
-    common(show, operator_required=False)
+    operator_options(show, operator_required=False)
+    json_option(show)
     show.set_defaults(func=cmd_show)
 
     res = commands.add_parser("resolve", help="record what happened, with evidence")
@@ -68,65 +56,30 @@ def register(subparsers: Any) -> None:
     kind.add_argument("--not-applied", action="store_true", help="nothing was applied")
     res.add_argument("--receipt", metavar="JSON", help="with --committed: the receipt")
     res.add_argument("--evidence", required=True, metavar="TEXT")
-    common(res, operator_required=True)
+    operator_options(res, operator_required=True)
     res.set_defaults(func=cmd_resolve)
 
     abandon = commands.add_parser("abandon", help="give up: the run fails OPERATION_ABANDONED")
     abandon.add_argument("operation_id", type=int)
     abandon.add_argument("--evidence", required=True, metavar="TEXT")
-    common(abandon, operator_required=True)
+    operator_options(abandon, operator_required=True)
     abandon.set_defaults(func=cmd_abandon)
 
-
-def parse_age(text: str | None) -> float | None:
-    if text is None:
-        return None
-    match = _DURATION.fullmatch(text.strip())
-    if match is None:
-        raise InvalidRequest(f"--older-than {text!r}: use a number with s, m, h or d")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def operator_of(args: argparse.Namespace) -> str:
-    """Who acts: ``--operator``, required with ``--app`` (whose scopes name the operators);
-    without ``--app``, :data:`DEFAULT_OPERATOR`. The name is checked like any other."""
-    if args.operator is None:
-        if args.app:
-            raise InvalidRequest("--app applies the application's operator scopes: pass "
-                                 "--operator NAME", path="operator")
-        return check_operator(DEFAULT_OPERATOR)
-    return check_operator(args.operator)
-
-
-def _with_operators(args: argparse.Namespace,
-                    fn: Callable[[Operators, str], Awaitable[T]]) -> T:
-    operator = operator_of(args)
-    app = load_app(args.app, args.database_url) if args.app else None
-
-    async def main() -> T:
-        db = Database(database_target(args), max_pool_size=2)
-        try:
-            if app is None:
-                return await fn(Operators(db), operator)
-            return await fn(Operators(db, app.operator_scopes,
-                                      incident_readers=app.incident_readers,
-                                      json_limits=app.json_limits), operator)
-        finally:
-            await db.close()
-
-    return asyncio.run(main())
+    bulk.register(commands)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     state = None if args.state == "all" else args.state
-    items = _with_operators(args, lambda ops, operator: ops.list_items(
-        operator=operator, state=state, tool=args.tool,
-        older_than=parse_age(args.older_than), limit=args.limit))
+    where = filter_of(args)
+    items = with_operators(args, lambda ops, operator: ops.list_items(
+        operator=operator, state=state, limit=args.limit, **where))
+    if args.json:
+        records.emit({"items": [records.queue_item(i) for i in items], "count": len(items),
+                      "limit": args.limit})
+        return 0
     if not items:
-        filters = " ".join(f"--{flag} {value}" for flag, value in (
-            ("state", None if args.state == UNRESOLVED else args.state), ("tool", args.tool),
-            ("older-than", args.older_than)) if value)
-        print(f"no operations match {filters}" if filters else
+        given = described(args)
+        print(f"no operations match {given}" if given else
               "nothing waits in the reconciliation queue (--state all lists settled items too)")
         return 0
     print(render(["OP", "RUN", "TOOL", "ITEM", "OPERATION", "REASON", "LOOKUPS", "OWNER",
@@ -140,8 +93,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    d = _with_operators(args, lambda ops, operator: ops.show(args.operation_id,
+    d = with_operators(args, lambda ops, operator: ops.show(args.operation_id,
                                                              operator=operator))
+    if args.json:
+        records.emit(records.item_detail(d))
+        return 0
     fields = [
         ("operation", d["operation_id"]),
         ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
@@ -204,26 +160,18 @@ def _report(op_id: int, outcome: str, what: str) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
+    receipt = receipt_of(args)
     if args.committed:
-        if args.receipt is None:
-            raise InvalidRequest("--committed needs --receipt JSON (what the tool returned)")
-        try:
-            receipt = json.loads(args.receipt)
-        except (ValueError, RecursionError):
-            raise InvalidRequest("--receipt is not valid JSON (or is nested too deep)",
-                                 path="receipt") from None
-        outcome = _with_operators(args, lambda ops, operator: ops.resolve_committed(
+        outcome = with_operators(args, lambda ops, operator: ops.resolve_committed(
             args.operation_id, receipt=receipt, evidence=args.evidence, operator=operator))
         return _report(args.operation_id, outcome, "committed")
-    if args.receipt is not None:
-        raise InvalidRequest("--receipt goes only with --committed")
-    outcome = _with_operators(args, lambda ops, operator: ops.resolve_not_applied(
+    outcome = with_operators(args, lambda ops, operator: ops.resolve_not_applied(
         args.operation_id, evidence=args.evidence, operator=operator))
     return _report(args.operation_id, outcome, "not applied")
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
-    outcome = _with_operators(args, lambda ops, operator: ops.abandon(
+    outcome = with_operators(args, lambda ops, operator: ops.abandon(
         args.operation_id, evidence=args.evidence, operator=operator))
     if outcome == "noop":
         print(f"operation {args.operation_id} was already abandoned; nothing changed")

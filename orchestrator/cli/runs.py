@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 from orchestrator import admin
-from orchestrator.cli.common import database_target
+from orchestrator.cli import records
+from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
@@ -22,12 +23,16 @@ def register(subparsers: Any) -> None:
     ls = commands.add_parser("list", help="runs, newest first, across owners")
     ls.add_argument("--tenant")
     ls.add_argument("--status", choices=RUN_STATUSES)
-    ls.add_argument("--workflow")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--workflow", help="the workflow's name")
+    ls.add_argument("--submission-key", metavar="KEY",
+                    help="the idempotency key the run was submitted with")
+    ls.add_argument("--limit", type=int, default=50, help="at most this many rows (1 to 1000)")
+    json_option(ls)
     ls.set_defaults(func=cmd_list)
 
     show = commands.add_parser("show", help="one run: status, operations and journal timeline")
     show.add_argument("run_id")
+    json_option(show)
     show.set_defaults(func=cmd_show)
 
     cancel = commands.add_parser("cancel", help="request cancellation of a run")
@@ -50,7 +55,11 @@ async def _with_db(args: argparse.Namespace, fn: Any) -> Any:
 def cmd_list(args: argparse.Namespace) -> int:
     rows = asyncio.run(_with_db(args, lambda db: admin.list_runs(
         db, tenant=args.tenant, status=args.status, workflow=args.workflow,
-        limit=args.limit)))
+        submission_key=args.submission_key, limit=args.limit)))
+    if args.json:
+        records.emit({"runs": [records.run_summary(r) for r in rows], "count": len(rows),
+                      "limit": args.limit})
+        return 0
     if not rows:
         print("no runs")
         return 0
@@ -77,11 +86,15 @@ def _summary(payload: Any) -> str:
 def cmd_show(args: argparse.Namespace) -> int:
     run_id = admin.parse_run_id(args.run_id)
     detail = asyncio.run(_with_db(args, lambda db: admin.show_run(db, run_id)))
+    if args.json:
+        records.emit(records.run_detail(detail))
+        return 0
     run = detail.run
     fields = [
         ("run", run["id"]),
         ("workflow", f"{run['workflow_name']} version {run['workflow_version']}"),
         ("owner", f"{run['tenant']}/{run['principal']}"),
+        ("submission key", run["idempotency_key"]),
         ("status", run["status"] + (f" ({run['outcome_code']})" if run["outcome_code"]
                                     and run["outcome_code"].lower() != run["status"] else "")),
         ("note", detail.note),
@@ -99,7 +112,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                        + (f" (incident {incident})" if incident else "")))
     for name, value in fields:
         if value is not None:
-            print(f"{name + ':':<10} {cell(value)}")
+            print(f"{name + ':':<15} {cell(value)}")
     if detail.operations:
         print("\noperations")
         print(render(["ID", "POS", "ATTEMPT", "TOOL", "EFFECT", "STATE", "KEY"],

@@ -103,25 +103,71 @@ async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
     )
 
 
+# Which items a filter selects: ``ops list`` shows them, ``ops resolve-many`` and
+# ``abandon-many`` act on them. Each filter is off when its parameter is NULL; ``tenants``
+# keeps another tenant's items out entirely (C9).
+_ITEM_FILTER = f"""
+WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
+  AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
+  AND (%(older)s::float8 IS NULL
+       OR i.created_at < now() - make_interval(secs => %(older)s::float8))
+  AND (%(key)s::text IS NULL OR o.idempotency_key = %(key)s)
+  AND (%(run_id)s::uuid IS NULL OR i.run_id = %(run_id)s)
+  AND (%(workflow)s::text IS NULL OR EXISTS (
+       SELECT 1 FROM {S}.runs r WHERE r.id = i.run_id AND r.workflow_name = %(workflow)s))
+  AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
+"""
+
+
+def _filter_params(*, states: list[str] | None, tool: str | None, older_than: float | None,
+                   key: str | None, run_id: uuid.UUID | None, workflow: str | None,
+                   tenants: list[str] | None, limit: int) -> dict[str, Any]:
+    return {"states": states, "tool": tool, "older": older_than, "key": key, "run_id": run_id,
+            "workflow": workflow, "tenants": tenants, "limit": limit}
+
+
 async def recon_list(
     conn: Conn, *, states: list[str] | None, tool: str | None, older_than: float | None,
-    tenants: list[str] | None, limit: int
+    tenants: list[str] | None, limit: int, key: str | None = None,
+    run_id: uuid.UUID | None = None, workflow: str | None = None
 ) -> list[dict[str, Any]]:
-    """Items in any of ``states`` (None: every item), oldest first."""
+    """Items in any of ``states`` (None: every item), oldest first; ``key`` is an
+    operation's idempotency key, ``workflow`` its run's workflow name."""
     cur = await conn.execute(
         f"""
         SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
         JOIN {S}.operations o ON o.id = i.operation_id
-        WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
-          AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
-          AND (%(older)s::float8 IS NULL
-               OR i.created_at < now() - make_interval(secs => %(older)s::float8))
-          AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
+        {_ITEM_FILTER}
         ORDER BY i.created_at, i.id
         LIMIT %(limit)s
         """,
-        {"states": states, "tool": tool, "older": older_than, "tenants": tenants,
-         "limit": limit},
+        _filter_params(states=states, tool=tool, older_than=older_than, key=key,
+                       run_id=run_id, workflow=workflow, tenants=tenants, limit=limit),
+    )
+    return await cur.fetchall()
+
+
+async def recon_match(
+    conn: Conn, *, states: list[str] | None, tool: str | None, older_than: float | None,
+    key: str | None, run_id: uuid.UUID | None, workflow: str | None,
+    tenants: list[str] | None, limit: int
+) -> list[dict[str, Any]]:
+    """The items :func:`recon_list` would list, oldest first, without their arguments or
+    receipts: what a bulk action needs to name and act on each one (no item's stored content
+    can fail the selection of the others)."""
+    cur = await conn.execute(
+        f"""
+        SELECT i.operation_id, i.run_id, i.state AS item_state, i.reason, i.created_at,
+               o.tool_name, o.tenant, o.principal, o.idempotency_key,
+               o.state AS operation_state
+        FROM {S}.reconciliation_items i
+        JOIN {S}.operations o ON o.id = i.operation_id
+        {_ITEM_FILTER}
+        ORDER BY i.created_at, i.id
+        LIMIT %(limit)s
+        """,
+        _filter_params(states=states, tool=tool, older_than=older_than, key=key,
+                       run_id=run_id, workflow=workflow, tenants=tenants, limit=limit),
     )
     return await cur.fetchall()
 

@@ -169,9 +169,11 @@ async def run_list(
     workflow: str | None,
     limit: int,
     parent: uuid.UUID | None = None,
+    submission_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Newest first. ``tenant``/``principal`` None means every owner (operators only);
-    ``parent`` keeps the child runs of that run."""
+    ``parent`` keeps the child runs of that run; ``submission_key`` the runs submitted with
+    that idempotency key (one per owner at most)."""
     cur = await conn.execute(
         f"""
         SELECT {_SUMMARY_COLUMNS} FROM {S}.runs
@@ -180,11 +182,12 @@ async def run_list(
           AND (%(status)s::text IS NULL OR status = %(status)s)
           AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s)
           AND (%(parent)s::uuid IS NULL OR parent_run_id = %(parent)s)
+          AND (%(skey)s::text IS NULL OR idempotency_key = %(skey)s)
         ORDER BY created_at DESC, id DESC
         LIMIT %(limit)s
         """,
         {"tenant": tenant, "principal": principal, "status": status, "workflow": workflow,
-         "limit": limit, "parent": parent},
+         "limit": limit, "parent": parent, "skey": submission_key},
     )
     return await cur.fetchall()
 

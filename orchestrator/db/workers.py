@@ -100,3 +100,29 @@ async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[st
         (within_seconds,),
     )
     return await cur.fetchall()
+
+
+async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
+    """How the worker holding a lease looks from here: the database's ``now``, and, if it is
+    still registered (``registered``), its last heartbeat, the seconds since
+    (``heartbeat_age``) and whether its liveness lock is held (``lock_held``; None when it
+    registered none). A dead worker's runs are re-queued by :func:`run_release_orphaned`'s
+    rule: lock gone and heartbeat stale."""
+    cur = await conn.execute(
+        f"""
+        SELECT now() AS db_now, w.id IS NOT NULL AS registered, w.heartbeat_at,
+               EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
+               CASE WHEN w.lock_key IS NULL THEN NULL ELSE EXISTS (
+                   SELECT 1 FROM pg_locks l
+                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                     AND l.database = (SELECT oid FROM pg_database
+                                       WHERE datname = current_database())
+                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
+                     AND l.objid::bigint = (w.lock_key & 4294967295)) END AS lock_held
+        FROM (SELECT 1) AS one LEFT JOIN {S}.workers w ON w.id = %s
+        """,
+        (worker_id,),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return row

@@ -47,11 +47,11 @@ def test_runs_list_show_and_cancel(workers, client):
     assert "succeeded" in listed.stdout and "acceptance/tests" in listed.stdout
     shown = _cli(url, "runs", "show", str(finished.id))
     assert shown.returncode == 0
-    for text in ("status:    succeeded", "operations", "record@1", "committed", "timeline",
+    for text in ("status:         succeeded", "operations", "record@1", "committed", "timeline",
                  "call.submitted", "call.completed", "run.completed"):
         assert text in shown.stdout, text
     result = json.dumps(finished.result(timeout=30), sort_keys=True)
-    assert f"result:    {result[:40]}" in shown.stdout  # what the run returned, clipped
+    assert f"result:         {result[:40]}" in shown.stdout  # what the run returned, clipped
     workers.procs[0].terminate()
     workers.procs[0].wait()
     queued = client.submit(flows.one_call, {"tool": "record"})
@@ -61,7 +61,7 @@ def test_runs_list_show_and_cancel(workers, client):
     assert cancelled.returncode == 0 and "is cancelled" in cancelled.stdout
     assert client.get_run(queued.id).status() == "cancelled"
     shown = _cli(url, "runs", "show", str(queued.id))
-    assert "status:    cancelled\n" in shown.stdout  # not "cancelled (CANCELLED)"
+    assert "status:         cancelled\n" in shown.stdout  # not "cancelled (CANCELLED)"
     bad = _cli(url, "runs", "show", "not-a-run")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "INVALID_REQUEST" in bad.stderr
 
