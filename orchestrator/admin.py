@@ -17,9 +17,9 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
+from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.models import check_run_filters
-from orchestrator.worker import DEAD_AFTER
 
 LIVE_WORKER_SECONDS = 60.0
 

@@ -26,6 +26,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn, Database
 from orchestrator.db.events import incident_record
+from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.executor import RunExecutor
@@ -45,7 +46,6 @@ from orchestrator.text import storable
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
 HEARTBEAT_INTERVAL = 0.25  # at most; a worker's liveness is judged by it (one row per beat)
-DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a worker is dead
 # Seconds a stopping worker waits, after its drain timeout, for writes in flight to land before
 # it gives up on them (GroupWriter.abandon).
 WRITE_GRACE = 5.0

@@ -126,15 +126,17 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
     more = (f"\n(the first {args.limit}, oldest first: more match; see --limit)"
             if summary.more else "")
     if summary.dry_run:
-        print(f"would {_verb(summary.resolution).lower()} {_count(len(summary.matched))} as "
-              f"{what} (dry run: nothing changed)")
+        how = "" if summary.resolution == "abandoned" else f" as {what}"
+        print(f"would {_verb(summary.resolution).lower()} {_count(len(summary.matched))}{how} "
+              "(dry run: nothing changed)")
         print(_items_table(summary) + more)
         return
     if summary.declined:
         print("not confirmed: nothing changed")
         return
+    how = "" if summary.resolution == "abandoned" else f" as {what}"
     print(f"{_past(summary.resolution)} {len(summary.resolved)} of "
-          f"{_count(len(summary.matched))} as {what}; skipped {len(summary.skipped)}" + more)
+          f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}" + more)
     if summary.skipped:
         print("\nskipped (each left as it was)")
         print(render(["OP", "CODE", "REASON"],

@@ -10,6 +10,8 @@ import psycopg
 
 from orchestrator.db.database import Conn
 
+DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a worker is dead
+
 S = "orchestrator"
 
 

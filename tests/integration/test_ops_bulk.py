@@ -161,7 +161,7 @@ async def test_resolve_many_through_the_cli(make_app, sql, migrated_database_url
                                    "--evidence", "refunded by hand", "--operator", "alice",
                                    "--yes")
         assert code == 0, err
-        assert out.startswith("abandoned 1 of 1 operation as abandoned; skipped 0")
+        assert out.startswith("abandoned 1 of 1 operation; skipped 0")
         with pytest.raises(RunFailed) as failed:
             await runs["r0"].result_async(timeout=20)
         assert failed.value.code == "OPERATION_ABANDONED"
