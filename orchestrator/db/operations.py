@@ -20,9 +20,12 @@ from orchestrator.journal import EventKind
 S = "orchestrator"
 
 _LEASE_HELD = f"""
-EXISTS (SELECT 1 FROM {S}.runs r
-        WHERE r.id = o.run_id AND r.lease_token = %(token)s AND r.status = 'running')
+o.run_id = %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r
+        WHERE r.id = %(run_id)s AND r.lease_token = %(token)s AND r.status = 'running')
 """
+"""The guard of every transition a worker makes on an operation: the operation is the writing
+run's own, and that run is running under the writer's lease token (tokens count per run, so
+the token alone does not name the run)."""
 
 
 class OperationIdentityReused(Exception):
@@ -79,11 +82,12 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
     got = await cur.fetchone()
     if got is None:
         raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
-    await operation_cancel(conn, op_id=int(got["id"]), token=row["token"])
+    await operation_cancel(conn, run_id=row["run_id"], op_id=int(got["id"]), token=row["token"])
     return int(got["id"]), "cancelled"
 
 
-async def operation_mark_submitted(conn: Conn, *, op_id: int, token: int) -> str:
+async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int
+                                   ) -> str:
     """pending → submitted, unless cancellation was requested (then pending → cancelled).
 
     The check and the transition are one statement, so a cancellation either lands before
@@ -92,21 +96,21 @@ async def operation_mark_submitted(conn: Conn, *, op_id: int, token: int) -> str
     cur = await conn.execute(
         f"""
         UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now()
-        WHERE o.id = %(op_id)s AND o.state = 'pending'
+        WHERE o.id = %(op_id)s AND o.state = 'pending' AND o.run_id = %(run_id)s
           AND EXISTS (SELECT 1 FROM {S}.runs r
-                      WHERE r.id = o.run_id AND r.lease_token = %(token)s
+                      WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
                         AND r.status = 'running' AND r.cancel_requested_at IS NULL)
         """,
-        {"op_id": op_id, "token": token},
+        {"op_id": op_id, "run_id": run_id, "token": token},
     )
     if cur.rowcount == 1:
         return "submitted"
-    await operation_cancel(conn, op_id=op_id, token=token)
+    await operation_cancel(conn, run_id=run_id, op_id=op_id, token=token)
     return "cancelled"
 
 
-async def operation_cancel(conn: Conn, *, op_id: int, token: int, error: str | None = None
-                           ) -> None:
+async def operation_cancel(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int,
+                           error: str | None = None) -> None:
     """pending → cancelled: never dispatched (cancellation, or a policy stage said no)."""
     await _transition(
         conn,
@@ -115,7 +119,7 @@ async def operation_cancel(conn: Conn, *, op_id: int, token: int, error: str | N
                finished_at = now(), updated_at = now()
         WHERE o.id = %(op_id)s AND o.state = 'pending' AND {_LEASE_HELD}
         """,
-        {"op_id": op_id, "token": token, "error": error},
+        {"op_id": op_id, "run_id": run_id, "token": token, "error": error},
         "cancellation",
     )
 
@@ -127,7 +131,7 @@ async def _transition(conn: Conn, sql: str, params: dict[str, Any], what: str) -
 
 
 async def operation_commit(
-    conn: Conn, *, op_id: int, token: int, receipt: str, receipt_digest: str
+    conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int, receipt: str, receipt_digest: str
 ) -> None:
     """submitted → committed, with the receipt, under the lease."""
     await _transition(
@@ -137,12 +141,14 @@ async def operation_commit(
                receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
         WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
         """,
-        {"op_id": op_id, "token": token, "receipt": receipt, "digest": receipt_digest},
+        {"op_id": op_id, "run_id": run_id, "token": token, "receipt": receipt,
+         "digest": receipt_digest},
         "commit",
     )
 
 
-async def operation_fail(conn: Conn, *, op_id: int, token: int, error: str) -> None:
+async def operation_fail(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int,
+                         error: str) -> None:
     """submitted → failed: the tool proved that nothing was applied."""
     await _transition(
         conn,
@@ -151,7 +157,7 @@ async def operation_fail(conn: Conn, *, op_id: int, token: int, error: str) -> N
                finished_at = now(), updated_at = now()
         WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
         """,
-        {"op_id": op_id, "token": token, "error": error},
+        {"op_id": op_id, "run_id": run_id, "token": token, "error": error},
         "failure",
     )
 
@@ -159,7 +165,7 @@ async def operation_fail(conn: Conn, *, op_id: int, token: int, error: str) -> N
 async def operation_mark_unknown(
     conn: Conn,
     *,
-    op_id: int,
+    run_id: uuid.UUID, op_id: int,
     token: int,
     reason: str,
     error: str | None = None,
@@ -179,7 +185,7 @@ async def operation_mark_unknown(
                updated_at = now()
         WHERE o.id = %(op_id)s AND o.state = 'submitted' AND {_LEASE_HELD}
         """,
-        {"op_id": op_id, "token": token, "error": error},
+        {"op_id": op_id, "run_id": run_id, "token": token, "error": error},
         "marking unknown",
     )
     if settle_read:

@@ -98,11 +98,12 @@ class Aftermath:
         """Stop retrying, but do not fail: the earlier, re-sent attempt may have applied."""
         site = self.site
         error = operation_error_json("TOOL_FAILED", cause=cause, incident=ref)
-        token = site.run.token
+        token, run_id = site.run.token, site.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
             if record_failure:
-                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
+                                            error=error)
             await ops_db.operation_enqueue(conn, op_id=earlier, reason="RESEND_NOT_APPLIED")
             return None, [site.event(EventKind.CALL_UNKNOWN, {
                 "op": earlier, "reason": "RESEND_NOT_APPLIED", "next": "reconcile"})]
@@ -115,11 +116,12 @@ class Aftermath:
         site = self.site
         error = operation_error_json("TOOL_FAILED", cause=payload["cause"],
                                      incident=payload["incident"])
-        token = site.run.token
+        token, run_id = site.run.token, site.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
             if record_failure:
-                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
+                                            error=error)
             return None, [site.event(kind, payload)]
 
         await site.append(work)

@@ -407,10 +407,10 @@ class Rider:
     def commit_work(self, receipt: ops_db.Receipt, value: Any) -> Work[None]:
         """The general path of a receipt's write (``submitted`` → ``committed`` and its
         ``call.completed`` event): the guarded transition says what is wrong."""
-        token = self.run.token
+        token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            await ops_db.operation_commit(conn, op_id=receipt.op_id, token=token,
+            await ops_db.operation_commit(conn, run_id=run_id, op_id=receipt.op_id, token=token,
                                           receipt=receipt.text, receipt_digest=receipt.digest)
             return None, [entry(EventKind.CALL_COMPLETED, receipt.position, receipt.name,
                                 {"result": value, "op": receipt.op_id})]

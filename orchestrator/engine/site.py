@@ -121,13 +121,15 @@ class CallSite:
         error = operation_error_json("CALL_WITHDRAWN", cause="cancelled",
                                      message="workflow code cancelled the call before it was "
                                              "sent")
-        token = self.run.token
+        token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
             if pending:
-                await ops_db.operation_cancel(conn, op_id=op_id, token=token, error=error)
+                await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token,
+                                              error=error)
             else:
-                await ops_db.operation_fail(conn, op_id=op_id, token=token, error=error)
+                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
+                                            error=error)
             return None, [self.event(EventKind.CALL_FAILED, {
                 "op": op_id, "attempt": number, "cause": "cancelled", "reason": "withdrawn",
                 "incident": None})]
@@ -147,11 +149,11 @@ class CallSite:
         payload: dict[str, Any] = {"op": op_id, "reason": reason, "next": step}
         if incident is not None:
             payload["incident"] = incident
-        token = self.run.token
+        token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
             await ops_db.operation_mark_unknown(
-                conn, op_id=op_id, token=token, reason=reason,
+                conn, run_id=run_id, op_id=op_id, token=token, reason=reason,
                 enqueue=step == "reconcile", settle_read=step == "new_attempt")
             return None, [self.event(EventKind.CALL_UNKNOWN, payload)]
 

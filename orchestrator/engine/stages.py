@@ -62,10 +62,11 @@ class Stages:
                 ref = await site.incident(op_id, name, verdict.error) if verdict.error else None
                 await self.deny(op_id, name, cause, ref)
         await self.admissible(op_id)
-        token = run.token
+        token, run_id = run.token, run.run_id
 
         async def submit(conn: Conn) -> tuple[str, list[Entry]]:
-            status = await ops_db.operation_mark_submitted(conn, op_id=op_id, token=token)
+            status = await ops_db.operation_mark_submitted(conn, run_id=run_id, op_id=op_id,
+                                                           token=token)
             if status == "cancelled":
                 return status, [site.event(EventKind.CALL_CANCELLED, {"op": op_id})]
             return status, [site.event(EventKind.CALL_SUBMITTED,
@@ -88,10 +89,10 @@ class Stages:
     async def cancel_pending(self, op_id: int, stop: str = "cancelled") -> NoReturn:
         """pending → cancelled (never dispatched); the run stops (cancelled or out of time)."""
         site = self.site
-        token = site.run.token
+        token, run_id = site.run.token, site.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            await ops_db.operation_cancel(conn, op_id=op_id, token=token)
+            await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token)
             return None, [site.event(EventKind.CALL_CANCELLED, {"op": op_id, "why": stop})]
 
         await site.append(work)
@@ -102,10 +103,11 @@ class Stages:
     async def deny(self, op_id: int, stage: str, cause: str, ref: str | None) -> NoReturn:
         site = self.site
         error = operation_error_json("TOOL_DENIED", stage=stage, cause=cause, incident=ref)
-        token = site.run.token
+        token, run_id = site.run.token, site.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            await ops_db.operation_cancel(conn, op_id=op_id, token=token, error=error)
+            await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token,
+                                          error=error)
             return None, [site.event(EventKind.CALL_DENIED, {"op": op_id, "stage": stage,
                                                              "cause": cause, "incident": ref})]
 

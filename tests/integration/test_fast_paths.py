@@ -40,11 +40,12 @@ meets the ledger states that would let the write through (where only the fence c
 That makes 300 states for a begin, 96 for a lone receipt and 732 for a success. The cases are
 independent (each has runs of its own), so a few writers apply them side by side.
 
-One difference is known and held open by a strict xfail
-(:func:`test_the_general_forms_refuse_a_receipt_of_another_run`): a receipt naming an
-operation of *another* run that holds the same lease token number is refused by every fast
-form (``o.run_id = x.run_id``) but committed by the general one, whose guard
-(``operations._LEASE_HELD``) checks the lease of the operation's own run.
+The matrix found one difference, now closed: a receipt naming an operation of *another* run
+that holds the same lease token number (tokens count per run) was refused by every fast form
+(``o.run_id = x.run_id``) but committed by the general one, whose guard checked the lease of
+the operation's own run; every worker transition of an operation now names the writing run
+(``operations._LEASE_HELD``), and
+:func:`test_the_general_forms_refuse_a_receipt_of_another_run` holds it.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-
-import pytest
 
 from orchestrator import Orchestrator, canonical
 from orchestrator.db import journal as journal_db
@@ -171,17 +170,11 @@ def general_applies(case: Case) -> bool:
     return case.fence.open and _ledger_allows(case)
 
 
-def known_difference(case: Case) -> bool:
-    """Where the general form is known to accept what the contract refuses (see
-    :func:`test_the_general_forms_refuse_a_receipt_of_another_run`)."""
+def another_runs_receipt(case: Case) -> bool:
+    """A riding receipt that names another run's operation, held under the same token number,
+    where nothing else would refuse the write."""
     return (case.receipt == OTHER_RUN and case.fence.open
             and case.existing == "none" and case.others in ("none", "committed"))
-
-
-def as_it_is(case: Case) -> bool:
-    """What the general form does today: as the contract says, but for the known difference
-    (which :func:`test_the_general_forms_refuse_a_receipt_of_another_run` holds open)."""
-    return general_applies(case) or known_difference(case)
 
 
 def matrix(cases: Iterable[Case]) -> list[Case]:
@@ -683,7 +676,7 @@ async def test_a_call_begin_is_guarded_alike_by_both_forms(app: Orchestrator) ->
     """``call.submitted`` (with or without a riding receipt): the lease, the run's status, the
     revision, a cancellation, an operation already holding the call's identity (same or
     another intent), and the riding receipt's operation in every state."""
-    problems = await run_matrix(app, BEGIN_CASES, as_it_is)
+    problems = await run_matrix(app, BEGIN_CASES, general_applies)
     assert not problems, _report(problems)
 
 
@@ -691,7 +684,7 @@ async def test_a_lone_receipt_is_guarded_alike_by_both_forms(app: Orchestrator) 
     """``submitted → committed`` with ``call.completed``: the operation submitted, pending,
     committed, failed or unknown, under every fence state (a cancellation does not stop a
     receipt: the call happened)."""
-    problems = await run_matrix(app, RECEIPT_CASES, as_it_is)
+    problems = await run_matrix(app, RECEIPT_CASES, general_applies)
     assert not problems, _report(problems)
 
 
@@ -699,7 +692,7 @@ async def test_a_run_success_is_guarded_alike_by_both_forms(app: Orchestrator) -
     """``succeeded`` with ``run.completed`` (with or without a riding receipt): every fence
     state, the riding receipt's operation in every state, another operation of the run left
     pending, submitted, unknown or settled, and a waiting parent that the success wakes."""
-    problems = await run_matrix(app, SUCCESS_CASES, as_it_is)
+    problems = await run_matrix(app, SUCCESS_CASES, general_applies)
     assert not problems, _report(problems)
 
 
@@ -733,16 +726,11 @@ async def test_the_matrix_sees_a_fast_row_that_misses_and_still_writes(app: Orch
                                       "{'revision': 3}" in p for p in problems), problems
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN DIFFERENCE: the general receipt commit (ops_db.operation_commit) checks the lease "
-    "of the operation's own run, not of the run it writes for; a receipt naming another run's "
-    "operation held under the same token number is committed by the general form (and its "
-    "call.completed journalled in this run), while every fast form refuses it"))
 async def test_the_general_forms_refuse_a_receipt_of_another_run(app: Orchestrator) -> None:
     """A receipt is committed only for an operation of the run that writes it. The fast forms
     require ``o.run_id = x.run_id``; the general form must refuse it as well (and so write
     nothing), whichever pair carries it."""
-    cases = [c for c in (*BEGIN_CASES, *RECEIPT_CASES, *SUCCESS_CASES) if known_difference(c)]
+    cases = [c for c in (*BEGIN_CASES, *RECEIPT_CASES, *SUCCESS_CASES) if another_runs_receipt(c)]
     # with and without a cancellation: begin; receipt; success (others none ×
     # parent or not, others committed)
     assert len(cases) == 2 * (1 + 1 + 3)
