@@ -54,7 +54,10 @@ def register(subparsers: Any) -> None:
 def cmd_url(args: argparse.Namespace) -> int:
     """Print the database URL in use (password masked) and where it came from."""
     target = database_target(args, reachable=False)
-    print(f"{target.masked} ({describe_source(target)})")
+    if target.source == "embedded":
+        print(target.display)  # embedded (<data dir>)
+    else:
+        print(f"{target.display} ({describe_source(target)})")
     return 0
 
 

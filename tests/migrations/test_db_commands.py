@@ -123,13 +123,13 @@ def test_url_prints_the_masked_url_and_its_source() -> None:
     from_env = run_cli(["db", "url"], database_url=url)
     assert from_env.returncode == 0, from_env.stderr
     assert from_env.stdout.strip() == (
-        "postgresql://app:***@db.example:5432/orders (from ORCHESTRATOR_DATABASE_URL)"
+        "postgresql://app@db.example:5432/orders (from ORCHESTRATOR_DATABASE_URL)"
     )
 
     from_option = run_cli(["--database-url", url, "db", "url"])
     assert from_option.returncode == 0, from_option.stderr
     assert from_option.stdout.strip() == (
-        "postgresql://app:***@db.example:5432/orders (from --database-url)"
+        "postgresql://app@db.example:5432/orders (from --database-url)"
     )
     assert "s3cret" not in from_env.stdout + from_option.stdout
 
