@@ -120,8 +120,8 @@ class RunHandle(Generic[R_co]):
             result: R_co = _outcome(row)
             return result
         if row["status"] == "needs_reconciliation":
-            async with self.app.database.connection() as conn:
-                ops = await ops_db.operation_list_for_run(conn, self.id)
+            ops = await self.app.database.read(
+                lambda conn: ops_db.operation_list_for_run(conn, self.id))
             known = [{"position": o["position"], "tool": o["tool_name"], "receipt": o["receipt"]}
                      for o in ops if o["state"] == "committed"]
             raise OperationUncertain(

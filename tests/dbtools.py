@@ -26,13 +26,12 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import platformdirs
 import psycopg
 from psycopg import sql
 
 ENV_TEST_URL = "ORCHESTRATOR_TEST_DATABASE_URL"
 ENV_FORCE_EMBEDDED = "ORCHESTRATOR_TEST_EMBEDDED"
-ENV_EMBEDDED_DIR = "ORCHESTRATOR_TEST_EMBEDDED_DIR"
+ENV_EMBEDDED_DIR = "ORCHESTRATOR_TEST_EMBEDDED_DIR"  # read by orchestrator.db.embedded
 LOCAL_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 LOCAL_PROBE_SECONDS = 2
 
@@ -59,11 +58,11 @@ def can_connect(url: str, timeout: int = LOCAL_PROBE_SECONDS) -> bool:
 
 
 def embedded_test_dir() -> Path:
-    """Where the test suite's embedded cluster keeps its data (separate from the user's)."""
-    override = os.environ.get(ENV_EMBEDDED_DIR)
-    if override:
-        return Path(override).expanduser().resolve()
-    return platformdirs.user_cache_path("orchestrator") / "test-pgdata"
+    """Where the test suite's embedded cluster keeps its data (separate from the user's; the
+    package knows it too, for ``orchestrator db embedded``)."""
+    from orchestrator.db.embedded import tests_data_dir
+
+    return tests_data_dir()
 
 
 @cache

@@ -1,14 +1,16 @@
-"""``orchestrator db``: which database is in use, its schema migrations and the runtime
-role's grants."""
+"""``orchestrator db``: which database is in use, its schema migrations, the runtime role's
+grants and this user's embedded servers."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
 from orchestrator.cli.common import database_target, describe_source
-from orchestrator.db import grants, migrate
+from orchestrator.cli.tables import render
+from orchestrator.db import embedded, grants, migrate
 
 
 def register(subparsers: Any) -> None:
@@ -49,12 +51,45 @@ def register(subparsers: Any) -> None:
                        "detail (upstream text, tracebacks): `incidents show` then needs a role "
                        "of its own")
     grant.set_defaults(func=cmd_grant)
+    register_embedded(commands)
+
+
+def register_embedded(commands: Any) -> None:
+    """``db embedded status|stop|destroy``."""
+    group = commands.add_parser(
+        "embedded", help="this user's embedded PostgreSQL servers (the app's and the tests'): "
+        "which run, stop them, remove their data",
+        description="The embedded PostgreSQL is used when no database URL is configured (the "
+        "app's, ORCHESTRATOR_EMBEDDED_DIR) and by the test suite when no other server answers "
+        "(the tests', ORCHESTRATOR_TEST_EMBEDDED_DIR). A server is left running after the "
+        "process that started it exits, so that the next start is instant.")
+    sub = group.add_subparsers(title="embedded commands", metavar="COMMAND")
+    group.set_defaults(func=None, help_parser=group)
+    which = {"nargs": "?", "choices": ["app", "tests"], "metavar": "app|tests",
+             "help": "only this one (default: both)"}
+
+    status = sub.add_parser("status", help="each data directory: running (pid), size")
+    status.add_argument("--json", action="store_true", help="one JSON object per server")
+    status.set_defaults(func=cmd_embedded_status)
+
+    stop = sub.add_parser("stop", help="stop the running servers (they start again on use)")
+    stop.add_argument("name", **which)
+    stop.set_defaults(func=cmd_embedded_stop)
+
+    destroy = sub.add_parser("destroy", help="stop the servers and remove their data "
+                             "directories (every database in them); asks first")
+    destroy.add_argument("name", **which)
+    destroy.add_argument("--yes", action="store_true", help="do not ask")
+    destroy.set_defaults(func=cmd_embedded_destroy)
 
 
 def cmd_url(args: argparse.Namespace) -> int:
     """Print the database URL in use (password masked) and where it came from."""
     target = database_target(args, reachable=False)
-    print(f"{target.masked} ({describe_source(target)})")
+    if target.source == "embedded":
+        print(target.display)  # embedded (<data dir>)
+    else:
+        print(f"{target.display} ({describe_source(target)})")
     return 0
 
 
@@ -90,4 +125,69 @@ def cmd_grant(args: argparse.Namespace) -> int:
     applied = grants.grant_runtime(target, args.role, incident_details=args.incident_details)
     print(f"{target.masked}: role {args.role!r} has the runtime's privileges "
           f"({len(applied)} statements; none to update or delete the journal or the audit)")
+    return 0
+
+
+def _chosen(args: argparse.Namespace) -> list[embedded.EmbeddedServer]:
+    return [server for server in embedded.servers()
+            if getattr(args, "name", None) in (None, server.name)]
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    if size < 1000:
+        return f"{size} B"
+    value, unit = size / 1000, "kB"
+    for bigger in ("MB", "GB"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, bigger
+    return f"{value:.1f} {unit}"
+
+
+def cmd_embedded_status(args: argparse.Namespace) -> int:
+    """Each embedded data directory: whether a server runs there (its pid) and its size."""
+    found = embedded.servers()
+    if args.json:
+        for server in found:
+            print(json.dumps(server.as_json(), sort_keys=True))
+        return 0
+    print(render(["NAME", "STATE", "SIZE", "DATA DIRECTORY"],
+                 [(s.name, s.state, _size(s.size_bytes), str(s.data_dir)) for s in found],
+                 max_width=200))
+    return 0
+
+
+def cmd_embedded_stop(args: argparse.Namespace) -> int:
+    """Stop the chosen servers that run; saying so of each."""
+    for server in _chosen(args):
+        if embedded.stop(server):
+            print(f"{server.name}: stopped the server (pid {server.pid}) in {server.data_dir}")
+        else:
+            print(f"{server.name}: no server runs in {server.data_dir}")
+    return 0
+
+
+def cmd_embedded_destroy(args: argparse.Namespace) -> int:
+    """Stop the chosen servers and remove their data directories, after asking."""
+    doomed = [server for server in _chosen(args) if server.data_dir.exists()]
+    if not doomed:
+        print("no embedded data directory to remove")
+        return 0
+    if not args.yes:
+        for server in doomed:
+            print(f"{server.name}: {server.data_dir} ({server.state}, "
+                  f"{_size(server.size_bytes)})")
+        print("Remove these, with every database in them? [y/N] ", end="", flush=True)
+        try:
+            answer = input()
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing was removed", file=sys.stderr)
+            return 1
+    for server in doomed:
+        embedded.destroy(server)
+        print(f"{server.name}: removed {server.data_dir}")
     return 0

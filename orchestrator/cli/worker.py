@@ -70,7 +70,7 @@ def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
     if upgrade and status.state != "ahead":
         migrate.upgrade(app.target)
         return
-    raise ConfigurationError(status.describe())
+    raise migrate.schema_error(app.target, status)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

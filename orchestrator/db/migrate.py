@@ -19,6 +19,7 @@ from sqlalchemy import create_engine, inspect, pool, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.database import schema_missing
 from orchestrator.db.schema import SCHEMA
 from orchestrator.errors import DatabaseError
 
@@ -91,7 +92,7 @@ def current_revision(target: DatabaseTarget) -> str | None:
             return None if row is None else str(row[0])
     except SQLAlchemyError as exc:
         raise DatabaseError(
-            f"cannot read the schema version of {target.masked}: {_cause_name(exc)}"
+            f"cannot read the schema version of {target.display}: {_cause_name(exc)}"
         ) from exc
     finally:
         engine.dispose()
@@ -128,6 +129,16 @@ class SchemaStatus:
         )
 
 
+def schema_error(target: DatabaseTarget, status: SchemaStatus) -> DatabaseError:
+    """``SCHEMA_MISMATCH`` for a database that does not match the code, as a worker or a
+    reconciler refuses to start on it: for a database without the schema, the very words of
+    the Python API (:func:`~orchestrator.db.database.schema_missing`)."""
+    if status.state == "empty":
+        return schema_missing(target)
+    return DatabaseError(f"{target.display}: {status.describe()}", code="SCHEMA_MISMATCH",
+                         retryable=False)
+
+
 def check(target: DatabaseTarget) -> SchemaStatus:
     current = current_revision(target)
     head = head_revision()
@@ -152,7 +163,7 @@ def upgrade(target: DatabaseTarget, revision: str = "head") -> SchemaStatus:
             command.upgrade(alembic_config(target), revision)
         except SQLAlchemyError as exc:
             raise DatabaseError(
-                f"the upgrade of {target.masked} failed: {_cause_name(exc)}"
+                f"the upgrade of {target.display} failed: {_cause_name(exc)}"
             ) from exc
     return check(target)
 

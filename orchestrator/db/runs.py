@@ -74,14 +74,21 @@ VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version
         %(parent_run_id)s, %(parent_position)s, 'queued', now(),
         CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
              ELSE now() + make_interval(secs => %(deadline_seconds)s::float8) END)
-ON CONFLICT (tenant, principal, idempotency_key) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id
 """
 
 _BY_KEY = f"""
 SELECT id, request_digest FROM {S}.runs
-WHERE tenant = %(tenant)s AND principal = %(principal)s AND idempotency_key = %(idempotency_key)s
+WHERE (tenant = %(tenant)s AND principal = %(principal)s
+       AND idempotency_key = %(idempotency_key)s)
+   OR id = %(id)s
+ORDER BY id = %(id)s DESC
+LIMIT 1
 """
+"""The run that holds the submission's key, or the submission's own run: its id is chosen
+before the first attempt, so an attempt repeated after a lost connection finds the run that
+the first one committed instead of creating a second."""
 
 
 _SUBMIT = f"""
@@ -99,6 +106,10 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
     trip, atomic on its own; in a transaction the NOTIFY goes out when it commits. Returns
     ``(run_id, created, existing_digest)``; ``existing_digest`` is set when the key was already
     taken, so the caller can tell a replay from a conflict (CONTRACT C1).
+
+    Running it again with the same row (a retry after a lost connection) is safe, keyed or
+    not: the row's id already exists, nothing is inserted, and the run is reported created,
+    as the first attempt did create it.
     """
     cur = await conn.execute(_SUBMIT, row)
     inserted = await cur.fetchone()
@@ -106,8 +117,10 @@ async def run_insert(conn: Conn, row: dict[str, Any]) -> tuple[uuid.UUID, bool, 
         return inserted["id"], True, None
     cur = await conn.execute(_BY_KEY, row)
     existing = await cur.fetchone()
-    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the key exists
-        raise RuntimeError("idempotency key conflict without an existing run")
+    if existing is None:  # pragma: no cover - ON CONFLICT only skips when the row exists
+        raise RuntimeError("a submission conflict without an existing run")
+    if existing["id"] == row["id"]:
+        return existing["id"], True, None
     return existing["id"], False, existing["request_digest"]
 
 

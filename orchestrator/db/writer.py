@@ -208,9 +208,7 @@ class GroupWriter:
     async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], int]]
                         ) -> list[Outcome] | None:
         values: list[Outcome] = []
-        pool = await self.db.pool()
-        async with pool.connection() as raw:
-            conn = cast(Conn, raw)
+        async with self.db.checkout() as conn:
             try:
                 groups = _group([(w, f) for w, f, _ in batch if isinstance(w, Statement)])
                 if sum(len(group) for group in groups) == len(batch):
@@ -259,9 +257,7 @@ class GroupWriter:
         return [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
 
     async def _alone(self, work: Work, future: asyncio.Future[Any]) -> Outcome:
-        pool = await self.db.pool()
-        async with pool.connection() as raw:
-            conn = cast(Conn, raw)
+        async with self.db.checkout() as conn:
             try:
                 if isinstance(work, Statement):
                     values: list[Outcome] = []
@@ -283,7 +279,7 @@ class GroupWriter:
                 continue
             if tries + 1 >= self.attempts:
                 error = exc if isinstance(exc, DatabaseError) else DatabaseError(
-                    f"writes to {self.db.target.masked} keep failing ({type(exc).__name__})")
+                    f"writes to {self.db.target.display} keep failing ({type(exc).__name__})")
                 future.set_exception(error)
             else:
                 self._queue.append((work, future, tries + 1))

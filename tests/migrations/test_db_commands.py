@@ -88,6 +88,30 @@ def test_the_api_and_the_cli_on_a_database_without_the_schema_say_to_upgrade(
     assert _version(empty_database_url) is None
 
 
+@pytest.mark.parametrize("command", ["worker", "reconciler"])
+def test_a_worker_on_a_database_without_the_schema_says_what_the_api_says(
+    empty_database_url: str, command: str,
+) -> None:
+    """One code, one sentence and one next step for a database nobody upgraded, whoever meets
+    it first: SCHEMA_MISMATCH, not CONFIGURATION_ERROR from a worker."""
+    from orchestrator import DatabaseError, Orchestrator, Owner
+
+    app = Orchestrator(empty_database_url, default_owner=Owner(tenant="t", principal="p"))
+    try:
+        with pytest.raises(DatabaseError) as api:
+            app.list_runs()
+    finally:
+        app.close()
+
+    started = run_cli([command, "--app", "tests.acceptance.flows:app"],
+                      database_url=empty_database_url)
+    assert started.returncode == 2
+    assert started.stderr_lines[-1] == f"orchestrator: error: {api.value}", started.stderr
+    assert str(api.value).startswith("SCHEMA_MISMATCH: the database at postgresql://")
+    assert str(api.value).endswith("has no orchestrator schema; run `orchestrator db upgrade`")
+    assert _version(empty_database_url) is None
+
+
 def test_check_and_upgrade_refuse_a_database_from_a_newer_release(
     migrated_database_url: str,
 ) -> None:
@@ -123,13 +147,13 @@ def test_url_prints_the_masked_url_and_its_source() -> None:
     from_env = run_cli(["db", "url"], database_url=url)
     assert from_env.returncode == 0, from_env.stderr
     assert from_env.stdout.strip() == (
-        "postgresql://app:***@db.example:5432/orders (from ORCHESTRATOR_DATABASE_URL)"
+        "postgresql://app@db.example:5432/orders (from ORCHESTRATOR_DATABASE_URL)"
     )
 
     from_option = run_cli(["--database-url", url, "db", "url"])
     assert from_option.returncode == 0, from_option.stderr
     assert from_option.stdout.strip() == (
-        "postgresql://app:***@db.example:5432/orders (from --database-url)"
+        "postgresql://app@db.example:5432/orders (from --database-url)"
     )
     assert "s3cret" not in from_env.stdout + from_option.stdout
 

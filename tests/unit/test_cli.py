@@ -125,14 +125,14 @@ def test_url_names_the_embedded_server_when_nothing_is_configured(
     from orchestrator.db import config
 
     monkeypatch.delenv(config.ENV_URL, raising=False)
+    monkeypatch.setenv(config.ENV_EMBEDDED_DIR, "/tmp/orchestrator-unit/pgdata")
     monkeypatch.setattr(
-        config, "start_embedded", lambda: "postgresql://postgres:@/orchestrator?host=/tmp/pg"
+        config, "start_embedded",
+        lambda data_dir, database="orchestrator": "postgresql://postgres:@/orchestrator?host=/tmp/pg",
     )
 
     assert cli.main(["db", "url"]) == 0
-    assert capsys.readouterr().out == (
-        "postgresql://postgres:@/orchestrator?host=/tmp/pg (embedded PostgreSQL)\n"
-    )
+    assert capsys.readouterr().out == "embedded (/tmp/orchestrator-unit/pgdata)\n"
 
 
 def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from orchestrator.db.config import DatabaseTarget, mask_url, resolve_database, validate_url
+from orchestrator.db.config import (
+    DatabaseTarget,
+    display_url,
+    mask_url,
+    resolve_database,
+    validate_url,
+)
 from orchestrator.errors import ConfigurationError
 
 
@@ -85,10 +93,36 @@ def test_mask_url_hides_only_the_password(url: str, masked: str) -> None:
     assert "s3cret" not in mask_url(url)
 
 
-def test_target_offers_masked_and_sqlalchemy_forms() -> None:
+def test_target_offers_display_and_sqlalchemy_forms() -> None:
     target = DatabaseTarget("postgresql://app:s3cret@db:5432/x", "argument")
-    assert target.masked == "postgresql://app:***@db:5432/x"
+    assert target.display == target.masked == "postgresql://app@db:5432/x"
     assert target.sqlalchemy_url == "postgresql+psycopg://app:s3cret@db:5432/x"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://app:s3cret@db:5432/x", "postgresql://app@db:5432/x"),
+        ("postgresql://app:%40%3A@db/x", "postgresql://app@db/x"),
+        ("postgresql://:s3cret@db/x", "postgresql://db/x"),
+        ("postgresql://db/x?sslmode=require&password=s3cret", "postgresql://db/x"),
+        ("postgresql://postgres:@/orchestrator?host=/tmp/pg",
+         "postgresql://postgres@/orchestrator (socket /tmp/pg)"),
+        ("postgresql://%2Frun%2Fpg/x", "postgresql:///x (socket /run/pg)"),
+        ("postgresql://db/x?port=6432&user=app&sslpassword=s3cret", "postgresql://app@db:6432/x"),
+        ("postgresql://a@h1:5432,h2:5433/x", "postgresql://a@h1:5432,h2:5433/x"),
+        ("postgresql://app@[::1]:5432/x", "postgresql://app@[::1]:5432/x"),
+    ],
+)
+def test_the_display_form_is_readable_and_carries_no_secret(url: str, shown: str) -> None:
+    assert display_url(url) == shown
+    assert DatabaseTarget(url, "environment").display == shown
+
+
+def test_an_embedded_target_is_shown_by_its_data_directory() -> None:
+    target = DatabaseTarget("postgresql://postgres:@/orchestrator?host=/tmp/pg", "embedded",
+                            Path("/home/u/.local/share/orchestrator/pgdata"))
+    assert target.display == "embedded (/home/u/.local/share/orchestrator/pgdata)"
 
 
 def test_an_explicit_url_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

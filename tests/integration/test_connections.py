@@ -1,0 +1,210 @@
+"""Connections from the Python API: a database that cannot be reached fails fast and says why,
+the way the CLI does; connections that died (terminated backends, a restarted server) never
+fail a call."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from orchestrator import DatabaseError, Orchestrator, Owner
+from orchestrator.db import migrate
+from orchestrator.db.config import DatabaseTarget, validate_url
+from orchestrator.db.probe import ping
+from tests import dbtools
+from tests.private_server import PrivateServer, private_server
+
+OWNER = Owner(tenant="acme", principal="alice")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[PrivateServer]:
+    """A server of this module's own: password authentication, and free to restart."""
+    with private_server() as running:
+        yield running
+
+
+def _app(url: str) -> Orchestrator:
+    app = Orchestrator(url, default_owner=OWNER)
+
+    @app.workflow()
+    async def echo(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    return app
+
+
+def _bad_url(case: str, admin_url: str, server: PrivateServer) -> str:
+    """A URL that is wrong in one way. A missing role is asked of the shared server (trust
+    authentication): under password authentication a server answers for a missing role
+    exactly as for a wrong password, so as not to tell which roles exist."""
+    if case == "role":
+        parts = urlsplit(admin_url)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        return urlunsplit(parts._replace(netloc=f"no_such_role@{host}"))
+    if case == "database":
+        return dbtools.url_for_database(admin_url, f"missing_{uuid.uuid4().hex[:8]}")
+    host = "no-such-host.invalid" if case == "host" else "127.0.0.1"
+    port = 1 if case == "port" else server.port
+    password = "not-the-password" if case == "password" else server.password
+    return f"postgresql://postgres:{password}@{host}:{port}/postgres"
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "retryable"),
+    [
+        ("host", "the host name cannot be resolved", True),
+        ("port", "connection refused", True),
+        ("database", "the database does not exist", False),
+        ("role", "the user (role) does not exist", False),
+        ("password", "authentication failed (wrong password?)", False),
+    ],
+)
+def test_a_database_that_cannot_be_reached_fails_fast_with_the_clis_words(
+    case: str, reason: str, retryable: bool, pg_admin_url: str, server: PrivateServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = _bad_url(case, pg_admin_url, server)
+    target = DatabaseTarget(validate_url(url), "argument")
+    with pytest.raises(DatabaseError) as cli:  # what `orchestrator db …` prints
+        ping(target)
+    app = _app(url)
+    caplog.set_level(logging.INFO)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DatabaseError) as api:
+            app.list_runs()
+    finally:
+        elapsed = time.monotonic() - started
+        app.close()
+
+    assert elapsed < 5, f"{elapsed:.1f} s"
+    assert api.value.code == "DATABASE_UNAVAILABLE"
+    assert str(api.value) == str(cli.value)
+    assert api.value.message.startswith(f"cannot connect to {target.display}: {reason}")
+    assert api.value.retryable is retryable is cli.value.retryable
+    assert "not-the-password" not in str(api.value)
+    assert not [r for r in caplog.records if r.name.startswith("psycopg")], caplog.text
+
+
+async def _terminate_others(url: str) -> int:
+    """End every session of the database but this one; returns once they are gone."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+        cur = await admin.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM "
+            "pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def _sessions(url: str) -> int:
+    """How many other sessions the database has."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+        cur = await admin.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def _warm(app: Orchestrator, sessions: int = 6) -> None:
+    """Hold several pooled connections at once, so that several idle ones die together."""
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(sessions):
+            await held.enter_async_context(app.database.connection())
+
+
+async def _hundred_calls(app: Orchestrator, first: uuid.UUID, break_them: object) -> None:
+    """100 rounds of a read and keyed submissions; every 25th, the connections die first (the
+    first call after that is a read, which nothing retried before)."""
+    for i in range(100):
+        if i % 25 == 0:
+            await break_them()  # type: ignore[operator]
+        assert (await app.get_run_async(first)).id == first
+        run = await app.submit_async("echo", {"i": i}, idempotency_key=f"key-{i}")
+        again = await app.submit_async("echo", {"i": i}, idempotency_key=f"key-{i}")
+        assert again.id == run.id
+        assert (await run.info_async()).status == "queued"
+    assert len(await app.list_runs_async(limit=200)) == 101  # and the first one
+
+
+async def test_calls_succeed_after_every_session_of_the_database_is_terminated(
+    migrated_database_url: str,
+) -> None:
+    app = _app(migrated_database_url)
+    first = await app.submit_async("echo", {}, idempotency_key="warm")
+    terminated: list[int] = []
+
+    async def break_them() -> None:
+        await _warm(app)
+        terminated.append(await _terminate_others(migrated_database_url))
+
+    try:
+        await _hundred_calls(app, first.id, break_them)
+    finally:
+        await app.database.close()
+    assert min(terminated) >= 2, terminated  # several pooled connections died each time
+
+
+async def test_calls_succeed_after_the_server_restarts(server: PrivateServer) -> None:
+    name = dbtools.unique_name("restart")
+    url = dbtools.create_database(server.url(), name)
+    try:
+        assert migrate.upgrade(DatabaseTarget(validate_url(url), "argument")).ok
+        app = _app(url)
+        first = await app.submit_async("echo", {}, idempotency_key="warm")
+
+        open_before: list[int] = []
+
+        async def break_them() -> None:
+            await _warm(app)
+            open_before.append(await _sessions(url))
+            server.restart()
+
+        try:
+            await _hundred_calls(app, first.id, break_them)
+        finally:
+            await app.database.close()
+        assert min(open_before) >= 6, open_before  # each restart ended that many sessions
+    finally:
+        dbtools.drop_database(server.url(), name)
+
+
+async def test_a_submission_repeated_after_a_lost_connection_makes_no_second_run(
+    migrated_database_url: str,
+) -> None:
+    """What a retry after a lost COMMIT does: the same row again, keyed or not, finds the run
+    the first attempt made (its id was chosen before the first attempt)."""
+    from orchestrator.db import runs as runs_db
+
+    app = _app(migrated_database_url)
+    (echo,) = app.registry.workflows.values()
+    row = app.new_run_row(echo, {"x": 1}, owner=OWNER, idempotency_key=None, deadline=None)
+    try:
+        first = await app.database.run_autocommit(lambda conn: runs_db.run_insert(conn, row))
+        again = await app.database.run_autocommit(lambda conn: runs_db.run_insert(conn, row))
+        assert first == again == (row["id"], True, None)
+        assert len(await app.list_runs_async()) == 1
+    finally:
+        await app.database.close()
+
+
+def test_the_app_says_once_which_database_it_uses(
+    server: PrivateServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    app = Orchestrator(server.url())
+    assert app.target is app.target
+    said = [r.getMessage() for r in caplog.records if r.name == "orchestrator"]
+    assert said == [f"using the database postgresql://postgres@127.0.0.1:{server.port}/postgres "
+                    "(given as an argument)"]
+    assert server.password not in caplog.text
