@@ -358,7 +358,8 @@ class RunExecutor:
         self.revision += len(written)
         if cancel_at is not None:
             self.note_cancel()
-        self._riding_written(riding)
+        if (held := self._riding_written(riding)) is not None:
+            await held
         return result
 
     async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
@@ -400,8 +401,9 @@ class RunExecutor:
             self.revision += 1 + (riding is not None)
             if cancel_at is not None:
                 self.note_cancel()
-            if riding is not None:
-                faults.reach("after_receipt", riding[0].name)
+            if riding is not None and (
+                    held := faults.reach("after_receipt", riding[0].name)) is not None:
+                await held
             return result
 
     def _locked(self, finish: bool = False) -> _WriteLock:
@@ -554,7 +556,8 @@ class RunExecutor:
                 # reconciliation, as any dispatched call without a recorded outcome.
                 del self._receipts[0]
                 raise
-            self._riding_written(self._receipts[:1])
+            if (held := self._riding_written(self._receipts[:1])) is not None:
+                await held
 
     async def _commit_riding(self, conn: Conn, riding: Sequence[tuple[ops_db.Receipt, Any]]
                              ) -> list[Event]:
@@ -565,11 +568,16 @@ class RunExecutor:
             events += (await self.commit_work(receipt, value)(conn))[1]
         return events
 
-    def _riding_written(self, riding: Sequence[tuple[ops_db.Receipt, Any]]) -> None:
-        """Bookkeeping once a transaction carrying ``riding`` (the oldest receipts) landed."""
+    def _riding_written(self, riding: Sequence[tuple[ops_db.Receipt, Any]]
+                        ) -> Awaitable[None] | None:
+        """Bookkeeping once a transaction carrying ``riding`` (the oldest receipts) landed;
+        returns what an armed fault point holds the caller on (see :mod:`faults`), if any."""
         del self._receipts[: len(riding)]
+        held = None
         for receipt, _ in riding:
-            faults.reach("after_receipt", receipt.name)
+            hold = faults.reach("after_receipt", receipt.name)
+            held = held or hold
+        return held
 
     def commit_work(self, receipt: ops_db.Receipt, value: Any
                      ) -> Callable[[Conn], Awaitable[tuple[None, list[Event]]]]:
@@ -904,7 +912,8 @@ class RunExecutor:
             except Exception:  # noqa: BLE001, S110 - retried below, receipts first and alone
                 pass
             else:
-                self._riding_written(riding)
+                if (held := self._riding_written(riding)) is not None:
+                    await held
                 return True
         if not await self.settle():
             return False

@@ -195,11 +195,13 @@ class Call:
         stages = self.stages()
         if op_id is None:
             op_id, status = await self.begin(state.number, key, pending=bool(stages))
-            faults.reach("after_intent", tool.name)
+            if (held := faults.reach("after_intent", tool.name)) is not None:
+                await held
             await self.written(op_id, state.number, status, pending=bool(stages))
         if stages or state.pending_op is not None:
             await self.run_stages(op_id, state.number, key, stages)
-        faults.reach("after_submitted", tool.name)
+        if (held := faults.reach("after_submitted", tool.name)) is not None:
+            await held
         ex.worker.metrics.incr("operations_dispatched")
         if state.number > 1:
             ex.worker.metrics.incr("operations_retried")
@@ -411,7 +413,8 @@ class Call:
                     return None
             await self.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
             return None
-        faults.reach("after_tool_return", tool.name)
+        if (held := faults.reach("after_tool_return", tool.name)) is not None:
+            await held
         receipt = verdict.value
         try:
             receipt_text = ex.app.json_limits.text(receipt, "$.receipt")
@@ -421,7 +424,8 @@ class Call:
             return None
         receipt = canonical.as_stored(receipt)  # what a replay will read back (C4)
         if await self.commit(op_id, key, receipt, receipt_text):
-            faults.reach("after_receipt", tool.name)
+            if (held := faults.reach("after_receipt", tool.name)) is not None:
+                await held
         return _Done(receipt)
 
     async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:
