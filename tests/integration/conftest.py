@@ -76,6 +76,12 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
     return await wait_until_async(predicate, timeout=timeout, what=what)
 
 
+async def never_answers() -> None:
+    """What a tool awaits to stay busy: it does not return; it runs until the engine cancels
+    it (its timeout, the run's deadline or cancellation, a task group's sibling failing)."""
+    await asyncio.get_running_loop().create_future()
+
+
 def one_turn() -> asyncio.Future[None]:
     """Resolves after one turn of the event loop: every callback that was ready now (a task
     woken, a cancellation delivered) has run. Not a wait for time: the test then asserts what

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.integration.conftest import never_answers, wait_for
+
 
 def run_status(sql, run):  # type: ignore[no-untyped-def]
     return sql("SELECT status, outcome_code FROM orchestrator.runs WHERE id = %s",
@@ -57,9 +59,11 @@ def watch_writes(monkeypatch):  # type: ignore[no-untyped-def]
     return writes
 
 
-def slow_write(monkeypatch, nth=1, delay=0.6):  # type: ignore[no-untyped-def]
-    """The ``nth`` write through the group writer lands ``delay`` seconds late (it commits at
-    once; only the caller hears late), holding the run's write lock that long."""
+def slow_write(monkeypatch, nth=1, delay=None):  # type: ignore[no-untyped-def]
+    """The ``nth`` write through the group writer commits at once, but its caller hears of it
+    late, so that the write holds the run's write lock meanwhile: until the task that made
+    the write has been cancelled (by workflow code's timeout, or by its task group), or, with
+    ``delay``, that many seconds after it landed."""
     from orchestrator.db.writer import GroupWriter, Landing
 
     enqueue = GroupWriter.enqueue
@@ -71,32 +75,49 @@ def slow_write(monkeypatch, nth=1, delay=0.6):  # type: ignore[no-untyped-def]
         if len(count) != nth:
             return landing
         loop = asyncio.get_running_loop()
+        caller = asyncio.current_task()
+        assert caller is not None
         late = Landing(loop=loop)
 
-        def hand_over(_: object) -> None:
+        def hand_over() -> None:
             exc = landing.exception()
-            loop.call_later(delay, late.set_exception if exc else late.set_result,
-                            exc if exc else landing.result())
+            if exc is not None:
+                late.set_exception(exc)
+            else:
+                late.set_result(landing.result())
 
-        landing.add_done_callback(hand_over)
+        async def once_cancelled() -> None:
+            try:
+                await wait_for(lambda: landing.done() and caller.cancelling(),
+                               what="the caller of the slow write was cancelled")
+            finally:
+                hand_over()  # also when that never came: the test then fails on its own terms
+
+        if delay is None:
+            later.append(loop.create_task(once_cancelled()))
+        else:
+            landing.add_done_callback(lambda _: loop.call_later(delay, hand_over))
         return late
 
+    later: list[asyncio.Task[None]] = []  # keeps the hand-over tasks referenced
     monkeypatch.setattr(GroupWriter, "enqueue", slow)
 
 
 class DrainTools:
-    """Tools for the drain tests: ``slow`` (0.5 s; sets ``slow_started``), ``fast``, and the
-    idempotent ``ship``, ``label`` and ``pack`` (1 s); ``called`` lists the calls in order."""
+    """Tools for the drain tests: ``slow`` (sets ``slow_started``, returns once
+    ``slow_release`` is set), ``fast``, and the idempotent ``ship``, ``label`` and ``pack``
+    (its first call runs until it is cancelled); ``called`` lists the calls in order."""
 
     def __init__(self, app):  # type: ignore[no-untyped-def]
         self.called: list[str] = []
         self.slow_started = asyncio.Event()
+        self.slow_release = asyncio.Event()
 
         @app.tool()
         async def slow(ctx):  # type: ignore[no-untyped-def]
             self.called.append("slow")
             self.slow_started.set()
-            await asyncio.sleep(0.5)
+            await self.slow_release.wait()
             return "slow"
 
         @app.tool()
@@ -117,7 +138,8 @@ class DrainTools:
         @app.tool(effect="idempotent")
         async def pack(ctx):  # type: ignore[no-untyped-def]
             self.called.append("pack")
-            await asyncio.sleep(1.0)  # still running when a sibling stops for the drain
+            if self.called.count("pack") == 1:
+                await never_answers()  # still running when a sibling stops for the drain
             return "packed"
 
         self.slow, self.fast, self.ship, self.label = slow, fast, ship, label
@@ -145,17 +167,33 @@ class DrainTools:
         return wf
 
     async def drain_during_slow(self, app, wf):  # type: ignore[no-untyped-def]
-        """Submit ``wf`` and drain a worker once ``slow`` runs (:func:`drain_once`)."""
-        return await drain_once(app, wf, self.slow_started)
+        """Submit ``wf`` and drain a worker once ``slow`` runs; ``slow`` returns once the
+        drain has begun (:func:`drain_once`)."""
+        return await drain_once(app, wf, self.slow_started, then=self.slow_release)
 
 
-async def drain_once(app, wf, started):  # type: ignore[no-untyped-def]
-    """Submit ``wf``, start a worker, and stop it (a drain) once ``started`` is set; returns
-    the run once the worker has stopped."""
+def draining(worker):  # type: ignore[no-untyped-def]
+    """The worker's drain has begun: every run it holds is told to stop at its next step."""
+    executors = [ex for _, ex in worker._running.values() if ex is not None]
+    return bool(executors) and all(ex.draining for ex in executors)
+
+
+async def drain_once(app, wf, started, then=None):  # type: ignore[no-untyped-def]
+    """Submit ``wf``, start a worker, and stop it (a drain) once ``started`` is set; set
+    ``then`` (if given) once the drain has begun. Returns the run once the worker stopped."""
     run = await app.submit_async(wf, {})
     worker = app.create_worker(poll_interval=0.2)
     working = asyncio.ensure_future(worker.run())
     await asyncio.wait_for(started.wait(), 10)
     worker.request_stop()
+    if then is not None:
+        await wait_for(lambda: draining(worker))
+        then.set()
     await asyncio.wait_for(working, 20)
     return run
+
+
+def lease_lapsed(sql):  # type: ignore[no-untyped-def]
+    """Every lease of the test's runs has expired by the database's clock."""
+    return sql("SELECT bool_and(lease_expires_at < clock_timestamp()) AS lapsed "
+               "FROM orchestrator.runs")[0]["lapsed"]

@@ -11,8 +11,13 @@ import contextlib
 import pytest
 
 from orchestrator import InvalidRequest
-from tests.integration.conftest import running
-from tests.integration.contract.helpers import Tools, operations, slow_write, watch_writes
+from tests.integration.conftest import never_answers, running
+from tests.integration.contract.helpers import (
+    Tools,
+    operations,
+    slow_write,
+    watch_writes,
+)
 
 
 async def test_a_call_with_wrong_arguments_is_refused_before_any_write(app, sql):
@@ -94,7 +99,7 @@ async def test_a_call_cancelled_during_its_policy_stage_is_withdrawn(app, sql):
     async def gate(pctx):  # type: ignore[no-untyped-def]
         hooks.append(1)
         if len(hooks) == 1:
-            await asyncio.sleep(5)  # the first time, slower than the workflow will wait
+            await never_answers()  # the first time, slower than the workflow will wait
         return True
 
     @app.workflow()
@@ -186,7 +191,7 @@ async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
     is still written and then withdrawn, so the replay waits at that call for the same
     cancellation instead of sending it. (The call used to leave nothing behind: the replay
     called the tool.)"""
-    slow_write(monkeypatch)
+    slow_write(monkeypatch, delay=0.6)  # the patient call's intent, beyond the 0.2 s timeout
     called: list[str] = []
 
     @app.tool()

@@ -5,9 +5,10 @@ claim to decide, never recorded as workflow code's doing."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
-from tests.integration.conftest import running
+from tests.integration.conftest import running, wait_for
 from tests.integration.contract.helpers import (
     DrainTools,
     Tools,
@@ -160,7 +161,7 @@ async def test_a_draining_worker_still_withdraws_a_call_that_workflow_code_gave_
         await ctx.sleep(1.2)  # the drain stops the run here: the rest is a replay elsewhere
         return "gave up"
 
-    run = await drain_once(app, wf, intent_sent)  # the intent's write is in flight (0.6 s)
+    run = await drain_once(app, wf, intent_sent)  # the intent's write is in flight
     ops = sql("SELECT state, error FROM orchestrator.operations")
     assert [o["state"] for o in ops] == ["failed"]
     assert ops[0]["error"]["code"] == "CALL_WITHDRAWN"
@@ -176,7 +177,7 @@ async def test_a_branch_cancelled_by_its_task_group_for_a_drain_is_not_withdrawn
     engine's, not workflow code's: nothing is withdrawn, and on the next worker the replay
     re-sends the (idempotent) call with its key and the run completes. (Recorded as withdrawn,
     the replay would wait at that call for a cancellation that never comes.)"""
-    slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch b's intent
+    slow_write(monkeypatch, nth=2)  # the second write: branch b's intent
     tools = DrainTools(app)
     wf = tools.branches(app, tools.ship)  # b's intent is the run's second write
 
@@ -197,7 +198,7 @@ async def test_a_receipt_waiting_for_the_write_lock_is_written_when_a_sibling_st
     what already happened: it is written all the same (``finish``), so the next worker's
     replay returns it instead of calling the tool again. (Dropped with the cancellation, the
     operation stayed ``submitted`` and the replay re-sent the call.)"""
-    slow_write(monkeypatch, nth=3, delay=1.5)  # the third write: branch c's intent
+    slow_write(monkeypatch, nth=3)  # the third write: branch c's intent
     tools = DrainTools(app)
     # b (ship): its receipt waits for the lock that c's (label's) intent write holds
     wf = tools.branches(app, tools.ship, tools.label)
@@ -221,7 +222,7 @@ async def test_a_tool_running_when_a_sibling_stops_for_the_drain_is_left_to_the_
     is not recorded as uncertain (no reconciliation, the run is not blocked); the next worker
     re-sends it with its key and the run completes."""
     tools = DrainTools(app)
-    wf = tools.branches(app, tools.pack)  # b's tool runs for 1 s
+    wf = tools.branches(app, tools.pack)  # b's tool runs until it is cancelled
 
     run = await tools.drain_during_slow(app, wf)
     assert run_status(sql, run)["status"] == "queued"
@@ -239,9 +240,9 @@ async def test_an_intent_waiting_for_the_write_lock_when_a_sibling_stops_is_not_
     others. The engine lets go of the run: ``b`` writes no intent (one written and never sent
     would be an uncertain operation on the next worker, for reconciliation); the next worker
     calls it once and the run completes."""
-    slow_write(monkeypatch, nth=2, delay=1.5)  # the second write: branch c's intent
+    slow_write(monkeypatch, nth=2)  # the second write: branch c's intent
     tools = DrainTools(app)
-    # c (label): its intent write holds the lock for 1.5 s; b (fast) waits for it meanwhile
+    # c (label): its intent write holds the lock until c is cancelled; b (fast) waits for it
     wf = tools.branches(app, tools.label, tools.fast)
 
     run = await tools.drain_during_slow(app, wf)
@@ -254,27 +255,57 @@ async def test_an_intent_waiting_for_the_write_lock_when_a_sibling_stops_is_not_
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
 
 
+def _watch_sweeps(worker):  # type: ignore[no-untyped-def]
+    """The start times (monotonic) of the worker's finished sweeps for dead workers' runs."""
+    sweeps: list[float] = []
+    sweep = worker._sweep
+
+    async def watched():  # type: ignore[no-untyped-def]
+        began = time.monotonic()
+        await sweep()
+        sweeps.append(began)
+
+    worker._sweep = watched
+    return sweeps
+
+
 async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make_app, sql):
+    """Worker A's liveness lock connection is killed while A runs a call: A is alive (it
+    beats), so worker B, sweeping for dead workers' runs meanwhile, must leave A's run alone.
+    The call returns once B has swept after A would have been judged dead had it stopped
+    beating (``DEAD_AFTER``), and A holds its lock again."""
+    from orchestrator.worker import DEAD_AFTER
+
     app = make_app(lease_ttl=30.0)
-    started = asyncio.Event()
+    started, release = asyncio.Event(), asyncio.Event()
 
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
         started.set()
-        await asyncio.sleep(3)
+        await release.wait()
         return {"ok": True}
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         return await ctx.call(charge)
 
+    def lock_holders(key):  # type: ignore[no-untyped-def]
+        return [r["pid"] for r in sql(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid::bigint = %s AND objid::bigint = %s",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))]
+
     async with running(app, worker_id="A") as a:
         run = await app.submit_async(wf, {})
         await asyncio.wait_for(started.wait(), 10)
-        async with running(app, worker_id="B"):
+        async with running(app, worker_id="B") as b:
+            sweeps = _watch_sweeps(b)
             key = a._liveness.key
-            sql("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                "AND classid::bigint = %s AND objid::bigint = %s",
-                ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
+            (killed,) = lock_holders(key)
+            sql("SELECT pg_terminate_backend(%s)", (killed,))
+            blipped = time.monotonic()
+            await wait_for(lambda: lock_holders(key) not in ([], [killed])
+                           and any(t - blipped > DEAD_AFTER for t in sweeps), timeout=15)
+            release.set()
             assert await run.result_async(timeout=15) == {"ok": True}
     assert [o["state"] for o in operations(sql)] == ["committed"]

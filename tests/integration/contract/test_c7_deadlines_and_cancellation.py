@@ -10,14 +10,19 @@ from datetime import timedelta
 import pytest
 
 from orchestrator import RunFailed
-from tests.integration.conftest import running, wait_for
-from tests.integration.contract.helpers import operations, parked, run_status
+from tests.integration.conftest import executor_of, never_answers, running, wait_for
+from tests.integration.contract.helpers import (
+    lease_lapsed,
+    operations,
+    parked,
+    run_status,
+)
 
 
 async def test_an_unknown_effect_left_by_the_deadline_can_still_be_resolved(app, sql):
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(10)
+        await never_answers()  # still running at the run's deadline
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -47,14 +52,15 @@ async def test_no_dispatch_once_the_deadline_passed_during_approval(app, sql):
 
     @charge.approve
     async def slow_human(pctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(2.0)
+        # approved once the run's deadline has passed, by the clock its worker goes by
+        await wait_for(lambda: executor_of(worker, pctx.run_id).remaining() == 0)
         return True
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         return await ctx.call(charge)
 
-    async with running(app):
+    async with running(app) as worker:
         run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
         with pytest.raises(RunFailed) as info:
             await run.result_async(timeout=10)
@@ -68,7 +74,7 @@ async def test_cancel_with_gather_ends_cancelled_only_once_nothing_is_unknown(ap
     @app.tool()
     async def slow(ctx):  # type: ignore[no-untyped-def]
         started.set()
-        await asyncio.sleep(30)
+        await never_answers()
 
     @app.tool(authorize_timeout=timedelta(seconds=20))
     async def gated(ctx):  # type: ignore[no-untyped-def]
@@ -126,7 +132,7 @@ async def test_a_queued_run_with_a_dispatched_call_is_not_cancelled_blindly(app,
             pending=False)
 
     await app.database.run_in_transaction(begin)
-    await asyncio.sleep(0.1)  # the "dead" worker's 50 ms lease lapses
+    await wait_for(lambda: lease_lapsed(sql))  # the "dead" worker's 50 ms lease
     async with app.database.connection() as conn:
         await runs_db.run_release_expired(conn)
     assert await run.cancel_async() == "queued"  # requested, not done: an effect is unsettled
@@ -138,6 +144,7 @@ async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sq
     """The replay of a withdrawn call waits there for workflow code to cancel it again; if
     the run is cancelled meanwhile, it ends ``cancelled`` instead of waiting for ever."""
     hooks: list[int] = []
+    entered = asyncio.Event()
 
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
@@ -146,8 +153,8 @@ async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sq
     @charge.authorize
     async def gate(pctx):  # type: ignore[no-untyped-def]
         hooks.append(1)
-        await asyncio.sleep(5)
-        return True
+        entered.set()
+        await never_answers()
 
     executions: list[int] = []
 
@@ -156,18 +163,21 @@ async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sq
         executions.append(1)
         call = asyncio.ensure_future(ctx.call(charge))
         if len(executions) == 1:
-            await asyncio.sleep(0.3)
+            await entered.wait()
             call.cancel()  # withdrawn during its policy stage, the first time only
         with contextlib.suppress(asyncio.CancelledError):
             await call
         await ctx.sleep(1.2)  # long enough to park: what follows is a replay
         return "done"
 
-    async with running(app):
+    def waits_at_the_withdrawn_call():  # type: ignore[no-untyped-def]
+        ex = executor_of(worker, run.id)
+        return len(executions) == 2 and ex is not None and ex._cancel_waiters
+
+    async with running(app) as worker:
         run = await app.submit_async(wf, {})
         await wait_for(lambda: sql("SELECT 1 FROM orchestrator.journal WHERE kind = 'timer'"))
-        await wait_for(lambda: run_status(sql, run)["status"] == "running", timeout=15)
-        await asyncio.sleep(0.5)  # the replay now waits at the withdrawn call
+        await wait_for(waits_at_the_withdrawn_call, timeout=15)  # the replay waits there
         await run.cancel_async()
         await wait_for(lambda: run_status(sql, run)["status"] == "cancelled", timeout=15)
     assert len(hooks) == 1 and len(executions) == 2

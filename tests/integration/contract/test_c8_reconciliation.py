@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from orchestrator import AccessDenied, InvalidRequest, ResultTimeout, RunFailed, ToolError
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import never_answers, running, wait_for
 from tests.integration.contract.helpers import operations, parked
 
 
@@ -18,7 +18,7 @@ async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(ma
 
     @app.tool(effect="idempotent", timeout=timedelta(seconds=0.2))
     async def upsert(ctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(5)
+        await never_answers()
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(ma
 async def test_a_gather_branch_failing_waits_for_its_uncertain_sibling(app, sql):
     @app.tool(timeout=timedelta(seconds=0.5))
     async def slow(ctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(5)
+        await never_answers()
 
     @app.tool()
     async def bad(ctx):  # type: ignore[no-untyped-def]
@@ -79,7 +79,7 @@ async def test_a_gather_branch_failing_waits_for_its_uncertain_sibling(app, sql)
 async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql):
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(5)
+        await never_answers()
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
