@@ -136,14 +136,22 @@ def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
     return ids
 
 
+def _due(row: dict[str, Any], now: datetime) -> bool:
+    """A queued or waiting run that a worker would claim now (its timer is due, its event
+    has arrived)."""
+    due = row["available_at"]
+    return row["status"] in ("queued", "waiting") and due is not None and due <= now
+
+
 async def _settled(app: Orchestrator, ids: list[uuid.UUID]) -> bool:
-    """Every run of ``ids`` is in :data:`IDLE_STATES`."""
+    """Every run of ``ids`` is in :data:`IDLE_STATES`, and none of them is due."""
+    now = datetime.now(UTC)
     async with app.database.connection() as conn:
         for run_id in ids:
             row = await runs_db.run_get(conn, run_id, result=False)
             if row is None:
                 raise ValueError(f"no run {run_id}")
-            if row["status"] not in IDLE_STATES:
+            if row["status"] not in IDLE_STATES or _due(row, now):
                 return False
     return True
 
@@ -162,10 +170,7 @@ async def _nothing_ready(app: Orchestrator, worker: Worker, limit: int) -> bool:
             for row in rows:
                 if f"{row['workflow_name']}@{row['workflow_version']}" not in registered:
                     continue
-                if status == "running":
-                    return False
-                due = row["available_at"]
-                if due is not None and due <= now:
+                if status == "running" or _due(row, now):
                     return False
     return True
 
@@ -193,11 +198,12 @@ async def run_until_idle(app: Orchestrator, *,
     (its ``claimed`` count and metrics stay readable).
 
     Idle means: with ``runs``, every one of them is in :data:`IDLE_STATES` (ended, or waiting
-    for a timer, an event, a child or a reconciliation); without, the worker holds no run and
-    no run of its workflows is running or due (the newest ``scan_limit`` runs of each state
-    are looked at). ``AssertionError`` if that does not happen within ``timeout`` seconds
-    (the worker is stopped all the same). ``options`` go to
-    :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
+    for a timer, an event, a child or a reconciliation) and none is due (a timer that has
+    fired or an event that has arrived makes a waiting run due); without, the worker holds no
+    run and no run of its workflows is running or due (the newest ``scan_limit`` runs of each
+    state are looked at). Due is judged by this process's clock. ``AssertionError`` if that
+    does not happen within ``timeout`` seconds (the worker is stopped all the same).
+    ``options`` go to :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
     """
     ids = None if runs is None else _run_ids(runs)
     async with running_worker(app, **options) as worker:
