@@ -52,7 +52,7 @@ IDLE_STATES = TERMINAL_STATES | {"waiting", "needs_reconciliation"}
 """A run in one of these states needs nothing from a worker now: it has ended, or waits for a
 timer, an event, a child or a reconciliation."""
 
-POLL_INTERVAL = 0.01  # seconds between two looks at a condition
+POLL_INTERVAL = 0.02  # seconds between two looks at a condition
 
 
 def _describe(condition: Callable[..., object], what: str | None) -> str:

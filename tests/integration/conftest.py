@@ -13,7 +13,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner
-from orchestrator.testing import wait_until_async
+from orchestrator.testing import running_worker, wait_until_async
 from orchestrator.worker import Worker
 
 OWNER = Owner(tenant="acme", principal="alice")
@@ -44,15 +44,14 @@ def app(make_app: Callable[..., Orchestrator]) -> Orchestrator:
 
 @contextlib.asynccontextmanager
 async def running(app: Orchestrator, **options: Any) -> AsyncIterator[Worker]:
-    """A worker running in this event loop for the body of the ``async with``."""
+    """A worker running in this event loop for the body of the ``async with``
+    (:func:`orchestrator.testing.running_worker`); the app's pool, which belongs to this
+    loop, is closed after it."""
     options.setdefault("poll_interval", 0.2)
-    worker = app.create_worker(**options)
-    task = asyncio.ensure_future(worker.run())
     try:
-        yield worker
+        async with running_worker(app, **options) as worker:
+            yield worker
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 30)
         await app.database.close()
 
 
