@@ -138,11 +138,13 @@ class Call(CallSite):
         stages = policy_stages(self.config, tool)
         if op_id is None:
             op_id, status = await self.begin(state.number, key, pending=bool(stages))
-            faults.reach("after_intent", tool.name)
+            if (held := faults.reach("after_intent", tool.name)) is not None:
+                await held
             await self.written(op_id, state.number, status, pending=bool(stages))
         if stages or state.pending_op is not None:
             await Stages(self).run(op_id, state.number, key, stages)
-        faults.reach("after_submitted", tool.name)
+        if (held := faults.reach("after_submitted", tool.name)) is not None:
+            await held
         run.metrics.incr("operations_dispatched")
         if state.number > 1:
             run.metrics.incr("operations_retried")
@@ -216,7 +218,8 @@ class Call(CallSite):
                                                    ref)
         if verdict.error is not None:
             return await self.failed(op_id, number, key, verdict.error)
-        faults.reach("after_tool_return", tool.name)
+        if (held := faults.reach("after_tool_return", tool.name)) is not None:
+            await held
         receipt = verdict.value
         try:
             receipt_text = self.config.json_limits.text(receipt, "$.receipt")
@@ -224,8 +227,9 @@ class Call(CallSite):
             ref = await self.incident(op_id, "receipt", exc)
             return await Aftermath(self).uncertain(op_id, number, key, "INVALID_RECEIPT", ref)
         receipt = canonical.as_stored(receipt)  # what a replay will read back (C4)
-        if await self.commit(op_id, key, receipt, receipt_text):
-            faults.reach("after_receipt", tool.name)
+        if await self.commit(op_id, key, receipt, receipt_text) and (
+                held := faults.reach("after_receipt", tool.name)) is not None:
+            await held
         return _Done(receipt)
 
     async def failed(self, op_id: int, number: int, key: str, exc: BaseException) -> Attempt:

@@ -158,7 +158,8 @@ class Session:
         self.revision += len(written)
         if cancel_at is not None:
             run.note_cancel()
-        self.rider.written(riding)
+        if (held := self.rider.written(riding)) is not None:
+            await held
         return result
 
     async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
@@ -201,8 +202,9 @@ class Session:
             self.revision += 1 + (riding is not None)
             if cancel_at is not None:
                 run.note_cancel()
-            if riding is not None:
-                faults.reach("after_receipt", riding[0].name)
+            if riding is not None and (
+                    held := faults.reach("after_receipt", riding[0].name)) is not None:
+                await held
             return result
 
     async def last_write(self, final: Callable[[Conn, list[Entry]], Awaitable[None]]) -> bool:
@@ -223,7 +225,8 @@ class Session:
             except Exception:  # noqa: BLE001, S110 - retried below, receipts first and alone
                 pass
             else:
-                self.rider.written(riding)
+                if (held := self.rider.written(riding)) is not None:
+                    await held
                 return True
         if not await self.settle():
             return False
@@ -299,7 +302,8 @@ class Session:
                 # reconciliation, as any dispatched call without a recorded outcome.
                 del rider.receipts[0]
                 raise
-            rider.written(rider.receipts[:1])
+            if (held := rider.written(rider.receipts[:1])) is not None:
+                await held
 
     # -- the write lock and cancellations in flight ------------------------------------------
 
@@ -398,11 +402,15 @@ class Rider:
             events += (await self.commit_work(receipt, value)(conn))[1]
         return events
 
-    def written(self, riding: Riding) -> None:
-        """Bookkeeping once a transaction carrying ``riding`` (the oldest receipts) landed."""
+    def written(self, riding: Riding) -> Awaitable[None] | None:
+        """Bookkeeping once a transaction carrying ``riding`` (the oldest receipts) landed;
+        returns what an armed fault point holds the caller on (see :mod:`faults`), if any."""
         del self.receipts[: len(riding)]
+        held = None
         for receipt, _ in riding:
-            faults.reach("after_receipt", receipt.name)
+            hold = faults.reach("after_receipt", receipt.name)
+            held = held or hold
+        return held
 
     def commit_work(self, receipt: ops_db.Receipt, value: Any) -> Work[None]:
         """The general path of a receipt's write (``submitted`` → ``committed`` and its

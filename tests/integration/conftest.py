@@ -13,6 +13,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner
+from orchestrator.testing import running_worker, wait_until_async
 from orchestrator.worker import Worker
 
 OWNER = Owner(tenant="acme", principal="alice")
@@ -43,15 +44,14 @@ def app(make_app: Callable[..., Orchestrator]) -> Orchestrator:
 
 @contextlib.asynccontextmanager
 async def running(app: Orchestrator, **options: Any) -> AsyncIterator[Worker]:
-    """A worker running in this event loop for the body of the ``async with``."""
+    """A worker running in this event loop for the body of the ``async with``
+    (:func:`orchestrator.testing.running_worker`); the app's pool, which belongs to this
+    loop, is closed after it."""
     options.setdefault("poll_interval", 0.2)
-    worker = app.create_worker(**options)
-    task = asyncio.ensure_future(worker.run())
     try:
-        yield worker
+        async with running_worker(app, **options) as worker:
+            yield worker
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 30)
         await app.database.close()
 
 
@@ -68,16 +68,65 @@ def sql(migrated_database_url: str) -> Iterator[Callable[..., list[dict[str, Any
     conn.close()
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0) -> None:
-    """Poll a condition (a test signal read from the database), never a fixed sleep."""
+async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
+                   what: str | None = None) -> Any:
+    """Wait for a condition (a test signal read from the database or from memory), never a
+    fixed sleep: :func:`orchestrator.testing.wait_until_async`."""
+    return await wait_until_async(predicate, timeout=timeout, what=what)
+
+
+async def never_answers() -> None:
+    """What a tool awaits to stay busy: it does not return; it runs until the engine cancels
+    it (its timeout, the run's deadline or cancellation, a task group's sibling failing)."""
+    await asyncio.get_running_loop().create_future()
+
+
+def one_turn() -> asyncio.Future[None]:
+    """Resolves after one turn of the event loop: every callback that was ready now (a task
+    woken, a cancellation delivered) has run. Not a wait for time: the test then asserts what
+    did *not* happen in that turn."""
     loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > give_up:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    turn: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(lambda: loop.call_soon(turn.set_result, None))
+    return turn
+
+
+class ClaimWatch:
+    """A test signal on a worker's claims: how many began, and the size of each one that
+    returned. Install it before the worker starts (:func:`watch_claims`)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.sizes: list[int] = []
+
+    @property
+    def between_claims(self) -> bool:
+        """A claim has returned and none is under way."""
+        return bool(self.sizes) and self.started == len(self.sizes)
+
+
+def watch_claims(worker: Worker) -> ClaimWatch:
+    """Watch ``worker``'s claims (:class:`ClaimWatch`)."""
+    watch = ClaimWatch()
+    claim = worker._claim
+
+    async def watched(workflows: list[str], free: int) -> list[dict[str, Any]]:
+        watch.started += 1
+        got = await claim(workflows, free)
+        watch.sizes.append(len(got))
+        return got
+
+    worker._claim = watched  # type: ignore[method-assign]
+    return watch
+
+
+def executor_of(worker: Worker, run_id: Any) -> Any:
+    """The executor driving ``run_id`` on ``worker``, or None (not claimed, or not built yet)."""
+    held = worker._running.get(run_id)
+    return None if held is None else held[1]
+
+
+def listening(sql: Callable[..., list[dict[str, Any]]]) -> bool:
+    """Some session of this database has run LISTEN and now waits (a worker's listener)."""
+    return bool(sql("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND state = 'idle' AND query LIKE 'LISTEN %'"))

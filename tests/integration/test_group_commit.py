@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from orchestrator.errors import LeaseLost
+from tests.integration.conftest import one_turn
 
 
 async def test_a_rejected_write_rolls_back_alone(app, sql):
@@ -62,7 +63,7 @@ async def test_a_cancelled_caller_wakes_only_once_its_write_has_landed(app, sql)
     caller = asyncio.ensure_future(wait())
     await started.wait()
     caller.cancel()
-    await asyncio.sleep(0.05)
+    await one_turn()  # the turn in which a cancellable landing would have woken the caller
     assert not caller.done() and not landing.cancelled()  # still waiting for the commit
     go_on.set()
     with pytest.raises(asyncio.CancelledError):

@@ -15,7 +15,7 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import listening, running, wait_for, watch_claims
 
 
 def _wf(app, version="1"):  # type: ignore[no-untyped-def]
@@ -47,7 +47,8 @@ async def test_a_stale_lease_token_cannot_write(app, sql):
     job = _wf(app)
     run = await app.submit_async(job, {})
     (first,) = await _claim(app, "w1", ttl=0.05)
-    await asyncio.sleep(0.1)  # let the 50 ms lease lapse (the expiry is the subject here)
+    await wait_for(lambda: sql("SELECT lease_expires_at < clock_timestamp() AS lapsed "
+                               "FROM orchestrator.runs")[0]["lapsed"])
     async with app.database.connection() as conn:
         assert await runs_db.run_release_expired(conn) == 1
     (second,) = await _claim(app, "w2")
@@ -136,17 +137,25 @@ async def test_an_expired_lease_is_claimed_by_another_worker(make_app, sql):
     assert tokens == 2 and worker.claimed == 1
 
 
-async def test_notify_wakes_an_idle_worker_without_polling(app):
+async def _idle_on_listen(worker, claims, sql):  # type: ignore[no-untyped-def]
+    """Return once ``worker`` listens and waits for a wake-up: its listener is in LISTEN, its
+    last claim has returned and no wake-up is pending, so it waits for its poll interval
+    unless a NOTIFY comes."""
+    await wait_for(lambda: listening(sql) and claims.between_claims
+                   and not worker._wake.is_set())
+
+
+async def test_notify_wakes_an_idle_worker_without_polling(app, sql):
     job = _wf(app)
-    async with running(app, poll_interval=60.0):
-        await asyncio.sleep(0.3)  # the worker is idle, waiting on LISTEN
+    async with running(app, poll_interval=60.0) as worker:
+        await _idle_on_listen(worker, watch_claims(worker), sql)
         started = time.monotonic()
         run = await app.submit_async(job, {"fast": True})
         assert await run.result_async(timeout=10) == {"fast": True}
         assert time.monotonic() - started < 5  # a 60 s poll would not have made it
 
 
-async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app):
+async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app, sql):
     """A worker that holds a run still claims new work on NOTIFY (its claims are spaced by
     ``CLAIM_GAP``, milliseconds), not at its poll interval."""
     release = asyncio.Event()
@@ -162,10 +171,11 @@ async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app):
 
     job = _wf(app)
     async with running(app, poll_interval=60.0, concurrency=4) as worker:
+        claims = watch_claims(worker)
         try:
             held = await app.submit_async(holder, {})
             await wait_for(lambda: worker.active_runs == 1)
-            await asyncio.sleep(0.3)  # the worker holds a run and waits on LISTEN
+            await _idle_on_listen(worker, claims, sql)  # it holds a run, waits on LISTEN
             started = time.monotonic()
             run = await app.submit_async(job, {"fast": True})
             assert await run.result_async(timeout=10) == {"fast": True}
@@ -186,9 +196,9 @@ async def test_workers_only_claim_workflow_versions_they_registered(make_app, sq
     only_v2 = make_app()
     _wf(only_v2, "2")
     async with running(only_v2) as worker:
-        await wait_for(lambda: sql("SELECT count(*) AS n FROM orchestrator.workers")[0]["n"])
-        await asyncio.sleep(0.5)
-        assert worker.claimed == 0
+        claims = watch_claims(worker)
+        await wait_for(lambda: claims.sizes)  # it looked for work, with the v1 run queued
+        assert claims.sizes[0] == 0 and worker.claimed == 0
         detail = await admin.show_run(only_v2.database, run.id)
         assert detail.run["status"] == "queued"
         assert "no live worker registers it" in (detail.note or "")

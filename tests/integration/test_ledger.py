@@ -20,7 +20,7 @@ from orchestrator import (
     ToolFailed,
 )
 from orchestrator.db import operations as ops_db
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import never_answers, running, wait_for
 
 
 def _one(sql, query, params=None):  # type: ignore[no-untyped-def]
@@ -99,7 +99,7 @@ async def test_a_tool_timeout_is_uncertain_and_signals_the_tool(app, sql):
     @app.tool(timeout=timedelta(seconds=0.2))
     async def hang(ctx):  # type: ignore[no-untyped-def]
         try:
-            await asyncio.sleep(30)
+            await never_answers()
         finally:
             if ctx.cancelled.is_set():  # the tool is told before it is cancelled
                 signalled.set()

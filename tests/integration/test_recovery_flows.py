@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator import RunFailed, ToolError, ToolFailed
 from orchestrator.recovery import RetryPolicy
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import never_answers, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = RetryPolicy(max_attempts=3, base_delay_ms=1200, max_delay_ms=5000)
@@ -106,7 +106,7 @@ async def test_a_consequential_tool_that_times_out_after_sending_is_not_retried(
     async def charge(ctx):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
-        await asyncio.sleep(10)
+        await never_answers()
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -272,7 +272,7 @@ async def test_cancel_after_dispatch_leaves_the_operation_unknown(app, sql):
     async def slow(ctx):  # type: ignore[no-untyped-def]
         started.set()
         try:
-            await asyncio.sleep(30)
+            await never_answers()
         finally:
             if ctx.cancelled.is_set():
                 signalled.set()

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import executor_of, running, wait_for
 
 
 def _journal(sql):  # type: ignore[no-untyped-def]
@@ -99,9 +99,14 @@ async def test_events_recorded_after_a_receipt_follow_it_in_the_journal(app, sql
 
 
 async def test_parallel_branches_receipts_all_land(app, sql):
+    returned = {n: asyncio.Event() for n in range(4)}
+
     @app.tool()
     async def probe(ctx, *, n):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.01 * n)
+        if 0 < n < 9:  # the branches' calls return one after the other, in order
+            await returned[n - 1].wait()
+        if n in returned:
+            returned[n].set()
         return {"n": n}
 
     @app.workflow()
@@ -210,26 +215,34 @@ async def test_a_receipt_does_not_wait_for_a_slow_sibling_after_the_workflow_fai
     """The workflow is done (a branch failed) but another call is still in flight, so the run's
     end is that far away: a receipt that arrives meanwhile is written at once, not at the end."""
     release = asyncio.Event()
+    started = {"fast": asyncio.Event(), "slow": asyncio.Event()}
+
+    def workflow_done(run_id):  # type: ignore[no-untyped-def]
+        ex = executor_of(worker, run_id)
+        return ex is not None and ex.branches.task is not None and ex.branches.task.done()
 
     @app.tool()
     async def fast(ctx):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.2)
+        started["fast"].set()
+        await wait_for(lambda: workflow_done(ctx.run_id))  # returns once the workflow failed
         return {"fast": True}
 
     @app.tool(effect="read")
     async def slow(ctx):  # type: ignore[no-untyped-def]
+        started["slow"].set()
         await release.wait()
         return {"slow": True}
 
     @app.workflow()
     async def fan(ctx, data):  # type: ignore[no-untyped-def]
         async def boom():  # type: ignore[no-untyped-def]
-            await asyncio.sleep(0.05)
+            for call in started.values():  # both calls are in flight
+                await call.wait()
             raise ValueError("a branch failed")
 
         return await ctx.gather(ctx.call(fast), ctx.call(slow), boom())
 
-    async with running(app):
+    async with running(app) as worker:
         run = await app.submit_async(fan, {})
 
         def fast_state():  # type: ignore[no-untyped-def]
@@ -330,9 +343,9 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
     once; a guarded statement's refusal is a ``LeaseLost`` although the lease is held): the
     receipt is written alone, then the write again without it; the journal keeps its order
     and the receipt is accounted for once. The lease is not given up on the work's word."""
-    from orchestrator import faults
     from orchestrator.engine import commands
     from orchestrator.errors import LeaseLost
+    from orchestrator.testing import fault_gate
 
     take = commands.event_take
     failures: list[int] = []
@@ -344,10 +357,6 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
         return await take(conn, **kwargs)
 
     monkeypatch.setattr(commands, "event_take", flaky_take)
-    reached: list[str] = []
-    real_reach = faults.reach
-    monkeypatch.setattr(faults, "reach", lambda point, tool: (
-        reached.append(point) if point == "after_receipt" else None, real_reach(point, tool)))
 
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
@@ -360,9 +369,11 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
 
     run = await app.submit_async(wf, {})
     await app.send_event_async(run.id, "shipped", {"tracking": "T1"})
-    async with running(app):
-        assert await run.result_async(timeout=10) == [{"charged": True}, {"tracking": "T1"}]
-    assert failures == [1] and reached == ["after_receipt"]
+    with fault_gate("after_receipt", block=False) as receipts:  # counts the receipts written
+        async with running(app):
+            assert await run.result_async(timeout=10) == [{"charged": True},
+                                                           {"tracking": "T1"}]
+    assert failures == [1] and receipts.hits == 1
     assert _journal(sql) == [
         ("call.submitted", 0), ("call.completed", 0), ("event.wait", 1),
         ("event.received", 1), ("run.completed", None)]

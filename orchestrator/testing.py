@@ -1,0 +1,227 @@
+"""Helpers for testing workflows and the engine, shared by users and by this project's tests.
+
+A test that sleeps and hopes is slow when the machine is fast and flaky when it is slow. These
+helpers wait for what the test means instead:
+
+- :func:`wait_until` / :func:`wait_until_async`: poll a condition until it holds, with a
+  deadline; on failure the message names what was awaited and the last value seen.
+- :func:`run_until_idle` / :func:`run_until_idle_sync`: run a worker until there is nothing
+  left for it to do (or until given runs have ended or are waiting), then stop it.
+- :func:`fault_gate`: arm a named fault point (:mod:`orchestrator.faults`) so that the engine
+  stops there until the test releases it; ``await gate.arrived()`` says it got there.
+
+Time is not injectable: the engine takes durable time from the database (``now()`` in its
+statements) and timeouts from the event loop, and routing a fake clock through every one of
+them would put a lookup on every step's path. A test of durable timers uses short real
+durations and waits on the run's state with :func:`wait_until_async`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator import faults
+from orchestrator.app import Orchestrator
+from orchestrator.db import runs as runs_db
+from orchestrator.faults import Gate
+from orchestrator.handle import RunHandle
+from orchestrator.worker import Worker
+
+__all__ = [
+    "IDLE_STATES",
+    "TERMINAL_STATES",
+    "Gate",
+    "fault_gate",
+    "run_until_idle",
+    "run_until_idle_sync",
+    "running_worker",
+    "wait_until",
+    "wait_until_async",
+]
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+"""A run in one of these states has its outcome."""
+
+IDLE_STATES = TERMINAL_STATES | {"waiting", "needs_reconciliation"}
+"""A run in one of these states needs nothing from a worker now: it has ended, or waits for a
+timer, an event, a child or a reconciliation."""
+
+POLL_INTERVAL = 0.02  # seconds between two looks at a condition
+
+
+def _describe(condition: Callable[..., object], what: str | None) -> str:
+    """``what``, else the condition's source line (a lambda's text), else its name."""
+    if what:
+        return what
+    try:
+        source = inspect.getsource(condition).strip()
+    except (OSError, TypeError):
+        source = ""
+    if source and len(source) <= 300:
+        return source
+    return getattr(condition, "__qualname__", repr(condition))
+
+
+def _timed_out(condition: Callable[..., object], what: str | None, timeout: float,
+               last: object) -> AssertionError:
+    return AssertionError(f"not met within {timeout} s: {_describe(condition, what)} "
+                          f"(last value: {last!r})")
+
+
+def wait_until(condition: Callable[[], object], *, timeout: float = 10.0,
+               what: str | None = None, interval: float = POLL_INTERVAL) -> Any:
+    """Call ``condition`` until it returns a true value and return that value.
+
+    ``AssertionError`` after ``timeout`` seconds, naming ``what`` (default: the condition's
+    source) and the last value. For a test that does not run in an event loop (the sync API);
+    inside one, use :func:`wait_until_async`, which lets the engine run meanwhile.
+    """
+    give_up = time.monotonic() + timeout
+    while True:
+        last = condition()
+        if last:
+            return last
+        if time.monotonic() >= give_up:
+            raise _timed_out(condition, what, timeout, last)
+        time.sleep(interval)
+
+
+async def wait_until_async(condition: Callable[[], object | Awaitable[object]], *,
+                           timeout: float = 10.0, what: str | None = None,
+                           interval: float = POLL_INTERVAL) -> Any:
+    """Await ``condition`` (a plain or an async callable) until it returns a true value and
+    return that value; ``AssertionError`` after ``timeout`` seconds, as :func:`wait_until`."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while True:
+        last = condition()
+        if inspect.isawaitable(last):
+            last = await last
+        if last:
+            return last
+        if loop.time() >= give_up:
+            raise _timed_out(condition, what, timeout, last)
+        await asyncio.sleep(interval)
+
+
+@contextlib.contextmanager
+def fault_gate(point: str, *, tool: str | None = None, block: bool = True) -> Iterator[Gate]:
+    """Arm fault point ``point`` (for ``tool`` only, if given) for the body of the ``with``.
+
+    With ``block=True`` the engine task that reaches the point waits there until
+    ``gate.release()``; ``await gate.arrived()`` returns once one has. ``gate.hits`` counts
+    the arrivals. On leaving the block the gate is disarmed and whatever it holds is let go,
+    also when the test failed. ``ValueError`` for an unknown point.
+    """
+    gate = faults.arm(point, tool=tool, block=block)
+    try:
+        yield gate
+    finally:
+        faults.disarm(gate)
+
+
+def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
+    ids = []
+    for run in runs:
+        if isinstance(run, RunHandle):
+            ids.append(run.id)
+        else:
+            ids.append(run if isinstance(run, uuid.UUID) else uuid.UUID(str(run)))
+    return ids
+
+
+def _due(row: dict[str, Any], now: datetime) -> bool:
+    """A queued or waiting run that a worker would claim now (its timer is due, its event
+    has arrived)."""
+    due = row["available_at"]
+    return row["status"] in ("queued", "waiting") and due is not None and due <= now
+
+
+async def _settled(app: Orchestrator, ids: list[uuid.UUID]) -> bool:
+    """Every run of ``ids`` is in :data:`IDLE_STATES`, and none of them is due."""
+    now = datetime.now(UTC)
+    async with app.database.connection() as conn:
+        for run_id in ids:
+            row = await runs_db.run_get(conn, run_id, result=False)
+            if row is None:
+                raise ValueError(f"no run {run_id}")
+            if row["status"] not in IDLE_STATES or _due(row, now):
+                return False
+    return True
+
+
+async def _nothing_ready(app: Orchestrator, worker: Worker, limit: int) -> bool:
+    """The worker holds no run, and no run of a workflow it registers is running or ready
+    (queued or waiting, due by this process's clock)."""
+    if worker.active_runs:
+        return False
+    registered = set(app.registry.workflows)
+    now = datetime.now(UTC)
+    async with app.database.connection() as conn:
+        for status in ("running", "queued", "waiting"):
+            rows = await runs_db.run_list(conn, tenant=None, principal=None, status=status,
+                                          workflow=None, limit=limit)
+            for row in rows:
+                if f"{row['workflow_name']}@{row['workflow_version']}" not in registered:
+                    continue
+                if status == "running" or _due(row, now):
+                    return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def running_worker(app: Orchestrator, *, drain_timeout: float = 30.0,
+                         **options: Any) -> AsyncIterator[Worker]:
+    """A worker of ``app`` running in this event loop for the body of the ``async with``;
+    stopped (drained) on the way out, also when the body failed. ``options`` go to
+    :meth:`Orchestrator.create_worker`."""
+    worker = app.create_worker(drain_timeout=drain_timeout, **options)
+    task = asyncio.ensure_future(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, drain_timeout + 30)
+
+
+async def run_until_idle(app: Orchestrator, *,
+                         runs: Iterable[RunHandle | uuid.UUID | str] | None = None,
+                         timeout: float = 30.0, scan_limit: int = 1000,
+                         **options: Any) -> Worker:
+    """Run a worker of ``app`` in this event loop until it is idle, stop it, and return it
+    (its ``claimed`` count and metrics stay readable).
+
+    Idle means: with ``runs``, every one of them is in :data:`IDLE_STATES` (ended, or waiting
+    for a timer, an event, a child or a reconciliation) and none is due (a timer that has
+    fired or an event that has arrived makes a waiting run due); without, the worker holds no
+    run and no run of its workflows is running or due (the newest ``scan_limit`` runs of each
+    state are looked at). Due is judged by this process's clock. ``AssertionError`` if that
+    does not happen within ``timeout`` seconds (the worker is stopped all the same).
+    ``options`` go to :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
+    """
+    ids = None if runs is None else _run_ids(runs)
+    async with running_worker(app, **options) as worker:
+        if ids is not None:
+            await wait_until_async(lambda: _settled(app, ids), timeout=timeout,
+                                   what=f"runs {', '.join(map(str, ids))} ended or waiting")
+        else:
+            await wait_until_async(lambda: _nothing_ready(app, worker, scan_limit),
+                                   timeout=timeout,
+                                   what="no run running or due for this worker")
+    return worker
+
+
+def run_until_idle_sync(app: Orchestrator, *,
+                        runs: Iterable[RunHandle | uuid.UUID | str] | None = None,
+                        timeout: float = 30.0, **options: Any) -> Worker:
+    """:func:`run_until_idle` for a test that uses the sync API (``app.submit``,
+    ``run.result``): the worker runs on the loop that serves those calls, then stops."""
+    coro = run_until_idle(app, runs=runs, timeout=timeout, **options)
+    return app._portal.call(coro)

@@ -1,0 +1,183 @@
+"""CONTRACT C7: deadlines and cancellation are checked at every effect-admission boundary; a
+run never ends (cancelled, deadline exceeded) while an effect of it is unknown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import RunFailed
+from tests.integration.conftest import executor_of, never_answers, running, wait_for
+from tests.integration.contract.helpers import (
+    lease_lapsed,
+    operations,
+    parked,
+    run_status,
+)
+
+
+async def test_an_unknown_effect_left_by_the_deadline_can_still_be_resolved(app, sql):
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()  # still running at the run's deadline
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    (op,) = operations(sql)
+    assert op["state"] == "unknown"
+    assert await app.operators.resolve_committed(
+        op["id"], receipt={"x": 1}, evidence="the PSP shows it", operator="al") == "resolved"
+    assert [o["state"] for o in operations(sql)] == ["committed"]
+    assert run_status(sql, run)["outcome_code"] == "DEADLINE_EXCEEDED"  # its journal is closed
+    await app.database.close()
+
+
+async def test_no_dispatch_once_the_deadline_passed_during_approval(app, sql):
+    calls: list[object] = []
+
+    @app.tool(approve_timeout=timedelta(seconds=20))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        calls.append(ctx.remaining())
+        return "charged"
+
+    @charge.approve
+    async def slow_human(pctx):  # type: ignore[no-untyped-def]
+        # approved once the run's deadline has passed, by the clock its worker goes by
+        await wait_for(lambda: executor_of(worker, pctx.run_id).run.remaining() == 0)
+        return True
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app) as worker:
+        run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    assert calls == [] and [o["state"] for o in operations(sql)] == ["cancelled"]
+
+
+async def test_cancel_with_gather_ends_cancelled_only_once_nothing_is_unknown(app, sql):
+    started, entered, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await never_answers()
+
+    @app.tool(authorize_timeout=timedelta(seconds=20))
+    async def gated(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @gated.authorize
+    async def gate(pctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return True
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.gather(ctx.call(slow), ctx.call(gated))
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.wait_for(entered.wait(), 10)
+        await run.cancel_async()
+        await wait_for(parked(sql, run))
+        states = {o["tool_name"]: o["state"] for o in operations(sql)}
+        assert states == {"slow": "unknown", "gated": "cancelled"}
+        await app.operators.resolve_not_applied(
+            [o for o in operations(sql) if o["tool_name"] == "slow"][0]["id"],
+            evidence="no effect", operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "CANCELLED"
+
+
+async def test_a_queued_run_with_a_dispatched_call_is_not_cancelled_blindly(app, sql):
+    from orchestrator.db import operations as ops_db
+    from orchestrator.db import runs as runs_db
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    run = await app.submit_async(wf, {})
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker="w", workflows=["wf@1"],
+                                                 limit=1, ttl=0.05)
+
+    async def begin(conn):  # type: ignore[no-untyped-def]
+        await ops_db.operation_begin(conn, {
+            "run_id": run.id, "position": 0, "attempt": 1, "tool_name": "charge",
+            "tool_version": "1", "effect_class": "consequential", "tenant": "acme",
+            "principal": "alice", "intent_digest": "a" * 64, "arguments": "{}",
+            "idempotency_key": "k", "worker_id": "w", "token": claim["lease_token"]},
+            pending=False)
+
+    await app.database.run_in_transaction(begin)
+    await wait_for(lambda: lease_lapsed(sql))  # the "dead" worker's 50 ms lease
+    async with app.database.connection() as conn:
+        await runs_db.run_release_expired(conn)
+    assert await run.cancel_async() == "queued"  # requested, not done: an effect is unsettled
+    assert run_status(sql, run)["status"] == "queued"
+    await app.database.close()
+
+
+async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sql):
+    """The replay of a withdrawn call waits there for workflow code to cancel it again; if
+    the run is cancelled meanwhile, it ends ``cancelled`` instead of waiting for ever."""
+    hooks: list[int] = []
+    entered = asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        return {"charged": True}
+
+    @charge.authorize
+    async def gate(pctx):  # type: ignore[no-untyped-def]
+        hooks.append(1)
+        entered.set()
+        await never_answers()
+
+    executions: list[int] = []
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        executions.append(1)
+        call = asyncio.ensure_future(ctx.call(charge))
+        if len(executions) == 1:
+            await entered.wait()
+            call.cancel()  # withdrawn during its policy stage, the first time only
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await ctx.sleep(1.2)  # long enough to park: what follows is a replay
+        return "done"
+
+    def waits_at_the_withdrawn_call():  # type: ignore[no-untyped-def]
+        ex = executor_of(worker, run.id)
+        return len(executions) == 2 and ex is not None and ex.run._cancel_waiters
+
+    async with running(app) as worker:
+        run = await app.submit_async(wf, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.journal WHERE kind = 'timer'"))
+        await wait_for(waits_at_the_withdrawn_call, timeout=15)  # the replay waits there
+        await run.cancel_async()
+        await wait_for(lambda: run_status(sql, run)["status"] == "cancelled", timeout=15)
+    assert len(hooks) == 1 and len(executions) == 2

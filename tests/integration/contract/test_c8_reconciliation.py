@@ -1,0 +1,151 @@
+"""CONTRACT C8: an unknown operation blocks its run and is listed for reconciliation; an
+attempt re-sent after an uncertain one keeps its key; resolving settles every attempt."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from orchestrator import AccessDenied, InvalidRequest, ResultTimeout, RunFailed, ToolError
+from tests.integration.conftest import never_answers, running, wait_for
+from tests.integration.contract.helpers import operations, parked
+
+
+async def test_resolving_the_last_of_several_resent_attempts_settles_them_all(make_app, sql):
+    app = make_app(operator_scopes={"bob": ["globex"], "al": ["acme"]})  # one tenant each
+
+    @app.tool(effect="idempotent", timeout=timedelta(seconds=0.2))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        ops = operations(sql)
+        assert [o["state"] for o in ops] == ["unknown"] * 3
+        # An earlier attempt is not in the queue: the operator is told which attempt is.
+        for attempt in (app.operators.show(ops[0]["id"], operator="al"),
+                        app.operators.resolve_committed(ops[0]["id"], receipt={"ok": 1},
+                                                        evidence="seen", operator="al")):
+            with pytest.raises(InvalidRequest) as info:
+                await attempt
+            assert f"the queued attempt of the same call is operation {ops[-1]['id']}" in str(
+                info.value)
+        with pytest.raises(AccessDenied):  # a missing one still looks like a foreign one
+            await app.operators.show(ops[-1]["id"] + 100, operator="al")
+        # C9: to an operator of another tenant, an attempt that is not queued looks missing
+        # too (its state and the queued attempt's id are not told)
+        for attempt in (app.operators.show(ops[0]["id"], operator="bob"),
+                        app.operators.abandon(ops[0]["id"], evidence="x", operator="bob")):
+            with pytest.raises(AccessDenied):
+                await attempt
+        await app.operators.resolve_committed(ops[-1]["id"], receipt={"ok": 1},
+                                              evidence="seen at the provider", operator="al")
+        assert await run.result_async(timeout=10) == {"ok": 1}
+    assert [o["state"] for o in operations(sql)] == ["committed"] * 3
+
+
+async def test_a_gather_branch_failing_waits_for_its_uncertain_sibling(app, sql):
+    @app.tool(timeout=timedelta(seconds=0.5))
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.tool()
+    async def bad(ctx):  # type: ignore[no-untyped-def]
+        raise ToolError.from_status(400, "nope")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.gather(ctx.call(slow), ctx.call(bad))
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))  # not failed while an effect is unknown
+        unknown = [o for o in operations(sql) if o["state"] == "unknown"]
+        await app.operators.resolve_not_applied(unknown[0]["id"], evidence="nothing there",
+                                                operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "WORKFLOW_FAILED"
+    assert "unknown" not in [o["state"] for o in operations(sql)]
+
+
+async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql):
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.wait_for(ctx.call(charge), 0.3)
+        except TimeoutError:
+            return "gave up"
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        with pytest.raises(ResultTimeout):
+            await run.result_async(timeout=0.2)
+    assert [o["state"] for o in operations(sql)] == ["unknown"]
+
+
+@pytest.mark.parametrize("attempts", [3, 2])
+async def test_a_resend_answered_not_applied_keeps_the_uncertain_key(make_app, sql, attempts):
+    from orchestrator.recovery import RetryPolicy
+
+    app = make_app()
+    keys: list[str] = []
+
+    @app.tool(effect="idempotent", retry=RetryPolicy(max_attempts=attempts, base_delay_ms=0))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        keys.append(ctx.idempotency_key)
+        if len(keys) == 1:
+            raise ConnectionResetError("sent, then the connection dropped")
+        if len(keys) == 2:
+            raise ToolError.before_send("busy")  # says nothing about the first attempt
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        if attempts == 3:
+            assert await run.result_async(timeout=15) == {"ok": True}
+        else:  # out of attempts: the first one may have applied, so it is reconciled
+            await wait_for(parked(sql, run))
+    assert len(set(keys)) == 1  # never a new key while an attempt with the old one is unknown
+    if attempts == 2:
+        item = sql("SELECT i.reason, o.attempt FROM orchestrator.reconciliation_items i "
+                   "JOIN orchestrator.operations o ON o.id = i.operation_id")
+        assert item == [{"reason": "RESEND_NOT_APPLIED", "attempt": 1}]
+
+
+async def test_a_cancel_between_an_uncertain_attempt_and_its_resend_lists_it(app, sql):
+    @app.tool(effect="idempotent")
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        await app.cancel_async(ctx.run_id)  # the cancel lands while this attempt is out
+        raise ConnectionResetError("sent, then the connection dropped")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))  # not cancelled while the effect is unknown
+        (op,) = [o for o in operations(sql) if o["state"] == "unknown"]
+        listed = sql("SELECT operation_id FROM orchestrator.reconciliation_items")
+        assert listed == [{"operation_id": op["id"]}]  # no run blocked on an unlisted op
+        await app.operators.resolve_not_applied(op["id"], evidence="nothing", operator="al")
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "CANCELLED"

@@ -1,0 +1,153 @@
+"""orchestrator.testing against a real database: running a worker until idle, and fault gates
+that hold the engine at a named point."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.testing import fault_gate, run_until_idle, run_until_idle_sync
+from tests.integration.conftest import never_answers, one_turn, running, wait_for
+
+
+def _ops(sql):  # type: ignore[no-untyped-def]
+    return [(o["tool_name"], o["state"]) for o in sql(
+        "SELECT tool_name, state FROM orchestrator.operations ORDER BY id")]
+
+
+async def test_run_until_idle_runs_everything_ready_then_stops(app, sql):
+    @app.workflow()
+    async def double(ctx, data):  # type: ignore[no-untyped-def]
+        return data * 2
+
+    runs = [await app.submit_async(double, n) for n in range(3)]
+    worker = await run_until_idle(app, poll_interval=0.05)
+    assert worker.claimed == 3 and worker.active_runs == 0
+    assert [await r.result_async(timeout=1) for r in runs] == [0, 2, 4]
+    assert sql("SELECT count(*) AS n FROM orchestrator.workers")[0]["n"] == 0  # it stopped
+    await app.database.close()
+
+
+async def test_run_until_idle_for_given_runs_stops_at_a_wait(app, sql):
+    @app.workflow()
+    async def approval(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("approved")
+
+    run = await app.submit_async(approval, {})
+    await run_until_idle(app, runs=[run], poll_interval=0.05)
+    assert await run.status_async() == "waiting"
+    await app.send_event_async(run.id, "approved", {"by": "carol"})
+    await run_until_idle(app, runs=[run.id], poll_interval=0.05)
+    assert await run.result_async(timeout=1) == {"by": "carol"}
+    await app.database.close()
+
+
+async def test_run_until_idle_says_what_it_waited_for(app, sql):
+    @app.tool(effect="read")
+    async def forever(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def stuck(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(forever)
+
+    run = await app.submit_async(stuck, {})
+    with pytest.raises(AssertionError, match=f"runs {run.id} ended or waiting"):
+        await run_until_idle(app, runs=[run], timeout=0.5, poll_interval=0.05,
+                             drain_timeout=0.1)
+    await app.database.close()
+
+
+def test_run_until_idle_sync_serves_the_sync_api(app):
+    @app.workflow()
+    async def hello(ctx, data):  # type: ignore[no-untyped-def]
+        return f"hello {data}"
+
+    run = app.submit(hello, "world")
+    worker = run_until_idle_sync(app, poll_interval=0.05)
+    assert worker.claimed == 1 and run.result(timeout=1) == "hello world"
+
+
+async def test_a_gate_holds_a_call_after_its_submitted_row_is_committed(app, sql):
+    """At ``after_submitted`` the write-ahead ``submitted`` is committed and the tool is not
+    called yet; the engine waits there until the test releases it."""
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    with fault_gate("after_submitted", tool="charge") as gate:
+        async with running(app):
+            run = await app.submit_async(pay, {})
+            await gate.arrived()
+            await one_turn()
+            assert called == [] and _ops(sql) == [("charge", "submitted")]
+            gate.release()
+            assert await run.result_async(timeout=10) == {"charged": True}
+    assert called == ["charge"] and gate.hits == 1
+
+
+@pytest.mark.parametrize("ride", [True, False])
+async def test_a_gate_after_the_receipt_holds_the_run_with_it_committed(make_app, sql, ride):
+    """``after_receipt`` is reached once the receipt is committed, whether it rode with the
+    run's next write (the next call's ``submitted``) or had a write of its own; held there,
+    the run goes no further."""
+    app = make_app(receipts_ride=ride)
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.tool()
+    async def notify(ctx):  # type: ignore[no-untyped-def]
+        called.append("notify")
+        return {"sent": True}
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(charge)
+        return await ctx.call(notify)
+
+    with fault_gate("after_receipt", tool="charge") as gate:
+        async with running(app):
+            run = await app.submit_async(pay, {})
+            await gate.arrived()
+            for _ in range(3):
+                await one_turn()
+            assert called == ["charge"]
+            assert _ops(sql) == [("charge", "committed")] + (
+                [("notify", "submitted")] if ride else [])
+            gate.release()
+            assert await run.result_async(timeout=10) == {"sent": True}
+    assert gate.hits == 1 and called == ["charge", "notify"]
+
+
+async def test_a_gate_for_one_tool_lets_the_others_pass(app, sql):
+    @app.tool()
+    async def first(ctx):  # type: ignore[no-untyped-def]
+        return 1
+
+    @app.tool()
+    async def second(ctx):  # type: ignore[no-untyped-def]
+        return 2
+
+    @app.workflow()
+    async def both(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.gather(ctx.call(first), ctx.call(second))
+
+    with fault_gate("after_tool_return", tool="second") as gate:
+        async with running(app):
+            run = await app.submit_async(both, {})
+            await gate.arrived()
+            await wait_for(lambda: dict(_ops(sql)).get("first") == "committed")
+            assert dict(_ops(sql))["second"] == "submitted"  # returned, not yet recorded
+            gate.release()
+            assert await run.result_async(timeout=10) == [1, 2]
+
