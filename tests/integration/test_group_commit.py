@@ -463,3 +463,4 @@ async def test_statements_are_committed_by_the_pipeline_sync_only_in_autocommit(
     assert sql("SELECT name FROM public.marks") == []
     assert await writer.run_statement(_mark_statement("y")) == "y"  # the pool's: autocommit
     assert sql("SELECT name FROM public.marks") == [{"name": "y"}]
+    await app.database.close()  # this loop's pool, before the loop ends
