@@ -133,18 +133,9 @@ async def recon_list(
 ) -> list[dict[str, Any]]:
     """Items in any of ``states`` (None: every item), oldest first; ``key`` is an
     operation's idempotency key, ``workflow`` its run's workflow name."""
-    cur = await conn.execute(
-        f"""
-        SELECT {_ITEM_COLUMNS} FROM {S}.reconciliation_items i
-        JOIN {S}.operations o ON o.id = i.operation_id
-        {_ITEM_FILTER}
-        ORDER BY i.created_at, i.id
-        LIMIT %(limit)s
-        """,
-        _filter_params(states=states, tool=tool, older_than=older_than, key=key,
-                       run_id=run_id, workflow=workflow, tenants=tenants, limit=limit),
-    )
-    return await cur.fetchall()
+    return await _select_items(conn, _ITEM_COLUMNS, _filter_params(
+        states=states, tool=tool, older_than=older_than, key=key, run_id=run_id,
+        workflow=workflow, tenants=tenants, limit=limit))
 
 
 async def recon_match(
@@ -155,19 +146,28 @@ async def recon_match(
     """The items :func:`recon_list` would list, oldest first, without their arguments or
     receipts: what a bulk action needs to name and act on each one (no item's stored content
     can fail the selection of the others)."""
+    return await _select_items(conn, _MATCH_COLUMNS, _filter_params(
+        states=states, tool=tool, older_than=older_than, key=key, run_id=run_id,
+        workflow=workflow, tenants=tenants, limit=limit))
+
+
+_MATCH_COLUMNS = """i.operation_id, i.run_id, i.state AS item_state, i.reason, i.created_at,
+       o.tool_name, o.tenant, o.principal, o.idempotency_key, o.state AS operation_state"""
+
+
+async def _select_items(conn: Conn, columns: str, params: dict[str, Any]
+                        ) -> list[dict[str, Any]]:
+    """The items matching :data:`_ITEM_FILTER` (``params`` from :func:`_filter_params`), oldest
+    first, with ``columns``."""
     cur = await conn.execute(
         f"""
-        SELECT i.operation_id, i.run_id, i.state AS item_state, i.reason, i.created_at,
-               o.tool_name, o.tenant, o.principal, o.idempotency_key,
-               o.state AS operation_state
-        FROM {S}.reconciliation_items i
+        SELECT {columns} FROM {S}.reconciliation_items i
         JOIN {S}.operations o ON o.id = i.operation_id
         {_ITEM_FILTER}
         ORDER BY i.created_at, i.id
         LIMIT %(limit)s
         """,
-        _filter_params(states=states, tool=tool, older_than=older_than, key=key,
-                       run_id=run_id, workflow=workflow, tenants=tenants, limit=limit),
+        params,
     )
     return await cur.fetchall()
 
