@@ -18,17 +18,10 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.workers import DEAD_AFTER
-from orchestrator.errors import AccessDenied, InvalidRequest
+from orchestrator.errors import AccessDenied
 from orchestrator.models import check_run_filters
 
 LIVE_WORKER_SECONDS = 60.0
-
-
-def parse_run_id(value: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(value)
-    except ValueError:
-        raise InvalidRequest(f"{value!r} is not a run id (a UUID)", path="run_id") from None
 
 
 async def list_runs(db: Database, *, tenant: str | None = None, status: str | None = None,

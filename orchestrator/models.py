@@ -31,6 +31,19 @@ RUN_STATUSES = ("queued", "running", "waiting", "needs_reconciliation", "succeed
                 "cancelled")
 
 
+def parse_run_id(value: Any) -> uuid.UUID:
+    """A run id as a UUID (a ``UUID`` or its text), else ``INVALID_REQUEST`` naming
+    ``run_id``."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise InvalidRequest(f"run_id must be a run id (a UUID), not {value!r}", path="run_id")
+
+
 def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any = None,
                       limit: Any = 50, submission_key: Any = None) -> None:
     """Refuse run-list filters that could never match, or that the database could not take

@@ -25,7 +25,6 @@ Who sees what:
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -46,7 +45,7 @@ from orchestrator.errors import (
     ResolutionConflict,
 )
 from orchestrator.metrics import Metrics
-from orchestrator.models import validate_idempotency_key
+from orchestrator.models import parse_run_id, validate_idempotency_key
 from orchestrator.text import check_identifier, check_operator
 
 ITEM_STATES = ("open", "operator", "resolved")
@@ -148,17 +147,6 @@ def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run
     return {"states": states, "tool": tool, "older_than": older_than, "key": key,
             "run_id": None if run_id is None else parse_run_id(run_id),
             "workflow": workflow}
-
-
-def parse_run_id(value: Any) -> uuid.UUID:
-    """A run id as a UUID (a ``UUID`` or its text), else ``INVALID_REQUEST`` naming
-    ``run_id``."""
-    if isinstance(value, uuid.UUID):
-        return value
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return uuid.UUID(value)
-    raise InvalidRequest(f"run_id must be a run id (a UUID), not {value!r}", path="run_id")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
+from orchestrator.models import parse_run_id
 
 
 def register(subparsers: Any) -> None:
@@ -84,7 +85,7 @@ def _summary(payload: Any) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run_id = admin.parse_run_id(args.run_id)
+    run_id = parse_run_id(args.run_id)
     detail = asyncio.run(_with_db(args, lambda db: admin.show_run(db, run_id)))
     if args.json:
         records.emit(records.run_detail(detail))
@@ -130,7 +131,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    run_id = admin.parse_run_id(args.run_id)
+    run_id = parse_run_id(args.run_id)
     status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
     if status == "cancelled":
         print(f"run {run_id} is cancelled")
