@@ -6,7 +6,8 @@ arm one:
 - **SIGKILL, by environment.** A test starts a worker process with
   ``ORCHESTRATOR_FAULT_POINT=<name>`` (and optionally ``ORCHESTRATOR_FAULT_TOOL=<tool name>``);
   when the worker reaches that point it kills itself with SIGKILL, exactly as a machine failure
-  would.
+  would. With ``ORCHESTRATOR_FAULT_SIGNAL=SIGSTOP`` it stops itself there instead, once (a
+  paused process: the test sends SIGCONT when it chooses).
 - **A gate, in process.** :func:`arm` returns a :class:`Gate`: each time the engine reaches the
   point (for the given tool, or any) the gate counts it, signals it, and, if it blocks, holds
   the engine there until the test calls :meth:`Gate.release`. The test waits for
@@ -138,20 +139,25 @@ class Gate:
 
 
 class _Kill:
-    """The environment's SIGKILL point."""
+    """The environment's point: SIGKILL (or the signal the environment names, sent once)."""
 
-    def __init__(self, tool: str | None) -> None:
+    def __init__(self, tool: str | None, signum: signal.Signals = signal.SIGKILL) -> None:
         self.tool = tool
+        self.signum = signum
+        self.sent = False
 
     def _arrive(self, tool: str) -> None:
-        if self.tool is None or self.tool == tool:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if (self.tool is None or self.tool == tool) and not self.sent:
+            self.sent = self.signum != signal.SIGKILL
+            os.kill(os.getpid(), self.signum)
 
 
 _armed: dict[str, list[Gate | _Kill]] = {}
 _env_point = os.environ.get("ORCHESTRATOR_FAULT_POINT")
 if _env_point:
-    _armed[_env_point] = [_Kill(os.environ.get("ORCHESTRATOR_FAULT_TOOL"))]
+    _armed[_env_point] = [_Kill(os.environ.get("ORCHESTRATOR_FAULT_TOOL"),
+                                signal.Signals[os.environ.get("ORCHESTRATOR_FAULT_SIGNAL",
+                                                              "SIGKILL")])]
 
 
 def reach(point: str, tool: str) -> Awaitable[None] | None:

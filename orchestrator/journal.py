@@ -39,7 +39,7 @@ class EventKind(StrEnum):
     CALL_FAILED = "call.failed"  # definitively failed, nothing applied (or withdrawn)
     CALL_DENIED = "call.denied"  # a policy stage said no; never sent
     CALL_CANCELLED = "call.cancelled"  # never sent: the run was cancelled or out of time
-    CALL_RETRYING = "call.retrying"  # failed, nothing applied; the next attempt waits
+    CALL_RETRYING = "call.retrying"  # nothing applied; the next attempt waits (or is re-sent)
     CALL_UNKNOWN = "call.unknown"  # sent, outcome unknown: what comes next
     CALL_NOT_APPLIED = "call.not_applied"  # reconciliation proved nothing was applied
     CALL_ABANDONED = "call.abandoned"  # an operator gave up on it; the run fails
@@ -69,9 +69,9 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CALL_DENIED: (("op", "stage", "cause", "incident"), ()),
     K.CALL_CANCELLED: (("op",), ("why",)),
     K.CALL_RETRYING: (("op", "attempt", "cause", "incident", "delay_ms", "not_before", "key"),
-                      ()),
+                      ("resend",)),
     K.CALL_UNKNOWN: (("op", "reason", "next"), ("incident",)),
-    K.CALL_NOT_APPLIED: (("op", "resolved_by"), ()),
+    K.CALL_NOT_APPLIED: (("op", "resolved_by"), ("then",)),
     K.CALL_ABANDONED: (("op", "resolved_by"), ()),
     K.TIMER: (("until",), ()),
     K.EVENT_WAIT: (("timeout_at",), ()),

@@ -24,7 +24,13 @@ class Committed:
 
 @dataclass(frozen=True)
 class NotApplied:
-    """The provider proves that nothing was applied; the run may try again under its policy."""
+    """The provider proves that nothing was applied, now and for good.
+
+    The call may be sent again with a new key (an attempt its worker lost is, at once), so the
+    answer must be final at the provider: a request with this key that arrives later (from a
+    worker that was paused mid-call) must never be applied. Answer ``NotApplied`` only if the
+    provider refuses such a late request, or if the lookup itself voids the key (cancels the
+    pending request, marks the key used); otherwise answer ``StillUnknown``."""
 
     evidence: str = ""
 

@@ -16,6 +16,8 @@ COUNTERS = (
     "runs_cancelled",
     "operations_dispatched",
     "operations_retried",
+    "operations_resent",  # sent again outside the retry budget, proven not applied (C8)
+    "dispatches_withheld",  # not sent: the lease might end first (C6); the run was let go
     "unknown_outcomes",
     "reconciliation_auto_committed",
     "reconciliation_auto_not_applied",

@@ -293,22 +293,24 @@ class Operators:
         """The effect was applied: record ``receipt`` as its outcome; the run resumes."""
         return await self._resolve(operation_id, "committed", evidence, operator, receipt)
 
-    async def resolve_not_applied(self, operation_id: int, *, evidence: str,
-                                  operator: str) -> str:
-        """Nothing was applied: the run continues under its retry policy as a new attempt."""
-        return await self._resolve(operation_id, "not_applied", evidence, operator)
+    async def resolve_not_applied(self, operation_id: int, *, evidence: str, operator: str,
+                                  then: str = "resend") -> str:
+        """Nothing was applied. ``then="resend"`` (the default): the call is sent again as a
+        new attempt with a new key, outside the tool's retry budget; ``then="fail"``: the call
+        fails in the workflow (``TOOL_FAILED``, cause ``not_applied``), which may catch it."""
+        return await self._resolve(operation_id, "not_applied", evidence, operator, then=then)
 
     async def abandon(self, operation_id: int, *, evidence: str, operator: str) -> str:
         """Give up on the operation: the run fails with ``OPERATION_ABANDONED``."""
         return await self._resolve(operation_id, "abandoned", evidence, operator)
 
     async def _resolve(self, operation_id: int, resolution: str, evidence: str, operator: str,
-                       receipt: Any = None) -> str:
+                       receipt: Any = None, then: str | None = None) -> str:
         check_operation_id(operation_id)
         outcome = await reconcile.resolve(
             self.db, operation_id=operation_id, resolution=resolution, receipt=receipt,
             evidence=evidence, operator=operator, tenants=self.tenants_of(operator),
-            limits=self.json_limits)
+            limits=self.json_limits, then=then)
         if outcome == "resolved":
             self.metrics.incr("reconciliation_operator")
         return outcome
@@ -319,9 +321,12 @@ class Operators:
                            key: str | None = None, run_id: uuid.UUID | str | None = None,
                            workflow: str | None = None, limit: int = BULK_LIMIT,
                            dry_run: bool = False, confirm: Confirm | None = None,
-                           progress: Callable[[int, int], None] | None = None) -> BulkSummary:
+                           progress: Callable[[int, int], None] | None = None,
+                           then: str | None = None) -> BulkSummary:
         """Resolve every unresolved item matching the filter (``resolution`` ``committed``,
-        with one ``receipt`` for all, or ``not_applied``), oldest first, at most ``limit``.
+        with one ``receipt`` for all, or ``not_applied``, with ``then`` ``resend``, the
+        default, or ``fail`` as in :meth:`resolve_not_applied`), oldest first, at most
+        ``limit``.
 
         Each item is resolved in its own transaction with its own audit row, exactly as
         :meth:`resolve_committed` / :meth:`resolve_not_applied` would; an item whose state
@@ -335,11 +340,16 @@ class Operators:
         if resolution not in ("committed", "not_applied"):
             raise InvalidRequest("resolution must be committed or not_applied "
                                  "(abandon_many gives up on operations)", path="resolution")
+        if resolution == "not_applied" and then is None:
+            then = "resend"
+        if then is not None and (resolution != "not_applied" or then not in reconcile.THEN):
+            raise InvalidRequest("then must be resend or fail, and goes only with not_applied",
+                                 path="then")
         return await self._bulk(resolution, evidence, operator, receipt, limit, dry_run,
                                 confirm, progress, _item_filter(state=state, tool=tool,
                                                        older_than=older_than, key=key,
                                                        run_id=run_id, workflow=workflow,
-                                                       bulk=True))
+                                                       bulk=True), then)
 
     async def abandon_many(self, *, evidence: str, operator: str, state: str = UNRESOLVED,
                            tool: str | None = None, older_than: float | None = None,
@@ -357,8 +367,8 @@ class Operators:
 
     async def _bulk(self, resolution: str, evidence: str, operator: str, receipt: Any,
                     limit: int, dry_run: bool, confirm: Confirm | None,
-                    progress: Callable[[int, int], None] | None, where: dict[str, Any]
-                    ) -> BulkSummary:
+                    progress: Callable[[int, int], None] | None, where: dict[str, Any],
+                    then: str | None = None) -> BulkSummary:
         tenants = self.tenants_of(operator)
         if type(limit) is not int or not 1 <= limit <= MAX_BULK:
             raise InvalidRequest(f"limit must be between 1 and {MAX_BULK:,}", path="limit")
@@ -385,7 +395,7 @@ class Operators:
                 outcome = await reconcile.resolve(
                     self.db, operation_id=item.operation_id, resolution=resolution,
                     receipt=receipt, evidence=evidence, operator=operator, tenants=tenants,
-                    limits=self.json_limits, expect=item.item_state)
+                    limits=self.json_limits, expect=item.item_state, then=then)
             except (ResolutionConflict, OperationInProgress, AccessDenied) as exc:
                 summary.skipped.append(Skipped(item, code=exc.code, reason=exc.message))
             else:

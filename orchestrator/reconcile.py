@@ -43,6 +43,9 @@ from orchestrator.text import check_operator, check_prose, storable
 
 log = logging.getLogger("orchestrator.reconciler")
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
+THEN = ("resend", "fail")
+"""What follows an operator's ``not_applied``: the call is sent again (a new attempt, outside
+the retry budget), or it fails (``TOOL_FAILED`` in the workflow)."""
 
 
 def check_evidence(evidence: str, operator: str) -> None:
@@ -78,9 +81,12 @@ async def resolve(
     tenants: list[str] | None = None,
     limits: canonical.JsonLimits = canonical.DEFAULT_LIMITS,
     expect: str | None = None,
+    then: str | None = None,
 ) -> str:
     """Resolve an unknown operation; returns ``"resolved"`` or ``"noop"`` (already so).
 
+    ``then`` goes with ``not_applied`` only: ``resend`` or ``fail`` (:data:`THEN`), an
+    operator's choice; None (a lookup's answer) lets the engine decide (CONTRACT C8).
     ``tenants`` restricts which owners' operations this operator may touch (None: all).
     ``expect`` is the item state the caller saw when it chose the item (a bulk action): an
     item found in another state, resolved included, is a ``RESOLUTION_CONFLICT`` and nothing
@@ -95,6 +101,13 @@ async def resolve(
         digest = canonical.text_digest(receipt_text)
     elif receipt is not None:
         raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")
+    if then is not None and (resolution != "not_applied" or then not in THEN):
+        raise InvalidRequest("then must be resend or fail, and goes only with a not_applied "
+                             "resolution", path="then")
+    error = None
+    if resolution == "not_applied":
+        error = json.dumps({"code": "NOT_APPLIED", "resolved_by": operator}
+                           | ({"then": then} if then else {}))
 
     async def tx(conn: Conn) -> str:
         item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
@@ -122,10 +135,12 @@ async def resolve(
             fail_run = await _abandonment(conn, item, operator, evidence)
         await recon_db.recon_settle(
             conn, item=item, resolution=resolution, receipt=receipt_text,
-            receipt_digest=digest, events=_events(item, resolution, receipt, operator, fail_run),
-            fail_run=fail_run)
+            receipt_digest=digest,
+            events=_events(item, resolution, receipt, operator, fail_run, then),
+            fail_run=fail_run, error=error)
         await _audit(conn, operator, f"resolve.{resolution}", item, evidence, before,
-                     {"item": "resolved", "operation": resolution, "resolution": resolution})
+                     {"item": "resolved", "operation": resolution, "resolution": resolution}
+                     | ({"then": then} if then else {}))
         return "resolved"
 
     return await db.run_in_transaction(tx)
@@ -140,7 +155,7 @@ def _changed(operation_id: int, expect: str, item: dict[str, Any]) -> str:
 
 
 def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str,
-            failed: str | None) -> list[Entry]:
+            failed: str | None, then: str | None = None) -> list[Entry]:
     """The journal events of a resolution; ``failed`` is the failed run's error (JSON) for an
     abandonment (:func:`_abandonment`)."""
     position, tool, op = item["position"], item["tool_name"], item["operation_id"]
@@ -149,7 +164,7 @@ def _events(item: dict[str, Any], resolution: str, receipt: Any, operator: str,
                     {"result": receipt, "op": op, "resolved_by": operator})]
     if resolution == "not_applied":
         return [entry(EventKind.CALL_NOT_APPLIED, position, tool,
-                      {"op": op, "resolved_by": operator})]
+                      {"op": op, "resolved_by": operator} | ({"then": then} if then else {}))]
     assert failed is not None
     error = json.loads(failed)
     return [entry(EventKind.CALL_ABANDONED, position, tool, {"op": op, "resolved_by": operator}),

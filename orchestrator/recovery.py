@@ -35,6 +35,7 @@ from orchestrator.failures import (  # noqa: F401 - re-exported: recovery speaks
 
 StopReason = Literal["cause", "visible", "effects", "budget"]
 MAX_ATTEMPTS_LIMIT = 10
+MAX_ENGINE_RESENDS_LIMIT = 100
 
 
 def _int(name: str, value: object, *, low: int = 0) -> int:
@@ -47,15 +48,24 @@ def _int(name: str, value: object, *, low: int = 0) -> int:
 class RetryPolicy:
     """How often and how patiently a tool call is retried.
 
-    ``max_attempts`` counts the first attempt and any re-send after a crash (at most 10).
+    ``max_attempts`` counts the first attempt and the attempts that follow a failure the tool
+    reported, or an uncertain outcome its effect class lets the engine repeat (at most 10).
     Delays are milliseconds: full jitter over a window that doubles from ``base_delay_ms`` up to
     ``max_delay_ms``. An attempt is only started if ``min_attempt_ms`` fits before the deadline.
+
+    ``max_engine_resends`` caps the attempts sent again, outside that budget, because the
+    engine lost one (its worker died, its lease or connection was lost around the dispatch)
+    and reconciliation proved it not applied (CONTRACT C8). A tool that kills its worker every
+    time fails the call after that many (``TOOL_FAILED``, cause ``worker_lost``, reason
+    ``resend_limit``) instead of looping. 0 turns such re-sends off: a proven non-effect then
+    counts against ``max_attempts`` like any other.
     """
 
     max_attempts: int = 1
     base_delay_ms: int = 200
     max_delay_ms: int = 30_000
     min_attempt_ms: int = 0
+    max_engine_resends: int = 10
 
     def __post_init__(self) -> None:
         _int("max_attempts", self.max_attempts, low=1)
@@ -65,6 +75,10 @@ class RetryPolicy:
         _int("base_delay_ms", self.base_delay_ms)
         _int("max_delay_ms", self.max_delay_ms)
         _int("min_attempt_ms", self.min_attempt_ms)
+        _int("max_engine_resends", self.max_engine_resends)
+        if self.max_engine_resends > MAX_ENGINE_RESENDS_LIMIT:
+            raise InvalidRequest(f"max_engine_resends must be at most {MAX_ENGINE_RESENDS_LIMIT}",
+                                 path="max_engine_resends")
         if self.base_delay_ms > self.max_delay_ms:
             raise InvalidRequest("base_delay_ms must not exceed max_delay_ms",
                                  path="base_delay_ms")

@@ -119,7 +119,12 @@ class Tool(Generic[P, R]):
 
     def lookup(self, fn: F) -> F:
         """Register the read-only lookup the reconciler uses for uncertain outcomes:
-        ``fn(ctx: ToolContext, **arguments)`` with the tool's own arguments."""
+        ``fn(ctx: ToolContext, **arguments)`` with the tool's own arguments, answering
+        ``Committed(receipt)``, ``NotApplied(evidence)`` or ``StillUnknown(reason)``.
+
+        ``NotApplied`` must be final at the provider: a request with ``ctx.idempotency_key``
+        that the lookup reported absent must never be applied later, since the call is then
+        sent again with a new key (see :class:`~orchestrator.lookups.NotApplied`)."""
         self.lookup_fn = fn
         return fn
 

@@ -179,6 +179,7 @@ class Worker:
     async def _claim(self, workflows: list[str], free: int) -> list[dict[str, Any]]:
         try:
             async with self.database.connection() as conn:
+                sent = time.monotonic()  # the leases last at least ttl from here (C6)
                 claims = await runs_db.run_claim_ready(
                     conn, worker=self.worker_id, workflows=workflows, limit=free,
                     ttl=self.lease_ttl)
@@ -186,6 +187,8 @@ class Worker:
             log.warning("claim failed: %s", exc.code)
             await asyncio.sleep(self.poll_interval)
             return []
+        for claim in claims:
+            claim["lease_sent"], claim["lease_ttl"] = sent, self.lease_ttl
         self.claimed += len(claims)
         return claims
 
@@ -279,14 +282,17 @@ class Worker:
                 if ex is not None and not ex.run.lost]
         try:
             async with self.database.connection() as conn:
-                kept = await runs_db.run_heartbeat(
+                sent = time.monotonic()
+                kept, renewed = await runs_db.run_leases_renew(
                     conn, worker=self.worker_id, leases=[(rid, ex.token) for rid, ex in held],
                     ttl=self.lease_ttl)
         except OrchestratorError as exc:
             log.warning("lease renewal failed: %s", exc.code)
             return False
         for rid, ex in held:
-            if rid not in kept and rid in self._running and not ex.run.ending:
+            if rid in renewed:
+                ex.run.lease_renewed(sent)
+            elif rid not in kept and rid in self._running and not ex.run.ending:
                 ex.run.lose_lease("heartbeat rejected")
         return True
 

@@ -23,6 +23,8 @@ from orchestrator.cli.operating import (
     filters,
     operator_options,
     receipt_of,
+    then_of,
+    then_option,
     with_operators,
 )
 from orchestrator.cli.tables import render
@@ -44,6 +46,7 @@ def register(commands: Any) -> None:
     kind.add_argument("--not-applied", action="store_true", help="nothing was applied")
     many.add_argument("--receipt", metavar="JSON",
                       help="with --committed: the receipt recorded for every item")
+    then_option(many)
     _options(many)
     many.set_defaults(func=cmd_resolve_many)
 
@@ -74,9 +77,10 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def cmd_resolve_many(args: argparse.Namespace) -> int:
     receipt = receipt_of(args)
+    then = then_of(args)
     resolution = "committed" if args.committed else "not_applied"
     return _run(args, resolution, lambda ops, operator, **options: ops.resolve_many(
-        resolution=resolution, receipt=receipt, operator=operator, **options))
+        resolution=resolution, receipt=receipt, operator=operator, then=then, **options))
 
 
 def cmd_abandon_many(args: argparse.Namespace) -> int:
@@ -135,8 +139,13 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
         print("not confirmed: nothing changed")
         return
     how = "" if summary.resolution == "abandoned" else f" as {what}"
+    then = getattr(args, "then", None) or "resend"
+    follows = "" if summary.resolution != "not_applied" or not summary.resolved else (
+        "; their runs send the calls again as new attempts" if then == "resend"
+        else "; their calls fail with TOOL_FAILED in the workflows")
     print(f"{_past(summary.resolution)} {len(summary.resolved)} of "
-          f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}" + more)
+          f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}{follows}"
+          + more)
     if summary.skipped:
         print("\nskipped (each left as it was)")
         print(render(["OP", "CODE", "REASON"],

@@ -15,6 +15,7 @@ from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import UNRESOLVED, Operators
+from orchestrator.reconcile import THEN
 from orchestrator.text import check_operator
 
 T = TypeVar("T")
@@ -111,3 +112,18 @@ def receipt_of(args: argparse.Namespace) -> Any:
     except (ValueError, RecursionError):
         raise InvalidRequest("--receipt is not valid JSON (or is nested too deep)",
                              path="receipt") from None
+
+
+def then_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--then", choices=THEN, default=None,
+        help="with --not-applied: resend (the default) sends the call again as a new attempt "
+             "with a new key, outside the tool's retry budget; fail makes the call fail with "
+             "TOOL_FAILED in the workflow")
+
+
+def then_of(args: argparse.Namespace) -> str | None:
+    """``--then``, checked against the resolution (INVALID_REQUEST with ``--committed``)."""
+    if args.then is not None and not args.not_applied:
+        raise InvalidRequest("--then goes only with --not-applied", path="then")
+    return (args.then or "resend") if args.not_applied else None

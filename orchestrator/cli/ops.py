@@ -19,6 +19,8 @@ from orchestrator.cli.operating import (
     filters,
     operator_options,
     receipt_of,
+    then_of,
+    then_option,
     with_operators,
 )
 from orchestrator.cli.tables import cell, render
@@ -55,6 +57,7 @@ def register(subparsers: Any) -> None:
     kind.add_argument("--committed", action="store_true", help="the effect was applied")
     kind.add_argument("--not-applied", action="store_true", help="nothing was applied")
     res.add_argument("--receipt", metavar="JSON", help="with --committed: the receipt")
+    then_option(res)
     res.add_argument("--evidence", required=True, metavar="TEXT")
     operator_options(res, operator_required=True)
     res.set_defaults(func=cmd_resolve)
@@ -145,29 +148,37 @@ def cmd_show(args: argparse.Namespace) -> int:
     if d["item_state"] != "resolved":
         op = d["operation_id"]
         print(f"\nnext: orchestrator ops resolve {op} --committed --receipt JSON --evidence TEXT"
-              f" --operator NAME\n      orchestrator ops resolve {op} --not-applied --evidence "
-              f"TEXT --operator NAME\n      orchestrator ops abandon {op} --evidence TEXT "
-              "--operator NAME")
+              f" --operator NAME\n      orchestrator ops resolve {op} --not-applied "
+              f"[--then resend|fail] --evidence TEXT --operator NAME\n      orchestrator ops "
+              f"abandon {op} --evidence TEXT --operator NAME")
     return 0
 
 
-def _report(op_id: int, outcome: str, what: str) -> int:
+NEXT = {"resend": "; the run was woken and sends the call again as a new attempt",
+        "fail": "; the run was woken and the call fails with TOOL_FAILED in the workflow",
+        None: "; the run was woken"}
+
+
+def _report(op_id: int, outcome: str, what: str, then: str | None = None) -> int:
     if outcome == "noop":
         print(f"operation {op_id} was already resolved as {what}; nothing changed")
     else:
-        print(f"operation {op_id} resolved as {what}; the run was woken")
+        print(f"operation {op_id} resolved as {what}{NEXT[then]}")
     return 0
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
     receipt = receipt_of(args)
+    then_of(args)
     if args.committed:
         outcome = with_operators(args, lambda ops, operator: ops.resolve_committed(
             args.operation_id, receipt=receipt, evidence=args.evidence, operator=operator))
         return _report(args.operation_id, outcome, "committed")
+    then = then_of(args)
+    assert then is not None
     outcome = with_operators(args, lambda ops, operator: ops.resolve_not_applied(
-        args.operation_id, evidence=args.evidence, operator=operator))
-    return _report(args.operation_id, outcome, "not applied")
+        args.operation_id, evidence=args.evidence, operator=operator, then=then))
+    return _report(args.operation_id, outcome, "not applied", then)
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:

@@ -72,11 +72,44 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(payload: Any) -> str:
+def _story(kind: str, p: dict[str, Any]) -> str | None:
+    """What a tool call's journal entry says, in words (None: the payload says it best)."""
+    by = f" by {p['resolved_by']}" if p.get("resolved_by") else ""
+    if kind in ("call.submitted", "call.pending"):
+        verb = "sent" if kind == "call.submitted" else "intent recorded"
+        return f"attempt {p['attempt']} {verb} (operation {p['op']}, key {p['key']})"
+    if kind == "call.unknown":
+        return f"operation {p['op']}: outcome unknown ({p['reason']}); next: {p['next']}"
+    if kind == "call.not_applied":
+        then = f"; then {p['then']}" if p.get("then") else ""
+        return f"operation {p['op']} proven not applied{by}{then}"
+    if kind == "call.retrying":
+        nxt = p["attempt"] + 1
+        if p.get("resend") == "lost":
+            return (f"re-sent as attempt {nxt}: attempt {p['attempt']} was lost by its worker "
+                    "and proven not applied")
+        if p.get("resend") == "operator":
+            return f"re-sent as attempt {nxt}, as an operator chose"
+        return (f"attempt {p['attempt']} failed ({p['cause']}); attempt {nxt} after "
+                f"{p['delay_ms']} ms")
+    if kind == "call.completed":
+        return f"operation {p['op']} committed{by}"
+    if kind == "call.failed":
+        return f"operation {p['op']} failed: {p['cause']} ({p['reason']})"
+    return None
+
+
+def _summary(payload: Any, kind: str = "") -> str:
     """An event's payload in a line; its incident reference first, so that no clipping hides
     what an operator needs for `orchestrator incidents show`."""
     if isinstance(payload, dict):
+        try:
+            told = _story(kind, payload)
+        except (KeyError, TypeError):  # an older entry: show its fields
+            told = None
         incident = payload.get("incident")
+        if told is not None:
+            return f"incident {incident} {told}" if incident else told
         shown = {k: v for k, v in payload.items()
                  if k not in ("intent", "result", "payload", "incident")}
         text = clip(json.dumps(shown, default=str, sort_keys=True), 78)
@@ -126,7 +159,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(render(["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"],
                      [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"],
-                       _summary(e["payload"])] for e in detail.journal]))
+                       _summary(e["payload"], e["kind"])] for e in detail.journal]))
     return 0
 
 

@@ -237,6 +237,7 @@ async def recon_settle(
     receipt_digest: str | None,
     events: list[dict[str, Any]],
     fail_run: str | None,
+    error: str | None = None,
 ) -> None:
     """Apply a resolution inside the caller's transaction (the item and operation are locked).
 
@@ -245,7 +246,9 @@ async def recon_settle(
     idempotency key (the provider made them one effect). If the run is parked on it, the run's
     journal gets ``events`` at its next revision and the run is failed (``fail_run``: its error,
     JSON) or, when
-    nothing else is unknown, queued again. A run that already moved on or ended keeps its
+    nothing else is unknown, queued again. ``error`` (JSON) is kept on the settled operations:
+    for ``not_applied``, who resolved it and what the operator chose next (``then``), which a
+    run that was not parked on it reads from there. A run that already moved on or ended keeps its
     journal: only the ledger is settled. A run a worker is driving right now is not touched
     (``OPERATION_IN_PROGRESS``: try again in a moment).
     """
@@ -261,14 +264,14 @@ async def recon_settle(
         f"""
         UPDATE {S}.operations
         SET state = %(state)s, receipt = COALESCE(%(receipt)s::jsonb, receipt),
-            receipt_digest = COALESCE(%(digest)s, receipt_digest), finished_at = now(),
-            updated_at = now()
+            receipt_digest = COALESCE(%(digest)s, receipt_digest),
+            error = COALESCE(%(error)s::jsonb, error), finished_at = now(), updated_at = now()
         WHERE state = 'unknown' AND (id = %(op_id)s OR (
               run_id = %(run_id)s AND position = %(position)s
               AND idempotency_key = %(key)s AND effect_class = 'idempotent'))
         RETURNING id
         """,
-        {"state": resolution, "receipt": receipt, "digest": receipt_digest,
+        {"state": resolution, "receipt": receipt, "digest": receipt_digest, "error": error,
          "op_id": item["operation_id"], "run_id": item["run_id"],
          "position": item["position"], "key": item["idempotency_key"]},
     )

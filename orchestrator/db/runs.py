@@ -265,14 +265,23 @@ _HELD = "r.lease_token = h.token AND r.status = 'running' AND r.lease_owner = %(
 async def run_heartbeat(
     conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]], ttl: float
 ) -> set[uuid.UUID]:
-    """Extend the leases still held; return the ids whose lease is still ours.
+    """Extend the leases still held; return the ids whose lease is still ours
+    (:func:`run_leases_renew`, of which this is the first half)."""
+    return (await run_leases_renew(conn, worker=worker, leases=leases, ttl=ttl))[0]
+
+
+async def run_leases_renew(
+    conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]], ttl: float
+) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+    """Extend the leases still held; return the ids whose lease is still ours, and those of
+    them that were extended now.
 
     A run whose row is locked at that moment (almost always by this worker's own write in
     flight) is skipped, not waited for: the renewal and the writer lock the same rows in no
     common order, and waiting would let them deadlock. Its lease still has two thirds of its
-    time to run before the next renewal, and it counts as still ours."""
+    time to run before the next renewal, and it counts as still ours (but not as extended)."""
     if not leases:
-        return set()
+        return set(), set()
     cur = await conn.execute(
         f"""
         WITH h AS (
@@ -287,12 +296,30 @@ async def run_heartbeat(
             FROM free WHERE r.id = free.id
             RETURNING r.id
         )
-        SELECT id FROM ours
+        SELECT ours.id, renewed.id IS NOT NULL AS renewed
+        FROM ours LEFT JOIN renewed ON renewed.id = ours.id
         """,
         {"ttl": ttl, "worker": worker, "ids": [i for i, _ in leases],
          "tokens": [t for _, t in leases]},
     )
-    return {row["id"] for row in await cur.fetchall()}
+    rows = await cur.fetchall()
+    return {row["id"] for row in rows}, {row["id"] for row in rows if row["renewed"]}
+
+
+async def run_lease_extend(conn: Conn, *, run_id: uuid.UUID, token: int, worker: str,
+                           ttl: float) -> bool:
+    """Extend one run's lease now, waiting for its row if a write of ours holds it; False if
+    the lease is no longer ours. (One row and nothing else locked: no deadlock with the
+    writer, whose transaction this one only waits for.)"""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+        WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+          AND lease_owner = %(worker)s
+        """,
+        {"ttl": ttl, "run_id": run_id, "token": token, "worker": worker},
+    )
+    return cur.rowcount == 1
 
 
 class UnsettledOperations(Exception):

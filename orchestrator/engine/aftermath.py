@@ -28,40 +28,89 @@ class Aftermath:
 
     def decide(self, cls: Classification, number: int,
                upstream: tuple[int | None, bool] | None) -> Decision:
+        """The retry policy's decision after attempt ``number`` (re-sends outside the budget
+        not counted)."""
         remaining = self.site.run.remaining()
         wait, invalid = upstream if upstream is not None else (None, False)
         return decide(transient=cls.transient, effects=cls.effects, visible=False,
-                      attempts=number, policy=self.site.tool.policy, jitter=random.random(),
+                      attempts=self.site.charged(number), policy=self.site.tool.policy,
+                      jitter=random.random(),
                       remaining_ms=None if remaining is None else int(remaining * 1000),
                       upstream_wait_ms=wait, upstream_invalid=invalid)
 
-    async def not_applied(self, op_id: int, number: int) -> Attempt:
-        """Reconciliation proved the attempt was not applied: go on under the retry policy."""
-        self.site.run.boundary()  # a cancellation that waited for the reconciliation wins now
+    async def not_applied(self, op_id: int, number: int, *, lost: bool,
+                          then: str | None) -> Attempt:
+        """Reconciliation proved the attempt was not applied (CONTRACT C8).
+
+        ``lost``: the engine lost that attempt (its unknown outcome is ``WORKER_LOST``), not
+        the tool. ``then`` is an operator's choice (``resend`` or ``fail``; None for a
+        lookup's answer). What follows:
+
+        - ``fail``: the call fails (``TOOL_FAILED``, cause ``not_applied``, reason
+          ``operator``);
+        - a lost attempt, fewer than ``max_engine_resends`` lost ones re-sent so far: sent
+          again as a new attempt with a new key, outside the retry budget;
+        - an operator's ``resend`` otherwise: sent again all the same (the operator decided);
+        - a lookup's answer otherwise: the retry policy decides, the attempt counted against
+          ``max_attempts``; when that stops the call after the re-send cap was reached, the
+          reason says ``resend_limit``.
+        """
+        site = self.site
+        site.run.boundary()  # a cancellation that waited for the reconciliation wins now
+        if then == "fail":
+            return await self.definitive(op_id, number, Decision.stop("cause"), "not_applied",
+                                         None, record_failure=False, reason="operator")
+        cap = site.tool.policy.max_engine_resends
+        if lost and site.resent_lost < cap:
+            return await self.resend(op_id, number, "lost")
+        if then == "resend":
+            return await self.resend(op_id, number, "operator")
         decision = self.decide(NOT_APPLIED, number, None)
-        return await self.definitive(op_id, number, decision, "not_applied", None,
-                                     record_failure=False)
+        capped = lost and cap > 0
+        return await self.definitive(
+            op_id, number, decision, "worker_lost" if capped else "not_applied", None,
+            record_failure=False,
+            reason="resend_limit" if capped and decision.action == "stop" else None)
+
+    async def resend(self, op_id: int, number: int, why: str) -> Attempt:
+        """Send the call again at once, as attempt ``number + 1`` with a new key; ``why`` is
+        ``lost`` or ``operator`` (the journal keeps it: why this attempt exists)."""
+        site = self.site
+        if why == "lost":
+            site.resent_lost += 1
+        else:
+            site.resent_by_operator += 1
+        return await self.definitive(op_id, number, Decision.retry(0), "not_applied", None,
+                                     record_failure=False, resend=why)
 
     async def definitive(self, op_id: int, number: int, decision: Decision, cause: str,
-                         ref: str | None, *, record_failure: bool = True) -> Attempt:
+                         ref: str | None, *, record_failure: bool = True,
+                         reason: str | None = None, resend: str | None = None) -> Attempt:
         """This attempt applied nothing: back off durably and return the next attempt, or stop
         with ToolFailed. But if an earlier attempt at this position is still unknown (it was
         re-sent with the same key), this answer says nothing about that one: the next attempt
-        keeps its key, and instead of failing the call goes to reconciliation."""
+        keeps its key, and instead of failing the call goes to reconciliation.
+
+        ``reason`` overrides the decision's stop reason; ``resend`` marks a retry as a re-send
+        outside the retry budget (:meth:`resend`)."""
         site = self.site
         earlier = await self._unknown_attempts(op_id)
         key = earlier[0]["idempotency_key"] if earlier else None
         if decision.action == "retry":
             not_before = site.run.now() + timedelta(milliseconds=decision.delay_ms)
-            await self._fail(op_id, EventKind.CALL_RETRYING, {
-                "op": op_id, "attempt": number, "cause": cause, "incident": ref,
-                "delay_ms": decision.delay_ms, "not_before": not_before.isoformat(),
-                "key": key}, record_failure)
-            await site.wait_until(not_before)
+            payload = {"op": op_id, "attempt": number, "cause": cause, "incident": ref,
+                       "delay_ms": decision.delay_ms, "not_before": not_before.isoformat(),
+                       "key": key}
+            if resend is not None:
+                payload["resend"] = resend
+                site.run.metrics.incr("operations_resent")
+            await self._fail(op_id, EventKind.CALL_RETRYING, payload, record_failure)
+            if decision.delay_ms:
+                await site.wait_until(not_before)
             return Attempt(number + 1, key)
         if earlier:
             await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
-        reason = decision.reason or "cause"
+        reason = reason or decision.reason or "cause"
         await self._fail(op_id, EventKind.CALL_FAILED, {
             "op": op_id, "attempt": number, "cause": cause, "reason": reason, "incident": ref},
             record_failure)

@@ -32,7 +32,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
-from orchestrator.engine.site import Attempt, CallSite
+from orchestrator.engine.site import LOST, Attempt, CallSite
 from orchestrator.engine.stages import Stages, policy_stages
 from orchestrator.errors import InvalidRequest, ToolFailed
 from orchestrator.failures import ToolError
@@ -68,6 +68,12 @@ class Call(CallSite):
                                     (EventKind.CALL_PENDING, EventKind.CALL_SUBMITTED))
         assert begun is not None
         number, op_id = begun["payload"]["attempt"], begun["payload"]["op"]
+        for event in recorded:
+            if event["kind"] == EventKind.CALL_RETRYING and "resend" in event["payload"]:
+                if event["payload"]["resend"] == "lost":
+                    self.resent_lost += 1
+                else:
+                    self.resent_by_operator += 1
         if kind == EventKind.CALL_COMPLETED:
             raise _Done(payload["result"])
         if kind == EventKind.CALL_FAILED and payload.get("reason") == "withdrawn":
@@ -85,21 +91,23 @@ class Call(CallSite):
         if kind == EventKind.CALL_RETRYING:
             await self.wait_until(datetime.fromisoformat(payload["not_before"]))
             return Attempt(number + 1, payload.get("key"))
-        if kind == EventKind.CALL_NOT_APPLIED:  # reconciled: continue under the retry policy
-            return await Aftermath(self).not_applied(op_id, number)
+        if kind == EventKind.CALL_NOT_APPLIED:  # reconciled: re-send, retry or fail (C8)
+            return await Aftermath(self).not_applied(op_id, number, lost=_lost(recorded, op_id),
+                                                     then=payload.get("then"))
         if kind == EventKind.CALL_UNKNOWN:
             step = payload.get("next", "reconcile")
             if step == "reconcile":
-                return await self.after_reconciliation(payload["op"], number)
+                return await self.after_reconciliation(payload["op"], number,
+                                                       lost=payload["reason"] == LOST)
             return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
         # call.submitted without an outcome: the worker that sent it is gone
         step = self.uncertain_step(number)
-        await self.record_unknown(op_id, "WORKER_LOST", step)
+        await self.record_unknown(op_id, LOST, step)
         if step == "reconcile":
             await self.park_blocked(op_id)
         return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
 
-    async def after_reconciliation(self, op_id: int, number: int) -> Attempt:
+    async def after_reconciliation(self, op_id: int, number: int, *, lost: bool) -> Attempt:
         """The journal says this call waits for reconciliation; the ledger says whether it is
         still waiting. A resolution that landed while no worker held the run (it was queued
         between a dead worker's lease and the next claim) is only in the ledger: take it from
@@ -119,7 +127,9 @@ class Call(CallSite):
             await self.append(work)
             raise _Done(row["receipt"])
         if state == "not_applied":
-            return await Aftermath(self).not_applied(op_id, number)
+            assert row is not None
+            then = (row["error"] or {}).get("then") if isinstance(row["error"], dict) else None
+            return await Aftermath(self).not_applied(op_id, number, lost=lost, then=then)
         if state == "abandoned":
             self.run.stop_abandoned(op_id)
         await self.park_blocked(op_id)
@@ -200,6 +210,7 @@ class Call(CallSite):
         remaining = run.remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)
+        await self.lease_for_dispatch(op_id)  # nothing awaited after it before the call
         try:
             verdict = await run.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
                                                   tctx.cancelled)
@@ -300,6 +311,12 @@ class Call(CallSite):
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+
+
+def _lost(recorded: list[Entry], op_id: int) -> bool:
+    """Whether the engine lost attempt ``op_id`` (its unknown outcome is ``WORKER_LOST``)."""
+    return any(e["kind"] == EventKind.CALL_UNKNOWN and e["payload"]["op"] == op_id
+               and e["payload"]["reason"] == LOST for e in recorded)
 
 
 class _Done(Exception):  # noqa: N818 - carries a recorded receipt (raised out of resume)

@@ -48,6 +48,10 @@ class RunState:
         self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
         self.lost = False  # the fence rejected a write (or a renewal): the lease is gone
+        # When the lease ends at the earliest, by this process's monotonic clock: the
+        # database set its expiry to its own now() + ttl after the claim (or renewal) was sent.
+        self.lease_ttl = float(claim.get("lease_ttl", 30.0))
+        self.lease_until = float(claim.get("lease_sent", time.monotonic())) + self.lease_ttl
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
 
@@ -60,6 +64,21 @@ class RunState:
             self.metrics.incr("lease_losses")
             log.warning("run %s: lease %d lost (%s); this worker stops working on it",
                         self.run_id, self.token, where)
+
+    def lease_renewed(self, sent: float) -> None:
+        """The lease was extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
+        self.lease_until = max(self.lease_until, sent + self.lease_ttl)
+
+    def lease_left(self) -> float:
+        """Seconds the lease is sure to last, by this process's clock (negative: it may be
+        over, and another worker may hold the run)."""
+        return self.lease_until - time.monotonic()
+
+    @property
+    def dispatch_margin(self) -> float:
+        """The lease time a tool call needs left before it is sent (a third of the TTL: a
+        renewal every third keeps the lease above twice that)."""
+        return self.lease_ttl / 3
 
     def enter(self, phase: Phase) -> None:
         """Move to ``phase`` if it is ahead of the current one (phases never go back)."""

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,14 +16,20 @@ from typing import Any, NoReturn
 
 from orchestrator import canonical, faults
 from orchestrator.db import operations as ops_db
+from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import incident_record
 from orchestrator.engine.branches import Branches
 from orchestrator.engine.config import EngineConfig
-from orchestrator.engine.control import Wait
+from orchestrator.engine.control import Stop, Wait
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
-from orchestrator.errors import InvalidRequest, new_incident_ref, operation_error_json
+from orchestrator.errors import (
+    InvalidRequest,
+    OrchestratorError,
+    new_incident_ref,
+    operation_error_json,
+)
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.registry import Tool
 from orchestrator.text import storable
@@ -51,6 +58,12 @@ class Attempt:
     pending_op: int | None = None  # an intent recorded before a crash, stages not yet passed
 
 
+LOST = "WORKER_LOST"
+"""The reason of an unknown outcome that the engine caused, not the tool: the attempt's worker
+died, or lost its lease or its connection, between ``submitted`` and the receipt (or withheld
+the dispatch, its lease too short to send safely)."""
+
+
 class CallSite:
     """``ctx.call(tool, **arguments)`` at one position of one run."""
 
@@ -65,6 +78,11 @@ class CallSite:
         self.tool = tool
         self.arguments = arguments
         self.args_text = config.json_limits.text(arguments, "$.arguments")
+        # Attempts sent again outside the retry budget (C8): after the engine lost one that
+        # reconciliation proved not applied ("lost"), or on an operator's word ("operator").
+        # Counted from the journal on a replay; they do not count against max_attempts.
+        self.resent_lost = 0
+        self.resent_by_operator = 0
         self.intent = canonical.intent_digest_text(tool.name, tool.version, run.owner_text,
                                                    self.args_text)
         try:  # a call that cannot bind is a bug in the workflow: refuse it before any write
@@ -137,9 +155,44 @@ class CallSite:
         await self.append(work)
         raise asyncio.CancelledError
 
+    def charged(self, number: int) -> int:
+        """The attempts begun up to ``number`` that count against the tool's retry budget."""
+        return number - self.resent_lost - self.resent_by_operator
+
+    async def lease_for_dispatch(self, op_id: int) -> None:
+        """Immediately before the tool is called: the lease must last at least the dispatch
+        margin by this process's clock, counted from when its last renewal was sent (C6).
+        If it may not, it is renewed now, once; if that fails too, the call is not sent: the
+        run is let go with the operation ``submitted``, and the next holder finds it uncertain,
+        as after a crash. A worker paused after ``submitted`` (a stop signal, a long collection,
+        a starved host) therefore never sends once another worker may hold the run."""
+        run = self.run
+        if not run.lost:
+            if run.lease_left() >= run.dispatch_margin:
+                return
+            sent = time.monotonic()
+            try:
+                async with self.session.db.connection() as conn:
+                    kept = await runs_db.run_lease_extend(
+                        conn, run_id=run.run_id, token=run.token, worker=run.worker_id,
+                        ttl=run.lease_ttl)
+            except OrchestratorError:
+                kept = False
+            if kept:
+                run.lease_renewed(sent)
+                if run.lease_left() >= run.dispatch_margin:
+                    return
+        run.metrics.incr("dispatches_withheld")
+        log.warning("run %s: operation %s (%s) not sent: the lease may end before the call "
+                    "does; the next holder finds it uncertain", run.run_id, op_id,
+                    self.tool.name)
+        run.lose_lease("a call withheld")
+        raise Stop("lease_lost")
+
     def uncertain_step(self, number: int) -> str:
         run = self.run
-        step = next_step_after_uncertain(self.tool.effect, number, self.tool.max_attempts)
+        step = next_step_after_uncertain(self.tool.effect, self.charged(number),
+                                         self.tool.max_attempts)
         if step != "reconcile" and (run.cancel_requested or run.remaining() == 0):
             step = "new_attempt" if self.tool.effect == "read" else "reconcile"
         return step

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import Any
 
 import psycopg
@@ -20,6 +21,7 @@ from orchestrator import (
     NotApplied,
     Orchestrator,
     Owner,
+    RetryPolicy,
     ToolContext,
     WorkflowContext,
 )
@@ -88,6 +90,20 @@ async def find_record(ctx: ToolContext, *, step: int) -> Committed | NotApplied:
     if row is None:
         return NotApplied("no effect with this key")
     return Committed({"step": step, "key": ctx.idempotency_key})
+
+
+@app.tool(retry=RetryPolicy(max_attempts=1, max_engine_resends=2))
+async def crashes_its_worker(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    """A consequential tool whose every call kills the worker before the provider applies it
+    (a poison input): counted in sink_calls, never applied."""
+    await _record_call(ctx, step)
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+@crashes_its_worker.lookup
+async def find_crash(ctx: ToolContext, *, step: int) -> NotApplied:
+    return NotApplied("the provider never saw this key")
 
 
 @app.tool(effect="idempotent")

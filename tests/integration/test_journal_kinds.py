@@ -33,7 +33,8 @@ SAMPLES: dict[str, Any] = {
     "delay_ms": 250, "not_before": "2026-12-01T00:00:00+00:00", "next": "reconcile",
     "until": "2026-12-01T00:00:01+00:00", "timeout_at": None, "payload": {"ok": True},
     "event_id": 3, "value": 0.25, "run_id": str(uuid.UUID(int=1)), "version": "2",
-    "code": "WORKFLOW_FAILED", "message": "the workflow failed",
+    "code": "WORKFLOW_FAILED", "message": "the workflow failed", "resend": "lost",
+    "then": "resend",
 }
 
 

@@ -165,3 +165,12 @@ def test_transport_classification_and_tool_errors() -> None:
     assert not ToolError("x", applied=False).classification().transient
     with pytest.raises(InvalidRequest):
         classify_status(200)
+
+
+def test_engine_resends_are_capped_and_checked() -> None:
+    assert RetryPolicy().max_engine_resends == 10
+    assert RetryPolicy(max_engine_resends=0).max_engine_resends == 0  # re-sends off
+    for bad in (-1, 101, 2.5, True):
+        with pytest.raises(InvalidRequest) as info:
+            RetryPolicy(max_engine_resends=bad)  # type: ignore[arg-type]
+        assert info.value.path == "max_engine_resends"

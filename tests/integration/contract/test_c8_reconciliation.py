@@ -8,7 +8,14 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import AccessDenied, InvalidRequest, ResultTimeout, RunFailed, ToolError
+from orchestrator import (
+    AccessDenied,
+    InvalidRequest,
+    NotApplied,
+    ResultTimeout,
+    RunFailed,
+    ToolError,
+)
 from tests.integration.conftest import never_answers, running, wait_for
 from tests.integration.contract.helpers import operations, parked
 
@@ -69,7 +76,7 @@ async def test_a_gather_branch_failing_waits_for_its_uncertain_sibling(app, sql)
         await wait_for(parked(sql, run))  # not failed while an effect is unknown
         unknown = [o for o in operations(sql) if o["state"] == "unknown"]
         await app.operators.resolve_not_applied(unknown[0]["id"], evidence="nothing there",
-                                                operator="al")
+                                                operator="al", then="fail")
         with pytest.raises(RunFailed) as info:
             await run.result_async(timeout=10)
     assert info.value.code == "WORKFLOW_FAILED"
@@ -149,3 +156,65 @@ async def test_a_cancel_between_an_uncertain_attempt_and_its_resend_lists_it(app
         with pytest.raises(RunFailed) as info:
             await run.result_async(timeout=10)
     assert info.value.code == "CANCELLED"
+
+
+async def test_an_operators_not_applied_sends_a_timed_out_call_again_outside_its_budget(
+        app, sql):
+    """The tool timed out (its own doing, not the engine's): a lookup's `not applied` would
+    count against the one attempt a consequential tool has; an operator's (re-send by
+    default) sends it again all the same, as attempt 2 with a new key."""
+    sent: list[str] = []
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        sent.append(ctx.idempotency_key)
+        if len(sent) == 1:
+            await never_answers()
+        return {"id": "ch_1"}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        [op] = operations(sql)
+        await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
+                                                operator="al")
+        assert await run.result_async(timeout=10) == {"id": "ch_1"}
+    assert len(sent) == 2 and sent[0] != sent[1]
+    assert [(o["attempt"], o["state"]) for o in operations(sql)] == [
+        (1, "not_applied"), (2, "committed")]
+    retrying = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.retrying'")
+    assert retrying[0]["payload"]["resend"] == "operator"
+
+
+async def test_a_lookups_not_applied_for_a_timed_out_call_counts_against_the_budget(app, sql):
+    """Not the engine's loss: the retry policy decides (one attempt: the call fails)."""
+    calls = 0
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx):  # type: ignore[no-untyped-def]
+        return NotApplied("no such charge")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        assert await app.create_reconciler().run_once() == 1
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=10)
+    assert calls == 1
+    failed = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.failed'")
+    assert [(f["payload"]["cause"], f["payload"]["reason"]) for f in failed] == [
+        ("not_applied", "budget")]
