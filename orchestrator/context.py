@@ -8,12 +8,14 @@ numbers its commands the same way on every replay.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from orchestrator.logs import WorkflowLogger
 from orchestrator.models import Owner
 
 if TYPE_CHECKING:
@@ -29,6 +31,12 @@ class Commands(Protocol):
 
     @property
     def owner(self) -> Owner: ...
+
+    @property
+    def workflow(self) -> str: ...  # name@version
+
+    @property
+    def replaying(self) -> bool: ...  # RunState.replaying
 
     def next_position(self) -> int: ...
 
@@ -56,6 +64,7 @@ class WorkflowContext:
 
     def __init__(self, commands: Commands) -> None:
         self._ex = commands
+        self._log: WorkflowLogger | None = None
 
     @property
     def run_id(self) -> uuid.UUID:
@@ -64,6 +73,28 @@ class WorkflowContext:
     @property
     def owner(self) -> Owner:
         return self._ex.owner
+
+    @property
+    def log(self) -> WorkflowLogger:
+        """A logger for workflow code (``ctx.log.info("charged %s", order_id)``), on the logger
+        ``orchestrator.workflow.<workflow name>``; each record carries the ``run_id`` and the
+        ``workflow`` (``name@version``) as fields.
+
+        It is silent while the workflow replays recorded history: up to the last command the
+        journal held when the run was claimed, lines were written by the execution that first
+        ran that code. So a line appears once per run, unless the execution that wrote it
+        stopped before its next command was recorded (its worker killed or drained, its lease
+        lost): the next execution runs that code again, live, and writes it again.
+        ``ctx.log.replaying`` says which it is now. Not a command: it takes no position.
+        Like everything a log line holds, what is passed here must not be secret.
+        """
+        if self._log is None:
+            ex = self._ex  # not self: the logger must not keep the context in a cycle
+            workflow = ex.workflow
+            logger = logging.getLogger(f"orchestrator.workflow.{workflow.partition('@')[0]}")
+            self._log = WorkflowLogger(logger, lambda: ex.replaying,
+                                       {"run_id": str(ex.run_id), "workflow": workflow})
+        return self._log
 
     def call(self, tool: Tool[P, R] | str, /, *args: P.args, **arguments: P.kwargs
              ) -> Awaitable[R]:

@@ -35,6 +35,7 @@ from orchestrator.errors import (
 )
 from orchestrator.ids import default_worker_id
 from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.logs import fields
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
@@ -254,8 +255,9 @@ class Reconciler:
             try:
                 await self._handle(item)
             except OrchestratorError as exc:
-                log.warning("operation %s: reconciliation step failed: %s",
-                            item["operation_id"], exc.code)
+                log.warning("run %s: operation %s: reconciliation step failed: %s",
+                            item["run_id"], item["operation_id"], exc.code,
+                            extra=_said(item, code=exc.code))
         return len(items)
 
     async def _handle(self, item: dict[str, Any]) -> None:
@@ -265,8 +267,9 @@ class Reconciler:
                 await recon_db.recon_to_operator(
                     conn, item_id=item["item_id"],
                     note=f"tool {item['tool_name']} has no lookup here; an operator decides")
-            log.info("operation %s handed to operators: tool %s has no lookup here",
-                     item["operation_id"], item["tool_name"])
+            log.info("run %s: operation %s handed to operators: tool %s has no lookup here",
+                     item["run_id"], item["operation_id"], item["tool_name"],
+                     extra=_said(item))
             return
         try:
             arguments = load_json(item["arguments_text"])
@@ -276,8 +279,9 @@ class Reconciler:
                     conn, item_id=item["item_id"],
                     note="its arguments cannot be decoded here (RUN_UNREADABLE); an operator "
                          "decides")
-            log.warning("operation %s handed to operators: its stored arguments cannot be "
-                        "decoded (RUN_UNREADABLE)", item["operation_id"])
+            log.warning("run %s: operation %s handed to operators: its stored arguments "
+                        "cannot be decoded (RUN_UNREADABLE)", item["run_id"],
+                        item["operation_id"], extra=_said(item, code="RUN_UNREADABLE"))
             return
         ctx = ToolContext(idempotency_key=item["idempotency_key"], run_id=item["run_id"],
                           position=item["position"], attempt=item["attempt"],
@@ -306,7 +310,8 @@ class Reconciler:
                 evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
                 limits=self.config.json_limits)
             self.metrics.incr(f"reconciliation_auto_{kind}")
-            log.info("operation %s resolved by lookup: %s", item["operation_id"], kind)
+            log.info("run %s: operation %s resolved by lookup: %s", item["run_id"],
+                     item["operation_id"], kind, extra=_said(item))
             return
         said = answer.reason if isinstance(answer, StillUnknown) else "not a lookup answer"
         attempts = item["lookup_attempts"] + 1
@@ -316,11 +321,13 @@ class Reconciler:
         # names the incident that keeps it, never the text.
         kept = f", its reason in incident {ref}" if ref else ""
         if state == "operator":
-            log.info("operation %s handed to operators after %d lookups (the last: still "
-                     "unknown%s)", item["operation_id"], attempts, kept)
+            log.info("run %s: operation %s handed to operators after %d lookups (the last: "
+                     "still unknown%s)", item["run_id"], item["operation_id"], attempts, kept,
+                     extra=_said(item, incident=ref))
         elif retry_in is not None:
-            log.info("operation %s still unknown after lookup %d%s; next lookup in %.1f s",
-                     item["operation_id"], attempts, kept, retry_in)
+            log.info("run %s: operation %s still unknown after lookup %d%s; next lookup in "
+                     "%.1f s", item["run_id"], item["operation_id"], attempts, kept, retry_in,
+                     extra=_said(item, incident=ref))
 
     def backoff(self, attempts: int) -> float:
         """A jittered exponential delay: between half and all of a window that doubles per
@@ -359,3 +366,9 @@ class Reconciler:
                 detail=json.dumps({"incident": ref} if ref else {}), retry_in=retry_in)
 
         return await self.db.run_in_transaction(tx), ref
+
+
+def _said(item: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """The fields of a reconciler's line about one queue item (docs/logging.md)."""
+    return fields(run_id=item["run_id"], operation_id=item["operation_id"],
+                  tool=item["tool_name"], **more)

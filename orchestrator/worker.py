@@ -39,6 +39,7 @@ from orchestrator.errors import (
 )
 from orchestrator.ids import default_worker_id
 from orchestrator.journal import EventKind, entry
+from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
 from orchestrator.registry import Registry
 from orchestrator.text import storable
@@ -219,7 +220,7 @@ class Worker:
             raise
         except Exception:
             log.exception("run %s: the worker failed while driving it; its lease will expire",
-                          run_id)
+                          run_id, extra=fields(run_id=run_id, workflow=_workflow(claim)))
 
     async def _executor_for(self, claim: dict[str, Any]) -> RunExecutor | None:
         """Decode one claimed run (its input, its journal) and build its executor. A run whose
@@ -233,8 +234,9 @@ class Worker:
                 async with self.database.connection() as conn:
                     journal = await journal_db.journal_read(conn, run_id)
             return self.new_executor(claim, journal)
-        except SchemaUnsupported:
-            log.error("run %s has journal events newer than this code; released", run_id)
+        except SchemaUnsupported as exc:
+            log.error("run %s has journal events newer than this code; released", run_id,
+                      extra=fields(run_id=run_id, workflow=_workflow(claim), code=exc.code))
             async with self.database.connection() as conn:
                 await runs_db.run_release(
                     conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
@@ -354,17 +356,23 @@ async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str,
                                  error=json.dumps(error.to_dict()))
         return True
 
+    said = fields(run_id=run_id, workflow=_workflow(claim), code=error.code,
+                  incident=error.incident, cause=type(exc).__name__)
     try:
         ended = await database.run_in_transaction(end)
     except (LeaseLost, DatabaseError) as lost:
         log.warning("run %s: %s, but its failure could not be written (%s)", run_id,
-                    error.code, lost.code)
+                    error.code, lost.code, extra=said)
         return
     if not ended:
         log.error("run %s: %s (incident %s: %s); it waits for the reconciliation of its "
                   "unsettled operations first", run_id, error.code, error.incident,
-                  type(exc).__name__)
+                  type(exc).__name__, extra=said)
         return
     metrics.incr("runs_failed")
     log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,
-              error.code, error.incident, type(exc).__name__)
+              error.code, error.incident, type(exc).__name__, extra=said)
+
+
+def _workflow(claim: dict[str, Any]) -> str:
+    return f"{claim['workflow_name']}@{claim['workflow_version']}"

@@ -1,4 +1,6 @@
-"""``orchestrator worker``: run a worker process for an application's workflows."""
+"""``orchestrator worker`` and ``orchestrator reconciler``: the long-running processes of an
+application. Both log at INFO on standard error, as text or one JSON object per line
+(``--log-format``, or ``ORCHESTRATOR_LOG_FORMAT``; docs/logging.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from orchestrator import logs
 from orchestrator.app import Orchestrator, catch_early_sigterm
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
@@ -27,6 +31,7 @@ def register(subparsers: Any) -> None:
                         help="seconds a lease lasts without a heartbeat (default: the app's)")
     worker.add_argument("--migrate", action="store_true",
                         help="upgrade the schema first instead of refusing an old one")
+    add_log_format_argument(worker)
     worker.set_defaults(func=cmd_worker)
 
     reconciler = subparsers.add_parser(
@@ -36,12 +41,30 @@ def register(subparsers: Any) -> None:
                             help="inconclusive lookups before an operator decides (default 5)")
     reconciler.add_argument("--base-delay", type=float, default=1.0,
                             help="seconds before the second lookup; doubles after (default 1)")
+    add_log_format_argument(reconciler)
     reconciler.set_defaults(func=cmd_reconciler)
 
 
 def add_app_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--app", required=True, metavar="MODULE:ATTR",
                         help="where the Orchestrator instance is, e.g. myproject.flows:app")
+
+
+def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=None,
+                        help=f"how log lines look on stderr: text, or one JSON object per line "
+                        f"(default: {logs.ENV_LOG_FORMAT}, else text)")
+
+
+def start_logging(args: argparse.Namespace) -> Callable[[str], None]:
+    """Log at INFO in the chosen format; return how the process announces its start and stop:
+    a line on stdout with text logs, a log line with JSON logs (so that a collector reading
+    both streams gets JSON only)."""
+    chosen = logs.log_format(args.log_format)
+    logs.configure(chosen)
+    if chosen == "json":
+        return logging.getLogger("orchestrator.cli").info
+    return lambda line: print(line, flush=True)
 
 
 def load_app(spec: str, database_url: str | None) -> Orchestrator:
@@ -77,15 +100,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     catch_early_sigterm()
     if args.concurrency < 1:
         raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
     options: dict[str, Any] = {"concurrency": args.concurrency}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
-    print(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
-          "SIGTERM drains", flush=True)
+    announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
+             "SIGTERM drains")
     settle_garbage_collector()
     app.run_worker(**options)
     return 0
@@ -111,11 +134,11 @@ def settle_garbage_collector() -> None:
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=False)
-    print(f"reconciler starting on {app.target.masked}; SIGTERM stops it", flush=True)
+    announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
     app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay)
-    print("reconciler stopped", flush=True)
+    announce("reconciler stopped")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from orchestrator.canonical import canonical_json
 from orchestrator.db.database import Conn
@@ -104,6 +105,23 @@ async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
         FROM {S}.journal WHERE run_id = %s ORDER BY seq
         """,
         (run_id,),
+    )
+    return list(await cur.fetchall())
+
+
+async def journal_unknown_calls(conn: Conn, run_id: uuid.UUID, positions: Sequence[int]
+                                ) -> list[dict[str, Any]]:
+    """The last ``call.unknown`` entry at each of ``positions`` of a run: its ``position``,
+    ``operation_id``, ``tool`` and ``incident`` (None when the outcome became unknown without
+    one, e.g. its worker was lost)."""
+    cur = await conn.execute(
+        f"""
+        SELECT DISTINCT ON (position) position, name AS tool,
+               (payload->>'op')::bigint AS operation_id, payload->>'incident' AS incident
+        FROM {S}.journal WHERE run_id = %s AND position = ANY(%s) AND kind = %s
+        ORDER BY position, seq DESC
+        """,
+        (run_id, list(positions), EventKind.CALL_UNKNOWN.value),
     )
     return list(await cur.fetchall())
 

@@ -50,6 +50,14 @@ class Commands:
     def owner(self) -> Owner:
         return self.run.owner
 
+    @property
+    def workflow(self) -> str:
+        return self.run.workflow_key
+
+    @property
+    def replaying(self) -> bool:
+        return self.run.replaying
+
     def next_position(self) -> int:
         return self.run.next_position()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import traceback
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -30,7 +31,10 @@ from orchestrator.errors import (
     new_incident_ref,
 )
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
+from orchestrator.logs import fields
 from orchestrator.text import storable
+
+log = logging.getLogger("orchestrator.worker")
 
 
 class Outcome:
@@ -48,9 +52,19 @@ class Outcome:
         blocked = [w for w in waits if w.kind == "blocked"]
         if blocked:
             ops = ", ".join(str(w.operation_id) for w in blocked)
-            await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
-                conn, run_id=run.run_id, token=run.token,
-                waiting_for=f"reconciliation of operation {ops}"))
+            unknown: list[dict[str, Any]] = []
+
+            async def block(conn: Conn) -> None:
+                await runs_db.run_block_for_reconciliation(
+                    conn, run_id=run.run_id, token=run.token,
+                    waiting_for=f"reconciliation of operation {ops}")
+                # What the line below names (each call's tool and incident), in the same
+                # transaction: the run is parked only on a rare path, an outcome unknown.
+                unknown[:] = await journal_db.journal_unknown_calls(
+                    conn, run.run_id, [w.position for w in blocked])
+
+            if await self._flush_then(block):
+                self._log_blocked([(w.operation_id, w.position) for w in blocked], unknown)
             return
         wakes = [w.wake_at for w in waits if w.wake_at is not None]
         wake_at = min(wakes) if wakes else None  # the earliest timer; other waits re-park
@@ -66,7 +80,9 @@ class Outcome:
             conn, run_id=run.run_id, token=run.token, wake_at=wake_at,
             waiting_for=", ".join(parts), event_names=names, child_positions=children))
 
-    async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> None:
+    async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> bool:
+        """The run's last write: what is buffered, then ``final``. False if the lease was
+        lost (nothing written)."""
         run, session = self.run, self.session
 
         async def last(conn: Conn, events: list[Entry]) -> None:
@@ -76,9 +92,30 @@ class Outcome:
             await final(conn)
 
         try:
-            await session.last_write(last)
+            return await session.last_write(last)
         except LeaseLost:
             run.lose_lease("parking rejected")
+            return False
+
+    def _log_blocked(self, blocked: list[tuple[int | None, int]],
+                     unknown: list[dict[str, Any]]) -> None:
+        """One INFO line per operation the parked run waits on: its tool and incident (the
+        protected diagnostics of what went wrong, if anything was kept), never their text."""
+        found = {row["position"]: row for row in unknown}
+        for op_id, position in blocked:
+            row = found.get(position, {})
+            tool, incident = row.get("tool"), row.get("incident")
+            self._log_reconciliation(op_id, tool, incident)
+
+    def _log_reconciliation(self, op_id: int | None, tool: str | None,
+                            incident: str | None) -> None:
+        run = self.run
+        what = f"operation {op_id}" if op_id is not None else "its unsettled operations"
+        log.info("run %s (%s) needs reconciliation: it waits for the outcome of %s%s%s",
+                 run.run_id, run.workflow_key, what, f" ({tool})" if tool else "",
+                 f"; incident {incident}" if incident else "",
+                 extra=fields(run_id=run.run_id, workflow=run.workflow_key,
+                              operation_id=op_id, tool=tool, incident=incident))
 
     async def _strand(self) -> bool:
         """The run was about to end with operations still unsettled (dispatched without an
@@ -87,23 +124,25 @@ class Outcome:
         is unknown after all (only never-dispatched intents were left: now cancelled)."""
         run = self.run
 
-        async def work(conn: Conn) -> tuple[bool, list[Entry]]:
+        async def work(conn: Conn) -> tuple[list[dict[str, Any]] | None, list[Entry]]:
             stranded = await ops_db.operation_strand(conn, run_id=run.run_id, token=run.token)
             events = [entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
                             {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
                              "next": "reconcile"}) for op in stranded]
             unknown = await ops_db.operation_count_unknown(conn, run_id=run.run_id)
-            return unknown > 0, events
+            return (stranded if unknown > 0 else None), events
 
         try:
             blocked = await self.session.write(work)
         except Stop:
             return True
-        if not blocked:
+        if blocked is None:
             return False
-        await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
-            conn, run_id=run.run_id, token=run.token,
-            waiting_for="reconciliation of operations whose outcome is not recorded"))
+        if await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
+                conn, run_id=run.run_id, token=run.token,
+                waiting_for="reconciliation of operations whose outcome is not recorded")):
+            for op in blocked or [{"id": None, "tool_name": None}]:
+                self._log_reconciliation(op["id"], op["tool_name"], None)
         return True
 
     # -- the end -----------------------------------------------------------------------------
@@ -136,7 +175,7 @@ class Outcome:
         except InvalidRequest as exc:
             await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
                              "within the size cap; see the incident",
-                             incident_detail=_detail(exc))
+                             incident_detail=_detail(exc), cause=exc.code)
             return
         if run.index.max_position >= run.position:
             await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "
@@ -168,11 +207,11 @@ class Outcome:
             await self._fail("WORKFLOW_FAILED", str(exc) or "the workflow failed")
         elif isinstance(exc, OrchestratorError):
             await self._fail("WORKFLOW_FAILED", f"the workflow stopped on {exc.code}",
-                             incident_detail=_detail(exc))
+                             incident_detail=_detail(exc), cause=exc.code)
         else:
             await self._fail("WORKFLOW_FAILED",
                              "the workflow raised an exception; see the incident for details",
-                             incident_detail=_detail(exc))
+                             incident_detail=_detail(exc), cause=type(exc).__name__)
 
     async def _stop(self, stop: Stop) -> None:
         run = self.run
@@ -193,7 +232,11 @@ class Outcome:
         # lease_lost: someone else owns the run now; write nothing.
 
     async def _fail(self, code: str, message: str,
-                    incident_detail: dict[str, Any] | None = None) -> None:
+                    incident_detail: dict[str, Any] | None = None,
+                    cause: str | None = None) -> None:
+        """End the run ``failed`` with ``code``, and say so in one INFO line: its code, its
+        incident and ``cause`` (an exception's type name or an error's code), never the
+        message's text beyond that (an exception's message stays in the incident)."""
         ref = new_incident_ref()
         error = error_json(code, message, ref)
         ev = entry(EventKind.RUN_FAILED, None, None,
@@ -208,11 +251,19 @@ class Outcome:
                 "phase": "workflow", "cause": detail.get("type"),
                 "upstream_status": None, "detail": json.dumps(detail)})
 
-        await self._terminal("failed", code, None, error, ev, extra=diagnostics)
+        if not await self._terminal("failed", code, None, error, ev, extra=diagnostics):
+            return
+        run = self.run
+        log.info("run %s (%s) failed: %s (incident %s%s)", run_id, run.workflow_key, code, ref,
+                 f"; cause {cause}" if cause else "",
+                 extra=fields(run_id=run_id, workflow=run.workflow_key, code=code,
+                              incident=ref, cause=cause))
 
     async def _terminal(self, status: str, code: str | None, result: str | None,
                         error: str | None, ev: Entry,
-                        extra: Callable[[Conn], Awaitable[None]] | None = None) -> None:
+                        extra: Callable[[Conn], Awaitable[None]] | None = None) -> bool:
+        """Write the run's end; False if it was not written (the lease is gone, or the run
+        waits for the reconciliation of unsettled operations instead)."""
         run, session = self.run, self.session
 
         async def last(conn: Conn, events: list[Entry]) -> None:
@@ -226,17 +277,17 @@ class Outcome:
 
         try:
             if not await session.last_write(last):
-                return
+                return False
         except runs_db.UnsettledOperations:
             if await self._strand():
-                return
+                return False
             # Only never-dispatched intents were left (now cancelled): end as intended.
-            await self._terminal(status, code, result, error, ev, extra)
-            return
+            return await self._terminal(status, code, result, error, ev, extra)
         except (LeaseLost, DatabaseError):
             run.lose_lease("outcome rejected")
-            return
+            return False
         run.metrics.incr(f"runs_{status}")
+        return True
 
 
 def _detail(exc: BaseException) -> dict[str, Any]:

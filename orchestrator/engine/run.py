@@ -16,6 +16,7 @@ from orchestrator import canonical
 from orchestrator.db.database import load_json
 from orchestrator.engine.control import Phase, Stop, Verdict
 from orchestrator.journal import Entry, JournalIndex
+from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
 
@@ -44,9 +45,13 @@ class RunState:
         self.cancel_requested = claim["cancel_requested_at"] is not None
         self._cancel_waiters: set[Callable[[], None]] = set()  # races to end on a cancel
         self.input = load_json(claim["input_text"])  # may raise RunUnreadable
+        self.workflow_name: str = claim["workflow_name"]
         self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
         self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
+        # The highest command position the journal held when this process claimed the run
+        # (-1: none); see replaying.
+        self.recorded_until = self.index.max_position
         self.lost = False  # the fence rejected a write (or a renewal): the lease is gone
         # When the lease ends at the earliest, by this process's monotonic clock: the
         # database set its expiry to its own now() + ttl after the claim (or renewal) was sent.
@@ -63,7 +68,8 @@ class RunState:
             self.lost = True
             self.metrics.incr("lease_losses")
             log.warning("run %s: lease %d lost (%s); this worker stops working on it",
-                        self.run_id, self.token, where)
+                        self.run_id, self.token, where,
+                        extra=fields(run_id=self.run_id, workflow=self.workflow_key))
 
     def lease_renewed(self, sent: float) -> None:
         """The lease was extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
@@ -116,6 +122,15 @@ class RunState:
         return max((self.deadline_at - self.now()).total_seconds(), 0.0)
 
     # -- boundaries and positions ------------------------------------------------------------
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the workflow is replaying history: a command the journal held when the run
+        was claimed has not been issued again yet in this process (its next position is at or
+        below the highest recorded one). Code before the last recorded command ran in an
+        earlier execution; code after it runs here first. ``ctx.log`` is silent while this
+        holds."""
+        return self.position <= self.recorded_until
 
     def next_position(self) -> int:
         position = self.position

@@ -31,6 +31,7 @@ from orchestrator.errors import (
     operation_error_json,
 )
 from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.logs import fields
 from orchestrator.registry import Tool
 from orchestrator.text import storable
 
@@ -214,7 +215,10 @@ class CallSite:
         self.run.metrics.incr("unknown_outcomes")
         log.warning("run %s: the outcome of operation %s (%s) is unknown (%s); next: %s%s",
                     self.run.run_id, op_id, self.tool.name, reason, step,
-                    f"; incident {incident}" if incident else "")
+                    f"; incident {incident}" if incident else "",
+                    extra=fields(run_id=run_id, workflow=self.run.workflow_key,
+                                 operation_id=op_id, tool=self.tool.name, code=reason,
+                                 incident=incident))
 
     async def park_blocked(self, op_id: int) -> NoReturn:
         await self.branches.park(Wait("blocked", self.position, operation_id=op_id))

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,13 @@ class Workers:
         return cur.fetchall() if cur.description else []
 
     def start(self, name: str, *, concurrency: int = 10, app: str = "tests.acceptance.flows:app",
-              **env: str) -> subprocess.Popen[bytes]:
+              args: Sequence[str] = (), **env: str) -> subprocess.Popen[bytes]:
         environ = {**os.environ, "ORCHESTRATOR_DATABASE_URL": self.url,
                    "PYTHONPATH": str(ROOT), **env}
         with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator", "worker", "--app", app,
-                 "--concurrency", str(concurrency)],
+                 "--concurrency", str(concurrency), *args],
                 cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.wait(lambda: self.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s",

@@ -145,3 +145,18 @@ async def three_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
 @app.workflow()
 async def single(ctx: WorkflowContext, data: Any) -> Any:
     return await ctx.call(record, step=1)
+
+
+@app.workflow()
+async def logged(ctx: WorkflowContext, data: Any) -> Any:
+    """Logs before and after one call (``ctx.log``: silent while it replays)."""
+    ctx.log.info("step 1 begins")
+    receipt = await ctx.call(slow_idempotent, step=1)
+    ctx.log.info("step 1 done")
+    return receipt
+
+
+@app.workflow()
+async def leaks(ctx: WorkflowContext, data: Any) -> Any:
+    """Fails with an exception whose text is a secret (it must reach no log)."""
+    raise KeyError(data["secret"])

@@ -56,6 +56,8 @@ async def price(ctx: WorkflowContext, sku: str) -> int:
 async def checkout(ctx: WorkflowContext, order: dict[str, Any]) -> dict[str, Any]:
     receipt = await ctx.call(charge, customer=order["customer"], cents=order["cents"])
     assert_type(receipt, dict[str, Any])
+    ctx.log.info("charged %s", order["customer"], extra={"step": "charge"})
+    quiet: bool = ctx.log.replaying
     cents: int = receipt["cents"]
     total = await ctx.run_child(price, "sku-1")
     assert_type(total, int)
@@ -63,7 +65,8 @@ async def checkout(ctx: WorkflowContext, order: dict[str, Any]) -> dict[str, Any
     assert_type(by_name, Any)
     assert_type(await ctx.run_child("price", "sku-2"), Any)
     both = await ctx.gather(ctx.call(quote, sku="a"), ctx.call(quote, sku="b"))
-    return {"receipt": receipt, "cents": cents + total, "both": both, "by_name": by_name}
+    return {"receipt": receipt, "cents": cents + total, "both": both, "by_name": by_name,
+            "quiet": quiet}
 
 
 the_tool: Tool[..., dict[str, Any]] = charge

@@ -1,0 +1,120 @@
+"""Log lines: the structured fields every line may carry, the two formats of the processes
+this package runs (``text``, ``json``), and ``ctx.log``'s replay-silent logger.
+
+A line about a run carries its identity as fields given with ``extra=`` (:func:`fields`):
+``run_id``, ``operation_id``, ``workflow`` (``name@version``), ``tool``, ``code`` (a stable
+code, CONTRACT C10), ``incident`` (the reference of the protected diagnostics) and ``cause``
+(an exception's type name or an error code). The text format shows the message only, which
+names the same facts in words; the JSON format (:class:`JsonFormatter`) writes one object per
+line with ``ts``, ``level``, ``logger``, ``message`` and each field that is known.
+
+No line carries tool or upstream text, an exception's message, or a run's input, arguments,
+receipts or result: those go to incidents (docs/logging.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable, MutableMapping
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from orchestrator.errors import ConfigurationError
+
+FIELDS = ("run_id", "operation_id", "workflow", "tool", "code", "incident", "cause")
+"""The structured fields a line may carry, in the order a JSON line lists them."""
+
+FORMATS = ("text", "json")
+ENV_LOG_FORMAT = "ORCHESTRATOR_LOG_FORMAT"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+def fields(**values: Any) -> dict[str, Any]:
+    """The ``extra=`` of a log call: the known fields (None left out), ids as text."""
+    return {name: str(value) if isinstance(value, uuid.UUID) else value
+            for name, value in values.items() if value is not None}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (ISO 8601, UTC, milliseconds), ``level``,
+    ``logger``, ``message``, then each of :data:`FIELDS` the record carries, and
+    ``exception`` (the formatted traceback) when the call logged one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        line: dict[str, Any] = {"ts": ts, "level": record.levelname, "logger": record.name,
+                                "message": record.getMessage()}
+        attributes = record.__dict__
+        for name in FIELDS:
+            value = attributes.get(name)
+            if value is not None:
+                line[name] = value if isinstance(value, str | int | float | bool) else str(value)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line)
+
+
+def log_format(chosen: str | None) -> str:
+    """The format a process logs in: ``chosen`` (``--log-format``), else
+    ``ORCHESTRATOR_LOG_FORMAT``, else ``text``. An unknown value in the environment is a
+    ``CONFIGURATION_ERROR`` (the flag's own values are checked by its parser)."""
+    if chosen is not None:
+        return chosen
+    value = os.environ.get(ENV_LOG_FORMAT, "").strip().lower()
+    if not value:
+        return "text"
+    if value not in FORMATS:
+        raise ConfigurationError(f"{ENV_LOG_FORMAT} must be one of {', '.join(FORMATS)}")
+    return value
+
+
+def formatter(format: str) -> logging.Formatter:
+    """The formatter of ``format`` (``text`` or ``json``)."""
+    if format == "json":
+        return JsonFormatter()
+    if format == "text":
+        return logging.Formatter(TEXT_FORMAT)
+    raise ConfigurationError(f"the log format must be one of {', '.join(FORMATS)}")
+
+
+def configure(format: str, *, level: int = logging.INFO, stream: IO[str] | None = None
+              ) -> None:
+    """Log at ``level`` and above to ``stream`` (standard error) in ``format``: what
+    ``orchestrator worker`` and ``orchestrator reconciler`` do. Like
+    :func:`logging.basicConfig`, it does nothing if the root logger has handlers already."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter(format))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+class WorkflowLogger(logging.LoggerAdapter[logging.Logger]):
+    """``ctx.log``: a logger adapter whose records carry the run's ``run_id`` and
+    ``workflow`` and are dropped while the workflow replays recorded history, so that a line
+    is written by the execution that first got past it, not again by every replay.
+
+    ``replaying()`` says whether the workflow is replaying now (the engine's
+    ``RunState.replaying``). Fields given with ``extra=`` are kept; the run's own win."""
+
+    def __init__(self, logger: logging.Logger, replaying: Callable[[], bool],
+                 run_fields: dict[str, Any]) -> None:
+        super().__init__(logger, run_fields)
+        self._replaying = replaying
+
+    @property
+    def replaying(self) -> bool:
+        """True while the workflow replays recorded history (its lines are dropped)."""
+        return self._replaying()
+
+    def isEnabledFor(self, level: int) -> bool:
+        # LoggerAdapter.log asks this before anything else: every level method goes here.
+        return not self._replaying() and self.logger.isEnabledFor(level)
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]
+                ) -> tuple[Any, MutableMapping[str, Any]]:
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        return msg, kwargs

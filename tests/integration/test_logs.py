@@ -1,0 +1,169 @@
+"""What workers and reconcilers log (docs/logging.md): a line per run that fails or needs
+reconciliation, with its ids, code and incident and never the upstream text; ``ctx.log``,
+silent while a workflow replays."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from orchestrator import OperationUncertain, RunFailed
+from orchestrator.logs import JsonFormatter
+from tests.integration.conftest import running, wait_for
+
+SECRET = "sk_live_SECRET"
+
+
+def _lines(caplog: pytest.LogCaptureFixture, logger: str, **match: Any) -> list[dict[str, Any]]:
+    """The records of ``logger`` as JSON lines (what ``--log-format json`` writes) whose fields
+    equal ``match``."""
+    formatter = JsonFormatter()
+    lines = [json.loads(formatter.format(r)) for r in caplog.records if r.name == logger]
+    return [line for line in lines if all(line.get(k) == v for k, v in match.items())]
+
+
+def _no_secret(caplog: pytest.LogCaptureFixture) -> None:
+    formatter = JsonFormatter()
+    assert SECRET not in caplog.text
+    assert not [r for r in caplog.records if SECRET in formatter.format(r)]
+
+
+async def _bad_result(ctx: Any, data: Any) -> Any:
+    return {SECRET}  # not a JSON value: INVALID_REQUEST, the run fails
+
+
+async def _key_error(ctx: Any, data: Any) -> Any:
+    return {}[SECRET]  # KeyError('sk_live_SECRET')
+
+
+@pytest.mark.parametrize(("body", "cause"), [
+    (_key_error, "KeyError"),
+    (_bad_result, "INVALID_REQUEST"),
+    ("bad_arguments", "INVALID_REQUEST"),
+])
+async def test_a_failed_run_is_logged_with_its_code_and_incident_and_no_secret(
+        app, caplog, body, cause):  # type: ignore[no-untyped-def]
+    @app.tool()
+    async def charge(ctx, *, amount):  # type: ignore[no-untyped-def]
+        return {"charged": amount}
+
+    async def bad_arguments(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, token=SECRET)  # no such argument: INVALID_REQUEST
+
+    wf = app.workflow(name="pays")(bad_arguments if body == "bad_arguments" else body)
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        with pytest.raises(RunFailed) as failed:
+            await run.result_async(timeout=10)
+    assert failed.value.code == "WORKFLOW_FAILED"
+    lines = _lines(caplog, "orchestrator.worker", run_id=str(run.id))
+    assert lines == [{
+        "ts": lines[0]["ts"], "level": "INFO", "logger": "orchestrator.worker",
+        "message": f"run {run.id} (pays@1) failed: WORKFLOW_FAILED "
+                   f"(incident {failed.value.incident}; cause {cause})",
+        "run_id": str(run.id), "workflow": "pays@1", "code": "WORKFLOW_FAILED",
+        "incident": failed.value.incident, "cause": cause}]
+    _no_secret(caplog)
+
+
+async def test_a_run_that_needs_reconciliation_is_logged_and_so_is_the_reconciler(
+        app, sql, caplog):  # type: ignore[no-untyped-def]
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError(f"upstream said {SECRET}")  # sent, outcome unknown
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app):
+        run = await app.submit_async(pay, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs "
+                                   "WHERE status = 'needs_reconciliation'"))
+        await app.create_reconciler().run_once()
+        with pytest.raises(OperationUncertain):
+            await run.outcome_async()
+    op = sql("SELECT id FROM orchestrator.operations")[0]["id"]
+    unknown = sql("SELECT payload->>'incident' AS ref FROM orchestrator.journal "
+                  "WHERE kind = 'call.unknown'")[0]["ref"]
+    assert unknown.startswith("inc_")
+    parked = _lines(caplog, "orchestrator.worker", level="INFO", run_id=str(run.id))
+    assert [(p["message"], p["operation_id"], p["tool"], p["incident"]) for p in parked] == [
+        (f"run {run.id} (pay@1) needs reconciliation: it waits for the outcome of operation "
+         f"{op} (charge); incident {unknown}", op, "charge", unknown)]
+    handed = _lines(caplog, "orchestrator.reconciler", run_id=str(run.id))
+    assert [(h["message"], h["operation_id"], h["tool"]) for h in handed] == [
+        (f"run {run.id}: operation {op} handed to operators: tool charge has no lookup here",
+         op, "charge")]
+    _no_secret(caplog)
+
+
+async def test_ctx_log_is_silent_while_the_workflow_replays(app, sql, caplog):
+    """Parked on an event, then on a timer: each execution replays the earlier ones' code.
+    Each line is written once, by the execution that first got past it."""
+    seen: list[tuple[str, bool]] = []
+
+    @app.workflow()
+    async def chatty(ctx, data):  # type: ignore[no-untyped-def]
+        seen.append(("start", ctx.log.replaying))
+        ctx.log.info("waiting for approval of order %s", data["order"])
+        got = await ctx.wait_for_event("approved")  # position 0: parks
+        seen.append(("approved", ctx.log.replaying))
+        ctx.log.info("approved by %s", got["by"], extra={"step": "approval"})
+        await ctx.sleep(timedelta(seconds=1.2))  # position 1: parks (not slept in memory)
+        seen.append(("awake", ctx.log.replaying))
+        ctx.log.warning("done")
+        return "ok"
+
+    caplog.set_level(logging.INFO, logger="orchestrator.workflow")
+    async with running(app) as worker:
+        run = await app.submit_async(chatty, {"order": 7})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE status = 'waiting' "
+                                   "AND waiting_for LIKE 'event%'"))
+        await app.send_event_async(run.id, "approved", {"by": "carol"})
+        assert await run.result_async(timeout=15) == "ok"
+    assert worker.claimed == 3  # run, replayed after the event, replayed after the timer
+    assert seen == [("start", False),
+                    ("start", True), ("approved", False),
+                    ("start", True), ("approved", True), ("awake", False)]
+    records = [r for r in caplog.records if r.name == "orchestrator.workflow.chatty"]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        ("INFO", "waiting for approval of order 7"), ("INFO", "approved by carol"),
+        ("WARNING", "done")]
+    for record in records:
+        assert (record.run_id, record.workflow) == (str(run.id), "chatty@1")  # type: ignore[attr-defined]
+    assert records[1].step == "approval"  # type: ignore[attr-defined]
+    assert all(r.funcName == "chatty" for r in records)  # the caller's line, not the adapter's
+
+
+async def test_a_run_that_cannot_end_for_an_unrecorded_outcome_is_logged(app, sql, caplog):
+    """The guard that keeps a run from ending with an operation dispatched without an outcome
+    (here a row fabricated while the run waited) parks it for reconciliation, and says so."""
+    @app.workflow()
+    async def waits(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("go")
+        return "done"
+
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app):
+        run = await app.submit_async(waits, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE status = 'waiting'"))
+        op = sql("""INSERT INTO orchestrator.operations (run_id, position, attempt, tool_name,
+                        tool_version, effect_class, tenant, principal, intent_digest, arguments,
+                        idempotency_key, state)
+                    SELECT id, 9, 1, 'ghost', '1', 'consequential', tenant, principal, 'x',
+                           '{}', 'k', 'submitted' FROM orchestrator.runs
+                    RETURNING id""")[0]["id"]
+        await app.send_event_async(run.id, "go")
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs "
+                                   "WHERE status = 'needs_reconciliation'"))
+    parked = _lines(caplog, "orchestrator.worker", level="INFO", run_id=str(run.id))
+    assert [(p["message"], p["operation_id"], p["tool"]) for p in parked] == [
+        (f"run {run.id} (waits@1) needs reconciliation: it waits for the outcome of operation "
+         f"{op} (ghost)", op, "ghost")]

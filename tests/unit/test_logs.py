@@ -1,0 +1,142 @@
+"""The log formats, the log-format choice and ``ctx.log``'s adapter, without a database."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+
+import pytest
+
+from orchestrator import cli
+from orchestrator.db.config import EMBEDDED_LOGGER, quiet_embedded_logs
+from orchestrator.errors import ConfigurationError
+from orchestrator.logs import (
+    ENV_LOG_FORMAT,
+    JsonFormatter,
+    WorkflowLogger,
+    fields,
+    formatter,
+    log_format,
+)
+from tests.clitools import cli_env, command
+
+RUN = "01a2b3c4-0000-7000-8000-000000000001"
+
+
+@pytest.fixture
+def json_log() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    """A logger of its own that writes JSON lines to a buffer."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("tests.unit.logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    yield logger, out
+    logger.removeHandler(handler)
+
+
+def _lines(out: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_a_json_line_has_the_known_fields_and_nothing_else(json_log) -> None:  # type: ignore[no-untyped-def]
+    logger, out = json_log
+    logger.info("run %s failed\nacross lines", RUN, extra=fields(
+        run_id=uuid.UUID(RUN), operation_id=7, workflow="pay@1", tool=None, code="X",
+        incident="inc_1"))
+    logger.warning("plain")
+    first, second = _lines(out)
+    assert datetime.fromisoformat(str(first.pop("ts"))).utcoffset() is not None
+    assert first == {"level": "INFO", "logger": "tests.unit.logs",
+                     "message": f"run {RUN} failed\nacross lines", "run_id": RUN,
+                     "operation_id": 7, "workflow": "pay@1", "code": "X", "incident": "inc_1"}
+    assert list(first)[:3] == ["level", "logger", "message"]
+    assert {k for k in second if k != "ts"} == {"level", "logger", "message"}
+    assert out.getvalue().count("\n") == 2  # one object per line, newlines escaped
+
+
+def test_a_logged_exception_goes_in_its_own_field(json_log) -> None:  # type: ignore[no-untyped-def]
+    logger, out = json_log
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logger.exception("failed")
+    (line,) = _lines(out)
+    assert line["message"] == "failed"
+    assert str(line["exception"]).startswith("Traceback") and "RuntimeError" in str(
+        line["exception"])
+
+
+def test_the_format_comes_from_the_flag_then_the_environment_then_text(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_LOG_FORMAT, raising=False)
+    assert log_format(None) == "text"
+    monkeypatch.setenv(ENV_LOG_FORMAT, " JSON ")
+    assert log_format(None) == "json"
+    assert log_format("text") == "text"
+    monkeypatch.setenv(ENV_LOG_FORMAT, "yaml")
+    with pytest.raises(ConfigurationError, match=f"{ENV_LOG_FORMAT} must be one of text, json"):
+        log_format(None)
+    assert isinstance(formatter("json"), JsonFormatter)
+    assert not isinstance(formatter("text"), JsonFormatter)
+    with pytest.raises(ConfigurationError):
+        formatter("yaml")
+
+
+@pytest.mark.parametrize("group", ["worker", "reconciler"])
+def test_worker_and_reconciler_take_log_format(group: str) -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args([group, "--app", "m:a"]).log_format is None
+    assert parser.parse_args([group, "--app", "m:a", "--log-format", "json"]).log_format == (
+        "json")
+
+
+def test_a_bad_log_format_is_refused_before_anything_starts() -> None:
+    flag = subprocess.run([*command(), "worker", "--app", "m:a", "--log-format", "yaml"],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert flag.returncode == 2 and "invalid choice: 'yaml'" in flag.stderr
+    env = {**cli_env(None), ENV_LOG_FORMAT: "yaml"}
+    bad = subprocess.run([*command(), "reconciler", "--app", "m:a"], env=env,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert (bad.returncode, bad.stderr) == (
+        2, f"orchestrator: error: CONFIGURATION_ERROR: {ENV_LOG_FORMAT} must be one of text, "
+           "json\n")
+
+
+def test_the_workflow_logger_is_silent_while_replaying(json_log) -> None:  # type: ignore[no-untyped-def]
+    logger, out = json_log
+    replaying = True
+    log = WorkflowLogger(logger, lambda: replaying, {"run_id": RUN, "workflow": "pay@1"})
+    assert log.replaying and not log.isEnabledFor(logging.ERROR)
+    log.info("replayed")
+    log.error("replayed too")
+    replaying = False
+    assert not log.replaying and log.isEnabledFor(logging.DEBUG)
+    log.info("live %d", 1, extra={"step": "a", "run_id": "forged"})
+    logger.setLevel(logging.INFO)
+    assert not log.isEnabledFor(logging.DEBUG)  # the logger's own level still counts
+    log.debug("below the level")
+    assert [(line["message"], line["run_id"], line["workflow"]) for line in _lines(out)] == [
+        ("live 1", RUN, "pay@1")]
+
+
+def test_the_embedded_servers_chatter_is_raised_to_warning_unless_the_app_chose() -> None:
+    logger = logging.getLogger(EMBEDDED_LOGGER)
+    before = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        quiet_embedded_logs()
+        assert logger.level == logging.WARNING
+        logger.setLevel(logging.DEBUG)  # the application's own choice
+        quiet_embedded_logs()
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)
