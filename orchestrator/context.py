@@ -117,7 +117,10 @@ class WorkflowContext:
     ) -> Awaitable[Any]:
         """Wait for ``send_event(run, name, payload)``; return the payload.
 
-        Raises :class:`TimeoutError` when ``timeout`` passes first.
+        Raises :class:`~orchestrator.EventTimeout` (``EVENT_TIMEOUT``, with ``event``; also a
+        :class:`TimeoutError`) when ``timeout`` passes first; the timeout is journaled, so a
+        replay raises it again here. Uncaught, it fails the run with ``WORKFLOW_FAILED`` and
+        the cause ``{"code": "EVENT_TIMEOUT", "event": name}``.
         """
         return self._ex.wait_for_event(self._ex.next_position(), name, timeout)
 

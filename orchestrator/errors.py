@@ -21,21 +21,35 @@ The tree::
     ├── RunUnreadable                 RUN_UNREADABLE (a stored value cannot be decoded)
     ├── LeaseLost                     LEASE_LOST (internal to workers; never a run outcome)
     ├── ResultTimeout                 RESULT_TIMEOUT (carries the run's current ``status``)
-    ├── ToolFailed                    TOOL_FAILED (raised into workflow code)
+    ├── ToolFailed                    TOOL_FAILED, TOOL_DENIED (raised into workflow code)
+    ├── EventTimeout                  EVENT_TIMEOUT (raised into workflow code; also a
+    │                                 built-in ``TimeoutError``)
     ├── OperationInProgress           OPERATION_IN_PROGRESS
     ├── OperationUncertain            OPERATION_UNCERTAIN (carries ``known_operations``)
     ├── ResolutionConflict            RESOLUTION_CONFLICT
     └── RunFailed                     the run's outcome code: WORKFLOW_FAILED, CANCELLED,
-                                      DEADLINE_EXCEEDED, NONDETERMINISM, OPERATION_ABANDONED
+                                      DEADLINE_EXCEEDED, NONDETERMINISM, OPERATION_ABANDONED;
+                                      ``cause`` names what stopped it (below)
 
 :class:`WorkflowError` is not an orchestrator failure: workflow code raises it on purpose to fail
 a run with a message that callers may see (CONTRACT C13).
+
+A run that workflow code let an orchestrator error escape from fails with ``WORKFLOW_FAILED``
+(the outcome codes do not change), and its stored error, its ``run.failed`` journal entry and
+the caller's :class:`RunFailed` name that error as the run's ``cause``: a dict of controlled
+fields, never tool text. ``{"code": "TOOL_FAILED", "tool": "charge", "cause": "timeout",
+"reason": "budget", "attempts": 1, "reconciled": "lookup"}`` for a call that failed,
+``{"code": "EVENT_TIMEOUT", "event": "approval"}`` for a wait that timed out,
+``{"code": "WORKFLOW_FAILED", "run_id": "…", "cause": …}`` for a child run, and ``{"code":
+CODE}`` for any other. The run's one incident reference leads to the rest (the tool's
+incidents, the lookups', the call's timeline).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from datetime import datetime
 from typing import Any
 
 
@@ -44,11 +58,13 @@ def new_incident_ref() -> str:
     return "inc_" + secrets.token_hex(8)
 
 
-def error_json(code: str, message: str, incident: str | None) -> str:
+def error_json(code: str, message: str, incident: str | None,
+               cause: dict[str, Any] | None = None) -> str:
     """A run's stored error (what its owner reads): ``incident`` names its diagnostics (None:
-    there are none, as for a cancellation). Built only from controlled fields (C10)."""
+    there are none, as for a cancellation), ``cause`` the orchestrator error that stopped the
+    workflow (None: there was none). Built only from controlled fields (C10)."""
     return json.dumps({"code": code, "message": message, "retryable": False,
-                       "incident": incident})
+                       "incident": incident, "cause": cause})
 
 
 def operation_error_json(code: str, **fields: Any) -> str:
@@ -193,11 +209,22 @@ class ResultTimeout(OrchestratorError):
 
 
 class RunFailed(OrchestratorError):
-    """The run ended without success; ``code`` is its outcome (CONTRACT C13)."""
+    """The run ended without success; ``code`` is its outcome (CONTRACT C13).
 
-    def __init__(self, message: str, *, code: str, run_id: str, **kw: Any) -> None:
+    ``cause`` is what stopped the workflow when that was an orchestrator error it did not
+    catch (a :class:`ToolFailed`, an :class:`EventTimeout`, a child's :class:`RunFailed`): a
+    dict of controlled fields whose ``code`` is that error's (see the module docstring), or
+    None. ``incident`` leads operators to the whole story.
+    """
+
+    def __init__(self, message: str, *, code: str, run_id: str,
+                 cause: dict[str, Any] | None = None, **kw: Any) -> None:
         super().__init__(message, code=code, **kw)
         self.run_id = run_id
+        self.cause = cause
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "cause": self.cause}
 
 
 class WorkflowError(Exception):
@@ -216,16 +243,38 @@ class ToolFailed(OrchestratorError):
     """Raised into workflow code when a tool call failed definitively (nothing was applied).
 
     The tool's own message is not part of this error; it is in the incident's diagnostics.
+    ``position`` is the journal position of the call (set by the engine; None for one that
+    workflow code made itself): a run that this error fails names the call's story from there.
     """
 
     code = "TOOL_FAILED"
 
     def __init__(self, message: str, *, tool: str, cause: str | None = None,
-                 reason: str | None = None, **kw: Any) -> None:
+                 reason: str | None = None, position: int | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.tool = tool
         self.cause = cause  # e.g. authentication, conflict, rate_limited, denied
         self.reason = reason  # why it was not retried: cause, visible, effects or budget
+        self.position = position
+
+
+class EventTimeout(OrchestratorError, TimeoutError):
+    """Raised into workflow code when ``ctx.wait_for_event(name, timeout=...)`` passed its
+    timeout before the event arrived (CONTRACT C11). Its timeout is journaled, so a replay
+    raises it again at the same command.
+
+    Catch it to go another way. Uncaught, the run fails with ``WORKFLOW_FAILED`` and its
+    ``cause`` ``{"code": "EVENT_TIMEOUT", "event": name}``. It is a :class:`TimeoutError`
+    too, so workflow code written for the built-in exception keeps working.
+    """
+
+    code = "EVENT_TIMEOUT"
+
+    def __init__(self, message: str, *, event: str, timeout_at: datetime | None = None,
+                 **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.event = event
+        self.timeout_at = timeout_at
 
 
 class OperationInProgress(OrchestratorError):

@@ -116,3 +116,51 @@ class ToolError(Exception):
         if self.applied is False:
             return Classification(self.cause or "not_applied", "none", self.retryable)
         return Classification(self.cause or "outcome_unknown", "unknown", False)
+
+
+ENGINE_CAUSES = frozenset({
+    # classify_status
+    "authentication", "invalid_request", "conflict", "rate_limited", "request_timeout",
+    "upstream_error", "rejected",
+    # ToolError's own defaults, and the transport kinds its documentation names
+    "not_applied", "outcome_unknown", "connection_before_send", "connection_after_send",
+    "timeout_before_send", "timeout_after_send",
+    # the policy stages and the calls workflow code withdrew
+    "denied", "policy_timeout", "cancelled",
+    # why an attempt's outcome was unknown before reconciliation proved it not applied
+    "timeout", "invalid_receipt", "worker_lost", "outcome_unrecorded",
+})
+"""The cause words the orchestrator itself produces for a failed tool call."""
+
+TOOL_DEFINED = "tool_defined"
+"""What a public error says of a cause word the tool chose itself (:func:`public_cause`)."""
+
+STOP_REASONS = frozenset({"cause", "visible", "effects", "budget"})
+"""Why a failed call was not retried (``orchestrator.recovery.StopReason``)."""
+
+
+def public_cause(cause: str | None) -> str | None:
+    """``cause`` as a public error may carry it (CONTRACT C10): the word itself when the
+    orchestrator produces it (:data:`ENGINE_CAUSES`), :data:`TOOL_DEFINED` for any other.
+    A tool may name its own cause (``ToolError(cause=...)``, ``ToolError.before_send(kind)``),
+    and what it chose is tool text: it stays in the incident's diagnostics."""
+    if cause is None:
+        return None
+    return cause if cause in ENGINE_CAUSES else TOOL_DEFINED
+
+
+def unknown_cause(reason: str, phase: str | None, upstream_status: int | None) -> str:
+    """Why an attempt's outcome was unknown, as a cause word: from the ``call.unknown``
+    entry's ``reason`` and the phase and upstream status of the incident it names (None:
+    it names none). A timed-out dispatch is ``timeout``; a tool's failure with a provider's
+    status is that status's cause; any other tool failure is ``outcome_unknown``."""
+    if reason == "TOOL_OUTCOME_UNCERTAIN":
+        if phase == "dispatch":
+            # The only dispatch incident a failed call can follow: the run's own cancellation
+            # after dispatch stops the run cancelled instead, never as a failed call.
+            return "timeout"
+        if phase == "tool" and upstream_status is not None and upstream_status >= 400:
+            return classify_status(upstream_status).cause
+        return "outcome_unknown"
+    return {"INVALID_RECEIPT": "invalid_receipt", "WORKER_LOST": "worker_lost",
+            "OUTCOME_UNRECORDED": "outcome_unrecorded"}.get(reason, "outcome_unknown")

@@ -169,7 +169,9 @@ def _outcome(row: dict[str, Any]) -> Any:
     error = row["error"] or {}
     code = row["outcome_code"] or ("CANCELLED" if row["status"] == "cancelled"
                                    else "WORKFLOW_FAILED")
+    cause = error.get("cause")
     raise RunFailed(error.get("message", "the run failed"), code=code, run_id=str(row["id"]),
+                    cause=cause if isinstance(cause, dict) else None,
                     incident=error.get("incident"))
 
 

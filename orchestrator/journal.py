@@ -80,9 +80,9 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.VALUE: (("value",), ()),
     K.CHILD_STARTED: (("run_id", "version"), ()),
     K.CHILD_COMPLETED: (("result",), ()),
-    K.CHILD_FAILED: (("code", "message"), ()),
+    K.CHILD_FAILED: (("code", "message"), ("cause",)),
     K.RUN_COMPLETED: (("result",), ()),
-    K.RUN_FAILED: (("code", "message", "incident"), ()),
+    K.RUN_FAILED: (("code", "message", "incident"), ("cause",)),
     K.RUN_CANCELLED: ((), ()),
 }
 """The payload of each kind: the fields it always has, and those only some entries have."""

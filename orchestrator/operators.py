@@ -19,8 +19,9 @@ Who sees what:
 - Protected diagnostics (incidents: upstream text, tracebacks, what a lookup said) need the
   incident-reader grant as well (``Orchestrator(incident_readers=[...])``; without it, any
   operator in scope). The grant adds reading within the operator's tenants, never across them.
-  Every other view shows a lookup's answer, attempt and time, and the incident reference that
-  holds its text.
+  :meth:`Operators.show` gives everyone a lookup's answer, attempt and time, whether it gave a
+  reason and the incident reference that keeps it; the reason itself (the text of a
+  ``NotApplied`` or ``StillUnknown``, which may hold secrets) only to incident readers.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
 from orchestrator.db import journal as journal_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import Database
-from orchestrator.db.events import incident_get, incidents_of_operations
+from orchestrator.db.events import incident_get, incident_reasons, incidents_of_operations
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
@@ -255,8 +256,13 @@ class Operators:
 
     async def show(self, operation_id: int, *, operator: str) -> dict[str, Any]:
         """The item with the operation's intent, arguments, owner, every attempt at its
-        position, its incidents, the lookup history (answer, attempt, time and the incident
-        that keeps what the lookup said), the evidence and the run's timeline."""
+        position, its incidents, the lookup history, the evidence and the run's timeline.
+
+        Each lookup has its ``answer``, ``attempt``, time (``created_at``), ``has_reason``
+        (it said something, kept in its ``incident``) and ``reason``: what it said, for an
+        incident reader, else None. ``reasons`` says which: ``shown``, ``withheld`` (the
+        operator lacks the incident-reader grant) or ``unreadable`` (the database role may
+        read only the incidents' summary, ``db grant --no-incident-details``)."""
         check_operation_id(operation_id)
         tenants = self.tenants_of(operator)
         async with self.db.connection() as conn:
@@ -264,7 +270,7 @@ class Operators:
             if item is None:
                 raise await reconcile.not_queued(conn, operation_id, tenants)
             attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
-            return {
+            shown = {
                 **item,
                 "attempts": attempts,
                 "incidents": await incidents_of_operations(
@@ -274,6 +280,25 @@ class Operators:
                 "audit": await recon_db.audit_list(conn, target_id=str(operation_id),
                                                    tenants=tenants),
             }
+        return await self._with_reasons(shown, operator)
+
+    async def _with_reasons(self, shown: dict[str, Any], operator: str) -> dict[str, Any]:
+        """``shown``'s lookups with what they said, for an incident reader (the item is in
+        the operator's tenants, and so are its run's incidents)."""
+        lookups = [{**x, "has_reason": x["incident"] is not None, "reason": None}
+                   for x in shown["lookups"]]
+        refs = [x["incident"] for x in lookups if x["incident"] is not None]
+        reasons, said = "withheld", {}
+        if self.may_read_incidents(operator):
+            try:
+                async with self.db.connection() as conn:
+                    said = await incident_reasons(conn, shown["run_id"], refs) if refs else {}
+                reasons = "shown"
+            except ConfigurationError:  # no SELECT on incidents.detail for this role
+                reasons = "unreadable"
+        for x in lookups:
+            x["reason"] = said.get(x["incident"])
+        return {**shown, "lookups": lookups, "reasons": reasons}
 
     async def incident(self, ref: str, *, operator: str) -> dict[str, Any]:
         """The protected diagnostics behind an incident reference, for an incident reader

@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option
-from orchestrator.cli.tables import cell
+from orchestrator.cli.tables import cell, render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -77,8 +77,22 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"{name + ':':<16} {cell(row[name])}")
     detail = dict(row["detail"])
     trace = detail.pop("traceback", None)
+    related, timeline = detail.pop("incidents", None), detail.pop("timeline", None)
     print("detail:")
     print(json.dumps(detail, indent=2, sort_keys=True))
+    if isinstance(related, list) and related:
+        # A failed run's incident names the call's own (the tool's, the lookups'): open them
+        # the same way.
+        print("related incidents (orchestrator incidents show REF --operator NAME):")
+        print(render(["REF", "CODE", "OP", "PHASE", "CAUSE"],
+                     [[i.get("ref"), i.get("code"), i.get("operation_id"), i.get("phase"),
+                       i.get("cause")] for i in related if isinstance(i, dict)]))
+    if isinstance(timeline, list) and timeline:
+        print("the call's timeline:")
+        for e in timeline:
+            if isinstance(e, dict):
+                print(f"  {e.get('seq')}  {e.get('at')}  {e.get('kind')}  "
+                      f"{json.dumps(e.get('payload'), sort_keys=True, default=str)}")
     if isinstance(trace, str):
         print("traceback:")
         print(trace.rstrip())

@@ -128,10 +128,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(render(["REF", "OP", "PHASE", "CAUSE", "AT"],
                      [[i["ref"], i["operation_id"], i["phase"], i["cause"], i["created_at"]]
                       for i in d["incidents"]]))
-    print("\nlookups (what a lookup said is kept in its incident)")
-    print(render(["#", "ANSWER", "INCIDENT", "AT"],
-                 [[x["attempt"], x["answer"], x["incident"] or "", x["created_at"]]
-                  for x in d["lookups"]]) if d["lookups"] else "(none)")
+    _lookups(d)
     if d["evidence"]:
         print("\nevidence")
         for e in d["evidence"]:
@@ -152,6 +149,37 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"[--then resend|fail] --evidence TEXT --operator NAME\n      orchestrator ops "
               f"abandon {op} --evidence TEXT --operator NAME")
     return 0
+
+
+_WHY_NO_REASONS = {
+    "withheld": "reading them needs the incident-reader grant",
+    "unreadable": "this database role may read only the incidents' summary",
+}
+
+
+def _lookups(d: dict[str, Any]) -> None:
+    """The lookup history: answer, attempt and time for everyone; what each lookup said
+    (tool text, kept in its incident) only for an incident reader, in full."""
+    print("\nlookups (what a lookup said is kept in its incident)")
+    if not d["lookups"]:
+        print("(none)")
+        return
+    print(render(["#", "ANSWER", "REASON", "INCIDENT", "AT"],
+                 [[x["attempt"], x["answer"], _reason_cell(x, d["reasons"]),
+                   x["incident"] or "", x["created_at"]] for x in d["lookups"]]))
+    said = [x for x in d["lookups"] if x["reason"] is not None]
+    for x in said:
+        print(f"  #{x['attempt']} said: {x['reason']}")
+    if d["reasons"] in _WHY_NO_REASONS and any(x["has_reason"] for x in d["lookups"]):
+        print(f"  (the reasons stay in their incidents: {_WHY_NO_REASONS[d['reasons']]})")
+
+
+def _reason_cell(x: dict[str, Any], reasons: str) -> str:
+    if not x["has_reason"]:
+        return "(none)"
+    if x["reason"] is not None:
+        return f"see #{x['attempt']} below"
+    return "(kept in the incident)" if reasons == "shown" else f"({reasons})"
 
 
 NEXT = {"resend": "; the run was woken and sends the call again as a new attempt",

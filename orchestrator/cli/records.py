@@ -41,11 +41,14 @@ def emit(document: Mapping[str, Any]) -> None:
 
 
 def error_record(error: Any) -> dict[str, Any] | None:
-    """A run's public error: its code, message and incident reference (C10)."""
+    """A run's public error: its code, message, incident reference and cause (C10; the cause
+    holds controlled fields only, see :mod:`orchestrator.errors`)."""
     if not isinstance(error, dict):
         return None
+    cause = error.get("cause")
     return {"code": error.get("code"), "message": error.get("message"),
-            "incident": error.get("incident")}
+            "incident": error.get("incident"),
+            "cause": cause if isinstance(cause, dict) else None}
 
 
 def run_summary(r: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,8 +158,10 @@ def item_detail(d: Mapping[str, Any]) -> dict[str, Any]:
                        "phase": x["phase"], "cause": x["cause"], "at": iso(x["created_at"])}
                       for x in d["incidents"]],
         "lookups": [{"attempt": x["attempt"], "answer": x["answer"],
-                     "incident": x["incident"], "at": iso(x["created_at"])}
+                     "incident": x["incident"], "at": iso(x["created_at"]),
+                     "has_reason": x["has_reason"], "reason": x["reason"]}
                     for x in d["lookups"]],
+        "reasons": d["reasons"],
         "audit": [{"id": ident(a["id"]), "at": iso(a["created_at"]), "operator": a["operator"],
                    "action": a["action"], "evidence": a["evidence"], "before": a["before"],
                    "after": a["after"]} for a in d["audit"]],

@@ -117,6 +117,22 @@ def _summary(payload: Any, kind: str = "") -> str:
     return cell(payload)
 
 
+def cause_text(cause: Any) -> str | None:
+    """A run's public cause in a line: ``TOOL_FAILED (tool charge, cause timeout, reason
+    budget, attempts 1, reconciled lookup)``; a child run's own cause follows its id."""
+    if not isinstance(cause, dict):
+        return None
+    parts = [f"{key} {value}" for key, value in cause.items()
+             if key not in ("code", "cause") and value is not None and not isinstance(value, dict)]
+    inner = cause.get("cause")
+    if isinstance(inner, str):
+        parts.insert(1 if "tool" in cause else 0, f"cause {inner}")
+    text = str(cause.get("code")) + (f" ({', '.join(parts)})" if parts else "")
+    if isinstance(inner, dict):
+        text += f"; its cause: {cause_text(inner)}"
+    return text
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     run_id = parse_run_id(args.run_id)
     detail = asyncio.run(_with_db(args, lambda db: admin.show_run(db, run_id)))
@@ -144,6 +160,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         incident = run["error"].get("incident")
         fields.append(("error", run["error"].get("message")
                        + (f" (incident {incident})" if incident else "")))
+        fields.append(("cause", cause_text(run["error"].get("cause"))))
     for name, value in fields:
         if value is not None:
             print(f"{name + ':':<15} {cell(value)}")

@@ -85,12 +85,26 @@ async def incident_record(conn: Conn, row: dict[str, Any]) -> None:
 
 async def incidents_of_operations(conn: Conn, run_id: uuid.UUID, operation_ids: list[int]
                                   ) -> list[dict[str, Any]]:
-    """The incident references kept for some operations of a run, oldest first."""
+    """The incident references kept for some operations of a run, oldest first, with their
+    summary (never ``detail``: a role granted only the summary may read this)."""
     cur = await conn.execute(
-        f"""SELECT ref, operation_id, phase, cause, created_at FROM {S}.incidents
+        f"""SELECT ref, code, operation_id, phase, cause, upstream_status, created_at
+            FROM {S}.incidents
             WHERE run_id = %s AND operation_id = ANY(%s) ORDER BY created_at, ref""",
         (run_id, operation_ids))
     return await cur.fetchall()
+
+
+async def incident_reasons(conn: Conn, run_id: uuid.UUID, refs: list[str]) -> dict[str, str]:
+    """What lookups said (a ``NotApplied``'s or ``StillUnknown``'s reason), by the reference
+    of the ``LOOKUP`` incident that keeps it: tool text, read from ``detail`` (a role granted
+    only the incidents' summary is refused, ``CONFIGURATION_ERROR``)."""
+    cur = await conn.execute(
+        f"""SELECT ref, detail->>'reason' AS reason FROM {S}.incidents
+            WHERE run_id = %s AND ref = ANY(%s) AND code = 'LOOKUP'""",
+        (run_id, refs))
+    return {row["ref"]: row["reason"] for row in await cur.fetchall()
+            if row["reason"] is not None}
 
 
 async def incident_get(conn: Conn, ref: str) -> dict[str, Any] | None:

@@ -126,6 +126,18 @@ async def journal_unknown_calls(conn: Conn, run_id: uuid.UUID, positions: Sequen
     return list(await cur.fetchall())
 
 
+async def journal_read_position(conn: Conn, run_id: uuid.UUID, position: int) -> list[Entry]:
+    """The entries of one command position of a run, oldest first (a failed call's story)."""
+    cur = await conn.execute(
+        f"""
+        SELECT seq, kind, position, name, schema_version, payload, lease_token, created_at
+        FROM {S}.journal WHERE run_id = %s AND position = %s ORDER BY seq
+        """,
+        (run_id, position),
+    )
+    return list(await cur.fetchall())
+
+
 def receipt_entry_sql(rows: str) -> str:
     """The ``call.completed`` journal rows (at ``expected + 1``) of the riding receipts that CTE
     ``done`` committed, as a SELECT for :data:`JOURNAL_INSERT`."""

@@ -35,7 +35,7 @@ from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite
 from orchestrator.engine.stages import Stages, policy_stages
 from orchestrator.errors import InvalidRequest, ToolFailed
-from orchestrator.failures import ToolError
+from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
 from orchestrator.recovery import parse_retry_after
 
@@ -253,7 +253,10 @@ class Call(CallSite):
             if cls.effects != "unknown":
                 upstream, invalid = parse_retry_after(exc.retry_after, self.run.now())
                 decision = aftermath.decide(cls, number, (upstream, invalid))
-                return await aftermath.definitive(op_id, number, decision, cls.cause, ref)
+                # The journal (which owners read) keeps only a cause word the orchestrator
+                # knows; one the tool chose is tool text and stays in the incident (C10).
+                return await aftermath.definitive(op_id, number, decision,
+                                                  public_cause(cls.cause) or "tool_defined", ref)
         return await aftermath.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
 
     async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:

@@ -19,7 +19,7 @@ from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.control import Wait, as_seconds
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
-from orchestrator.errors import InvalidRequest, RunFailed, UnknownWorkflow
+from orchestrator.errors import EventTimeout, InvalidRequest, RunFailed, ToolFailed, UnknownWorkflow
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.models import Owner
 from orchestrator.registry import Registry, Tool, Workflow
@@ -81,9 +81,13 @@ class Commands:
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
         resolved = self._tool(tool)
-        with self.branches.active(position):
-            return await Call(self.run, self.session, self.branches, self.config, position,
-                              resolved, arguments).perform()
+        try:
+            with self.branches.active(position):
+                return await Call(self.run, self.session, self.branches, self.config,
+                                  position, resolved, arguments).perform()
+        except ToolFailed as exc:
+            exc.position = position  # where a failed run's incident finds the call's story
+            raise
 
     async def sleep(self, position: int, duration: timedelta | float) -> None:
         run = self.run
@@ -114,12 +118,12 @@ class Commands:
         if recorded:
             outcome = run.index.last(position, (EventKind.EVENT_RECEIVED,
                                                 EventKind.EVENT_TIMEOUT))
-            if outcome is not None:
-                if outcome["kind"] == EventKind.EVENT_TIMEOUT:
-                    raise TimeoutError(f"event {name!r} did not arrive in time")
-                return outcome["payload"]["payload"]
             raw = recorded[0]["payload"]["timeout_at"]
             timeout_at = None if raw is None else datetime.fromisoformat(raw)
+            if outcome is not None:
+                if outcome["kind"] == EventKind.EVENT_TIMEOUT:
+                    raise _timed_out(name, timeout_at)
+                return outcome["payload"]["payload"]
         else:
             seconds = as_seconds(timeout)
             run.boundary()
@@ -140,7 +144,7 @@ class Commands:
             return got["payload"]
         if timeout_at is not None and run.now() >= timeout_at:
             await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
-            raise TimeoutError(f"event {name!r} did not arrive in time")
+            raise _timed_out(name, timeout_at)
         await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
 
     async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
@@ -177,9 +181,12 @@ class Commands:
                 outcome = entry(EventKind.CHILD_COMPLETED, position, wf.name,
                                 {"result": child["result"]})
             else:
-                outcome = entry(EventKind.CHILD_FAILED, position, wf.name, {
-                    "code": child["outcome_code"], "message": (child["error"] or {}).get(
-                        "message", "the child run failed")})
+                error = child["error"] or {}
+                failed = {"code": child["outcome_code"],
+                          "message": error.get("message", "the child run failed")}
+                if error.get("cause") is not None:
+                    failed["cause"] = error["cause"]
+                outcome = entry(EventKind.CHILD_FAILED, position, wf.name, failed)
             await self._append(outcome)
             return _child_outcome(child_id, outcome)
         await self.branches.park(Wait("child", position))
@@ -210,5 +217,12 @@ class Commands:
 def _child_outcome(child_id: uuid.UUID, outcome: Entry) -> Any:
     if outcome["kind"] == EventKind.CHILD_COMPLETED:
         return outcome["payload"]["result"]
-    raise RunFailed(outcome["payload"]["message"], code=outcome["payload"]["code"],
-                    run_id=str(child_id))
+    payload = outcome["payload"]
+    raise RunFailed(payload["message"], code=payload["code"], run_id=str(child_id),
+                    cause=payload.get("cause"))
+
+
+def _timed_out(name: str, timeout_at: datetime | None) -> EventTimeout:
+    """What a wait for an event that timed out raises, live and on replay alike."""
+    return EventTimeout(f"event {name!r} did not arrive in time", event=name,
+                        timeout_at=timeout_at)

@@ -15,7 +15,8 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-from orchestrator.db.events import incident_record
+from orchestrator.db.events import incident_record, incidents_of_operations
+from orchestrator.engine.causes import cause_of, headline, tool_story
 from orchestrator.engine.control import Stop, Wait, engine_error_in
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
@@ -26,6 +27,7 @@ from orchestrator.errors import (
     LeaseLost,
     OrchestratorError,
     RunUnreadable,
+    ToolFailed,
     WorkflowError,
     error_json,
     new_incident_ref,
@@ -175,7 +177,7 @@ class Outcome:
         except InvalidRequest as exc:
             await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
                              "within the size cap; see the incident",
-                             incident_detail=_detail(exc), cause=exc.code)
+                             incident_detail=_detail(exc), log_cause=exc.code)
             return
         if run.index.max_position >= run.position:
             await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "
@@ -206,12 +208,37 @@ class Outcome:
         elif isinstance(exc, WorkflowError):
             await self._fail("WORKFLOW_FAILED", str(exc) or "the workflow failed")
         elif isinstance(exc, OrchestratorError):
-            await self._fail("WORKFLOW_FAILED", f"the workflow stopped on {exc.code}",
-                             incident_detail=_detail(exc), cause=exc.code)
+            await self._fail_on(exc)
         else:
             await self._fail("WORKFLOW_FAILED",
                              "the workflow raised an exception; see the incident for details",
-                             incident_detail=_detail(exc), cause=type(exc).__name__)
+                             incident_detail=_detail(exc), log_cause=type(exc).__name__)
+
+    async def _fail_on(self, exc: OrchestratorError) -> None:
+        """Workflow code let an orchestrator error escape: the run fails ``WORKFLOW_FAILED``
+        (the outcome codes stay as promised) and its error names that error as its ``cause``
+        (controlled fields only). A failed call's incident keeps the call's story: its
+        operations, their incidents (the tool's, the lookups') and its timeline."""
+        cause, detail, operation = cause_of(exc), _detail(exc), None
+        if isinstance(exc, ToolFailed) and exc.position is not None:
+            run_id, position = self.run.run_id, exc.position
+
+            async def story(conn: Conn) -> tuple[list[Entry], list[dict[str, Any]]]:
+                entries = await journal_db.journal_read_position(conn, run_id, position)
+                ops = sorted({e["payload"]["op"] for e in entries if "op" in e["payload"]})
+                return entries, await incidents_of_operations(conn, run_id, ops)
+
+            try:
+                entries, incidents = await self.session.read(story)
+            except Stop:
+                return  # the database is gone and so is the lease: a later claim replays it
+            cause, kept = tool_story(exc, entries, incidents)
+            detail |= kept
+            operation = kept["operation"]
+        else:
+            detail["cause"] = cause
+        await self._fail("WORKFLOW_FAILED", headline(cause), incident_detail=detail,
+                         cause=cause, operation_id=operation, log_cause=exc.code)
 
     async def _stop(self, stop: Stop) -> None:
         run = self.run
@@ -232,22 +259,26 @@ class Outcome:
         # lease_lost: someone else owns the run now; write nothing.
 
     async def _fail(self, code: str, message: str,
-                    incident_detail: dict[str, Any] | None = None,
-                    cause: str | None = None) -> None:
-        """End the run ``failed`` with ``code``, and say so in one INFO line: its code, its
-        incident and ``cause`` (an exception's type name or an error's code), never the
-        message's text beyond that (an exception's message stays in the incident)."""
+                    incident_detail: dict[str, Any] | None = None, *,
+                    cause: dict[str, Any] | None = None,
+                    operation_id: int | None = None, log_cause: str | None = None) -> None:
+        """End the run ``failed`` with ``code`` (``cause``: the public cause, controlled
+        fields only), and say so in one INFO line: its code, its incident and ``log_cause``
+        (an exception's type name or an error's code), never the message's text beyond that
+        (an exception's message stays in the incident)."""
         ref = new_incident_ref()
-        error = error_json(code, message, ref)
-        ev = entry(EventKind.RUN_FAILED, None, None,
-                   {"code": code, "message": message, "incident": ref})
+        error = error_json(code, message, ref, cause)
+        payload: dict[str, Any] = {"code": code, "message": message, "incident": ref}
+        if cause is not None:
+            payload["cause"] = cause
+        ev = entry(EventKind.RUN_FAILED, None, None, payload)
         run_id = self.run.run_id
 
         async def diagnostics(conn: Conn) -> None:
             # Every failure's reference leads somewhere: at least to its code and message.
             detail = incident_detail or {"message": message}
             await incident_record(conn, {
-                "ref": ref, "code": code, "run_id": run_id, "operation_id": None,
+                "ref": ref, "code": code, "run_id": run_id, "operation_id": operation_id,
                 "phase": "workflow", "cause": detail.get("type"),
                 "upstream_status": None, "detail": json.dumps(detail)})
 
@@ -255,9 +286,9 @@ class Outcome:
             return
         run = self.run
         log.info("run %s (%s) failed: %s (incident %s%s)", run_id, run.workflow_key, code, ref,
-                 f"; cause {cause}" if cause else "",
+                 f"; cause {log_cause}" if log_cause else "",
                  extra=fields(run_id=run_id, workflow=run.workflow_key, code=code,
-                              incident=ref, cause=cause))
+                              incident=ref, cause=log_cause))
 
     async def _terminal(self, status: str, code: str | None, result: str | None,
                         error: str | None, ev: Entry,

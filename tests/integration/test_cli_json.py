@@ -78,8 +78,8 @@ async def test_every_list_and_show_prints_one_json_document(make_app, sql,
     code, out, err = await cli(url, "ops", "show", str(op), "--json")
     assert code == 0, err
     detail = json.loads(out)
-    assert set(detail) == {"item", "evidence", "attempts", "incidents", "lookups", "audit",
-                           "journal"}
+    assert set(detail) == {"item", "evidence", "attempts", "incidents", "lookups", "reasons",
+                           "audit", "journal"}
     assert detail["item"]["operation_id"] == str(op) and detail["item"]["receipt"] is None
     assert [a["operation_id"] for a in detail["attempts"]] == [str(op)]
     ref = detail["incidents"][0]["ref"]
