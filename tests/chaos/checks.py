@@ -441,6 +441,30 @@ def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
     return Row("runs failed without a workflow reason", len(details), 0, details)
 
 
+def late_dispatches(data: Data) -> int:
+    """Tool calls that started after another worker had written the run (an entry with a
+    larger lease token than the one the call's operation was submitted under): a worker
+    that sent after losing its lease. The dispatch check of the lease leaves only a pause
+    that begins between that check and the request reaching the provider (a statistic,
+    not an invariant: the provider's refusal of voided keys keeps it harmless)."""
+    taken: dict[Any, list[tuple[int, float]]] = {}
+    for ev in data.journal:
+        at = _ts(ev["created_at"])
+        if ev.get("lease_token") is not None and at is not None:
+            taken.setdefault(ev["run_id"], []).append((int(ev["lease_token"]), at))
+    ops = {o["id"]: o for o in data.ops}
+    late = 0
+    for call in data.calls:
+        op = ops.get(call["op_id"])
+        started = _ts(call.get("started_at"))
+        if op is None or op.get("lease_token") is None or started is None:
+            continue
+        token = int(op["lease_token"])
+        if any(t > token and at < started for t, at in taken.get(op["run_id"], ())):
+            late += 1
+    return late
+
+
 def verdict(data: Data, observed: Observed, expected_cancel: set[uuid.UUID]) -> Verdict:
     for row in data.effects + data.calls:
         row["_where"] = (row["run_id"], row["position"])
@@ -466,6 +490,7 @@ def verdict(data: Data, observed: Observed, expected_cancel: set[uuid.UUID]) -> 
         "effects": len(data.effects),
         "deduplicated re-sends": sum(1 for c in data.calls if c["outcome"] == "deduplicated"),
         "refused late requests": sum(1 for c in data.calls if c["outcome"] == "refused"),
+        "calls sent after another worker took the run": late_dispatches(data),
     }
     return Verdict(rows, stats)
 

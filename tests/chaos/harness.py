@@ -666,8 +666,8 @@ class Harness:
         journal = await self.sql("SELECT run_id, seq, kind, position, name, payload, "
                                  "lease_token, created_at FROM orchestrator.journal")
         ops = await self.sql("SELECT id, run_id, position, attempt, tool_name, effect_class, "
-                             "state, idempotency_key, worker_id, submitted_at, receipt "
-                             "FROM orchestrator.operations")
+                             "state, idempotency_key, worker_id, submitted_at, receipt, "
+                             "lease_token FROM orchestrator.operations")
         items = await self.sql("SELECT operation_id, state, reason, resolution FROM "
                                "orchestrator.reconciliation_items")
         found = await asyncio.to_thread(sink.load, self.sink_url)

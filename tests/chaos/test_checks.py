@@ -198,3 +198,15 @@ def test_a_poison_run_must_fail_alone_with_run_unreadable() -> None:
                        _at(100).timestamp())
     verdict = checks.verdict(data, observed, set())
     assert verdict.ok, checks.format_table(verdict)  # not counted as a failure without reason
+
+
+def test_a_call_started_after_another_worker_wrote_the_run_counts_as_late() -> None:
+    journal = _journal(("call.submitted", {"op": 1}), ("call.unknown", {"op": 1}),
+                       tokens=[1, 2])  # the second holder wrote at 1 s
+    ops = [_op(1, "not_applied", "k1", lease_token=1)]
+    on_time = checks.Data([_run()], journal, ops, [], [_call("k1", 1, started=0.5)], [],
+                          _at(100).timestamp())
+    late = checks.Data([_run()], journal, ops, [], [_call("k1", 1, started=1.5)], [],
+                       _at(100).timestamp())
+    assert checks.late_dispatches(on_time) == 0
+    assert checks.late_dispatches(late) == 1
