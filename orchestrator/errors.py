@@ -254,7 +254,9 @@ class ToolFailed(OrchestratorError):
         super().__init__(message, **kw)
         self.tool = tool
         self.cause = cause  # e.g. authentication, conflict, rate_limited, denied
-        self.reason = reason  # why it was not retried: cause, visible, effects or budget
+        # why it was not retried: cause, visible, effects, budget (the retry policy),
+        # operator (an operator chose to fail it) or resend_limit (max_engine_resends)
+        self.reason = reason
         self.position = position
 
 

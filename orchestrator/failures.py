@@ -135,8 +135,10 @@ ENGINE_CAUSES = frozenset({
 TOOL_DEFINED = "tool_defined"
 """What a public error says of a cause word the tool chose itself (:func:`public_cause`)."""
 
-STOP_REASONS = frozenset({"cause", "visible", "effects", "budget"})
-"""Why a failed call was not retried (``orchestrator.recovery.StopReason``)."""
+STOP_REASONS = frozenset({"cause", "visible", "effects", "budget", "operator", "resend_limit"})
+"""Why a failed call was not retried: the retry policy's ``orchestrator.recovery.StopReason``,
+an operator's ``not applied, then fail`` (``operator``), or the cap on re-sends of attempts the
+engine lost (``resend_limit``, ``RetryPolicy.max_engine_resends``)."""
 
 
 def public_cause(cause: str | None) -> str | None:

@@ -134,6 +134,7 @@ def test_an_operator_may_fail_the_call_instead(workers, client):
     with pytest.raises(RunFailed) as failed:
         client.get_run(run.id).result(timeout=30)
     assert failed.value.code == "WORKFLOW_FAILED"
+    assert failed.value.cause is not None and failed.value.cause["reason"] == "operator"
     assert _calls(workers) == []
     failure = [p for k, p in _journal(workers, run.id) if k == "call.failed"]
     assert failure == [{"op": op_id, "attempt": 1, "cause": "not_applied",
@@ -169,6 +170,9 @@ def test_a_tool_that_kills_its_worker_every_time_ends_at_the_resend_cap(workers,
     assert [o["state"] for o in _ops(workers)] == ["not_applied"] * 3
     failure = [p for k, p in _journal(workers, run.id) if k == "call.failed"]
     assert [(p["cause"], p["reason"]) for p in failure] == [("worker_lost", "resend_limit")]
+    assert failed.value.cause is not None
+    assert (failed.value.cause["tool"], failed.value.cause["cause"],
+            failed.value.cause["reason"]) == ("crashes_its_worker", "worker_lost", "resend_limit")
 
 
 def _stopped(pid: int) -> bool:
