@@ -149,9 +149,9 @@ def _size(size: int | None) -> str:
 def cmd_embedded_status(args: argparse.Namespace) -> int:
     """Each embedded data directory: whether a server runs there (its pid) and its size."""
     found = embedded.servers()
-    if args.json:
-        for server in found:
-            print(json.dumps(server.as_json(), sort_keys=True))
+    if args.json:  # one document, as every --json (docs/cli-json.md)
+        print(json.dumps({"servers": [server.as_json() for server in found],
+                          "count": len(found)}, sort_keys=True))
         return 0
     print(render(["NAME", "STATE", "SIZE", "DATA DIRECTORY"],
                  [(s.name, s.state, _size(s.size_bytes), str(s.data_dir)) for s in found],

@@ -176,7 +176,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     else:
         print(render(["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"],
                      [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"],
-                       _summary(e["payload"], e["kind"])] for e in detail.journal]))
+                       _summary(e["payload"], e["kind"])] for e in detail.journal],
+                     max_width=100))
     return 0
 
 

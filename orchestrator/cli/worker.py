@@ -79,7 +79,9 @@ def load_app(spec: str, database_url: str | None) -> Orchestrator:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r} for --app: {exc}") from None
+        raise ConfigurationError(
+            f"cannot import {module_name!r} for --app: {exc}; run the command from the "
+            "directory that holds the module, or put that directory on PYTHONPATH") from None
     app = getattr(module, attr, None)
     if not isinstance(app, Orchestrator):
         raise ConfigurationError(f"{spec} is not an orchestrator.Orchestrator instance")

@@ -49,7 +49,9 @@ def _cli(app_dir: Path, tests_dir: Path, *args: str, stdin: str = ""
 def _status(app_dir: Path, tests_dir: Path) -> dict[str, dict[str, object]]:
     done = _cli(app_dir, tests_dir, "status", "--json")
     assert done.returncode == 0, done.stderr
-    return {entry["name"]: entry for entry in map(json.loads, done.stdout.splitlines())}
+    document = json.loads(done.stdout)  # one JSON document
+    assert document["count"] == len(document["servers"])
+    return {entry["name"]: entry for entry in document["servers"]}
 
 
 def test_status_stop_and_destroy_an_embedded_server(dirs: tuple[Path, Path]) -> None:
