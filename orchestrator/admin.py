@@ -1,6 +1,7 @@
 """Operator views of runs across owners, for the CLI and for consoles a host builds.
 
-These functions do not check ownership: they are for operators, whom the host authorises. The
+These functions do not check ownership: they are for operators, whom the host authorises
+(:func:`operator_cancel` takes the operator's tenant scope, as the console passes it). The
 owner-scoped API for applications is :class:`~orchestrator.Orchestrator`.
 """
 
