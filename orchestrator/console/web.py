@@ -278,14 +278,15 @@ STATUS = [
     (InvalidRequest, 400), (ResolutionConflict, 409), (OperationInProgress, 409),
     (IdempotencyConflict, 409), (DatabaseError, 503), (ConfigurationError, 500),
 ]
-"""The HTTP status of each public error (the first class that matches); any other: 400."""
+"""The HTTP status of each public error (the first class that matches); any other is the
+console's or the database's trouble, not the request's: 500."""
 
 
 def status_of(error: OrchestratorError) -> int:
     for kind, status in STATUS:
         if isinstance(error, kind):
             return status
-    return 400
+    return 500
 
 
 def public(error: OrchestratorError) -> dict[str, Any]:

@@ -463,3 +463,41 @@ def test_grants_are_checked_when_the_console_is_built(
     app = make_app()
     with pytest.raises(ConfigurationError):
         app.console(from_header, grants)
+
+
+async def test_mounted_under_a_path_its_links_forms_and_cookies_stay_under_it(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    host = Starlette(routes=[Mount("/ops-console", app=console_of(app))])
+    async with Client(host, "alice") as alice:
+        page = await alice.get("/ops-console/operations")
+        assert page.status_code == 200
+        assert f'href="/ops-console/operations/{ops["a"]}"' in page.text
+        assert 'src="/ops-console/static/htmx.min.js"' in page.text
+        assert "Path=/ops-console/" in page.headers["set-cookie"]
+        session = await alice.http.get("/ops-console/api/session")
+        alice.csrf = session.json()["csrf_token"]
+        done = await alice.form(f"/ops-console/operations/{ops['a']}/resolve",
+                                {"resolution": "abandoned", "evidence": "written off"})
+        assert done.status_code == 303
+        assert done.headers["location"] == f"/ops-console/operations/{ops['a']}?done=abandoned"
+        assert (await alice.get("/ops-console/static/htmx.min.js")).status_code == 200
+    await app.database.close()
+
+
+async def test_an_unexpected_failure_answers_internal_without_its_text(
+        make_app, caplog):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    def broken(request: Any) -> str:
+        raise RuntimeError(f"the session store said {SECRET}")
+
+    async with Client(app.console(broken), "alice") as client:
+        answer = await client.get("/api/runs")
+    assert answer.status_code == 500 and answer.json()["code"] == "INTERNAL"
+    assert answer.json()["incident"] in caplog.text and "RuntimeError" in caplog.text
+    assert SECRET not in answer.text and SECRET not in caplog.text
