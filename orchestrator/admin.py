@@ -1,6 +1,7 @@
 """Operator views of runs across owners, for the CLI and for consoles a host builds.
 
-These functions do not check ownership: they are for operators, whom the host authorises. The
+These functions do not check ownership: they are for operators, whom the host authorises
+(:func:`operator_cancel` takes the operator's tenant scope, as the console passes it). The
 owner-scoped API for applications is :class:`~orchestrator.Orchestrator`.
 """
 
@@ -17,9 +18,11 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
+from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied
 from orchestrator.models import check_run_filters
+from orchestrator.reconcile import check_evidence
 
 LIVE_WORKER_SECONDS = 60.0
 
@@ -180,14 +183,46 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> str:
         row = await runs_db.run_lock(conn, run_id)
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
-        if row["status"] in ("succeeded", "failed", "cancelled"):
-            return str(row["status"])
-        error = json.dumps({"code": "CANCELLED", "message": "the run was cancelled",
-                            "retryable": False, "incident": None})
-        if row["status"] in ("queued", "waiting") and await runs_db.run_cancel_idle(
-                conn, run_id=run_id, revision=row["revision"], error=error):
-            return "cancelled"
-        await runs_db.run_request_cancel(conn, run_id)
+        return await cancel_locked(conn, row)
+
+    return await db.run_in_transaction(cancel)
+
+
+async def cancel_locked(conn: Conn, row: dict[str, Any]) -> str:
+    """:func:`cancel_run` inside the caller's transaction, for a run whose row the caller
+    locked (``row``: :func:`~orchestrator.db.runs.run_lock`'s); returns the status after."""
+    run_id = row["id"]
+    if row["status"] in ("succeeded", "failed", "cancelled"):
         return str(row["status"])
+    error = json.dumps({"code": "CANCELLED", "message": "the run was cancelled",
+                        "retryable": False, "incident": None})
+    if row["status"] in ("queued", "waiting") and await runs_db.run_cancel_idle(
+            conn, run_id=run_id, revision=row["revision"], error=error):
+        return "cancelled"
+    await runs_db.run_request_cancel(conn, run_id)
+    return str(row["status"])
+
+
+async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evidence: str,
+                          tenants: list[str] | None) -> tuple[str, str]:
+    """An operator's cancellation (:func:`cancel_run`'s rules), audited in the same
+    transaction: the operator, the evidence and the run's status before and after
+    (``run.cancel``, target ``run``). ``tenants`` is the operator's scope (None: all); a run
+    outside it answers exactly as a missing one (C9). Returns (status before, status after)."""
+    check_evidence(evidence, operator)
+
+    async def cancel(conn: Conn) -> tuple[str, str]:
+        row = await runs_db.run_lock(conn, run_id)
+        if row is None or (tenants is not None and row["tenant"] not in tenants):
+            raise AccessDenied("the run does not exist or is not accessible")
+        before = str(row["status"])
+        after = await cancel_locked(conn, row)
+        await audit_record(
+            conn, operator=operator, action="run.cancel", target_kind="run",
+            target_id=str(run_id), tenant=row["tenant"], evidence=evidence,
+            before=json.dumps({"status": before,
+                               "cancel_requested": row["cancel_requested_at"] is not None}),
+            after=json.dumps({"status": after, "cancel_requested": True}))
+        return before, after
 
     return await db.run_in_transaction(cancel)

@@ -15,6 +15,8 @@ The tree::
     │   └── UnknownWorkflow           UNKNOWN_WORKFLOW
     ├── IdempotencyConflict           IDEMPOTENCY_CONFLICT
     ├── AccessDenied                  ACCESS_DENIED
+    ├── Unauthenticated               UNAUTHENTICATED (the console: no operator identified)
+    ├── Forbidden                     FORBIDDEN (the console: a grant or a CSRF token missing)
     ├── JournalFull                   JOURNAL_FULL
     ├── EventBacklogFull              EVENT_BACKLOG_FULL
     ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
@@ -153,6 +155,21 @@ class AccessDenied(OrchestratorError):
     """The run does not exist or belongs to another owner; both look the same (CONTRACT C9)."""
 
     code = "ACCESS_DENIED"
+
+
+class Unauthenticated(OrchestratorError):
+    """The console could not tell which operator sent the request (no valid token or
+    session); nothing was read or changed. HTTP 401."""
+
+    code = "UNAUTHENTICATED"
+
+
+class Forbidden(OrchestratorError):
+    """The operator is known but may not do this: it lacks the grant the request needs, or an
+    action came without its CSRF token. Says nothing about whether the object exists (that
+    is :class:`AccessDenied`, answered as a missing object). HTTP 403."""
+
+    code = "FORBIDDEN"
 
 
 class JournalFull(OrchestratorError):

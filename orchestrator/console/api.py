@@ -1,0 +1,253 @@
+"""The console's JSON API under ``/api/``: everything the pages show and do, for scripts and
+tests, with the same grants (docs/console.md lists the endpoints and their documents).
+
+Reads are GETs and change nothing; actions are POSTs with a JSON body and the CSRF token in
+the ``X-CSRF-Token`` header (``GET /api/session`` gives it). Every error answers with the public
+error as its body (``code``, ``message``, ``retryable``, ``incident``) and the status of
+:data:`orchestrator.console.web.STATUS`: a run, operation or incident outside the operator's
+scope answers 404 exactly as a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from orchestrator import records
+from orchestrator.console import documents
+from orchestrator.console.grants import Access
+from orchestrator.console.service import ConsoleService
+from orchestrator.console.web import CSRF_HEADER, Guard
+from orchestrator.errors import InvalidRequest, PayloadTooLarge, ResolutionConflict
+from orchestrator.operators import UNRESOLVED
+
+MAX_BODY = 4 * 1024 * 1024
+"""Bytes an action's body may have (a receipt is held to the application's own cap after)."""
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+Handler = Callable[[Request, Access], Awaitable[Any]]
+
+
+def text_param(request: Request, name: str) -> str | None:
+    """A query parameter, None when absent or empty (an empty filter is no filter)."""
+    value = request.query_params.get(name)
+    return value if value else None
+
+
+def int_param(request: Request, name: str) -> int | None:
+    value = text_param(request, name)
+    if value is None:
+        return None
+    if not value.isdigit() or len(value) > 18:
+        raise InvalidRequest(f"{name} must be a positive integer", path=name)
+    return int(value)
+
+
+def parse_age(text: str | None) -> float | None:
+    """An age filter: seconds, or a number with s, m, h or d (``90s``, ``10m``, ``2h``)."""
+    if text is None:
+        return None
+    match = _AGE.fullmatch(text.strip())
+    if match is None:
+        raise InvalidRequest("older_than must be a number of seconds, or a number with s, m, "
+                             "h or d (e.g. 10m)", path="older_than")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def queue_filter(source: Callable[[str], str | None]) -> dict[str, Any]:
+    """The queue's filters (``tool``, ``older_than``, ``key``, ``run``, ``workflow``) as
+    :meth:`ConsoleService.queue` keywords; ``source(name)`` reads one (None: not given)."""
+    return {"tool": source("tool"), "older_than": parse_age(source("older_than")),
+            "key": source("key"), "run_id": source("run"), "workflow": source("workflow")}
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """An action's body: a JSON object (``INVALID_REQUEST`` otherwise; ``PAYLOAD_TOO_LARGE``
+    past :data:`MAX_BODY`)."""
+    body = await request.body()
+    if len(body) > MAX_BODY:
+        raise PayloadTooLarge(f"the request body is larger than {MAX_BODY} bytes")
+    try:
+        value = json.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return value
+
+
+def _text(body: dict[str, Any], name: str, *, required: bool = False) -> Any:
+    value = body.get(name)
+    if value is None and required:
+        raise InvalidRequest(f"{name} is required", path=name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string", path=name)
+    return value
+
+
+class Api:
+    """The ``/api`` routes of one console."""
+
+    def __init__(self, service: ConsoleService, guard: Guard) -> None:
+        self.service = service
+        self.guard = guard
+
+    def routes(self) -> list[Route]:
+        get, post = self._get, self._post
+        return [
+            Route("/api/session", get(self.session)),
+            Route("/api/overview", get(self.overview)),
+            Route("/api/runs", get(self.runs)),
+            Route("/api/runs/{run_id}", get(self.run)),
+            Route("/api/runs/{run_id}/cancel", post(self.cancel), methods=["POST"]),
+            Route("/api/operations", get(self.queue)),
+            Route("/api/operations/resolve-many", post(self.resolve_many), methods=["POST"]),
+            Route("/api/operations/abandon-many", post(self.abandon_many), methods=["POST"]),
+            Route("/api/operations/{operation_id:int}", get(self.operation)),
+            Route("/api/operations/{operation_id:int}/resolve", post(self.resolve),
+                  methods=["POST"]),
+            Route("/api/operations/{operation_id:int}/abandon", post(self.abandon),
+                  methods=["POST"]),
+            Route("/api/workers", get(self.workers)),
+            Route("/api/incidents", get(self.incidents)),
+            Route("/api/incidents/{ref}", get(self.incident)),
+            Route("/api/audit", get(self.audit)),
+        ]
+
+    def _get(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            access = await self.guard.identify(request)
+            return JSONResponse(await handler(request, access))
+
+        return endpoint
+
+    def _post(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            access = await self.guard.identify(request)
+            self.guard.check_csrf(request, access, request.headers.get(CSRF_HEADER))
+            return JSONResponse(await handler(request, access))
+
+        return endpoint
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def session(self, request: Request, access: Access) -> Any:
+        return documents.session(access, self.guard.token_for(request, access))
+
+    async def overview(self, request: Request, access: Access) -> Any:
+        return documents.overview(await self.service.overview(access))
+
+    async def runs(self, request: Request, access: Access) -> Any:
+        q = text_param
+        page = await self.service.runs(
+            access, status=q(request, "status"), workflow=q(request, "workflow"),
+            version=q(request, "version"), submission_key=q(request, "submission_key"),
+            before=q(request, "before"), limit=int_param(request, "limit"))
+        return documents.run_page(page)
+
+    async def run(self, request: Request, access: Access) -> Any:
+        return documents.run(await self.service.run(access, request.path_params["run_id"]))
+
+    async def queue(self, request: Request, access: Access) -> Any:
+        state = text_param(request, "state") or UNRESOLVED
+        items = await self.service.queue(
+            access, state=None if state == "all" else state,
+            limit=int_param(request, "limit"),
+            **queue_filter(lambda name: text_param(request, name)))
+        return documents.queue(items)
+
+    async def operation(self, request: Request, access: Access) -> Any:
+        shown = await self.service.operation(access, request.path_params["operation_id"])
+        return records.item_detail(shown)
+
+    async def workers(self, request: Request, access: Access) -> Any:
+        return {"workers": [documents.worker(w) for w in await self.service.workers(access)]}
+
+    async def incidents(self, request: Request, access: Access) -> Any:
+        page = await self.service.incidents(access, before=text_param(request, "before"),
+                                            limit=int_param(request, "limit"))
+        return documents.incident_page(page)
+
+    async def incident(self, request: Request, access: Access) -> Any:
+        return records.incident(await self.service.incident(access,
+                                                            request.path_params["ref"]))
+
+    async def audit(self, request: Request, access: Access) -> Any:
+        q = text_param
+        page = await self.service.audit(access, operator=q(request, "operator"),
+                                        action=q(request, "action"),
+                                        target=q(request, "target"),
+                                        before=q(request, "before"),
+                                        limit=int_param(request, "limit"))
+        return documents.audit_page(page)
+
+    # -- actions -----------------------------------------------------------------------------
+
+    async def cancel(self, request: Request, access: Access) -> Any:
+        body = await json_body(request)
+        before, after = await self.service.cancel(
+            access, request.path_params["run_id"],
+            evidence=_text(body, "evidence", required=True))
+        return {"run_id": request.path_params["run_id"], "before": before, "status": after}
+
+    async def resolve(self, request: Request, access: Access) -> Any:
+        body = await json_body(request)
+        resolution = _text(body, "resolution", required=True)
+        if resolution == "abandoned":
+            raise InvalidRequest("abandon with POST .../abandon", path="resolution")
+        op = request.path_params["operation_id"]
+        outcome = await self.service.resolve(
+            access, op, resolution=resolution, evidence=_text(body, "evidence", required=True),
+            receipt=body.get("receipt"), then=_text(body, "then"))
+        return {"operation_id": str(op), "resolution": resolution, "outcome": outcome}
+
+    async def abandon(self, request: Request, access: Access) -> Any:
+        body = await json_body(request)
+        op = request.path_params["operation_id"]
+        outcome = await self.service.resolve(
+            access, op, resolution="abandoned", evidence=_text(body, "evidence", required=True))
+        return {"operation_id": str(op), "resolution": "abandoned", "outcome": outcome}
+
+    async def resolve_many(self, request: Request, access: Access) -> Any:
+        body = await json_body(request)
+        resolution = _text(body, "resolution", required=True)
+        if resolution == "abandoned":
+            raise InvalidRequest("abandon many with POST .../abandon-many", path="resolution")
+        return await self._bulk(access, body, resolution)
+
+    async def abandon_many(self, request: Request, access: Access) -> Any:
+        return await self._bulk(access, await json_body(request), "abandoned")
+
+    async def _bulk(self, access: Access, body: dict[str, Any], resolution: str) -> Any:
+        where = body.get("filter") or {}
+        if not isinstance(where, dict):
+            raise InvalidRequest("filter must be an object", path="filter")
+        unknown = set(where) - {"state", "tool", "older_than", "key", "run", "workflow"}
+        if unknown:
+            raise InvalidRequest(f"filter has no field {sorted(unknown)[0]!r}", path="filter")
+
+        def field(name: str) -> str | None:
+            value = where.get(name)
+            if value is not None and not isinstance(value, str | int | float):
+                raise InvalidRequest(f"filter.{name} must be a string", path=f"filter.{name}")
+            return None if value is None or value == "" else str(value)
+
+        confirmed = body.get("confirmed")
+        summary = await self.service.bulk(
+            access, resolution=resolution, evidence=_text(body, "evidence", required=True),
+            receipt=body.get("receipt"), then=_text(body, "then"), confirmed=confirmed,
+            state=field("state") or UNRESOLVED, limit=body.get("limit"),
+            **queue_filter(field))
+        if summary.declined:
+            raise ResolutionConflict(
+                f"the filter selects {len(summary.matched)} operations now, not the "
+                f"{confirmed} confirmed; nothing was changed (ask again without confirmed "
+                "for the new count)")
+        return documents.bulk(summary)

@@ -1,0 +1,89 @@
+"""The console API's JSON documents, built field by field like the CLI's ``--json``
+(:mod:`orchestrator.records`, whose records they reuse): times in ISO 8601 UTC with a ``Z``, ids
+as strings, absent values ``null``. The pages render the same documents, so a page shows
+nothing the API would not."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator import records
+from orchestrator.console.grants import Access
+from orchestrator.console.service import Overview, Page, RunView, Worker
+from orchestrator.records import ident, iso
+
+
+def session(access: Access, csrf_token: str) -> dict[str, Any]:
+    return {"operator": access.operator, "grants": sorted(access.grants), "via": access.via,
+            "csrf_token": csrf_token}
+
+
+def worker(w: Worker) -> dict[str, Any]:
+    row = w.row
+    return {"id": row["id"], "state": w.state, "hostname": row["hostname"], "pid": row["pid"],
+            "workflows": list(row["workflows"]), "concurrency": row["concurrency"],
+            "runs_held": int(row["runs_held"]), "started_at": iso(row["started_at"]),
+            "heartbeat_at": iso(row["heartbeat_at"]),
+            "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"]}
+
+
+def overview(o: Overview) -> dict[str, Any]:
+    return {
+        "runs_by_status": dict(sorted(o.statuses.items())),
+        "backlog": {"queued": o.backlog["queued"],
+                    "oldest_age_seconds": o.backlog["oldest_age"]},
+        "needs_reconciliation": o.statuses.get("needs_reconciliation", 0),
+        "unknown_operations": [{"tool_name": u["tool_name"], "count": int(u["unknown"]),
+                                "oldest_age_seconds": u["oldest_age"]}
+                               for u in o.unknown_by_tool],
+        "waiting_for_operators": o.waiting_for_operators,
+        "workers": {"alive": o.workers_alive, "registered": len(o.workers)},
+    }
+
+
+def run_page(page: Page) -> dict[str, Any]:
+    return {"runs": [records.run_summary(r) for r in page.rows], "count": len(page.rows),
+            "next": page.next}
+
+
+def incident_summary(x: Mapping[str, Any]) -> dict[str, Any]:
+    return {"ref": x["ref"], "created_at": iso(x["created_at"]), "code": x["code"],
+            "run_id": ident(x["run_id"]), "operation_id": ident(x["operation_id"]),
+            "tenant": x["tenant"], "phase": x["phase"], "cause": x["cause"],
+            "upstream_status": x["upstream_status"]}
+
+
+def run(view: RunView) -> dict[str, Any]:
+    shown = records.run_detail(view.detail)
+    shown["run"]["input"] = view.input
+    return {**shown,
+            "children": [records.run_summary(c) for c in view.children],
+            "queue": [records.queue_item(i) for i in view.queue],
+            "incidents": (None if view.incidents is None
+                          else [incident_summary(x) for x in view.incidents])}
+
+
+def queue(items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"items": [records.queue_item(i) for i in items], "count": len(items)}
+
+
+def bulk(summary: Any) -> dict[str, Any]:
+    return {**records.bulk_summary(summary), "declined": summary.declined}
+
+
+def audit_row(a: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": ident(a["id"]), "at": iso(a["created_at"]), "operator": a["operator"],
+            "action": a["action"], "target_kind": a["target_kind"],
+            "target_id": a["target_id"], "tenant": a["tenant"], "evidence": a["evidence"],
+            "before": a["before"], "after": a["after"]}
+
+
+def audit_page(page: Page) -> dict[str, Any]:
+    return {"audit": [audit_row(a) for a in page.rows], "count": len(page.rows),
+            "next": page.next}
+
+
+def incident_page(page: Page) -> dict[str, Any]:
+    return {"incidents": [incident_summary(x) for x in page.rows], "count": len(page.rows),
+            "next": page.next}

@@ -1,0 +1,187 @@
+"""Building the console: :func:`create_console` returns one Starlette ASGI application with the
+pages, the JSON API under ``/api/`` and the vendored static files under ``/static/``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from urllib.parse import urlencode
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestrator.console.api import Api
+from orchestrator.console.grants import GrantSource, check_grants
+from orchestrator.console.pages import Pages
+from orchestrator.console.service import ConsoleService, Host
+from orchestrator.console.web import Authenticate, Guard, NonceCookies, internal, public, status_of
+from orchestrator.errors import (
+    ConfigurationError,
+    InvalidRequest,
+    OrchestratorError,
+    Unauthenticated,
+)
+
+log = logging.getLogger("orchestrator.console")
+
+STATIC = Path(__file__).resolve().parent / "static"
+MIN_TOKEN = 16
+"""Characters a bearer token has at least."""
+
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'; "
+       "object-src 'none'")
+"""Every page's Content-Security-Policy: nothing but the console's own files, no inline
+script or style (htmx's own inline style is turned off in its configuration)."""
+
+
+def create_console(app: Host, *, authenticate: Authenticate | None = None,
+                   grants: GrantSource | None = None, tokens: Mapping[str, str] | None = None,
+                   secret: bytes | None = None) -> Starlette:
+    """The operator console of ``app`` (an :class:`~orchestrator.Orchestrator`), an ASGI
+    application to mount in a host's web app or to serve on its own (``orchestrator
+    console``); see docs/console.md.
+
+    ``authenticate(request)`` (sync or async) names the operator of a request, or None; the
+    host does the authenticating. ``tokens`` maps operator names to bearer tokens (the
+    standalone console: API clients send ``Authorization: Bearer <token>``, browsers trade it
+    for a session cookie on the login page). At least one of the two is required.
+
+    ``grants``: operator name → grants (:data:`~orchestrator.console.grants.GRANTS`, or
+    ``"all"``), or a function of the name; None lets every identified operator read and do
+    nothing else. Tenant scopes and incident readers are the application's
+    (``operator_scopes``, ``incident_readers``).
+
+    ``secret`` signs sessions and CSRF tokens; give every process of a host the same one
+    (random per process otherwise, so a restart signs everyone out).
+    """
+    operators = app.operators
+    guard = Guard(authenticate=authenticate, tokens=_tokens(tokens),
+                  grants_of=check_grants(grants), known=operators.tenants_of, secret=secret)
+    service = ConsoleService(operators)
+    pages = Pages(service, guard)
+    api = Api(service, guard)
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OrchestratorError)
+        return _error_response(request, exc, pages)
+
+    async def not_routed(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        what = "no such page" if exc.status_code == 404 else "this method is not allowed here"
+        error = InvalidRequest(what)
+        if _route_path(request).startswith("/api/"):
+            return JSONResponse(public(error), status_code=exc.status_code)
+        return pages.render(request, "error.html", None, status=exc.status_code,
+                            error=public(error))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        await operators.db.close()  # this event loop's pool (a mounted console has none)
+
+    routes = [*api.routes(), *pages.routes(),
+              Mount("/static", StaticFiles(directory=STATIC), name="static")]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(_Headers), Middleware(_Boundary), Middleware(NonceCookies)],
+        exception_handlers={OrchestratorError: failed, HTTPException: not_routed},
+        lifespan=lifespan)
+
+
+def _tokens(tokens: Mapping[str, str] | None) -> dict[str, str]:
+    """``tokens`` (operator → token) as token → operator, each token checked."""
+    if tokens is None:
+        return {}
+    if not isinstance(tokens, Mapping):
+        raise ConfigurationError("tokens must map operator names to bearer tokens")
+    found: dict[str, str] = {}
+    for operator, token in tokens.items():
+        if (not isinstance(token, str) or len(token) < MIN_TOKEN or not token.isascii()
+                or not token.isprintable() or " " in token):
+            raise ConfigurationError(f"the token of {operator!r} must be at least {MIN_TOKEN} "
+                                     "printable ASCII characters without spaces")
+        if token in found:
+            raise ConfigurationError("two operators have the same token")
+        found[token] = operator
+    return found
+
+
+def _route_path(request: Request) -> str:
+    path: str = request.scope["path"]
+    root: str = request.scope.get("root_path") or ""
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _error_response(request: Request, error: OrchestratorError, pages: Pages) -> Response:
+    path = _route_path(request)
+    if path.startswith("/api/"):
+        return JSONResponse(public(error), status_code=status_of(error))
+    if isinstance(error, Unauthenticated) and pages.guard.has_login:
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        query = urlencode({"next": target}) if request.method == "GET" and path != "/" else ""
+        return RedirectResponse(pages.base(request) + "/login" + (f"?{query}" if query else ""),
+                                status_code=303)
+    return pages.error_page(request, error)
+
+
+class _Boundary:
+    """ASGI middleware: an unexpected exception becomes the public ``INTERNAL`` error (its
+    type and incident reference in the log, its text nowhere)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if scope["type"] != "http" or started:
+                raise
+            error = internal(exc)
+            response = JSONResponse(error.to_dict(), status_code=500)
+            await response(scope, receive, send)
+
+
+class _Headers:
+    """ASGI middleware: the security headers on every response; pages and API answers are
+    never cached."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        static = "/static/" in scope["path"]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []),
+                           (b"x-content-type-options", b"nosniff"),
+                           (b"x-frame-options", b"DENY"),
+                           (b"referrer-policy", b"same-origin"),
+                           (b"content-security-policy", CSP.encode())]
+                if not static:
+                    headers.append((b"cache-control", b"no-store"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, sending)

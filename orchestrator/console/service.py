@@ -1,0 +1,347 @@
+"""What the console reads and does, for one operator at a time, with no HTTP in it: the API and
+the pages both call this, so they show and allow exactly the same.
+
+Every method takes the request's :class:`~orchestrator.console.grants.Access`, checks the grant
+it needs (``FORBIDDEN``), and acts through :class:`~orchestrator.operators.Operators` or with
+its tenant scope (``tenants_of``): an object outside the scope is ``ACCESS_DENIED`` exactly as
+a missing one (C9), and every action is the CLI's, with its evidence check and audit row (C17).
+What lookups said and the incidents themselves need the ``incidents`` grant and the
+application's incident-reader grant (C10).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from orchestrator import admin
+from orchestrator.console.grants import Access
+from orchestrator.db import runs as runs_db
+from orchestrator.db import views
+from orchestrator.db.workers import DEAD_AFTER
+from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
+from orchestrator.models import check_run_filters, parse_run_id
+from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
+from orchestrator.reconcile import THEN
+from orchestrator.text import check_identifier, check_operator
+
+DENIED = "the run does not exist or is not accessible"
+PAGE_MAX = 200
+INPUT_SHOWN = 64 * 1024
+"""Characters of a run's input a page shows (the API gives all of it)."""
+
+
+class Host(Protocol):
+    """What the console needs of an :class:`~orchestrator.Orchestrator`."""
+
+    @property
+    def operators(self) -> Operators: ...
+
+
+def _limit(value: Any, default: int = 50) -> int:
+    if value is None:
+        return default
+    if type(value) is not int or not 1 <= value <= PAGE_MAX:
+        raise InvalidRequest(f"limit must be between 1 and {PAGE_MAX}", path="limit")
+    return value
+
+
+def run_cursor(row: Mapping[str, Any]) -> str:
+    """The key of a run in a page (``created_at`` and id): the next page's ``before``."""
+    return f"{row['created_at'].isoformat()}_{row['id']}"
+
+
+def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
+    if text is None:
+        return None
+    at, _, rid = text.rpartition("_")
+    try:
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError(at)
+        return when, uuid.UUID(rid)
+    except ValueError:
+        raise InvalidRequest("before must be the next cursor of a page of runs",
+                             path="before") from None
+
+
+def parse_incident_cursor(text: str | None) -> tuple[datetime, str] | None:
+    if text is None:
+        return None
+    at, _, ref = text.rpartition("_")
+    try:
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError(at)
+    except ValueError:
+        raise InvalidRequest("before must be the next cursor of a page of incidents",
+                             path="before") from None
+    return when, check_identifier("before", ref)
+
+
+@dataclass
+class Page:
+    """One keyset page, newest first; ``next`` is the cursor of the following one (None: this
+    is the last)."""
+
+    rows: list[dict[str, Any]]
+    next: str | None
+
+
+@dataclass
+class RunView:
+    """A run as the Run page and ``GET /api/runs/{id}`` show it."""
+
+    detail: admin.RunDetail
+    input: Any
+    children: list[dict[str, Any]]
+    queue: list[dict[str, Any]]
+    incidents: list[dict[str, Any]] | None = None
+    """The run's incidents (summaries), for an incident reader; None for anyone else."""
+
+
+@dataclass
+class Worker:
+    """A registered worker and how it looks: ``live`` (it heartbeats), ``silent`` (no recent
+    heartbeat, its liveness lock held or never taken) or ``dead`` (neither)."""
+
+    row: dict[str, Any]
+    state: str
+
+
+@dataclass
+class Overview:
+    statuses: dict[str, int]
+    backlog: dict[str, Any]
+    unknown_by_tool: list[dict[str, Any]]
+    waiting_for_operators: int
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def workers_alive(self) -> int:
+        return sum(1 for w in self.workers if w.state == "live")
+
+
+def worker_state(row: Mapping[str, Any]) -> str:
+    """The worker's state by :func:`orchestrator.admin.lease_holder`'s rule."""
+    age = row["heartbeat_age"]
+    if age is not None and age > DEAD_AFTER and row["lock_held"] is False:
+        return "dead"
+    if age is not None and age > DEAD_AFTER:
+        return "silent"
+    return "live"
+
+
+class ConsoleService:
+    """The console's reads and actions on one application (see the module docstring)."""
+
+    def __init__(self, operators: Operators) -> None:
+        self.ops = operators
+        self.db = operators.db
+
+    # -- who may see what --------------------------------------------------------------------
+
+    def tenants(self, access: Access) -> list[str] | None:
+        access.need("read")
+        return self.ops.tenants_of(access.operator)
+
+    def reads_incidents(self, access: Access) -> bool:
+        """The ``incidents`` grant and the application's incident-reader grant."""
+        return access.may("incidents") and self.ops.may_read_incidents(access.operator)
+
+    # -- overview, runs, workers -------------------------------------------------------------
+
+    async def overview(self, access: Access) -> Overview:
+        tenants = self.tenants(access)
+        async with self.db.connection() as conn:
+            return Overview(
+                statuses=await views.run_status_counts(conn, tenants=tenants),
+                backlog=await views.run_backlog(conn, tenants=tenants),
+                unknown_by_tool=await views.operation_unknown_by_tool(conn, tenants=tenants),
+                waiting_for_operators=await views.recon_waiting_for_operators(
+                    conn, tenants=tenants),
+                workers=[Worker(w, worker_state(w)) for w in await views.worker_list_all(conn)])
+
+    async def runs(self, access: Access, *, status: str | None = None,
+                   workflow: str | None = None, version: str | None = None,
+                   submission_key: str | None = None, before: str | None = None,
+                   limit: int | None = None) -> Page:
+        """Runs newest first, ``limit`` (1 to :data:`PAGE_MAX`, default 50) at a time."""
+        tenants = self.tenants(access)
+        count = _limit(limit)
+        check_run_filters(status=status, workflow=workflow, submission_key=submission_key)
+        if version is not None:
+            check_identifier("version", version)
+        cursor = parse_run_cursor(before)
+        async with self.db.connection() as conn:
+            rows = await views.run_page(conn, tenants=tenants, status=status,
+                                        workflow=workflow, version=version,
+                                        submission_key=submission_key, before=cursor,
+                                        limit=count + 1)
+        shown = rows[:count]
+        return Page(shown, run_cursor(shown[-1]) if len(rows) > count else None)
+
+    async def run(self, access: Access, run_id: Any) -> RunView:
+        tenants = self.tenants(access)
+        rid = parse_run_id(run_id)
+        async with self.db.connection() as conn:
+            row = await runs_db.run_get(conn, rid, result=False)
+            if row is None or (tenants is not None and row["tenant"] not in tenants):
+                raise AccessDenied(DENIED)
+            given = await views.run_input(conn, rid)
+            children = await views.run_page(conn, tenants=tenants, parent=rid, limit=PAGE_MAX)
+            incidents = (await views.incident_page(conn, tenants=tenants, run_id=rid,
+                                                   limit=PAGE_MAX)
+                         if self.reads_incidents(access) else None)
+        detail = await admin.show_run(self.db, rid)
+        queue = await self.ops.list_items(operator=access.operator, run_id=rid)
+        return RunView(detail, given, children, queue, incidents)
+
+    async def cancel(self, access: Access, run_id: Any, *, evidence: str) -> tuple[str, str]:
+        """Cancel a run (audited: ``run.cancel``); (status before, status after)."""
+        tenants = self.tenants(access)
+        access.need("cancel")
+        return await admin.operator_cancel(self.db, parse_run_id(run_id),
+                                           operator=access.operator, evidence=evidence,
+                                           tenants=tenants)
+
+    async def workers(self, access: Access) -> list[Worker]:
+        self.tenants(access)
+        async with self.db.connection() as conn:
+            return [Worker(w, worker_state(w)) for w in await views.worker_list_all(conn)]
+
+    # -- the reconciliation queue ------------------------------------------------------------
+
+    async def queue(self, access: Access, *, state: str | None = UNRESOLVED,
+                    tool: str | None = None, older_than: float | None = None,
+                    key: str | None = None, run_id: str | None = None,
+                    workflow: str | None = None, limit: int | None = None
+                    ) -> list[dict[str, Any]]:
+        """Queue items oldest first (``state`` None: every item), as ``ops list``."""
+        self.tenants(access)
+        return await self.ops.list_items(
+            operator=access.operator, state=state, tool=tool, older_than=older_than, key=key,
+            run_id=run_id, workflow=workflow, limit=_limit(limit, 100))
+
+    async def operation(self, access: Access, operation_id: int) -> dict[str, Any]:
+        """``ops show``'s view; what lookups said only with the ``incidents`` grant."""
+        self.tenants(access)
+        shown = await self.ops.show(operation_id, operator=access.operator)
+        if not access.may("incidents") and shown["reasons"] == "shown":
+            shown = {**shown, "reasons": "withheld",
+                     "lookups": [{**x, "reason": None} for x in shown["lookups"]]}
+        return shown
+
+    async def resolve(self, access: Access, operation_id: int, *, resolution: str,
+                      evidence: str, receipt: Any = None, then: str | None = None) -> str:
+        """``committed`` (with ``receipt``), ``not_applied`` (``then`` resend, the default, or
+        fail) or ``abandoned``; ``resolved`` or ``noop`` (already so), as ``ops resolve``."""
+        self.tenants(access)
+        access.need("resolve")
+        check_operation_id(operation_id)
+        _check_resolution(resolution, receipt, then)
+        if resolution == "committed":
+            return await self.ops.resolve_committed(operation_id, receipt=receipt,
+                                                    evidence=evidence, operator=access.operator)
+        if resolution == "not_applied":
+            return await self.ops.resolve_not_applied(operation_id, evidence=evidence,
+                                                      operator=access.operator,
+                                                      then=then or "resend")
+        return await self.ops.abandon(operation_id, evidence=evidence, operator=access.operator)
+
+    async def bulk(self, access: Access, *, resolution: str, evidence: str,
+                   receipt: Any = None, then: str | None = None, confirmed: int | None,
+                   state: str = UNRESOLVED, tool: str | None = None,
+                   older_than: float | None = None, key: str | None = None,
+                   run_id: str | None = None, workflow: str | None = None,
+                   limit: int | None = None) -> BulkSummary:
+        """Resolve or abandon every unresolved item the filter selects, each on its own and
+        audited, as ``ops resolve-many`` / ``abandon-many``.
+
+        A count first: ``confirmed`` None selects and acts on nothing (a dry run); an action
+        names the count the operator confirmed, and if the filter selects another number now
+        nothing is done (``declined``)."""
+        self.tenants(access)
+        access.need("resolve", "bulk")
+        _check_resolution(resolution, receipt, then)
+        if confirmed is not None and (type(confirmed) is not int or confirmed < 1):
+            raise InvalidRequest("confirmed must be the count of operations confirmed",
+                                 path="confirmed")
+        options: dict[str, Any] = {
+            "evidence": evidence, "operator": access.operator, "state": state, "tool": tool,
+            "older_than": older_than, "key": key, "run_id": run_id, "workflow": workflow,
+            "dry_run": confirmed is None,
+            "confirm": lambda selected: len(selected.matched) == confirmed}
+        if limit is not None:
+            options["limit"] = limit
+        if resolution == "abandoned":
+            return await self.ops.abandon_many(**options)
+        return await self.ops.resolve_many(resolution=resolution, receipt=receipt, then=then,
+                                           **options)
+
+    # -- incidents and the audit log ---------------------------------------------------------
+
+    async def incidents(self, access: Access, *, before: str | None = None,
+                        limit: int | None = None) -> Page:
+        tenants = self.tenants(access)
+        self._need_incidents(access)
+        count = _limit(limit)
+        async with self.db.connection() as conn:
+            rows = await views.incident_page(conn, tenants=tenants,
+                                             before=parse_incident_cursor(before),
+                                             limit=count + 1)
+        shown = rows[:count]
+        more = len(rows) > count
+        return Page(shown, f"{shown[-1]['created_at'].isoformat()}_{shown[-1]['ref']}"
+                    if more else None)
+
+    async def incident(self, access: Access, ref: str) -> dict[str, Any]:
+        self.tenants(access)
+        self._need_incidents(access)
+        return await self.ops.incident(ref, operator=access.operator)
+
+    def _need_incidents(self, access: Access) -> None:
+        access.need("incidents")
+        if not self.ops.may_read_incidents(access.operator):
+            raise Forbidden(f"operator {access.operator!r} is not one of this application's "
+                            "incident readers")
+
+    async def audit(self, access: Access, *, operator: str | None = None,
+                    action: str | None = None, target: str | None = None,
+                    before: str | None = None, limit: int | None = None) -> Page:
+        """Audit rows newest first, of the operator's tenants; filters as
+        :func:`~orchestrator.db.views.audit_page`."""
+        tenants = self.tenants(access)
+        count = _limit(limit)
+        if operator is not None:
+            check_operator(operator)
+        if action is not None:
+            check_identifier("action", action)
+        if target is not None:
+            check_identifier("target", target)
+        after = None
+        if before is not None:
+            if not before.isdigit() or not 0 < int(before) < 2**63:
+                raise InvalidRequest("before must be the next cursor of a page of the audit "
+                                     "log", path="before")
+            after = int(before)
+        async with self.db.connection() as conn:
+            rows = await views.audit_page(conn, tenants=tenants, operator=operator,
+                                          action=action, target=target, before=after,
+                                          limit=count + 1)
+        shown = rows[:count]
+        return Page(shown, str(shown[-1]["id"]) if len(rows) > count else None)
+
+
+def _check_resolution(resolution: str, receipt: Any, then: str | None) -> None:
+    if resolution not in ("committed", "not_applied", "abandoned"):
+        raise InvalidRequest("resolution must be committed, not_applied or abandoned",
+                             path="resolution")
+    if then is not None and (resolution != "not_applied" or then not in THEN):
+        raise InvalidRequest("then must be resend or fail, and goes only with not_applied",
+                             path="then")
+    if resolution != "committed" and receipt is not None:
+        raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")

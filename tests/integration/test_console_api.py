@@ -1,0 +1,503 @@
+"""The console's API and pages against a real PostgreSQL, through an ASGI client in the test's
+event loop (a worker runs in the same loop): who may see and do what (C9, C17), CSRF, the
+audit of every action, the queue's bulk actions, no upstream text without the incidents grant
+(C10), and pages that render input as text."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from orchestrator import NotApplied, Orchestrator, Owner
+from tests.consoletools import GRANTS, SECRET, Client, from_header, uncertain_app
+from tests.integration.conftest import OTHER, OWNER, running, wait_for
+
+Sql = Callable[..., list[dict[str, Any]]]
+
+
+def console_of(app: Orchestrator, **options: Any) -> Any:
+    options.setdefault("grants", GRANTS)
+    return app.console(from_header, **options)
+
+
+async def park(app: Orchestrator, sql: Sql, orders: dict[str, Owner]) -> dict[str, int]:
+    """Submit ``pay(order)`` per order; once each run waits on its unknown operation, the
+    operation ids by order (the worker stops)."""
+    async with running(app):
+        for order, owner in orders.items():
+            await app.submit_async("pay", order, owner=owner, idempotency_key=f"k-{order}")
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs WHERE status = "
+                                       "'needs_reconciliation'")) == len(orders), timeout=60)
+    return {r["arguments"]["order"]: r["id"]
+            for r in sql("SELECT id, arguments FROM orchestrator.operations")}
+
+
+def run_of(sql: Sql, op: int) -> dict[str, Any]:
+    (row,) = sql("SELECT r.* FROM orchestrator.runs r JOIN orchestrator.operations o "
+                 "ON o.run_id = r.id WHERE o.id = %s", (op,))
+    return row
+
+
+def audit(sql: Sql) -> list[dict[str, Any]]:
+    return sql("SELECT * FROM orchestrator.operator_audit ORDER BY id")
+
+
+async def test_unauthenticated_requests_get_401_and_pages_send_browsers_to_the_login(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    console = console_of(app)
+    async with Client(console, None) as nobody:
+        for path in ("/api/session", "/api/runs", "/api/operations", f"/api/operations/"
+                     f"{ops['a']}", "/api/workers", "/api/audit", "/api/overview"):
+            answer = await nobody.get(path)
+            assert answer.status_code == 401, path
+            assert answer.json() == {"code": "UNAUTHENTICATED", "message": answer.json()[
+                "message"], "retryable": False, "incident": None}
+        answer = await nobody.post(f"/api/operations/{ops['a']}/abandon", {"evidence": "x"},
+                                   csrf=False)
+        assert answer.status_code == 401
+        assert (await nobody.get("/runs")).status_code == 401  # the host signs people in
+    standalone = app.console(tokens={"alice": "t" * 32}, grants=GRANTS)
+    async with Client(standalone, None) as browser:
+        answer = await browser.get("/operations", state="operator")
+        assert answer.status_code == 303
+        assert answer.headers["location"] == "/login?next=%2Foperations%3Fstate%3Doperator"
+        bad = await browser.http.get("/api/runs", headers={"Authorization": "Bearer " + "u" * 32})
+        assert bad.status_code == 401
+        good = await browser.http.get("/api/runs", headers={"Authorization": "Bearer " + "t" * 32})
+        assert good.status_code == 200 and good.json()["count"] == 1
+    async with Client(console, "mallory") as stranger:  # authenticated, but no grant
+        answer = await stranger.get("/api/runs")
+        assert answer.status_code == 403 and answer.json()["code"] == "FORBIDDEN"
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    await app.database.close()
+
+
+async def test_an_object_out_of_scope_answers_exactly_as_a_missing_one(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER, "g": OTHER})
+    theirs = run_of(sql, ops["g"])["id"]
+    (ref,) = [r["ref"] for r in sql("SELECT ref FROM orchestrator.incidents WHERE "
+                                    "operation_id = %s", (ops["g"],))]
+    console = console_of(app)
+    async with Client(console, "alice") as alice, Client(console, "reader") as reader:
+        pairs = [(f"/api/runs/{theirs}", f"/api/runs/{uuid.uuid4()}"),
+                 (f"/api/operations/{ops['g']}", "/api/operations/987654")]
+        for out_of_scope, missing in pairs:
+            one, other = await alice.get(out_of_scope), await alice.get(missing)
+            assert one.status_code == other.status_code == 404
+            assert one.content == other.content and one.json()["code"] == "ACCESS_DENIED"
+        one = await reader.get(f"/api/incidents/{ref}")
+        other = await reader.get("/api/incidents/inc_0000000000000000")
+        assert one.status_code == other.status_code == 404 and one.content == other.content
+        # pages too: the same 404 page
+        one, other = await alice.get(f"/runs/{theirs}"), await alice.get(f"/runs/{uuid.uuid4()}")
+        assert one.status_code == other.status_code == 404 and one.text == other.text
+        # actions on another tenant's objects look the same as on missing ones
+        for path in (f"/api/operations/{ops['g']}/abandon", "/api/operations/987654/abandon"):
+            answer = await alice.post(path, {"evidence": "gone"})
+            assert answer.status_code == 404 and answer.json()["code"] == "ACCESS_DENIED"
+        cancel = await alice.post(f"/api/runs/{theirs}/cancel", {"evidence": "no"})
+        assert cancel.status_code == 404
+        # lists keep to the scope
+        listed = (await alice.get("/api/operations")).json()
+        assert [i["operation_id"] for i in listed["items"]] == [str(ops["a"])]
+        runs = (await alice.get("/api/runs")).json()
+        assert {r["tenant"] for r in runs["runs"]} == {"acme"}
+        incidents = (await reader.get("/api/incidents")).json()
+        assert {x["tenant"] for x in incidents["incidents"]} == {"acme"}
+    assert [r["state"] for r in sql("SELECT state FROM orchestrator.operations")] == [
+        "unknown", "unknown"]
+    assert audit(sql) == []
+    await app.database.close()
+
+
+async def test_an_action_without_its_csrf_token_is_refused_and_changes_nothing(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    op = ops["a"]
+    console = console_of(app)
+    body = {"resolution": "not_applied", "evidence": "nothing at the PSP"}
+    async with Client(console, "alice") as alice, Client(console, "bob") as bob:
+        answer = await alice.post(f"/api/operations/{op}/resolve", body, csrf=False)
+        assert answer.status_code == 403 and answer.json()["code"] == "FORBIDDEN"
+        # a token made for another operator (or another browser) is no token
+        alice.csrf = await bob.token()
+        answer = await alice.post(f"/api/operations/{op}/resolve", body)
+        assert answer.status_code == 403
+        alice.csrf = None
+        # the pages' forms too
+        form = await alice.form(f"/operations/{op}/resolve", body, csrf=False)
+        assert form.status_code == 403 and "FORBIDDEN" in form.text
+        cancel = await alice.form(f"/runs/{run_of(sql, op)['id']}/cancel",
+                                  {"evidence": "stop"}, csrf=False)
+        assert cancel.status_code == 403
+        assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+        assert audit(sql) == []
+        # with it, the same request goes through
+        answer = await alice.post(f"/api/operations/{op}/resolve", body)
+        assert answer.status_code == 200, answer.text
+    assert sql("SELECT state FROM orchestrator.operations WHERE id = %s", (op,)) == [
+        {"state": "not_applied"}]
+    await app.database.close()
+
+
+async def test_a_read_only_operator_sees_no_action_and_a_forged_post_is_refused(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    op, run_id = ops["a"], run_of(sql, ops["a"])["id"]
+    console = console_of(app)
+    async with Client(console, "viewer") as viewer, Client(console, "alice") as alice:
+        pages = [await viewer.get(path) for path in (
+            "/", "/runs", f"/runs/{run_id}", "/operations", f"/operations/{op}", "/audit")]
+        assert all(p.status_code == 200 for p in pages)
+        for page in pages:
+            assert 'method="post"' not in page.text.replace("/logout", ""), page.url
+            assert "Mark committed" not in page.text and "Cancel this run" not in page.text
+        acting = await alice.get(f"/operations/{op}")
+        assert "Mark committed" in acting.text and 'id="resolve-abandon"' in acting.text
+        assert "Cancel this run" in (await alice.get(f"/runs/{run_id}")).text
+        # a forged POST (the viewer's own, valid CSRF token) is refused for want of a grant
+        for path, body in ((f"/api/operations/{op}/resolve",
+                            {"resolution": "committed", "receipt": {}, "evidence": "x"}),
+                           (f"/api/operations/{op}/abandon", {"evidence": "x"}),
+                           (f"/api/runs/{run_id}/cancel", {"evidence": "x"}),
+                           ("/api/operations/abandon-many", {"evidence": "x", "confirmed": 1})):
+            answer = await viewer.post(path, body)
+            assert answer.status_code == 403, path
+            assert answer.json()["code"] == "FORBIDDEN" and "grant" in answer.json()["message"]
+        form = await viewer.form(f"/operations/{op}/resolve",
+                                 {"resolution": "abandoned", "evidence": "x"})
+        assert form.status_code == 403
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    assert audit(sql) == []
+    await app.database.close()
+
+
+async def test_a_resolution_needs_evidence_is_audited_and_wakes_the_run(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    op = ops["a"]
+    console = console_of(app)
+    async with Client(console, "alice") as alice, running(app):
+        path = f"/api/operations/{op}/resolve"
+        missing = await alice.post(path, {"resolution": "committed", "receipt": {"ch": 1}})
+        assert missing.status_code == 400 and missing.json()["code"] == "INVALID_REQUEST"
+        blank = await alice.post(path, {"resolution": "committed", "receipt": {"ch": 1},
+                                        "evidence": "  "})
+        assert blank.status_code == 400
+        assert audit(sql) == []
+        done = await alice.post(path, {"resolution": "committed",
+                                       "receipt": {"charge": "ch_by_hand"},
+                                       "evidence": "PSP dashboard shows ch_by_hand"})
+        assert done.status_code == 200 and done.json()["outcome"] == "resolved"
+        handle = await app.get_run_async(run_of(sql, op)["id"])
+        assert await handle.result_async(timeout=30) == {"charge": "ch_by_hand"}
+        again = await alice.post(path, {"resolution": "committed",
+                                        "receipt": {"charge": "ch_by_hand"},
+                                        "evidence": "same again"})
+        assert again.json()["outcome"] == "noop"
+        conflict = await alice.post(path, {"resolution": "not_applied", "evidence": "no"})
+        assert conflict.status_code == 409 and conflict.json()["code"] == "RESOLUTION_CONFLICT"
+        shown = (await alice.get("/api/audit", target=str(op))).json()["audit"]
+        assert [(a["operator"], a["action"], a["evidence"]) for a in shown] == [
+            ("alice", "resolve.committed.noop", "same again"),
+            ("alice", "resolve.committed", "PSP dashboard shows ch_by_hand")]
+        assert shown[1]["before"]["operation"] == "unknown"
+        assert shown[1]["after"]["operation"] == "committed"
+        # the page refuses the conflicting resolution and shows the existing one
+        page = await alice.form(f"/operations/{op}/resolve",
+                                {"resolution": "abandoned", "evidence": "give up"})
+        assert page.status_code == 409 and "RESOLUTION_CONFLICT" in page.text
+        assert 'id="resolution">committed<' in page.text
+    await app.database.close()
+
+
+async def test_a_receipt_typed_into_the_form_must_be_valid_json(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    async with Client(console_of(app), "alice") as alice:
+        page = await alice.form(f"/operations/{ops['a']}/resolve", {
+            "resolution": "committed", "receipt": "{charge: ch_1", "evidence": "seen"})
+        assert page.status_code == 400 and "the receipt is not valid JSON" in page.text
+        assert "{charge: ch_1" in page.text  # what was typed is kept in the form
+        ok = await alice.form(f"/operations/{ops['a']}/resolve", {
+            "resolution": "committed", "receipt": '{"charge": "ch_1"}', "evidence": "seen"})
+        assert ok.status_code == 303
+        assert ok.headers["location"] == f"/operations/{ops['a']}?done=committed"
+    assert sql("SELECT receipt FROM orchestrator.operations") == [{"receipt": {"charge": "ch_1"}}]
+    await app.database.close()
+
+
+async def test_a_bulk_resolution_of_50_matching_items_counts_first(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    orders = {f"o{i:02}": OWNER for i in range(50)} | {"g1": OTHER}
+    ops = await park(app, sql, orders)
+    console = console_of(app)
+    body = {"resolution": "not_applied", "then": "resend", "filter": {"tool": "charge"},
+            "evidence": "PSP export shows none of these"}
+    async with Client(console, "alice") as alice:
+        counted = await alice.post("/api/operations/resolve-many", body)
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["dry_run"] is True
+        assert counted.json()["counts"] == {"matched": 50, "resolved": 0, "skipped": 0}
+        assert audit(sql) == []
+        stale = await alice.post("/api/operations/resolve-many", {**body, "confirmed": 49})
+        assert stale.status_code == 409 and "selects 50 operations now" in stale.json()[
+            "message"]
+        assert audit(sql) == []
+        async with running(app):
+            done = await alice.post("/api/operations/resolve-many", {**body, "confirmed": 50})
+            assert done.status_code == 200, done.text
+            assert done.json()["counts"] == {"matched": 50, "resolved": 50, "skipped": 0}
+            await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                           "WHERE status = 'succeeded'")) == 50, timeout=60)
+    rows = audit(sql)
+    assert len(rows) == 50 and {r["action"] for r in rows} == {"resolve.not_applied"}
+    assert {int(r["target_id"]) for r in rows} == {ops[o] for o in orders if o != "g1"}
+    assert run_of(sql, ops["g1"])["status"] == "needs_reconciliation"  # another tenant's
+    await app.database.close()
+
+
+async def test_the_bulk_pages_show_the_count_and_ask_before_acting(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    await park(app, sql, {f"o{i}": OWNER for i in range(3)})
+    fields = {"state": "", "tool": "charge", "older_than": "", "key": "", "run": "",
+              "workflow": "", "resolution": "abandoned", "evidence": "written off"}
+    async with Client(console_of(app), "alice") as alice:
+        preview = await alice.form("/operations/bulk", fields)
+        assert preview.status_code == 200
+        assert "This filter selects <strong>3</strong> unresolved operations" in preview.text
+        assert 'name="confirmed" value="3"' in preview.text and audit(sql) == []
+        done = await alice.form("/operations/bulk", {**fields, "confirmed": "3"})
+        assert done.status_code == 200 and "Abandoned 3 of 3 operations" in done.text
+    assert [r["status"] for r in sql("SELECT status FROM orchestrator.runs")] == ["failed"] * 3
+    await app.database.close()
+
+
+async def test_no_upstream_text_reaches_an_operator_without_the_incidents_grant(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    tool = app.registry.tools["charge"]
+
+    @tool.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        return NotApplied(f"no such charge; the PSP echoed {SECRET}")
+
+    ops = await park(app, sql, {"a": OWNER})
+    op = ops["a"]
+    assert await app.create_reconciler().run_once() == 1  # not applied, with its text
+    async with running(app):
+        await wait_for(lambda: run_of(sql, op)["status"] == "succeeded", timeout=30)
+    run_id = run_of(sql, op)["id"]
+    assert sql("SELECT 1 FROM orchestrator.incidents WHERE detail::text LIKE %s",
+               (f"%{SECRET}%",)), "the diagnostics keep it"
+    console = console_of(app)
+    paths = ["/api/overview", "/api/runs", f"/api/runs/{run_id}", "/api/operations?state=all",
+             f"/api/operations/{op}", "/api/audit", "/api/workers", "/", "/runs",
+             f"/runs/{run_id}", "/operations?state=all", f"/operations/{op}", "/audit",
+             "/workers", "/api/incidents", "/incidents"]
+    for operator in ("alice", "viewer"):  # in scope, no incidents grant
+        async with Client(console, operator) as client:
+            for path in paths:
+                answer = await client.get(path)
+                assert SECRET not in answer.text, (operator, path)
+                assert answer.status_code == (403 if "incidents" in path else 200), path
+            shown = (await client.get(f"/api/operations/{op}")).json()
+            assert shown["reasons"] == "withheld"
+            assert [(x["answer"], x["has_reason"], x["reason"]) for x in shown["lookups"]] == [
+                ("not_applied", True, None)]
+    async with Client(console, "reader") as reader:
+        shown = (await reader.get(f"/api/operations/{op}")).json()
+        assert shown["lookups"][0]["reason"] == f"no such charge; the PSP echoed {SECRET}"
+        refs = [x["ref"] for x in (await reader.get("/api/incidents")).json()["incidents"]]
+        details = [(await reader.get(f"/api/incidents/{ref}")).text for ref in refs]
+        assert any(SECRET in d for d in details)
+        assert SECRET in (await reader.get(f"/operations/{op}")).text
+    await app.database.close()
+
+
+async def test_an_input_holding_a_script_renders_as_text(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    hostile = "<script>alert('x')</script>"
+    async with running(app):
+        await app.submit_async("pay", {"note": hostile}, owner=OWNER)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs "
+                                   "WHERE status = 'needs_reconciliation'"))
+    (op,) = [r["id"] for r in sql("SELECT id FROM orchestrator.operations")]
+    run_id = run_of(sql, op)["id"]
+    async with Client(console_of(app), "alice") as alice:
+        for path in (f"/runs/{run_id}", f"/operations/{op}", "/operations"):
+            page = await alice.get(path)
+            assert page.status_code == 200
+            assert "<script>alert" not in page.text, path
+        assert "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;" in (
+            await alice.get(f"/runs/{run_id}")).text
+        assert (await alice.get(f"/api/runs/{run_id}")).json()["run"]["input"] == {
+            "note": hostile}
+        page = await alice.get(f"/runs/{run_id}")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+    await app.database.close()
+
+
+async def test_cancel_needs_its_grant_and_evidence_and_is_audited(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = make_app(operator_scopes={"alice": ["acme"], "viewer": ["acme"]})
+
+    @app.workflow()
+    async def waits(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    handle = await app.submit_async(waits, {})
+    async with running(app):
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE status = 'waiting'"))
+    console = app.console(from_header, {"alice": ["cancel"], "viewer": ["read"]})
+    path = f"/api/runs/{handle.id}/cancel"
+    async with Client(console, "alice") as alice:
+        assert (await alice.post(path, {})).status_code == 400
+        answer = await alice.post(path, {"evidence": "customer withdrew"})
+        assert answer.status_code == 200 and answer.json() == {
+            "run_id": str(handle.id), "before": "waiting", "status": "cancelled"}
+        (row,) = (await alice.get("/api/audit", action="run")).json()["audit"]
+    assert (row["operator"], row["action"], row["target_kind"], row["target_id"]) == (
+        "alice", "run.cancel", "run", str(handle.id))
+    assert row["before"]["status"] == "waiting" and row["after"]["status"] == "cancelled"
+    assert row["evidence"] == "customer withdrew" and row["tenant"] == "acme"
+    await app.database.close()
+
+
+async def test_runs_are_paged_newest_first_by_keyset_and_filtered(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    @app.workflow()
+    async def noop(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    made = [(await app.submit_async(noop, i, idempotency_key=f"sub-{i}")).id for i in range(5)]
+    await app.submit_async(noop, 9, owner=OTHER)
+    console = app.console(from_header)  # no scopes, no grants: everyone reads
+    async with Client(console, "anyone") as client:
+        seen, cursor = [], None
+        while True:
+            page = (await client.get("/api/runs", limit=2, before=cursor,
+                                     status="queued")).json()
+            seen.append([r["id"] for r in page["runs"]])
+            cursor = page["next"]
+            if cursor is None:
+                break
+        assert [len(p) for p in seen] == [2, 2, 2]
+        ids = [i for p in seen for i in p]
+        assert ids == [str(r["id"]) for r in sql(
+            "SELECT id FROM orchestrator.runs ORDER BY created_at DESC, id DESC")]
+        keyed = (await client.get("/api/runs", submission_key="sub-3")).json()
+        assert [r["id"] for r in keyed["runs"]] == [str(made[3])]
+        bad = await client.get("/api/runs", before="yesterday")
+        assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
+        page = await client.get("/runs", limit=2)
+        assert page.status_code == 200 and "Older runs" in page.text
+        forbidden = await client.post(f"/api/runs/{made[0]}/cancel", {"evidence": "x"})
+        assert forbidden.status_code == 403  # read only
+    await app.database.close()
+
+
+async def test_a_browser_signs_in_with_the_token_and_gets_a_session(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    await park(app, sql, {"a": OWNER})
+    token = "tok_" + "x" * 28
+    console = app.console(tokens={"alice": token}, grants=GRANTS)
+    async with Client(console, None) as browser:
+        form = await browser.get("/login")
+        assert form.status_code == 200 and 'name="token"' in form.text
+        login_csrf = form.text.split('name="csrf_token" value="')[1].split('"')[0]
+        wrong = await browser.http.post("/login", data={"token": "nope", "csrf_token":
+                                                         login_csrf})
+        assert wrong.status_code == 401
+        no_csrf = await browser.http.post("/login", data={"token": token})
+        assert no_csrf.status_code == 403
+        good = await browser.http.post("/login?next=/operations",
+                                       data={"token": token, "csrf_token": login_csrf})
+        assert good.status_code == 303 and good.headers["location"] == "/operations"
+        cookie = good.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        page = await browser.get("/operations")
+        assert page.status_code == 200 and "alice" in page.text
+        session = (await browser.get("/api/session")).json()
+        assert session["operator"] == "alice" and session["via"] == "session"
+        # a script with the bearer token needs no cookie; its CSRF token is bound to it
+        bearer = {"Authorization": f"Bearer {token}"}
+        mine = (await browser.http.get("/api/session", headers=bearer)).json()
+        assert mine["via"] == "bearer"
+        ops = json.loads((await browser.http.get("/api/operations", headers=bearer)).text)
+        op = ops["items"][0]["operation_id"]
+        refused = await browser.http.post(f"/api/operations/{op}/abandon",
+                                          json={"evidence": "x"}, headers=bearer)
+        assert refused.status_code == 403
+        accepted = await browser.http.post(
+            f"/api/operations/{op}/abandon", json={"evidence": "x"},
+            headers={**bearer, "X-CSRF-Token": mine["csrf_token"]})
+        assert accepted.status_code == 200, accepted.text
+    await app.database.close()
+
+
+@pytest.mark.parametrize("grants", [{"alice": ["read", "root"]}, {"alice": "read"},
+                                    {"al ice": ["read"]}])
+def test_grants_are_checked_when_the_console_is_built(
+        make_app, grants):  # type: ignore[no-untyped-def]
+    from orchestrator import ConfigurationError
+
+    app = make_app()
+    with pytest.raises(ConfigurationError):
+        app.console(from_header, grants)
+
+
+async def test_mounted_under_a_path_its_links_forms_and_cookies_stay_under_it(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    host = Starlette(routes=[Mount("/ops-console", app=console_of(app))])
+    async with Client(host, "alice") as alice:
+        page = await alice.get("/ops-console/operations")
+        assert page.status_code == 200
+        assert f'href="/ops-console/operations/{ops["a"]}"' in page.text
+        assert 'src="/ops-console/static/htmx.min.js"' in page.text
+        assert "Path=/ops-console/" in page.headers["set-cookie"]
+        session = await alice.http.get("/ops-console/api/session")
+        alice.csrf = session.json()["csrf_token"]
+        done = await alice.form(f"/ops-console/operations/{ops['a']}/resolve",
+                                {"resolution": "abandoned", "evidence": "written off"})
+        assert done.status_code == 303
+        assert done.headers["location"] == f"/ops-console/operations/{ops['a']}?done=abandoned"
+        assert (await alice.get("/ops-console/static/htmx.min.js")).status_code == 200
+    await app.database.close()
+
+
+async def test_an_unexpected_failure_answers_internal_without_its_text(
+        make_app, caplog):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    def broken(request: Any) -> str:
+        raise RuntimeError(f"the session store said {SECRET}")
+
+    async with Client(app.console(broken), "alice") as client:
+        answer = await client.get("/api/runs")
+    assert answer.status_code == 500 and answer.json()["code"] == "INTERNAL"
+    assert answer.json()["incident"] in caplog.text and "RuntimeError" in caplog.text
+    assert SECRET not in answer.text and SECRET not in caplog.text
