@@ -59,9 +59,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             f"browser tests skipped: {len(skipped)} (only these): {missing()}", yellow=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chromium() -> Iterator[Any]:
-    """One headless chromium for the session (Playwright's sync API)."""
+    """One headless chromium for the browser tests (Playwright's sync API). Package-scoped,
+    not session-scoped: the sync API keeps an event loop running while it is open, and the
+    suite's asyncio tests that come after these need it gone."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
