@@ -15,6 +15,7 @@ from typing import Any
 
 from orchestrator.db.database import Conn
 from orchestrator.db.runs import _SUMMARY_COLUMNS
+from orchestrator.db.workers import LOCK_HELD
 
 S = "orchestrator"
 
@@ -119,13 +120,7 @@ async def worker_list_all(conn: Conn) -> list[dict[str, Any]]:
         SELECT w.id, w.hostname, w.pid, w.workflows, w.concurrency, w.started_at,
                w.heartbeat_at, now() AS db_now,
                EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
-               CASE WHEN w.lock_key IS NULL THEN NULL ELSE EXISTS (
-                   SELECT 1 FROM pg_locks l
-                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                     AND l.database = (SELECT oid FROM pg_database
-                                       WHERE datname = current_database())
-                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
-                     AND l.objid::bigint = (w.lock_key & 4294967295)) END AS lock_held,
+               {LOCK_HELD},
                (SELECT count(*) FROM {S}.runs r
                 WHERE r.status = 'running' AND r.lease_owner = w.id) AS runs_held
         FROM {S}.workers w

@@ -104,6 +104,18 @@ async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[st
     return await cur.fetchall()
 
 
+LOCK_HELD = """CASE WHEN w.lock_key IS NULL THEN NULL ELSE EXISTS (
+                   SELECT 1 FROM pg_locks l
+                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                     AND l.database = (SELECT oid FROM pg_database
+                                       WHERE datname = current_database())
+                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
+                     AND l.objid::bigint = (w.lock_key & 4294967295)) END AS lock_held"""
+"""Whether the liveness lock of worker ``w`` (a row of ``workers``) is held now, as the column
+``lock_held`` (None when it registered none): the test of :func:`worker_lease_holder` and the
+console's worker list."""
+
+
 async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
     """How the worker holding a lease looks from here: the database's ``now``, and, if it is
     still registered (``registered``), its last heartbeat, the seconds since
@@ -114,13 +126,7 @@ async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
         f"""
         SELECT now() AS db_now, w.id IS NOT NULL AS registered, w.heartbeat_at,
                EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
-               CASE WHEN w.lock_key IS NULL THEN NULL ELSE EXISTS (
-                   SELECT 1 FROM pg_locks l
-                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                     AND l.database = (SELECT oid FROM pg_database
-                                       WHERE datname = current_database())
-                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
-                     AND l.objid::bigint = (w.lock_key & 4294967295)) END AS lock_held
+               {LOCK_HELD}
         FROM (SELECT 1) AS one LEFT JOIN {S}.workers w ON w.id = %s
         """,
         (worker_id,),
