@@ -5,7 +5,9 @@ follows the run live until it ends; ``topics`` keeps the workflow's own messages
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +47,16 @@ def _status(sql, run):  # type: ignore[no-untyped-def]
     return sql("SELECT status FROM orchestrator.runs WHERE id = %s", (run.id,))[0]["status"]
 
 
+@contextlib.asynccontextmanager
+async def closing(app: Any) -> AsyncIterator[None]:
+    """The app's pool on this loop is closed at the end (``running`` does it for tests with a
+    worker), so that none is left connected when the test's database is dropped."""
+    try:
+        yield
+    finally:
+        await app.database.close()
+
+
 async def _take(events: Any, count: int) -> list[JournalEntry]:
     """The next ``count`` entries of an iterator that is left open (as a client keeps its
     connection while it reads)."""
@@ -77,7 +89,7 @@ async def test_a_client_that_reconnects_with_its_cursor_gets_every_later_entry_o
         resumed = run.events(after=cursor)
         assert await app.send_event_async(run.id, "go", event_key="go-2")
         rest = [e async for e in resumed]  # follows live to the end, then stops
-    journal = await run.journal_async()
+        journal = await run.journal_async()
     story = seen + later + rest
     assert [e.seq for e in story] == list(range(1, len(journal) + 1))  # once each, in order
     assert [e.model_dump() for e in story] == [e.model_dump() for e in journal]
@@ -102,11 +114,11 @@ async def test_following_ends_after_the_terminal_entry_and_follow_false_does_not
         assert not following.done()  # it follows: waits for what comes next
         await app.send_event_async(run.id, "go")
         rest = await asyncio.wait_for(following, 15)
+        end = rest[-1].seq
+        assert [e async for e in run.events(after=end)] == []  # ended before it: no wait
+        assert [e.seq async for e in run.events(after=end - 1)] == [end]
     assert [e.kind for e in rest] == ["event.received", "message", "call.submitted",
                                       "call.completed", "run.completed"]
-    end = rest[-1].seq
-    assert [e async for e in run.events(after=end)] == []  # ended before the cursor: no wait
-    assert [e.seq async for e in run.events(after=end - 1)] == [end]
     assert isinstance(rest[0].at, datetime) and rest[0].at == rest[0].created_at
 
 
@@ -138,7 +150,8 @@ async def test_a_cursor_that_is_not_a_seq_is_refused_before_anything_is_read(app
     async def noop(ctx, data):  # type: ignore[no-untyped-def]
         return None
 
-    run = await app.submit_async(noop, {})
+    async with closing(app):
+        run = await app.submit_async(noop, {})
     for bad in (-1, "3", 1.5, True, None):
         with pytest.raises(InvalidRequest) as refused:
             run.events(bad)  # type: ignore[arg-type]
@@ -155,17 +168,18 @@ async def test_another_owners_run_is_denied_like_a_missing_one(app):
     async def noop(ctx, data):  # type: ignore[no-untyped-def]
         return None
 
-    run = await app.submit_async(noop, {})
-    theirs = RunHandle(app, run.id, OTHER)
-    missing = RunHandle(app, uuid.uuid4(), run.owner)
-    answers = []
-    for handle in (theirs, missing):
-        for follow in (True, False):
-            with pytest.raises(AccessDenied) as denied:
-                await _all(handle.events(follow=follow))
-            answers.append(str(denied.value))
-        with pytest.raises(AccessDenied):
-            await asyncio.to_thread(lambda h=handle: list(h.events_sync()))
+    async with closing(app):
+        run = await app.submit_async(noop, {})
+        theirs = RunHandle(app, run.id, OTHER)
+        missing = RunHandle(app, uuid.uuid4(), run.owner)
+        answers = []
+        for handle in (theirs, missing):
+            for follow in (True, False):
+                with pytest.raises(AccessDenied) as denied:
+                    await _all(handle.events(follow=follow))
+                answers.append(str(denied.value))
+            with pytest.raises(AccessDenied):
+                await asyncio.to_thread(lambda h=handle: list(h.events_sync()))
     assert len(set(answers)) == 1  # the same answer for both
 
 
@@ -190,12 +204,12 @@ async def test_topics_keep_only_those_messages_and_the_end(app, sql):
         following = asyncio.ensure_future(_all(run.events(topics=["progress", "milestones"])))
         await app.send_event_async(run.id, "go")
         live = await asyncio.wait_for(following, 15)
+        # The cursor stays the seq: resuming after a message skips only what is before it.
+        after_first = [e.payload.get("value") async for e in run.events(
+            after=live[0].seq, topics=["progress"], follow=False)]
     assert [(e.kind, e.name, e.payload.get("value")) for e in live] == [
         ("message", "progress", 1), ("message", "progress", 2),
         ("message", "milestones", 3), ("run.completed", None, None)]
-    # The cursor stays the seq: resuming after the first message skips only what is before.
-    after_first = [e.payload.get("value") async for e in run.events(
-        after=live[0].seq, topics=["progress"], follow=False)]
     assert after_first == [2, None]
 
 
@@ -212,7 +226,8 @@ async def test_events_sync_follows_a_run_live_from_a_thread(app, sql):
         stopped = run.events_sync(after=1)  # a sync reader that stops early
         assert next(stopped).seq == 2
         stopped.close()  # type: ignore[attr-defined]
-    assert [e.seq for e in got] == list(range(1, len(await run.journal_async()) + 1))
+        journal = await run.journal_async()
+    assert [e.seq for e in got] == list(range(1, len(journal) + 1))
     assert got[-1].kind == "run.completed"
 
 
@@ -226,10 +241,9 @@ async def test_many_followers_of_many_runs_each_get_their_own_story(app, sql):
         for r in runs:
             await app.send_event_async(r.id, "go")
         told = await asyncio.wait_for(asyncio.gather(*followers), 30)
+        journals = [[e.model_dump() for e in await r.journal_async()] for r in runs]
     for index, story in enumerate(told):
-        run = runs[index // 4]
-        assert [e.model_dump() for e in story] == [
-            e.model_dump() for e in await run.journal_async()]
+        assert [e.model_dump() for e in story] == journals[index // 4]
 
 
 async def test_followers_in_one_loop_share_the_polls_and_the_reads(app, sql, monkeypatch):

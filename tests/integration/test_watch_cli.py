@@ -56,6 +56,7 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
         (ok, out, err), (failed, bad_out, _), (cancelled, gone_out, _) = await asyncio.wait_for(
             asyncio.gather(*watches), 30)
         json_code, json_out, _ = await as_json
+        journal = await good.journal_async()
 
     assert (ok, failed, cancelled, json_code) == (0, 1, 1, 0), err
     lines = out.splitlines()
@@ -73,7 +74,6 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
     assert gone_out.splitlines()[-1] == f"run {gone.id} cancelled"
 
     records = [json.loads(line) for line in json_out.splitlines()]
-    journal = await good.journal_async()
     assert records[:-1] == [{"type": "entry", "seq": e.seq, "kind": e.kind,
                              "at": iso(e.at),
                              "position": e.position, "name": e.name, "payload": e.payload}
