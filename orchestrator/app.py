@@ -67,6 +67,7 @@ from orchestrator.registry import (
     check_name,
     version_order,
 )
+from orchestrator.stream import RunStreams
 from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
 
@@ -158,6 +159,7 @@ class Orchestrator:
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)
+        self._run_streams: RunStreams | None = None
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -166,6 +168,13 @@ class Orchestrator:
         if self._database is None:
             self._database = Database(self.target, max_pool_size=self.pool_size)
         return self._database
+
+    @property
+    def _streams(self) -> RunStreams:
+        """The runs' streams (``RunHandle.events``), built on first use."""
+        if self._run_streams is None:
+            self._run_streams = RunStreams(self.database)
+        return self._run_streams
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -482,7 +491,7 @@ class Orchestrator:
             raise SchemaUnsupported(
                 f"journal event {newer[0]['seq']} has schema version "
                 f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
-        return [JournalEntry(**e) for e in events]
+        return [JournalEntry.from_row(e) for e in events]
 
     # -- waiting for many runs ---------------------------------------------------------------
 
@@ -582,6 +591,8 @@ class Orchestrator:
             poll_interval=poll_interval, drain_timeout=drain_timeout))
 
     async def _close_pools(self) -> None:
+        if self._run_streams is not None:
+            await self._run_streams.close()
         if self._database is not None:
             await self._database.close()
 

@@ -42,6 +42,8 @@ class Commands(Protocol):
 
     def value(self, position: int, name: str) -> Any: ...
 
+    def publish(self, position: int, value: Any, topic: str) -> None: ...
+
     def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]
              ) -> Awaitable[Any]: ...
 
@@ -147,6 +149,22 @@ class WorkflowContext:
         """A random float in [0, 1), recorded: a replay sees the same value."""
         value: float = self._ex.value(self._ex.next_position(), "random")
         return value
+
+    def publish(self, value: Any, topic: str = "progress") -> None:
+        """Publish ``value`` (a JSON value) into the run's stream, for readers of
+        ``handle.events()`` (``topics=[topic]`` to read only these) and ``orchestrator runs
+        watch``.
+
+        A command, not awaited: it takes the next position and its ``message`` entry (named
+        ``topic``) is journaled with the run's next write, which comes before the next tool
+        call is sent, when the run waits for an event or a child or parks, and with its end,
+        so a reader never sees what followed a message without the message. A replay finds it
+        at its position and does not publish it again; another topic or value there is
+        ``NONDETERMINISM``. ``value`` is copied as it is now, held to the size cap of every
+        record (``PAYLOAD_TOO_LARGE``; ``INVALID_REQUEST`` for a value that is not JSON) and
+        counts towards the journal's cap; ``topic`` is a name (``INVALID_REQUEST`` otherwise).
+        """
+        self._ex.publish(self._ex.next_position(), value, topic)
 
 
 @dataclass

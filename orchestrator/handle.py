@@ -2,7 +2,7 @@
 
 A handle holds the run's id and owner and asks the orchestrator that made it (any object with
 the :class:`Client` members: the :class:`~orchestrator.app.Orchestrator` is one) for its
-status, result and journal.
+status, result, journal and stream.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -28,6 +28,7 @@ from orchestrator.errors import (
     RunFailed,
 )
 from orchestrator.models import JournalEntry, Owner, RunInfo
+from orchestrator.stream import RunStreams, check_cursor, check_topics
 
 T = TypeVar("T")
 R_co = DefaultTypeVar("R_co", covariant=True, default=Any)
@@ -48,6 +49,9 @@ class Client(Protocol):
 
     @property
     def _portal(self) -> _Portal: ...
+
+    @property
+    def _streams(self) -> RunStreams: ...
 
     async def _row(self, run_id: uuid.UUID, owner: Owner, *, result: bool = False
                    ) -> dict[str, Any]: ...
@@ -145,6 +149,46 @@ class RunHandle(Generic[R_co]):
     def journal(self) -> list[JournalEntry]:
         return self.app._portal.call(self.journal_async())
 
+    def events(self, after: int = 0, *, follow: bool = True,
+               topics: Sequence[str] | None = None) -> AsyncIterator[JournalEntry]:
+        """The run's stream (CONTRACT C14): its journal entries with ``seq`` greater than
+        ``after``, in ``seq`` order, following the run live until it ends.
+
+        ``after`` is a cursor: the ``seq`` of the last entry seen (0, the default, for the
+        beginning); a client that reconnects with the last ``seq`` it saw gets every later
+        entry exactly once. Following, the iterator waits for new entries (the run's revision
+        is polled, every 50 ms while anything followed moves, at most every 200 ms after a
+        quiet second: docs/streams.md) and ends right after yielding the run's terminal entry
+        (``run.completed``, ``run.failed`` or ``run.cancelled``), or, if the run had ended
+        before the cursor, after what follows it. ``follow=False`` yields what exists now and
+        ends. ``topics`` (a list of names) keeps only the messages that workflow code
+        published on those topics (``ctx.publish``) and the run's terminal entry.
+
+        The arguments are checked here (``INVALID_REQUEST``: a cursor that is not an ``int``
+        from 0, topics that are not a list of names); the owner when iteration begins: another
+        owner's run is ``ACCESS_DENIED``, as a missing one (C9). Reading never dispatches
+        anything (C3). An entry newer than this code is ``SCHEMA_UNSUPPORTED``, after the
+        entries before it.
+        """
+        return _flat(self._pages(check_cursor(after), follow, check_topics(topics)))
+
+    def events_sync(self, after: int = 0, *, follow: bool = True,
+                    topics: Sequence[str] | None = None) -> Iterator[JournalEntry]:
+        """:meth:`events` for synchronous code: each page of entries is read on the private
+        loop; the caller's thread waits between them."""
+        return _portal_iterate(self.app, self._pages(check_cursor(after), follow,
+                                                     check_topics(topics)))
+
+    async def _pages(self, after: int, follow: bool, topics: tuple[str, ...] | None
+                     ) -> AsyncGenerator[list[JournalEntry], None]:
+        await self.app._row(self.id, self.owner)  # the owner's run, else ACCESS_DENIED
+        pages = self.app._streams.pages(self.id, after=after, follow=follow, topics=topics)
+        try:
+            async for page in pages:
+                yield [JournalEntry.from_row(row) for row in page]
+        finally:
+            await pages.aclose()
+
 
 
 _WHY_STILL = {
@@ -175,10 +219,14 @@ def _outcome(row: dict[str, Any]) -> Any:
                     incident=error.get("incident"))
 
 
-async def _one_by_one(batches: AsyncIterator[list[H]]) -> AsyncIterator[H]:
-    async for batch in batches:
-        for handle in batch:
-            yield handle
+async def _flat(batches: AsyncGenerator[list[T], None]) -> AsyncGenerator[T, None]:
+    """The items of ``batches`` one by one (closing ``batches`` when this is closed)."""
+    try:
+        async for batch in batches:
+            for item in batch:
+                yield item
+    finally:
+        await batches.aclose()
 
 
 def _timeout_seconds(timeout: float | timedelta | None) -> float | None:
@@ -208,7 +256,7 @@ def completing(app: Client, handles: Iterable[H], timeout: float | timedelta | N
                ) -> AsyncIterator[H]:
     """``Orchestrator.as_completed_async``: the handles as their runs become terminal."""
     pending, give_up = _wait_plan(app, handles, timeout)
-    return _one_by_one(_finishing(app, pending, give_up, len(pending)))
+    return _flat(_finishing(app, pending, give_up, len(pending)))
 
 
 def completing_sync(app: Client, handles: Iterable[H], timeout: float | timedelta | None
@@ -258,10 +306,10 @@ async def _finishing(app: Client, pending: list[H], give_up: float | None, total
         await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
         delay = min(delay * 2, 0.25)
 
-def _portal_iterate(app: Client, batches: AsyncGenerator[list[H], None]) -> Iterator[H]:
+def _portal_iterate(app: Client, batches: AsyncGenerator[list[T], None]) -> Iterator[T]:
     """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
 
-    async def step() -> list[H] | None:
+    async def step() -> list[T] | None:
         return await anext(batches, None)
 
     async def close() -> None:

@@ -3,10 +3,11 @@ and the index a replay reads them through. Pure: no I/O.
 
 A run's journal is the ordered list of what happened to it. Every entry has a ``kind`` (one of
 :class:`EventKind`), the command ``position`` it belongs to (None for the run's own entries),
-a ``name`` (the tool, event, workflow or value name), the schema version ``v`` and a
-``payload`` whose fields :data:`PAYLOAD_FIELDS` defines for each kind. Python builds entries
-with :func:`entry`; the set-based statements that write an entry in SQL build its payload with
-:func:`sql_payload` from the same definition, so a payload's shape is written down once.
+a ``name`` (the tool, event, workflow or value name, or a message's topic), the schema
+version ``v`` and a ``payload`` whose fields :data:`PAYLOAD_FIELDS` defines for each kind.
+Python builds entries with :func:`entry`; the set-based statements that write an entry in SQL
+build its payload with :func:`sql_payload` from the same definition, so a payload's shape is
+written down once.
 
 When workflow code issues the command at position *p*, :meth:`JournalIndex.expect` checks that
 what was recorded there is the same kind of command with the same name; anything else is
@@ -49,6 +50,7 @@ class EventKind(StrEnum):
     EVENT_RECEIVED = "event.received"
     EVENT_TIMEOUT = "event.timeout"
     VALUE = "value"  # ctx.now(), ctx.uuid(), ctx.random()
+    MESSAGE = "message"  # ctx.publish(value, topic): the workflow's own entry in its stream
     CHILD_STARTED = "child.started"
     CHILD_COMPLETED = "child.completed"
     CHILD_FAILED = "child.failed"
@@ -59,6 +61,10 @@ class EventKind(StrEnum):
 
 
 K = EventKind
+
+RUN_ENDS = (K.RUN_COMPLETED, K.RUN_FAILED, K.RUN_CANCELLED)
+"""The kinds of a run's terminal entry: every way a run ends writes exactly one of them, in
+the transaction that makes its status terminal."""
 
 PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # kind: (fields always present, fields present only in some entries)
@@ -78,6 +84,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.EVENT_RECEIVED: (("payload", "event_id"), ()),
     K.EVENT_TIMEOUT: ((), ()),
     K.VALUE: (("value",), ()),
+    K.MESSAGE: (("value",), ()),  # its name is the topic
     K.CHILD_STARTED: (("run_id", "version"), ()),
     K.CHILD_COMPLETED: (("result",), ()),
     K.CHILD_FAILED: (("code", "message"), ("cause",)),
@@ -93,6 +100,7 @@ FIRST_KIND: Mapping[str, tuple[str, ...]] = {
     "sleep": (K.TIMER,),
     "event": (K.EVENT_WAIT,),
     "value": (K.VALUE,),
+    "publish": (K.MESSAGE,),
     "child": (K.CHILD_STARTED,),
 }
 

@@ -121,13 +121,34 @@ class RunInfo(BaseModel):
 
 
 class JournalEntry(BaseModel):
-    """One event of a run's journal, for display."""
+    """One entry of a run's journal, as its owner reads it (``journal()``, ``events()``).
+
+    ``seq`` numbers a run's entries 1, 2, 3 … with no gaps and is the cursor of
+    ``events(after=seq)``; ``kind`` is one of the journal's kinds (``call.submitted``,
+    ``message`` …, see docs/streams.md); ``at`` is when it was committed (the database's
+    clock); ``position`` is the workflow command it belongs to (None for the run's own
+    entries: ``run.completed``, ``run.failed``, ``run.cancelled``); ``name`` is the tool,
+    event, workflow or value name, or a ``message``'s topic; ``payload`` holds the kind's
+    fields, built by the orchestrator from controlled values and the owner's own data (no
+    tool's error text: that stays in incidents).
+    """
 
     seq: int
     kind: str
+    at: datetime
     position: int | None
     name: str | None
-    schema_version: int
     payload: Any
+    schema_version: int
     lease_token: int
-    created_at: datetime
+
+    @property
+    def created_at(self) -> datetime:
+        """The same as :attr:`at` (its earlier name)."""
+        return self.at
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> JournalEntry:
+        return cls(seq=row["seq"], kind=row["kind"], at=row["created_at"],
+                   position=row["position"], name=row["name"], payload=row["payload"],
+                   schema_version=row["schema_version"], lease_token=row["lease_token"])

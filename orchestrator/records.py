@@ -100,6 +100,18 @@ def journal_entry(e: Mapping[str, Any]) -> dict[str, Any]:
             "position": e["position"], "name": e["name"], "payload": e["payload"]}
 
 
+def watch_entry(e: Mapping[str, Any]) -> dict[str, Any]:
+    """A line of ``runs watch --json`` for one journal entry."""
+    return {"type": "entry", **journal_entry(e)}
+
+
+def watch_outcome(r: Mapping[str, Any]) -> dict[str, Any]:
+    """The last line of ``runs watch --json``: the finished run's outcome."""
+    return {"type": "outcome", "run_id": ident(r["id"]), "status": r["status"],
+            "outcome_code": r["outcome_code"], "result": r["result"],
+            "error": error_record(r["error"]), "finished_at": iso(r["finished_at"])}
+
+
 def run_detail(detail: RunDetail) -> dict[str, Any]:
     return {
         "run": {**run_summary(detail.run), "revision": detail.run["revision"],

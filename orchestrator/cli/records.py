@@ -23,11 +23,13 @@ from orchestrator.records import (
     run_detail,
     run_operation,
     run_summary,
+    watch_entry,
+    watch_outcome,
 )
 
 __all__ = ["bulk_item", "bulk_summary", "emit", "error_record", "ident", "incident",
            "item_detail", "iso", "journal_entry", "lease_record", "queue_item", "run_detail",
-           "run_operation", "run_summary"]
+           "run_operation", "run_summary", "watch_entry", "watch_outcome"]
 
 
 def emit(document: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""``orchestrator runs``: list, show and cancel runs, for operators."""
+"""``orchestrator runs``: list, show, watch and cancel runs, for operators."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from orchestrator import admin
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
+from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
+from orchestrator.errors import AccessDenied
 from orchestrator.models import parse_run_id
+from orchestrator.stream import RunStreams, check_cursor
+
+EXIT_NOT_SUCCEEDED = 1  # the CLI's EXIT_FINDING: `runs watch` of a run that failed or was cancelled
 
 
 def register(subparsers: Any) -> None:
@@ -35,6 +40,21 @@ def register(subparsers: Any) -> None:
     show.add_argument("run_id")
     json_option(show)
     show.set_defaults(func=cmd_show)
+
+    watch = commands.add_parser(
+        "watch", help="follow a run live: a line per journal entry, then its outcome",
+        description="Follow a run's journal live, one line per entry as it is committed, "
+        "until the run ends; then print its outcome. Exit status: 0 the run succeeded, 1 it "
+        "failed or was cancelled, 2 an error (e.g. ACCESS_DENIED for a run that does not "
+        "exist). Ctrl-C stops watching (status 130); the run goes on.")
+    watch.add_argument("run_id")
+    watch.add_argument("--after", type=int, default=0, metavar="N",
+                       help="begin after the entry whose seq is N (default 0: from the first); "
+                       "reconnecting with the last seq seen prints each later entry once")
+    watch.add_argument("--json", action="store_true",
+                       help="print JSON lines: one object per entry, then one for the outcome "
+                       "(fields: docs/cli-json.md)")
+    watch.set_defaults(func=cmd_watch)
 
     cancel = commands.add_parser("cancel", help="request cancellation of a run")
     cancel.add_argument("run_id")
@@ -73,7 +93,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _story(kind: str, p: dict[str, Any]) -> str | None:
-    """What a tool call's journal entry says, in words (None: the payload says it best)."""
+    """What a tool call's entry, a message or a run's end says, in words (None: the payload
+    says it best)."""
     by = f" by {p['resolved_by']}" if p.get("resolved_by") else ""
     if kind in ("call.submitted", "call.pending"):
         verb = "sent" if kind == "call.submitted" else "intent recorded"
@@ -96,6 +117,14 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
         return f"operation {p['op']} committed{by}"
     if kind == "call.failed":
         return f"operation {p['op']} failed: {p['cause']} ({p['reason']})"
+    if kind == "message":
+        return clip(json.dumps(p["value"], sort_keys=True, ensure_ascii=False), 120)
+    if kind == "run.completed":
+        return "the run succeeded"
+    if kind == "run.failed":
+        return f"the run failed: {p['code']}: {p['message']}"
+    if kind == "run.cancelled":
+        return "the run was cancelled"
     return None
 
 
@@ -179,6 +208,53 @@ def cmd_show(args: argparse.Namespace) -> int:
                        _summary(e["payload"], e["kind"])] for e in detail.journal],
                      max_width=100))
     return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    run_id = parse_run_id(args.run_id)
+    after = check_cursor(args.after)
+    return int(asyncio.run(_with_db(args, lambda db: _watch(db, run_id, after, args.json))))
+
+
+async def _watch(db: Database, run_id: Any, after: int, as_json: bool) -> int:
+    """Print the run's entries as they come, then its outcome; the exit status."""
+    streams = RunStreams(db)
+    try:
+        async for page in streams.pages(run_id, after=after, follow=True):
+            lines = [json.dumps(records.watch_entry(e), ensure_ascii=False) if as_json
+                     else entry_line(e) for e in page]
+            print("\n".join(lines), flush=True)
+    finally:
+        await streams.close()
+    async with db.connection() as conn:
+        run = await runs_db.run_get(conn, run_id)
+    if run is None:
+        raise AccessDenied("the run does not exist or is not accessible")
+    print(json.dumps(records.watch_outcome(run), ensure_ascii=False) if as_json
+          else outcome_line(run), flush=True)
+    return 0 if run["status"] == "succeeded" else EXIT_NOT_SUCCEEDED
+
+
+def entry_line(e: dict[str, Any]) -> str:
+    """One journal entry in a line, with the words of ``runs show``'s timeline."""
+    return (f"{e['seq']:>5}  {cell(e['created_at'])}  {cell(e['position']):>4}  "
+            f"{e['kind']:<17} {cell(e['name'])}  {_summary(e['payload'], e['kind'])}")
+
+
+def outcome_line(run: dict[str, Any]) -> str:
+    """A finished run's outcome in a line: its status, and its result or its public error."""
+    head = f"run {run['id']} {run['status']}"
+    if run["status"] == "succeeded":
+        return f"{head}; result {clip(json.dumps(run['result'], sort_keys=True), 200)}"
+    error = run["error"] or {}
+    code = run["outcome_code"] or error.get("code")
+    if code and code.lower() != run["status"]:
+        message = error.get("message")
+        head += f": {code}" + (f": {message}" if message else "")
+    if error.get("incident"):
+        head += f" (incident {error['incident']})"
+    cause = cause_text(error.get("cause"))
+    return head + (f"; cause {cause}" if cause else "")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

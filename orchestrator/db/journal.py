@@ -23,7 +23,7 @@ from typing import Any
 from orchestrator.canonical import canonical_json
 from orchestrator.db.database import Conn
 from orchestrator.errors import LeaseLost
-from orchestrator.journal import Entry, EventKind, sql_payload
+from orchestrator.journal import RUN_ENDS, Entry, EventKind, sql_payload
 
 S = "orchestrator"
 
@@ -106,6 +106,36 @@ async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
         """,
         (run_id,),
     )
+    return list(await cur.fetchall())
+
+
+_COLUMNS = "seq, kind, position, name, schema_version, payload, lease_token, created_at"
+
+_READ_AFTER = f"""
+SELECT {_COLUMNS} FROM {S}.journal
+WHERE run_id = %(run_id)s AND seq > %(after)s
+ORDER BY seq LIMIT %(limit)s
+"""
+
+_READ_MESSAGES_AFTER = f"""
+SELECT {_COLUMNS} FROM {S}.journal
+WHERE run_id = %(run_id)s AND seq > %(after)s
+  AND ((kind = '{EventKind.MESSAGE}' AND name = ANY(%(topics)s)) OR kind = ANY(%(ends)s))
+ORDER BY seq LIMIT %(limit)s
+"""
+
+
+async def journal_read_after(conn: Conn, run_id: uuid.UUID, *, after: int, limit: int,
+                             topics: Sequence[str] | None = None) -> list[Entry]:
+    """At most ``limit`` entries of a run after ``seq`` ``after``, oldest first (a stream's
+    next page, by the primary key); with ``topics``, only the ``message`` entries of those
+    topics and the run's terminal entry."""
+    params = {"run_id": run_id, "after": after, "limit": limit}
+    if topics is None:
+        cur = await conn.execute(_READ_AFTER, params)
+    else:
+        cur = await conn.execute(_READ_MESSAGES_AFTER, {
+            **params, "topics": list(topics), "ends": [kind.value for kind in RUN_ENDS]})
     return list(await cur.fetchall())
 
 

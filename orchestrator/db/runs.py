@@ -173,6 +173,17 @@ async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
             for row in await cur.fetchall()}
 
 
+async def run_revisions(conn: Conn, run_ids: Sequence[uuid.UUID]
+                        ) -> dict[uuid.UUID, dict[str, Any]]:
+    """The ``revision`` and ``status`` of each of ``run_ids`` that exists, by the primary key
+    in one statement however many there are (what a stream follower polls; no owner check:
+    its callers checked the owner when they began)."""
+    cur = await conn.execute(
+        f"SELECT id, revision, status FROM {S}.runs WHERE id = ANY(%s::uuid[])",
+        (list(run_ids),))
+    return {row["id"]: row for row in await cur.fetchall()}
+
+
 async def run_list(
     conn: Conn,
     *,

@@ -1,15 +1,18 @@
 """The workflow commands behind :class:`~orchestrator.context.WorkflowContext`: call, sleep,
-wait_for_event, run_child and the recorded values. Each takes the next journal position when
-it is issued; on replay it returns what the journal recorded there (CONTRACT C3, C4)."""
+wait_for_event, run_child, the recorded values and published messages. Each takes the next
+journal position when it is issued; on replay it returns what the journal recorded there
+(CONTRACT C3, C4)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
+from orchestrator.canonical import canonical_json
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take
@@ -20,9 +23,10 @@ from orchestrator.engine.control import Wait, as_seconds
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
 from orchestrator.errors import EventTimeout, InvalidRequest, RunFailed, ToolFailed, UnknownWorkflow
-from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.journal import Entry, EventKind, Nondeterminism, entry
 from orchestrator.models import Owner
 from orchestrator.registry import Registry, Tool, Workflow
+from orchestrator.text import check_identifier
 
 # Timers this short are waited for in memory (the timer is still journaled) rather than
 # parking the run and paying for a replay.
@@ -78,6 +82,24 @@ class Commands:
         if name == "uuid":
             return uuid.UUID(raw)
         return float(raw)
+
+    def publish(self, position: int, value: Any, topic: str) -> None:
+        """A ``message`` entry at ``position``, named by its topic, that rides with the run's
+        next write like a recorded value. On replay the recorded message is checked, not
+        written again: another topic or another value (compared as canonical JSON, which
+        keeps every value's type through the database) is nondeterminism."""
+        check_identifier("topic", topic)
+        text = self.config.json_limits.text(value, "$.value")
+        recorded = self.run.index.expect(position, "publish", topic)
+        if recorded:
+            if canonical_json(recorded[0]["payload"]["value"]) != text:
+                raise Nondeterminism(
+                    f"position {position}: the workflow published another value on topic "
+                    f"{topic!r} than the journal recorded")
+            return
+        # A copy, as it is now: workflow code may change the object before the write.
+        self.session.buffer(entry(EventKind.MESSAGE, position, topic,
+                                  {"value": json.loads(text)}))
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
         resolved = self._tool(tool)

@@ -160,3 +160,15 @@ async def logged(ctx: WorkflowContext, data: Any) -> Any:
 async def leaks(ctx: WorkflowContext, data: Any) -> Any:
     """Fails with an exception whose text is a secret (it must reach no log)."""
     raise KeyError(data["secret"])
+
+
+@app.workflow()
+async def reported(ctx: WorkflowContext, data: Any) -> list[Any]:
+    """Publishes its progress around two calls; the second is idempotent, so a worker killed
+    while it is sent does not stop the run (another worker sends it again, same key)."""
+    ctx.publish({"step": 1, "of": 2})
+    first = await ctx.call(record, step=1)
+    ctx.publish({"step": 2, "of": 2})
+    second = await ctx.call(record_idempotent, step=2)
+    ctx.publish("both steps done", topic="milestones")
+    return [first, second]

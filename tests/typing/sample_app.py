@@ -65,6 +65,8 @@ async def checkout(ctx: WorkflowContext, order: dict[str, Any]) -> dict[str, Any
     assert_type(by_name, Any)
     assert_type(await ctx.run_child("price", "sku-2"), Any)
     both = await ctx.gather(ctx.call(quote, sku="a"), ctx.call(quote, sku="b"))
+    ctx.publish({"charged": cents})
+    assert_type(ctx.publish("done", topic="milestones"), None)
     return {"receipt": receipt, "cents": cents + total, "both": both, "by_name": by_name,
             "quiet": quiet}
 
@@ -83,6 +85,9 @@ def submit_and_wait() -> int:
     delivered: bool = app.send_event(run.id, "approval", {"ok": True}, event_key="appr-1")
     runs: list[RunInfo] = app.list_runs(status="succeeded", limit=10)
     entries: list[JournalEntry] = run.journal()
+    for entry in run.events_sync(after=entries[-1].seq, topics=["progress"]):
+        assert_type(entry, JournalEntry)
+        assert_type(entry.seq, int)
     named = app.submit("price", "sku-9")
     assert_type(named, RunHandle[Any])
     prices = [app.submit(price, sku) for sku in ("a", "b")]
@@ -99,6 +104,8 @@ async def submit_and_wait_async() -> int:
     assert_type(await run.result_async(), int)
     handles = [run, await app.submit_async(price, "sku-2")]
     total = 0
+    async for entry in run.events(follow=False):
+        total += entry.seq + entry.at.second
     async for handle in app.as_completed_async(handles, timeout=30):
         total += await handle.result_async()
     for handle in await app.wait_async(handles):

@@ -29,6 +29,7 @@ async def checkout(ctx: WorkflowContext, order: dict[str, Any]) -> str:
     receipt = await ctx.call(charge, customer="c1", cents=5)
     total: int = receipt  # E: Incompatible types in assignment (expression has type "dict[str, Any]", variable has type "int")
     doubled = await ctx.run_child(double, 21)
+    await ctx.publish({"step": 1})  # E: "publish" of "WorkflowContext" does not return a value
     print(total)
     return doubled  # E: Incompatible return value type (got "int", expected "str")
 

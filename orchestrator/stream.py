@@ -1,0 +1,286 @@
+"""A run's stream (CONTRACT C14): its journal read by cursor, and followed live until the run
+ends.
+
+The cursor is an entry's ``seq`` (a run's entries are numbered 1, 2, 3 … without gaps). A
+read after cursor *N* yields the entries with ``seq > N`` in order, so a client that
+reconnects with the last ``seq`` it saw gets every later entry exactly once. With ``topics``
+only the ``message`` entries of those topics (``ctx.publish``) are yielded, and the run's
+terminal entry, so that a follower still ends; the cursor stays the ``seq``.
+
+Following. A follower that has read everything waits for the run's ``revision`` (its last
+``seq``, C3) to move past what it has seen. The revisions are polled, by primary key, for
+every run followed in this event loop in one statement (:class:`_RevisionPoller`): every
+:data:`POLL_INTERVAL` while anything moved in the last :data:`IDLE_AFTER`, then, while
+nothing does, at pauses doubling up to :data:`IDLE_INTERVAL`. So an entry reaches a waiting
+follower within about 50 ms of its commit, within 200 ms after a quiet spell, and a process
+costs the database one indexed read per pause whatever the number of followers; followers of
+one run woken together share the read of the page that follows too. (No NOTIFY
+per journal write: every write of every run would pay for it at commit, under a lock that
+all notifying commits share, for the rare run that someone follows; and the channels the
+engine already notifies say that work is ready, not that a run's journal grew.)
+
+A follower ends right after yielding the run's terminal entry (``run.completed``,
+``run.failed``, ``run.cancelled``), or, when the run had ended before the cursor, once it has
+yielded what follows the cursor. ``follow=False`` yields what exists now and ends. Nothing
+here writes, and nothing dispatches anything (C3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
+
+from orchestrator.db import journal as journal_db
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Database
+from orchestrator.errors import AccessDenied, InvalidRequest, SchemaUnsupported
+from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry
+from orchestrator.text import check_identifier
+
+POLL_INTERVAL = 0.05
+"""Seconds between two polls of the followed runs' revisions while any of them moves."""
+IDLE_AFTER = 1.0
+"""Seconds without any followed run moving after which the pauses grow."""
+IDLE_INTERVAL = 0.2
+"""The longest pause between two polls (a quiet spell)."""
+PAGE = 500
+"""Entries read per statement."""
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+DENIED = "the run does not exist or is not accessible"
+
+
+def check_cursor(after: Any) -> int:
+    """``after`` if it is a cursor (an ``int`` from 0: a ``seq``, or 0 for the beginning),
+    else ``INVALID_REQUEST``."""
+    if type(after) is not int or after < 0:
+        raise InvalidRequest("after must be an integer from 0 (the seq of the last entry "
+                             "seen, 0 for the beginning)", path="after")
+    return after
+
+
+def check_topics(topics: Iterable[str] | None) -> tuple[str, ...] | None:
+    """``topics`` as a tuple of names (None: every entry), else ``INVALID_REQUEST``; a single
+    string is refused rather than read as its letters."""
+    if topics is None:
+        return None
+    if isinstance(topics, str | bytes) or not isinstance(topics, Iterable):
+        raise InvalidRequest("topics must be a list of topic names", path="topics")
+    names = tuple(topics)
+    if not names:
+        raise InvalidRequest("topics must name at least one topic (or be None for every "
+                             "entry)", path="topics")
+    for name in names:
+        check_identifier("topics", name)
+    return names
+
+
+_PageKey = tuple[asyncio.AbstractEventLoop, uuid.UUID, int, "tuple[str, ...] | None"]
+
+
+class RunStreams:
+    """Reads runs' streams from one database; followers in one event loop share one poller.
+
+    No owner check here: the owner's API (``RunHandle.events``) checks the owner before it
+    begins, as every read does (C9); the operators' command line reads any run.
+    """
+
+    def __init__(self, database: Database) -> None:
+        self.db = database
+        self._pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                 _RevisionPoller] = weakref.WeakKeyDictionary()
+        self._reading: dict[_PageKey, asyncio.Future[list[Entry]]] = {}  # reads in flight
+
+    async def pages(self, run_id: uuid.UUID, *, after: int, follow: bool,
+                    topics: tuple[str, ...] | None = None
+                    ) -> AsyncGenerator[list[Entry], None]:
+        """The run's entries after ``after`` (checked: :func:`check_cursor`), in pages of at
+        most :data:`PAGE`, oldest first, following the run live with ``follow`` (see the
+        module docstring). ``ACCESS_DENIED`` if the run does not exist; ``SCHEMA_UNSUPPORTED``
+        at an entry newer than this code (the entries before it are yielded)."""
+        cursor = scanned = after  # the last seq yielded; every seq up to scanned was looked at
+        state: dict[str, Any] | None = None
+        while True:
+            if state is None:
+                state = await self._state(run_id)
+            ended = state["status"] in TERMINAL
+            while True:
+                rows = await self._page(run_id, max(cursor, scanned), topics)
+                page, last = _up_to_the_end(rows) if follow else (rows, False)
+                newer = _newer(page)
+                if newer is not None:
+                    if newer:
+                        yield page[:newer]
+                    raise _refused(page[newer])
+                if page:
+                    cursor = page[-1]["seq"]
+                    yield page
+                if last:
+                    return
+                if len(rows) < PAGE:
+                    break
+            # Every entry up to the revision read before the pages was committed then.
+            scanned = max(scanned, state["revision"])
+            if not follow or ended:
+                return
+            # The poller's reading of the run's state serves as this one's next (it too was
+            # read before the pages that follow it).
+            state = await self._poller().changed(run_id, max(cursor, scanned))
+
+    async def _page(self, run_id: uuid.UUID, after: int, topics: tuple[str, ...] | None
+                    ) -> list[Entry]:
+        """A page of entries; followers of one run woken together (at the same cursor) share
+        one read of it. The rows are shared too: nothing here changes them."""
+        key = (asyncio.get_running_loop(), run_id, after, topics)
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self.db.read(
+                lambda conn: journal_db.journal_read_after(conn, run_id, after=after,
+                                                           limit=PAGE, topics=topics)))
+            self._reading[key] = reading
+            reading.add_done_callback(lambda done: self._read(key, done))
+        return await asyncio.shield(reading)
+
+    def _read(self, key: _PageKey, done: asyncio.Future[list[Entry]]) -> None:
+        self._reading.pop(key, None)
+        if not done.cancelled():
+            done.exception()  # retrieved, even if every reader has gone
+
+    async def _state(self, run_id: uuid.UUID) -> dict[str, Any]:
+        found = await self.db.read(lambda conn: runs_db.run_revisions(conn, [run_id]))
+        state = found.get(run_id)
+        if state is None:
+            raise AccessDenied(DENIED)
+        return state
+
+    def _poller(self) -> _RevisionPoller:
+        loop = asyncio.get_running_loop()
+        poller = self._pollers.get(loop)
+        if poller is None:
+            poller = self._pollers[loop] = _RevisionPoller(self.db)
+        return poller
+
+    async def close(self) -> None:
+        """Stop the running loop's poller (its followers' waits are cancelled)."""
+        poller = self._pollers.pop(asyncio.get_running_loop(), None)
+        if poller is not None:
+            await poller.close()
+
+
+def _up_to_the_end(rows: list[Entry]) -> tuple[list[Entry], bool]:
+    """``rows`` up to and including the run's terminal entry, and whether it is there."""
+    for index, row in enumerate(rows):
+        if row["kind"] in RUN_ENDS:
+            return rows[: index + 1], True
+    return rows, False
+
+
+def _newer(rows: list[Entry]) -> int | None:
+    """The index of the first entry newer than this code understands (C3), if any."""
+    for index, row in enumerate(rows):
+        if row["schema_version"] > SCHEMA_VERSION:
+            return index
+    return None
+
+
+def _refused(row: Entry) -> SchemaUnsupported:
+    return SchemaUnsupported(f"journal event {row['seq']} has schema version "
+                             f"{row['schema_version']}; this code understands up to "
+                             f"{SCHEMA_VERSION}")
+
+
+_Waiter = tuple[int, "asyncio.Future[dict[str, Any] | None]"]
+"""A follower waiting: the revision it has seen, and what wakes it."""
+
+
+class _RevisionPoller:
+    """One event loop's followers waiting for their runs to move, and the task that polls
+    the runs' revisions for them all (it runs only while someone waits)."""
+
+    def __init__(self, database: Database) -> None:
+        self.db = database
+        self.waiting: dict[uuid.UUID, list[_Waiter]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # cuts a pause short: the last follower left
+
+    async def changed(self, run_id: uuid.UUID, seen: int) -> dict[str, Any] | None:
+        """Return once the run's revision is past ``seen``: the run's ``revision`` and
+        ``status`` as the poll found them, or None (the run is gone, or the database did not
+        answer: the caller reads again itself)."""
+        loop = asyncio.get_running_loop()
+        waiter: _Waiter = (seen, loop.create_future())
+        self.waiting.setdefault(run_id, []).append(waiter)
+        if self._task is None:
+            self._task = loop.create_task(self._poll(), name="orchestrator-stream-poller")
+        try:
+            return await waiter[1]
+        finally:
+            self._leave(run_id, waiter)
+
+    def _leave(self, run_id: uuid.UUID, waiter: _Waiter) -> None:
+        """A follower stopped waiting without being woken (it was cancelled or closed); the
+        last one to go ends the poller's pause, and so the poller."""
+        waiters = self.waiting.get(run_id, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self.waiting[run_id]
+            if not self.waiting:
+                self._wake.set()
+
+    async def _poll(self) -> None:
+        loop = asyncio.get_running_loop()
+        pause, quiet_since = POLL_INTERVAL, loop.time()
+        try:
+            while self.waiting:
+                self._wake.clear()
+                if self._settle(await self._revisions()):
+                    pause, quiet_since = POLL_INTERVAL, loop.time()
+                elif loop.time() - quiet_since >= IDLE_AFTER:
+                    pause = min(pause * 2, IDLE_INTERVAL)
+                # The followers just woken read and wait again meanwhile: the next poll,
+                # at the same pace, is theirs too (the poller ends when nobody waits then).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), pause)
+        finally:
+            self._task = None
+            for waiters in self.waiting.values():  # stopped by close(): nobody polls now
+                for _, future in waiters:
+                    future.cancel()
+
+    async def _revisions(self) -> dict[uuid.UUID, dict[str, Any]] | None:
+        """The waited-for runs' revisions now, or None if the database did not answer."""
+        ids = list(self.waiting)
+        try:
+            return await self.db.read(lambda conn: runs_db.run_revisions(conn, ids))
+        except Exception:  # noqa: BLE001 - the followers find out themselves (_settle)
+            return None
+
+    def _settle(self, now: dict[uuid.UUID, dict[str, Any]] | None) -> bool:
+        """Wake the followers whose run moved past what they saw, or is gone, in ``now``;
+        all of them when the database did not answer (each reads again on its own: it raises
+        the database's error, or goes on if the database is back). Whether any was woken."""
+        woken = False
+        for run_id, waiters in list(self.waiting.items()):
+            state = None if now is None else now.get(run_id)
+            for seen, future in list(waiters):
+                if state is not None and state["revision"] <= seen:
+                    continue
+                if not future.done():
+                    future.set_result(state)
+                waiters.remove((seen, future))
+                woken = True
+            if not waiters:
+                del self.waiting[run_id]
+        return woken
+
+    async def close(self) -> None:
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

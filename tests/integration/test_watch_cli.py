@@ -1,0 +1,101 @@
+"""``orchestrator runs watch`` (CONTRACT C14): a line per journal entry as it is committed, in
+the words of ``runs show``, then the outcome; the exit status says how the run ended;
+``--json`` prints JSON lines; ``--after`` resumes after an entry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from orchestrator import WorkflowError
+from orchestrator.cli.records import iso
+from tests.integration.conftest import running, wait_for
+from tests.integration.test_ops_bulk import cli
+
+
+def _app(make_app):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    @app.tool()
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        return {"charged": cents}
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        ctx.publish({"stage": "charging"})
+        receipt = await ctx.call(charge, cents=data["cents"])
+        await ctx.wait_for_event("go")
+        if data.get("fail"):
+            raise WorkflowError("the card was declined")
+        return receipt
+
+    return app, pay
+
+
+async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrated_database_url):
+    url = migrated_database_url
+    app, pay = _app(make_app)
+    async with running(app):
+        good = await app.submit_async(pay, {"cents": 5})
+        bad = await app.submit_async(pay, {"cents": 7, "fail": True})
+        gone = await app.submit_async(pay, {"cents": 9})
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'waiting'")) == 3)
+        watches = [asyncio.ensure_future(cli(url, "runs", "watch", str(r.id)))
+                   for r in (good, bad, gone)]
+        as_json = asyncio.ensure_future(cli(url, "runs", "watch", str(good.id), "--json"))
+        await wait_for(lambda: len(sql(
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query "
+            "LIKE 'SELECT id, revision, status FROM orchestrator.runs%'")) >= 4)
+        await asyncio.sleep(0.2)
+        assert not any(w.done() for w in watches)  # they follow: the runs are not finished
+        for run in (good, bad):
+            await app.send_event_async(run.id, "go")
+        await gone.cancel_async()
+        (ok, out, err), (failed, bad_out, _), (cancelled, gone_out, _) = await asyncio.wait_for(
+            asyncio.gather(*watches), 30)
+        json_code, json_out, _ = await as_json
+        journal = await good.journal_async()
+
+    assert (ok, failed, cancelled, json_code) == (0, 1, 1, 0), err
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["1", "2", "3", "4", "5", "6"]
+    assert '{"stage": "charging"}' in lines[0] and "message" in lines[0]
+    assert "attempt 1 sent (operation" in lines[1]
+    assert "committed" in lines[2] and "event.wait" in lines[3]
+    assert "run.completed" in lines[5] and "the run succeeded" in lines[5]
+    assert lines[-1] == f'run {good.id} succeeded; result {{"charged": 5}}'
+    assert "the run failed: WORKFLOW_FAILED: the card was declined" in bad_out.splitlines()[-2]
+    assert "the run was cancelled" in gone_out.splitlines()[-2]
+    last = bad_out.splitlines()[-1]
+    assert last.startswith(f"run {bad.id} failed: WORKFLOW_FAILED: the card was declined "
+                           "(incident ")
+    assert gone_out.splitlines()[-1] == f"run {gone.id} cancelled"
+
+    records = [json.loads(line) for line in json_out.splitlines()]
+    assert records[:-1] == [{"type": "entry", "seq": e.seq, "kind": e.kind,
+                             "at": iso(e.at),
+                             "position": e.position, "name": e.name, "payload": e.payload}
+                            for e in journal]
+    assert records[-1]["type"] == "outcome"
+    assert {k: records[-1][k] for k in ("run_id", "status", "outcome_code", "result",
+                                        "error")} == {
+        "run_id": str(good.id), "status": "succeeded", "outcome_code": None,
+        "result": {"charged": 5}, "error": None}
+
+    code, out, _ = await cli(url, "runs", "watch", str(good.id), "--after", "4")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[:-1]] == ["5", "6"]
+    code, out, _ = await cli(url, "runs", "watch", str(good.id), "--after", "6")
+    assert (code, out) == (0, f'run {good.id} succeeded; result {{"charged": 5}}\n')
+
+
+async def test_watch_refuses_a_missing_run_and_a_bad_cursor(migrated_database_url):
+    url = migrated_database_url
+    code, out, err = await cli(url, "runs", "watch", str(uuid.uuid4()))
+    assert (code, out) == (2, "") and "ACCESS_DENIED" in err
+    code, out, err = await cli(url, "runs", "watch", str(uuid.uuid4()), "--after", "-1")
+    assert (code, out) == (2, "") and "INVALID_REQUEST" in err and "after" in err
+    code, out, err = await cli(url, "runs", "watch", "not-a-run")
+    assert (code, out) == (2, "") and "INVALID_REQUEST" in err
