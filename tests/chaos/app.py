@@ -176,7 +176,13 @@ def _command(ctx: WorkflowContext, step: dict[str, Any]) -> Awaitable[Any]:
 
 async def _interpret(ctx: WorkflowContext, steps: list[dict[str, Any]]) -> list[Any]:
     results: list[Any] = []
-    for step in steps:
+    # Progress into the run's stream after each step: replayed, never published twice (a
+    # changed value would fail the run with NONDETERMINISM, which the checks count). An
+    # older engine pinned with --engine has no publish.
+    publish = getattr(ctx, "publish", None)
+    for number, step in enumerate(steps):
+        if publish is not None and number:
+            publish({"done": number, "of": len(steps)}, topic="progress")
         if "sleep" in step:
             await ctx.sleep(timedelta(seconds=step["sleep"]))
             results.append("slept")
