@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-import uvicorn
 from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner, ToolError
 from orchestrator.testing import wait_until
+from tests.consoletools import Served
 
 OWNER = Owner(tenant="acme", principal="alice")
 TOKENS = {"alice": "alice-token-" + "a" * 20, "viewer": "viewer-token-" + "v" * 20}
@@ -84,28 +83,6 @@ class WorkerThread:
         self.loop.call_soon_threadsafe(self.worker.request_stop)
         self.thread.join(60)
         assert not self.thread.is_alive()
-
-
-class Served:
-    """The console under uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, console: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(console, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        wait_until(lambda: self.server.started, timeout=30, what="uvicorn started")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture
