@@ -187,7 +187,7 @@ class Api:
             Route("/api/overview", get(self.overview)),
             Route("/api/runs", get(self.runs)),
             Route("/api/runs/{run_id}", get(self.run)),
-            Route("/api/runs/{run_id}/events", self.events),
+            Route("/api/runs/{run_id}/events", self.events, methods=["GET"]),
             Route("/api/runs/{run_id}/cancel", post(self.cancel), methods=["POST"]),
             Route("/api/operations", get(self.queue)),
             Route("/api/operations/resolve-many", post(self.resolve_many), methods=["POST"]),

@@ -109,6 +109,9 @@ async def test_after_resumes_a_finished_run_and_ends_and_past_the_end_answers_20
             for past in ({"params": {"after": last}}, {"headers": {"Last-Event-ID": str(last)}}):
                 answer = await http.get(url, **past)
                 assert answer.status_code == 204 and answer.content == b""
+            page = await http.get(f"/runs/{run_id}")  # a finished run's timeline follows nothing
+            assert page.status_code == 200 and "timeline.js" in page.text
+            assert 'id="timeline"' in page.text and "data-events" not in page.text
             for bad in ({"params": {"after": "-1"}}, {"headers": {"Last-Event-ID": "x"}}):
                 answer = await http.get(url, **bad)
                 assert answer.status_code == 400
