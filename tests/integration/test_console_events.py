@@ -159,3 +159,28 @@ async def test_unauthenticated_is_401_and_out_of_scope_is_404_as_missing(
             async with client(server, "mallory") as stranger:  # no grant
                 answer = await stranger.get(f"/api/runs/{run_id}/events")
                 assert answer.status_code == 403
+
+
+async def test_an_entry_newer_than_this_code_ends_the_stream_with_a_public_error(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = story_app(make_app)
+    console = app.console(from_header, grants=GRANTS)
+    async with running(app):
+        run_id = await waiting(app, sql, steps=1)
+    known = recorded(sql, run_id)
+    with Served(console) as server:
+        async with client(server) as http:
+            async with http.stream("GET", f"/api/runs/{run_id}/events") as answer:
+                stream = events_of(answer)
+                got = [await asyncio.wait_for(anext(stream), 10) for _ in known]
+                sql("""INSERT INTO orchestrator.journal (run_id, seq, kind, position, name,
+                                                         schema_version, payload, lease_token)
+                       SELECT id, revision + 1, 'from.the.future', 9, 'x', 99, '{}',
+                              lease_token FROM orchestrator.runs WHERE id = %s""", (run_id,))
+                sql("UPDATE orchestrator.runs SET revision = revision + 1 WHERE id = %s",
+                    (run_id,))
+                rest = [e async for e in stream]  # and the stream ends
+    assert [e["data"] for e in got] == known
+    assert len(rest) == 1 and rest[0]["event"] == "stream.error" and "id" not in rest[0]
+    assert rest[0]["data"]["code"] == "SCHEMA_UNSUPPORTED"
+    assert set(rest[0]["data"]) == {"code", "message", "retryable", "incident"}
