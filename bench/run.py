@@ -17,6 +17,8 @@ Sections (``--sections a,b``; default: all):
   memory      one worker's peak RSS draining 10,000 queued runs at concurrency 100
   profile     py-spy samples of one worker during a K = 3 throughput drain
   bulk        `orchestrator ops resolve-many` on 200 unknown operations: seconds, audit rows
+  console     a committed journal entry reaching the console's Server-Sent Events clients
+              (GET /api/runs/{id}/events, `orchestrator console` in its own process): p50, p99
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -39,6 +41,7 @@ from typing import Any
 
 from bench import batches, bulk, ours, peers, scale
 from bench import ceiling as ceiling_mod
+from bench import console as console_mod
 from bench.common import (
     Server,
     Table,
@@ -81,7 +84,7 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile", "bulk")
+            "memory", "profile", "bulk", "console")
 
 
 @dataclass
@@ -109,6 +112,8 @@ class Plan:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)  # the batches section's group commit sizes
     batch_runs: int = 512  # K=3 runs per batches measurement (2,048 writes)
     bulk_items: int = 200  # unknown operations one `ops resolve-many` resolves
+    console_steps: int = 200  # tool calls of the run the console's SSE clients follow
+    console_clients: int = 10  # SSE clients following it
     quick: bool = False
 
 
@@ -119,7 +124,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     latency_samples=40, scale_rows=20_000, recovery_runs=100,
                     recovery_lease_ttl=3.0, memory_runs=1_000, memory_concurrency=100,
                     pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), batch_sizes=(1, 8, 64),
-                    batch_runs=128, quick=True)
+                    batch_runs=128, console_steps=40, console_clients=2, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -127,7 +132,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     recovery_lease_ttl=None, memory_runs=10_000, memory_concurrency=100,
                     pgqueuer_min_jobs=20_000, pgqueuer_batches=(10, 100))
     for name in ("reps", "workers", "concurrency", "scale_rows", "latency_samples",
-                 "memory_runs", "recovery_runs"):
+                 "memory_runs", "recovery_runs", "console_steps", "console_clients"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)
@@ -641,6 +646,30 @@ class Suite:
         table.print()
         self.record("bulk", {"reps": reps})
 
+    # -- console -----------------------------------------------------------------------------
+
+    async def section_console(self) -> None:
+        p = self.plan
+        max_pause_ms = 40
+        reps = await self.repeat("console", lambda: console_mod.sse_once(
+            self.server, steps=p.console_steps, max_pause_ms=max_pause_ms,
+            clients=p.console_clients))
+        table = Table(f"console: a committed journal entry reaching {p.console_clients} SSE "
+                      f"client(s) of GET /api/runs/{{id}}/events ({p.console_steps} tool calls, "
+                      f"pauses 0-{max_pause_ms} ms) (ms)",
+                      ["figure", "median", "min", "max", "target"])
+        for key, target in (("p50", "≤ 50"), ("p90", ""), ("p99", "≤ 250"), ("max", "")):
+            values = [r[key] for r in reps]
+            table.add(f"commit → event {key}", ms(median(values)), ms(min(values)),
+                      ms(max(values)), target)
+        table.notes.append(f"median of {p.reps}; each repetition: a fresh database, one worker "
+                           "and one `orchestrator console` process, the clients in the bench's "
+                           f"process; {reps[0]['events']} events seen; the delay runs from the "
+                           "entry's `at` (its transaction's start, before the commit): upper "
+                           "bounds")
+        table.print()
+        self.record("console", {"reps": reps})
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -659,6 +688,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "section (default 1,000,000)")
     parser.add_argument("--latency-samples", type=int, help="samples per latency repetition")
     parser.add_argument("--memory-runs", type=int, help="queued runs for the memory section")
+    parser.add_argument("--console-steps", type=int, help="tool calls of the run the console "
+                        "section's SSE clients follow (default 200; quick 40)")
+    parser.add_argument("--console-clients", type=int, help="SSE clients of the console "
+                        "section (default 10; quick 2)")
     parser.add_argument("--recovery-runs", type=int, help="in-flight runs killed (default 100)")
     parser.add_argument("--lease-ttl", type=float, help="lease ttl for the recovery section "
                         "(default: the engine's default; quick: 3 s)")

@@ -538,14 +538,15 @@ class Orchestrator:
     def console(self, authenticate: Callable[..., Any] | None = None,
                 grants: Mapping[str, Iterable[str]] | Callable[[str], Iterable[str]] | None = None,
                 *, tokens: Mapping[str, str] | None = None,
-                secret: bytes | None = None) -> Any:
+                secret: bytes | None = None, heartbeat: float = 15.0) -> Any:
         """The operator console of this app: an ASGI application (Starlette) to mount in a
         host's web app (see docs/console.md and
         :func:`orchestrator.console.create_console`). ``authenticate(request)`` names the
         request's operator (or None); ``grants`` maps operators to what they may do (``read``,
         ``resolve``, ``cancel``, ``bulk``, ``incidents``; None: read only); ``tokens`` are the
         bearer tokens of the standalone console. Tenant scopes and incident readers are this
-        app's ``operator_scopes`` and ``incident_readers``.
+        app's ``operator_scopes`` and ``incident_readers``. ``heartbeat``: seconds of silence
+        after which a run's event stream sends a comment (proxies keep it open).
 
         Needs the ``console`` extra (``pip install 'orchestrator[console]'``), else
         ``CONFIGURATION_ERROR``."""
@@ -555,7 +556,7 @@ class Orchestrator:
             raise ConfigurationError("the console needs the console extra: pip install "
                                      "'orchestrator[console]'") from exc
         return create_console(self, authenticate=authenticate, grants=grants, tokens=tokens,
-                              secret=secret)
+                              secret=secret, heartbeat=heartbeat)
 
     def create_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                           max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,

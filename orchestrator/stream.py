@@ -86,7 +86,8 @@ class RunStreams:
     """Reads runs' streams from one database; followers in one event loop share one poller.
 
     No owner check here: the owner's API (``RunHandle.events``) checks the owner before it
-    begins, as every read does (C9); the operators' command line reads any run.
+    begins, as every read does (C9); the console checks the operator's tenant scope before
+    it begins (``ConsoleService.events``); the operators' command line reads any run.
     """
 
     def __init__(self, database: Database) -> None:

@@ -3,12 +3,17 @@ runs park on unknown operations."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import uvicorn
 
 from orchestrator import Orchestrator, ToolError
+from orchestrator.testing import wait_until
 
 SECRET = "sk_live_SECRET"
 OPERATOR_HEADER = "X-Test-Operator"  # what the host's authenticate reads in these tests
@@ -89,3 +94,42 @@ def uncertain_app(make_app: Callable[..., Orchestrator], **options: Any) -> Orch
         return await ctx.call(charge, order=order)
 
     return app
+
+
+class Served:
+    """A console under uvicorn on a free loopback port, in a thread (its own event loop)."""
+
+    def __init__(self, console: Any) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(console, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout=30, what="uvicorn started")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The Server-Sent Events of a streaming response, as they arrive: ``{"id", "event",
+    "data"}`` (data parsed as JSON), or ``{"comment": text}`` for a comment line."""
+    event: dict[str, Any] = {}
+    async for line in response.aiter_lines():
+        if line.startswith(":"):
+            yield {"comment": line[1:].strip()}
+        elif not line:
+            if event:
+                yield {**event, "data": json.loads(event["data"])}
+                event = {}
+        else:
+            field, _, value = line.partition(":")
+            event[field] = value[1:] if value.startswith(" ") else value

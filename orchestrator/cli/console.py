@@ -25,6 +25,8 @@ from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
 from orchestrator.text import check_operator
 
 DEFAULT_OPERATOR = "operator"
+STOP_GRACE = 3
+"""Seconds a stop waits for open responses (event streams) before it cuts them."""
 
 
 def register(subparsers: Any) -> None:
@@ -137,8 +139,10 @@ def cmd_console(args: argparse.Namespace) -> int:
     # found: this one, so that a stop is a clean exit (0) rather than death by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _sig, _frame: None)
+    # Open event streams (GET /api/runs/{id}/events) would hold a stop for as long as their
+    # runs last: after STOP_GRACE seconds uvicorn cuts what is still open.
     uvicorn.run(console, host=args.host, port=args.port, log_level="info",
-                proxy_headers=True, server_header=False)
+                proxy_headers=True, server_header=False, timeout_graceful_shutdown=STOP_GRACE)
     return 0
 
 

@@ -10,27 +10,39 @@ scope answers 404 exactly as a missing one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
 from orchestrator.console.grants import Access
 from orchestrator.console.service import ConsoleService
-from orchestrator.console.web import CSRF_HEADER, Guard
-from orchestrator.errors import InvalidRequest, PayloadTooLarge, ResolutionConflict
+from orchestrator.console.web import CSRF_HEADER, Guard, internal, public
+from orchestrator.errors import (
+    InvalidRequest,
+    OrchestratorError,
+    PayloadTooLarge,
+    ResolutionConflict,
+)
 from orchestrator.operators import UNRESOLVED
 
 MAX_BODY = 4 * 1024 * 1024
 """Bytes an action's body may have (a receipt is held to the application's own cap after)."""
 _AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+HEARTBEAT = 15.0
+"""Seconds of silence after which a run's event stream sends a comment (proxies keep it)."""
+STREAM_ERROR = "stream.error"
+"""The event that ends a stream that could not go on: its data is the public error."""
 
 Handler = Callable[[Request, Access], Awaitable[Any]]
 
@@ -92,12 +104,81 @@ def _text(body: dict[str, Any], name: str, *, required: bool = False) -> Any:
     return value
 
 
+def event_cursor(request: Request) -> int:
+    """Where a run's event stream starts: after the ``Last-Event-ID`` header (an
+    ``EventSource`` reconnecting sends the last ``id`` it received), else after ``?after=``,
+    else from the beginning."""
+    resumed = request.headers.get("last-event-id", "").strip()
+    if resumed:
+        if not resumed.isdigit() or len(resumed) > 18:
+            raise InvalidRequest("Last-Event-ID must be the id (seq) of an event of this "
+                                 "stream", path="Last-Event-ID")
+        return int(resumed)
+    return int_param(request, "after") or 0
+
+
+def sse_entry(entry: Mapping[str, Any]) -> str:
+    """One journal entry as a Server-Sent Event: ``id`` its seq, ``event`` its kind, ``data``
+    its JSON record on one line (JSON escapes every line break inside strings)."""
+    data = json.dumps(records.journal_entry(entry), separators=(",", ":"))
+    return f"id: {entry['seq']}\nevent: {entry['kind']}\ndata: {data}\n\n"
+
+
+async def sse_stream(pages: AsyncGenerator[list[Any], None], receive: Any, *,
+                     heartbeat: float) -> AsyncIterator[str]:
+    """The events of ``pages``, a comment after every ``heartbeat`` seconds of silence, until
+    the pages end (the run's terminal entry), the client leaves (``http.disconnect`` on
+    ``receive``), or the stream fails (a last :data:`STREAM_ERROR` event with the public
+    error)."""
+
+    async def left() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(left())
+    pending: asyncio.Future[list[Any]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(pages))
+            either: set[asyncio.Future[Any]] = {pending, gone}
+            done, _ = await asyncio.wait(either, timeout=heartbeat,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                return
+            if not done:
+                yield ": heartbeat\n\n"
+                continue
+            next_page, pending = pending, None
+            try:
+                page = next_page.result()
+            except StopAsyncIteration:
+                return
+            except OrchestratorError as exc:
+                yield f"event: {STREAM_ERROR}\ndata: {json.dumps(public(exc))}\n\n"
+                return
+            except Exception as exc:  # noqa: BLE001 - the public error only (C10)
+                yield f"event: {STREAM_ERROR}\ndata: {json.dumps(public(internal(exc)))}\n\n"
+                return
+            yield "".join(sse_entry(entry) for entry in page)
+    finally:
+        gone.cancel()
+        with anyio.CancelScope(shield=True):
+            if pending is not None:  # the reader is mid-page: cancelling it ends the pages
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            await pages.aclose()
+
+
 class Api:
     """The ``/api`` routes of one console."""
 
-    def __init__(self, service: ConsoleService, guard: Guard) -> None:
+    def __init__(self, service: ConsoleService, guard: Guard, *,
+                 heartbeat: float = HEARTBEAT) -> None:
         self.service = service
         self.guard = guard
+        self.heartbeat = heartbeat
 
     def routes(self) -> list[Route]:
         get, post = self._get, self._post
@@ -106,6 +187,7 @@ class Api:
             Route("/api/overview", get(self.overview)),
             Route("/api/runs", get(self.runs)),
             Route("/api/runs/{run_id}", get(self.run)),
+            Route("/api/runs/{run_id}/events", self.events, methods=["GET"]),
             Route("/api/runs/{run_id}/cancel", post(self.cancel), methods=["POST"]),
             Route("/api/operations", get(self.queue)),
             Route("/api/operations/resolve-many", post(self.resolve_many), methods=["POST"]),
@@ -154,6 +236,20 @@ class Api:
 
     async def run(self, request: Request, access: Access) -> Any:
         return documents.run(await self.service.run(access, request.path_params["run_id"]))
+
+    async def events(self, request: Request) -> Response:
+        """``GET /api/runs/{id}/events``: the run's journal as Server-Sent Events, from the
+        cursor (:func:`event_cursor`) to the run's terminal entry. Everything is checked
+        before the stream starts (401, 403, 404 as a missing run, 400); a run that had ended
+        at or before the cursor answers 204 (an ``EventSource`` then stops reconnecting)."""
+        access = await self.guard.identify(request)
+        after = event_cursor(request)
+        pages = await self.service.events(access, request.path_params["run_id"], after=after)
+        if pages is None:
+            return Response(status_code=204)
+        return StreamingResponse(
+            sse_stream(pages, request.receive, heartbeat=self.heartbeat),
+            media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
 
     async def queue(self, request: Request, access: Access) -> Any:
         state = text_param(request, "state") or UNRESOLVED

@@ -40,6 +40,7 @@ from orchestrator.console.web import (
     status_of,
 )
 from orchestrator.errors import InvalidRequest, OrchestratorError, ResolutionConflict
+from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
 from orchestrator.operators import ITEM_STATES, UNRESOLVED
 
@@ -56,6 +57,11 @@ DONE = {
     "finished": "The run had already finished; nothing to cancel.",
 }
 """What ``?done=`` says on the page an action led to (only these texts: never the query's)."""
+
+
+KINDS = " ".join(kind.value for kind in EventKind)
+"""The event names of a run's stream (its entries' kinds): the live timeline listens to each."""
+ENDS = " ".join(kind.value for kind in RUN_ENDS)
 
 
 def when(value: Any) -> str:
@@ -221,7 +227,7 @@ class Pages:
         view = await self.service.run(access, request.path_params["run_id"])
         shown = documents.run(view)
         return self.render(request, "run.html", access, status=status, nav="runs", r=shown,
-                           input_text=pretty(view.input, INPUT_SHOWN),
+                           input_text=pretty(view.input, INPUT_SHOWN), kinds=KINDS, ends=ENDS,
                            failure=None if error is None else public(error))
 
     async def cancel(self, request: Request, access: Access, form: FormData) -> Response:

@@ -18,7 +18,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.console.api import Api
+from orchestrator.console.api import HEARTBEAT, Api
 from orchestrator.console.grants import GrantSource, check_grants
 from orchestrator.console.pages import Pages
 from orchestrator.console.service import ConsoleService, Host
@@ -45,7 +45,7 @@ script or style (htmx's own inline style is turned off in its configuration)."""
 
 def create_console(app: Host, *, authenticate: Authenticate | None = None,
                    grants: GrantSource | None = None, tokens: Mapping[str, str] | None = None,
-                   secret: bytes | None = None) -> Starlette:
+                   secret: bytes | None = None, heartbeat: float = HEARTBEAT) -> Starlette:
     """The operator console of ``app`` (an :class:`~orchestrator.Orchestrator`), an ASGI
     application to mount in a host's web app or to serve on its own (``orchestrator
     console``); see docs/console.md.
@@ -62,13 +62,18 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
 
     ``secret`` signs sessions and CSRF tokens; give every process of a host the same one
     (random per process otherwise, so a restart signs everyone out).
+
+    ``heartbeat``: seconds of silence after which a run's event stream
+    (``GET /api/runs/{id}/events``) sends a comment, so that proxies keep it open.
     """
+    if type(heartbeat) not in (int, float) or not heartbeat > 0:
+        raise ConfigurationError("heartbeat must be a positive number of seconds")
     operators = app.operators
     guard = Guard(authenticate=authenticate, tokens=_tokens(tokens),
                   grants_of=check_grants(grants), known=operators.tenants_of, secret=secret)
     service = ConsoleService(operators)
     pages = Pages(service, guard)
-    api = Api(service, guard)
+    api = Api(service, guard, heartbeat=heartbeat)
 
     async def failed(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OrchestratorError)
@@ -86,6 +91,7 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
+        await service.streams.close()  # this event loop's poller, if one runs
         await operators.db.close()  # this event loop's pool (a mounted console has none)
 
     routes = [*api.routes(), *pages.routes(),

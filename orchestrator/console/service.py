@@ -12,7 +12,7 @@ application's incident-reader grant (C10).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
 from orchestrator.models import check_run_filters, parse_run_id
 from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
 from orchestrator.reconcile import THEN
+from orchestrator.stream import TERMINAL, RunStreams
 from orchestrator.text import check_identifier, check_operator
 
 DENIED = "the run does not exist or is not accessible"
@@ -141,6 +142,7 @@ class ConsoleService:
     def __init__(self, operators: Operators) -> None:
         self.ops = operators
         self.db = operators.db
+        self.streams = RunStreams(operators.db)
 
     # -- who may see what --------------------------------------------------------------------
 
@@ -199,6 +201,22 @@ class ConsoleService:
         detail = await admin.show_run(self.db, rid)
         queue = await self.ops.list_items(operator=access.operator, run_id=rid)
         return RunView(detail, given, children, queue, incidents)
+
+    async def events(self, access: Access, run_id: Any, *, after: int
+                     ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
+        """The run's stream after the cursor ``after`` (:meth:`RunStreams.pages`, following
+        live), once the run is found in the operator's scope (else ``ACCESS_DENIED``, as a
+        missing one, before anything is streamed); None when the run had ended at or before
+        the cursor (nothing more will come)."""
+        tenants = self.tenants(access)
+        rid = parse_run_id(run_id)
+        async with self.db.connection() as conn:
+            row = await runs_db.run_get(conn, rid, result=False)
+        if row is None or (tenants is not None and row["tenant"] not in tenants):
+            raise AccessDenied(DENIED)
+        if row["status"] in TERMINAL and after >= row["revision"]:
+            return None
+        return self.streams.pages(rid, after=after, follow=True)
 
     async def cancel(self, access: Access, run_id: Any, *, evidence: str) -> tuple[str, str]:
         """Cancel a run (audited: ``run.cancel``); (status before, status after)."""

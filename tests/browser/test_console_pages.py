@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-import uvicorn
 from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner, ToolError
 from orchestrator.testing import wait_until
+from tests.consoletools import Served
 
 OWNER = Owner(tenant="acme", principal="alice")
 TOKENS = {"alice": "alice-token-" + "a" * 20, "viewer": "viewer-token-" + "v" * 20}
@@ -84,28 +83,6 @@ class WorkerThread:
         self.loop.call_soon_threadsafe(self.worker.request_stop)
         self.thread.join(60)
         assert not self.thread.is_alive()
-
-
-class Served:
-    """The console under uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, console: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(console, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        wait_until(lambda: self.server.started, timeout=30, what="uvicorn started")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture
@@ -234,3 +211,46 @@ def test_an_input_holding_a_script_renders_as_text(
     shown = page.locator("#run-input").inner_text()
     assert "<script>window.__ran = 1</script>" in shown
     assert page.locator("#run-input script, #run-input img").count() == 0
+
+
+def test_a_runs_timeline_gains_entries_live_while_a_worker_executes_it(
+        migrated_database_url: str, browser_context: Any, sql: Any) -> None:
+    app = Orchestrator(migrated_database_url, default_owner=OWNER, lease_ttl=5.0,
+                       operator_scopes={"alice": ["acme"]})
+
+    @app.workflow()
+    async def story(ctx, steps):  # type: ignore[no-untyped-def]
+        for step in range(steps):
+            ctx.publish({"step": step})
+        told = await ctx.wait_for_event("go")
+        await ctx.sleep(0.3)
+        ctx.publish({"told": told})
+        return "told"
+
+    console = app.console(tokens=TOKENS, grants=GRANTS)
+    with WorkerThread(app), Served(console) as server:
+        handle = app.submit("story", 2, idempotency_key="live")
+        wait_until(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                               (handle.id,))[0]["status"] == "waiting", timeout=30)
+        page = browser_context.new_page()
+        sign_in(page, server.base, "alice")
+        page.goto(f"{server.base}/runs/{handle.id}")
+        rows = page.locator("#timeline tbody tr")
+        before = rows.count()
+        assert before == len(sql("SELECT 1 FROM orchestrator.journal WHERE run_id = %s",
+                                 (handle.id,)))
+        page.evaluate("window.__same_page = true")  # gone if the page were loaded again
+        app.send_event(handle.id, "go", {"by": "alice"})
+        page.locator("#timeline[data-ended='run.completed']").wait_for(state="attached",
+                                                                       timeout=30_000)
+        journal = sql("SELECT seq, kind FROM orchestrator.journal WHERE run_id = %s "
+                      "ORDER BY seq", (handle.id,))
+        assert rows.count() == len(journal) > before
+        shown = [(int(r.locator("td").nth(0).inner_text()), r.locator("code").inner_text())
+                 for r in rows.all()]
+        assert shown == [(e["seq"], e["kind"]) for e in journal]  # each once, in order
+        assert page.locator("#timeline tbody tr.live").count() == len(journal) - before
+        assert '"by": "alice"' in rows.nth(before).inner_text()
+        assert page.evaluate("window.__same_page") is True
+        assert "waiting" in page.locator("h1").inner_text()  # the page was never reloaded
+    app.close()

@@ -479,6 +479,9 @@ async def test_mounted_under_a_path_its_links_forms_and_cookies_stay_under_it(
         assert f'href="/ops-console/operations/{ops["a"]}"' in page.text
         assert 'src="/ops-console/static/htmx.min.js"' in page.text
         assert "Path=/ops-console/" in page.headers["set-cookie"]
+        run_id = run_of(sql, ops["a"])["id"]
+        shown = await alice.get(f"/ops-console/runs/{run_id}")  # its live timeline's stream
+        assert f'data-events="/ops-console/api/runs/{run_id}/events"' in shown.text
         session = await alice.http.get("/ops-console/api/session")
         alice.csrf = session.json()["csrf_token"]
         done = await alice.form(f"/ops-console/operations/{ops['a']}/resolve",

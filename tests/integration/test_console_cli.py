@@ -5,6 +5,7 @@ without a token file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -111,3 +112,28 @@ async def test_the_command_refuses_what_it_cannot_serve_safely(
     code, out, err = await cli(migrated_database_url, "console", "--port", str(free_port()),
                                *args)
     assert code == 2 and said in err and out == "", err
+
+
+async def test_a_stop_ends_the_open_event_streams_and_exits_cleanly(
+        migrated_database_url, make_app):  # type: ignore[no-untyped-def]
+    app = make_app()
+
+    @app.workflow()
+    async def idle(ctx, n):  # type: ignore[no-untyped-def]
+        return n
+
+    handle = await app.submit_async("idle", 1)  # queued, and no worker runs: it never ends
+    client = httpx.AsyncClient(timeout=30)
+    try:
+        async with serving(migrated_database_url) as (base, printed):
+            token = printed[-1].rsplit(" ", 1)[1]
+            request = client.build_request("GET", f"{base}/api/runs/{handle.id}/events",
+                                           headers={"Authorization": f"Bearer {token}"})
+            stream = await client.send(request, stream=True)
+            assert stream.status_code == 200
+        # serving's end: SIGTERM while the stream is open; the process exits 0 in time,
+        # cutting the stream (a client reconnects to another console with Last-Event-ID)
+        with contextlib.suppress(httpx.RemoteProtocolError):
+            assert await stream.aread() == b""
+    finally:
+        await client.aclose()
