@@ -22,7 +22,7 @@ test left open. Tests under ``tests/<kind>/`` get the ``<kind>`` marker automati
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,19 @@ def migrated_database_url(pg_admin_url: str, template_database: str) -> Iterator
         yield url
     finally:
         dbtools.drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+def sql(migrated_database_url: str) -> Iterator[Callable[..., list[dict[str, Any]]]]:
+    """Run one statement on the test database (autocommit) and return its rows."""
+    conn = psycopg.connect(migrated_database_url, autocommit=True, row_factory=dict_row)
+
+    def run(query: str, params: Any = None) -> list[dict[str, Any]]:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+    yield run
+    conn.close()
 
 
 @pytest.fixture

@@ -55,14 +55,25 @@ def run_cursor(row: Mapping[str, Any]) -> str:
     return f"{row['created_at'].isoformat()}_{row['id']}"
 
 
-def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
-    if text is None:
-        return None
-    at, _, rid = text.rpartition("_")
+def _cursor(text: str, what: str) -> tuple[datetime, str]:
+    """A keyset cursor ``<ISO time with zone>_<key>``, split (``INVALID_REQUEST`` naming
+    ``what`` otherwise)."""
+    at, _, key = text.rpartition("_")
     try:
         when = datetime.fromisoformat(at)
         if when.tzinfo is None:
             raise ValueError(at)
+    except ValueError:
+        raise InvalidRequest(f"before must be the next cursor of a page of {what}",
+                             path="before") from None
+    return when, key
+
+
+def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
+    if text is None:
+        return None
+    when, rid = _cursor(text, "runs")
+    try:
         return when, uuid.UUID(rid)
     except ValueError:
         raise InvalidRequest("before must be the next cursor of a page of runs",
@@ -72,14 +83,7 @@ def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
 def parse_incident_cursor(text: str | None) -> tuple[datetime, str] | None:
     if text is None:
         return None
-    at, _, ref = text.rpartition("_")
-    try:
-        when = datetime.fromisoformat(at)
-        if when.tzinfo is None:
-            raise ValueError(at)
-    except ValueError:
-        raise InvalidRequest("before must be the next cursor of a page of incidents",
-                             path="before") from None
+    when, ref = _cursor(text, "incidents")
     return when, check_identifier("before", ref)
 
 

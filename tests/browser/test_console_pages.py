@@ -11,9 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner, ToolError
 from orchestrator.testing import wait_until
@@ -83,18 +81,6 @@ class WorkerThread:
         self.loop.call_soon_threadsafe(self.worker.request_stop)
         self.thread.join(60)
         assert not self.thread.is_alive()
-
-
-@pytest.fixture
-def sql(migrated_database_url: str) -> Iterator[Any]:
-    conn = psycopg.connect(migrated_database_url, autocommit=True, row_factory=dict_row)
-
-    def run(query: str, params: Any = None) -> list[dict[str, Any]]:
-        cur = conn.execute(query, params)
-        return cur.fetchall() if cur.description else []
-
-    yield run
-    conn.close()
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg.rows import dict_row
 
 from orchestrator import Orchestrator, Owner
 from orchestrator.testing import running_worker, wait_until_async
@@ -53,19 +51,6 @@ async def running(app: Orchestrator, **options: Any) -> AsyncIterator[Worker]:
             yield worker
     finally:
         await app.database.close()
-
-
-@pytest.fixture
-def sql(migrated_database_url: str) -> Iterator[Callable[..., list[dict[str, Any]]]]:
-    """Run one statement on the test database (autocommit) and return its rows."""
-    conn = psycopg.connect(migrated_database_url, autocommit=True, row_factory=dict_row)
-
-    def run(query: str, params: Any = None) -> list[dict[str, Any]]:
-        cur = conn.execute(query, params)
-        return cur.fetchall() if cur.description else []
-
-    yield run
-    conn.close()
 
 
 async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
