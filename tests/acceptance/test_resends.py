@@ -180,7 +180,9 @@ def _stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
-def test_a_worker_paused_after_submitted_past_its_lease_does_not_send(workers, client):
+def _paused_past_its_lease(workers: Workers, client: Any) -> tuple[Any, Any]:
+    """A worker that stopped itself (SIGSTOP) right after committing ``submitted`` for a
+    ``record_with_lookup`` call, and stays stopped until that run's lease has passed."""
     paused = workers.start("a", ORCHESTRATOR_FAULT_POINT="after_submitted",
                            ORCHESTRATOR_FAULT_TOOL="record_with_lookup",
                            ORCHESTRATOR_FAULT_SIGNAL="SIGSTOP")
@@ -189,6 +191,11 @@ def test_a_worker_paused_after_submitted_past_its_lease_does_not_send(workers, c
     workers.wait(lambda: workers.sql(
         "SELECT 1 FROM orchestrator.runs WHERE id = %s AND lease_expires_at < now()",
         (run.id,)), "its lease to pass")
+    return paused, run
+
+
+def test_a_worker_paused_after_submitted_past_its_lease_does_not_send(workers, client):
+    paused, run = _paused_past_its_lease(workers, client)
     other = workers.start("b")
     _reconciler(workers)
     result = client.get_run(run.id).result(timeout=60)  # re-sent by b, proven not applied
@@ -206,14 +213,7 @@ def test_a_paused_worker_whose_run_nobody_took_sends_once(workers, client):
     """Resumed before another worker took the run: it renews the lease and sends (or, if its
     own sweep re-queued the run first, withholds, claims it again and re-sends once the lookup
     proved attempt 1 not applied). Either way, one send."""
-    paused = workers.start("a", ORCHESTRATOR_FAULT_POINT="after_submitted",
-                           ORCHESTRATOR_FAULT_TOOL="record_with_lookup",
-                           ORCHESTRATOR_FAULT_SIGNAL="SIGSTOP")
-    run = client.submit(flows.one_call, {"tool": "record_with_lookup"})
-    workers.wait(lambda: _stopped(paused.pid), "the worker to stop itself")
-    workers.wait(lambda: workers.sql(
-        "SELECT 1 FROM orchestrator.runs WHERE id = %s AND lease_expires_at < now()",
-        (run.id,)), "its lease to pass")
+    paused, run = _paused_past_its_lease(workers, client)
     _reconciler(workers)
     paused.send_signal(signal.SIGCONT)  # nobody else works: the lease may still be its own
     result = client.get_run(run.id).result(timeout=60)
