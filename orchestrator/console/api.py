@@ -34,11 +34,16 @@ from orchestrator.errors import (
     ResolutionConflict,
 )
 from orchestrator.operators import UNRESOLVED
+from orchestrator.stream import check_topics
 
 MAX_BODY = 4 * 1024 * 1024
 """Bytes an action's body may have (a receipt is held to the application's own cap after)."""
 _AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+RUN_FILTERS = ("status", "workflow", "version", "submission_key", "tenant", "principal",
+               "created_from", "created_to", "input")
+"""The filters of a page of runs (``GET /api/runs``, the Runs page), as
+:meth:`ConsoleService.runs` names them."""
 HEARTBEAT = 15.0
 """Seconds of silence after which a run's event stream sends a comment (proxies keep it)."""
 STREAM_ERROR = "stream.error"
@@ -80,12 +85,20 @@ def queue_filter(source: Callable[[str], str | None]) -> dict[str, Any]:
             "key": source("key"), "run_id": source("run"), "workflow": source("workflow")}
 
 
-async def json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any]:
     """An action's body: a JSON object (``INVALID_REQUEST`` otherwise; ``PAYLOAD_TOO_LARGE``
-    past :data:`MAX_BODY`)."""
-    body = await request.body()
-    if len(body) > MAX_BODY:
-        raise PayloadTooLarge(f"the request body is larger than {MAX_BODY} bytes")
+    past ``limit`` bytes, read no further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         value = json.loads(body or b"{}")
     except (ValueError, RecursionError):
@@ -115,6 +128,25 @@ def event_cursor(request: Request) -> int:
                                  "stream", path="Last-Event-ID")
         return int(resumed)
     return int_param(request, "after") or 0
+
+
+def topics_param(request: Request) -> tuple[str, ...] | None:
+    """``?topics=``: the topic names to keep (``topics=a,b`` or ``topics=a&topics=b``), or
+    None for every entry (:func:`orchestrator.stream.check_topics`)."""
+    given = [name.strip() for value in request.query_params.getlist("topics")
+             for name in value.split(",")]
+    return check_topics(given) if given else None
+
+
+def sse_response(pages: AsyncGenerator[list[Any], None] | None, request: Request, *,
+                 heartbeat: float) -> Response:
+    """A run's stream as ``text/event-stream`` (:func:`sse_stream`); 204 when ``pages`` is
+    None (the run had ended at or before the cursor: an ``EventSource`` stops reconnecting)."""
+    if pages is None:
+        return Response(status_code=204)
+    return StreamingResponse(sse_stream(pages, request.receive, heartbeat=heartbeat),
+                             media_type="text/event-stream",
+                             headers={"X-Accel-Buffering": "no"})
 
 
 def sse_entry(entry: Mapping[str, Any]) -> str:
@@ -229,8 +261,7 @@ class Api:
     async def runs(self, request: Request, access: Access) -> Any:
         q = text_param
         page = await self.service.runs(
-            access, status=q(request, "status"), workflow=q(request, "workflow"),
-            version=q(request, "version"), submission_key=q(request, "submission_key"),
+            access, **{name: q(request, name) for name in RUN_FILTERS},
             before=q(request, "before"), limit=int_param(request, "limit"))
         return documents.run_page(page)
 
@@ -244,12 +275,9 @@ class Api:
         at or before the cursor answers 204 (an ``EventSource`` then stops reconnecting)."""
         access = await self.guard.identify(request)
         after = event_cursor(request)
-        pages = await self.service.events(access, request.path_params["run_id"], after=after)
-        if pages is None:
-            return Response(status_code=204)
-        return StreamingResponse(
-            sse_stream(pages, request.receive, heartbeat=self.heartbeat),
-            media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+        pages = await self.service.events(access, request.path_params["run_id"], after=after,
+                                          topics=topics_param(request))
+        return sse_response(pages, request, heartbeat=self.heartbeat)
 
     async def queue(self, request: Request, access: Access) -> Any:
         state = text_param(request, "state") or UNRESOLVED

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
-from orchestrator.console.api import int_param, queue_filter, text_param
+from orchestrator.console.api import RUN_FILTERS, int_param, queue_filter, text_param
 from orchestrator.console.grants import Access
 from orchestrator.console.service import INPUT_SHOWN, ConsoleService
 from orchestrator.console.web import (
@@ -210,12 +210,16 @@ class Pages:
 
     async def runs(self, request: Request, access: Access) -> Response:
         q = text_param
-        given = {name: q(request, name) or "" for name in (
-            "status", "workflow", "version", "submission_key")}
-        page = await self.service.runs(
-            access, status=given["status"] or None, workflow=given["workflow"] or None,
-            version=given["version"] or None, submission_key=given["submission_key"] or None,
-            before=q(request, "before"), limit=int_param(request, "limit"))
+        given = {name: q(request, name) or "" for name in RUN_FILTERS}
+        try:
+            page = await self.service.runs(
+                access, **{name: value or None for name, value in given.items()},
+                before=q(request, "before"), limit=int_param(request, "limit"))
+        except InvalidRequest as exc:  # a filter typed wrong: the form again, with why
+            return self.render(request, "runs.html", access, status=400, nav="runs",
+                               page={"runs": [], "next": None}, given=given,
+                               statuses=RUN_STATUSES, next_query=None,
+                               filter_failure=public(exc))
         later = ({**{k: v for k, v in given.items() if v}, "before": page.next}
                  if page.next else None)
         return self.render(request, "runs.html", access, nav="runs",

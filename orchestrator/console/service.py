@@ -11,10 +11,13 @@ application's incident-reader grant (C10).
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from orchestrator import admin
@@ -85,6 +88,63 @@ def parse_incident_cursor(text: str | None) -> tuple[datetime, str] | None:
         return None
     when, ref = _cursor(text, "incidents")
     return when, check_identifier("before", ref)
+
+
+def parse_time(name: str, text: str | None) -> datetime | None:
+    """A time filter: an ISO 8601 date (its midnight) or date and time, in UTC unless it names
+    its zone (``INVALID_REQUEST`` naming ``name`` otherwise)."""
+    if text is None:
+        return None
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an ISO 8601 date or time, e.g. 2026-12-01 or "
+                             "2026-12-01T09:30:00+01:00", path=name) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+INPUT_CONDITION_MAX = 1000
+_PATH_PART = re.compile(r"[^\s.=\x00-\x1f\x7f]+")
+
+
+def input_condition(text: str | None) -> str | None:
+    """A condition on a run's input, ``path = value``, as the JSON document the input must
+    contain (``jsonb @>``), or None (no condition).
+
+    ``path`` is one or more object keys joined by dots (``customer``, ``order.customer.id``);
+    ``value`` is a JSON scalar (``500``, ``true``, ``null``, ``"c1"``) or, when it is not one,
+    the text as a string (``c1``). So ``customer = c1`` keeps the runs whose input has
+    ``"customer": "c1"`` at its top level, and ``cents = 500`` those with the number 500.
+    Anything else is ``INVALID_REQUEST`` (path ``input``)."""
+    if text is None:
+        return None
+    usage = ("input must be a condition path = value, e.g. customer = c1 or "
+             "order.cents = 500")
+    if len(text) > INPUT_CONDITION_MAX:
+        raise InvalidRequest(f"input is longer than {INPUT_CONDITION_MAX} characters",
+                             path="input")
+    path, equals, given = text.partition("=")
+    parts = [part.strip() for part in path.split(".")]
+    if not equals or not all(_PATH_PART.fullmatch(part) for part in parts):
+        raise InvalidRequest(usage, path="input")
+    given = given.strip()
+    if given.startswith("="):  # ``x == 1``: one sign separates the path from the value
+        raise InvalidRequest(usage, path="input")
+    try:
+        value: Any = json.loads(given)
+    except ValueError:
+        value = given
+    if isinstance(value, dict | list) or not given:
+        raise InvalidRequest(usage + " (the value is a single number, string, true, false "
+                             "or null)", path="input")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(usage, path="input")
+    for name in [*parts, *([value] if isinstance(value, str) else [])]:
+        check_identifier("input", name)
+    document: Any = value
+    for part in reversed(parts):
+        document = {part: document}
+    return json.dumps(document, ensure_ascii=False)
 
 
 @dataclass
@@ -173,19 +233,35 @@ class ConsoleService:
 
     async def runs(self, access: Access, *, status: str | None = None,
                    workflow: str | None = None, version: str | None = None,
-                   submission_key: str | None = None, before: str | None = None,
-                   limit: int | None = None) -> Page:
-        """Runs newest first, ``limit`` (1 to :data:`PAGE_MAX`, default 50) at a time."""
+                   submission_key: str | None = None, tenant: str | None = None,
+                   principal: str | None = None, created_from: str | None = None,
+                   created_to: str | None = None, input: str | None = None,
+                   before: str | None = None, limit: int | None = None) -> Page:
+        """Runs newest first, ``limit`` (1 to :data:`PAGE_MAX`, default 50) at a time.
+
+        Filters (each off when None): ``status``, ``workflow``, ``version``,
+        ``submission_key``; the owner's ``tenant`` and ``principal``; ``created_from``
+        (inclusive) and ``created_to`` (exclusive), ISO 8601 dates or times (UTC when no zone
+        is given); ``input``, a condition on the input (:func:`input_condition`, e.g.
+        ``customer = c1``). A tenant outside the operator's scope matches nothing."""
         tenants = self.tenants(access)
         count = _limit(limit)
-        check_run_filters(status=status, workflow=workflow, submission_key=submission_key)
+        check_run_filters(status=status, workflow=workflow, submission_key=submission_key,
+                          tenant=tenant)
         if version is not None:
             check_identifier("version", version)
+        if principal is not None:
+            check_identifier("principal", principal)
+        start = parse_time("created_from", created_from)
+        end = parse_time("created_to", created_to)
+        contains = input_condition(input)
         cursor = parse_run_cursor(before)
         async with self.db.connection() as conn:
             rows = await views.run_page(conn, tenants=tenants, status=status,
                                         workflow=workflow, version=version,
-                                        submission_key=submission_key, before=cursor,
+                                        submission_key=submission_key, tenant=tenant,
+                                        principal=principal, created_from=start,
+                                        created_to=end, contains=contains, before=cursor,
                                         limit=count + 1)
         shown = rows[:count]
         return Page(shown, run_cursor(shown[-1]) if len(rows) > count else None)
@@ -206,21 +282,30 @@ class ConsoleService:
         queue = await self.ops.list_items(operator=access.operator, run_id=rid)
         return RunView(detail, given, children, queue, incidents)
 
-    async def events(self, access: Access, run_id: Any, *, after: int
+    async def events(self, access: Access, run_id: Any, *, after: int,
+                     topics: tuple[str, ...] | None = None
                      ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The run's stream after the cursor ``after`` (:meth:`RunStreams.pages`, following
-        live), once the run is found in the operator's scope (else ``ACCESS_DENIED``, as a
-        missing one, before anything is streamed); None when the run had ended at or before
-        the cursor (nothing more will come)."""
+        live; with ``topics``, only the messages published on them and the run's end), once
+        the run is found in the operator's scope (else ``ACCESS_DENIED``, as a missing one,
+        before anything is streamed); None when the run had ended at or before the cursor
+        (nothing more will come)."""
         tenants = self.tenants(access)
         rid = parse_run_id(run_id)
         async with self.db.connection() as conn:
             row = await runs_db.run_get(conn, rid, result=False)
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied(DENIED)
+        return self.follow(row, after=after, topics=topics)
+
+    def follow(self, row: Mapping[str, Any], *, after: int,
+               topics: tuple[str, ...] | None = None
+               ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
+        """The stream of a run already found (``row``, its summary) and checked to be the
+        caller's: None when it had ended at or before the cursor."""
         if row["status"] in TERMINAL and after >= row["revision"]:
             return None
-        return self.streams.pages(rid, after=after, follow=True)
+        return self.streams.pages(row["id"], after=after, follow=True, topics=topics)
 
     async def cancel(self, access: Access, run_id: Any, *, evidence: str) -> tuple[str, str]:
         """Cancel a run (audited: ``run.cancel``); (status before, status after)."""

@@ -27,6 +27,11 @@ WHERE (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
   AND (%(version)s::text IS NULL OR workflow_version = %(version)s)
   AND (%(skey)s::text IS NULL OR idempotency_key = %(skey)s)
   AND (%(parent)s::uuid IS NULL OR parent_run_id = %(parent)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(principal)s::text IS NULL OR principal = %(principal)s)
+  AND (%(created_from)s::timestamptz IS NULL OR created_at >= %(created_from)s)
+  AND (%(created_to)s::timestamptz IS NULL OR created_at < %(created_to)s)
+  AND (%(contains)s::jsonb IS NULL OR input @> %(contains)s::jsonb)
   AND (%(before_at)s::timestamptz IS NULL
        OR (created_at, id) < (%(before_at)s::timestamptz, %(before_id)s::uuid))
 ORDER BY created_at DESC, id DESC
@@ -37,15 +42,22 @@ LIMIT %(limit)s
 async def run_page(conn: Conn, *, tenants: list[str] | None, status: str | None = None,
                    workflow: str | None = None, version: str | None = None,
                    submission_key: str | None = None, parent: uuid.UUID | None = None,
+                   tenant: str | None = None, principal: str | None = None,
+                   created_from: datetime | None = None, created_to: datetime | None = None,
+                   contains: str | None = None,
                    before: tuple[datetime, uuid.UUID] | None = None, limit: int = 50
                    ) -> list[dict[str, Any]]:
     """Runs newest first (``created_at``, then ``id``), each filter off when None; ``before``
-    is the key of the last row of the previous page."""
+    is the key of the last row of the previous page. ``tenant`` and ``principal`` name the
+    owner (within ``tenants``, the scope); ``created_from`` (inclusive) and ``created_to``
+    (exclusive) bound ``created_at``; ``contains`` is a JSON document the input must contain
+    (``jsonb @>``: ``{"customer": "c1"}`` for the input condition ``customer = c1``)."""
     before_at, before_id = before if before is not None else (None, None)
     cur = await conn.execute(_RUN_PAGE, {
         "tenants": tenants, "status": status, "workflow": workflow, "version": version,
-        "skey": submission_key, "parent": parent, "before_at": before_at,
-        "before_id": before_id, "limit": limit})
+        "skey": submission_key, "parent": parent, "tenant": tenant, "principal": principal,
+        "created_from": created_from, "created_to": created_to, "contains": contains,
+        "before_at": before_at, "before_id": before_id, "limit": limit})
     return await cur.fetchall()
 
 
