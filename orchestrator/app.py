@@ -262,7 +262,8 @@ class Orchestrator:
         matches = [w for w in self.registry.workflows.values()
                    if w.name == workflow and (version is None or w.version == version)]
         if not matches:
-            raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
+            named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+            raise UnknownWorkflow(f"{named} is not registered")
         return max(matches, key=lambda w: version_order(w.version))
 
     def new_run_row(
@@ -320,10 +321,31 @@ class Orchestrator:
         With ``connection`` (a psycopg async connection in a transaction), the run is written
         in the caller's transaction: invisible until it commits, gone if it rolls back.
         """
+        handle, _ = await self._submit_async(workflow, input, owner=owner,
+                                             idempotency_key=idempotency_key,
+                                             deadline=deadline, connection=connection)
+        return handle
+
+    async def _submit_async(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        input: Any = None,
+        *,
+        version: str | None = None,
+        owner: Owner | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        connection: Conn | None = None,
+    ) -> tuple[RunHandle[Any], bool]:
+        """:meth:`submit_async`, and whether it created the run (False: the owner's key named
+        an existing run of the same request). ``version`` picks a registered version of a
+        workflow given by name (None: the newest)."""
         who = self._owner(owner)
         if idempotency_key is not None:
             validate_idempotency_key(idempotency_key)
-        wf = self._resolve_workflow(workflow)
+        if version is not None:
+            check_identifier("version", version)
+        wf = self._resolve_workflow(workflow, version)
         seconds = None
         if deadline is not None:
             if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
@@ -341,7 +363,7 @@ class Orchestrator:
                 "this idempotency key was already used by this owner for a different request")
         if created:
             self.metrics.incr("runs_submitted")
-        return RunHandle(self, run_id, who)
+        return RunHandle(self, run_id, who), created
 
     @overload
     def submit(
@@ -538,7 +560,8 @@ class Orchestrator:
     def console(self, authenticate: Callable[..., Any] | None = None,
                 grants: Mapping[str, Iterable[str]] | Callable[[str], Iterable[str]] | None = None,
                 *, tokens: Mapping[str, str] | None = None,
-                secret: bytes | None = None, heartbeat: float = 15.0) -> Any:
+                secret: bytes | None = None, heartbeat: float = 15.0,
+                authenticate_owner: Callable[..., Any] | None = None) -> Any:
         """The operator console of this app: an ASGI application (Starlette) to mount in a
         host's web app (see docs/console.md and
         :func:`orchestrator.console.create_console`). ``authenticate(request)`` names the
@@ -547,6 +570,9 @@ class Orchestrator:
         bearer tokens of the standalone console. Tenant scopes and incident readers are this
         app's ``operator_scopes`` and ``incident_readers``. ``heartbeat``: seconds of silence
         after which a run's event stream sends a comment (proxies keep it open).
+        ``authenticate_owner(request)`` names the :class:`Owner` a request acts for (or
+        None): given, the same application serves the submitters' HTTP API (``POST
+        /api/runs`` and the rest, docs/http-api.md) to clients in any language.
 
         Needs the ``console`` extra (``pip install 'orchestrator[console]'``), else
         ``CONFIGURATION_ERROR``."""
@@ -556,7 +582,8 @@ class Orchestrator:
             raise ConfigurationError("the console needs the console extra: pip install "
                                      "'orchestrator[console]'") from exc
         return create_console(self, authenticate=authenticate, grants=grants, tokens=tokens,
-                              secret=secret, heartbeat=heartbeat)
+                              secret=secret, heartbeat=heartbeat,
+                              authenticate_owner=authenticate_owner)
 
     def create_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                           max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
@@ -14,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.routing import Mount
+from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,6 +23,7 @@ from orchestrator.console.api import HEARTBEAT, Api
 from orchestrator.console.grants import GrantSource, check_grants
 from orchestrator.console.pages import Pages
 from orchestrator.console.service import ConsoleService, Host
+from orchestrator.console.submitters import AuthenticateOwner, Submitters, Submitting
 from orchestrator.console.web import Authenticate, Guard, NonceCookies, internal, public, status_of
 from orchestrator.errors import (
     ConfigurationError,
@@ -45,7 +47,8 @@ script or style (htmx's own inline style is turned off in its configuration)."""
 
 def create_console(app: Host, *, authenticate: Authenticate | None = None,
                    grants: GrantSource | None = None, tokens: Mapping[str, str] | None = None,
-                   secret: bytes | None = None, heartbeat: float = HEARTBEAT) -> Starlette:
+                   secret: bytes | None = None, heartbeat: float = HEARTBEAT,
+                   authenticate_owner: AuthenticateOwner | None = None) -> Starlette:
     """The operator console of ``app`` (an :class:`~orchestrator.Orchestrator`), an ASGI
     application to mount in a host's web app or to serve on its own (``orchestrator
     console``); see docs/console.md.
@@ -65,9 +68,19 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
 
     ``heartbeat``: seconds of silence after which a run's event stream
     (``GET /api/runs/{id}/events``) sends a comment, so that proxies keep it open.
+
+    ``authenticate_owner(request)`` (sync or async) names the :class:`~orchestrator.Owner` a
+    request acts for, or None: given, the console also serves the submitters' API
+    (:mod:`orchestrator.console.submitters`, docs/http-api.md); on the paths both APIs
+    serve, a request it names an owner for is the owner's. With it alone (no
+    ``authenticate``, no ``tokens``) no operator can sign in.
     """
     if type(heartbeat) not in (int, float) or not heartbeat > 0:
         raise ConfigurationError("heartbeat must be a positive number of seconds")
+    if authenticate_owner is not None and not callable(authenticate_owner):
+        raise ConfigurationError("authenticate_owner must be a function of the request")
+    if authenticate is None and not tokens and authenticate_owner is not None:
+        authenticate = _nobody  # the submitters' API alone: every operator request is 401
     operators = app.operators
     guard = Guard(authenticate=authenticate, tokens=_tokens(tokens),
                   grants_of=check_grants(grants), known=operators.tenants_of, secret=secret)
@@ -94,13 +107,41 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
         await service.streams.close()  # this event loop's poller, if one runs
         await operators.db.close()  # this event loop's pool (a mounted console has none)
 
-    routes = [*api.routes(), *pages.routes(),
+    operator_routes = api.routes()
+    submitter_routes = ([] if authenticate_owner is None else Submitters(
+        _submitting(app), service, authenticate_owner, heartbeat=heartbeat).routes(
+            lambda path, method: _endpoint(operator_routes, path, method)))
+    routes = [*submitter_routes, *operator_routes, *pages.routes(),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     return Starlette(
         routes=routes,
         middleware=[Middleware(_Headers), Middleware(_Boundary), Middleware(NonceCookies)],
         exception_handlers={OrchestratorError: failed, HTTPException: not_routed},
         lifespan=lifespan)
+
+
+def _submitting(app: Host) -> Submitting:
+    if not callable(getattr(app, "_submit_async", None)):
+        raise ConfigurationError("the submitters' API needs an orchestrator.Orchestrator")
+    return cast(Submitting, app)
+
+
+def _nobody(request: Request) -> None:
+    return None
+
+
+async def _no_route(request: Request) -> Response:
+    raise HTTPException(status_code=405)
+
+
+def _endpoint(routes: list[Route], path: str, method: str
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint ``routes`` serve ``method`` on ``path`` with (405 when none)."""
+    for route in routes:
+        if route.path == path and route.methods is not None and method in route.methods:
+            endpoint: Callable[[Request], Awaitable[Response]] = route.endpoint
+            return endpoint
+    return _no_route
 
 
 def _tokens(tokens: Mapping[str, str] | None) -> dict[str, str]:

@@ -1,0 +1,298 @@
+"""The submitters' HTTP API: the owner's Python API (submit, status, result, events, cancel,
+the run's stream) over HTTP, for clients in any language (docs/http-api.md).
+
+The host authenticates: ``authenticate_owner(request)`` (sync or async) maps a request to the
+:class:`~orchestrator.Owner` it acts for, or None. Every read and action is the owner's, with
+the Python API's checks (C1, C9): another owner's run answers 404 exactly as a missing one.
+
+Routes (beside the operators' ``/api/``; the paths they share go to the owner's form when
+``authenticate_owner`` names an owner, else to the operator's):
+
+- ``POST /api/runs``: submit; the ``Idempotency-Key`` header is the submission key (C1);
+- ``GET /api/runs/{id}``: the run's status (shared);
+- ``GET /api/runs/{id}/result?wait=S``: its outcome, waiting up to ``S`` seconds;
+- ``POST /api/runs/{id}/events/{name}``: deliver an event (its key: ``event_key`` or the
+  ``Idempotency-Key`` header);
+- ``POST /api/runs/{id}/cancel``: request cancellation (shared);
+- ``GET /api/runs/{id}/events``: the run's stream as Server-Sent Events (shared).
+
+Every POST's body is a JSON object sent as ``Content-Type: application/json``: a browser
+cannot send that across sites without asking first, so a host that authenticates owners by a
+cookie is not open to forged requests. Every error answers with the public error (``code``,
+``message``, ``retryable``, ``incident``) and the status of
+:data:`orchestrator.console.web.STATUS`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from orchestrator.canonical import JsonLimits
+from orchestrator.console.api import (
+    MAX_BODY,
+    event_cursor,
+    json_body,
+    sse_response,
+    topics_param,
+)
+from orchestrator.console.service import ConsoleService
+from orchestrator.errors import (
+    ConfigurationError,
+    InvalidRequest,
+    ResultTimeout,
+    RunFailed,
+    Unauthenticated,
+)
+from orchestrator.handle import RunHandle
+from orchestrator.models import Owner, RunInfo, parse_run_id
+from orchestrator.records import error_record, ident, iso
+from orchestrator.text import check_identifier
+
+AuthenticateOwner = Callable[[Request], "Owner | None | Awaitable[Owner | None]"]
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+MAX_WAIT = 60
+"""Seconds ``GET /api/runs/{id}/result?wait=`` may wait at most."""
+SUBMIT_FIELDS = frozenset({"workflow", "version", "input", "deadline"})
+EVENT_FIELDS = frozenset({"payload", "event_key"})
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+class Submitting(Protocol):
+    """What the submitters' API needs of an :class:`~orchestrator.Orchestrator`."""
+
+    json_limits: JsonLimits
+
+    async def _submit_async(self, workflow: Any, input: Any = None, *,
+                            version: str | None = None, owner: Owner | None = None,
+                            idempotency_key: str | None = None,
+                            deadline: timedelta | None = None, connection: Any = None
+                            ) -> tuple[RunHandle[Any], bool]: ...
+
+    async def get_run_async(self, run_id: Any, *, owner: Owner | None = None
+                            ) -> RunHandle[Any]: ...
+
+    async def send_event_async(self, run_id: Any, name: str, payload: Any = None, *,
+                               owner: Owner | None = None,
+                               event_key: str | None = None) -> bool: ...
+
+    async def cancel_async(self, run_id: Any, *, owner: Owner | None = None) -> str: ...
+
+
+def run_record(info: RunInfo) -> dict[str, Any]:
+    """A run as its owner sees it over HTTP (no lease, no worker: the owner's view)."""
+    return {
+        "id": ident(info.id),
+        "workflow": info.workflow,
+        "version": info.version,
+        "tenant": info.owner.tenant,
+        "principal": info.owner.principal,
+        "status": info.status,
+        "outcome_code": info.outcome,
+        "error": error_record(info.error),
+        "waiting_for": info.waiting_for,
+        "revision": info.revision,
+        "parent_run_id": ident(info.parent_run_id),
+        "cancel_requested": info.cancel_requested,
+        "deadline_at": iso(info.deadline_at),
+        "created_at": iso(info.created_at),
+        "updated_at": iso(info.updated_at),
+        "finished_at": iso(info.finished_at),
+    }
+
+
+def _json_request(request: Request) -> None:
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":
+        raise InvalidRequest("send the body as a JSON object with Content-Type: "
+                             "application/json", path="Content-Type")
+
+
+def _fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequest(f"the body has no field {unknown[0]!r} (fields: "
+                             f"{', '.join(sorted(allowed))})", path=unknown[0])
+
+
+def _deadline(value: Any) -> timedelta | None:
+    """``deadline``: seconds from now, a positive finite number (None: no deadline)."""
+    if value is None:
+        return None
+    if (type(value) not in (int, float) or not math.isfinite(value) or value <= 0
+            or value > timedelta.max.total_seconds() / 2):
+        raise InvalidRequest("deadline must be a positive number of seconds",
+                             path="deadline")
+    return timedelta(seconds=value)
+
+
+def _wait(request: Request) -> float:
+    text = request.query_params.get("wait") or "0"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_WAIT:
+        raise InvalidRequest(f"wait must be a number of seconds from 0 to {MAX_WAIT}",
+                             path="wait")
+    return seconds
+
+
+class Submitters:
+    """The submitters' routes of one console (see the module docstring)."""
+
+    def __init__(self, app: Submitting, service: ConsoleService,
+                 authenticate_owner: AuthenticateOwner, *, heartbeat: float) -> None:
+        self.app = app
+        self.service = service
+        self.authenticate_owner = authenticate_owner
+        self.heartbeat = heartbeat
+        self.max_body = max(MAX_BODY, app.json_limits.max_bytes + 64 * 1024)
+
+    def routes(self, operators: Callable[[str, str], Endpoint]) -> list[Route]:
+        """The routes; ``operators(path, method)`` is the operators' endpoint of a path both
+        serve, called when the request names no owner."""
+        def shared(path: str, method: str, mine: Callable[[Request, Owner], Awaitable[Response]]
+                   ) -> Route:
+            return Route(path, self._either(mine, operators(path, method)), methods=[method])
+
+        return [
+            Route("/api/runs", self._only(self.submit), methods=["POST"]),
+            shared("/api/runs/{run_id}", "GET", self.run),
+            Route("/api/runs/{run_id}/result", self._only(self.result), methods=["GET"]),
+            Route("/api/runs/{run_id}/events/{name}", self._only(self.send_event),
+                  methods=["POST"]),
+            shared("/api/runs/{run_id}/cancel", "POST", self.cancel),
+            shared("/api/runs/{run_id}/events", "GET", self.events),
+        ]
+
+    async def owner(self, request: Request) -> Owner | None:
+        """The owner the host's ``authenticate_owner`` names for ``request``, or None."""
+        named = self.authenticate_owner(request)
+        if inspect.isawaitable(named):
+            named = await named
+        if named is not None and not isinstance(named, Owner):
+            raise ConfigurationError("authenticate_owner(request) must return an "
+                                     "orchestrator.Owner or None")
+        return named
+
+    def _only(self, handler: Callable[[Request, Owner], Awaitable[Response]]) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            owner = await self.owner(request)
+            if owner is None:
+                raise Unauthenticated("no owner: the host did not authenticate the request")
+            return await handler(request, owner)
+
+        return endpoint
+
+    def _either(self, handler: Callable[[Request, Owner], Awaitable[Response]],
+                operators: Endpoint) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            owner = await self.owner(request)
+            if owner is None:
+                return await operators(request)
+            return await handler(request, owner)
+
+        return endpoint
+
+    async def _body(self, request: Request, allowed: frozenset[str]) -> dict[str, Any]:
+        _json_request(request)
+        body = await json_body(request, limit=self.max_body)
+        _fields(body, allowed)
+        return body
+
+    async def _handle(self, request: Request, owner: Owner) -> RunHandle[Any]:
+        return await self.app.get_run_async(parse_run_id(request.path_params["run_id"]),
+                                            owner=owner)
+
+    # -- the routes --------------------------------------------------------------------------
+
+    async def submit(self, request: Request, owner: Owner) -> Response:
+        """``POST /api/runs``: 201 and the new run, or 200 (``Idempotent-Replayed: true``)
+        and the run the same key and request made before; 409 ``IDEMPOTENCY_CONFLICT`` for
+        the key with another request; 400 for a malformed key, before anything is written."""
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        body = await self._body(request, SUBMIT_FIELDS)
+        workflow = check_identifier("workflow", body.get("workflow"))
+        version = body.get("version")
+        if version is not None:
+            check_identifier("version", version)
+        handle, created = await self.app._submit_async(
+            workflow, body.get("input"), version=version, owner=owner,
+            idempotency_key=key, deadline=_deadline(body.get("deadline")))
+        info = await handle.info_async()
+        headers = {"Location": f"{request.scope.get('root_path') or ''}/api/runs/{handle.id}"}
+        if not created:
+            headers[REPLAYED_HEADER] = "true"
+        return JSONResponse(run_record(info), status_code=201 if created else 200,
+                            headers=headers)
+
+    async def run(self, request: Request, owner: Owner) -> Response:
+        """``GET /api/runs/{id}``: the owner's run."""
+        handle = await self._handle(request, owner)
+        return JSONResponse(run_record(await handle.info_async()))
+
+    async def result(self, request: Request, owner: Owner) -> Response:
+        """``GET /api/runs/{id}/result?wait=S``: 200 with ``done`` true and the ``result``
+        (succeeded) or the public ``error`` (failed, cancelled: its code is the outcome, C13)
+        once the run is terminal; 202 with ``done`` false and the current ``status`` when it
+        is not after ``S`` seconds (0, the default, answers at once). Waiting changes
+        nothing."""
+        wait = _wait(request)
+        handle = await self._handle(request, owner)
+        run_id = str(handle.id)
+        try:
+            value = await handle.result_async(timeout=wait)
+        except ResultTimeout as exc:
+            return JSONResponse({"run_id": run_id, "done": False, "status": exc.status},
+                                status_code=202)
+        except RunFailed as exc:
+            status = (await handle.info_async()).status
+            return JSONResponse({"run_id": run_id, "done": True, "status": status,
+                                 "result": None, "error": exc.to_dict()})
+        return JSONResponse({"run_id": run_id, "done": True, "status": "succeeded",
+                             "result": value, "error": None})
+
+    async def send_event(self, request: Request, owner: Owner) -> Response:
+        """``POST /api/runs/{id}/events/{name}``: ``delivered`` false when an event with the
+        same key was delivered before (C11)."""
+        body = await self._body(request, EVENT_FIELDS)
+        key = body.get("event_key")
+        header = request.headers.get(IDEMPOTENCY_HEADER)
+        if header is not None and key is not None and header != key:
+            raise InvalidRequest("the Idempotency-Key header and event_key differ; give one",
+                                 path="event_key")
+        name = request.path_params["name"]
+        run_id = parse_run_id(request.path_params["run_id"])
+        delivered = await self.app.send_event_async(
+            run_id, name, body.get("payload"), owner=owner,
+            event_key=key if key is not None else header)
+        return JSONResponse({"run_id": str(run_id), "name": name, "delivered": delivered})
+
+    async def cancel(self, request: Request, owner: Owner) -> Response:
+        """``POST /api/runs/{id}/cancel``: the run's status afterwards."""
+        await self._body(request, frozenset())
+        handle = await self._handle(request, owner)
+        status = await self.app.cancel_async(handle.id, owner=owner)
+        return JSONResponse({"run_id": str(handle.id), "status": status})
+
+    async def events(self, request: Request, owner: Owner) -> Response:
+        """``GET /api/runs/{id}/events``: the owner's run's stream, as the operators' (the
+        cursor from ``Last-Event-ID`` or ``?after=``, ``?topics=``, 204 past a finished
+        run's end)."""
+        after = event_cursor(request)
+        topics = topics_param(request)
+        handle = await self._handle(request, owner)
+        info = await handle.info_async()
+        pages = self.service.follow({"id": info.id, "status": info.status,
+                                     "revision": info.revision}, after=after, topics=topics)
+        return sse_response(pages, request, heartbeat=self.heartbeat)

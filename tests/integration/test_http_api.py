@@ -1,0 +1,291 @@
+"""The submitters' HTTP API (``app.console(authenticate_owner=...)``), driven by a plain HTTP
+client against a console served by uvicorn while a worker executes the runs: submission with
+``Idempotency-Key`` as C1 says, the result's long poll, events, cancellation, the run's stream,
+the public error as every error's body, and another owner's run answering as a missing one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from orchestrator import Orchestrator, Owner, ToolError
+from tests.consoletools import GRANTS, OPERATOR_HEADER, SCOPES, SECRET, Served, from_header
+from tests.consoletools import sse_events as events_of
+from tests.integration.conftest import running
+
+Sql = Callable[..., list[dict[str, Any]]]
+
+KEY_HEADER = "X-Api-Key"
+OWNERS = {"key-acme-alice": Owner(tenant="acme", principal="alice"),
+          "key-globex-bob": Owner(tenant="globex", principal="bob")}
+PUBLIC = {"code", "message", "retryable", "incident"}
+
+
+def owner_of(request: Any) -> Owner | None:
+    """The host's owner hook in these tests: an API key in a header."""
+    return OWNERS.get(request.headers.get(KEY_HEADER, ""))
+
+
+def http_app(make_app: Callable[..., Orchestrator]) -> Orchestrator:
+    app = make_app(operator_scopes=SCOPES)
+
+    @app.workflow(version="1")
+    async def approve(ctx, order):  # type: ignore[no-untyped-def]
+        ctx.publish({"asked": order["customer"]})
+        answer = await ctx.wait_for_event("approval")
+        return {"order": order, "answer": answer, "version": "1"}
+
+    @app.workflow(version="2", name="approve")
+    async def approve_v2(ctx, order):  # type: ignore[no-untyped-def]
+        return {"version": "2"}
+
+    @app.tool()
+    async def leaky(ctx):  # type: ignore[no-untyped-def]
+        raise ToolError.from_status(400, f"upstream said {SECRET}")
+
+    @app.workflow()
+    async def fails(ctx, _):  # type: ignore[no-untyped-def]
+        return await ctx.call(leaky)
+
+    return app
+
+
+def client(server: Served, key: str | None = "key-acme-alice") -> httpx.AsyncClient:
+    headers = {KEY_HEADER: key} if key else {}
+    return httpx.AsyncClient(base_url=server.base, headers=headers, timeout=60)
+
+
+def run_count(sql: Sql) -> int:
+    return int(sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"])
+
+
+async def test_a_submission_key_follows_c1_over_http(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    order = {"customer": "c1", "cents": 500}
+    with Served(console) as server:
+        async with client(server) as http:
+            first = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                       "input": order},
+                                    headers={"Idempotency-Key": "order-1"})
+            assert first.status_code == 201, first.text
+            run = first.json()
+            assert run["status"] == "queued" and run["workflow"] == "approve"
+            assert (run["tenant"], run["principal"], run["version"]) == ("acme", "alice", "1")
+            assert first.headers["location"] == f"/api/runs/{run['id']}"
+            assert "idempotent-replayed" not in first.headers
+
+            # The same key and request (keys in another order): the same run, nothing new.
+            again = await http.post("/api/runs", headers={"Idempotency-Key": "order-1"},
+                                    json={"input": {"cents": 500, "customer": "c1"},
+                                          "version": "1", "workflow": "approve"})
+            assert again.status_code == 200, again.text
+            assert again.json()["id"] == run["id"]
+            assert again.headers["idempotent-replayed"] == "true"
+
+            # The same key with another request: 409 and the public error.
+            other = await http.post("/api/runs", headers={"Idempotency-Key": "order-1"},
+                                    json={"workflow": "approve", "version": "1",
+                                          "input": {**order, "cents": 501}})
+            assert other.status_code == 409
+            assert set(other.json()) == PUBLIC
+            assert other.json()["code"] == "IDEMPOTENCY_CONFLICT"
+
+            # Another owner's key is another key (C1: keys are scoped by owner).
+            async with client(server, "key-globex-bob") as bob:
+                theirs = await bob.post("/api/runs", headers={"Idempotency-Key": "order-1"},
+                                        json={"workflow": "approve", "input": order})
+                assert theirs.status_code == 201 and theirs.json()["id"] != run["id"]
+                assert theirs.json()["version"] == "2"  # no version: the newest
+
+            before = run_count(sql)
+            refused = {
+                "malformed key": await http.post(
+                    "/api/runs", json={"workflow": "approve", "input": order},
+                    headers={"Idempotency-Key": "has space"}),
+                "unknown workflow": await http.post(
+                    "/api/runs", json={"workflow": "nope", "input": order}),
+                "unknown version": await http.post(
+                    "/api/runs", json={"workflow": "approve", "version": "9", "input": 1}),
+                "unknown field": await http.post(
+                    "/api/runs", json={"workflow": "approve", "input": 1, "priority": 1}),
+                "bad deadline": await http.post(
+                    "/api/runs", json={"workflow": "approve", "input": 1, "deadline": -1}),
+                "not JSON": await http.post(
+                    "/api/runs", content=b'{"workflow": "approve"}',
+                    headers={"Content-Type": "text/plain"}),
+                "not an object": await http.post("/api/runs", json=[1]),
+            }
+            for what, answer in refused.items():
+                assert answer.status_code == 400, (what, answer.text)
+                assert set(answer.json()) == PUBLIC, what
+            assert refused["malformed key"].json()["code"] == "INVALID_REQUEST"
+            assert refused["unknown workflow"].json()["code"] == "UNKNOWN_WORKFLOW"
+            assert refused["unknown version"].json()["code"] == "UNKNOWN_WORKFLOW"
+            assert run_count(sql) == before  # nothing was written
+
+        async with client(server, key=None) as nobody:
+            answer = await nobody.post("/api/runs", json={"workflow": "approve", "input": 1})
+            assert answer.status_code == 401
+            assert answer.json()["code"] == "UNAUTHENTICATED"
+        async with client(server, key="not-a-key") as stranger:
+            answer = await stranger.get(f"/api/runs/{run['id']}/result")
+            assert answer.status_code == 401
+    assert run_count(sql) == before
+
+
+async def test_the_result_is_long_polled_events_delivered_once_and_the_stream_resumes(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of, heartbeat=0.5)
+    async with running(app):
+        with Served(console) as server:
+            async with client(server) as http:
+                answer = await http.post("/api/runs", json={
+                    "workflow": "approve", "version": "1", "input": {"customer": "c7"},
+                    "deadline": 3600})
+                assert answer.status_code == 201
+                run = answer.json()
+                assert run["deadline_at"] is not None
+                path = f"/api/runs/{run['id']}"
+
+                waited = await http.get(f"{path}/result", params={"wait": "0.3"})
+                assert waited.status_code == 202
+                assert waited.json()["done"] is False
+                assert waited.json()["status"] in ("queued", "running", "waiting")
+
+                status = await http.get(path)
+                assert status.status_code == 200 and status.json()["id"] == run["id"]
+                assert "lease_owner" not in status.json()  # the owner's view, not an operator's
+
+                # The stream from the start: the workflow's message, then the wait.
+                async with http.stream("GET", f"{path}/events",
+                                       params={"topics": "progress"}) as stream:
+                    assert stream.status_code == 200
+                    async for event in events_of(stream):
+                        if "comment" in event:
+                            continue
+                        assert event["event"] == "message"
+                        assert event["data"]["name"] == "progress"
+                        assert event["data"]["payload"]["value"] == {"asked": "c7"}
+                        first_seen = int(event["id"])
+                        break
+
+                sent = await http.post(f"{path}/events/approval", json={"payload": {"ok": True}},
+                                       headers={"Idempotency-Key": "appr-1"})
+                assert sent.status_code == 200, sent.text
+                assert sent.json()["delivered"] is True
+                repeat = await http.post(f"{path}/events/approval",
+                                         json={"payload": {"ok": False}, "event_key": "appr-1"})
+                assert repeat.json()["delivered"] is False
+
+                done = await http.get(f"{path}/result", params={"wait": "30"})
+                assert done.status_code == 200, done.text
+                body = done.json()
+                assert body["done"] is True and body["status"] == "succeeded"
+                assert body["result"]["answer"] == {"ok": True}
+                assert body["error"] is None
+
+                # Resumed after the first entry seen: every later one once, in order.
+                async with http.stream("GET", f"{path}/events",
+                                       headers={"Last-Event-ID": str(first_seen)}) as stream:
+                    ids = [int(e["id"]) async for e in events_of(stream) if "id" in e]
+                recorded = [r["seq"] for r in sql(
+                    "SELECT seq FROM orchestrator.journal WHERE run_id = %s AND seq > %s "
+                    "ORDER BY seq", (run["id"], first_seen))]
+                assert ids == recorded and ids[-1] == recorded[-1]
+                ended = await http.get(f"{path}/events",
+                                       headers={"Last-Event-ID": str(recorded[-1])})
+                assert ended.status_code == 204
+
+                # Reading the result again changes nothing and answers the same.
+                again = await http.get(f"{path}/result")
+                assert again.json() == body
+
+
+async def test_another_owners_run_answers_as_a_missing_one(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as alice, client(server, "key-globex-bob") as bob:
+            made = await alice.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                       "input": {"customer": "c1"}})
+            mine = made.json()["id"]
+            missing = str(uuid.uuid4())
+            for method, suffix, body in [("GET", "", None), ("GET", "/result", None),
+                                         ("GET", "/events", None),
+                                         ("POST", "/events/approval", {"payload": 1}),
+                                         ("POST", "/cancel", {})]:
+                answers = [await bob.request(method, f"/api/runs/{run}{suffix}", json=body)
+                           for run in (mine, missing)]
+                assert [a.status_code for a in answers] == [404, 404], (suffix, answers)
+                assert answers[0].content == answers[1].content, suffix
+                assert answers[0].json()["code"] == "ACCESS_DENIED"
+            # Nothing bob did touched alice's run.
+            assert sql("SELECT status, cancel_requested_at FROM orchestrator.runs WHERE id = %s",
+                       (mine,)) == [{"status": "queued", "cancel_requested_at": None}]
+            assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 0}]
+
+
+async def test_an_owner_cancels_and_a_failure_is_the_public_error(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    async with running(app):
+        with Served(console) as server:
+            async with client(server) as http:
+                made = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                          "input": {"customer": "c2"}})
+                path = f"/api/runs/{made.json()['id']}"
+                forged = await http.post(f"{path}/cancel", content=b"",
+                                         headers={"Content-Type": "text/plain"})
+                assert forged.status_code == 400  # not JSON: what a cross-site form sends
+                cancelled = await http.post(f"{path}/cancel", json={})
+                assert cancelled.status_code == 200, cancelled.text
+                assert cancelled.json()["status"] in ("cancelled", "running", "queued",
+                                                      "waiting")
+                outcome = (await http.get(f"{path}/result", params={"wait": "30"})).json()
+                assert outcome["done"] is True and outcome["status"] == "cancelled"
+                assert outcome["error"]["code"] == "CANCELLED"
+
+                failing = await http.post("/api/runs", json={"workflow": "fails"})
+                path = f"/api/runs/{failing.json()['id']}"
+                outcome = (await http.get(f"{path}/result", params={"wait": "30"})).json()
+                assert outcome["status"] == "failed"
+                error = outcome["error"]
+                assert error["code"] == "WORKFLOW_FAILED"
+                assert error["cause"]["code"] == "TOOL_FAILED"
+                assert error["incident"]
+                shown = (await http.get(path)).text + str(outcome)
+                assert SECRET not in shown
+
+
+async def test_without_an_owner_the_shared_paths_are_the_operators(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as http:
+            made = (await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                       "input": {"customer": "c3"}})).json()
+        async with httpx.AsyncClient(base_url=server.base, timeout=30,
+                                     headers={OPERATOR_HEADER: "alice"}) as operator:
+            shown = await operator.get(f"/api/runs/{made['id']}")
+            assert shown.status_code == 200
+            assert shown.json()["run"]["lease_owner"] is None  # the operator's document
+            refused = await operator.post(f"/api/runs/{made['id']}/cancel",
+                                          json={"evidence": "x"})
+            assert refused.status_code == 403  # the operators' form: a CSRF token first
+            nothing = await operator.get(f"/api/runs/{made['id']}/result")
+            assert nothing.status_code == 401  # the submitters' alone: no owner
+
+
+async def test_without_the_hook_there_is_no_submitters_api(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS)
+    with Served(console) as server:
+        async with client(server) as http:
+            answer = await http.post("/api/runs", json={"workflow": "approve", "input": 1})
+            assert answer.status_code == 405
+            assert run_count(sql) == 0
