@@ -108,6 +108,35 @@ def environment() -> Environment:
 Handler = Callable[[Request, Access], Awaitable[Response]]
 
 
+CHART_HEIGHT = 60
+BAR_WIDTH = 10
+
+
+def throughput_chart(minutes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The overview's chart of finished runs per minute, as an inline SVG's bars: each
+    minute a stack (succeeded at the bottom, then failed, then cancelled) scaled to the
+    busiest minute, with a title a pointer shows."""
+    peak = max((m["succeeded"] + m["failed"] + m["cancelled"] for m in minutes), default=0)
+    scale = CHART_HEIGHT / peak if peak else 0.0
+    bars = []
+    for i, m in enumerate(minutes):
+        y = float(CHART_HEIGHT)
+        parts = []
+        for kind in ("succeeded", "failed", "cancelled"):
+            height = m[kind] * scale
+            if height:
+                y -= height
+                parts.append({"kind": kind, "y": round(y, 2), "height": round(height, 2)})
+        title = (f"{m['minute'][11:16]} UTC: {m['succeeded']} succeeded, {m['failed']} "
+                 f"failed, {m['cancelled']} cancelled")
+        bars.append({"x": i * BAR_WIDTH, "width": BAR_WIDTH - 1, "parts": parts,
+                     "title": title})
+    return {"bars": bars, "width": len(minutes) * BAR_WIDTH, "height": CHART_HEIGHT,
+            "peak": peak, "total": sum(m["succeeded"] + m["failed"] + m["cancelled"]
+                                       for m in minutes),
+            "failed": sum(m["failed"] for m in minutes)}
+
+
 class Pages:
     """The HTML routes of one console."""
 
@@ -206,7 +235,7 @@ class Pages:
     async def overview(self, request: Request, access: Access) -> Response:
         shown = documents.overview(await self.service.overview(access))
         return self.render(request, "overview.html", access, nav="overview", o=shown,
-                           statuses=RUN_STATUSES)
+                           statuses=RUN_STATUSES, chart=throughput_chart(shown["throughput"]))
 
     async def runs(self, request: Request, access: Access) -> Response:
         q = text_param

@@ -17,7 +17,7 @@ import re
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from orchestrator import admin
@@ -177,6 +177,39 @@ class Worker:
     state: str
 
 
+THROUGHPUT_MINUTES = 60
+"""The minutes the overview's throughput chart covers, the current one last."""
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+@dataclass
+class Minute:
+    """Runs that finished in one minute, by how they ended."""
+
+    at: datetime
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.succeeded + self.failed + self.cancelled
+
+
+def minutes(current: datetime, rows: list[dict[str, Any]],
+            count: int = THROUGHPUT_MINUTES) -> list[Minute]:
+    """``count`` minutes ending with ``current``, oldest first, with the finished runs of
+    ``rows`` (:func:`~orchestrator.db.views.run_throughput`) in them; a minute nothing
+    finished in is there with zeros."""
+    shown = [Minute(current - timedelta(minutes=count - 1 - i)) for i in range(count)]
+    index = {m.at: m for m in shown}
+    for row in rows:
+        minute = index.get(row["minute"])
+        if minute is not None and row["status"] in ENDED:
+            setattr(minute, row["status"], getattr(minute, row["status"]) + row["n"])
+    return shown
+
+
 @dataclass
 class Overview:
     statuses: dict[str, int]
@@ -184,6 +217,8 @@ class Overview:
     unknown_by_tool: list[dict[str, Any]]
     waiting_for_operators: int
     workers: list[Worker] = field(default_factory=list)
+    throughput: list[Minute] = field(default_factory=list)
+    """Runs finished per minute over the last hour, oldest first."""
 
     @property
     def workers_alive(self) -> int:
@@ -223,13 +258,16 @@ class ConsoleService:
     async def overview(self, access: Access) -> Overview:
         tenants = self.tenants(access)
         async with self.db.connection() as conn:
+            current, finished = await views.run_throughput(conn, tenants=tenants,
+                                                           minutes=THROUGHPUT_MINUTES)
             return Overview(
                 statuses=await views.run_status_counts(conn, tenants=tenants),
                 backlog=await views.run_backlog(conn, tenants=tenants),
                 unknown_by_tool=await views.operation_unknown_by_tool(conn, tenants=tenants),
                 waiting_for_operators=await views.recon_waiting_for_operators(
                     conn, tenants=tenants),
-                workers=[Worker(w, worker_state(w)) for w in await views.worker_list_all(conn)])
+                workers=[Worker(w, worker_state(w)) for w in await views.worker_list_all(conn)],
+                throughput=minutes(current, finished))
 
     async def runs(self, access: Access, *, status: str | None = None,
                    workflow: str | None = None, version: str | None = None,

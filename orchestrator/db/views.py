@@ -10,7 +10,7 @@ starts strictly after it, so rows committed meanwhile never shift a page.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from orchestrator.db.database import Conn
@@ -76,6 +76,27 @@ async def run_status_counts(conn: Conn, *, tenants: list[str] | None) -> dict[st
             GROUP BY status""",
         {"tenants": tenants})
     return {row["status"]: int(row["n"]) for row in await cur.fetchall()}
+
+
+async def run_throughput(conn: Conn, *, tenants: list[str] | None, minutes: int = 60
+                         ) -> tuple[datetime, list[dict[str, Any]]]:
+    """Runs that finished in the last ``minutes`` minutes (the current one included), by
+    minute and status: the database's current minute, and rows ``minute`` (the minute's
+    start), ``status``, ``n``. There is no index on ``finished_at`` (it would cost every
+    run's finishing write its HOT update), so this scans the runs, as the status counts do."""
+    cur = await conn.execute("SELECT date_trunc('minute', now()) AS at")
+    row = await cur.fetchone()
+    assert row is not None
+    current: datetime = row["at"]
+    cur = await conn.execute(
+        f"""SELECT date_trunc('minute', finished_at) AS minute, status, count(*) AS n
+            FROM {S}.runs
+            WHERE finished_at >= %(since)s
+              AND (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
+            GROUP BY 1, 2""",
+        {"tenants": tenants, "since": current - timedelta(minutes=minutes - 1)})
+    return current, [{"minute": r["minute"], "status": r["status"], "n": int(r["n"])}
+                     for r in await cur.fetchall()]
 
 
 async def run_backlog(conn: Conn, *, tenants: list[str] | None) -> dict[str, Any]:

@@ -153,3 +153,35 @@ async def test_the_event_stream_keeps_only_the_topics_asked(make_app, sql) -> No
         bad = await client.get(f"/api/runs/{handle.id}/events", topics="a\x00")
         assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
     await app.database.close()
+
+
+async def test_the_overview_charts_the_runs_finished_each_minute_of_the_last_hour(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app, made = await seeded(make_app, sql)
+    console = app.console(from_header, {**GRANTS, "root": ["read"]})
+    for name, status, ago in [("a", "succeeded", "0 minutes"), ("b", "succeeded", "2 minutes"),
+                              ("c", "failed", "2 minutes"), ("d", "succeeded", "2 minutes"),
+                              ("e", "cancelled", "2 hours")]:
+        sql(f"UPDATE orchestrator.runs SET status = %s, finished_at = now() - interval '{ago}' "
+            "WHERE id = %s", (status, made[name]))
+    async with Client(console, "root") as root, Client(console, "alice") as alice:
+        chart = (await root.get("/api/overview")).json()["throughput"]
+        assert len(chart) == 60
+        assert chart[-1]["minute"] > chart[0]["minute"]
+        counted = [(i, m["succeeded"], m["failed"], m["cancelled"])
+                   for i, m in enumerate(chart) if m["succeeded"] + m["failed"] + m["cancelled"]]
+        # now - 0 min is in the last minute (the one before, if a minute began since the
+        # update); now - 2 min two minutes before it (three, if the update's minute was late).
+        (last, *rest), (first, *counts) = counted[-1], counted[0]
+        assert last in (58, 59) and rest == [1, 0, 0]
+        assert len(counted) == 2 and counts == [2, 1, 0]  # b and d succeeded, c failed
+        assert last - first in (2, 3)
+        # alice's scope is acme: globex's run d is not counted.
+        scoped = (await alice.get("/api/overview")).json()["throughput"]
+        assert sum(m["succeeded"] for m in scoped) == 2
+        page = await root.get("/")
+        assert page.status_code == 200
+        assert "4 runs finished, 1 failed" in page.text
+        assert page.text.count('<rect class="succeeded"') == 2  # two minutes with successes
+        assert page.text.count('<rect class="failed"') == 1
+    await app.database.close()
