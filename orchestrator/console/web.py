@@ -44,6 +44,7 @@ from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
     DatabaseError,
+    EventBacklogFull,
     Forbidden,
     IdempotencyConflict,
     InvalidRequest,
@@ -276,7 +277,8 @@ def set_cookie(response: Response, request: Request, name: str, value: str, *,
 STATUS = [
     (Unauthenticated, 401), (Forbidden, 403), (AccessDenied, 404), (PayloadTooLarge, 413),
     (InvalidRequest, 400), (ResolutionConflict, 409), (OperationInProgress, 409),
-    (IdempotencyConflict, 409), (DatabaseError, 503), (ConfigurationError, 500),
+    (IdempotencyConflict, 409), (EventBacklogFull, 429), (DatabaseError, 503),
+    (ConfigurationError, 500),
 ]
 """The HTTP status of each public error (the first class that matches); any other is the
 console's or the database's trouble, not the request's: 500."""

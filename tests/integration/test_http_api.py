@@ -289,3 +289,20 @@ async def test_without_the_hook_there_is_no_submitters_api(make_app, sql) -> Non
             answer = await http.post("/api/runs", json={"workflow": "approve", "input": 1})
             assert answer.status_code == 405
             assert run_count(sql) == 0
+
+
+async def test_a_full_event_backlog_is_429_and_stores_nothing(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    app.max_pending_events = 1
+    console = app.console(authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as http:
+            run = (await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                      "input": {"customer": "c4"}})).json()
+            path = f"/api/runs/{run['id']}/events/approval"
+            assert (await http.post(path, json={"payload": 1})).json()["delivered"] is True
+            full = await http.post(path, json={"payload": 2})
+            assert full.status_code == 429 and full.json()["code"] == "EVENT_BACKLOG_FULL"
+            assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 1}]
+            # With no way for operators in, the operators' pages and API answer 401.
+            assert (await http.get("/api/overview")).status_code == 401
