@@ -9,6 +9,7 @@ Routes (beside the operators' ``/api/``; the paths they share go to the owner's 
 ``authenticate_owner`` names an owner, else to the operator's):
 
 - ``POST /api/runs``: submit; the ``Idempotency-Key`` header is the submission key (C1);
+- ``GET /api/runs``: the owner's runs, newest first (shared);
 - ``GET /api/runs/{id}``: the run's status (shared);
 - ``GET /api/runs/{id}/result?wait=S``: its outcome, waiting up to ``S`` seconds;
 - ``POST /api/runs/{id}/events/{name}``: deliver an event (its key: ``event_key`` or the
@@ -86,6 +87,10 @@ class Submitting(Protocol):
                                event_key: str | None = None) -> bool: ...
 
     async def cancel_async(self, run_id: Any, *, owner: Owner | None = None) -> str: ...
+
+    async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,
+                              workflow: str | None = None, limit: int = 50
+                              ) -> list[RunInfo]: ...
 
 
 def run_record(info: RunInfo) -> dict[str, Any]:
@@ -167,6 +172,7 @@ class Submitters:
 
         return [
             Route("/api/runs", self._only(self.submit), methods=["POST"]),
+            shared("/api/runs", "GET", self.runs),
             shared("/api/runs/{run_id}", "GET", self.run),
             Route("/api/runs/{run_id}/result", self._only(self.result), methods=["GET"]),
             Route("/api/runs/{run_id}/events/{name}", self._only(self.send_event),
@@ -235,6 +241,18 @@ class Submitters:
             headers[REPLAYED_HEADER] = "true"
         return JSONResponse(run_record(info), status_code=201 if created else 200,
                             headers=headers)
+
+    async def runs(self, request: Request, owner: Owner) -> Response:
+        """``GET /api/runs``: the owner's runs, newest first (``status``, ``workflow``,
+        ``limit`` 1 to 1000, default 50), as ``app.list_runs``."""
+        limit = request.query_params.get("limit") or "50"
+        if not limit.isdigit() or len(limit) > 4:
+            raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        shown = await self.app.list_runs_async(
+            owner=owner, status=request.query_params.get("status") or None,
+            workflow=request.query_params.get("workflow") or None, limit=int(limit))
+        return JSONResponse({"runs": [run_record(info) for info in shown],
+                             "count": len(shown)})
 
     async def run(self, request: Request, owner: Owner) -> Response:
         """``GET /api/runs/{id}``: the owner's run."""

@@ -101,6 +101,12 @@ async def test_a_submission_key_follows_c1_over_http(make_app, sql) -> None:  # 
                 assert theirs.status_code == 201 and theirs.json()["id"] != run["id"]
                 assert theirs.json()["version"] == "2"  # no version: the newest
 
+            mine = (await http.get("/api/runs")).json()
+            assert [r["id"] for r in mine["runs"]] == [run["id"]] and mine["count"] == 1
+            assert (await http.get("/api/runs", params={"status": "succeeded"})).json() == {
+                "runs": [], "count": 0}
+            assert (await http.get("/api/runs", params={"limit": "0"})).status_code == 400
+
             before = run_count(sql)
             refused = {
                 "malformed key": await http.post(
