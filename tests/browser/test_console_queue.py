@@ -56,7 +56,8 @@ def test_a_bulk_resolution_of_50_matching_items(
         assert page.locator("tr.queue-row").count() == 52
         page.fill("#queue-filters input[name=tool]", "charge")
         page.press("#queue-filters input[name=tool]", "Enter")
-        page.wait_for_function("document.querySelectorAll('tr.queue-row').length === 50")
+        page.locator("tr.queue-row").nth(50).wait_for(state="detached")
+        assert page.locator("tr.queue-row").count() == 50
         form = page.locator("#bulk-form")
         form.locator("select[name=resolution]").select_option("not_applied")
         form.locator("select[name=then]").select_option("resend")
