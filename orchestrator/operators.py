@@ -122,6 +122,25 @@ BULK_LIMIT = 1000
 MAX_BULK = 10_000
 BULK_STATES = ("open", "operator", UNRESOLVED)
 """The states a bulk action selects from: only items that still wait can be resolved."""
+MAX_IDS = 500
+"""How many operations a bulk action may name one by one (``ids``)."""
+NOT_WAITING = ("the operation does not exist, is not accessible or is not waiting for a "
+               "resolution")
+"""Why a bulk action skipped an id it was given but did not select: one answer for a missing
+operation, another tenant's and one already resolved (C9)."""
+
+
+def check_ids(ids: Any) -> list[int]:
+    """The operations a bulk action names (``ids``): a list of 1 to :data:`MAX_IDS` operation
+    ids, duplicates dropped (first place kept); ``INVALID_REQUEST`` otherwise."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, list | tuple):
+        raise InvalidRequest("ids must be a list of operation ids", path="ids")
+    if not 1 <= len(ids) <= MAX_IDS:
+        raise InvalidRequest(f"ids must name 1 to {MAX_IDS} operations", path="ids")
+    for value in ids:
+        if type(value) is not int or not 0 < value < 2**63:
+            raise InvalidRequest("ids must be operation ids (positive integers)", path="ids")
+    return list(dict.fromkeys(ids))
 
 
 def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run_id: Any,
@@ -148,6 +167,18 @@ def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run
     return {"states": states, "tool": tool, "older_than": older_than, "key": key,
             "run_id": None if run_id is None else parse_run_id(run_id),
             "workflow": workflow}
+
+
+def _bulk_selection(ids: Any, **given: Any) -> dict[str, Any]:
+    """What a bulk action selects: the filter ``given`` (as :func:`_item_filter`), or the
+    operations ``ids`` names among those still waiting; ``INVALID_REQUEST`` for both."""
+    if ids is None:
+        return {**_item_filter(**given, bulk=True), "ids": None}
+    if given["state"] != UNRESOLVED or any(
+            given[name] is not None for name in ("tool", "older_than", "key", "run_id",
+                                                  "workflow")):
+        raise InvalidRequest("give ids or a filter, not both", path="ids")
+    return {**_item_filter(**given, bulk=True), "ids": check_ids(ids)}
 
 
 @dataclass(frozen=True)
@@ -190,6 +221,8 @@ class BulkSummary:
     resolved: list[BulkItem] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     declined: bool = False
+    missing: list[int] = field(default_factory=list)
+    """Ids the action was given that it did not select (:data:`NOT_WAITING`): left alone."""
 
 
 Confirm = Callable[[BulkSummary], bool]
@@ -347,7 +380,8 @@ class Operators:
                            workflow: str | None = None, limit: int = BULK_LIMIT,
                            dry_run: bool = False, confirm: Confirm | None = None,
                            progress: Callable[[int, int], None] | None = None,
-                           then: str | None = None) -> BulkSummary:
+                           then: str | None = None,
+                           ids: Sequence[int] | None = None) -> BulkSummary:
         """Resolve every unresolved item matching the filter (``resolution`` ``committed``,
         with one ``receipt`` for all, or ``not_applied``, with ``then`` ``resend``, the
         default, or ``fail`` as in :meth:`resolve_not_applied`), oldest first, at most
@@ -361,7 +395,12 @@ class Operators:
         the selection before anything is done: False leaves everything as it is
         (``declined``). ``progress(done, total)`` is called after each item. Bad input (a
         filter, the evidence, the receipt) is an ``INVALID_REQUEST`` before anything is read
-        or written."""
+        or written.
+
+        ``ids`` (instead of a filter: both are ``INVALID_REQUEST``) selects those operations
+        (:func:`check_ids`) among the items still waiting in the operator's tenants; an id it
+        does not select (missing, another tenant's, already resolved: one answer, C9) is
+        listed in ``missing`` and left alone."""
         if resolution not in ("committed", "not_applied"):
             raise InvalidRequest("resolution must be committed or not_applied "
                                  "(abandon_many gives up on operations)", path="resolution")
@@ -371,24 +410,24 @@ class Operators:
             raise InvalidRequest("then must be resend or fail, and goes only with not_applied",
                                  path="then")
         return await self._bulk(resolution, evidence, operator, receipt, limit, dry_run,
-                                confirm, progress, _item_filter(state=state, tool=tool,
-                                                       older_than=older_than, key=key,
-                                                       run_id=run_id, workflow=workflow,
-                                                       bulk=True), then)
+                                confirm, progress, _bulk_selection(
+                                    ids, state=state, tool=tool, older_than=older_than,
+                                    key=key, run_id=run_id, workflow=workflow), then)
 
     async def abandon_many(self, *, evidence: str, operator: str, state: str = UNRESOLVED,
                            tool: str | None = None, older_than: float | None = None,
                            key: str | None = None, run_id: uuid.UUID | str | None = None,
                            workflow: str | None = None, limit: int = BULK_LIMIT,
                            dry_run: bool = False, confirm: Confirm | None = None,
-                           progress: Callable[[int, int], None] | None = None) -> BulkSummary:
-        """Abandon every unresolved item matching the filter, as :meth:`abandon` does one
-        (each run fails with ``OPERATION_ABANDONED``); otherwise as :meth:`resolve_many`."""
+                           progress: Callable[[int, int], None] | None = None,
+                           ids: Sequence[int] | None = None) -> BulkSummary:
+        """Abandon every unresolved item matching the filter (or named by ``ids``), as
+        :meth:`abandon` does one (each run fails with ``OPERATION_ABANDONED``); otherwise as
+        :meth:`resolve_many`."""
         return await self._bulk("abandoned", evidence, operator, None, limit, dry_run,
-                                confirm, progress, _item_filter(state=state, tool=tool,
-                                                       older_than=older_than, key=key,
-                                                       run_id=run_id, workflow=workflow,
-                                                       bulk=True))
+                                confirm, progress, _bulk_selection(
+                                    ids, state=state, tool=tool, older_than=older_than,
+                                    key=key, run_id=run_id, workflow=workflow))
 
     async def _bulk(self, resolution: str, evidence: str, operator: str, receipt: Any,
                     limit: int, dry_run: bool, confirm: Confirm | None,
@@ -397,6 +436,8 @@ class Operators:
         tenants = self.tenants_of(operator)
         if type(limit) is not int or not 1 <= limit <= MAX_BULK:
             raise InvalidRequest(f"limit must be between 1 and {MAX_BULK:,}", path="limit")
+        if where["ids"] is not None and limit < len(where["ids"]):
+            raise InvalidRequest("limit must be at least the number of ids", path="limit")
         if type(dry_run) is not bool:
             raise InvalidRequest("dry_run must be True or False", path="dry_run")
         reconcile.check_evidence(evidence, operator)  # resolve() checks it all again per item
@@ -410,6 +451,9 @@ class Operators:
         items = [BulkItem.from_row(row) for row in rows[:limit]]
         summary = BulkSummary(resolution=resolution, dry_run=dry_run, matched=items,
                               more=len(rows) > limit)
+        if where["ids"] is not None:
+            selected = {item.operation_id for item in items}
+            summary.missing = [op for op in where["ids"] if op not in selected]
         if dry_run or not items:
             return summary
         if confirm is not None and not confirm(summary):

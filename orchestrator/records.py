@@ -16,7 +16,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.admin import LeaseHolder, RunDetail
-from orchestrator.operators import BulkItem, BulkSummary
+from orchestrator.errors import AccessDenied
+from orchestrator.operators import NOT_WAITING, BulkItem, BulkSummary
 
 
 def iso(when: datetime | None) -> str | None:
@@ -204,14 +205,21 @@ def bulk_item(item: BulkItem) -> dict[str, Any]:
 
 
 def bulk_summary(summary: BulkSummary) -> dict[str, Any]:
+    """A bulk action's summary. ``skipped`` lists the items it met in another state and then
+    the ids it was given but did not select (``ACCESS_DENIED``: missing, another tenant's or
+    not waiting look the same, C9), in a dry run too."""
+    skipped = [{"operation_id": ident(s.item.operation_id), "code": s.code,
+                "reason": s.reason} for s in summary.skipped]
+    skipped += [{"operation_id": ident(op), "code": AccessDenied.code,
+                 "reason": NOT_WAITING}
+                for op in summary.missing]
     return {
         "resolution": summary.resolution,
         "dry_run": summary.dry_run,
         "more": summary.more,
         "counts": {"matched": len(summary.matched), "resolved": len(summary.resolved),
-                   "skipped": len(summary.skipped)},
+                   "skipped": len(skipped)},
         "matched": [bulk_item(i) for i in summary.matched],
         "resolved": [ident(i.operation_id) for i in summary.resolved],
-        "skipped": [{"operation_id": ident(s.item.operation_id), "code": s.code,
-                     "reason": s.reason} for s in summary.skipped],
+        "skipped": skipped,
     }

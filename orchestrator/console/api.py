@@ -33,7 +33,7 @@ from orchestrator.errors import (
     PayloadTooLarge,
     ResolutionConflict,
 )
-from orchestrator.operators import UNRESOLVED
+from orchestrator.operators import MAX_IDS, UNRESOLVED
 from orchestrator.stream import check_topics
 
 MAX_BODY = 4 * 1024 * 1024
@@ -83,6 +83,16 @@ def queue_filter(source: Callable[[str], str | None]) -> dict[str, Any]:
     :meth:`ConsoleService.queue` keywords; ``source(name)`` reads one (None: not given)."""
     return {"tool": source("tool"), "older_than": parse_age(source("older_than")),
             "key": source("key"), "run_id": source("run"), "workflow": source("workflow")}
+
+
+def id_list(value: Any) -> list[int]:
+    """A bulk action's ``ids``: operation ids as the documents give them (strings of digits)
+    or as JSON numbers; :func:`~orchestrator.operators.check_ids` checks the rest."""
+    if not isinstance(value, list) or len(value) > MAX_IDS:
+        raise InvalidRequest(f"ids must be a list of at most {MAX_IDS} operation ids",
+                             path="ids")
+    return [int(v) if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 19
+            else v for v in value]
 
 
 async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any]:
@@ -350,6 +360,9 @@ class Api:
         return await self._bulk(access, await json_body(request), "abandoned")
 
     async def _bulk(self, access: Access, body: dict[str, Any], resolution: str) -> Any:
+        ids = None if body.get("ids") is None else id_list(body["ids"])
+        if ids is not None and body.get("filter") is not None:
+            raise InvalidRequest("give ids or a filter, not both", path="ids")
         where = body.get("filter") or {}
         if not isinstance(where, dict):
             raise InvalidRequest("filter must be an object", path="filter")
@@ -367,11 +380,11 @@ class Api:
         summary = await self.service.bulk(
             access, resolution=resolution, evidence=_text(body, "evidence", required=True),
             receipt=body.get("receipt"), then=_text(body, "then"), confirmed=confirmed,
-            state=field("state") or UNRESOLVED, limit=body.get("limit"),
+            state=field("state") or UNRESOLVED, limit=body.get("limit"), ids=ids,
             **queue_filter(field))
         if summary.declined:
             raise ResolutionConflict(
-                f"the filter selects {len(summary.matched)} operations now, not the "
-                f"{confirmed} confirmed; nothing was changed (ask again without confirmed "
-                "for the new count)")
+                f"the {'ids select' if ids else 'filter selects'} {len(summary.matched)} "
+                f"operations now, not the {confirmed} confirmed; nothing was changed (ask "
+                "again without confirmed for the new count)")
         return documents.bulk(summary)

@@ -3,7 +3,7 @@
 =============  ======================================================================
 ``read``       every page and every ``GET /api/...`` (implied by each other grant)
 ``resolve``    resolve or abandon one operation of the reconciliation queue
-``bulk``       resolve or abandon every queued operation a filter selects (with
+``bulk``       resolve or abandon the queued operations a filter or a list selects (with
                ``resolve``: a bulk action is many resolutions)
 ``cancel``     cancel a run
 ``incidents``  read protected diagnostics: the incidents, what lookups said

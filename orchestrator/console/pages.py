@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
-from orchestrator.console.api import RUN_FILTERS, int_param, queue_filter, text_param
+from orchestrator.console.api import RUN_FILTERS, id_list, int_param, queue_filter, text_param
 from orchestrator.console.grants import Access
 from orchestrator.console.service import INPUT_SHOWN, ConsoleService
 from orchestrator.console.web import (
@@ -287,36 +287,46 @@ class Pages:
 
     async def bulk(self, request: Request, access: Access, form: FormData) -> Response:
         """Step one (no ``confirmed``): the count and the items, with a confirmation form;
-        step two: the action, then what it did."""
+        step two: the action, then what it did to each item. ``selection=ids`` acts on the
+        ticked rows (``id``, repeated) instead of the filter."""
         where = {name: _field(form, name) or "" for name in (
             "state", "tool", "older_than", "key", "run", "workflow")}
+        by_ids = _field(form, "selection") == "ids"
+        ticked = [v for v in form.getlist("id") if isinstance(v, str)] if by_ids else []
         resolution = _field(form, "resolution") or ""
         receipt_text = _field(form, "receipt") or ""
         confirmed = _field(form, "confirmed")
         context: dict[str, Any] = {"nav": "queue", "given": where, "resolution": resolution,
                                    "receipt_text": receipt_text,
                                    "then": _field(form, "then") or "resend",
-                                   "evidence": _field(form, "evidence") or ""}
+                                   "evidence": _field(form, "evidence") or "",
+                                   "selection": "ids" if by_ids else "filter", "ids": ticked}
         try:
+            if by_ids and not ticked:
+                raise InvalidRequest("tick at least one operation of the queue", path="ids")
+            if by_ids:
+                where = dict.fromkeys(where, "")
             summary = await self.service.bulk(
                 access, resolution=resolution, evidence=context["evidence"],
                 receipt=_receipt(receipt_text) if resolution == "committed" else None,
                 then=context["then"] if resolution == "not_applied" else None,
                 confirmed=int(confirmed) if confirmed and confirmed.isdigit() else None,
                 state=where["state"] if where["state"] in ("open", "operator") else UNRESOLVED,
+                ids=id_list(ticked) if by_ids else None,
                 **queue_filter(lambda name: where.get(name) or None))
         except (InvalidRequest, ResolutionConflict) as exc:
             return self.render(request, "bulk.html", access, status=status_of(exc),
                                failure=public(exc), summary=None, **context)
         shown = documents.bulk(summary)
         if summary.declined:
+            what = "selection holds" if by_ids else "filter selects"
             failure = {"code": "RESOLUTION_CONFLICT",
-                       "message": f"the filter selects {len(summary.matched)} operations now, "
+                       "message": f"the {what} {len(summary.matched)} operations now, "
                                   f"not the {confirmed} confirmed; nothing was changed"}
             return self.render(request, "bulk.html", access, status=409, failure=failure,
                                summary=shown, **context)
         return self.render(request, "bulk.html", access, failure=None, summary=shown,
-                           **context)
+                           outcomes=bulk_outcomes(shown), **context)
 
     async def operation(self, request: Request, access: Access, *, status: int = 200,
                         error: OrchestratorError | None = None,
@@ -370,6 +380,21 @@ class Pages:
         return self.render(request, "audit.html", access, nav="audit",
                            page=documents.audit_page(page), given=given,
                            next_query=urlencode(later) if later else None)
+
+
+def bulk_outcomes(shown: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each item of a bulk action's document with what happened to it: ``resolved`` or
+    ``skipped`` (its code and why), the selected ones oldest first, then the ids it was given
+    but did not select."""
+    skipped = {s["operation_id"]: s for s in shown["skipped"]}
+    rows = [{**i, "result": "skipped" if i["operation_id"] in skipped else "resolved",
+             "code": skipped.get(i["operation_id"], {}).get("code"),
+             "reason": skipped.get(i["operation_id"], {}).get("reason")}
+            for i in shown["matched"]]
+    chosen = {i["operation_id"] for i in shown["matched"]}
+    return rows + [{"operation_id": s["operation_id"], "run_id": None, "tool_name": None,
+                    "result": "skipped", "code": s["code"], "reason": s["reason"]}
+                   for s in shown["skipped"] if s["operation_id"] not in chosen]
 
 
 def _field(form: FormData, name: str) -> str | None:

@@ -402,12 +402,13 @@ class ConsoleService:
                    state: str = UNRESOLVED, tool: str | None = None,
                    older_than: float | None = None, key: str | None = None,
                    run_id: str | None = None, workflow: str | None = None,
-                   limit: int | None = None) -> BulkSummary:
-        """Resolve or abandon every unresolved item the filter selects, each on its own and
-        audited, as ``ops resolve-many`` / ``abandon-many``.
+                   limit: int | None = None, ids: list[int] | None = None) -> BulkSummary:
+        """Resolve or abandon every unresolved item the filter selects (or those of the
+        operations ``ids`` names, in the operator's tenants, instead of a filter), each on its
+        own and audited, as ``ops resolve-many`` / ``abandon-many``.
 
         A count first: ``confirmed`` None selects and acts on nothing (a dry run); an action
-        names the count the operator confirmed, and if the filter selects another number now
+        names the count the operator confirmed, and if the selection has another number now
         nothing is done (``declined``)."""
         self.tenants(access)
         access.need("resolve", "bulk")
@@ -418,7 +419,7 @@ class ConsoleService:
         options: dict[str, Any] = {
             "evidence": evidence, "operator": access.operator, "state": state, "tool": tool,
             "older_than": older_than, "key": key, "run_id": run_id, "workflow": workflow,
-            "dry_run": confirmed is None,
+            "dry_run": confirmed is None, "ids": ids,
             "confirm": lambda selected: len(selected.matched) == confirmed}
         if limit is not None:
             options["limit"] = limit

@@ -104,8 +104,9 @@ async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
 
 
 # Which items a filter selects: ``ops list`` shows them, ``ops resolve-many`` and
-# ``abandon-many`` act on them. Each filter is off when its parameter is NULL; ``tenants``
-# keeps another tenant's items out entirely (C9).
+# ``abandon-many`` act on them. Each filter is off when its parameter is NULL; ``ids`` keeps
+# the operations an operator ticked one by one; ``tenants`` keeps another tenant's items out
+# entirely (C9).
 _ITEM_FILTER = f"""
 WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
   AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
@@ -115,15 +116,17 @@ WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
   AND (%(run_id)s::uuid IS NULL OR i.run_id = %(run_id)s)
   AND (%(workflow)s::text IS NULL OR EXISTS (
        SELECT 1 FROM {S}.runs r WHERE r.id = i.run_id AND r.workflow_name = %(workflow)s))
+  AND (%(ids)s::bigint[] IS NULL OR i.operation_id = ANY(%(ids)s))
   AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
 """
 
 
 def _filter_params(*, states: list[str] | None, tool: str | None, older_than: float | None,
                    key: str | None, run_id: uuid.UUID | None, workflow: str | None,
-                   tenants: list[str] | None, limit: int) -> dict[str, Any]:
+                   tenants: list[str] | None, limit: int,
+                   ids: list[int] | None = None) -> dict[str, Any]:
     return {"states": states, "tool": tool, "older": older_than, "key": key, "run_id": run_id,
-            "workflow": workflow, "tenants": tenants, "limit": limit}
+            "workflow": workflow, "ids": ids, "tenants": tenants, "limit": limit}
 
 
 async def recon_list(
@@ -141,14 +144,14 @@ async def recon_list(
 async def recon_match(
     conn: Conn, *, states: list[str] | None, tool: str | None, older_than: float | None,
     key: str | None, run_id: uuid.UUID | None, workflow: str | None,
-    tenants: list[str] | None, limit: int
+    tenants: list[str] | None, limit: int, ids: list[int] | None = None
 ) -> list[dict[str, Any]]:
     """The items :func:`recon_list` would list, oldest first, without their arguments or
     receipts: what a bulk action needs to name and act on each one (no item's stored content
-    can fail the selection of the others)."""
+    can fail the selection of the others). ``ids``: only these operations' items."""
     return await _select_items(conn, _MATCH_COLUMNS, _filter_params(
         states=states, tool=tool, older_than=older_than, key=key, run_id=run_id,
-        workflow=workflow, tenants=tenants, limit=limit))
+        workflow=workflow, tenants=tenants, limit=limit, ids=ids))
 
 
 _MATCH_COLUMNS = """i.operation_id, i.run_id, i.state AS item_state, i.reason, i.created_at,

@@ -21,7 +21,7 @@ import pytest
 from orchestrator import Orchestrator, RunFailed, RunHandle
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import BulkSummary, Operators
-from tests.integration.conftest import OTHER, running, wait_for
+from tests.integration.conftest import OTHER, OWNER, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPED_APP = "tests.integration.scoped_app:app"  # opA: acme, opB: globex
@@ -307,3 +307,38 @@ async def test_progress_is_counted_on_a_terminal(make_app, sql, migrated_databas
         assert proc.returncode == 0, seen
         assert b"\rresolved 1/3" in seen and b"\rresolved 3/3" in seen
         assert out.startswith("resolved 3 of 3 operations as not applied")
+
+
+async def test_ids_select_those_operations_among_the_waiting_ones_of_the_scope(make_app, sql):
+    app = stuck_app(make_app)
+    pay = "pay"
+    plan = {f"a{i}": (pay, OWNER) for i in range(3)} | {"g0": (pay, OTHER)}
+    async with parked(app, sql, plan) as (runs, ops):
+        operators = Operators(app.database, scopes={"opA": ["acme"]})
+        missing = 2**62
+        asked = [ops["a2"], ops["a0"], ops["a2"], ops["g0"], missing]
+        dry = await operators.resolve_many(resolution="not_applied", evidence="none",
+                                           operator="opA", ids=asked, dry_run=True)
+        assert sorted(i.operation_id for i in dry.matched) == sorted([ops["a0"], ops["a2"]])
+        assert dry.missing == [ops["g0"], missing]  # as asked, duplicates dropped
+        summary = await operators.abandon_many(evidence="written off", operator="opA",
+                                               ids=asked)
+        assert sorted(i.operation_id for i in summary.resolved) == sorted(
+            [ops["a0"], ops["a2"]])
+        assert summary.skipped == [] and summary.missing == [ops["g0"], missing]
+        with pytest.raises(RunFailed):
+            await runs["a0"].result_async(timeout=20)
+        again = await operators.abandon_many(evidence="again", operator="opA", ids=[ops["a0"]])
+        assert again.matched == [] and again.missing == [ops["a0"]]  # resolved: not waiting
+
+        for bad, path in (({"tool": "charge"}, "ids"), ({"state": "open"}, "ids"),
+                          ({"ids": []}, "ids"), ({"ids": [0]}, "ids"),
+                          ({"ids": ["1"]}, "ids"), ({"ids": [True]}, "ids"),
+                          ({"ids": list(range(1, 502))}, "ids"),
+                          ({"ids": [ops["a1"], ops["g0"]], "limit": 1}, "limit")):
+            options: dict[str, Any] = {"evidence": "e", "operator": "opA",
+                                       "ids": [ops["a1"]], **bad}
+            with pytest.raises(InvalidRequest) as caught:
+                await operators.abandon_many(**options)
+            assert caught.value.path == path
+    assert sorted(int(a[1]) for a in audit_rows(sql)) == sorted([ops["a0"], ops["a2"]])
