@@ -1,9 +1,10 @@
 """The console's screenshots in ``docs/img/``: ``python -m tests.browser.screenshots``.
 
 A fresh database on the test server (``ORCHESTRATOR_TEST_DATABASE_URL`` or 127.0.0.1:5432),
-the browser tests' application with a worker, a few runs (succeeded, one settled by an
-operator, some waiting on an unknown charge), the console under uvicorn and Debian's chromium
-through Playwright: the overview, a run and an operation, as an operator sees them.
+the browser tests' application with a worker, a few runs (one settled by an operator on the
+operation's page, eight more ticked and settled at once on the queue page, the rest waiting on
+an unknown charge), the console under uvicorn and Debian's chromium through Playwright: the
+overview, the queue, a run and an operation, as an operator sees them.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ def shoot(url: str) -> None:
     from playwright.sync_api import sync_playwright
 
     app = make_app(url)
-    console = app.console(tokens=TOKENS, grants=GRANTS)
+    console = app.console(tokens=TOKENS, grants={**GRANTS, "alice": [*GRANTS["alice"], "bulk"]})
     with psycopg.connect(url, autocommit=True, row_factory=dict_row) as conn, \
             WorkerThread(app):
-        for order, workflow in (("o1", "pay"), ("o2", "pay"), ("o3", "pay"), ("r1", "give_back")):
+        orders = [(f"o{i}", "pay") for i in range(1, 13)] + [("r1", "give_back")]
+        for order, workflow in orders:
             app.submit(workflow, order, idempotency_key=f"sub-{order}")
         wait_until(lambda: len(conn.execute(
             "SELECT 1 FROM orchestrator.runs WHERE status = 'needs_reconciliation'"
-        ).fetchall()) == 4, timeout=60)
+        ).fetchall()) == len(orders), timeout=60)
         first = conn.execute("SELECT min(id) AS id FROM orchestrator.operations").fetchone()
         assert first is not None
         with Served(console) as served, sync_playwright() as playwright:
@@ -77,11 +79,31 @@ def shoot(url: str) -> None:
             wait_until(lambda: conn.execute(
                 "SELECT status FROM orchestrator.runs WHERE id = %s", (run["run_id"],)
             ).fetchone()["status"] == "succeeded", timeout=30)
+            # Eight more settled at once, ticked on the queue page: the overview's chart
+            # then has a minute of successes.
+            page.goto(f"{served.base}/operations")
+            for box in page.locator("input[name=id]").all()[:8]:
+                box.check()
+            form = page.locator("#selected-form")
+            form.locator("select[name=resolution]").select_option("not_applied")
+            form.locator("textarea[name=evidence]").fill("PSP shows no charge for these eight")
+            form.locator("button[type=submit]").click()
+            page.locator("#bulk-count").wait_for()
+            page.locator("#bulk-confirm button[type=submit]").click()
+            page.locator("#bulk-result").wait_for(timeout=60_000)
+            wait_until(lambda: conn.execute(
+                "SELECT count(*) AS n FROM orchestrator.runs WHERE status = 'succeeded'"
+            ).fetchone()["n"] == 9, timeout=60)
             waiting = conn.execute(
                 "SELECT max(id) AS id FROM orchestrator.operations WHERE state = 'unknown'"
             ).fetchone()
             assert waiting is not None
             OUT.mkdir(parents=True, exist_ok=True)
+            page.goto(f"{served.base}/operations")
+            for box in page.locator("input[name=id]").all()[:2]:
+                box.check()  # the queue as an operator sees it while choosing
+            page.screenshot(path=str(OUT / "console-queue.png"), full_page=True)
+            print(f"wrote {OUT / 'console-queue.png'}")
             for path, file in (("/", "console-overview.png"),
                                (f"/runs/{run['run_id']}", "console-run.png"),
                                (f"/operations/{waiting['id']}", "console-operation.png")):
