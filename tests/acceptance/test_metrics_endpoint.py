@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import Orchestrator
 from tests.acceptance import metrics_flows
-from tests.acceptance.conftest import Workers
+from tests.acceptance.conftest import ROOT, Workers
 
 APP = "tests.acceptance.metrics_flows:app"
 
@@ -85,3 +87,39 @@ def test_a_worker_serves_its_metrics_and_health(workers: Workers, client: Orches
     assert proc.wait(timeout=30) == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_a_reconciler_serves_the_operator_queue(workers: Workers, client: Orchestrator) -> None:
+    """The tool has no lookup: the reconciler hands the item to operators, and its own
+    endpoint shows the queue (and no worker slots: it has none)."""
+    workers.start("worker", app=APP)
+    blocked = client.submit(metrics_flows.uncertain, {})
+    workers.wait(lambda: blocked.status() == "needs_reconciliation",
+                 "the uncertain run to wait for reconciliation")
+    port = _free_port()
+    reconciler = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
+         "--metrics-port", str(port)], cwd=ROOT,
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers.procs.append(reconciler)
+    workers.wait(lambda: workers.sql(
+        "SELECT 1 FROM orchestrator.reconciliation_items WHERE state = 'operator'"),
+        "the item to reach the operators' queue", proc=reconciler)
+
+    def scraped() -> dict[str, dict[tuple[tuple[str, str], ...], float]] | None:
+        try:
+            return _scrape(port)
+        except OSError:
+            return None  # not listening yet
+
+    workers.wait(scraped, "the reconciler's metrics endpoint", proc=reconciler)
+    samples = _scrape(port)
+    assert samples["orchestrator_operator_queue_items"] == {(("tool", "charge"),): 1}
+    assert samples["orchestrator_operator_queue_oldest_age_seconds"][
+        (("tool", "charge"),)] >= 0
+    assert samples["orchestrator_operations_unknown"] == {(("tool", "charge"),): 1}
+    assert "orchestrator_worker_slots" not in samples
+    assert samples["orchestrator_runs_finished_total"][(("outcome", "failed"),)] == 0
+    reconciler.send_signal(signal.SIGTERM)
+    assert reconciler.wait(timeout=30) == 0
