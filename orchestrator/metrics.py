@@ -60,9 +60,12 @@ class Metrics:
         values: tuple[str, ...] | None = None
         if labels:
             names = LABELS.get(name, ())
-            if len(labels) != len(names) or any(label not in labels for label in names):
-                raise KeyError(f"counter {name!r} takes the labels {names}, not {tuple(labels)}")
-            values = tuple(labels[label] for label in names)
+            if tuple(labels) != names:  # another order, or other labels
+                if sorted(labels) != sorted(names):
+                    raise KeyError(f"counter {name!r} takes the labels {names}, "
+                                   f"not {tuple(labels)}")
+                labels = {label: labels[label] for label in names}
+            values = tuple(labels.values())
         with self._lock:
             self._counts[name] += amount
             if values is not None:
