@@ -684,11 +684,14 @@ def _start_exporter(app: Orchestrator, service: Worker | Reconciler,
     """Serve the metrics (and measure the loop's lag) until the returned function is called."""
     from orchestrator import telemetry
 
-    slots = None
-    if isinstance(service, Worker):
-        worker = service
-        slots = lambda: (worker.active_runs, worker.concurrency)  # noqa: E731
-    exporter = telemetry.Exporter(app.metrics_registry(), app.target, slots=slots)
+    worker = service if isinstance(service, Worker) else None
+
+    def slots() -> tuple[int, int]:
+        assert worker is not None
+        return worker.active_runs, worker.concurrency
+
+    exporter = telemetry.Exporter(app.metrics_registry(), app.target,
+                                  slots=slots if worker is not None else None)
     port = exporter.start(*listen)
     lag = asyncio.ensure_future(exporter.lag.run())
     log.info("metrics on http://%s:%d/metrics", listen[0], port)
