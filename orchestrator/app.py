@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import signal
 import threading
 import uuid
@@ -22,7 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import timedelta
-from typing import Any, Concatenate, ParamSpec, overload
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, overload
 
 from typing_extensions import TypeVar
 
@@ -70,6 +71,11 @@ from orchestrator.registry import (
 from orchestrator.stream import RunStreams
 from orchestrator.text import check_identifier
 from orchestrator.worker import Worker
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger("orchestrator.app")
 
 # Always inferred from a function or a workflow, so without defaults (mypy does not match a
 # decorator factory's ParamSpec that has one).
@@ -596,11 +602,14 @@ class Orchestrator:
 
     def run_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                        max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
-                       lookup_timeout: float = 30.0) -> None:
-        """Run the reconciler in this thread until SIGTERM/SIGINT."""
+                       lookup_timeout: float = 30.0, metrics_port: int | None = None,
+                       metrics_host: str = "127.0.0.1") -> None:
+        """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
+        ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md)."""
         _run_until_stopped(self, lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
-            poll_interval=poll_interval, lookup_timeout=lookup_timeout))
+            poll_interval=poll_interval, lookup_timeout=lookup_timeout),
+            _listen(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -612,11 +621,24 @@ class Orchestrator:
 
     def run_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                    lease_ttl: float | None = None, poll_interval: float = 1.0,
-                   drain_timeout: float = 30.0) -> None:
-        """Run a worker in this thread until SIGTERM/SIGINT, then drain and return."""
+                   drain_timeout: float = 30.0, metrics_port: int | None = None,
+                   metrics_host: str = "127.0.0.1") -> None:
+        """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
+        ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
+        drain is over (docs/metrics.md)."""
         _run_until_stopped(self, lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
-            poll_interval=poll_interval, drain_timeout=drain_timeout))
+            poll_interval=poll_interval, drain_timeout=drain_timeout),
+            _listen(metrics_host, metrics_port))
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """A ``prometheus_client.CollectorRegistry`` with this app's metrics, for a host that
+        exports its own (docs/metrics.md): the counters of this process (read when scraped)
+        and gauges read from the database at scrape time. Expose it in the classic text
+        format (``prometheus_client.generate_latest``)."""
+        from orchestrator import telemetry  # prometheus_client only where metrics are wanted
+
+        return telemetry.metrics_registry(self.metrics, self.target)
 
     async def _close_pools(self) -> None:
         if self._run_streams is not None:
@@ -629,9 +651,15 @@ class Orchestrator:
         self._portal.close()
 
 
-def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconciler]) -> None:
+def _listen(host: str, port: int | None) -> tuple[str, int] | None:
+    return None if port is None else (host, port)
+
+
+def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconciler],
+                       listen: tuple[str, int] | None = None) -> None:
     """Run a worker or a reconciler on a new event loop in this thread until SIGTERM or
-    SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close the pools."""
+    SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close the pools.
+    ``listen``: where to serve the metrics meanwhile."""
 
     async def main() -> None:
         service = create()
@@ -640,12 +668,39 @@ def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconcil
             loop.add_signal_handler(sig, service.request_stop)
         if _EARLY_STOP.is_set():
             service.request_stop()
+        stop_exporter = None if listen is None else _start_exporter(app, service, listen)
         try:
             await service.run()
         finally:
+            if stop_exporter is not None:
+                stop_exporter()
             await app.database.close()
 
     asyncio.run(main())
+
+
+def _start_exporter(app: Orchestrator, service: Worker | Reconciler,
+                    listen: tuple[str, int]) -> Callable[[], None]:
+    """Serve the metrics (and measure the loop's lag) until the returned function is called."""
+    from orchestrator import telemetry
+
+    worker = service if isinstance(service, Worker) else None
+
+    def slots() -> tuple[int, int]:
+        assert worker is not None
+        return worker.active_runs, worker.concurrency
+
+    exporter = telemetry.Exporter(app.metrics_registry(), app.target,
+                                  slots=slots if worker is not None else None)
+    port = exporter.start(*listen)
+    lag = asyncio.ensure_future(exporter.lag.run())
+    log.info("metrics on http://%s:%d/metrics", listen[0], port)
+
+    def stop() -> None:
+        lag.cancel()
+        exporter.stop()
+
+    return stop
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

@@ -370,7 +370,7 @@ class Operators:
             evidence=evidence, operator=operator, tenants=self.tenants_of(operator),
             limits=self.json_limits, then=then)
         if outcome == "resolved":
-            self.metrics.incr("reconciliation_operator")
+            self.metrics.incr("reconciliation_operator", answer=resolution)
         return outcome
 
     async def resolve_many(self, *, resolution: str, evidence: str, operator: str,
@@ -469,7 +469,7 @@ class Operators:
                 summary.skipped.append(Skipped(item, code=exc.code, reason=exc.message))
             else:
                 assert outcome == "resolved"  # expect= turns a no-op into a conflict
-                self.metrics.incr("reconciliation_operator")
+                self.metrics.incr("reconciliation_operator", answer=resolution)
                 summary.resolved.append(item)
             if progress is not None:
                 progress(done, len(items))

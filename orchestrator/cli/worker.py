@@ -32,6 +32,7 @@ def register(subparsers: Any) -> None:
     worker.add_argument("--migrate", action="store_true",
                         help="upgrade the schema first instead of refusing an old one")
     add_log_format_argument(worker)
+    add_metrics_arguments(worker)
     worker.set_defaults(func=cmd_worker)
 
     reconciler = subparsers.add_parser(
@@ -42,6 +43,7 @@ def register(subparsers: Any) -> None:
     reconciler.add_argument("--base-delay", type=float, default=1.0,
                             help="seconds before the second lookup; doubles after (default 1)")
     add_log_format_argument(reconciler)
+    add_metrics_arguments(reconciler)
     reconciler.set_defaults(func=cmd_reconciler)
 
 
@@ -54,6 +56,22 @@ def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=logs.FORMATS, default=None,
                         help=f"how log lines look on stderr: text, or one JSON object per line "
                         f"(default: {logs.ENV_LOG_FORMAT}, else text)")
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                        help="serve /metrics (Prometheus) and /healthz on this port "
+                        "(docs/metrics.md; default: none)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="the address --metrics-port listens on (default 127.0.0.1)")
+
+
+def metrics_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.metrics_port is None:
+        return {}
+    if not 0 <= args.metrics_port <= 65535:
+        raise InvalidRequest("--metrics-port must be between 0 and 65535", path="metrics_port")
+    return {"metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
 def start_logging(args: argparse.Namespace) -> Callable[[str], None]:
@@ -106,7 +124,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
-    options: dict[str, Any] = {"concurrency": args.concurrency}
+    options: dict[str, Any] = {"concurrency": args.concurrency, **metrics_options(args)}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
     announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
@@ -140,7 +158,9 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=False)
+    metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
-    app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay)
+    app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay,
+                       **metrics)
     announce("reconciler stopped")
     return 0

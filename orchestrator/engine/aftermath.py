@@ -103,7 +103,7 @@ class Aftermath:
                        "key": key}
             if resend is not None:
                 payload["resend"] = resend
-                site.run.metrics.incr("operations_resent")
+                site.run.metrics.incr("operations_resent", tool=site.tool.name)
             await self._fail(op_id, EventKind.CALL_RETRYING, payload, record_failure)
             if decision.delay_ms:
                 await site.wait_until(not_before)

@@ -155,9 +155,9 @@ class Call(CallSite):
             await Stages(self).run(op_id, state.number, key, stages)
         if (held := faults.reach("after_submitted", tool.name)) is not None:
             await held
-        run.metrics.incr("operations_dispatched")
+        run.metrics.incr("operations_dispatched", tool=tool.name)
         if state.number > 1:
-            run.metrics.incr("operations_retried")
+            run.metrics.incr("operations_retried", tool=tool.name)
         return await self.dispatch(op_id, state.number, key)
 
     async def begin(self, number: int, key: str, *, pending: bool) -> tuple[int, str]:

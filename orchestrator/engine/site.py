@@ -63,6 +63,9 @@ LOST = "WORKER_LOST"
 """The reason of an unknown outcome that the engine caused, not the tool: the attempt's worker
 died, or lost its lease or its connection, between ``submitted`` and the receipt (or withheld
 the dispatch, its lease too short to send safely)."""
+UNKNOWN_CAUSES = (LOST, "TOOL_OUTCOME_UNCERTAIN", "INVALID_RECEIPT")
+"""The reasons an outcome is unknown, as counted by ``unknown_outcomes`` (anything else counts
+as ``other``, so that the metric's label stays bounded)."""
 
 
 class CallSite:
@@ -183,7 +186,7 @@ class CallSite:
                 run.lease_renewed(sent)
                 if run.lease_left() >= run.dispatch_margin:
                     return
-        run.metrics.incr("dispatches_withheld")
+        run.metrics.incr("dispatches_withheld", tool=self.tool.name)
         log.warning("run %s: operation %s (%s) not sent: the lease may end before the call "
                     "does; the next holder finds it uncertain", run.run_id, op_id,
                     self.tool.name)
@@ -212,7 +215,8 @@ class CallSite:
             return None, [self.event(EventKind.CALL_UNKNOWN, payload)]
 
         await self.append(work)
-        self.run.metrics.incr("unknown_outcomes")
+        self.run.metrics.incr("unknown_outcomes", tool=self.tool.name,
+                              cause=reason if reason in UNKNOWN_CAUSES else "other")
         log.warning("run %s: the outcome of operation %s (%s) is unknown (%s); next: %s%s",
                     self.run.run_id, op_id, self.tool.name, reason, step,
                     f"; incident {incident}" if incident else "",

@@ -1,0 +1,282 @@
+"""Prometheus export of an application's telemetry (CONTRACT C12; docs/metrics.md).
+
+- :class:`CounterCollector` reads the process's :class:`~orchestrator.metrics.Metrics` when it
+  is scraped: the hot path keeps adding to plain counters and never calls prometheus_client.
+- :class:`DatabaseCollector` computes gauges from the database at scrape time, with short
+  queries driven by partial indexes (:mod:`orchestrator.db.gauges`). An unreachable database
+  shows as ``orchestrator_database_up 0`` without those gauges; the scrape itself succeeds.
+- :class:`ProcessCollector` exports what only the serving process knows: its event loop's lag
+  (:class:`LoopLag`) and a worker's slots.
+- :class:`Exporter` serves ``/metrics`` and ``/healthz`` from a thread of its own (what
+  ``orchestrator worker --metrics-port`` starts).
+
+Every label comes from a bounded vocabulary (tool and workflow names the application
+registered, outcome, cause and answer words): never a run id, a key, an owner or a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.db import gauges
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.errors import ConfigurationError, OrchestratorError
+from orchestrator.metrics import Metrics
+
+log = logging.getLogger("orchestrator.telemetry")
+
+# Prometheus name (without ``_total``), help, label names, and how each sample is found:
+# (counter in Metrics, label values). A counter kept per label values (metrics.LABELS) is
+# exported per those values.
+_PLAIN: tuple[tuple[str, str, str], ...] = (
+    ("orchestrator_runs_submitted", "runs_submitted",
+     "Runs submitted through this process (a new run; an idempotent repeat is not counted)."),
+    ("orchestrator_deadlines_exhausted", "deadline_exhausted",
+     "Runs whose deadline ran out while this process drove them."),
+    ("orchestrator_lease_losses", "lease_losses",
+     "Runs this process stopped driving because it lost (or could not keep) their lease."),
+)
+_RUN_OUTCOMES = ("succeeded", "failed", "cancelled")
+_BY_TOOL: tuple[tuple[str, str, str], ...] = (
+    ("orchestrator_tool_attempts", "operations_dispatched",
+     "Tool attempts that reached dispatch (first attempts, retries and re-sends; a withheld "
+     "one is also counted in orchestrator_tool_dispatches_withheld_total)."),
+    ("orchestrator_tool_retries", "operations_retried",
+     "Tool attempts after the first at the same call (retries and re-sends): the retry "
+     "amplification is retries / attempts."),
+    ("orchestrator_tool_resends", "operations_resent",
+     "Attempts sent again outside the retry budget after the earlier one was proven not "
+     "applied."),
+    ("orchestrator_tool_dispatches_withheld", "dispatches_withheld",
+     "Attempts not sent because the run's lease might end before the call did."),
+)
+
+
+class CounterCollector(Collector):
+    """The counters of one :class:`Metrics`, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.metrics.snapshot()
+        for name, counter, doc in _PLAIN:
+            yield CounterMetricFamily(name, doc, value=counts[counter])
+        finished = CounterMetricFamily(
+            "orchestrator_runs_finished", "Runs this process brought to an end, by outcome.",
+            labels=["outcome"])
+        for outcome in _RUN_OUTCOMES:
+            finished.add_metric([outcome], counts[f"runs_{outcome}"])
+        yield finished
+        for name, counter, doc in _BY_TOOL:
+            yield self._labelled(name, doc, counter, ["tool"])
+        yield self._labelled(
+            "orchestrator_operations_unknown",
+            "Operations whose outcome became unknown, by tool and cause (WORKER_LOST, "
+            "TOOL_OUTCOME_UNCERTAIN, INVALID_RECEIPT, other).",
+            "unknown_outcomes", ["tool", "cause"])
+        yield self._reconciliation(counts)
+
+    def _labelled(self, name: str, doc: str, counter: str, labels: list[str]
+                  ) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        by_values = self.metrics.labelled(counter)
+        for values, count in sorted(by_values.items()):
+            family.add_metric(list(values), count)
+        rest = self.metrics.snapshot()[counter] - sum(by_values.values())
+        if rest > 0:  # counted without labels (not by the engine): empty label values
+            family.add_metric([""] * len(labels), rest)
+        return family
+
+    def _reconciliation(self, counts: dict[str, int]) -> CounterMetricFamily:
+        family = CounterMetricFamily(
+            "orchestrator_reconciliation_outcomes",
+            "Unknown operations settled, by answer and by who answered: a tool's lookup (the "
+            "reconciler) or an operator.", labels=["answer", "resolver"])
+        family.add_metric(["committed", "lookup"], counts["reconciliation_auto_committed"])
+        family.add_metric(["not_applied", "lookup"], counts["reconciliation_auto_not_applied"])
+        by_answer = self.metrics.labelled("reconciliation_operator")
+        for (answer,), count in sorted(by_answer.items()):
+            family.add_metric([answer, "operator"], count)
+        rest = counts["reconciliation_operator"] - sum(by_answer.values())
+        if rest > 0:
+            family.add_metric(["", "operator"], rest)
+        return family
+
+
+class DatabaseCollector(Collector):
+    """Gauges read from the database at scrape time (see :mod:`orchestrator.db.gauges`)."""
+
+    def __init__(self, target: DatabaseTarget) -> None:
+        self.target = target
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            rows = gauges.read_gauges(self.target)
+        except OrchestratorError as exc:
+            log.warning("metrics: %s", exc.message)
+            yield GaugeMetricFamily("orchestrator_database_up", _UP_DOC, value=0)
+            return
+        yield GaugeMetricFamily("orchestrator_database_up", _UP_DOC, value=1)
+        unknown = rows["unknown"]
+        yield _gauge("orchestrator_operations_unknown",
+                     "Operations whose outcome is unknown now, by tool.",
+                     "tool", unknown, "unknown")
+        yield _gauge("orchestrator_operations_unknown_oldest_age_seconds",
+                     "Seconds since the oldest operation still unknown became unknown, by tool.",
+                     "tool", unknown, "unknown_oldest")
+        waiting = [row for row in unknown if row["operator"]]
+        yield _gauge("orchestrator_operator_queue_items",
+                     "Reconciliation items waiting for an operator, by tool.",
+                     "tool", waiting, "operator")
+        yield _gauge("orchestrator_operator_queue_oldest_age_seconds",
+                     "Seconds since the oldest item waiting for an operator was queued, by tool.",
+                     "tool", waiting, "operator_oldest")
+        queued = rows["queued"]
+        yield _gauge("orchestrator_runs_queued",
+                     "Runs ready to start that no worker has claimed yet, by workflow.",
+                     "workflow", queued, "queued")
+        yield _gauge("orchestrator_runs_queued_oldest_age_seconds",
+                     "Seconds the oldest of those runs has been ready, by workflow.",
+                     "workflow", queued, "oldest")
+
+
+_UP_DOC = "1 when the last scrape could read the database gauges, else 0."
+
+
+def _gauge(name: str, doc: str, label: str, rows: Iterable[dict[str, Any]], column: str
+           ) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for row in sorted(rows, key=lambda r: str(r[label])):
+        family.add_metric([str(row[label])], max(0.0, float(row[column] or 0)))
+    return family
+
+
+class LoopLag:
+    """How late the event loop wakes a periodic sleep (``seconds``, the last measure): a loop
+    blocked by a synchronous call or starved of CPU shows here before anything else."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.seconds = 0.0
+
+    async def run(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(self.interval)
+            self.seconds = max(0.0, time.monotonic() - start - self.interval)
+
+
+Slots = Callable[[], tuple[int, int]]
+"""A worker's slots: (used, total)."""
+
+
+class ProcessCollector(Collector):
+    """What the serving process knows: its event loop's lag, a worker's slots."""
+
+    def __init__(self, lag: LoopLag, slots: Slots | None = None) -> None:
+        self.lag = lag
+        self.slots = slots
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "orchestrator_event_loop_lag_seconds",
+            "How late the process's event loop woke its last periodic sleep.",
+            value=self.lag.seconds)
+        if self.slots is not None:
+            used, total = self.slots()
+            family = GaugeMetricFamily("orchestrator_worker_slots",
+                                       "The worker's run slots, used and free.",
+                                       labels=["state"])
+            family.add_metric(["used"], used)
+            family.add_metric(["free"], max(0, total - used))
+            yield family
+
+
+def metrics_registry(metrics: Metrics, target: DatabaseTarget) -> CollectorRegistry:
+    """A new registry with the counters of ``metrics`` and the gauges of ``target``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CounterCollector(metrics))
+    registry.register(DatabaseCollector(target))
+    return registry
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # a scrape every few seconds is not worth a log line
+
+
+class Exporter:
+    """Serves ``/metrics`` (Prometheus text format) and ``/healthz`` from a daemon thread.
+
+    ``/healthz`` answers JSON ``{"alive", "database_reachable", "event_loop_lag_seconds"}``:
+    200 while the database answers, 503 when it does not.
+
+    ``/metrics`` is always the classic text format (version 0.0.4), even to a client that
+    asks for OpenMetrics: there ``orchestrator_operations_unknown_total`` (a counter) and
+    ``orchestrator_operations_unknown`` (a gauge) would be two families of one name."""
+
+    def __init__(self, registry: CollectorRegistry, target: DatabaseTarget,
+                 slots: Slots | None = None, lag: LoopLag | None = None) -> None:
+        self.target = target
+        self.lag = lag or LoopLag()
+        registry.register(ProcessCollector(self.lag, slots))
+        self._metrics_app = make_wsgi_app(registry)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (port 0: any free one) and return the port."""
+        try:
+            server = make_server(host, port, self._wsgi, server_class=_ThreadingServer,
+                                 handler_class=_QuietHandler)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror or exc})") from exc
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="orchestrator-metrics",
+                                        daemon=True)
+        self._thread.start()
+        return int(server.server_address[1])
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        reachable = gauges.database_reachable(self.target)
+        return reachable, {"alive": True, "database_reachable": reachable,
+                           "event_loop_lag_seconds": self.lag.seconds}
+
+    def _wsgi(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return self._metrics_app({**environ, "HTTP_ACCEPT": "text/plain"},  # type: ignore[no-any-return]
+                                     start_response)
+        if path == "/healthz":
+            healthy, body = self.health()
+            data = json.dumps(body).encode()
+            start_response("200 OK" if healthy else "503 Service Unavailable",
+                           [("Content-Type", "application/json"),
+                            ("Content-Length", str(len(data)))])
+            return [data]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: try /metrics or /healthz\n"]

@@ -1,0 +1,180 @@
+"""The Prometheus export (docs/metrics.md): names, types and labels as promised, label values
+from bounded vocabularies only, and an unreachable database that never fails a scrape."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator import Orchestrator
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.metrics import Metrics
+from orchestrator.telemetry import (
+    CounterCollector,
+    DatabaseCollector,
+    Exporter,
+    LoopLag,
+    ProcessCollector,
+)
+
+ALLOWED_LABELS = {"workflow", "tool", "effect_class", "code", "cause", "phase", "outcome",
+                  "answer", "resolver", "state"}
+
+COUNTERS = {
+    "orchestrator_runs_submitted": set(),
+    "orchestrator_runs_finished": {"outcome"},
+    "orchestrator_tool_attempts": {"tool"},
+    "orchestrator_tool_retries": {"tool"},
+    "orchestrator_tool_resends": {"tool"},
+    "orchestrator_tool_dispatches_withheld": {"tool"},
+    "orchestrator_operations_unknown": {"tool", "cause"},
+    "orchestrator_reconciliation_outcomes": {"answer", "resolver"},
+    "orchestrator_deadlines_exhausted": set(),
+    "orchestrator_lease_losses": set(),
+}
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+UNREACHABLE = DatabaseTarget(f"postgresql://nobody@127.0.0.1:{_closed_port()}/nothing",
+                             "argument")
+
+
+def _scrape(*collectors: object) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = (
+                sample.value)
+    return samples
+
+
+def _busy_metrics() -> Metrics:
+    metrics = Metrics()
+    metrics.incr("runs_submitted", 5)
+    metrics.incr("runs_succeeded", 3)
+    metrics.incr("runs_failed")
+    metrics.incr("operations_dispatched", 4, tool="charge")
+    metrics.incr("operations_retried", tool="charge")
+    metrics.incr("unknown_outcomes", tool="charge", cause="TOOL_OUTCOME_UNCERTAIN")
+    metrics.incr("unknown_outcomes", tool="charge", cause="WORKER_LOST")
+    metrics.incr("reconciliation_auto_committed")
+    metrics.incr("reconciliation_operator", answer="abandoned")
+    metrics.incr("lease_losses")
+    return metrics
+
+
+def test_counters_have_the_promised_names_types_and_labels() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CounterCollector(_busy_metrics()))
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(registry).decode())}
+    assert set(families) == set(COUNTERS)
+    for name, family in families.items():
+        assert family.type == "counter", name
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            assert sample.name == f"{name}_total"
+            assert set(sample.labels) == COUNTERS[name], name
+            assert set(sample.labels) <= ALLOWED_LABELS
+
+
+def test_counter_values_follow_the_snapshot() -> None:
+    metrics = _busy_metrics()
+    samples = _scrape(CounterCollector(metrics))
+    assert samples["orchestrator_runs_submitted_total"] == {(): 5}
+    assert samples["orchestrator_runs_finished_total"] == {
+        (("outcome", "succeeded"),): 3, (("outcome", "failed"),): 1,
+        (("outcome", "cancelled"),): 0}
+    assert samples["orchestrator_tool_attempts_total"] == {(("tool", "charge"),): 4}
+    assert samples["orchestrator_tool_retries_total"] == {(("tool", "charge"),): 1}
+    assert samples["orchestrator_operations_unknown_total"] == {
+        (("cause", "TOOL_OUTCOME_UNCERTAIN"), ("tool", "charge")): 1,
+        (("cause", "WORKER_LOST"), ("tool", "charge")): 1}
+    assert samples["orchestrator_reconciliation_outcomes_total"] == {
+        (("answer", "committed"), ("resolver", "lookup")): 1,
+        (("answer", "not_applied"), ("resolver", "lookup")): 0,
+        (("answer", "abandoned"), ("resolver", "operator")): 1}
+    assert samples["orchestrator_lease_losses_total"] == {(): 1}
+    # The snapshot the tests and the CLI read is the same as before: totals by counter.
+    assert metrics.snapshot()["unknown_outcomes"] == 2
+    assert metrics.snapshot()["operations_dispatched"] == 4
+
+
+def test_a_count_without_labels_is_exported_with_empty_label_values() -> None:
+    metrics = Metrics()
+    metrics.incr("unknown_outcomes")
+    samples = _scrape(CounterCollector(metrics))
+    assert samples["orchestrator_operations_unknown_total"] == {
+        (("cause", ""), ("tool", "")): 1}
+
+
+def test_labels_other_than_the_counters_own_are_refused() -> None:
+    metrics = Metrics()
+    with pytest.raises(KeyError):
+        metrics.incr("unknown_outcomes", tool="charge", run_id="0f0e")
+    with pytest.raises(KeyError):
+        metrics.incr("runs_submitted", workflow="checkout")
+    with pytest.raises(KeyError):
+        metrics.incr("no_such_counter")
+    assert metrics.snapshot()["unknown_outcomes"] == 0
+
+
+def test_an_unreachable_database_reports_down_without_the_gauges() -> None:
+    samples = _scrape(DatabaseCollector(UNREACHABLE))
+    assert samples == {"orchestrator_database_up": {(): 0}}
+
+
+def test_the_process_gauges() -> None:
+    lag = LoopLag()
+    lag.seconds = 0.25
+    samples = _scrape(ProcessCollector(lag, slots=lambda: (3, 10)))
+    assert samples["orchestrator_event_loop_lag_seconds"] == {(): 0.25}
+    assert samples["orchestrator_worker_slots"] == {
+        (("state", "used"),): 3, (("state", "free"),): 7}
+
+
+@pytest.fixture
+def exporter() -> Iterator[tuple[Exporter, int]]:
+    app = Orchestrator(UNREACHABLE.url)
+    served = Exporter(app.metrics_registry(), app.target)
+    port = served.start("127.0.0.1", 0)
+    yield served, port
+    served.stop()
+
+
+def test_the_exporter_serves_metrics_and_health_while_the_database_is_down(
+        exporter: tuple[Exporter, int]) -> None:
+    _, port = exporter
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    assert "orchestrator_database_up 0.0" in text
+    assert "orchestrator_runs_finished_total{outcome=\"failed\"} 0.0" in text
+    assert "orchestrator_event_loop_lag_seconds" in text
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+    assert failed.value.code == 503
+    body = json.loads(failed.value.read())
+    assert body == {"alive": True, "database_reachable": False, "event_loop_lag_seconds": 0.0}
