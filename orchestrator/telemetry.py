@@ -131,10 +131,10 @@ class DatabaseCollector(Collector):
             return
         yield GaugeMetricFamily("orchestrator_database_up", _UP_DOC, value=1)
         unknown = rows["unknown"]
-        yield _gauge("orchestrator_operations_unknown",
+        yield _gauge("orchestrator_unknown_operations",
                      "Operations whose outcome is unknown now, by tool.",
                      "tool", unknown, "unknown")
-        yield _gauge("orchestrator_operations_unknown_oldest_age_seconds",
+        yield _gauge("orchestrator_unknown_operations_oldest_age_seconds",
                      "Seconds since the oldest operation still unknown became unknown, by tool.",
                      "tool", unknown, "unknown_oldest")
         waiting = [row for row in unknown if row["operator"]]
@@ -228,9 +228,8 @@ class Exporter:
     ``/healthz`` answers JSON ``{"alive", "database_reachable", "event_loop_lag_seconds"}``:
     200 while the database answers, 503 when it does not.
 
-    ``/metrics`` is always the classic text format (version 0.0.4), even to a client that
-    asks for OpenMetrics: there ``orchestrator_operations_unknown_total`` (a counter) and
-    ``orchestrator_operations_unknown`` (a gauge) would be two families of one name."""
+    ``/metrics`` answers in the classic text format (version 0.0.4), or in OpenMetrics to a
+    scraper that asks for it (``Accept``)."""
 
     def __init__(self, registry: CollectorRegistry, target: DatabaseTarget,
                  slots: Slots | None = None, lag: LoopLag | None = None) -> None:
@@ -269,8 +268,7 @@ class Exporter:
     def _wsgi(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            return self._metrics_app({**environ, "HTTP_ACCEPT": "text/plain"},  # type: ignore[no-any-return]
-                                     start_response)
+            return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
         if path == "/healthz":
             healthy, body = self.health()
             data = json.dumps(body).encode()

@@ -69,8 +69,8 @@ def test_a_worker_serves_its_metrics_and_health(workers: Workers, client: Orches
     assert samples["orchestrator_tool_attempts_total"] == {
         (("tool", "charge"),): 1, (("tool", "echo"),): 3}
     assert samples["orchestrator_database_up"] == {(): 1}
-    assert samples["orchestrator_operations_unknown"] == {(("tool", "charge"),): 1}
-    assert samples["orchestrator_operations_unknown_oldest_age_seconds"][
+    assert samples["orchestrator_unknown_operations"] == {(("tool", "charge"),): 1}
+    assert samples["orchestrator_unknown_operations_oldest_age_seconds"][
         (("tool", "charge"),)] >= 0
     assert samples.get("orchestrator_runs_queued", {}) == {}  # every run was claimed
     assert samples["orchestrator_worker_slots"] == {
@@ -118,7 +118,7 @@ def test_a_reconciler_serves_the_operator_queue(workers: Workers, client: Orches
     assert samples["orchestrator_operator_queue_items"] == {(("tool", "charge"),): 1}
     assert samples["orchestrator_operator_queue_oldest_age_seconds"][
         (("tool", "charge"),)] >= 0
-    assert samples["orchestrator_operations_unknown"] == {(("tool", "charge"),): 1}
+    assert samples["orchestrator_unknown_operations"] == {(("tool", "charge"),): 1}
     assert "orchestrator_worker_slots" not in samples
     assert samples["orchestrator_runs_finished_total"][(("outcome", "failed"),)] == 0
     reconciler.send_signal(signal.SIGTERM)

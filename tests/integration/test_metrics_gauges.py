@@ -46,7 +46,7 @@ def test_queued_runs_by_workflow_with_the_oldest_age(app, sql):  # type: ignore[
     age = samples["orchestrator_runs_queued_oldest_age_seconds"]
     assert 90 <= age[(("workflow", "pay"),)] < 150
     assert 0 <= age[(("workflow", "ship"),)] < 60
-    assert "orchestrator_operations_unknown" not in samples
+    assert "orchestrator_unknown_operations" not in samples
 
 
 def _plan(url: str, query: str) -> str:

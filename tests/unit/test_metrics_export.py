@@ -11,6 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import Orchestrator
@@ -164,12 +167,17 @@ def exporter() -> Iterator[tuple[Exporter, int]]:
 def test_the_exporter_serves_metrics_and_health_while_the_database_is_down(
         exporter: tuple[Exporter, int]) -> None:
     _, port = exporter
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
-                                     headers={"Accept": "application/openmetrics-text"})
-    with urllib.request.urlopen(request, timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
+    # OpenMetrics to a scraper that asks for it; every family parses (no two of one name).
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        families = list(openmetrics_families(response.read().decode()))
+    assert "orchestrator_operations_unknown" in {f.name for f in families}
     assert "orchestrator_database_up 0.0" in text
     assert "orchestrator_runs_finished_total{outcome=\"failed\"} 0.0" in text
     assert "orchestrator_event_loop_lag_seconds" in text
