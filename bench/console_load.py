@@ -23,6 +23,7 @@ import contextlib
 import os
 import resource
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,15 +125,22 @@ async def round_once(server: Server, *, runs: int, clients: int, follow: bool,
         tasks = [asyncio.create_task(f.follow()) for f in followers]
         await asyncio.wait_for(asyncio.gather(*(f.first.wait() for f in followers)), 60)
         await asyncio.sleep(1.0)  # every stream past its first page, at its steady pace
-        before = {"console": cpu_seconds(console.pid), "paced": cpu_seconds(paced.pid),
-                  "driver": _process_cpu(), "events": sum(f.events for f in followers)}
-        meter = CpuMeter()
-        started = time.monotonic()
-        seconds, statuses = await ours.drain(url, ids, workers, timeout=600, meter=meter,
-                                                only=True)
-        wall = time.monotonic() - started
-        used = {"console": cpu_seconds(console.pid), "paced": cpu_seconds(paced.pid),
-                "driver": _process_cpu()}
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as watch:
+            backends = await _backends_of(watch, console.pid)
+            side = CpuMeter()
+            side.start({"console_db": backends})
+            before = {"console": cpu_seconds(console.pid), "paced": cpu_seconds(paced.pid),
+                      "driver": _process_cpu(), "events": sum(f.events for f in followers),
+                      "xacts": await _statements(watch)}
+            meter = CpuMeter()
+            started = time.monotonic()
+            seconds, statuses = await ours.drain(url, ids, workers, timeout=600, meter=meter,
+                                                 only=True)
+            wall = time.monotonic() - started
+            used = {"console": cpu_seconds(console.pid), "paced": cpu_seconds(paced.pid),
+                    "driver": _process_cpu(), "xacts": await _statements(watch)}
+            side.stop({"console_db": sorted({*backends,
+                                             *await _backends_of(watch, console.pid)})})
         events = sum(f.events for f in followers) - before["events"]
         open_streams = sum(1 for t in tasks if not t.done())
     finally:
@@ -154,7 +162,44 @@ async def round_once(server: Server, *, runs: int, clients: int, follow: bool,
             "open_streams_at_end": open_streams, "events_during_drain": events,
             "cores_console": cores("console"), "cores_paced_worker": cores("paced"),
             "cores_driver": cores("driver"),
+            "cores_console_db": (side.used["console_db"] / wall
+                                 if "console_db" in side.used else None),
+            "console_backends": len(backends),
+            "xacts_per_s": (used["xacts"] - before["xacts"]) / wall,
             **ours.cpu_per_step(meter, runs * 3)}
+
+
+def _sockets_of(pid: int) -> set[int]:
+    """The local ports of ``pid``'s TCP connections to the server on 127.0.0.1:5432."""
+    try:
+        out = subprocess.run(["ss", "-tnpH", "state", "established", "dst", "127.0.0.1:5432"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    ports = set()
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            local = next(w for w in line.split() if w.startswith("127.0.0.1:"))
+            ports.add(int(local.rsplit(":", 1)[1]))
+    return ports
+
+
+async def _backends_of(conn: psycopg.AsyncConnection[Any], pid: int) -> list[int]:
+    """The server processes serving ``pid``'s connections (its pool), when both are local."""
+    ports = _sockets_of(pid)
+    if not ports:
+        return []
+    cur = await conn.execute("SELECT pid FROM pg_stat_activity WHERE client_port = ANY(%s)",
+                             (sorted(ports),))
+    return [int(row[0]) for row in await cur.fetchall()]
+
+
+async def _statements(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Transactions committed in this database so far (an autocommit statement is one)."""
+    cur = await conn.execute("SELECT pg_stat_get_db_xact_commit(oid) FROM pg_database "
+                             "WHERE datname = current_database()")
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 async def _all_running(url: str, ids: list[uuid.UUID], timeout: float = 60) -> None:

@@ -730,18 +730,22 @@ class Suite:
         table = Table(f"console streams: K=3 throughput ({p.console_sse_runs:,} runs, "
                       f"{p.workers} workers) beside {p.console_sse_clients} SSE clients of one "
                       "console process, and without them",
-                      ["arm", "steps/s", "min", "max", "console cores", "clients' cores",
-                       "worker µs/step", "server µs/step", "machine busy", "events/s"])
+                      ["arm", "steps/s", "min", "max", "console cores", "its db cores",
+                       "clients' cores", "paced worker cores", "worker µs/step",
+                       "server µs/step", "machine busy", "db xacts/s", "events/s"])
         for follow, label in ((False, "no clients"), (True, f"{p.console_sse_clients} clients")):
             rs = arms[follow]
             rates = [r["steps_per_s"] for r in rs]
             events = median([r["events_during_drain"] / r["wall"] for r in rs])
             table.add(label, median(rates), min(rates), max(rates),
                       fmt(median_of(rs, "cores_console"), 2),
+                      fmt(median_of(rs, "cores_console_db"), 2),
                       fmt(median_of(rs, "cores_driver"), 2),
+                      fmt(median_of(rs, "cores_paced_worker"), 2),
                       median_of(rs, "worker_cpu_us_per_step"),
                       median_of(rs, "server_cpu_us_per_step"),
-                      pct(median_of(rs, "machine_busy")), events if follow else "")
+                      pct(median_of(rs, "machine_busy")), median_of(rs, "xacts_per_s"),
+                      events if follow else "")
         base = median([r["steps_per_s"] for r in arms[False]])
         loaded = median([r["steps_per_s"] for r in arms[True]])
         pairs = [ratio(b["steps_per_s"], a["steps_per_s"])
@@ -756,7 +760,9 @@ class Suite:
                            f"{p.console_sse_clients} paced runs (a tool call every 0-1 s); the "
                            "clients (raw sockets in this driver, one per paced run) stream them "
                            "from before the release to after the drain; cores = CPU seconds "
-                           "per second of the drain")
+                           "per second of the drain; its db cores = the server processes "
+                           "serving the console's connections; db xacts/s = the database's "
+                           "commits per second (every statement of the console is one)")
         table.print()
         self.record("console_sse", {"rounds": rounds, "ratio": loaded / base,
                                     "paired_ratio": paired})
