@@ -37,6 +37,7 @@ import psycopg  # noqa: TID251 - progress queries
 from bench import ours
 from bench.common import CpuMeter, Server, cpu_seconds, log, migrate, spawn
 from bench.console_pages import free_port, listening
+from bench.profile import Recorder
 from bench.stream_latency import OWNER, paced_steps
 from bench.stream_latency import app as paced_app
 from orchestrator import Orchestrator
@@ -92,8 +93,9 @@ async def _console(url: str, token: str, port: int) -> Any:
 
 
 async def round_once(server: Server, *, runs: int, clients: int, follow: bool,
-                     setup: ours.Setup) -> dict[str, Any]:
-    """One drain with the background running, and ``clients`` followers if ``follow``."""
+                     setup: ours.Setup, profile: bool = False) -> dict[str, Any]:
+    """One drain with the background running, and ``clients`` followers if ``follow``;
+    with ``profile``, py-spy samples the console process during the drain."""
     url = server.create_database("sse")
     token = secrets.token_urlsafe(32)
     port = free_port()
@@ -134,8 +136,10 @@ async def round_once(server: Server, *, runs: int, clients: int, follow: bool,
                       "xacts": await _statements(watch)}
             meter = CpuMeter()
             started = time.monotonic()
-            seconds, statuses = await ours.drain(url, ids, workers, timeout=600, meter=meter,
-                                                 only=True)
+            async with (Recorder(console.pid) if profile
+                        else contextlib.nullcontext()) as recorder:
+                seconds, statuses = await ours.drain(url, ids, workers, timeout=600,
+                                                     meter=meter, only=True)
             wall = time.monotonic() - started
             used = {"console": cpu_seconds(console.pid), "paced": cpu_seconds(paced.pid),
                     "driver": _process_cpu(), "xacts": await _statements(watch)}
@@ -166,6 +170,7 @@ async def round_once(server: Server, *, runs: int, clients: int, follow: bool,
                                  if "console_db" in side.used else None),
             "console_backends": len(backends),
             "xacts_per_s": (used["xacts"] - before["xacts"]) / wall,
+            **({"profile": recorder.summary()} if recorder is not None else {}),
             **ours.cpu_per_step(meter, runs * 3)}
 
 

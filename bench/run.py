@@ -764,8 +764,29 @@ class Suite:
                            "serving the console's connections; db xacts/s = the database's "
                            "commits per second (every statement of the console is one)")
         table.print()
+        profiled = None
+        if not p.quick:
+            log("console sse: one more round with the clients, py-spy on the console")
+            profiled = await console_load.round_once(
+                self.server, runs=p.console_sse_runs, clients=p.console_sse_clients,
+                follow=True, setup=self.setup(), profile=True)
+            prof = profiled["profile"]
+            table = Table(f"console streams: where the console process spends its time with "
+                          f"{p.console_sse_clients} clients during a drain ({prof['samples']} "
+                          "samples, idle excluded; not counted above)", ["function", "share"])
+            for name, share in prof["self"][:12]:
+                table.add(name, f"{share:.1%}")
+            table.rows.append(["", ""])
+            table.rows.append(["own time by package or module", ""])
+            for name, share in prof["packages"][:10]:
+                table.add("  " + name, f"{share:.1%}")
+            table.rows.append(["", ""])
+            table.rows.append(["engine functions, including callees", ""])
+            for name, share in prof["inclusive"][:12]:
+                table.add("  " + name, f"{share:.1%}")
+            table.print()
         self.record("console_sse", {"rounds": rounds, "ratio": loaded / base,
-                                    "paired_ratio": paired})
+                                    "paired_ratio": paired, "profiled": profiled})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
