@@ -136,6 +136,14 @@ async def unfinished(conn: psycopg.AsyncConnection[Any]) -> int:
     return int(row[0])
 
 
+async def unfinished_of(conn: psycopg.AsyncConnection[Any], ids: Sequence[uuid.UUID]) -> int:
+    """Runs of ``ids`` not yet finished (by primary key)."""
+    row = await fetch_one(
+        conn, f"""SELECT count(*) FROM {S}.runs WHERE id = ANY(%s)
+                  AND status NOT IN ('succeeded', 'failed', 'cancelled')""", (list(ids),))
+    return int(row[0])
+
+
 async def server_processes(conn: psycopg.AsyncConnection[Any]) -> list[int]:
     """The processes of the PostgreSQL server behind ``conn`` when it runs on this machine
     (the children of its postmaster), else nothing: the backend's pid is only ours to read
@@ -155,10 +163,12 @@ def _is_postgres(pid: int) -> bool:
 
 
 async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
-                timeout: float, meter: CpuMeter | None = None) -> tuple[float, dict[str, int]]:
+                timeout: float, meter: CpuMeter | None = None, only: bool = False
+                ) -> tuple[float, dict[str, int]]:
     """Release the held runs, wait until none is left, return (seconds, statuses). With
     ``meter``, the CPU of the worker processes and of the server (when it is local) is
-    measured from the release until the last run has finished."""
+    measured from the release until the last run has finished. With ``only``, other runs
+    of the database may go on: the wait is for ``ids`` alone."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         t0 = (await fetch_one(conn, "SELECT clock_timestamp()"))[0]
         server = await server_processes(conn) if meter is not None else []
@@ -166,7 +176,7 @@ async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
             meter.start({"worker": [p.pid for p in procs], "server": server})
         await release(conn, ids)
         deadline = time.monotonic() + timeout
-        while await unfinished(conn) > 0:
+        while await (unfinished_of(conn, ids) if only else unfinished(conn)) > 0:
             for p in procs:
                 if not p.alive():
                     raise RuntimeError(f"{p.name} exited:\n" + "\n".join(p.tail[-20:]))

@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import batches, bulk, ours, peers, scale
+from bench import batches, bulk, console_load, console_pages, console_seed, ours, peers, scale
 from bench import ceiling as ceiling_mod
 from bench import console as console_mod
 from bench.common import (
@@ -47,6 +47,7 @@ from bench.common import (
     Table,
     append_result,
     engine_state,
+    fmt,
     fx,
     git_commit,
     log,
@@ -114,6 +115,12 @@ class Plan:
     bulk_items: int = 200  # unknown operations one `ops resolve-many` resolves
     console_steps: int = 200  # tool calls of the run the console's SSE clients follow
     console_clients: int = 10  # SSE clients following it
+    console_rows: int = 1_000_000  # finished runs behind the console's pages
+    console_page_requests: int = 100  # timed requests of each page
+    console_sse_clients: int = 200  # SSE clients beside a K=3 drain
+    console_sse_runs: int = 4_000  # K=3 runs of each drain beside them
+    console_sse_rounds: int = 5  # drains with and without the clients, each
+    console_parts: tuple[str, ...] = ("latency", "pages", "sse")
     quick: bool = False
 
 
@@ -124,7 +131,9 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     latency_samples=40, scale_rows=20_000, recovery_runs=100,
                     recovery_lease_ttl=3.0, memory_runs=1_000, memory_concurrency=100,
                     pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), batch_sizes=(1, 8, 64),
-                    batch_runs=128, console_steps=40, console_clients=2, quick=True)
+                    batch_runs=128, console_steps=40, console_clients=2,
+                    console_rows=20_000, console_page_requests=10, console_sse_clients=20,
+                    console_sse_runs=500, console_sse_rounds=1, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -132,7 +141,9 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     recovery_lease_ttl=None, memory_runs=10_000, memory_concurrency=100,
                     pgqueuer_min_jobs=20_000, pgqueuer_batches=(10, 100))
     for name in ("reps", "workers", "concurrency", "scale_rows", "latency_samples",
-                 "memory_runs", "recovery_runs", "console_steps", "console_clients"):
+                 "memory_runs", "recovery_runs", "console_steps", "console_clients",
+                 "console_rows", "console_page_requests", "console_sse_clients",
+                 "console_sse_runs", "console_sse_rounds"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)
@@ -140,6 +151,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
         plan.runs = {k: args.runs for k in plan.runs}
     if args.lease_ttl is not None:
         plan.recovery_lease_ttl = args.lease_ttl
+    if args.console_parts is not None:
+        plan.console_parts = tuple(x.strip() for x in args.console_parts.split(",") if x.strip())
     return plan
 
 
@@ -649,6 +662,20 @@ class Suite:
     # -- console -----------------------------------------------------------------------------
 
     async def section_console(self) -> None:
+        """Three parts (``--console-parts``): the SSE latency, the pages over a long history,
+        the cost of many SSE clients to the workers."""
+        parts = self.plan.console_parts
+        for part in parts:
+            if part not in ("latency", "pages", "sse"):
+                raise ValueError(f"unknown console part {part!r}: latency, pages or sse")
+        if "latency" in parts:
+            await self.console_latency()
+        if "pages" in parts:
+            await self.console_pages()
+        if "sse" in parts:
+            await self.console_sse()
+
+    async def console_latency(self) -> None:
         p = self.plan
         max_pause_ms = 40
         reps = await self.repeat("console", lambda: console_mod.sse_once(
@@ -669,6 +696,97 @@ class Suite:
                            "bounds")
         table.print()
         self.record("console", {"reps": reps})
+
+    async def console_pages(self) -> None:
+        p = self.plan
+        url, seeded = console_seed.ensure(self.server, runs=p.console_rows)
+        result = await console_pages.measure(url, requests=p.console_page_requests)
+        target = 0.200
+        table = Table(f"console pages: {p.console_rows:,} finished runs, "
+                      f"{result['queue_items']:,} queue items; one request at a time over "
+                      f"HTTP (ms)", ["case", "rows", "p50", "p95", "max", "target p95",
+                                     "verdict"])
+        for case in result["cases"]:
+            table.add(case["name"], "" if case["rows"] is None else str(case["rows"]),
+                      ms(case["p50"]), ms(case["p95"]), ms(case["max"]), "≤ 200",
+                      "meets" if case["p95"] <= target else "misses")
+        how = ("reused" if seeded["reused"] else f"loaded in {seeded['seconds']:.0f} s")
+        table.notes.append(f"{p.console_page_requests} requests per case after one untimed "
+                           "round, the cases in turn; `orchestrator console` (uvicorn) without "
+                           "an application for every tenant, another with operator `scoped` "
+                           f"limited to {console_pages.SCOPED_TENANT} (20 % of the runs); "
+                           f"database {seeded['database']} ({how}; kept for the next run); "
+                           "runs pages of 50, queue pages of 100; deep = half-way back")
+        table.print()
+        self.record("console_pages", {"seed": seeded, **result})
+
+    async def console_sse(self) -> None:
+        p = self.plan
+        rounds = await console_load.compare(
+            self.server, runs=p.console_sse_runs, clients=p.console_sse_clients,
+            rounds=p.console_sse_rounds, setup=self.setup())
+        arms = {False: [r for r in rounds if not r["follow"]],
+                True: [r for r in rounds if r["follow"]]}
+        table = Table(f"console streams: K=3 throughput ({p.console_sse_runs:,} runs, "
+                      f"{p.workers} workers) beside {p.console_sse_clients} SSE clients of one "
+                      "console process, and without them",
+                      ["arm", "steps/s", "min", "max", "console cores", "its db cores",
+                       "clients' cores", "paced worker cores", "worker µs/step",
+                       "server µs/step", "machine busy", "db xacts/s", "events/s"])
+        for follow, label in ((False, "no clients"), (True, f"{p.console_sse_clients} clients")):
+            rs = arms[follow]
+            rates = [r["steps_per_s"] for r in rs]
+            events = median([r["events_during_drain"] / r["wall"] for r in rs])
+            table.add(label, median(rates), min(rates), max(rates),
+                      fmt(median_of(rs, "cores_console"), 2),
+                      fmt(median_of(rs, "cores_console_db"), 2),
+                      fmt(median_of(rs, "cores_driver"), 2),
+                      fmt(median_of(rs, "cores_paced_worker"), 2),
+                      median_of(rs, "worker_cpu_us_per_step"),
+                      median_of(rs, "server_cpu_us_per_step"),
+                      pct(median_of(rs, "machine_busy")), median_of(rs, "xacts_per_s"),
+                      events if follow else "")
+        base = median([r["steps_per_s"] for r in arms[False]])
+        loaded = median([r["steps_per_s"] for r in arms[True]])
+        pairs = [ratio(b["steps_per_s"], a["steps_per_s"])
+                 for a, b in zip(arms[False], arms[True], strict=True)]
+        paired = median([x for x in pairs if x is not None])
+        cost = 1 - loaded / base
+        table.notes.append(f"with ÷ without: {fx(loaded / base)} (median of the pairs "
+                           f"{fx(paired)}): a cost of {cost:.1%}, target ≤ 5 %: "
+                           f"{'meets' if cost <= 0.05 else 'misses'}")
+        table.notes.append(f"{p.console_sse_rounds} rounds each, alternating which arm goes "
+                           "first; both arms run the console process and a worker running "
+                           f"{p.console_sse_clients} paced runs (a tool call every 0-1 s); the "
+                           "clients (raw sockets in this driver, one per paced run) stream them "
+                           "from before the release to after the drain; cores = CPU seconds "
+                           "per second of the drain; its db cores = the server processes "
+                           "serving the console's connections; db xacts/s = the database's "
+                           "commits per second (every statement of the console is one)")
+        table.print()
+        profiled = None
+        if not p.quick:
+            log("console sse: one more round with the clients, py-spy on the console")
+            profiled = await console_load.round_once(
+                self.server, runs=p.console_sse_runs, clients=p.console_sse_clients,
+                follow=True, setup=self.setup(), profile=True)
+            prof = profiled["profile"]
+            table = Table(f"console streams: where the console process spends its time with "
+                          f"{p.console_sse_clients} clients during a drain ({prof['samples']} "
+                          "samples, idle excluded; not counted above)", ["function", "share"])
+            for name, share in prof["self"][:12]:
+                table.add(name, f"{share:.1%}")
+            table.rows.append(["", ""])
+            table.rows.append(["own time by package or module", ""])
+            for name, share in prof["packages"][:10]:
+                table.add("  " + name, f"{share:.1%}")
+            table.rows.append(["", ""])
+            table.rows.append(["engine functions, including callees", ""])
+            for name, share in prof["inclusive"][:12]:
+                table.add("  " + name, f"{share:.1%}")
+            table.print()
+        self.record("console_sse", {"rounds": rounds, "ratio": loaded / base,
+                                    "paired_ratio": paired, "profiled": profiled})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -692,6 +810,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "section's SSE clients follow (default 200; quick 40)")
     parser.add_argument("--console-clients", type=int, help="SSE clients of the console "
                         "section (default 10; quick 2)")
+    parser.add_argument("--console-rows", type=int, help="finished runs behind the console's "
+                        "pages (default 1,000,000, kept between runs; quick 20,000)")
+    parser.add_argument("--console-page-requests", type=int, help="timed requests of each "
+                        "console page (default 100; quick 10)")
+    parser.add_argument("--console-sse-clients", type=int, help="SSE clients beside the K=3 "
+                        "drains (default 200; quick 20)")
+    parser.add_argument("--console-sse-runs", type=int, help="K=3 runs per drain beside them "
+                        "(default 4,000; quick 500)")
+    parser.add_argument("--console-sse-rounds", type=int, help="drains with and without the "
+                        "clients, each (default 5; quick 1)")
+    parser.add_argument("--console-parts", help="of the console section: latency, pages, sse "
+                        "(comma-separated; default all)")
     parser.add_argument("--recovery-runs", type=int, help="in-flight runs killed (default 100)")
     parser.add_argument("--lease-ttl", type=float, help="lease ttl for the recovery section "
                         "(default: the engine's default; quick: 3 s)")

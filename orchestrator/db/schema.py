@@ -136,6 +136,8 @@ runs = Table(
     ),
     Index("ix_runs_lease_expiry", "lease_expires_at", postgresql_where=text("status = 'running'")),
     Index("ix_runs_owner_created", "tenant", "principal", "created_at"),
+    # The console's pages of runs, newest first across owners (migration 0009).
+    Index("ix_runs_created", "created_at", "id"),
     Index("ix_runs_parent", "parent_run_id", postgresql_where=text("parent_run_id IS NOT NULL")),
 )
 
