@@ -16,7 +16,7 @@ The entries themselves (kinds, payloads, schema version) are defined in
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -137,6 +137,32 @@ async def journal_read_after(conn: Conn, run_id: uuid.UUID, *, after: int, limit
         cur = await conn.execute(_READ_MESSAGES_AFTER, {
             **params, "topics": list(topics), "ends": [kind.value for kind in RUN_ENDS]})
     return list(await cur.fetchall())
+
+
+_READ_AFTER_MANY = f"""
+SELECT w.run_id, j.seq, j.kind, j.position, j.name, j.schema_version, j.payload, j.lease_token,
+       j.created_at
+FROM unnest(%(run_ids)s::uuid[], %(afters)s::bigint[]) AS w(run_id, after)
+CROSS JOIN LATERAL (
+    SELECT {_COLUMNS} FROM {S}.journal
+    WHERE run_id = w.run_id AND seq > w.after
+    ORDER BY seq LIMIT %(limit)s) j
+ORDER BY w.run_id, j.seq
+"""
+
+
+async def journal_read_after_many(conn: Conn, afters: Mapping[uuid.UUID, int], *, limit: int
+                                  ) -> dict[uuid.UUID, list[Entry]]:
+    """For each run of ``afters``, at most ``limit`` of its entries after its cursor, oldest
+    first, in one statement however many runs (by the primary key of each): what a stream's
+    poller reads for the followed runs that moved. A run with no such entry is absent."""
+    ids = list(afters)
+    cur = await conn.execute(_READ_AFTER_MANY, {
+        "run_ids": ids, "afters": [afters[i] for i in ids], "limit": limit})
+    found: dict[uuid.UUID, list[Entry]] = {}
+    for row in await cur.fetchall():
+        found.setdefault(row.pop("run_id"), []).append(row)
+    return found
 
 
 async def journal_unknown_calls(conn: Conn, run_id: uuid.UUID, positions: Sequence[int]

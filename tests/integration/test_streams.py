@@ -286,3 +286,52 @@ async def test_followers_in_one_loop_share_the_polls_and_the_reads(app, sql, mon
             await app.send_event_async(r.id, "go")
         await asyncio.wait_for(asyncio.gather(*followers[8:]), 15)
         await wait_for(lambda: poller._task is None, what="the poller to stop")
+
+
+async def test_woken_followers_take_the_entries_the_poll_read_once_each_and_in_order(
+        app, sql, monkeypatch):
+    """Followers at different cursors, some with topics, of runs that move several times:
+    once they wait, the poll reads the new entries of the runs that moved (one statement for
+    all of them) and hands each follower those after its own cursor, so no follower reads a
+    page of its own; and each still gets exactly its story, once, in order."""
+    from orchestrator import stream
+
+    counted = {"pages": 0, "many": 0}
+    page, many = stream.journal_db.journal_read_after, stream.journal_db.journal_read_after_many
+
+    async def counting_page(conn, run_id, **options):  # type: ignore[no-untyped-def]
+        counted["pages"] += 1
+        return await page(conn, run_id, **options)
+
+    async def counting_many(conn, afters, **options):  # type: ignore[no-untyped-def]
+        counted["many"] += 1
+        return await many(conn, afters, **options)
+
+    gated = _gated(app)
+    cursors = [(0, None), (2, None), (3, ("progress",)), (0, ("progress",))]
+    async with running(app):
+        runs = [await app.submit_async(gated, {"gates": 3}) for _ in range(3)]
+        await wait_for(lambda: all(_status(sql, r) == "waiting" for r in runs))
+        monkeypatch.setattr(stream.journal_db, "journal_read_after", counting_page)
+        monkeypatch.setattr(stream.journal_db, "journal_read_after_many", counting_many)
+        followers = [asyncio.ensure_future(_all(r.events(after=after, topics=topics)))
+                     for r in runs for after, topics in cursors]
+        poller = app._streams._poller()
+        await wait_for(lambda: sum(len(w) for w in poller.waiting.values()) == len(followers))
+        counted.update(pages=0, many=0)
+        for _ in range(3):
+            for r in runs:
+                await app.send_event_async(r.id, "go")
+            await wait_for(lambda: sum(len(w) for w in poller.waiting.values()) in (
+                0, len(followers)))
+        told = await asyncio.wait_for(asyncio.gather(*followers), 30)
+        journals = [[e.model_dump() for e in await r.journal_async()] for r in runs]
+    assert counted["many"] >= 1 and counted["pages"] == 0
+    for index, story in enumerate(told):
+        after, topics = cursors[index % len(cursors)]
+        expected = [e for e in journals[index // len(cursors)] if e["seq"] > after
+                    and (topics is None or e["kind"] in ("run.completed", "run.failed",
+                                                         "run.cancelled")
+                         or (e["kind"] == "message" and e["name"] in topics))]
+        assert [e.model_dump() for e in story] == expected
+        assert expected[-1]["kind"] == "run.completed"
