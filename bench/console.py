@@ -12,7 +12,6 @@ by the database's clock, a little before the commit: the figures are upper bound
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from bench.common import Server, migrate, percentile
+from bench.console_pages import listening
 from bench.stream_latency import OWNER, app, paced_steps
 from orchestrator import Orchestrator
 
@@ -52,17 +52,6 @@ async def _follow(http: httpx.AsyncClient, path: str) -> list[float]:
     return delays
 
 
-async def _listening(http: httpx.AsyncClient, console: Any) -> None:
-    for _ in range(600):
-        if console.returncode is not None:
-            raise RuntimeError("orchestrator console exited before it served")
-        with contextlib.suppress(httpx.TransportError):
-            await http.get("/login")
-            return
-        await asyncio.sleep(0.05)
-    raise RuntimeError("orchestrator console did not listen in 30 s")
-
-
 async def measure(url: str, *, steps: int, max_pause_ms: int, clients: int) -> list[float]:
     env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
     token = secrets.token_urlsafe(32)
@@ -83,7 +72,7 @@ async def measure(url: str, *, steps: int, max_pause_ms: int, clients: int) -> l
                                  headers={"Authorization": f"Bearer {token}"},
                                  limits=httpx.Limits(max_connections=clients + 4))
         try:
-            await _listening(http, console)
+            await listening(http, console)
             await asyncio.sleep(2.0)  # the worker's start (imports, registration)
             handle = await client.submit_async(paced_steps, {"steps": steps,
                                                              "max_pause_ms": max_pause_ms})

@@ -26,7 +26,6 @@ cookie is not open to forged requests. Every error answers with the public error
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -45,8 +44,8 @@ from orchestrator.console.api import (
     topics_param,
 )
 from orchestrator.console.service import ConsoleService
+from orchestrator.console.web import ask_host
 from orchestrator.errors import (
-    ConfigurationError,
     InvalidRequest,
     ResultTimeout,
     RunFailed,
@@ -183,13 +182,9 @@ class Submitters:
 
     async def owner(self, request: Request) -> Owner | None:
         """The owner the host's ``authenticate_owner`` names for ``request``, or None."""
-        named = self.authenticate_owner(request)
-        if inspect.isawaitable(named):
-            named = await named
-        if named is not None and not isinstance(named, Owner):
-            raise ConfigurationError("authenticate_owner(request) must return an "
-                                     "orchestrator.Owner or None")
-        return named
+        return await ask_host(self.authenticate_owner, request, Owner,
+                              "authenticate_owner(request) must return an orchestrator.Owner "
+                              "or None")
 
     def _only(self, handler: Callable[[Request, Owner], Awaitable[Response]]) -> Endpoint:
         async def endpoint(request: Request) -> Response:

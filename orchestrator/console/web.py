@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -68,6 +68,7 @@ LOGIN = "\x00login"
 """The name the login form's CSRF token is made for (no operator has it: names hold no NUL)."""
 
 Authenticate = Callable[[Request], "str | None | Awaitable[str | None]"]
+T = TypeVar("T")
 
 
 def _b64(data: bytes) -> str:
@@ -147,12 +148,9 @@ class Guard:
             if operator is not None:
                 return operator, "session"
         if self.authenticate is not None:
-            named = self.authenticate(request)
-            if inspect.isawaitable(named):
-                named = await named
-            if named is not None and not isinstance(named, str):
-                raise ConfigurationError("authenticate(request) must return an operator "
-                                         "name (a str) or None")
+            named = await ask_host(self.authenticate, request, str,
+                                   "authenticate(request) must return an operator name (a "
+                                   "str) or None")
             return named, "host"
         return None, "session"
 
@@ -219,6 +217,18 @@ class Guard:
         if not hmac.compare_digest(expected.encode(), given.encode()):
             raise Forbidden("the request's CSRF token is not valid for this operator and "
                             "browser: reload the page and try again")
+
+
+async def ask_host(hook: Callable[[Request], Any], request: Request, kind: type[T],
+                   wrong: str) -> T | None:
+    """What the host's ``hook(request)`` (sync or async) answers: a ``kind`` or None;
+    ``CONFIGURATION_ERROR`` saying ``wrong`` for anything else."""
+    named = hook(request)
+    if inspect.isawaitable(named):
+        named = await named
+    if named is not None and not isinstance(named, kind):
+        raise ConfigurationError(wrong)
+    return named
 
 
 NONCE_STATE = "console_nonce"
