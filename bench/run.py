@@ -59,6 +59,7 @@ from bench.common import (
     snapshot_engine,
 )
 from bench.peers import dbos_peer
+from bench.profile import py_spy
 
 CPU_FIGURES = ("worker_cpu_us_per_step", "server_cpu_us_per_step", "machine_busy")
 
@@ -765,7 +766,10 @@ class Suite:
                            "commits per second (every statement of the console is one)")
         table.print()
         profiled = None
-        if not p.quick:
+        if not p.quick and py_spy() is None:
+            print("  (no profile of the console: py-spy is not installed; make bench installs "
+                  "it)")
+        elif not p.quick:
             log("console sse: one more round with the clients, py-spy on the console")
             profiled = await console_load.round_once(
                 self.server, runs=p.console_sse_runs, clients=p.console_sse_clients,
