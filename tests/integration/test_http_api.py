@@ -312,3 +312,19 @@ async def test_a_full_event_backlog_is_429_and_stores_nothing(make_app, sql) -> 
             assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 1}]
             # With no way for operators in, the operators' pages and API answer 401.
             assert (await http.get("/api/overview")).status_code == 401
+
+
+async def test_an_owner_hook_that_answers_something_else_is_the_hosts_error(make_app) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+
+    async def confused(request: Any) -> Any:
+        return "acme/alice"  # a name, not an Owner
+
+    console = app.console(authenticate_owner=confused)
+    transport = httpx.ASGITransport(app=console)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as http:
+        answer = await http.post("/api/runs", json={"workflow": "approve", "input": 1})
+    assert answer.status_code == 500
+    assert answer.json()["code"] == "CONFIGURATION_ERROR"
+    assert "acme/alice" not in answer.text
+    await app.database.close()
