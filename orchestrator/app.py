@@ -634,8 +634,8 @@ class Orchestrator:
     def metrics_registry(self) -> CollectorRegistry:
         """A ``prometheus_client.CollectorRegistry`` with this app's metrics, for a host that
         exports its own (docs/metrics.md): the counters of this process (read when scraped)
-        and gauges read from the database at scrape time. Expose it in the classic text
-        format (``prometheus_client.generate_latest``)."""
+        and gauges read from the database at scrape time. Expose it with
+        ``prometheus_client.generate_latest`` (or OpenMetrics' encoder)."""
         from orchestrator import telemetry  # prometheus_client only where metrics are wanted
 
         return telemetry.metrics_registry(self.metrics, self.target)

@@ -7,6 +7,8 @@
                ``resolve``: a bulk action is many resolutions)
 ``cancel``     cancel a run
 ``incidents``  read protected diagnostics: the incidents, what lookups said
+``metrics``    scrape ``/metrics``: the gauges read from the database (unknown operations,
+               the operator queue, queued runs), counted over every tenant
 =============  ======================================================================
 
 Grants say what kind of thing an operator may do; the application's ``operator_scopes`` say on
@@ -25,7 +27,7 @@ from typing import Any
 from orchestrator.errors import ConfigurationError, Forbidden, InvalidRequest
 from orchestrator.text import check_operator
 
-GRANTS = ("read", "resolve", "bulk", "cancel", "incidents")
+GRANTS = ("read", "resolve", "bulk", "cancel", "incidents", "metrics")
 ALL = "all"
 """Shorthand for every grant (``--grant alice=all``)."""
 

@@ -7,9 +7,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlencode
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -25,6 +26,7 @@ from orchestrator.console.pages import Pages
 from orchestrator.console.service import ConsoleService, Host
 from orchestrator.console.submitters import AuthenticateOwner, Submitters, Submitting
 from orchestrator.console.web import Authenticate, Guard, NonceCookies, internal, public, status_of
+from orchestrator.db.config import DatabaseTarget
 from orchestrator.errors import (
     ConfigurationError,
     InvalidRequest,
@@ -111,13 +113,42 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
     submitter_routes = ([] if authenticate_owner is None else Submitters(
         _submitting(app), service, authenticate_owner, heartbeat=heartbeat).routes(
             lambda path, method: _endpoint(operator_routes, path, method)))
+    gauges = _Gauges(app.target, guard)
     routes = [*submitter_routes, *operator_routes, *pages.routes(),
+              Route("/metrics", gauges.scrape, methods=["GET"]),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     return Starlette(
         routes=routes,
         middleware=[Middleware(_Headers), Middleware(_Boundary), Middleware(NonceCookies)],
         exception_handlers={OrchestratorError: failed, HTTPException: not_routed},
         lifespan=lifespan)
+
+
+class _Gauges:
+    """``GET /metrics``: the gauges read from the database (:mod:`orchestrator.telemetry`'s
+    ``DatabaseCollector``: unknown operations, the operator queue, queued runs) in the
+    Prometheus text format, or OpenMetrics when asked, for an operator with the ``metrics``
+    grant (a scraper's bearer token). They count every tenant's work, so no tenant scope
+    applies: the grant says who may see them. The counters are per process: workers and
+    reconcilers serve theirs (``--metrics-port``)."""
+
+    def __init__(self, target: DatabaseTarget, guard: Guard) -> None:
+        self.target = target
+        self.guard = guard
+        self._registry: Any = None
+
+    async def scrape(self, request: Request) -> Response:
+        access = await self.guard.identify(request)
+        access.need("metrics")
+        from prometheus_client.exposition import choose_encoder
+
+        from orchestrator import telemetry
+
+        if self._registry is None:
+            self._registry = telemetry.gauges_registry(self.target)
+        encoder, media_type = choose_encoder(request.headers.get("accept", ""))
+        body = await anyio.to_thread.run_sync(encoder, self._registry)
+        return Response(body, media_type=media_type)
 
 
 def _submitting(app: Host) -> Submitting:

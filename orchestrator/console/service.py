@@ -24,6 +24,7 @@ from orchestrator import admin
 from orchestrator.console.grants import Access
 from orchestrator.db import runs as runs_db
 from orchestrator.db import views
+from orchestrator.db.config import DatabaseTarget
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
 from orchestrator.models import check_run_filters, parse_run_id
@@ -43,6 +44,9 @@ class Host(Protocol):
 
     @property
     def operators(self) -> Operators: ...
+
+    @property
+    def target(self) -> DatabaseTarget: ...
 
 
 def _limit(value: Any, default: int = 50) -> int:
