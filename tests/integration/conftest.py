@@ -30,6 +30,7 @@ def make_app(migrated_database_url: str) -> Iterator[Callable[..., Orchestrator]
         apps.append(app)
         return app
 
+    make.apps = apps  # type: ignore[attr-defined]
     yield make
     for app in apps:
         app.close()
@@ -38,6 +39,20 @@ def make_app(migrated_database_url: str) -> Iterator[Callable[..., Orchestrator]
 @pytest.fixture
 def app(make_app: Callable[..., Orchestrator]) -> Orchestrator:
     return make_app()
+
+
+@pytest.fixture(autouse=True)
+async def _close_pools_on_the_test_loop(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Close the pools an async test's apps opened on its loop (a read after ``running``
+    reopens one) before the test's database is dropped: a pool left open would keep trying to
+    reconnect to a dropped database while the loop shuts down."""
+    if "make_app" not in request.fixturenames:
+        yield
+        return
+    make = request.getfixturevalue("make_app")  # set up before this fixture, torn down after
+    yield
+    for made in make.apps:
+        await made.database.close()
 
 
 @contextlib.asynccontextmanager
