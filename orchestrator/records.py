@@ -25,8 +25,8 @@ def iso(when: datetime | None) -> str | None:
     if when is None:
         return None
     if when.tzinfo is not None:
-        when = when.astimezone(UTC)
-    return f"{when:%Y-%m-%dT%H:%M:%S.%f}Z"
+        when = when.astimezone(UTC).replace(tzinfo=None)
+    return when.isoformat(timespec="microseconds") + "Z"
 
 
 def ident(value: Any) -> str | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Iterable
@@ -41,7 +42,7 @@ from typing import Any
 
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
-from orchestrator.db.database import Conn, Database
+from orchestrator.db.database import Database
 from orchestrator.errors import AccessDenied, InvalidRequest, SchemaUnsupported
 from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry, EventKind
 from orchestrator.text import check_identifier
@@ -85,9 +86,6 @@ def check_topics(topics: Iterable[str] | None) -> tuple[str, ...] | None:
 
 
 _PageKey = tuple[asyncio.AbstractEventLoop, uuid.UUID, int, "tuple[str, ...] | None"]
-_Polled = tuple[dict[uuid.UUID, dict[str, Any]], dict[uuid.UUID, list[Entry]]]
-"""A poll's reading: the runs' revisions, and the entries after the cursors of those that
-moved."""
 
 
 class RunStreams:
@@ -105,12 +103,14 @@ class RunStreams:
         self._reading: dict[_PageKey, asyncio.Future[list[Entry]]] = {}  # reads in flight
 
     async def pages(self, run_id: uuid.UUID, *, after: int, follow: bool,
-                    topics: tuple[str, ...] | None = None
+                    topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                     ) -> AsyncGenerator[list[Entry], None]:
         """The run's entries after ``after`` (checked: :func:`check_cursor`), in pages of at
         most :data:`PAGE`, oldest first, following the run live with ``follow`` (see the
         module docstring). ``ACCESS_DENIED`` if the run does not exist; ``SCHEMA_UNSUPPORTED``
-        at an entry newer than this code (the entries before it are yielded)."""
+        at an entry newer than this code (the entries before it are yielded). With
+        ``heartbeat``, an empty page after about that many seconds of waiting without an
+        entry (a stream's keep-alive, timed by the poller: a follower needs no timer)."""
         cursor = scanned = after  # the last seq yielded; every seq up to scanned was looked at
         state: dict[str, Any] | None = None
         fetched: list[Entry] | None = None  # what the poller read after the cursor, if it did
@@ -144,7 +144,10 @@ class RunStreams:
             # The poller's reading of the run's state serves as this one's next (it too was
             # read before the entries that follow it), and the entries it read after the
             # cursor as the next page, when it read them all.
-            state, fetched = await self._poller().changed(run_id, max(cursor, scanned))
+            while (woken := await self._poller().changed(run_id, max(cursor, scanned),
+                                                         heartbeat)) is None:
+                yield []  # heartbeat seconds without an entry
+            state, fetched = woken
 
     async def _page(self, run_id: uuid.UUID, after: int, topics: tuple[str, ...] | None
                     ) -> list[Entry]:
@@ -225,8 +228,9 @@ Woken = tuple["dict[str, Any] | None", "list[Entry] | None"]
 the run is gone, or the database did not answer), and the entries after the follower's cursor
 the poll read next (None: the follower reads them itself; the poll read only the first
 :data:`PAGE` after the lowest cursor of the run's followers, and there may be more)."""
-_Waiter = tuple[int, "asyncio.Future[Woken]"]
-"""A follower waiting: the revision it has seen, and what wakes it."""
+_Waiter = tuple[int, "asyncio.Future[Woken | None]", float]
+"""A follower waiting: the revision it has seen, what wakes it, and the loop time at which it
+is woken with None if nothing happened (its heartbeat; ``inf`` for none)."""
 
 
 class _RevisionPoller:
@@ -238,14 +242,20 @@ class _RevisionPoller:
         self.waiting: dict[uuid.UUID, list[_Waiter]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # cuts a pause short: the last follower left
+        self._next_due = math.inf  # the earliest heartbeat of a waiting follower
 
-    async def changed(self, run_id: uuid.UUID, seen: int) -> Woken:
+    async def changed(self, run_id: uuid.UUID, seen: int, beat: float | None = None
+                      ) -> Woken | None:
         """Return once the run's revision is past ``seen``: the run's ``revision`` and
         ``status`` as the poll found them, or None (the run is gone, or the database did not
         answer: the caller reads again itself), and the entries after ``seen`` the poll read
-        (:data:`Woken`)."""
+        (:data:`Woken`). With ``beat``, None once about ``beat`` seconds passed without
+        either (checked at each poll, so up to a pause late): the caller's heartbeat, without
+        a timer of its own."""
         loop = asyncio.get_running_loop()
-        waiter: _Waiter = (seen, loop.create_future())
+        due = math.inf if beat is None else loop.time() + beat
+        waiter: _Waiter = (seen, loop.create_future(), due)
+        self._next_due = min(self._next_due, due)
         self.waiting.setdefault(run_id, []).append(waiter)
         if self._task is None:
             self._task = loop.create_task(self._poll(), name="orchestrator-stream-poller")
@@ -271,12 +281,14 @@ class _RevisionPoller:
         try:
             while self.waiting:
                 self._wake.clear()
-                asked = {run_id: min(seen for seen, _ in waiters)
+                asked = {run_id: min(waiter[0] for waiter in waiters)
                          for run_id, waiters in self.waiting.items()}
                 if self._settle(asked, await self._read(asked)):
                     pause, quiet_since = POLL_INTERVAL, loop.time()
                 elif loop.time() - quiet_since >= IDLE_AFTER:
                     pause = min(pause * 2, IDLE_INTERVAL)
+                if loop.time() >= self._next_due:
+                    self._beat(loop.time())  # they too wait again meanwhile
                 # The followers just woken read and wait again meanwhile: the next poll,
                 # at the same pace, is theirs too (the poller ends when nobody waits then).
                 with contextlib.suppress(TimeoutError):
@@ -284,57 +296,68 @@ class _RevisionPoller:
         finally:
             self._task = None
             for waiters in self.waiting.values():  # stopped by close(): nobody polls now
-                for _, future in waiters:
+                for _, future, _ in waiters:
                     future.cancel()
 
-    async def _read(self, asked: dict[uuid.UUID, int]) -> _Polled | None:
-        """The revisions of the runs ``asked`` now, and for those that moved past the lowest
-        cursor of their followers (``asked``'s values), the first :data:`PAGE` entries after
-        it, read after the revisions: two statements on one connection, however many runs.
-        None if the database did not answer."""
-
-        async def statements(conn: Conn) -> _Polled:
-            revisions = await runs_db.run_revisions(conn, list(asked))
-            moved = {run_id: after for run_id, after in asked.items()
-                     if run_id in revisions and revisions[run_id]["revision"] > after}
-            entries = (await journal_db.journal_read_after_many(conn, moved, limit=PAGE)
-                       if moved else {})
-            return revisions, entries
-
+    async def _read(self, asked: dict[uuid.UUID, int]) -> journal_db.Polled | None:
+        """Of the runs ``asked``, those that moved past the lowest cursor of their followers
+        (``asked``'s values) with the first :data:`PAGE` entries after it, and those that are
+        gone (:func:`journal_db.journal_poll`: one statement however many runs, whose answer
+        is as small as what moved). None if the database did not answer."""
         try:
-            return await self.db.read(statements)
+            return await self.db.read(
+                lambda conn: journal_db.journal_poll(conn, asked, limit=PAGE))
         except Exception:  # noqa: BLE001 - the followers find out themselves (_settle)
             return None
 
-    def _settle(self, asked: dict[uuid.UUID, int], polled: _Polled | None) -> bool:
+    def _settle(self, asked: dict[uuid.UUID, int], polled: journal_db.Polled | None) -> bool:
         """Wake the followers whose run, one of those the poll ``asked`` for, moved past what
         they saw, or is gone, in ``polled``; all of those when the database did not answer
         (each reads again on its own: it raises the database's error, or goes on if the
         database is back). Each gets the entries after its cursor when the poll read them all
         (it read up to :data:`PAGE` after the lowest cursor: fewer means all there were).
-        A run first waited for while the poll was under way was not asked for: its followers
-        wait for the next poll. Whether any was woken."""
+        A run absent from the answer did not move. A run first waited for while the poll was
+        under way was not asked for: its followers wait for the next poll. Whether any was
+        woken."""
         woken = False
         revisions, entries = polled if polled is not None else ({}, {})
         for run_id, lowest in asked.items():
             waiters = self.waiting.get(run_id)
             if waiters is None:
                 continue  # its followers left meanwhile
-            state = revisions.get(run_id) if polled is not None else None
+            if polled is not None and run_id not in revisions:
+                continue  # it did not move past any of its followers' cursors
+            state = revisions.get(run_id)
             read = entries.get(run_id, [])
             whole = len(read) < PAGE
-            for seen, future in list(waiters):
+            for waiter in list(waiters):
+                seen, future, _ = waiter
                 if state is not None and state["revision"] <= seen:
                     continue
                 after = ([row for row in read if row["seq"] > seen]
                          if state is not None and whole and seen >= lowest else None)
                 if not future.done():
                     future.set_result((state, after))
-                waiters.remove((seen, future))
+                waiters.remove(waiter)
                 woken = True
             if not waiters:
                 del self.waiting[run_id]
         return woken
+
+    def _beat(self, now: float) -> None:
+        """Wake with None the followers whose heartbeat is due (they send one and wait
+        again), and note when the next one is."""
+        self._next_due = math.inf
+        for run_id, waiters in list(self.waiting.items()):
+            for waiter in list(waiters):
+                if waiter[2] <= now:
+                    if not waiter[1].done():
+                        waiter[1].set_result(None)
+                    waiters.remove(waiter)
+                else:
+                    self._next_due = min(self._next_due, waiter[2])
+            if not waiters:
+                del self.waiting[run_id]
 
     async def close(self) -> None:
         task = self._task

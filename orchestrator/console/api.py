@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from orchestrator import records
@@ -148,15 +148,12 @@ def topics_param(request: Request) -> tuple[str, ...] | None:
     return check_topics(given) if given else None
 
 
-def sse_response(pages: AsyncGenerator[list[Any], None] | None, request: Request, *,
-                 heartbeat: float) -> Response:
-    """A run's stream as ``text/event-stream`` (:func:`sse_stream`); 204 when ``pages`` is
+def sse_response(pages: AsyncGenerator[list[Any], None] | None) -> Response:
+    """A run's stream as ``text/event-stream`` (:class:`EventStream`); 204 when ``pages`` is
     None (the run had ended at or before the cursor: an ``EventSource`` stops reconnecting)."""
     if pages is None:
         return Response(status_code=204)
-    return StreamingResponse(sse_stream(pages, request.receive, heartbeat=heartbeat),
-                             media_type="text/event-stream",
-                             headers={"X-Accel-Buffering": "no"})
+    return EventStream(pages)
 
 
 def sse_entry(entry: Mapping[str, Any]) -> str:
@@ -166,51 +163,63 @@ def sse_entry(entry: Mapping[str, Any]) -> str:
     return f"id: {entry['seq']}\nevent: {entry['kind']}\ndata: {data}\n\n"
 
 
-async def sse_stream(pages: AsyncGenerator[list[Any], None], receive: Any, *,
-                     heartbeat: float) -> AsyncIterator[str]:
-    """The events of ``pages``, a comment after every ``heartbeat`` seconds of silence, until
-    the pages end (the run's terminal entry), the client leaves (``http.disconnect`` on
-    ``receive``), or the stream fails (a last :data:`STREAM_ERROR` event with the public
-    error)."""
+HEARTBEAT_COMMENT = b": heartbeat\n\n"
 
-    async def left() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
 
-    gone = asyncio.ensure_future(left())
-    pending: asyncio.Future[list[Any]] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(pages))
-            either: set[asyncio.Future[Any]] = {pending, gone}
-            done, _ = await asyncio.wait(either, timeout=heartbeat,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if gone in done:
-                return
-            if not done:
-                yield ": heartbeat\n\n"
-                continue
-            next_page, pending = pending, None
-            try:
-                page = next_page.result()
-            except StopAsyncIteration:
-                return
-            except OrchestratorError as exc:
-                yield f"event: {STREAM_ERROR}\ndata: {json.dumps(public(exc))}\n\n"
-                return
-            except Exception as exc:  # noqa: BLE001 - the public error only (C10)
-                yield f"event: {STREAM_ERROR}\ndata: {json.dumps(public(internal(exc)))}\n\n"
-                return
-            yield "".join(sse_entry(entry) for entry in page)
-    finally:
-        gone.cancel()
-        with anyio.CancelScope(shield=True):
-            if pending is not None:  # the reader is mid-page: cancelling it ends the pages
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-            await pages.aclose()
+class EventStream(Response):
+    """The events of ``pages`` (a run's stream whose empty pages are its heartbeats), one
+    chunk a page, until the pages end (the run's terminal entry), the client leaves
+    (``http.disconnect``), or the stream fails (a last :data:`STREAM_ERROR` event with the
+    public error).
+
+    Two tasks for the stream's whole life, one writing and one watching for the client to
+    leave, whichever ends first ending the other: nothing is created per event (a stream may
+    carry thousands of them, beside hundreds of others in the same process)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pages: AsyncGenerator[list[Any], None]) -> None:
+        self.pages = pages
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"X-Accel-Buffering": "no"})  # no body: no content-length
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        writing = asyncio.ensure_future(self._write(send))
+        watching = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((writing, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for task in (writing, watching):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                await self.pages.aclose()
+        if not writing.cancelled():
+            writing.result()  # the write's own failure (the client's socket, say)
+
+    async def _write(self, send: Any) -> None:
+        async def chunk(body: bytes) -> None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        try:
+            async for page in self.pages:
+                await chunk("".join(sse_entry(entry) for entry in page).encode()
+                            if page else HEARTBEAT_COMMENT)
+        except OrchestratorError as exc:
+            await chunk(f"event: {STREAM_ERROR}\ndata: {json.dumps(public(exc))}\n\n".encode())
+        except Exception as exc:  # noqa: BLE001 - the public error only (C10)
+            error = json.dumps(public(internal(exc)))
+            await chunk(f"event: {STREAM_ERROR}\ndata: {error}\n\n".encode())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Api:
@@ -286,8 +295,9 @@ class Api:
         access = await self.guard.identify(request)
         after = event_cursor(request)
         pages = await self.service.events(access, request.path_params["run_id"], after=after,
-                                          topics=topics_param(request))
-        return sse_response(pages, request, heartbeat=self.heartbeat)
+                                          topics=topics_param(request),
+                                          heartbeat=self.heartbeat)
+        return sse_response(pages)
 
     async def queue(self, request: Request, access: Access) -> Any:
         state = text_param(request, "state") or UNRESOLVED

@@ -325,29 +325,31 @@ class ConsoleService:
         return RunView(detail, given, children, queue, incidents)
 
     async def events(self, access: Access, run_id: Any, *, after: int,
-                     topics: tuple[str, ...] | None = None
+                     topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                      ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The run's stream after the cursor ``after`` (:meth:`RunStreams.pages`, following
         live; with ``topics``, only the messages published on them and the run's end), once
         the run is found in the operator's scope (else ``ACCESS_DENIED``, as a missing one,
         before anything is streamed); None when the run had ended at or before the cursor
-        (nothing more will come)."""
+        (nothing more will come). With ``heartbeat``, an empty page after that many seconds
+        without an entry."""
         tenants = self.tenants(access)
         rid = parse_run_id(run_id)
         async with self.db.connection() as conn:
             row = await runs_db.run_get(conn, rid, result=False)
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied(DENIED)
-        return self.follow(row, after=after, topics=topics)
+        return self.follow(row, after=after, topics=topics, heartbeat=heartbeat)
 
     def follow(self, row: Mapping[str, Any], *, after: int,
-               topics: tuple[str, ...] | None = None
+               topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The stream of a run already found (``row``, its summary) and checked to be the
         caller's: None when it had ended at or before the cursor."""
         if row["status"] in TERMINAL and after >= row["revision"]:
             return None
-        return self.streams.pages(row["id"], after=after, follow=True, topics=topics)
+        return self.streams.pages(row["id"], after=after, follow=True, topics=topics,
+                                  heartbeat=heartbeat)
 
     async def cancel(self, access: Access, run_id: Any, *, evidence: str) -> tuple[str, str]:
         """Cancel a run (audited: ``run.cancel``); (status before, status after)."""

@@ -307,5 +307,6 @@ class Submitters:
         handle = await self._handle(request, owner)
         info = await handle.info_async()
         pages = self.service.follow({"id": info.id, "status": info.status,
-                                     "revision": info.revision}, after=after, topics=topics)
-        return sse_response(pages, request, heartbeat=self.heartbeat)
+                                     "revision": info.revision}, after=after, topics=topics,
+                                    heartbeat=self.heartbeat)
+        return sse_response(pages)

@@ -139,30 +139,49 @@ async def journal_read_after(conn: Conn, run_id: uuid.UUID, *, after: int, limit
     return list(await cur.fetchall())
 
 
-_READ_AFTER_MANY = f"""
-SELECT w.run_id, j.seq, j.kind, j.position, j.name, j.schema_version, j.payload, j.lease_token,
-       j.created_at
-FROM unnest(%(run_ids)s::uuid[], %(afters)s::bigint[]) AS w(run_id, after)
-CROSS JOIN LATERAL (
+_POLL = f"""
+WITH asked AS (
+    SELECT * FROM unnest(%(run_ids)s::uuid[], %(afters)s::bigint[]) AS a(run_id, after)),
+moved AS (
+    SELECT a.run_id, a.after, r.revision, r.status
+    FROM asked a LEFT JOIN {S}.runs r ON r.id = a.run_id
+    WHERE r.id IS NULL OR r.revision > a.after)
+SELECT m.run_id, m.revision AS run_revision, m.status AS run_status, j.seq, j.kind, j.position,
+       j.name, j.schema_version, j.payload, j.lease_token, j.created_at
+FROM moved m LEFT JOIN LATERAL (
     SELECT {_COLUMNS} FROM {S}.journal
-    WHERE run_id = w.run_id AND seq > w.after
-    ORDER BY seq LIMIT %(limit)s) j
-ORDER BY w.run_id, j.seq
+    WHERE run_id = m.run_id AND seq > m.after
+    ORDER BY seq LIMIT %(limit)s) j ON true
+ORDER BY m.run_id, j.seq
 """
 
+Polled = tuple[dict[uuid.UUID, "dict[str, Any] | None"], dict[uuid.UUID, list[Entry]]]
+"""What :func:`journal_poll` found: the runs that moved past their cursor (their ``revision``
+and ``status``) or are gone (None), and the entries read after each moved run's cursor."""
 
-async def journal_read_after_many(conn: Conn, afters: Mapping[uuid.UUID, int], *, limit: int
-                                  ) -> dict[uuid.UUID, list[Entry]]:
-    """For each run of ``afters``, at most ``limit`` of its entries after its cursor, oldest
-    first, in one statement however many runs (by the primary key of each): what a stream's
-    poller reads for the followed runs that moved. A run with no such entry is absent."""
-    ids = list(afters)
-    cur = await conn.execute(_READ_AFTER_MANY, {
-        "run_ids": ids, "afters": [afters[i] for i in ids], "limit": limit})
-    found: dict[uuid.UUID, list[Entry]] = {}
+
+async def journal_poll(conn: Conn, afters: Mapping[uuid.UUID, int], *, limit: int) -> Polled:
+    """Of the runs of ``afters``, those whose ``revision`` (their last ``seq``) is past their
+    cursor, with at most ``limit`` of their entries after it, oldest first, and those that no
+    longer exist: what a stream's poller asks for every followed run at each pause, in one
+    statement and one snapshot however many runs (by primary keys). A run that did not move is
+    absent, so a poll of many quiet runs returns nothing. (The ids and cursors go as array
+    literals, which cost less to send than lists adapted element by element.)"""
+    cur = await conn.execute(_POLL, {
+        "run_ids": "{" + ",".join(map(str, afters)) + "}",
+        "afters": "{" + ",".join(map(str, afters.values())) + "}",
+        "limit": limit})
+    revisions: dict[uuid.UUID, dict[str, Any] | None] = {}
+    entries: dict[uuid.UUID, list[Entry]] = {}
     for row in await cur.fetchall():
-        found.setdefault(row.pop("run_id"), []).append(row)
-    return found
+        run_id, revision, status = row.pop("run_id"), row.pop("run_revision"), row.pop(
+            "run_status")
+        if run_id not in revisions:
+            revisions[run_id] = (None if revision is None
+                                 else {"revision": revision, "status": status})
+        if row["seq"] is not None:
+            entries.setdefault(run_id, []).append(row)
+    return revisions, entries
 
 
 async def journal_unknown_calls(conn: Conn, run_id: uuid.UUID, positions: Sequence[int]

@@ -253,11 +253,11 @@ async def test_followers_in_one_loop_share_the_polls_and_the_reads(app, sql, mon
     from orchestrator import stream
 
     counted = {"polls": 0, "pages": 0}
-    poll, page = stream.runs_db.run_revisions, stream.journal_db.journal_read_after
+    poll, page = stream.journal_db.journal_poll, stream.journal_db.journal_read_after
 
-    async def counting_poll(conn, ids):  # type: ignore[no-untyped-def]
-        counted["polls"] += len(ids) > 0
-        return await poll(conn, ids)
+    async def counting_poll(conn, afters, **options):  # type: ignore[no-untyped-def]
+        counted["polls"] += len(afters) > 0
+        return await poll(conn, afters, **options)
 
     async def counting_page(conn, run_id, **options):  # type: ignore[no-untyped-def]
         counted["pages"] += 1
@@ -267,7 +267,7 @@ async def test_followers_in_one_loop_share_the_polls_and_the_reads(app, sql, mon
     async with running(app):
         runs = [await app.submit_async(gated, {"gates": 1}) for _ in range(5)]
         await wait_for(lambda: all(_status(sql, r) == "waiting" for r in runs))
-        monkeypatch.setattr(stream.runs_db, "run_revisions", counting_poll)
+        monkeypatch.setattr(stream.journal_db, "journal_poll", counting_poll)
         monkeypatch.setattr(stream.journal_db, "journal_read_after", counting_page)
         followers = [asyncio.ensure_future(_all(r.events(after=4)))
                      for r in runs for _ in range(8 if r is runs[0] else 3)]
@@ -297,15 +297,16 @@ async def test_woken_followers_take_the_entries_the_poll_read_once_each_and_in_o
     from orchestrator import stream
 
     counted = {"pages": 0, "many": 0}
-    page, many = stream.journal_db.journal_read_after, stream.journal_db.journal_read_after_many
+    page, poll = stream.journal_db.journal_read_after, stream.journal_db.journal_poll
 
     async def counting_page(conn, run_id, **options):  # type: ignore[no-untyped-def]
         counted["pages"] += 1
         return await page(conn, run_id, **options)
 
-    async def counting_many(conn, afters, **options):  # type: ignore[no-untyped-def]
-        counted["many"] += 1
-        return await many(conn, afters, **options)
+    async def counting_poll(conn, afters, **options):  # type: ignore[no-untyped-def]
+        found = await poll(conn, afters, **options)
+        counted["many"] += bool(found[1])  # a poll that read entries for its followers
+        return found
 
     gated = _gated(app)
     cursors = [(0, None), (2, None), (3, ("progress",)), (0, ("progress",))]
@@ -313,7 +314,7 @@ async def test_woken_followers_take_the_entries_the_poll_read_once_each_and_in_o
         runs = [await app.submit_async(gated, {"gates": 3}) for _ in range(3)]
         await wait_for(lambda: all(_status(sql, r) == "waiting" for r in runs))
         monkeypatch.setattr(stream.journal_db, "journal_read_after", counting_page)
-        monkeypatch.setattr(stream.journal_db, "journal_read_after_many", counting_many)
+        monkeypatch.setattr(stream.journal_db, "journal_poll", counting_poll)
         followers = [asyncio.ensure_future(_all(r.events(after=after, topics=topics)))
                      for r in runs for after, topics in cursors]
         poller = app._streams._poller()
@@ -335,3 +336,26 @@ async def test_woken_followers_take_the_entries_the_poll_read_once_each_and_in_o
                          or (e["kind"] == "message" and e["name"] in topics))]
         assert [e.model_dump() for e in story] == expected
         assert expected[-1]["kind"] == "run.completed"
+
+
+async def test_the_poll_answers_only_the_runs_that_moved_and_those_that_are_gone(app, sql):
+    """One statement for every followed run: a run at its cursor is absent from the answer,
+    a run past it comes with its revision, status and the entries after the cursor (at most
+    the limit), and a run that does not exist comes as None."""
+    from orchestrator.db import journal as journal_db
+
+    gated = _gated(app)
+    async with running(app):
+        runs = [await app.submit_async(gated, {"gates": 1}) for _ in range(2)]
+        await wait_for(lambda: all(_status(sql, r) == "waiting" for r in runs))
+        quiet, moved = runs
+        last = {r.id: sql("SELECT revision FROM orchestrator.runs WHERE id = %s",
+                          (r.id,))[0]["revision"] for r in runs}
+        gone = uuid.uuid4()
+        afters = {quiet.id: last[quiet.id], moved.id: last[moved.id] - 3, gone: 0}
+        revisions, entries = await app.database.read(
+            lambda conn: journal_db.journal_poll(conn, afters, limit=2))
+    assert revisions == {moved.id: {"revision": last[moved.id], "status": "waiting"},
+                         gone: None}
+    assert [e["seq"] for e in entries[moved.id]] == [last[moved.id] - 2, last[moved.id] - 1]
+    assert set(entries) == {moved.id}

@@ -61,13 +61,13 @@ async def test_a_follower_that_joins_during_a_poll_waits_for_the_next_one() -> N
     await poller.close()
 
 
-async def test_a_run_missing_from_the_answer_wakes_its_followers_with_none() -> None:
+async def test_a_run_gone_wakes_its_followers_with_none() -> None:
     db = HeldDatabase()
     poller = db.poller = _RevisionPoller(db)  # type: ignore[arg-type]
     gone = uuid.uuid4()
     waiting = asyncio.ensure_future(poller.changed(gone, 1))
     await db.polled.wait()
-    db.answers.put_nowait(({}, {}))  # asked for, not found: the run is gone
+    db.answers.put_nowait(({gone: None}, {}))  # asked for, not found: the run is gone
     assert await asyncio.wait_for(waiting, 5) == (None, None)
     await poller.close()
 
@@ -95,4 +95,43 @@ async def test_a_follower_reads_itself_when_the_poll_read_a_whole_page() -> None
     full = [entry(seq) for seq in range(1, PAGE + 1)]  # there may be more after these
     db.answers.put_nowait(({run: {"revision": PAGE + 7, "status": "running"}}, {run: full}))
     assert await waiting == ({"revision": PAGE + 7, "status": "running"}, None)
+    await poller.close()
+
+
+async def test_a_run_absent_from_the_answer_did_not_move_and_its_followers_wait_on() -> None:
+    db = HeldDatabase()
+    poller = db.poller = _RevisionPoller(db)  # type: ignore[arg-type]
+    quiet = uuid.uuid4()
+    waiting = asyncio.ensure_future(poller.changed(quiet, 2))
+    await db.polled.wait()
+    db.polled.clear()
+    db.answers.put_nowait(({}, {}))  # nothing moved
+    await db.polled.wait()  # the next poll asks for it again
+    assert not waiting.done() and db.asked[-1] == [quiet]
+    db.answers.put_nowait(({quiet: {"revision": 3, "status": "running"}}, {quiet: [entry(3)]}))
+    assert await asyncio.wait_for(waiting, 5) == ({"revision": 3, "status": "running"},
+                                                  [entry(3)])
+    await poller.close()
+
+
+class QuietDatabase:
+    """Every poll finds that nothing moved."""
+
+    async def read(self, statement: Any) -> Any:
+        return {}, {}
+
+
+async def test_a_follower_with_a_heartbeat_is_woken_with_none_when_nothing_moved() -> None:
+    poller = _RevisionPoller(QuietDatabase())  # type: ignore[arg-type]
+    run = uuid.uuid4()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    beating = asyncio.ensure_future(poller.changed(run, 1, 0.3))
+    silent = asyncio.ensure_future(poller.changed(run, 1))
+    assert await asyncio.wait_for(beating, 5) is None
+    assert 0.3 <= loop.time() - started < 1.0  # at the first poll after it was due
+    assert not silent.done() and [w[0] for w in poller.waiting[run]] == [1]  # still waiting
+    again = asyncio.ensure_future(poller.changed(run, 1, 0.3))  # waits again, beats again
+    assert await asyncio.wait_for(again, 5) is None
+    silent.cancel()
     await poller.close()
