@@ -76,7 +76,8 @@ def test_ctrl_c_stops_watching_quietly(workers, client):
     watch = start_cli(["runs", "watch", str(run.id)], database_url=workers.url)
     workers.wait(lambda: workers.sql(
         "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
-        "AND query LIKE '%WITH asked AS%moved AS%'"),  # its poll (journal_poll)
+        "AND query LIKE '%WITH asked AS%moved AS%' "  # its poll (journal_poll) …
+        "AND pid <> pg_backend_pid()"),  # … not this query, which has the same words
         "the watcher to follow the run")
     watch.send_signal(signal.SIGINT)
     code, out, err = _finish(watch, timeout=15)

@@ -47,7 +47,8 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
         as_json = asyncio.ensure_future(cli(url, "runs", "watch", str(good.id), "--json"))
         await wait_for(lambda: len(sql(
             "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query "
-            "LIKE '%WITH asked AS%moved AS%'")) >= 4)  # each one's poll (journal_poll)
+            "LIKE '%WITH asked AS%moved AS%' "  # each one's poll (journal_poll), not this one
+            "AND pid <> pg_backend_pid()")) >= 4)
         await asyncio.sleep(0.2)
         assert not any(w.done() for w in watches)  # they follow: the runs are not finished
         for run in (good, bad):
