@@ -19,6 +19,10 @@ import time
 import uuid
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
+
 from orchestrator.db import grants as grants_db
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
@@ -41,8 +45,9 @@ from orchestrator.ids import default_worker_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
-from orchestrator.registry import Registry
+from orchestrator.registry import Registry, Workflow
 from orchestrator.text import storable
+from orchestrator.tracing import record_error
 
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
@@ -215,12 +220,42 @@ class Worker:
             if self._stop.is_set():
                 executor.run.request_drain()
             workflow = self.registry.workflows[executor.workflow_key]
-            await executor.drive(workflow)
+            tracer = self.config.tracing.tracer
+            if tracer is None:
+                await executor.drive(workflow)
+            else:
+                await self._drive_traced(tracer, executor, workflow, claim)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("run %s: the worker failed while driving it; its lease will expire",
                           run_id, extra=fields(run_id=run_id, workflow=_workflow(claim)))
+
+    async def _drive_traced(self, tracer: Tracer, executor: RunExecutor, workflow: Workflow,
+                            claim: dict[str, Any]) -> None:
+        """:meth:`RunExecutor.drive` inside this execution's ``run`` span, current for the
+        run's task and so for every branch, call and log line of it (docs/tracing.md)."""
+        run = executor.run
+        span = self.config.tracing.run_span(tracer, run.workflow_name, claim.get("traceparent"), {
+            "orchestrator.run_id": run.run_text,
+            "orchestrator.workflow": run.workflow_name,
+            "orchestrator.workflow_version": claim["workflow_version"],
+            "orchestrator.worker_id": self.worker_id,
+            "orchestrator.lease_token": run.token,
+            "orchestrator.replay": claim["revision"] > 0})
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            if claim["revision"] > 0:
+                span.add_event("resume", {"orchestrator.revision": claim["revision"]})
+            await executor.drive(workflow)
+            if run.lost:
+                record_error(span, "LEASE_LOST")
+        except BaseException as exc:
+            record_error(span, getattr(exc, "code", None) or type(exc).__name__)
+            raise
+        finally:
+            span.end()
+            otel_context.detach(token)
 
     async def _executor_for(self, claim: dict[str, Any]) -> RunExecutor | None:
         """Decode one claimed run (its input, its journal) and build its executor. A run whose
