@@ -38,9 +38,13 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
 def fields(**values: Any) -> dict[str, Any]:
-    """The ``extra=`` of a log call: the known fields (None left out), ids as text."""
-    return {name: str(value) if isinstance(value, uuid.UUID) else value
-            for name, value in values.items() if value is not None}
+    """The ``extra=`` of a log call: the known fields (None left out), ids as text, and the
+    current span's ``trace_id`` and ``span_id`` if there is one (taken now, in the caller's
+    context: a handler may format the record later, elsewhere)."""
+    found = {name: str(value) if isinstance(value, uuid.UUID) else value
+             for name, value in values.items() if value is not None}
+    _trace_fields(found)
+    return found
 
 
 class JsonFormatter(logging.Formatter):
@@ -53,10 +57,11 @@ class JsonFormatter(logging.Formatter):
         line: dict[str, Any] = {"ts": ts, "level": record.levelname, "logger": record.name,
                                 "message": record.getMessage()}
         attributes = record.__dict__
-        if "trace_id" not in attributes:
-            _trace_fields(attributes)
+        spans: dict[str, Any] = {}
+        if "trace_id" not in attributes:  # a line logged without fields(): if formatted
+            _trace_fields(spans)  # in the logging call's context, its span
         for name in FIELDS:
-            value = attributes.get(name)
+            value = attributes.get(name, spans.get(name))
             if value is not None:
                 line[name] = value if isinstance(value, str | int | float | bool) else str(value)
         if record.exc_info:
@@ -67,21 +72,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def _trace_fields(attributes: dict[str, Any]) -> None:
-    """The current span's trace and span ids (hex, as trace backends show them), when there
-    is a valid one: a line written while a run's or a call's span is current names it. The
-    formatter runs in the logging call's own thread and context (a queue handler in between
-    would lose them: attach the fields with :func:`trace_fields` there)."""
+    """Add the current span's trace and span ids (hex, as trace backends show them) when
+    there is a valid one: a line written while a run's or a call's span is current names it."""
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
         attributes["trace_id"] = f"{ctx.trace_id:032x}"
         attributes["span_id"] = f"{ctx.span_id:016x}"
-
-
-def trace_fields() -> dict[str, str]:
-    """``trace_id`` and ``span_id`` of the current span, for ``extra=`` (empty without one)."""
-    found: dict[str, Any] = {}
-    _trace_fields(found)
-    return found
 
 
 def log_format(chosen: str | None) -> str:
@@ -141,5 +137,7 @@ class WorkflowLogger(logging.LoggerAdapter[logging.Logger]):
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]
                 ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        extra = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        _trace_fields(extra)
+        kwargs["extra"] = extra
         return msg, kwargs
