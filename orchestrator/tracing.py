@@ -112,7 +112,7 @@ def parse_traceparent(text: str | None) -> SpanContext | None:
     if not trace_id or not span_id:
         return None
     return SpanContext(trace_id, span_id, is_remote=True,
-                       trace_flags=TraceFlags(int(match[3], 16) & 0x01))
+                       trace_flags=TraceFlags(int(match[3], 16)))
 
 
 def current_traceparent() -> str | None:

@@ -127,6 +127,8 @@ class Commands:
         if left <= 0:
             return
         if left <= IN_MEMORY_SLEEP:
+            tracing.event("wait", {"orchestrator.wait": "timer", "orchestrator.position": position,
+                                   "orchestrator.in_memory": True})
             with self.branches.active():
                 await asyncio.sleep(left)
             return
