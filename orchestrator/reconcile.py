@@ -295,21 +295,29 @@ class Reconciler:
         tracer = self.config.tracing.tracer
         if tracer is None:
             answer, raised = await self._lookup(tool, ctx, arguments)
-        else:
-            with tracer.start_as_current_span(
-                    f"lookup {tool.name}", kind=SpanKind.CLIENT, record_exception=False,
-                    set_status_on_exception=False, attributes={
-                        "orchestrator.run_id": str(item["run_id"]),
-                        "orchestrator.tool": tool.name,
-                        "orchestrator.operation_id": item["operation_id"],
-                        "orchestrator.attempt": item["attempt"],
-                        "orchestrator.idempotency_key_digest":
-                            key_digest(item["idempotency_key"]),
-                        "orchestrator.lookup_attempt": item["lookup_attempts"] + 1}) as span:
-                answer, raised = await self._lookup(tool, ctx, arguments)
-                span.set_attribute("orchestrator.outcome", _answer_word(answer))
-                if raised is not None:
-                    record_error(span, type(raised).__name__)
+            await self._answered(item, tool, answer, raised)
+            return
+        # The lookup's span is current while its answer is recorded too: the lines logged
+        # about it name its trace.
+        with tracer.start_as_current_span(
+                f"lookup {tool.name}", kind=SpanKind.CLIENT, record_exception=False,
+                set_status_on_exception=False, attributes={
+                    "orchestrator.run_id": str(item["run_id"]),
+                    "orchestrator.tool": tool.name,
+                    "orchestrator.operation_id": item["operation_id"],
+                    "orchestrator.attempt": item["attempt"],
+                    "orchestrator.idempotency_key_digest": key_digest(item["idempotency_key"]),
+                    "orchestrator.lookup_attempt": item["lookup_attempts"] + 1}) as span:
+            answer, raised = await self._lookup(tool, ctx, arguments)
+            span.set_attribute("orchestrator.outcome", _answer_word(answer))
+            if raised is not None:
+                record_error(span, type(raised).__name__)
+            await self._answered(item, tool, answer, raised)
+
+    async def _answered(self, item: dict[str, Any], tool: Tool, answer: Any,
+                        raised: Exception | None) -> None:
+        """Record a lookup's answer: resolve the operation, or try again later, or hand it to
+        operators."""
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""

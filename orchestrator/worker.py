@@ -17,11 +17,12 @@ import secrets
 import socket
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Span, Tracer
 
 from orchestrator.db import grants as grants_db
 from orchestrator.db import journal as journal_db
@@ -98,6 +99,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.claimed = 0  # runs claimed since start (for tests and the demo)
+        self._spans: dict[uuid.UUID, Span] = {}  # the run span of each run driven here
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
@@ -228,8 +230,20 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("run %s: the worker failed while driving it; its lease will expire",
-                          run_id, extra=fields(run_id=run_id, workflow=_workflow(claim)))
+            with self._in_span(run_id):
+                log.exception("run %s: the worker failed while driving it; its lease will "
+                              "expire", run_id,
+                              extra=fields(run_id=run_id, workflow=_workflow(claim)))
+        finally:
+            self._spans.pop(run_id, None)
+
+    def _in_span(self, run_id: uuid.UUID) -> AbstractContextManager[Any]:
+        """The run's span current (if it has one here): for a line logged about the run
+        outside its own task, so that the line names its trace."""
+        span = self._spans.get(run_id)
+        if span is None:
+            return nullcontext()
+        return trace.use_span(span, record_exception=False, set_status_on_exception=False)
 
     async def _drive_traced(self, tracer: Tracer, executor: RunExecutor, workflow: Workflow,
                             claim: dict[str, Any]) -> None:
@@ -243,6 +257,7 @@ class Worker:
             "orchestrator.worker_id": self.worker_id,
             "orchestrator.lease_token": run.token,
             "orchestrator.replay": claim["revision"] > 0})
+        self._spans[run.run_id] = span
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             if claim["revision"] > 0:
@@ -330,7 +345,8 @@ class Worker:
             if rid in renewed:
                 ex.run.lease_renewed(sent)
             elif rid not in kept and rid in self._running and not ex.run.ending:
-                ex.run.lose_lease("heartbeat rejected")
+                with self._in_span(rid):
+                    ex.run.lose_lease("heartbeat rejected")
         return True
 
     async def _drain(self) -> None:

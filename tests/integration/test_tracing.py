@@ -259,3 +259,8 @@ async def test_an_uncertain_call_and_its_lookup_say_so_without_the_upstream_text
              if r.name == "orchestrator.worker" and "needs reconciliation" in r.getMessage()]
     assert [(line["trace_id"], line["run_id"]) for line in lines] == [
         (f"{ran.context.trace_id:032x}", str(run.id))]
+    # So does the reconciler's line about the lookup (its span was current).
+    lines = [json.loads(formatter.format(r)) for r in caplog.records
+             if r.name == "orchestrator.reconciler"]
+    assert [(line["trace_id"], line["span_id"]) for line in lines] == [
+        (f"{lookup.context.trace_id:032x}", f"{lookup.context.span_id:016x}")]
