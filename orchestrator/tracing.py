@@ -145,3 +145,10 @@ def annotate(name: str, value: str | int | bool) -> None:
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(name, value)
+
+
+def fail_current(code: str) -> None:
+    """Mark the current span failed with ``code`` (see :func:`record_error`)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        record_error(span, code)

@@ -324,6 +324,8 @@ class Outcome:
         tracing.annotate("orchestrator.outcome", status)
         if code is not None:
             tracing.annotate("orchestrator.code", code)
+        if status == "failed":
+            tracing.fail_current(code or "WORKFLOW_FAILED")
         return True
 
 

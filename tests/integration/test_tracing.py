@@ -264,3 +264,25 @@ async def test_an_uncertain_call_and_its_lookup_say_so_without_the_upstream_text
              if r.name == "orchestrator.reconciler"]
     assert [(line["trace_id"], line["span_id"]) for line in lines] == [
         (f"{lookup.context.trace_id:032x}", f"{lookup.context.span_id:016x}")]
+
+
+async def test_a_failed_run_is_an_error_with_its_code_and_no_message(
+        make_app, provider, exporter):  # type: ignore[no-untyped-def]
+    from orchestrator import RunFailed
+
+    app = make_app(tracer_provider=provider)
+
+    @app.workflow()
+    async def breaks(ctx, data):  # type: ignore[no-untyped-def]
+        raise KeyError(SECRET)
+
+    async with running(app):
+        run = await app.submit_async(breaks, None)
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=10)
+    (ran,) = _named(exporter.get_finished_spans(), "run breaks")
+    assert ran.status.status_code is StatusCode.ERROR
+    assert ran.attributes["orchestrator.outcome"] == "failed"
+    assert ran.attributes["orchestrator.code"] == "WORKFLOW_FAILED"
+    assert SECRET not in _everything_said(exporter.get_finished_spans())
+
