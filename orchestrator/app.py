@@ -25,6 +25,8 @@ from collections.abc import (
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, overload
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 from typing_extensions import TypeVar
 
 from orchestrator import admin, canonical
@@ -70,9 +72,18 @@ from orchestrator.registry import (
 )
 from orchestrator.stream import RunStreams
 from orchestrator.text import check_identifier
+from orchestrator.tracing import (
+    PARENT_MODES,
+    ParentMode,
+    Tracing,
+    current_traceparent,
+    format_traceparent,
+    record_error,
+)
 from orchestrator.worker import Worker
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("orchestrator.app")
@@ -82,6 +93,7 @@ log = logging.getLogger("orchestrator.app")
 P = ParamSpec("P")
 I = TypeVar("I")  # noqa: E741 - a workflow's input
 R = TypeVar("R")
+T = TypeVar("T")
 
 _EARLY_STOP = threading.Event()  # a SIGTERM that came before the loop's own handler (below)
 
@@ -131,6 +143,8 @@ class Orchestrator:
         stage_timeout: timedelta = timedelta(seconds=30),
         tool_timeout: timedelta = timedelta(minutes=5),
         receipts_ride: bool = True,
+        trace_parent: ParentMode = "link",
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self._database_url = database_url
         self._database: Database | None = None
@@ -162,6 +176,12 @@ class Orchestrator:
         # `submitted`, the run's end) rather than in a transaction of its own before the
         # workflow goes on; False commits each receipt before the workflow sees it.
         self.receipts_ride = receipts_ride
+        # Traces (docs/tracing.md): a run's span on a worker is linked to (or a child of) the
+        # span that submitted it; spans go to ``tracer_provider``, else the global provider.
+        if trace_parent not in PARENT_MODES:
+            raise ConfigurationError(
+                f"trace_parent must be one of {', '.join(PARENT_MODES)}, got {trace_parent!r}")
+        self.tracing = Tracing(parent=trace_parent, provider=tracer_provider)
         self.registry = Registry()
         self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)
@@ -188,7 +208,8 @@ class Orchestrator:
         return EngineConfig(json_limits=self.json_limits,
                             max_journal_events=self.max_journal_events, lease_ttl=self.lease_ttl,
                             tool_timeout=self.tool_timeout, receipts_ride=self.receipts_ride,
-                            authorize=self.authorize, approve=self.approve)
+                            authorize=self.authorize, approve=self.approve,
+                            tracing=self.tracing)
 
     @property
     def target(self) -> DatabaseTarget:
@@ -359,6 +380,30 @@ class Orchestrator:
             seconds = deadline.total_seconds()
         row = self.new_run_row(wf, input, owner=who, idempotency_key=idempotency_key,
                                deadline=seconds)
+        tracer = self.tracing.tracer
+        if tracer is None:  # not tracing here: the caller's own span, if any, is the parent
+            row["traceparent"] = current_traceparent()
+            return await self._insert_run(row, who, connection)
+        with tracer.start_as_current_span(
+                f"submit {wf.name}", kind=SpanKind.PRODUCER, record_exception=False,
+                set_status_on_exception=False, attributes={
+                    "orchestrator.workflow": wf.name,
+                    "orchestrator.workflow_version": wf.version,
+                    "orchestrator.run_id": str(row["id"]),
+                    "orchestrator.keyed": idempotency_key is not None}) as span:
+            row["traceparent"] = format_traceparent(span.get_span_context())
+            try:
+                handle, created = await self._insert_run(row, who, connection)
+            except Exception as exc:
+                record_error(span, getattr(exc, "code", None) or type(exc).__name__)
+                raise
+            span.set_attribute("orchestrator.created", created)
+            if not created:  # an earlier submission's run: that one carries its trace
+                span.set_attribute("orchestrator.run_id", str(handle.id))
+            return handle, created
+
+    async def _insert_run(self, row: dict[str, Any], who: Owner, connection: Conn | None
+                          ) -> tuple[RunHandle[Any], bool]:
         if connection is not None:
             run_id, created, digest = await runs_db.run_insert(connection, row)
         else:
@@ -405,10 +450,11 @@ class Orchestrator:
         deadline: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]:
-        """Sync twin of :meth:`submit_async`."""
-        return self._portal.call(self.submit_async(
+        """Sync twin of :meth:`submit_async`. The caller's current span (its thread's
+        OpenTelemetry context) is the submission's parent, as in the async method."""
+        return self._portal.call(_in_context(otel_context.get_current(), self.submit_async(
             workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-            connection=connection))
+            connection=connection)))
 
     # -- reading and acting on runs ----------------------------------------------------------
 
@@ -714,3 +760,13 @@ def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:
         return uuid.UUID(str(value))
     except ValueError:
         return None
+
+
+async def _in_context(ctx: otel_context.Context, coro: Awaitable[T]) -> T:
+    """Await ``coro`` with ``ctx`` as the current OpenTelemetry context: a sync method's
+    coroutine runs on the portal's thread, whose context is not the caller's."""
+    token = otel_context.attach(ctx)
+    try:
+        return await coro
+    finally:
+        otel_context.detach(token)

@@ -4,9 +4,11 @@ this package runs (``text``, ``json``), and ``ctx.log``'s replay-silent logger.
 A line about a run carries its identity as fields given with ``extra=`` (:func:`fields`):
 ``run_id``, ``operation_id``, ``workflow`` (``name@version``), ``tool``, ``code`` (a stable
 code, CONTRACT C10), ``incident`` (the reference of the protected diagnostics) and ``cause``
-(an exception's type name or an error code). The text format shows the message only, which
-names the same facts in words; the JSON format (:class:`JsonFormatter`) writes one object per
-line with ``ts``, ``level``, ``logger``, ``message`` and each field that is known.
+(an exception's type name or an error code); and ``trace_id`` / ``span_id`` of the current
+OpenTelemetry span when there is one (docs/tracing.md). The text format shows the message
+only, which names the same facts in words; the JSON format (:class:`JsonFormatter`) writes
+one object per line with ``ts``, ``level``, ``logger``, ``message`` and each field that is
+known.
 
 No line carries tool or upstream text, an exception's message, or a run's input, arguments,
 receipts or result: those go to incidents (docs/logging.md).
@@ -22,9 +24,12 @@ from collections.abc import Callable, MutableMapping
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from opentelemetry import trace
+
 from orchestrator.errors import ConfigurationError
 
-FIELDS = ("run_id", "operation_id", "workflow", "tool", "code", "incident", "cause")
+FIELDS = ("run_id", "operation_id", "workflow", "tool", "code", "incident", "cause",
+          "trace_id", "span_id")
 """The structured fields a line may carry, in the order a JSON line lists them."""
 
 FORMATS = ("text", "json")
@@ -33,9 +38,13 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
 def fields(**values: Any) -> dict[str, Any]:
-    """The ``extra=`` of a log call: the known fields (None left out), ids as text."""
-    return {name: str(value) if isinstance(value, uuid.UUID) else value
-            for name, value in values.items() if value is not None}
+    """The ``extra=`` of a log call: the known fields (None left out), ids as text, and the
+    current span's ``trace_id`` and ``span_id`` if there is one (taken now, in the caller's
+    context: a handler may format the record later, elsewhere)."""
+    found = {name: str(value) if isinstance(value, uuid.UUID) else value
+             for name, value in values.items() if value is not None}
+    _trace_fields(found)
+    return found
 
 
 class JsonFormatter(logging.Formatter):
@@ -48,8 +57,11 @@ class JsonFormatter(logging.Formatter):
         line: dict[str, Any] = {"ts": ts, "level": record.levelname, "logger": record.name,
                                 "message": record.getMessage()}
         attributes = record.__dict__
+        spans: dict[str, Any] = {}
+        if "trace_id" not in attributes:  # a line logged without fields(): if formatted
+            _trace_fields(spans)  # in the logging call's context, its span
         for name in FIELDS:
-            value = attributes.get(name)
+            value = attributes.get(name, spans.get(name))
             if value is not None:
                 line[name] = value if isinstance(value, str | int | float | bool) else str(value)
         if record.exc_info:
@@ -57,6 +69,15 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
         return json.dumps(line)
+
+
+def _trace_fields(attributes: dict[str, Any]) -> None:
+    """Add the current span's trace and span ids (hex, as trace backends show them) when
+    there is a valid one: a line written while a run's or a call's span is current names it."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        attributes["trace_id"] = f"{ctx.trace_id:032x}"
+        attributes["span_id"] = f"{ctx.span_id:016x}"
 
 
 def log_format(chosen: str | None) -> str:
@@ -116,5 +137,7 @@ class WorkflowLogger(logging.LoggerAdapter[logging.Logger]):
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]
                 ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        extra = {**(kwargs.get("extra") or {}), **(self.extra or {})}
+        _trace_fields(extra)
+        kwargs["extra"] = extra
         return msg, kwargs

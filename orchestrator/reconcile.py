@@ -16,6 +16,8 @@ import random
 import traceback
 from typing import Any
 
+from opentelemetry.trace import SpanKind
+
 from orchestrator import canonical
 from orchestrator.context import ToolContext
 from orchestrator.db import grants as grants_db
@@ -39,8 +41,9 @@ from orchestrator.logs import fields
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
-from orchestrator.registry import Registry
+from orchestrator.registry import Registry, Tool
 from orchestrator.text import check_operator, check_prose, storable
+from orchestrator.tracing import key_digest, record_error
 
 log = logging.getLogger("orchestrator.reconciler")
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
@@ -289,17 +292,32 @@ class Reconciler:
                           owner=Owner.model_construct(tenant=item["tenant"],
                                                       principal=item["principal"]),
                           deadline=None)
-        raised: Exception | None = None
-        try:
-            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **arguments),
-                                            self.lookup_timeout)
-        except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
-            answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc
-        if isinstance(answer, Committed):
-            try:
-                self.config.json_limits.check(answer.receipt, "$.receipt")
-            except InvalidRequest:
-                answer = StillUnknown("the lookup's receipt is not JSON")
+        tracer = self.config.tracing.tracer
+        if tracer is None:
+            answer, raised = await self._lookup(tool, ctx, arguments)
+            await self._answered(item, tool, answer, raised)
+            return
+        # The lookup's span is current while its answer is recorded too: the lines logged
+        # about it name its trace.
+        with tracer.start_as_current_span(
+                f"lookup {tool.name}", kind=SpanKind.CLIENT, record_exception=False,
+                set_status_on_exception=False, attributes={
+                    "orchestrator.run_id": str(item["run_id"]),
+                    "orchestrator.tool": tool.name,
+                    "orchestrator.operation_id": item["operation_id"],
+                    "orchestrator.attempt": item["attempt"],
+                    "orchestrator.idempotency_key_digest": key_digest(item["idempotency_key"]),
+                    "orchestrator.lookup_attempt": item["lookup_attempts"] + 1}) as span:
+            answer, raised = await self._lookup(tool, ctx, arguments)
+            span.set_attribute("orchestrator.outcome", _answer_word(answer))
+            if raised is not None:
+                record_error(span, type(raised).__name__)
+            await self._answered(item, tool, answer, raised)
+
+    async def _answered(self, item: dict[str, Any], tool: Tool, answer: Any,
+                        raised: Exception | None) -> None:
+        """Record a lookup's answer: resolve the operation, or try again later, or hand it to
+        operators."""
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""
@@ -328,6 +346,24 @@ class Reconciler:
             log.info("run %s: operation %s still unknown after lookup %d%s; next lookup in "
                      "%.1f s", item["run_id"], item["operation_id"], attempts, kept, retry_in,
                      extra=_said(item, incident=ref))
+
+    async def _lookup(self, tool: Tool, ctx: ToolContext, arguments: dict[str, Any]
+                      ) -> tuple[Any, Exception | None]:
+        """The tool's lookup's answer (a raised or malformed one is still unknown), and what
+        it raised, if anything."""
+        assert tool.lookup_fn is not None
+        raised: Exception | None = None
+        try:
+            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **arguments),
+                                            self.lookup_timeout)
+        except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
+            answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc
+        if isinstance(answer, Committed):
+            try:
+                self.config.json_limits.check(answer.receipt, "$.receipt")
+            except InvalidRequest:
+                answer = StillUnknown("the lookup's receipt is not JSON")
+        return answer, raised
 
     def backoff(self, attempts: int) -> float:
         """A jittered exponential delay: between half and all of a window that doubles per
@@ -372,3 +408,10 @@ def _said(item: dict[str, Any], **more: Any) -> dict[str, Any]:
     """The fields of a reconciler's line about one queue item (docs/logging.md)."""
     return fields(run_id=item["run_id"], operation_id=item["operation_id"],
                   tool=item["tool_name"], **more)
+
+
+def _answer_word(answer: Any) -> str:
+    """A lookup's answer on its span: committed, not_applied or still_unknown."""
+    if isinstance(answer, Committed):
+        return "committed"
+    return "not_applied" if isinstance(answer, NotApplied) else "still_unknown"

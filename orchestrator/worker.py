@@ -17,7 +17,12 @@ import secrets
 import socket
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, Tracer
 
 from orchestrator.db import grants as grants_db
 from orchestrator.db import journal as journal_db
@@ -41,8 +46,9 @@ from orchestrator.ids import default_worker_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
-from orchestrator.registry import Registry
+from orchestrator.registry import Registry, Workflow
 from orchestrator.text import storable
+from orchestrator.tracing import record_error
 
 log = logging.getLogger("orchestrator.worker")
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
@@ -93,6 +99,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.claimed = 0  # runs claimed since start (for tests and the demo)
+        self._spans: dict[uuid.UUID, Span] = {}  # the run span of each run driven here
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
@@ -215,12 +222,55 @@ class Worker:
             if self._stop.is_set():
                 executor.run.request_drain()
             workflow = self.registry.workflows[executor.workflow_key]
-            await executor.drive(workflow)
+            tracer = self.config.tracing.tracer
+            if tracer is None:
+                await executor.drive(workflow)
+            else:
+                await self._drive_traced(tracer, executor, workflow, claim)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("run %s: the worker failed while driving it; its lease will expire",
-                          run_id, extra=fields(run_id=run_id, workflow=_workflow(claim)))
+            with self._in_span(run_id):
+                log.exception("run %s: the worker failed while driving it; its lease will "
+                              "expire", run_id,
+                              extra=fields(run_id=run_id, workflow=_workflow(claim)))
+        finally:
+            self._spans.pop(run_id, None)
+
+    def _in_span(self, run_id: uuid.UUID) -> AbstractContextManager[Any]:
+        """The run's span current (if it has one here): for a line logged about the run
+        outside its own task, so that the line names its trace."""
+        span = self._spans.get(run_id)
+        if span is None:
+            return nullcontext()
+        return trace.use_span(span, record_exception=False, set_status_on_exception=False)
+
+    async def _drive_traced(self, tracer: Tracer, executor: RunExecutor, workflow: Workflow,
+                            claim: dict[str, Any]) -> None:
+        """:meth:`RunExecutor.drive` inside this execution's ``run`` span, current for the
+        run's task and so for every branch, call and log line of it (docs/tracing.md)."""
+        run = executor.run
+        span = self.config.tracing.run_span(tracer, run.workflow_name, claim.get("traceparent"), {
+            "orchestrator.run_id": run.run_text,
+            "orchestrator.workflow": run.workflow_name,
+            "orchestrator.workflow_version": claim["workflow_version"],
+            "orchestrator.worker_id": self.worker_id,
+            "orchestrator.lease_token": run.token,
+            "orchestrator.replay": claim["revision"] > 0})
+        self._spans[run.run_id] = span
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            if claim["revision"] > 0:
+                span.add_event("resume", {"orchestrator.revision": claim["revision"]})
+            await executor.drive(workflow)
+            if run.lost:
+                record_error(span, "LEASE_LOST")
+        except BaseException as exc:
+            record_error(span, getattr(exc, "code", None) or type(exc).__name__)
+            raise
+        finally:
+            span.end()
+            otel_context.detach(token)
 
     async def _executor_for(self, claim: dict[str, Any]) -> RunExecutor | None:
         """Decode one claimed run (its input, its journal) and build its executor. A run whose
@@ -295,7 +345,8 @@ class Worker:
             if rid in renewed:
                 ex.run.lease_renewed(sent)
             elif rid not in kept and rid in self._running and not ex.run.ending:
-                ex.run.lose_lease("heartbeat rejected")
+                with self._in_span(rid):
+                    ex.run.lose_lease("heartbeat rejected")
         return True
 
     async def _drain(self) -> None:

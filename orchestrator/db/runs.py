@@ -62,18 +62,20 @@ def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: Js
         "parent_run_id": parent[0] if parent else None,
         "parent_position": parent[1] if parent else None,
         "deadline_seconds": deadline,
+        "traceparent": None,  # the submitter's span, set by the caller (docs/tracing.md)
     }
 
 
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
-                      available_at, deadline_at)
+                      available_at, deadline_at, traceparent)
 VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
         %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
         %(parent_run_id)s, %(parent_position)s, 'queued', now(),
         CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
-             ELSE now() + make_interval(secs => %(deadline_seconds)s::float8) END)
+             ELSE now() + make_interval(secs => %(deadline_seconds)s::float8) END,
+        %(traceparent)s)
 ON CONFLICT DO NOTHING
 RETURNING id
 """
@@ -232,7 +234,7 @@ SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 
 FROM picked WHERE r.id = picked.id
 RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
           r.input::text AS input_text, r.deadline_at, r.lease_token, r.revision,
-          r.cancel_requested_at, r.parent_run_id, now() AS db_now
+          r.cancel_requested_at, r.parent_run_id, r.traceparent, now() AS db_now
 """
 
 

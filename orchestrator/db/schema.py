@@ -116,6 +116,8 @@ runs = Table(
     _ts("created_at", nullable=False, default_now=True),
     _ts("updated_at", nullable=False, default_now=True),
     _ts("finished_at"),
+    # The W3C traceparent of the span that submitted the run (migration 0010), or NULL.
+    Column("traceparent", Text),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(

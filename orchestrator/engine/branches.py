@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Awaitable
 from typing import Any
 
+from orchestrator import tracing
 from orchestrator.engine.control import Phase, Wait
 from orchestrator.engine.outcome import Outcome
 from orchestrator.engine.run import RunState
@@ -57,6 +58,8 @@ class Branches:
         """
         if wait.kind != "blocked":
             self.run.boundary()
+        tracing.event("wait", {"orchestrator.wait": wait.kind,
+                               "orchestrator.position": wait.position})
         self.waits[wait.position] = wait
         # A command may park from inside its own active() section (a call whose outcome became
         # unknown): while parked it is not work in flight.

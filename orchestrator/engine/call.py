@@ -26,6 +26,10 @@ import asyncio
 from datetime import datetime
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Tracer
+
 from orchestrator import canonical, faults
 from orchestrator.context import ToolContext
 from orchestrator.db import operations as ops_db
@@ -34,10 +38,11 @@ from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite
 from orchestrator.engine.stages import Stages, policy_stages
-from orchestrator.errors import InvalidRequest, ToolFailed
+from orchestrator.errors import InvalidRequest, OrchestratorError, ToolFailed
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
 from orchestrator.recovery import parse_retry_after
+from orchestrator.tracing import key_digest, record_error
 
 
 class Call(CallSite):
@@ -136,8 +141,58 @@ class Call(CallSite):
 
     # -- one attempt -------------------------------------------------------------------------
 
+    span: Span | None = None  # the current attempt's ``call`` span, while tracing
+    said: str | None = None  # what the current attempt came to, for its span
+
     async def attempt(self, state: Attempt) -> Attempt | _Done:
         """Run one attempt: its receipt (:class:`_Done`), or the attempt to run next."""
+        tracer = self.config.tracing.tracer
+        if tracer is None:
+            return await self._attempt(state)
+        return await self._attempt_traced(tracer, state)
+
+    async def _attempt_traced(self, tracer: Tracer, state: Attempt) -> Attempt | _Done:
+        """:meth:`_attempt` in its ``call {tool}`` span, current while it runs: the tool's own
+        spans (an instrumented HTTP client) nest under it (docs/tracing.md)."""
+        tool = self.tool
+        span = self.span = tracer.start_span(f"call {tool.name}", kind=SpanKind.CLIENT,
+                                             attributes={
+            "orchestrator.run_id": self.run.run_text,
+            "orchestrator.tool": tool.name,
+            "orchestrator.tool_version": tool.version,
+            "orchestrator.effect_class": tool.effect,
+            "orchestrator.position": self.position,
+            "orchestrator.attempt": state.number})
+        self.said = None
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            outcome = await self._attempt(state)
+            if isinstance(outcome, _Done):
+                self.said = "committed"
+            return outcome
+        except Stop as stop:
+            record_error(span, stop.reason.upper())
+            self.said = self.said or "stopped"
+            raise
+        except OrchestratorError as exc:
+            record_error(span, exc.code)
+            raise
+        except BaseException as exc:
+            record_error(span, type(exc).__name__)
+            raise
+        finally:
+            span.set_attribute("orchestrator.outcome", self.said or "unfinished")
+            self.span = None
+            otel_context.detach(token)
+            span.end()
+
+    def _note(self, op_id: int, key: str) -> None:
+        """The attempt's operation, on its span."""
+        if self.span is not None:
+            self.span.set_attributes({"orchestrator.operation_id": op_id,
+                                      "orchestrator.idempotency_key_digest": key_digest(key)})
+
+    async def _attempt(self, state: Attempt) -> Attempt | _Done:
         run, tool = self.run, self.tool
         run.boundary()
         remaining = run.remaining()
@@ -151,6 +206,7 @@ class Call(CallSite):
             if (held := faults.reach("after_intent", tool.name)) is not None:
                 await held
             await self.written(op_id, state.number, status, pending=bool(stages))
+        self._note(op_id, key)
         if stages or state.pending_op is not None:
             await Stages(self).run(op_id, state.number, key, stages)
         if (held := faults.reach("after_submitted", tool.name)) is not None:
@@ -219,10 +275,12 @@ class Call(CallSite):
                 raise  # the executor is parking, dropping or draining the run: the journal decides
             # Workflow code cancelled the call (a timeout around ctx.call): the effect may have
             # happened. Record that, and block the run on it instead of letting it go on.
+            self.said = "unknown"
             await asyncio.shield(self.record_unknown(op_id, "TOOL_OUTCOME_UNCERTAIN",
                                                      "reconcile"))
             await self.park_blocked(op_id)
         if verdict.cancelled or verdict.timed_out:
+            self.said = "unknown"
             what = "cancelled after dispatch" if verdict.cancelled else "timed out"
             ref = await self.incident(op_id, "dispatch", TimeoutError(f"the tool call {what}"))
             return await Aftermath(self).uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN",
@@ -235,6 +293,7 @@ class Call(CallSite):
         try:
             receipt_text = self.config.json_limits.text(receipt, "$.receipt")
         except InvalidRequest as exc:
+            self.said = "unknown"
             ref = await self.incident(op_id, "receipt", exc)
             return await Aftermath(self).uncertain(op_id, number, key, "INVALID_RECEIPT", ref)
         receipt = canonical.as_stored(receipt)  # what a replay will read back (C4)
@@ -248,9 +307,14 @@ class Call(CallSite):
         under the policy or fails the call; anything else leaves the outcome unknown."""
         ref = await self.incident(op_id, "tool", exc)
         aftermath = Aftermath(self)
+        self.said = "unknown"
         if isinstance(exc, ToolError):
             cls = exc.classification()
             if cls.effects != "unknown":
+                self.said = "failed"
+                if self.span is not None:
+                    self.span.set_attribute("orchestrator.cause", public_cause(cls.cause)
+                                            or "tool_defined")
                 upstream, invalid = parse_retry_after(exc.retry_after, self.run.now())
                 decision = aftermath.decide(cls, number, (upstream, invalid))
                 # The journal (which owners read) keeps only a cause word the orchestrator

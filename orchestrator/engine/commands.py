@@ -12,6 +12,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
+from orchestrator import tracing
 from orchestrator.canonical import canonical_json
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
@@ -126,6 +127,8 @@ class Commands:
         if left <= 0:
             return
         if left <= IN_MEMORY_SLEEP:
+            tracing.event("wait", {"orchestrator.wait": "timer", "orchestrator.position": position,
+                                   "orchestrator.in_memory": True})
             with self.branches.active():
                 await asyncio.sleep(left)
             return
@@ -186,6 +189,7 @@ class Commands:
                 wf.name, wf.version, input, limits=self.config.json_limits, owner=run.owner,
                 idempotency_key=None, deadline=run.remaining(), run_id=child_id,
                 parent=(run.run_id, position))
+            row["traceparent"] = tracing.current_traceparent()  # the parent run's span
 
             async def start(conn: Conn) -> tuple[None, list[Entry]]:
                 await runs_db.run_insert(conn, row)

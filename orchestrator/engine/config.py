@@ -8,11 +8,12 @@ the metrics), never the application itself.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
+from orchestrator.tracing import Tracing
 
 Hook = Callable[..., Awaitable[Any]]
 
@@ -28,3 +29,4 @@ class EngineConfig:
     receipts_ride: bool = True
     authorize: Hook | None = None  # app-wide policy stages, run before each tool's own
     approve: Hook | None = None
+    tracing: Tracing = field(default_factory=Tracing)  # where spans go (docs/tracing.md)

@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from orchestrator import tracing
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
@@ -51,6 +52,7 @@ class Outcome:
     async def park(self, waits: Collection[Wait]) -> None:
         """Every branch waits on the database: record what for, and let the run go."""
         run = self.run
+        tracing.event("park", {"orchestrator.waits": ",".join(sorted({w.kind for w in waits}))})
         blocked = [w for w in waits if w.kind == "blocked"]
         if blocked:
             ops = ", ".join(str(w.operation_id) for w in blocked)
@@ -189,6 +191,7 @@ class Outcome:
                     run_id=run.run_id, token=run.token, expected=expected, result=text,
                     v=SCHEMA_VERSION, receipt=receipt))
                 run.metrics.incr("runs_succeeded")
+                tracing.annotate("orchestrator.outcome", "succeeded")
                 return
             except (ops_db.FastPathMiss, Stop):
                 pass  # the general path below finds out why, and acts on it
@@ -318,6 +321,11 @@ class Outcome:
             run.lose_lease("outcome rejected")
             return False
         run.metrics.incr(f"runs_{status}")
+        tracing.annotate("orchestrator.outcome", status)
+        if code is not None:
+            tracing.annotate("orchestrator.code", code)
+        if status == "failed":
+            tracing.fail_current(code or "WORKFLOW_FAILED")
         return True
 
 

@@ -5,6 +5,8 @@ orchestrator's schema) as soon as it starts, and effects go to ``public.sink_eff
 deduplicates by idempotency key like a provider would. Tests count what happened there.
 ``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set;
 ``ACCEPTANCE_RECEIPTS_RIDE=0`` gives that worker ``receipts_ride=False``.
+``ACCEPTANCE_SPAN_FILE`` writes the process's spans to that file (tests/acceptance/spanfile.py)
+and ``ACCEPTANCE_TRACE_PARENT`` sets ``trace_parent``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from orchestrator import (
     ToolContext,
     WorkflowContext,
 )
+from tests.acceptance import spanfile
 
+tracer_provider = spanfile.provider()
 app = Orchestrator(default_owner=Owner(tenant="acceptance", principal="tests"),
                    lease_ttl=float(os.environ.get("ACCEPTANCE_LEASE_TTL", "2")),
                    operator_scopes={"outsider": ["another-tenant"]},
-                   receipts_ride=os.environ.get("ACCEPTANCE_RECEIPTS_RIDE", "1") != "0")
+                   receipts_ride=os.environ.get("ACCEPTANCE_RECEIPTS_RIDE", "1") != "0",
+                   tracer_provider=tracer_provider,
+                   trace_parent=os.environ.get("ACCEPTANCE_TRACE_PARENT", "link"))
 
 SINK_DDL = """
 CREATE TABLE IF NOT EXISTS public.sink_calls (
