@@ -11,7 +11,9 @@ really runs again elsewhere rather than waiting for reconciliation).
 
 Configuration comes from the environment so that one module serves every section:
 ``ORCHESTRATOR_DATABASE_URL``, ``BENCH_LEASE_TTL`` (default: the engine's own default) and
-``BENCH_POOL_SIZE`` (connections per worker process).
+``BENCH_POOL_SIZE`` (connections per worker process); with ``BENCH_TRACING=1`` the process
+has the OpenTelemetry SDK (every span sampled, batched and handed to an exporter that drops
+it: the cost of tracing without the cost of a collector).
 """
 
 from __future__ import annotations
@@ -74,6 +76,27 @@ def _env_float(name: str) -> float | None:
     value = os.environ.get(name)
     return float(value) if value else None
 
+
+def _trace_to_nowhere() -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    trace.set_tracer_provider(provider)
+
+
+if os.environ.get("BENCH_TRACING") == "1":
+    _trace_to_nowhere()
 
 app = build_app(os.environ.get("ORCHESTRATOR_DATABASE_URL"),
                 lease_ttl=_env_float("BENCH_LEASE_TTL"),

@@ -340,6 +340,7 @@ class Proc:
     def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
         self.proc = proc
         self.name = name
+        self.metrics_port: int | None = None  # where it serves /metrics, if it does
         self.lines: asyncio.Queue[str] = asyncio.Queue()
         self.tail: list[str] = []
         self._reader = asyncio.ensure_future(self._read())

@@ -10,6 +10,7 @@ Rates use the database's clock: from just before the release to the last ``finis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -48,6 +49,14 @@ class Setup:
     pool_size: int
     lease_ttl: float | None = None
     floor: bool = False  # bench.floor processes (the engine's writes alone), not workers
+    # "off"; "metrics": each worker serves --metrics-port, scraped every SCRAPE_INTERVAL
+    # during a drain; "tracing": each worker has the OpenTelemetry SDK, its spans dropped
+    telemetry: str = "off"
+
+
+SCRAPE_INTERVAL = 1.0
+"""Seconds between two scrapes of each worker's /metrics in the ``metrics`` arm (Prometheus
+scrapes every 15 s by default: this is fifteen times its load)."""
 
 
 def worker_args(concurrency: int, *, floor_k: int | None = None) -> list[str]:
@@ -67,7 +76,42 @@ async def start_workers(url: str, setup: Setup, count: int | None = None,
     if setup.floor and k is None:
         raise ValueError("bench.floor processes drive runs of one K; give k")
     args = worker_args(setup.concurrency, floor_k=k if setup.floor else None)
-    return [await spawn(args, name=f"{prefix}-{i}", env=env) for i in range(n)]
+    if setup.telemetry == "tracing":
+        env["BENCH_TRACING"] = "1"
+    procs = []
+    for i in range(n):
+        port = free_port() if setup.telemetry == "metrics" else None
+        extra = [] if port is None else ["--metrics-port", str(port)]
+        proc = await spawn(args + extra, name=f"{prefix}-{i}", env=env)
+        proc.metrics_port = port
+        procs.append(proc)
+    return procs
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def scrape_every(procs: Sequence[Proc], interval: float, counted: dict[str, int]
+                       ) -> None:
+    """Scrape each worker's /metrics every ``interval`` seconds until cancelled (counting
+    the scrapes and the bytes)."""
+    import httpx
+
+    ports = [p.metrics_port for p in procs if p.metrics_port is not None]
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            for port in ports:
+                answer = await http.get(f"http://127.0.0.1:{port}/metrics")
+                answer.raise_for_status()
+                counted["scrapes"] += 1
+                counted["bytes"] += len(answer.content)
+            await asyncio.sleep(interval)
 
 
 async def wait_registered(url: str, pids: Sequence[int], procs: Sequence[Proc],
@@ -214,6 +258,7 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
         try:
             await wait_registered(url, [p.pid for p in procs], procs)
             meter = CpuMeter()
+            extra: dict[str, Any]
             if profile:
                 from bench.profile import Recorder
 
@@ -221,6 +266,17 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
                     seconds, statuses = await drain(url, ids, procs, timeout=timeout,
                                                     meter=meter)
                 extra = {"profile": recorder.summary()}
+            elif setup.telemetry == "metrics":
+                counted = {"scrapes": 0, "bytes": 0}
+                scraping = asyncio.ensure_future(scrape_every(procs, SCRAPE_INTERVAL, counted))
+                try:
+                    seconds, statuses = await drain(url, ids, procs, timeout=timeout,
+                                                    meter=meter)
+                finally:
+                    scraping.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await scraping
+                extra = {"scrapes": counted["scrapes"], "scrape_bytes": counted["bytes"]}
             else:
                 seconds, statuses = await drain(url, ids, procs, timeout=timeout, meter=meter)
                 extra = {}

@@ -19,6 +19,9 @@ Sections (``--sections a,b``; default: all):
   bulk        `orchestrator ops resolve-many` on 200 unknown operations: seconds, audit rows
   console     a committed journal entry reaching the console's Server-Sent Events clients
               (GET /api/runs/{id}/events, `orchestrator console` in its own process): p50, p99
+  telemetry   K = 3 throughput and first-step latency with the workers' /metrics served and
+              scraped every second, and with OpenTelemetry tracing (SDK, spans dropped), beside
+              the same without either, interleaved
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -86,7 +89,7 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile", "bulk", "console")
+            "memory", "profile", "bulk", "console", "telemetry")
 
 
 @dataclass
@@ -661,6 +664,58 @@ class Suite:
         self.record("bulk", {"reps": reps})
 
     # -- console -----------------------------------------------------------------------------
+
+    async def section_telemetry(self) -> None:
+        """What telemetry costs the workers: the same K=3 drain with telemetry off, with each
+        worker's ``/metrics`` served and scraped every second, and with tracing (the SDK in
+        every worker, every span sampled and batched to an exporter that drops it), the arms
+        interleaved (their order alternates), each compared with the ``off`` drain of its own
+        repetition; then first-step latency in each arm."""
+        p = self.plan
+        arms = ("off", "metrics", "tracing")
+        targets = {"metrics": 0.97, "tracing": 0.9}
+        drains: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        for i in range(p.reps):
+            for arm in (arms if i % 2 == 0 else arms[::-1]):
+                log(f"telemetry: repetition {i + 1}/{p.reps}, {arm}")
+                drains[arm].append(await ours.throughput_once(
+                    self.server, k=3, n=p.runs[3], setup=replace(self.setup(), telemetry=arm)))
+        lat: dict[str, dict[str, Any]] = {}
+        for arm in arms:
+            reps = await self.repeat(f"telemetry latency, {arm}", partial(
+                ours.latency_once, self.server, samples=p.latency_samples,
+                setup=ours.Setup(workers=1, concurrency=10, pool_size=4, telemetry=arm)))
+            lat[arm] = {key: median([r[key] for r in reps])
+                        for key in ("first_step_p50", "first_step_p99")}
+        table = Table(f"telemetry: K=3 throughput ({p.runs[3]:,} runs, {p.workers} workers × "
+                      f"concurrency {p.concurrency}) and K=1 first-step latency (idle worker), "
+                      "telemetry off, metrics scraped, tracing on",
+                      ["arm", "steps/s", "min–max", "÷ off (paired median)", "target",
+                       "worker µs/step", "first step p50 ms", "p99 ms", "scrapes"])
+        payload: dict[str, Any] = {"drains": drains, "latency": lat}
+        for arm in arms:
+            steps = [d["steps_per_s"] for d in drains[arm]]
+            paired = median([d["steps_per_s"] / off["steps_per_s"]
+                             for d, off in zip(drains[arm], drains["off"], strict=True)])
+            payload[f"{arm}_ratio"] = paired
+            target = targets.get(arm)
+            verdict = ("" if target is None else
+                       f"≥ {target:g}×: {'meets' if paired >= target else 'misses'}")
+            table.add(arm, median(steps), f"{min(steps):,.0f}–{max(steps):,.0f}",
+                      "—" if arm == "off" else fx(paired), verdict,
+                      median_of(drains[arm], "worker_cpu_us_per_step"),
+                      ms(lat[arm]["first_step_p50"]), ms(lat[arm]["first_step_p99"]),
+                      str(sum(d.get("scrapes", 0) for d in drains[arm])) if arm == "metrics"
+                      else "—")
+        table.notes.append(f"{p.reps} drains per arm on fresh databases, the arms' order "
+                           "alternating; ÷ off is the median over repetitions of each drain "
+                           "over the off drain of the same repetition")
+        table.notes.append(f"metrics: each worker serves --metrics-port, scraped every "
+                           f"{ours.SCRAPE_INTERVAL:g} s (every scrape also reads the database "
+                           "gauges); tracing: opentelemetry-sdk TracerProvider, "
+                           "BatchSpanProcessor, an exporter that drops every span")
+        table.print()
+        self.record("telemetry", payload)
 
     async def section_console(self) -> None:
         """Three parts (``--console-parts``): the SSE latency, the pages over a long history,
