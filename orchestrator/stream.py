@@ -8,18 +8,19 @@ only the ``message`` entries of those topics (``ctx.publish``) are yielded, and 
 terminal entry, so that a follower still ends; the cursor stays the ``seq``.
 
 Following. A follower that has read everything waits for the run's ``revision`` (its last
-``seq``, C3) to move past what it has seen. The revisions are polled, by primary key, for
-every run followed in this event loop in one statement (:class:`_RevisionPoller`): every
+``seq``, C3) to move past what it has seen. Every run followed in this event loop is asked
+about in one statement (:class:`_RevisionPoller`, :func:`journal_db.journal_poll`): every
 :data:`POLL_INTERVAL` while anything moved in the last :data:`IDLE_AFTER`, then, while
-nothing does, at pauses doubling up to :data:`IDLE_INTERVAL`. The same poll then reads, in
-one more statement, the new entries of the runs that moved (up to :data:`PAGE` after the lowest
-cursor of each run's followers), and hands each follower those after its own cursor: a follower
-reads a page of its own only when it begins, or when more than a page arrived at once. So an
-entry reaches a waiting follower within about 50 ms of its commit, within 200 ms after a quiet
-spell, and a process costs the database one or two indexed reads per pause whatever the number
-of followers (before, each woken follower read its own page: one statement per follower per
-entry, which made 200 followers cost the workers about a third of their throughput on two
-cores). (No NOTIFY
+nothing does, at pauses doubling up to :data:`IDLE_INTERVAL`. The statement answers only for
+the runs that moved past the lowest cursor of their followers, with their new entries (up to
+:data:`PAGE`), and for those that are gone; the poller hands each follower those after its own
+cursor: a follower reads a page of its own only when it begins, or when more than a page
+arrived at once. So an entry reaches a waiting follower within about 50 ms of its commit,
+within 200 ms after a quiet spell, and a process costs the database one indexed read per pause
+whatever the number of followers, its answer as small as what moved (before, each woken
+follower read its own page: one statement per follower per entry, which made 200 followers
+cost the workers about a third of their throughput on two cores; then the poll returned a row
+for every followed run at every pause). (No NOTIFY
 per journal write: every write of every run would pay for it at commit, under a lock that
 all notifying commits share, for the rare run that someone follows; and the channels the
 engine already notifies say that work is ready, not that a run's journal grew.)
