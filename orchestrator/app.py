@@ -147,6 +147,7 @@ class Orchestrator:
         tracer_provider: TracerProvider | None = None,
     ) -> None:
         self._database_url = database_url
+        self.metrics = Metrics()
         self._database: Database | None = None
         self.default_owner = default_owner
         self.max_record_bytes = max_record_bytes
@@ -183,7 +184,6 @@ class Orchestrator:
                 f"trace_parent must be one of {', '.join(PARENT_MODES)}, got {trace_parent!r}")
         self.tracing = Tracing(parent=trace_parent, provider=tracer_provider)
         self.registry = Registry()
-        self.metrics = Metrics()
         self._portal = Portal(finalizer=self._close_pools)
         self._run_streams: RunStreams | None = None
 
@@ -193,6 +193,7 @@ class Orchestrator:
     def database(self) -> Database:
         if self._database is None:
             self._database = Database(self.target, max_pool_size=self.pool_size)
+            self._database.metrics = self.metrics
         return self._database
 
     @property
@@ -217,6 +218,7 @@ class Orchestrator:
             return self._database.target
         target = resolve_database(self._database_url)
         self._database = Database(target, max_pool_size=self.pool_size)
+        self._database.metrics = self.metrics
         return target
 
     def workflow(
@@ -553,7 +555,10 @@ class Orchestrator:
         """Request cancellation; returns the run's status afterwards (see
         :func:`orchestrator.admin.cancel_run` for the rules)."""
         row = await self._row(run_id, owner)
-        return await admin.cancel_run(self.database, row["id"])
+        status = await admin.cancel_run(self.database, row["id"])
+        if row["status"] not in ("succeeded", "failed", "cancelled"):
+            self.metrics.incr("cancellations", stage="requested")
+        return status
 
     async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> list[JournalEntry]:

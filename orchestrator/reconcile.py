@@ -318,6 +318,8 @@ class Reconciler:
                         raised: Exception | None) -> None:
         """Record a lookup's answer: resolve the operation, or try again later, or hand it to
         operators."""
+        self.metrics.incr("lookups", tool=tool.name,
+                          answer="error" if raised is not None else _answer_word(answer))
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""

@@ -27,13 +27,18 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from orchestrator.db import gauges
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.errors import ConfigurationError, OrchestratorError
-from orchestrator.metrics import Metrics
+from orchestrator.metrics import HISTOGRAMS, LABELS, Metrics
 
 log = logging.getLogger("orchestrator.telemetry")
 
@@ -47,12 +52,59 @@ _PLAIN: tuple[tuple[str, str, str], ...] = (
      "Runs whose deadline ran out while this process drove them."),
     ("orchestrator_lease_losses", "lease_losses",
      "Runs this process stopped driving because it lost (or could not keep) their lease."),
+    ("orchestrator_run_parks", "run_parks",
+     "Runs that released their worker to wait in the database (a timer, an event, a child "
+     "run, or reconciliation of an unknown outcome)."),
+    ("orchestrator_run_resumes", "run_resumes",
+     "Parked runs claimed again to go on (their wait ended)."),
+    ("orchestrator_claims", "claims",
+     "Claim statements that returned at least one run (their sizes: "
+     "orchestrator_claim_batch_size)."),
+    ("orchestrator_fenced_writes_rejected", "fenced_writes_rejected",
+     "Writes the lease fence refused: the run had moved on (another worker holds it)."),
+    ("orchestrator_database_retries", "database_retries",
+     "Statements tried again after a transient database error."),
 )
+_LABELLED: tuple[tuple[str, str, str], ...] = (
+    ("orchestrator_runs_started", "runs_started",
+     "Runs whose first execution began on this worker, by workflow."),
+    ("orchestrator_run_replays", "run_replays",
+     "Runs claimed again after their worker let them go or was lost, so replayed from their "
+     "journal, by workflow."),
+    ("orchestrator_tool_failures", "tool_failures",
+     "Attempts that failed and applied nothing, by tool, phase (tool: the tool said so; "
+     "reconciliation: a lookup or an operator proved it) and normalised cause."),
+    ("orchestrator_lookups", "lookups",
+     "Reconciliation lookups asked of a tool, by answer (committed, not_applied, "
+     "still_unknown, error)."),
+    ("orchestrator_cancellations", "cancellations",
+     "Cancellation by stage: requested (through this process), observed (the run ended "
+     "cancelled), provider_aborted (a tool call in flight was cancelled), effect_resolved (an "
+     "uncertain effect of a run being cancelled was settled as not applied)."),
+)
+_HISTOGRAMS: dict[str, str] = {
+    "run_queue_wait_seconds": "Seconds from a run's submission to the start of its first "
+                              "execution, by workflow.",
+    "run_duration_seconds": "Seconds from a run's submission to its end, by workflow and "
+                            "outcome.",
+    "tool_call_duration_seconds": "Seconds a tool call took, per attempt, by tool and outcome "
+                                  "(returned, raised, timed_out, cancelled).",
+    "replay_duration_seconds": "Seconds from claiming a run with history to its first command "
+                               "past the journal, by workflow.",
+    "retry_delay_seconds": "Delays before retries, by class: backoff (the policy's), "
+                           "retry_after (the tool's hint), deadline_capped (no retry: the "
+                           "delay would outlast the deadline; the time that was left).",
+    "claim_batch_size": "Runs per claim statement that returned any.",
+    "commit_batch_size": "Writes per group commit.",
+    "commit_latency_seconds": "Seconds per group commit (the batch's round trip).",
+}
 _RUN_OUTCOMES = ("succeeded", "failed", "cancelled")
 _BY_TOOL: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_tool_attempts", "operations_dispatched",
-     "Tool attempts that reached dispatch (first attempts, retries and re-sends; a withheld "
-     "one is also counted in orchestrator_tool_dispatches_withheld_total)."),
+     "Tool attempts that reached dispatch, by tool and attempt_kind (initial, retry, "
+     "engine_resend, idempotent_resend): retry amplification is the non-initial ones over the "
+     "initial ones. A withheld one is also counted in "
+     "orchestrator_tool_dispatches_withheld_total."),
     ("orchestrator_tool_retries", "operations_retried",
      "Tool attempts after the first at the same call (retries and re-sends): the retry "
      "amplification is retries / attempts."),
@@ -81,7 +133,11 @@ class CounterCollector(Collector):
             finished.add_metric([outcome], counts[f"runs_{outcome}"])
         yield finished
         for name, counter, doc in _BY_TOOL:
-            yield self._labelled(name, doc, counter, ["tool"])
+            yield self._labelled(name, doc, counter, list(LABELS[counter]))
+        for name, counter, doc in _LABELLED:
+            yield self._labelled(name, doc, counter, list(LABELS[counter]))
+        for counter, doc in _HISTOGRAMS.items():
+            yield self._histogram(counter, doc)
         yield self._labelled(
             "orchestrator_operations_unknown",
             "Operations whose outcome became unknown, by tool and cause (WORKER_LOST, "
@@ -98,6 +154,18 @@ class CounterCollector(Collector):
         rest = self.metrics.snapshot()[counter] - sum(by_values.values())
         if rest > 0:  # counted without labels (not by the engine): empty label values
             family.add_metric([""] * len(labels), rest)
+        return family
+
+    def _histogram(self, name: str, doc: str) -> HistogramMetricFamily:
+        labels, bounds = HISTOGRAMS[name]
+        family = HistogramMetricFamily(f"orchestrator_{name}", doc, labels=list(labels))
+        edges = [repr(float(b)) for b in bounds] + ["+Inf"]
+        for values, (counts, total, _) in sorted(self.metrics.histogram(name).items()):
+            cumulative, buckets = 0.0, []
+            for edge, count in zip(edges, counts, strict=True):
+                cumulative += count
+                buckets.append((edge, cumulative))
+            family.add_metric(list(values), buckets, total)
         return family
 
     def _reconciliation(self, counts: dict[str, int]) -> CounterMetricFamily:

@@ -198,7 +198,34 @@ class Worker:
         for claim in claims:
             claim["lease_sent"], claim["lease_ttl"] = sent, self.lease_ttl
         self.claimed += len(claims)
+        if claims:
+            self._count_claims(claims)
         return claims
+
+    def _count_claims(self, claims: list[dict[str, Any]]) -> None:
+        """The claim, and the first starts in it (with how long each run waited since it was
+        submitted); the others are counted once their journal is read (:meth:`_count_replay`)."""
+        metrics = self.metrics
+        metrics.incr("claims")
+        metrics.observe("claim_batch_size", len(claims))
+        for claim in claims:
+            if claim["revision"] == 0:
+                workflow = claim["workflow_name"]
+                metrics.incr("runs_started", workflow=workflow)
+                metrics.observe("run_queue_wait_seconds", max(0.0, (
+                    claim["db_now"] - claim["created_at"]).total_seconds()), workflow)
+
+    def _count_replay(self, claim: dict[str, Any], journal: list[dict[str, Any]]) -> None:
+        """A run claimed with history is replayed from its journal; it is a resume when it
+        had parked: a wait of its ended (it was ``waiting``), or what it waited for in
+        reconciliation was settled (its journal ends with the resolution)."""
+        self.metrics.incr("run_replays", workflow=claim["workflow_name"])
+        last = journal[-1] if journal else None
+        if claim.get("claimed_from") == "waiting" or (last is not None and (
+                last["kind"] == EventKind.CALL_NOT_APPLIED
+                or (last["kind"] == EventKind.CALL_COMPLETED
+                    and isinstance(last["payload"], dict) and "resolved_by" in last["payload"]))):
+            self.metrics.incr("run_resumes")
 
     def _start(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
@@ -283,6 +310,7 @@ class Worker:
             if claim["revision"] > 0:  # a fresh run has nothing to replay
                 async with self.database.connection() as conn:
                     journal = await journal_db.journal_read(conn, run_id)
+                self._count_replay(claim, journal)
             return self.new_executor(claim, journal)
         except SchemaUnsupported as exc:
             log.error("run %s has journal events newer than this code; released", run_id,

@@ -36,6 +36,7 @@ from orchestrator.errors import (
     OrchestratorError,
     RunUnreadable,
 )
+from orchestrator.metrics import Metrics
 
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[dict[str, Any]]
@@ -167,6 +168,9 @@ class Database:
         self.target = target
         self.max_pool_size = max_pool_size
         self.connect_timeout = connect_timeout
+        # Where the statements tried again, the group commits and the writes the fence refused
+        # are counted (the application's; a database of its own counts in one of its own).
+        self.metrics = Metrics()
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
             weakref.WeakKeyDictionary()
         )
@@ -335,6 +339,7 @@ class Database:
             stop=stop_after_attempt(attempts),
             wait=wait_random_exponential(multiplier=0.02, max=0.5),
             reraise=True,
+            before_sleep=self._retrying,
         )
         with translate_errors(self.target):
             async for attempt in retrying:
@@ -343,6 +348,9 @@ class Database:
                         return await self._once(conn, work, transaction=transaction,
                                                 idempotent=idempotent)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retrying(self, _: Any) -> None:
+        self.metrics.incr("database_retries")
 
     async def _once(self, conn: Conn, work: Callable[[Conn], Awaitable[T]], *,
                     transaction: bool, idempotent: bool) -> T:

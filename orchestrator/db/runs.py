@@ -222,7 +222,9 @@ async def run_list(
 # (migration 0007 says why a function: a plain SELECT here sorted the whole backlog). The
 # function's statement reads with a snapshot a moment younger than the UPDATE's: a run that
 # became ready in between is locked but not claimed, and stays ready; the NOTIFY that made it
-# ready comes after this claim began, so the worker claims again.
+# ready comes after this claim began, so the worker claims again. ``before`` is the row as the
+# statement's snapshot has it, before this UPDATE: its status says what the claim is (a first
+# start or a replay from ``queued``, a resume from ``waiting``), for the metrics.
 _CLAIM = f"""
 WITH picked AS (
     SELECT {S}.runs_ready(%(workflows)s, %(limit)s) AS id
@@ -231,10 +233,12 @@ UPDATE {S}.runs AS r
 SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 1,
     lease_expires_at = now() + make_interval(secs => %(ttl)s), waiting_for = NULL,
     available_at = NULL, updated_at = now()
-FROM picked WHERE r.id = picked.id
+FROM picked JOIN {S}.runs AS before ON before.id = picked.id
+WHERE r.id = picked.id
 RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
           r.input::text AS input_text, r.deadline_at, r.lease_token, r.revision,
-          r.cancel_requested_at, r.parent_run_id, r.traceparent, now() AS db_now
+          r.cancel_requested_at, r.parent_run_id, r.traceparent, now() AS db_now,
+          r.created_at, before.status AS claimed_from
 """
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -32,7 +33,7 @@ from typing import Any, TypeVar, cast
 import psycopg
 
 from orchestrator.db.database import Conn, Database, privilege_denied, translate_errors
-from orchestrator.errors import DatabaseError
+from orchestrator.errors import DatabaseError, LeaseLost
 
 T = TypeVar("T")
 log = logging.getLogger("orchestrator.worker")
@@ -181,6 +182,7 @@ class GroupWriter:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back
         and each write runs again in a transaction of its own, so a failure stays with the
         write that caused it (rejected writes are rare: a lost lease, a bug)."""
+        began = time.monotonic()
         try:
             with translate_errors(self.db.target):
                 outcomes = await self._together(batch)
@@ -193,9 +195,14 @@ class GroupWriter:
             return False
         self.batches += 1
         self.writes += len(batch)
+        metrics = self.db.metrics
+        metrics.observe("commit_latency_seconds", time.monotonic() - began)
+        metrics.observe("commit_batch_size", len(batch))
         for future, value, error in outcomes:
             if future.done():
                 continue
+            if isinstance(error, LeaseLost):
+                metrics.incr("fenced_writes_rejected")
             if isinstance(error, psycopg.errors.InsufficientPrivilege):
                 denied = privilege_denied(self.db.target, error)
                 denied.__cause__, error = error, denied

@@ -85,15 +85,26 @@ class Aftermath:
 
     async def definitive(self, op_id: int, number: int, decision: Decision, cause: str,
                          ref: str | None, *, record_failure: bool = True,
-                         reason: str | None = None, resend: str | None = None) -> Attempt:
+                         reason: str | None = None, resend: str | None = None,
+                         phase: str = "reconciliation", delay_class: str = "backoff"
+                         ) -> Attempt:
         """This attempt applied nothing: back off durably and return the next attempt, or stop
         with ToolFailed. But if an earlier attempt at this position is still unknown (it was
         re-sent with the same key), this answer says nothing about that one: the next attempt
         keeps its key, and instead of failing the call goes to reconciliation.
 
         ``reason`` overrides the decision's stop reason; ``resend`` marks a retry as a re-send
-        outside the retry budget (:meth:`resend`)."""
+        outside the retry budget (:meth:`resend`). ``phase`` (``tool``: the tool said so;
+        ``reconciliation``: a lookup or an operator proved it) and ``delay_class`` (of a retry's
+        delay: ``backoff`` or ``retry_after``) label the metrics."""
         site = self.site
+        metrics = site.run.metrics
+        metrics.incr("tool_failures", tool=site.tool.name, phase=phase, cause=cause)
+        if decision.action == "retry":
+            metrics.observe("retry_delay_seconds", decision.delay_ms / 1000, delay_class)
+        elif decision.detail == "deadline":  # no retry: its delay would outlast the deadline
+            metrics.observe("retry_delay_seconds", site.run.remaining() or 0.0,
+                            "deadline_capped")
         earlier = await self._unknown_attempts(op_id)
         key = earlier[0]["idempotency_key"] if earlier else None
         if decision.action == "retry":
@@ -107,7 +118,7 @@ class Aftermath:
             await self._fail(op_id, EventKind.CALL_RETRYING, payload, record_failure)
             if decision.delay_ms:
                 await site.wait_until(not_before)
-            return Attempt(number + 1, key)
+            return Attempt(number + 1, key, resend=resend is not None)
         if earlier:
             await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
         reason = reason or decision.reason or "cause"
@@ -130,6 +141,7 @@ class Aftermath:
         if run.remaining() == 0:
             run.stop_deadline()  # the effect stays unknown and listed; the run is out of time
         if run.cancel_requested and step != "reconcile":
+            run.metrics.incr("cancellations", stage="effect_resolved")
             run.stop_cancelled()  # an uncertain read settles as not applied; nothing is unknown
         if step == "reconcile":
             await site.park_blocked(op_id)

@@ -23,6 +23,7 @@ what they share.
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime
 from typing import Any
 
@@ -95,7 +96,7 @@ class Call(CallSite):
             return Attempt(number, begun["payload"]["key"], pending_op=op_id)
         if kind == EventKind.CALL_RETRYING:
             await self.wait_until(datetime.fromisoformat(payload["not_before"]))
-            return Attempt(number + 1, payload.get("key"))
+            return Attempt(number + 1, payload.get("key"), resend="resend" in payload)
         if kind == EventKind.CALL_NOT_APPLIED:  # reconciled: re-send, retry or fail (C8)
             return await Aftermath(self).not_applied(op_id, number, lost=_lost(recorded, op_id),
                                                      then=payload.get("then"))
@@ -211,7 +212,7 @@ class Call(CallSite):
             await Stages(self).run(op_id, state.number, key, stages)
         if (held := faults.reach("after_submitted", tool.name)) is not None:
             await held
-        run.metrics.incr("operations_dispatched", tool=tool.name)
+        run.metrics.incr("operations_dispatched", tool=tool.name, attempt_kind=state.kind)
         if state.number > 1:
             run.metrics.incr("operations_retried", tool=tool.name)
         return await self.dispatch(op_id, state.number, key)
@@ -267,10 +268,13 @@ class Call(CallSite):
         if remaining is not None:
             timeout = min(timeout, remaining)
         await self.lease_for_dispatch(op_id)  # nothing awaited after it before the call
+        began = time.monotonic()
         try:
             verdict = await run.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
                                                   tctx.cancelled)
         except asyncio.CancelledError:
+            run.metrics.observe("tool_call_duration_seconds", time.monotonic() - began,
+                                tool.name, "cancelled")
             if run.letting_go:
                 raise  # the executor is parking, dropping or draining the run: the journal decides
             # Workflow code cancelled the call (a timeout around ctx.call): the effect may have
@@ -279,6 +283,12 @@ class Call(CallSite):
             await asyncio.shield(self.record_unknown(op_id, "TOOL_OUTCOME_UNCERTAIN",
                                                      "reconcile"))
             await self.park_blocked(op_id)
+        run.metrics.observe("tool_call_duration_seconds", time.monotonic() - began, tool.name,
+                            "cancelled" if verdict.cancelled else "timed_out"
+                            if verdict.timed_out else "raised" if verdict.error is not None
+                            else "returned")
+        if verdict.cancelled:
+            run.metrics.incr("cancellations", stage="provider_aborted")
         if verdict.cancelled or verdict.timed_out:
             self.said = "unknown"
             what = "cancelled after dispatch" if verdict.cancelled else "timed out"
@@ -319,8 +329,10 @@ class Call(CallSite):
                 decision = aftermath.decide(cls, number, (upstream, invalid))
                 # The journal (which owners read) keeps only a cause word the orchestrator
                 # knows; one the tool chose is tool text and stays in the incident (C10).
-                return await aftermath.definitive(op_id, number, decision,
-                                                  public_cause(cls.cause) or "tool_defined", ref)
+                hinted = upstream is not None and decision.delay_ms == upstream
+                return await aftermath.definitive(
+                    op_id, number, decision, public_cause(cls.cause) or "tool_defined", ref,
+                    phase="tool", delay_class="retry_after" if hinted else "backoff")
         return await aftermath.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
 
     async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:

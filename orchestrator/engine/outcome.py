@@ -68,6 +68,7 @@ class Outcome:
                     conn, run.run_id, [w.position for w in blocked])
 
             if await self._flush_then(block):
+                run.metrics.incr("run_parks")
                 self._log_blocked([(w.operation_id, w.position) for w in blocked], unknown)
             return
         wakes = [w.wake_at for w in waits if w.wake_at is not None]
@@ -80,9 +81,10 @@ class Outcome:
         parts += [f"event {n!r}" for n in names]
         if children:
             parts.append("child run")
-        await self._flush_then(lambda conn: runs_db.run_suspend(
-            conn, run_id=run.run_id, token=run.token, wake_at=wake_at,
-            waiting_for=", ".join(parts), event_names=names, child_positions=children))
+        if await self._flush_then(lambda conn: runs_db.run_suspend(
+                conn, run_id=run.run_id, token=run.token, wake_at=wake_at,
+                waiting_for=", ".join(parts), event_names=names, child_positions=children)):
+            run.metrics.incr("run_parks")
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> bool:
         """The run's last write: what is buffered, then ``final``. False if the lease was
@@ -145,6 +147,7 @@ class Outcome:
         if await self._flush_then(lambda conn: runs_db.run_block_for_reconciliation(
                 conn, run_id=run.run_id, token=run.token,
                 waiting_for="reconciliation of operations whose outcome is not recorded")):
+            run.metrics.incr("run_parks")
             for op in blocked or [{"id": None, "tool_name": None}]:
                 self._log_reconciliation(op["id"], op["tool_name"], None)
         return True
@@ -191,6 +194,7 @@ class Outcome:
                     run_id=run.run_id, token=run.token, expected=expected, result=text,
                     v=SCHEMA_VERSION, receipt=receipt))
                 run.metrics.incr("runs_succeeded")
+                run.ended("succeeded")
                 tracing.annotate("orchestrator.outcome", "succeeded")
                 return
             except (ops_db.FastPathMiss, Stop):
@@ -321,6 +325,9 @@ class Outcome:
             run.lose_lease("outcome rejected")
             return False
         run.metrics.incr(f"runs_{status}")
+        run.ended(status)
+        if status == "cancelled":
+            run.metrics.incr("cancellations", stage="observed")
         tracing.annotate("orchestrator.outcome", status)
         if code is not None:
             tracing.annotate("orchestrator.code", code)

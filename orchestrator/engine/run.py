@@ -52,11 +52,16 @@ class RunState:
         # The highest command position the journal held when this process claimed the run
         # (-1: none); see replaying.
         self.recorded_until = self.index.max_position
+        # The position whose command ends a replay (the first not in the journal), when there
+        # is history; its issue times the replay (from the claim) for the metrics.
+        self._replayed_at = self.recorded_until + 1 if self.recorded_until >= 0 else -1
         self.lost = False  # the fence rejected a write (or a renewal): the lease is gone
         # When the lease ends at the earliest, by this process's monotonic clock: the
         # database set its expiry to its own now() + ttl after the claim (or renewal) was sent.
         self.lease_ttl = float(claim.get("lease_ttl", 30.0))
-        self.lease_until = float(claim.get("lease_sent", time.monotonic())) + self.lease_ttl
+        self.created_at: datetime | None = claim.get("created_at")
+        self.claimed_at = float(claim.get("lease_sent", time.monotonic()))
+        self.lease_until = self.claimed_at + self.lease_ttl
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
 
@@ -111,6 +116,15 @@ class RunState:
 
     # -- time --------------------------------------------------------------------------------
 
+    def ended(self, outcome: str) -> None:
+        """Count the run's duration, from its submission to this end, by ``outcome``."""
+        if self._replayed_at != -1:
+            self._replayed()
+        if self.created_at is not None:
+            self.metrics.observe("run_duration_seconds",
+                                 max(0.0, (self.now() - self.created_at).total_seconds()),
+                                 self.workflow_name, outcome)
+
     def now(self) -> datetime:
         """The database's clock, as seen from this process."""
         return datetime.fromtimestamp(time.time() + self.skew, UTC)
@@ -135,7 +149,16 @@ class RunState:
     def next_position(self) -> int:
         position = self.position
         self.position += 1
+        if position == self._replayed_at:
+            self._replayed()
         return position
+
+    def _replayed(self) -> None:
+        """The replay of the journal is over (the first command past it, or the run's end):
+        its duration from the claim, once."""
+        self._replayed_at = -1
+        self.metrics.observe("replay_duration_seconds", time.monotonic() - self.claimed_at,
+                             self.workflow_name)
 
     def boundary(self) -> None:
         """Checks made before any new durable step: lease, drain, cancellation, deadline."""

@@ -57,6 +57,16 @@ class Attempt:
     number: int = 1
     key: str | None = None  # an idempotent re-send reuses the uncertain attempt's key
     pending_op: int | None = None  # an intent recorded before a crash, stages not yet passed
+    resend: bool = False  # sent again outside the retry budget, the last proven not applied
+
+    @property
+    def kind(self) -> str:
+        """What this attempt is (:data:`orchestrator.metrics.ATTEMPT_KINDS`)."""
+        if self.number == 1:
+            return "initial"
+        if self.resend:
+            return "engine_resend"
+        return "retry" if self.key is None else "idempotent_resend"
 
 
 LOST = "WORKER_LOST"

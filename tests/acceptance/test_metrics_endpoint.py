@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,7 +69,8 @@ def test_a_worker_serves_its_metrics_and_health(workers: Workers, client: Orches
     assert samples["orchestrator_operations_unknown_total"] == {
         (("cause", "TOOL_OUTCOME_UNCERTAIN"), ("tool", "charge")): 1}
     assert samples["orchestrator_tool_attempts_total"] == {
-        (("tool", "charge"),): 1, (("tool", "echo"),): 3}
+        (("attempt_kind", "initial"), ("tool", "charge")): 1,
+        (("attempt_kind", "initial"), ("tool", "echo")): 3}
     assert samples["orchestrator_database_up"] == {(): 1}
     assert samples["orchestrator_unknown_operations"] == {(("tool", "charge"),): 1}
     assert samples["orchestrator_unknown_operations_oldest_age_seconds"][
@@ -123,3 +126,109 @@ def test_a_reconciler_serves_the_operator_queue(workers: Workers, client: Orches
     assert samples["orchestrator_runs_finished_total"][(("outcome", "failed"),)] == 0
     reconciler.send_signal(signal.SIGTERM)
     assert reconciler.wait(timeout=30) == 0
+
+
+def _histogram_counts(samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str
+                      ) -> dict[tuple[tuple[str, str], ...], float]:
+    return samples.get(f"{name}_count", {})
+
+
+def test_a_known_workload_is_scraped_exactly(workers: Workers, client: Orchestrator) -> None:
+    """A worker and a reconciler with --metrics-port, and a workload whose every count is
+    known: two runs that succeed, a call retried once (refused before it was sent), an
+    unknown outcome a lookup settles and one an operator settles, a cancellation that
+    interrupts a call in flight, and a sleep that outlasts the run's deadline."""
+    port, rport = _free_port(), _free_port()
+    workers.start("metrics", app=APP, args=["--metrics-port", str(port)])
+    reconciler = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
+         "--metrics-port", str(rport)], cwd=ROOT,
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers.procs.append(reconciler)
+    flows = metrics_flows
+    ok = [client.submit(flows.succeeds, {"n": n}) for n in range(2)]
+    retried = client.submit(flows.retried, {})
+    looked_up = client.submit(flows.looked_up, {})
+    operator = client.submit(flows.uncertain, {})
+    stalled = client.submit(flows.stalled, {})
+    late = client.submit(flows.late, {}, deadline=timedelta(seconds=3))
+    assert [r.result(timeout=30) for r in ok] == [{"n": 0}, {"n": 1}]
+    assert retried.result(timeout=30) == {"n": 1}
+    assert looked_up.result(timeout=60) == {"shipped": 2}  # the reconciler's lookup
+    workers.wait(lambda: operator.status() == "needs_reconciliation", "the operator's item")
+    [op] = workers.sql("SELECT o.id FROM orchestrator.operations o WHERE o.run_id = %s",
+                       (operator.id,))
+    client._portal.call(client.operators.resolve_committed(
+        op["id"], receipt={"n": 1}, evidence="the provider's dashboard shows it",
+        operator="alice"))
+    assert operator.result(timeout=30) == {"n": 1}
+    workers.wait(lambda: workers.sql(
+        "SELECT 1 FROM orchestrator.operations WHERE tool_name = 'slow_read' "
+        "AND state = 'submitted'"), "the read to be in flight")
+    assert stalled.cancel() == "running"
+    workers.wait(lambda: stalled.status() == "cancelled", "the cancellation")
+    workers.wait(lambda: late.status() == "failed", "the deadline")
+
+    s = _scrape(port)
+    assert s["orchestrator_runs_started_total"] == {
+        (("workflow", w),): n for w, n in (("succeeds", 2), ("retried", 1), ("looked_up", 1),
+                                          ("uncertain", 1), ("stalled", 1), ("late", 1))}
+    assert s["orchestrator_runs_finished_total"] == {
+        (("outcome", "succeeded"),): 5, (("outcome", "failed"),): 1,
+        (("outcome", "cancelled"),): 1}
+    assert s["orchestrator_tool_attempts_total"] == {
+        (("attempt_kind", "initial"), ("tool", t)): n
+        for t, n in (("echo", 2), ("flaky", 1), ("ship", 1), ("charge", 1), ("slow_read", 1))
+    } | {(("attempt_kind", "retry"), ("tool", "flaky")): 1}
+    assert s["orchestrator_tool_retries_total"] == {(("tool", "flaky"),): 1}
+    assert s["orchestrator_tool_failures_total"] == {
+        (("cause", "connection_before_send"), ("phase", "tool"), ("tool", "flaky")): 1}
+    assert _histogram_counts(s, "orchestrator_retry_delay_seconds") == {
+        (("delay_class", "backoff"),): 1}
+    assert s["orchestrator_operations_unknown_total"] == {
+        (("cause", "TOOL_OUTCOME_UNCERTAIN"), ("tool", t)): 1
+        for t in ("charge", "ship", "slow_read")}
+    assert s["orchestrator_cancellations_total"] == {
+        (("stage", "observed"),): 1, (("stage", "provider_aborted"),): 1,
+        (("stage", "effect_resolved"),): 1}
+    assert s["orchestrator_deadlines_exhausted_total"] == {(): 1}
+    # Parked: the two blocked calls and the sleep; each claimed again once, and replayed.
+    assert s["orchestrator_run_parks_total"] == {(): 3}
+    assert s["orchestrator_run_resumes_total"] == {(): 3}
+    assert s["orchestrator_run_replays_total"] == {
+        (("workflow", w),): 1 for w in ("looked_up", "uncertain", "late")}
+    assert _histogram_counts(s, "orchestrator_replay_duration_seconds") == {
+        (("workflow", w),): 1 for w in ("looked_up", "uncertain", "late")}
+    assert s["orchestrator_fenced_writes_rejected_total"] == {(): 0}
+    assert s["orchestrator_lease_losses_total"] == {(): 0}
+    assert _histogram_counts(s, "orchestrator_run_queue_wait_seconds") == {
+        (("workflow", w),): n for w, n in (("succeeds", 2), ("retried", 1), ("looked_up", 1),
+                                          ("uncertain", 1), ("stalled", 1), ("late", 1))}
+    assert _histogram_counts(s, "orchestrator_run_duration_seconds") == {
+        (("outcome", "succeeded"), ("workflow", w)): n
+        for w, n in (("succeeds", 2), ("retried", 1), ("looked_up", 1), ("uncertain", 1))
+    } | {(("outcome", "cancelled"), ("workflow", "stalled")): 1,
+         (("outcome", "failed"), ("workflow", "late")): 1}
+    assert _histogram_counts(s, "orchestrator_tool_call_duration_seconds") == {
+        (("outcome", o), ("tool", t)): n
+        for t, o, n in (("echo", "returned", 2), ("flaky", "raised", 1),
+                        ("flaky", "returned", 1), ("ship", "raised", 1),
+                        ("charge", "raised", 1), ("slow_read", "cancelled", 1))}
+    assert s["orchestrator_claims_total"][()] >= 1
+    assert _histogram_counts(s, "orchestrator_claim_batch_size")[()] == (
+        s["orchestrator_claims_total"][()])
+    assert _histogram_counts(s, "orchestrator_commit_batch_size")[()] >= 1
+
+    r = _scrape(rport)
+    assert r["orchestrator_lookups_total"] == {(("answer", "committed"), ("tool", "ship")): 1}
+    assert r["orchestrator_reconciliation_outcomes_total"][
+        (("answer", "committed"), ("resolver", "lookup"))] == 1
+    # The operator's answer is counted where it was given: this process.
+    assert client.metrics.labelled("reconciliation_operator") == {("committed",): 1}
+    assert client.metrics.labelled("cancellations") == {("requested",): 1}
+
+
+DEPLOY = ROOT / "deploy"
+_NAMED = re.compile(r"\borchestrator_[a-z_]+\b")
+_SERIES = ("_bucket", "_sum", "_count", "_total", "_created")

@@ -28,12 +28,12 @@ from orchestrator.telemetry import (
 )
 
 ALLOWED_LABELS = {"workflow", "tool", "effect_class", "code", "cause", "phase", "outcome",
-                  "answer", "resolver", "state"}
+                  "answer", "resolver", "state", "attempt_kind", "delay_class", "stage"}
 
 COUNTERS = {
     "orchestrator_runs_submitted": set(),
     "orchestrator_runs_finished": {"outcome"},
-    "orchestrator_tool_attempts": {"tool"},
+    "orchestrator_tool_attempts": {"tool", "attempt_kind"},
     "orchestrator_tool_retries": {"tool"},
     "orchestrator_tool_resends": {"tool"},
     "orchestrator_tool_dispatches_withheld": {"tool"},
@@ -41,6 +41,27 @@ COUNTERS = {
     "orchestrator_reconciliation_outcomes": {"answer", "resolver"},
     "orchestrator_deadlines_exhausted": set(),
     "orchestrator_lease_losses": set(),
+    "orchestrator_run_parks": set(),
+    "orchestrator_run_resumes": set(),
+    "orchestrator_claims": set(),
+    "orchestrator_fenced_writes_rejected": set(),
+    "orchestrator_database_retries": set(),
+    "orchestrator_runs_started": {"workflow"},
+    "orchestrator_run_replays": {"workflow"},
+    "orchestrator_tool_failures": {"tool", "phase", "cause"},
+    "orchestrator_lookups": {"tool", "answer"},
+    "orchestrator_cancellations": {"stage"},
+}
+
+HISTOGRAMS = {
+    "orchestrator_run_queue_wait_seconds": {"workflow"},
+    "orchestrator_run_duration_seconds": {"workflow", "outcome"},
+    "orchestrator_tool_call_duration_seconds": {"tool", "outcome"},
+    "orchestrator_replay_duration_seconds": {"workflow"},
+    "orchestrator_retry_delay_seconds": {"delay_class"},
+    "orchestrator_claim_batch_size": set(),
+    "orchestrator_commit_batch_size": set(),
+    "orchestrator_commit_latency_seconds": set(),
 }
 
 
@@ -74,7 +95,21 @@ def _busy_metrics() -> Metrics:
     metrics.incr("runs_submitted", 5)
     metrics.incr("runs_succeeded", 3)
     metrics.incr("runs_failed")
-    metrics.incr("operations_dispatched", 4, tool="charge")
+    metrics.incr("operations_dispatched", 3, tool="charge", attempt_kind="initial")
+    metrics.incr("operations_dispatched", tool="charge", attempt_kind="retry")
+    metrics.incr("runs_started", 4, workflow="checkout")
+    metrics.incr("tool_failures", tool="charge", phase="tool", cause="rate_limited")
+    metrics.incr("lookups", tool="charge", answer="committed")
+    metrics.incr("cancellations", stage="requested")
+    metrics.incr("run_replays", workflow="checkout")
+    metrics.observe("run_queue_wait_seconds", 0.02, "checkout")
+    metrics.observe("run_duration_seconds", 3.0, "checkout", "succeeded")
+    metrics.observe("tool_call_duration_seconds", 0.003, "charge", "returned")
+    metrics.observe("replay_duration_seconds", 0.01, "checkout")
+    metrics.observe("retry_delay_seconds", 0.2, "backoff")
+    metrics.observe("claim_batch_size", 3)
+    metrics.observe("commit_batch_size", 12)
+    metrics.observe("commit_latency_seconds", 0.002)
     metrics.incr("operations_retried", tool="charge")
     metrics.incr("unknown_outcomes", tool="charge", cause="TOOL_OUTCOME_UNCERTAIN")
     metrics.incr("unknown_outcomes", tool="charge", cause="WORKER_LOST")
@@ -89,8 +124,14 @@ def test_counters_have_the_promised_names_types_and_labels() -> None:
     registry.register(CounterCollector(_busy_metrics()))
     families = {f.name: f for f in text_string_to_metric_families(
         generate_latest(registry).decode())}
-    assert set(families) == set(COUNTERS)
+    assert set(families) == set(COUNTERS) | set(HISTOGRAMS)
     for name, family in families.items():
+        if name in HISTOGRAMS:
+            assert family.type == "histogram", name
+            for sample in family.samples:
+                assert sample.name in (f"{name}_bucket", f"{name}_sum", f"{name}_count")
+                assert set(sample.labels) - {"le"} == HISTOGRAMS[name], name
+            continue
         assert family.type == "counter", name
         for sample in family.samples:
             if sample.name.endswith("_created"):
@@ -107,7 +148,9 @@ def test_counter_values_follow_the_snapshot() -> None:
     assert samples["orchestrator_runs_finished_total"] == {
         (("outcome", "succeeded"),): 3, (("outcome", "failed"),): 1,
         (("outcome", "cancelled"),): 0}
-    assert samples["orchestrator_tool_attempts_total"] == {(("tool", "charge"),): 4}
+    assert samples["orchestrator_tool_attempts_total"] == {
+        (("attempt_kind", "initial"), ("tool", "charge")): 3,
+        (("attempt_kind", "retry"), ("tool", "charge")): 1}
     assert samples["orchestrator_tool_retries_total"] == {(("tool", "charge"),): 1}
     assert samples["orchestrator_operations_unknown_total"] == {
         (("cause", "TOOL_OUTCOME_UNCERTAIN"), ("tool", "charge")): 1,
@@ -117,6 +160,18 @@ def test_counter_values_follow_the_snapshot() -> None:
         (("answer", "not_applied"), ("resolver", "lookup")): 0,
         (("answer", "abandoned"), ("resolver", "operator")): 1}
     assert samples["orchestrator_lease_losses_total"] == {(): 1}
+    assert samples["orchestrator_tool_failures_total"] == {
+        (("cause", "rate_limited"), ("phase", "tool"), ("tool", "charge")): 1}
+    # A histogram: cumulative buckets, the sum and the count.
+    wait = samples["orchestrator_run_queue_wait_seconds_bucket"]
+    assert wait[(("le", "0.01"), ("workflow", "checkout"))] == 0
+    assert wait[(("le", "0.025"), ("workflow", "checkout"))] == 1
+    assert wait[(("le", "+Inf"), ("workflow", "checkout"))] == 1
+    assert samples["orchestrator_run_queue_wait_seconds_sum"] == {
+        (("workflow", "checkout"),): 0.02}
+    assert samples["orchestrator_commit_batch_size_count"] == {(): 1}
+    assert samples["orchestrator_commit_batch_size_bucket"][(("le", "8.0"),)] == 0
+    assert samples["orchestrator_commit_batch_size_bucket"][(("le", "16.0"),)] == 1
     # The snapshot the tests and the CLI read is the same as before: totals by counter.
     assert metrics.snapshot()["unknown_outcomes"] == 2
     assert metrics.snapshot()["operations_dispatched"] == 4
@@ -138,6 +193,8 @@ def test_labels_other_than_the_counters_own_are_refused() -> None:
         metrics.incr("runs_submitted", workflow="checkout")
     with pytest.raises(KeyError):
         metrics.incr("no_such_counter")
+    with pytest.raises(KeyError):
+        metrics.observe("run_queue_wait_seconds", 1.0)  # its workflow label is missing
     assert metrics.snapshot()["unknown_outcomes"] == 0
 
 
