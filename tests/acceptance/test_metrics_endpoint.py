@@ -13,8 +13,10 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import Orchestrator
@@ -232,3 +234,69 @@ def test_a_known_workload_is_scraped_exactly(workers: Workers, client: Orchestra
 DEPLOY = ROOT / "deploy"
 _NAMED = re.compile(r"\borchestrator_[a-z_]+\b")
 _SERIES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def _family(series: str) -> str:
+    """The family a series name belongs to (``…_total`` of a counter, ``…_bucket`` of a
+    histogram)."""
+    for suffix in _SERIES:
+        if series.endswith(suffix):
+            return series[: -len(suffix)]
+    return series
+
+
+def _dashboard_expressions() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "orchestrator.json").read_text())
+    found = [target["expr"] for panel in dashboard["panels"]
+             for target in panel.get("targets", [])]
+    found += [v["query"]["query"] for v in dashboard["templating"]["list"]
+              if isinstance(v.get("query"), dict)]
+    return found
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    return [rule for group in rules["groups"] for rule in group["rules"]]
+
+
+def test_the_alert_rules_are_complete() -> None:
+    rules = _alert_rules()
+    assert len(rules) >= 6
+    for rule in rules:
+        assert set(rule) >= {"alert", "expr", "for", "labels", "annotations"}, rule
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    dashboard = json.loads((DEPLOY / "grafana" / "orchestrator.json").read_text())
+    assert dashboard["uid"] == "orchestrator" and dashboard["panels"]
+
+
+def test_every_metric_the_dashboard_and_the_alerts_name_is_served(
+        workers: Workers, client: Orchestrator) -> None:
+    """The families a worker and a reconciler serve cover every ``orchestrator_*`` name in
+    deploy/grafana/orchestrator.json and deploy/prometheus/alerts.yml (a family with no
+    sample yet is still listed, with its type)."""
+    port, rport = _free_port(), _free_port()
+    worker = workers.start("metrics", app=APP, args=["--metrics-port", str(port)])
+    reconciler = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
+         "--metrics-port", str(rport)], cwd=ROOT,
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers.procs.append(reconciler)
+
+    def families(at: int) -> set[str] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{at}/metrics",
+                                        timeout=10) as response:
+                text = response.read().decode()
+        except OSError:
+            return None  # not listening yet
+        return {family.name for family in text_string_to_metric_families(text)}
+
+    workers.wait(lambda: families(port), "the worker's metrics", proc=worker)
+    workers.wait(lambda: families(rport), "the reconciler's metrics", proc=reconciler)
+    served = (families(port) or set()) | (families(rport) or set())
+    named = {_family(name) for expr in _dashboard_expressions()
+             + [rule["expr"] for rule in _alert_rules()] for name in _NAMED.findall(expr)}
+    assert len(named) >= 25
+    assert named - served == set()
