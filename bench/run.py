@@ -125,6 +125,11 @@ class Plan:
     console_sse_runs: int = 4_000  # K=3 runs of each drain beside them
     console_sse_rounds: int = 5  # drains with and without the clients, each
     console_parts: tuple[str, ...] = ("latency", "pages", "sse")
+    # K=3 runs of each telemetry drain: about ten seconds, so that the steady state decides
+    # its rate; with 1,000 runs (a second and a half) a drain held two scrapes, both in the
+    # worker's first seconds (lazy imports, first connections), and the arms' order mattered
+    # more than telemetry did.
+    telemetry_runs: int = 20_000
     quick: bool = False
 
 
@@ -137,7 +142,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), batch_sizes=(1, 8, 64),
                     batch_runs=128, console_steps=40, console_clients=2,
                     console_rows=20_000, console_page_requests=10, console_sse_clients=20,
-                    console_sse_runs=500, console_sse_rounds=1, quick=True)
+                    console_sse_runs=500, console_sse_rounds=1, telemetry_runs=300, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -147,7 +152,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
     for name in ("reps", "workers", "concurrency", "scale_rows", "latency_samples",
                  "memory_runs", "recovery_runs", "console_steps", "console_clients",
                  "console_rows", "console_page_requests", "console_sse_clients",
-                 "console_sse_runs", "console_sse_rounds"):
+                 "console_sse_runs", "console_sse_rounds", "telemetry_runs"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)
@@ -679,7 +684,8 @@ class Suite:
             for arm in (arms if i % 2 == 0 else arms[::-1]):
                 log(f"telemetry: repetition {i + 1}/{p.reps}, {arm}")
                 drains[arm].append(await ours.throughput_once(
-                    self.server, k=3, n=p.runs[3], setup=replace(self.setup(), telemetry=arm)))
+                    self.server, k=3, n=p.telemetry_runs,
+                    setup=replace(self.setup(), telemetry=arm)))
         lat: dict[str, dict[str, Any]] = {}
         for arm in arms:
             reps = await self.repeat(f"telemetry latency, {arm}", partial(
@@ -687,8 +693,9 @@ class Suite:
                 setup=ours.Setup(workers=1, concurrency=10, pool_size=4, telemetry=arm)))
             lat[arm] = {key: median([r[key] for r in reps])
                         for key in ("first_step_p50", "first_step_p99")}
-        table = Table(f"telemetry: K=3 throughput ({p.runs[3]:,} runs, {p.workers} workers × "
-                      f"concurrency {p.concurrency}) and K=1 first-step latency (idle worker), "
+        table = Table(f"telemetry: K=3 throughput ({p.telemetry_runs:,} runs, "
+                      f"{p.workers} workers × concurrency {p.concurrency}) and K=1 first-step "
+                      "latency (idle worker), "
                       "telemetry off, metrics scraped, tracing on",
                       ["arm", "steps/s", "min–max", "÷ off (paired median)", "target",
                        "worker µs/step", "first step p50 ms", "p99 ms", "scrapes"])
@@ -881,6 +888,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "clients, each (default 5; quick 1)")
     parser.add_argument("--console-parts", help="of the console section: latency, pages, sse "
                         "(comma-separated; default all)")
+    parser.add_argument("--telemetry-runs", type=int, help="K=3 runs per drain of the "
+                        "telemetry section (default 20000)")
     parser.add_argument("--recovery-runs", type=int, help="in-flight runs killed (default 100)")
     parser.add_argument("--lease-ttl", type=float, help="lease ttl for the recovery section "
                         "(default: the engine's default; quick: 3 s)")
