@@ -122,7 +122,9 @@ class Plan:
     console_rows: int = 1_000_000  # finished runs behind the console's pages
     console_page_requests: int = 100  # timed requests of each page
     console_sse_clients: int = 200  # SSE clients beside a K=3 drain
-    console_sse_runs: int = 4_000  # K=3 runs of each drain beside them
+    # K=3 runs of each drain beside them: some seconds of drain, so that the clients' and the
+    # console's start does not decide the rate
+    console_sse_runs: int = 12_000
     console_sse_rounds: int = 5  # drains with and without the clients, each
     console_parts: tuple[str, ...] = ("latency", "pages", "sse")
     # K=3 runs of each telemetry drain: about ten seconds, so that the steady state decides
@@ -814,10 +816,15 @@ class Suite:
         pairs = [ratio(b["steps_per_s"], a["steps_per_s"])
                  for a, b in zip(arms[False], arms[True], strict=True)]
         paired = median([x for x in pairs if x is not None])
-        cost = 1 - loaded / base
-        table.notes.append(f"with ÷ without: {fx(loaded / base)} (median of the pairs "
-                           f"{fx(paired)}): a cost of {cost:.1%}, target ≤ 5 %: "
-                           f"{'meets' if cost <= 0.05 else 'misses'}")
+        # The verdict reads the pairs, as the telemetry section does: the two drains of a
+        # round run back to back (which goes first alternates), so the host's drift between
+        # rounds cancels out; the ratio of the arms' medians keeps it, and is shown beside.
+        cost = 1 - paired
+        table.notes.append(f"with ÷ without, the median of the rounds' pairs: {fx(paired)}: "
+                           f"a cost of {cost:.1%}, target ≤ 5 %: "
+                           f"{'meets' if cost <= 0.05 else 'misses'} (the arms' medians: "
+                           f"{fx(loaded / base)}; each pair: "
+                           f"{', '.join(fx(x) for x in pairs if x is not None)})")
         table.notes.append(f"{p.console_sse_rounds} rounds each, alternating which arm goes "
                            "first; both arms run the console process and a worker running "
                            f"{p.console_sse_clients} paced runs (a tool call every 0-1 s); the "
