@@ -161,9 +161,16 @@ def duplicate_consequential(data: Data) -> Row:
 
 def idempotent_key_changes(data: Data) -> Row:
     """Idempotent calls sent with a different key for an operation (run, position) whose
-    effect had already been applied under another key."""
+    effect had already been applied under another key. A late request (:func:`_late_calls`)
+    that the provider refused is left out: its key was voided when a lookup or an operator
+    proved it not applied, before the new key was chosen; a worker paused past its lease
+    between the dispatch check and the request sent it (the residual window, counted in
+    "calls sent after another worker took the run"), and it applied nothing. A refused
+    request from the lease's holder still counts."""
+    harmless = {id(c) for c in _late_calls(data) if c["outcome"] == "refused"}
     applied = _by([e for e in data.effects if e["effect"] == "idempotent"], "_where")
-    calls = _by([c for c in data.calls if c["effect"] == "idempotent"], "_where")
+    calls = _by([c for c in data.calls
+                 if c["effect"] == "idempotent" and id(c) not in harmless], "_where")
     details = []
     for where, effects in applied.items():
         first = min(effects, key=lambda e: e["at"])
@@ -441,19 +448,17 @@ def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
     return Row("runs failed without a workflow reason", len(details), 0, details)
 
 
-def late_dispatches(data: Data) -> int:
+def _late_calls(data: Data) -> list[dict[str, Any]]:
     """Tool calls that started after another worker had written the run (an entry with a
     larger lease token than the one the call's operation was submitted under): a worker
-    that sent after losing its lease. The dispatch check of the lease leaves only a pause
-    that begins between that check and the request reaching the provider (a statistic,
-    not an invariant: the provider's refusal of voided keys keeps it harmless)."""
+    that sent after losing its lease."""
     taken: dict[Any, list[tuple[int, float]]] = {}
     for ev in data.journal:
         at = _ts(ev["created_at"])
         if ev.get("lease_token") is not None and at is not None:
             taken.setdefault(ev["run_id"], []).append((int(ev["lease_token"]), at))
     ops = {o["id"]: o for o in data.ops}
-    late = 0
+    late = []
     for call in data.calls:
         op = ops.get(call["op_id"])
         started = _ts(call.get("started_at"))
@@ -461,8 +466,15 @@ def late_dispatches(data: Data) -> int:
             continue
         token = int(op["lease_token"])
         if any(t > token and at < started for t, at in taken.get(op["run_id"], ())):
-            late += 1
+            late.append(call)
     return late
+
+
+def late_dispatches(data: Data) -> int:
+    """How many calls were late (:func:`_late_calls`). The dispatch check of the lease leaves
+    only a pause that begins between that check and the request reaching the provider (a
+    statistic, not an invariant: the provider's refusal of voided keys keeps it harmless)."""
+    return len(_late_calls(data))
 
 
 def verdict(data: Data, observed: Observed, expected_cancel: set[uuid.UUID]) -> Verdict:

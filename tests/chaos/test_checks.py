@@ -93,6 +93,29 @@ def test_an_idempotent_effect_sent_again_under_another_key_is_counted() -> None:
         "idempotent re-sends with a different key").value == 1
 
 
+def test_a_late_request_the_provider_refused_is_no_resend_under_another_key() -> None:
+    # Attempt 3 (K3) was submitted under lease 1; its worker paused past its lease; the next
+    # holder (lease 2, from 1 s) had K3 proven not applied (voided) and applied attempt 4
+    # (K4); the paused worker's request for K3 arrived at 5 s and was refused.
+    runs = [_run()]
+    journal = _journal(("call.submitted", {"op": 3}), ("call.unknown", {"op": 3}),
+                       ("call.submitted", {"op": 4}), ("call.completed", {"op": 4}),
+                       ("run.completed", {}), tokens=[1, 2, 2, 2, 2])
+    ops = [_op(3, "not_applied", "K3", lease_token=1),
+           _op(4, "committed", "K4", lease_token=2, receipt={"effect": 10})]
+    effects = [_effect(10, "K4", 4, "idempotent")]
+    late = _call("K3", 3, effect="idempotent", started=5)
+    late["outcome"] = "refused"
+    calls = [late, _call("K4", 4, effect="idempotent", started=2.5)]
+    row = "idempotent re-sends with a different key"
+    assert _verdict(runs, journal, ops, effects, calls).row(row).value == 0
+    late["outcome"] = "ok"  # had the provider taken it, it would count
+    assert _verdict(runs, journal, ops, effects, calls).row(row).value == 1
+    late["outcome"] = "refused"  # and so would a refused request from the lease's holder
+    ops[0]["lease_token"] = 2
+    assert _verdict(runs, journal, ops, effects, calls).row(row).value == 1
+
+
 def test_a_writer_with_an_older_lease_after_a_newer_one_breaks_the_history() -> None:
     runs, _, ops, effects = _clean_story()
     journal = _journal(("call.submitted", {"op": 1, "attempt": 1}),
