@@ -890,7 +890,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--console-sse-clients", type=int, help="SSE clients beside the K=3 "
                         "drains (default 200; quick 20)")
     parser.add_argument("--console-sse-runs", type=int, help="K=3 runs per drain beside them "
-                        "(default 4,000; quick 500)")
+                        "(default 12,000; quick 500)")
     parser.add_argument("--console-sse-rounds", type=int, help="drains with and without the "
                         "clients, each (default 5; quick 1)")
     parser.add_argument("--console-parts", help="of the console section: latency, pages, sse "
