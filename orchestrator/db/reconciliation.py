@@ -248,12 +248,14 @@ async def recon_settle(
     ``unknown``, and so do earlier attempts at the same position that were re-sent with the same
     idempotency key (the provider made them one effect). If the run is parked on it, the run's
     journal gets ``events`` at its next revision and the run is failed (``fail_run``: its error,
-    JSON) or, when
-    nothing else is unknown, queued again. ``error`` (JSON) is kept on the settled operations:
-    for ``not_applied``, who resolved it and what the operator chose next (``then``), which a
-    run that was not parked on it reads from there. A run that already moved on or ended keeps its
-    journal: only the ledger is settled. A run a worker is driving right now is not touched
-    (``OPERATION_IN_PROGRESS``: try again in a moment).
+    JSON) or, when nothing else it waits for is unknown, queued again. It waits for the
+    operations in the queue only: an unknown one that no item lists is the run's own to settle
+    (an idempotent re-send that was waiting out a retry delay when another branch blocked the
+    run), and waiting for it would leave the run parked for ever. ``error`` (JSON) is kept on
+    the settled operations: for ``not_applied``, who resolved it and what the operator chose
+    next (``then``), which a run that was not parked on it reads from there. A run that
+    already moved on or ended keeps its journal: only the ledger is settled. A run a worker
+    is driving right now is not touched (``OPERATION_IN_PROGRESS``: try again in a moment).
     """
     run = await (await conn.execute(
         f"SELECT revision, lease_token, status FROM {S}.runs WHERE id = %s FOR UPDATE",
@@ -319,8 +321,10 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
                status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
                available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
                waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END
-        FROM (SELECT count(*) AS n FROM {S}.operations
-              WHERE run_id = %(run_id)s AND state = 'unknown') AS still
+        FROM (SELECT count(*) AS n FROM {S}.operations o
+              WHERE o.run_id = %(run_id)s AND o.state = 'unknown'
+                AND EXISTS (SELECT 1 FROM {S}.reconciliation_items i
+                            WHERE i.operation_id = o.id AND i.state <> 'resolved')) AS still
         WHERE id = %(run_id)s AND status = 'needs_reconciliation'
         """,
         {"run_id": item["run_id"], "n": len(events)},

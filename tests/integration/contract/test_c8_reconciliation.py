@@ -218,3 +218,44 @@ async def test_a_lookups_not_applied_for_a_timed_out_call_counts_against_the_bud
     failed = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.failed'")
     assert [(f["payload"]["cause"], f["payload"]["reason"]) for f in failed] == [
         ("not_applied", "budget")]
+
+
+async def test_a_run_blocked_by_one_branch_wakes_while_another_waits_to_resend_its_own(
+        app, sql):
+    """One branch's call is unknown and queued; the other's idempotent call is unknown too,
+    but the engine re-sends that one itself (same key) and was waiting out the re-send's
+    retry delay when the run parked. Settling the queued one wakes the run: it must not wait
+    for an operation that no queue item lists."""
+    from orchestrator.recovery import RetryPolicy
+
+    sent: list[str] = []
+
+    @app.tool(effect="idempotent", retry=RetryPolicy(max_attempts=3, base_delay_ms=0))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        sent.append(ctx.idempotency_key)
+        if len(sent) == 1:
+            raise ConnectionResetError("sent, then the connection dropped")  # unknown
+        if len(sent) == 2:  # the re-send: refused, nothing applied, come back in 2 s
+            raise ToolError.before_send("busy", retry_after=2)
+        return {"upserted": True}
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("sent, then the connection dropped")  # unknown: queued
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.gather(ctx.call(upsert), ctx.call(charge))
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        unknown = {o["tool_name"]: o for o in operations(sql) if o["state"] == "unknown"}
+        assert set(unknown) == {"upsert", "charge"}
+        listed = sql("SELECT operation_id FROM orchestrator.reconciliation_items")
+        assert listed == [{"operation_id": unknown["charge"]["id"]}]
+        await app.operators.resolve_committed(unknown["charge"]["id"], receipt={"charged": 1},
+                                              evidence="the provider shows it", operator="al")
+        assert await run.result_async(timeout=15) == [{"upserted": True}, {"charged": 1}]
+    assert len(set(sent)) == 1  # every attempt of upsert with the key of the unknown one
+    assert "unknown" not in [o["state"] for o in operations(sql)]
