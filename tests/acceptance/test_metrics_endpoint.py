@@ -42,6 +42,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _start_reconciler(workers: Workers, port: int) -> subprocess.Popen[bytes]:
+    """``orchestrator reconciler`` of the test application, serving ``--metrics-port``; the
+    fixture stops it with the workers."""
+    reconciler = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
+         "--metrics-port", str(port)], cwd=ROOT,
+        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers.procs.append(reconciler)
+    return reconciler
+
+
 def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -102,12 +114,7 @@ def test_a_reconciler_serves_the_operator_queue(workers: Workers, client: Orches
     workers.wait(lambda: blocked.status() == "needs_reconciliation",
                  "the uncertain run to wait for reconciliation")
     port = _free_port()
-    reconciler = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
-         "--metrics-port", str(port)], cwd=ROOT,
-        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers.procs.append(reconciler)
+    reconciler = _start_reconciler(workers, port)
     workers.wait(lambda: workers.sql(
         "SELECT 1 FROM orchestrator.reconciliation_items WHERE state = 'operator'"),
         "the item to reach the operators' queue", proc=reconciler)
@@ -142,12 +149,7 @@ def test_a_known_workload_is_scraped_exactly(workers: Workers, client: Orchestra
     interrupts a call in flight, and a sleep that outlasts the run's deadline."""
     port, rport = _free_port(), _free_port()
     workers.start("metrics", app=APP, args=["--metrics-port", str(port)])
-    reconciler = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
-         "--metrics-port", str(rport)], cwd=ROOT,
-        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers.procs.append(reconciler)
+    _start_reconciler(workers, rport)
     flows = metrics_flows
     ok = [client.submit(flows.succeeds, {"n": n}) for n in range(2)]
     retried = client.submit(flows.retried, {})
