@@ -279,12 +279,7 @@ def test_every_metric_the_dashboard_and_the_alerts_name_is_served(
     sample yet is still listed, with its type)."""
     port, rport = _free_port(), _free_port()
     worker = workers.start("metrics", app=APP, args=["--metrics-port", str(port)])
-    reconciler = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "reconciler", "--app", APP,
-         "--metrics-port", str(rport)], cwd=ROOT,
-        env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers.procs.append(reconciler)
+    reconciler = _start_reconciler(workers, rport)
 
     def families(at: int) -> set[str] | None:
         try:
