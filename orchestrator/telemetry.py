@@ -133,25 +133,26 @@ class CounterCollector(Collector):
             finished.add_metric([outcome], counts[f"runs_{outcome}"])
         yield finished
         for name, counter, doc in _BY_TOOL:
-            yield self._labelled(name, doc, counter, list(LABELS[counter]))
+            yield self._labelled(counts, name, doc, counter, list(LABELS[counter]))
         for name, counter, doc in _LABELLED:
-            yield self._labelled(name, doc, counter, list(LABELS[counter]))
+            yield self._labelled(counts, name, doc, counter, list(LABELS[counter]))
         for counter, doc in _HISTOGRAMS.items():
             yield self._histogram(counter, doc)
         yield self._labelled(
+            counts,
             "orchestrator_operations_unknown",
             "Operations whose outcome became unknown, by tool and cause (WORKER_LOST, "
             "TOOL_OUTCOME_UNCERTAIN, INVALID_RECEIPT, other).",
             "unknown_outcomes", ["tool", "cause"])
         yield self._reconciliation(counts)
 
-    def _labelled(self, name: str, doc: str, counter: str, labels: list[str]
-                  ) -> CounterMetricFamily:
+    def _labelled(self, counts: dict[str, int], name: str, doc: str, counter: str,
+                  labels: list[str]) -> CounterMetricFamily:
         family = CounterMetricFamily(name, doc, labels=labels)
         by_values = self.metrics.labelled(counter)
         for values, count in sorted(by_values.items()):
             family.add_metric(list(values), count)
-        rest = self.metrics.snapshot()[counter] - sum(by_values.values())
+        rest = counts[counter] - sum(by_values.values())
         if rest > 0:  # counted without labels (not by the engine): empty label values
             family.add_metric([""] * len(labels), rest)
         return family
