@@ -11,9 +11,9 @@ really runs again elsewhere rather than waiting for reconciliation).
 
 Configuration comes from the environment so that one module serves every section:
 ``ORCHESTRATOR_DATABASE_URL``, ``BENCH_LEASE_TTL`` (default: the engine's own default) and
-``BENCH_POOL_SIZE`` (connections per worker process); with ``BENCH_TRACING=1`` the process
-has the OpenTelemetry SDK (every span sampled, batched and handed to an exporter that drops
-it: the cost of tracing without the cost of a collector).
+``BENCH_POOL_SIZE`` (connections per worker process); with ``BENCH_TRACING=R`` the process
+has the OpenTelemetry SDK (``1``: every span sampled; ``0.1``: one trace in ten; batched and
+handed to an exporter that drops it: the cost of tracing without the cost of a collector).
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def _env_float(name: str) -> float | None:
     return float(value) if value else None
 
 
-def _trace_to_nowhere() -> None:
+def _trace_to_nowhere(ratio: float) -> None:
+    """The SDK's provider, every span (or the ``ratio`` of traces a parent-based ratio sampler
+    keeps) batched to an exporter that drops it."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (
@@ -85,18 +87,20 @@ def _trace_to_nowhere() -> None:
         SpanExporter,
         SpanExportResult,
     )
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     class Dropped(SpanExporter):
         def export(self, spans: Any) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider()
+    provider = (TracerProvider() if ratio >= 1
+                else TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio))))
     provider.add_span_processor(BatchSpanProcessor(Dropped()))
     trace.set_tracer_provider(provider)
 
 
-if os.environ.get("BENCH_TRACING") == "1":
-    _trace_to_nowhere()
+if os.environ.get("BENCH_TRACING"):
+    _trace_to_nowhere(float(os.environ["BENCH_TRACING"]))
 
 app = build_app(os.environ.get("ORCHESTRATOR_DATABASE_URL"),
                 lease_ttl=_env_float("BENCH_LEASE_TTL"),

@@ -50,9 +50,13 @@ class Setup:
     lease_ttl: float | None = None
     floor: bool = False  # bench.floor processes (the engine's writes alone), not workers
     # "off"; "metrics": each worker serves --metrics-port, scraped every SCRAPE_INTERVAL
-    # during a drain; "tracing": each worker has the OpenTelemetry SDK, its spans dropped
+    # during a drain; "tracing": each worker has the OpenTelemetry SDK, its spans dropped;
+    # "tracing-sampled": the same with a parent-based sampler keeping 1 trace in 10
     telemetry: str = "off"
 
+
+TRACING_RATIOS = {"tracing": 1.0, "tracing-sampled": 0.1}
+"""The share of traces each tracing arm samples."""
 
 SCRAPE_INTERVAL = 1.0
 """Seconds between two scrapes of each worker's /metrics in the ``metrics`` arm (Prometheus
@@ -76,8 +80,8 @@ async def start_workers(url: str, setup: Setup, count: int | None = None,
     if setup.floor and k is None:
         raise ValueError("bench.floor processes drive runs of one K; give k")
     args = worker_args(setup.concurrency, floor_k=k if setup.floor else None)
-    if setup.telemetry == "tracing":
-        env["BENCH_TRACING"] = "1"
+    if setup.telemetry in TRACING_RATIOS:
+        env["BENCH_TRACING"] = str(TRACING_RATIOS[setup.telemetry])
     procs = []
     for i in range(n):
         port = free_port() if setup.telemetry == "metrics" else None

@@ -674,12 +674,14 @@ class Suite:
 
     async def section_telemetry(self) -> None:
         """What telemetry costs the workers: the same K=3 drain with telemetry off, with each
-        worker's ``/metrics`` served and scraped every second, and with tracing (the SDK in
-        every worker, every span sampled and batched to an exporter that drops it), the arms
+        worker's ``/metrics`` served and scraped every second, with tracing (the SDK in every
+        worker, every span sampled and batched to an exporter that drops it) and with tracing
+        sampled as a production service would (a parent-based sampler keeping one trace in
+        ten; the target is the unsampled arm's), the arms
         interleaved (their order alternates), each compared with the ``off`` drain of its own
         repetition; then first-step latency in each arm."""
         p = self.plan
-        arms = ("off", "metrics", "tracing")
+        arms = ("off", "metrics", "tracing", "tracing-sampled")
         targets = {"metrics": 0.97, "tracing": 0.9}
         drains: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
         for i in range(p.reps):
@@ -698,7 +700,7 @@ class Suite:
         table = Table(f"telemetry: K=3 throughput ({p.telemetry_runs:,} runs, "
                       f"{p.workers} workers × concurrency {p.concurrency}) and K=1 first-step "
                       "latency (idle worker), "
-                      "telemetry off, metrics scraped, tracing on",
+                      "telemetry off, metrics scraped, tracing on (every trace, 1 in 10)",
                       ["arm", "steps/s", "min–max", "÷ off (paired median)", "target",
                        "worker µs/step", "first step p50 ms", "p99 ms", "scrapes"])
         payload: dict[str, Any] = {"drains": drains, "latency": lat}
@@ -722,7 +724,8 @@ class Suite:
         table.notes.append(f"metrics: each worker serves --metrics-port, scraped every "
                            f"{ours.SCRAPE_INTERVAL:g} s (every scrape also reads the database "
                            "gauges); tracing: opentelemetry-sdk TracerProvider, "
-                           "BatchSpanProcessor, an exporter that drops every span")
+                           "BatchSpanProcessor, an exporter that drops every span; "
+                           "tracing-sampled: the same with ParentBased(TraceIdRatioBased(0.1))")
         table.print()
         self.record("telemetry", payload)
 

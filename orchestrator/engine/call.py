@@ -38,7 +38,7 @@ from orchestrator.db.database import Conn
 from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite
-from orchestrator.engine.stages import Stages, policy_stages
+from orchestrator.engine.stages import Stage, Stages, policy_stages
 from orchestrator.errors import InvalidRequest, OrchestratorError, ToolFailed
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
@@ -147,27 +147,31 @@ class Call(CallSite):
 
     async def attempt(self, state: Attempt) -> Attempt | _Done:
         """Run one attempt: its receipt (:class:`_Done`), or the attempt to run next."""
+        stages = policy_stages(self.config, self.tool)
+        op_id, key = await self._intent(state, pending=bool(stages))
         tracer = self.config.tracing.tracer
         if tracer is None:
-            return await self._attempt(state)
-        return await self._attempt_traced(tracer, state)
+            return await self._send(state, op_id, key, stages)
+        return await self._send_traced(tracer, state, op_id, key, stages)
 
-    async def _attempt_traced(self, tracer: Tracer, state: Attempt) -> Attempt | _Done:
-        """:meth:`_attempt` in its ``call {tool}`` span, current while it runs: the tool's own
-        spans (an instrumented HTTP client) nest under it (docs/tracing.md)."""
+    async def _send_traced(self, tracer: Tracer, state: Attempt, op_id: int, key: str,
+                           stages: list[Stage]) -> Attempt | _Done:
+        """:meth:`_send` in the attempt's ``call {tool}`` span, current while it runs: the
+        tool's own spans (an instrumented HTTP client) nest under it (docs/tracing.md). The
+        span starts once the operation exists, with every attribute known then in one go: a
+        span's attributes are most of what it costs a busy worker."""
         tool = self.tool
         span = self.span = tracer.start_span(f"call {tool.name}", kind=SpanKind.CLIENT,
                                              attributes={
-            "orchestrator.run_id": self.run.run_text,
             "orchestrator.tool": tool.name,
-            "orchestrator.tool_version": tool.version,
             "orchestrator.effect_class": tool.effect,
-            "orchestrator.position": self.position,
-            "orchestrator.attempt": state.number})
+            "orchestrator.attempt": state.number,
+            "orchestrator.operation_id": op_id,
+            "orchestrator.idempotency_key_digest": key_digest(key)})
         self.said = None
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            outcome = await self._attempt(state)
+            outcome = await self._send(state, op_id, key, stages)
             if isinstance(outcome, _Done):
                 self.said = "committed"
             return outcome
@@ -187,13 +191,10 @@ class Call(CallSite):
             otel_context.detach(token)
             span.end()
 
-    def _note(self, op_id: int, key: str) -> None:
-        """The attempt's operation, on its span."""
-        if self.span is not None:
-            self.span.set_attributes({"orchestrator.operation_id": op_id,
-                                      "orchestrator.idempotency_key_digest": key_digest(key)})
-
-    async def _attempt(self, state: Attempt) -> Attempt | _Done:
+    async def _intent(self, state: Attempt, *, pending: bool) -> tuple[int, str]:
+        """The attempt's operation and idempotency key: its intent written now (write-ahead;
+        ``pending`` when policy stages come first), or the pending operation a parked attempt
+        left."""
         run, tool = self.run, self.tool
         run.boundary()
         remaining = run.remaining()
@@ -201,13 +202,17 @@ class Call(CallSite):
             run.stop_deadline()  # not even the minimum attempt fits: never dispatch
         key = state.key or self.key_for(state.number)
         op_id = state.pending_op
-        stages = policy_stages(self.config, tool)
         if op_id is None:
-            op_id, status = await self.begin(state.number, key, pending=bool(stages))
+            op_id, status = await self.begin(state.number, key, pending=pending)
             if (held := faults.reach("after_intent", tool.name)) is not None:
                 await held
-            await self.written(op_id, state.number, status, pending=bool(stages))
-        self._note(op_id, key)
+            await self.written(op_id, state.number, status, pending=pending)
+        return op_id, key
+
+    async def _send(self, state: Attempt, op_id: int, key: str,
+                    stages: list[Stage]) -> Attempt | _Done:
+        """The attempt's policy stages (if any), then its dispatch."""
+        run, tool = self.run, self.tool
         if stages or state.pending_op is not None:
             await Stages(self).run(op_id, state.number, key, stages)
         if (held := faults.reach("after_submitted", tool.name)) is not None:

@@ -71,6 +71,7 @@ def test_a_run_killed_mid_way_keeps_one_trace_from_submit_to_the_last_call(
     for call, run in ((call_a, run_a), (call_b, run_b)):
         assert call["trace_id"] == run["trace_id"] and call["parent_id"] == run["span_id"]
     assert call_b["attributes"]["orchestrator.outcome"] == "committed"
-    assert call_b["attributes"]["orchestrator.position"] == 1
+    assert call_b["attributes"]["orchestrator.tool"] == "slow_idempotent"
+    assert isinstance(call_b["attributes"]["orchestrator.operation_id"], int)
     assert call_b["attributes"]["orchestrator.attempt"] == 1
     assert call_b["attributes"]["orchestrator.effect_class"] == "idempotent"

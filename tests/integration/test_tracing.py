@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 
 from orchestrator import OperationUncertain
+from orchestrator.admin import show_run
 from orchestrator.logs import JsonFormatter
 from tests.integration.conftest import running, wait_for
 
@@ -97,18 +98,19 @@ async def test_a_run_joins_its_submitters_trace_as_a_child(
     assert ran.attributes["orchestrator.run_id"] == str(run.id)
     assert ran.attributes["orchestrator.replay"] is False
     assert ran.attributes["orchestrator.outcome"] == "succeeded"
+    # Each call span names its operation (which holds the run and the position).
+    detail = await show_run(app.database, run.id)
+    operation_ids = {op["position"]: op["id"] for op in detail.operations}
     for position, call in enumerate(calls):
         assert call.parent is not None and call.parent.span_id == ran.context.span_id
         assert call.kind is SpanKind.CLIENT
         attributes = dict(call.attributes or {})
-        assert isinstance(attributes.pop("orchestrator.operation_id"), int)
+        assert attributes.pop("orchestrator.operation_id") == operation_ids[position]
         digest = attributes.pop("orchestrator.idempotency_key_digest")
         assert len(digest) == 16
         assert attributes == {
-            "orchestrator.run_id": str(run.id), "orchestrator.tool": "charge",
-            "orchestrator.tool_version": "1", "orchestrator.effect_class": "idempotent",
-            "orchestrator.position": position, "orchestrator.attempt": 1,
-            "orchestrator.outcome": "committed"}
+            "orchestrator.tool": "charge", "orchestrator.effect_class": "idempotent",
+            "orchestrator.attempt": 1, "orchestrator.outcome": "committed"}
         assert call.status.status_code is StatusCode.UNSET
     # The last call's span was current while the tool ran: the tool's own spans nest under it.
     assert seen["span"].span_id == calls[1].context.span_id
