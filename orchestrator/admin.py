@@ -21,7 +21,7 @@ from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied
-from orchestrator.models import check_run_filters
+from orchestrator.models import check_run_filters, held_until
 from orchestrator.reconcile import check_evidence
 
 LIVE_WORKER_SECONDS = 60.0
@@ -147,6 +147,10 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]],
     """Why a run that is not finished is not moving, in words."""
     key = f"{run['workflow_name']}@{run['workflow_version']}"
     if run["status"] == "queued":
+        start = held_until(run)
+        if start is not None and run["revision"] == 0 and start > datetime.now(UTC):
+            return (f"not before {utc_text(start)}: submitted with a held-back start "
+                    f"(start_at or delay)")
         able = [w for w in workers if key in w["workflows"]]
         if not able:
             return (f"waiting for a worker that has workflow {run['workflow_name']} version "

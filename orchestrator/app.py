@@ -22,7 +22,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, overload
 
 from opentelemetry import context as otel_context
@@ -48,6 +48,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
     UnknownWorkflow,
 )
+from orchestrator.flow import Start, check_start
 from orchestrator.handle import DENIED, TERMINAL, H, RunHandle
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
@@ -305,11 +306,12 @@ class Orchestrator:
         deadline: float | None,
         run_id: uuid.UUID | None = None,
         parent: tuple[uuid.UUID, int] | None = None,
+        start: Start | None = None,
     ) -> dict[str, Any]:
         """Validate a submission and build its row. Raises before anything is written."""
         return runs_db.run_row(workflow.name, workflow.version, input, limits=self.json_limits,
                                owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-                               run_id=run_id, parent=parent)
+                               run_id=run_id, parent=parent, start=start)
 
     @overload
     async def submit_async(
@@ -320,6 +322,8 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[R]: ...
 
@@ -332,6 +336,8 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]: ...
 
@@ -343,16 +349,22 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]:
         """Submit a run; with ``idempotency_key``, at most one run per owner and key (C1).
+
+        ``start_at`` (a timezone-aware time) or ``delay`` (from now) hold the run back: no
+        worker claims it before then, and its ``deadline`` counts from then (docs/flow.md).
 
         With ``connection`` (a psycopg async connection in a transaction), the run is written
         in the caller's transaction: invisible until it commits, gone if it rolls back.
         """
         handle, _ = await self._submit_async(workflow, input, owner=owner,
                                              idempotency_key=idempotency_key,
-                                             deadline=deadline, connection=connection)
+                                             deadline=deadline, start_at=start_at,
+                                             delay=delay, connection=connection)
         return handle
 
     async def _submit_async(
@@ -364,6 +376,8 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> tuple[RunHandle[Any], bool]:
         """:meth:`submit_async`, and whether it created the run (False: the owner's key named
@@ -380,8 +394,9 @@ class Orchestrator:
             if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
                 raise InvalidRequest("deadline must be a positive timedelta", path="deadline")
             seconds = deadline.total_seconds()
+        start = check_start(start_at, delay, datetime.now(UTC))
         row = self.new_run_row(wf, input, owner=who, idempotency_key=idempotency_key,
-                               deadline=seconds)
+                               deadline=seconds, start=start)
         tracer = self.tracing.tracer
         if tracer is None:  # not tracing here: the caller's own span, if any, is the parent
             row["traceparent"] = current_traceparent()
@@ -427,6 +442,8 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[R]: ...
 
@@ -439,6 +456,8 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]: ...
 
@@ -450,13 +469,15 @@ class Orchestrator:
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]:
         """Sync twin of :meth:`submit_async`. The caller's current span (its thread's
         OpenTelemetry context) is the submission's parent, as in the async method."""
         return self._portal.call(_in_context(otel_context.get_current(), self.submit_async(
             workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-            connection=connection)))
+            start_at=start_at, delay=delay, connection=connection)))
 
     # -- reading and acting on runs ----------------------------------------------------------
 

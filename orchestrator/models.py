@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -79,6 +79,20 @@ class Owner(BaseModel):
         return {"tenant": self.tenant, "principal": self.principal}
 
 
+def held_until(row: dict[str, Any]) -> datetime | None:
+    """When a run submitted with ``start_at`` or ``delay`` may start (its insert computed it
+    from the same clock as ``created_at``); None for a run submitted to start at once."""
+    options = row.get("options") or {}
+    if not isinstance(options, dict):
+        return None
+    created: datetime = row["created_at"]
+    if isinstance(options.get("start_at"), str):
+        return max(created, datetime.fromisoformat(options["start_at"]))
+    if isinstance(options.get("delay_seconds"), int | float):
+        return created + timedelta(seconds=options["delay_seconds"])
+    return None
+
+
 class RunInfo(BaseModel):
     """A run as its owner may see it."""
 
@@ -91,6 +105,9 @@ class RunInfo(BaseModel):
     waiting_for: str | None = None
     revision: int
     deadline_at: datetime | None = None
+    start_at: datetime | None = None
+    """When a held-back run (``submit(start_at=…)`` or ``delay=``) may start; None if it was
+    submitted to start at once."""
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None
@@ -111,6 +128,7 @@ class RunInfo(BaseModel):
             waiting_for=row["waiting_for"],
             revision=row["revision"],
             deadline_at=row["deadline_at"],
+            start_at=held_until(row),
             created_at=row["created_at"],
             updated_at=row["updated_at"],
             finished_at=row["finished_at"],

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -51,6 +51,7 @@ from orchestrator.errors import (
     RunFailed,
     Unauthenticated,
 )
+from orchestrator.flow import MAX_HOLD
 from orchestrator.handle import RunHandle
 from orchestrator.models import Owner, RunInfo, parse_run_id
 from orchestrator.records import error_record, ident, iso
@@ -61,7 +62,7 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 MAX_WAIT = 60
 """Seconds ``GET /api/runs/{id}/result?wait=`` may wait at most."""
-SUBMIT_FIELDS = frozenset({"workflow", "version", "input", "deadline"})
+SUBMIT_FIELDS = frozenset({"workflow", "version", "input", "deadline", "start_at", "delay"})
 EVENT_FIELDS = frozenset({"payload", "event_key"})
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -75,8 +76,9 @@ class Submitting(Protocol):
     async def _submit_async(self, workflow: Any, input: Any = None, *,
                             version: str | None = None, owner: Owner | None = None,
                             idempotency_key: str | None = None,
-                            deadline: timedelta | None = None, connection: Any = None
-                            ) -> tuple[RunHandle[Any], bool]: ...
+                            deadline: timedelta | None = None,
+                            start_at: datetime | None = None, delay: timedelta | None = None,
+                            connection: Any = None) -> tuple[RunHandle[Any], bool]: ...
 
     async def get_run_async(self, run_id: Any, *, owner: Owner | None = None
                             ) -> RunHandle[Any]: ...
@@ -108,6 +110,7 @@ def run_record(info: RunInfo) -> dict[str, Any]:
         "parent_run_id": ident(info.parent_run_id),
         "cancel_requested": info.cancel_requested,
         "deadline_at": iso(info.deadline_at),
+        "start_at": iso(info.start_at),
         "created_at": iso(info.created_at),
         "updated_at": iso(info.updated_at),
         "finished_at": iso(info.finished_at),
@@ -136,6 +139,32 @@ def _deadline(value: Any) -> timedelta | None:
             or value > timedelta.max.total_seconds() / 2):
         raise InvalidRequest("deadline must be a positive number of seconds",
                              path="deadline")
+    return timedelta(seconds=value)
+
+
+def _start_at(value: Any) -> datetime | None:
+    """``start_at``: an ISO 8601 time with its offset (``2026-12-24T09:00:00+01:00``)."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) and len(value) <= 64 \
+            else None
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidRequest("start_at must be an ISO 8601 time with a UTC offset",
+                             path="start_at")
+    return when
+
+
+def _delay(value: Any) -> timedelta | None:
+    """``delay``: seconds from now, a finite number from 0 (the bound is the engine's)."""
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0 \
+            or value > MAX_HOLD.total_seconds():
+        raise InvalidRequest(f"delay must be a number of seconds from 0 to "
+                             f"{MAX_HOLD.total_seconds():.0f}", path="delay")
     return timedelta(seconds=value)
 
 
@@ -229,7 +258,8 @@ class Submitters:
             check_identifier("version", version)
         handle, created = await self.app._submit_async(
             workflow, body.get("input"), version=version, owner=owner,
-            idempotency_key=key, deadline=_deadline(body.get("deadline")))
+            idempotency_key=key, deadline=_deadline(body.get("deadline")),
+            start_at=_start_at(body.get("start_at")), delay=_delay(body.get("delay")))
         info = await handle.info_async()
         headers = {"Location": f"{request.scope.get('root_path') or ''}/api/runs/{handle.id}"}
         if not created:

@@ -31,6 +31,7 @@ from orchestrator.db.operations import (
 )
 from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
+from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.models import Owner
@@ -42,13 +43,17 @@ _NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
 def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: JsonLimits,
             owner: Owner, idempotency_key: str | None, deadline: float | None,
             run_id: uuid.UUID | None = None,
-            parent: tuple[uuid.UUID, int] | None = None) -> dict[str, Any]:
+            parent: tuple[uuid.UUID, int] | None = None,
+            start: Start | None = None) -> dict[str, Any]:
     """A new run's row for :func:`run_insert`, its input held to ``limits``. Raises before
-    anything is written (a submission's and a child's alike)."""
+    anything is written (a submission's and a child's alike). ``start``: a held-back start
+    (docs/flow.md), part of the request its idempotency key names."""
     input_text = limits.text(input, "$.input")
     options: dict[str, Any] = {}
     if deadline is not None:
         options["deadline_seconds"] = deadline
+    if start is not None:
+        options.update(start.option())
     return {
         "id": run_id or new_run_id(),
         "tenant": owner.tenant,
@@ -62,9 +67,18 @@ def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: Js
         "parent_run_id": parent[0] if parent else None,
         "parent_position": parent[1] if parent else None,
         "deadline_seconds": deadline,
+        "start_at": start.at if start is not None else None,
+        "delay_seconds": start.delay_seconds if start is not None else None,
         "traceparent": None,  # the submitter's span, set by the caller (docs/tracing.md)
     }
 
+
+_START = """(CASE WHEN %(start_at)s::timestamptz IS NOT NULL
+              THEN greatest(now(), %(start_at)s::timestamptz)
+              WHEN %(delay_seconds)s::float8 IS NOT NULL
+              THEN now() + make_interval(secs => %(delay_seconds)s::float8)
+              ELSE now() END)"""
+"""When a new run may start: now, or held back (:class:`~orchestrator.flow.Start`)."""
 
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
@@ -72,9 +86,9 @@ INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, in
                       available_at, deadline_at, traceparent)
 VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
         %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
-        %(parent_run_id)s, %(parent_position)s, 'queued', now(),
+        %(parent_run_id)s, %(parent_position)s, 'queued', {_START},
         CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
-             ELSE now() + make_interval(secs => %(deadline_seconds)s::float8) END,
+             ELSE {_START} + make_interval(secs => %(deadline_seconds)s::float8) END,
         %(traceparent)s)
 ON CONFLICT DO NOTHING
 RETURNING id

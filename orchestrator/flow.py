@@ -1,0 +1,76 @@
+"""Flow control of runs: when a run may start (docs/flow.md).
+
+A submission may hold its run back, ``start_at`` (a timezone-aware time) or ``delay`` (from
+the moment of submission). The run is written at once (its idempotency key is taken, its
+owner can read, cancel or send it events) but no worker claims it before its start, and its
+deadline counts from its start. What the submission asked is part of the request that its
+idempotency key names: the same key with the same ``delay`` is the same request (a retry,
+whatever the clock says by then), with another ``delay`` or ``start_at`` a conflict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from orchestrator.errors import InvalidRequest
+
+START_AT_TOLERANCE = timedelta(minutes=5)
+"""How far in the past ``start_at`` may be (clocks differ; a time this close to now starts the
+run at once). Further back is a mistake, not a schedule: ``INVALID_REQUEST``."""
+
+MAX_HOLD = timedelta(days=3660)
+"""The furthest a submission may hold its run back (about ten years)."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """A held-back start as stored: exactly one of the two is set."""
+
+    at: datetime | None = None  # UTC
+    delay_seconds: float | None = None
+
+    def option(self) -> dict[str, Any]:
+        """What the request digest and ``runs.options`` record of it."""
+        if self.at is not None:
+            return {"start_at": self.at.isoformat()}
+        return {"delay_seconds": self.delay_seconds}
+
+
+def check_start(start_at: datetime | None, delay: timedelta | None,
+                now: datetime) -> Start | None:
+    """The held-back start a submission asks (None: start now), or ``INVALID_REQUEST`` naming
+    the field: both given, a naive or far-past ``start_at``, a negative ``delay``, either
+    beyond :data:`MAX_HOLD`."""
+    if start_at is None and delay is None:
+        return None
+    if start_at is not None and delay is not None:
+        raise InvalidRequest("give start_at or delay, not both", path="start_at")
+    if delay is not None:
+        if not isinstance(delay, timedelta) or delay < timedelta(0) or delay > MAX_HOLD:
+            raise InvalidRequest(f"delay must be a timedelta from 0 to {MAX_HOLD.days} days",
+                                 path="delay")
+        return Start(delay_seconds=delay.total_seconds())
+    if not isinstance(start_at, datetime) or start_at.tzinfo is None \
+            or start_at.utcoffset() is None:
+        raise InvalidRequest("start_at must be a timezone-aware datetime", path="start_at")
+    at = start_at.astimezone(UTC)
+    if at < now - START_AT_TOLERANCE:
+        raise InvalidRequest(
+            f"start_at is {_ago(now - at)} in the past (at most "
+            f"{int(START_AT_TOLERANCE.total_seconds() // 60)} minutes is taken as now)",
+            path="start_at")
+    if at > now + MAX_HOLD:
+        raise InvalidRequest(f"start_at is more than {MAX_HOLD.days} days ahead",
+                             path="start_at")
+    return Start(at=at)
+
+
+def _ago(span: timedelta) -> str:
+    seconds = int(span.total_seconds())
+    if seconds < 3600:
+        return f"{seconds // 60} minutes"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600} hours"
+    return f"{seconds // 86400} days"
