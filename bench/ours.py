@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import psycopg  # noqa: TID251 - fixtures and progress queries
@@ -57,6 +58,35 @@ class Setup:
 
 TRACING_RATIOS = {"tracing": 1.0, "tracing-sampled": 0.1}
 """The share of traces each tracing arm samples."""
+
+def sdk_span_cost(spans: int = 20_000, rounds: int = 5) -> float:
+    """Microseconds the OpenTelemetry SDK takes to start and end one span with no attribute,
+    in this process, the provider configured as the ``tracing`` arm's (every span sampled, a
+    batching processor, an exporter that drops them): the least a span can cost a worker, which
+    pays it under load, with attributes, among its other work. The median of ``rounds``."""
+    import timeit
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    tracer = provider.get_tracer("bench")
+    try:
+        times = timeit.repeat(lambda: tracer.start_span("call tool").end(), number=spans,
+                              repeat=rounds)
+    finally:
+        provider.shutdown()
+    return median(times) / spans * 1e6
+
 
 SCRAPE_INTERVAL = 1.0
 """Seconds between two scrapes of each worker's /metrics in the ``metrics`` arm (Prometheus

@@ -726,6 +726,17 @@ class Suite:
                            "gauges); tracing: opentelemetry-sdk TracerProvider, "
                            "BatchSpanProcessor, an exporter that drops every span; "
                            "tracing-sampled: the same with ParentBased(TraceIdRatioBased(0.1))")
+        # The floor under the tracing arm: what the SDK alone takes per span, here, with no
+        # attribute, times the spans a K=3 step makes (a run span per run, a call span per
+        # attempt: 4 per 3 steps), beside what the off arm's workers spend per step.
+        span_us = ours.sdk_span_cost()
+        off_us = median_of(drains["off"], "worker_cpu_us_per_step")
+        payload["sdk_span_us"] = span_us
+        table.notes.append(
+            f"the SDK alone (start + end of a span with no attribute, in this process, same "
+            f"provider): {span_us:.1f} µs per span; a K=3 step makes 4/3 spans, so at least "
+            f"{span_us * 4 / 3:.1f} µs per step before any attribute, against the off arm's "
+            f"{off_us or 0:.0f} µs of worker CPU per step")
         table.print()
         self.record("telemetry", payload)
 
