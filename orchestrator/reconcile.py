@@ -16,6 +16,7 @@ import random
 import traceback
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from orchestrator import canonical
@@ -297,17 +298,18 @@ class Reconciler:
             answer, raised = await self._lookup(tool, ctx, arguments)
             await self._answered(item, tool, answer, raised)
             return
-        # The lookup's span is current while its answer is recorded too: the lines logged
-        # about it name its trace.
-        with tracer.start_as_current_span(
-                f"lookup {tool.name}", kind=SpanKind.CLIENT, record_exception=False,
-                set_status_on_exception=False, attributes={
-                    "orchestrator.run_id": str(item["run_id"]),
-                    "orchestrator.tool": tool.name,
-                    "orchestrator.operation_id": item["operation_id"],
-                    "orchestrator.attempt": item["attempt"],
-                    "orchestrator.idempotency_key_digest": key_digest(item["idempotency_key"]),
-                    "orchestrator.lookup_attempt": item["lookup_attempts"] + 1}) as span:
+        # The lookup's span relates to the run's submitter as the run's own spans do, and is
+        # current while its answer is recorded too: the lines logged about it name its trace.
+        span = self.config.tracing.related_span(
+            tracer, f"lookup {tool.name}", item.get("traceparent"), {
+                "orchestrator.run_id": str(item["run_id"]),
+                "orchestrator.tool": tool.name,
+                "orchestrator.operation_id": item["operation_id"],
+                "orchestrator.attempt": item["attempt"],
+                "orchestrator.idempotency_key_digest": key_digest(item["idempotency_key"]),
+                "orchestrator.lookup_attempt": item["lookup_attempts"] + 1}, SpanKind.CLIENT)
+        with trace.use_span(span, end_on_exit=True, record_exception=False,
+                            set_status_on_exception=False):
             answer, raised = await self._lookup(tool, ctx, arguments)
             span.set_attribute("orchestrator.outcome", _answer_word(answer))
             if raised is not None:

@@ -85,14 +85,21 @@ class Tracing:
                  attributes: dict[str, Any]) -> Span:
         """A new ``run {workflow}`` span for one execution of a run, related to the stored
         ``traceparent`` as configured. Not made current: the caller attaches it."""
+        return self.related_span(tracer, f"run {name}", traceparent, attributes,
+                                 SpanKind.CONSUMER)
+
+    def related_span(self, tracer: Tracer, name: str, traceparent: str | None,
+                     attributes: dict[str, Any], kind: SpanKind) -> Span:
+        """A new span of work done for a run away from its submitter (an execution, a
+        reconciliation lookup), related to the run's stored ``traceparent`` as configured: a
+        child of it, or the root of a trace of its own with a link to it. Not made current."""
         stored = parse_traceparent(traceparent)
         if stored is not None and self.parent == "child":
             parent = trace.set_span_in_context(NonRecordingSpan(stored), otel_context.Context())
-            return tracer.start_span(f"run {name}", parent, SpanKind.CONSUMER, attributes)
+            return tracer.start_span(name, parent, kind, attributes)
         links = [Link(stored, {"orchestrator.link": "submit"})] if stored is not None else None
-        # An empty context: the worker's own current span (if any) is no parent of a run.
-        return tracer.start_span(f"run {name}", otel_context.Context(), SpanKind.CONSUMER,
-                                 attributes, links)
+        # An empty context: the process's own current span (if any) is no parent of it.
+        return tracer.start_span(name, otel_context.Context(), kind, attributes, links)
 
 
 def format_traceparent(ctx: SpanContext) -> str:

@@ -36,7 +36,8 @@ async def recon_claim_due(
     conn: Conn, *, claimer: str, limit: int, ttl: float
 ) -> list[dict[str, Any]]:
     """Claim open items whose next lookup is due (and whose run no worker is driving); each
-    item's arguments come as text (``arguments_text``)."""
+    item's arguments come as text (``arguments_text``), with its run's stored ``traceparent``
+    (docs/tracing.md)."""
     cur = await conn.execute(
         f"""
         WITH picked AS (
@@ -54,7 +55,8 @@ async def recon_claim_due(
         SET claimed_by = %(claimer)s, claimed_until = now() + make_interval(secs => %(ttl)s)
         FROM picked, {S}.operations o
         WHERE i.id = picked.id AND o.id = i.operation_id
-        RETURNING {_CLAIMED_COLUMNS}
+        RETURNING {_CLAIMED_COLUMNS},
+                  (SELECT r.traceparent FROM {S}.runs r WHERE r.id = i.run_id) AS traceparent
         """,
         {"claimer": claimer, "limit": limit, "ttl": ttl},
     )

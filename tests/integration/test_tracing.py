@@ -218,11 +218,12 @@ async def test_each_execution_is_a_run_span_of_the_same_trace_with_waits_parks_a
     assert second.attributes["orchestrator.outcome"] == "succeeded"
 
 
+@pytest.mark.parametrize("mode", ["child", "link"])
 async def test_an_uncertain_call_and_its_lookup_say_so_without_the_upstream_text(
-        make_app, provider, exporter, sql, caplog):  # type: ignore[no-untyped-def]
+        make_app, provider, exporter, sql, caplog, mode):  # type: ignore[no-untyped-def]
     from orchestrator import StillUnknown
 
-    app = make_app(tracer_provider=provider, trace_parent="child")
+    app = make_app(tracer_provider=provider, trace_parent=mode)
 
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
@@ -254,6 +255,14 @@ async def test_an_uncertain_call_and_its_lookup_say_so_without_the_upstream_text
     assert [e.name for e in ran.events] == ["park"]
     assert lookup.attributes["orchestrator.operation_id"] == op
     assert lookup.attributes["orchestrator.outcome"] == "still_unknown"
+    # The lookup relates to the run's submitter as the run's executions do.
+    (submit,) = _named(spans, "submit pay")
+    if mode == "child":
+        assert lookup.context.trace_id == ran.context.trace_id == submit.context.trace_id
+        assert lookup.parent is not None and lookup.parent.span_id == submit.context.span_id
+    else:
+        assert lookup.parent is None and lookup.context.trace_id != submit.context.trace_id
+        assert [link.context.span_id for link in lookup.links] == [submit.context.span_id]
     assert SECRET not in _everything_said(spans)
     # The log line that says the run waits names its trace (the run's span was current).
     formatter = JsonFormatter()
