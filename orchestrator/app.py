@@ -71,6 +71,14 @@ from orchestrator.registry import (
     check_name,
     version_order,
 )
+from orchestrator.scheduler import (
+    Declared,
+    ScheduleAdmin,
+    Scheduler,
+    Schedules,
+    definition,
+)
+from orchestrator.schedules import DEFAULT_CATCHUP
 from orchestrator.stream import RunStreams
 from orchestrator.text import check_identifier
 from orchestrator.tracing import (
@@ -187,6 +195,9 @@ class Orchestrator:
         self.registry = Registry()
         self._portal = Portal(finalizer=self._close_pools)
         self._run_streams: RunStreams | None = None
+        # Schedules declared in code (@app.schedule): each worker writes them when it starts.
+        self._declared_schedules: dict[str, Declared] = {}
+        self._schedules: Schedules | None = None
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -274,6 +285,49 @@ class Orchestrator:
             return tool
 
         return register
+
+    def schedule(
+        self, id: str, *, cron: str, timezone: str = "UTC", overlap: str = "skip",
+        catchup_window: timedelta = DEFAULT_CATCHUP, input: Any = None,
+        owner: Owner | None = None,
+    ) -> Callable[[Workflow[I, R]], Workflow[I, R]]:
+        """Fire a workflow on a cron schedule (docs/schedules.md); put it above
+        ``@app.workflow()``. Every worker of this app writes the schedule when it starts (the
+        code's definition replaces the stored one; a pause is kept) and ticks every stored
+        schedule: each slot fires once, with no leader. ``INVALID_REQUEST`` naming the field
+        for a bad id, cron, time zone, overlap policy, catch-up window or input."""
+
+        def register(wf: Workflow[I, R]) -> Workflow[I, R]:
+            if not isinstance(wf, Workflow):
+                raise InvalidRequest("@app.schedule goes above @app.workflow(): it schedules "
+                                     "a registered workflow", path="workflow")
+            row, when = definition(id, (wf.name, wf.version), cron=cron, timezone=timezone,
+                                   overlap=overlap, catchup_window=catchup_window, input=input,
+                                   owner=self._owner(owner), json_limits=self.json_limits)
+            if row["id"] in self._declared_schedules:
+                raise InvalidRequest(f"schedule {row['id']} is declared twice", path="id")
+            self._declared_schedules[row["id"]] = Declared(row, when)
+            return wf
+
+        return register
+
+    @property
+    def schedules(self) -> Schedules:
+        """Schedules stored in the database: ``create``, ``update``, ``delete``, ``pause``,
+        ``resume``, ``trigger``, ``backfill``, ``list``, ``show`` (each with an ``_async``
+        twin); docs/schedules.md."""
+        if self._schedules is None:
+            admin = ScheduleAdmin(self.database, self.json_limits, self.metrics)
+            self._schedules = Schedules(
+                admin, json_limits=self.json_limits,
+                resolve=lambda wf, version: _named(self._resolve_workflow(wf, version)),
+                default_owner=self._owner, call=self._portal.call)
+        return self._schedules
+
+    def create_scheduler(self, *, interval: float = 1.0) -> Scheduler:
+        """The schedules' ticker a worker of this app runs (for a host with its own loop)."""
+        return Scheduler(self.database, self.json_limits, self.metrics,
+                         declared=tuple(self._declared_schedules.values()), interval=interval)
 
     # -- submission --------------------------------------------------------------------------
 
@@ -685,22 +739,25 @@ class Orchestrator:
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
-                      drain_timeout: float = 30.0) -> Worker:
-        """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop."""
+                      drain_timeout: float = 30.0, schedules: bool = True) -> Worker:
+        """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop.
+        ``schedules``: the worker also ticks the schedules (docs/schedules.md)."""
+        companions = [self.create_scheduler().run] if schedules else []
         return Worker(self.engine_config, self.registry, self.database, self.metrics,
                       concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
-                      poll_interval=poll_interval, drain_timeout=drain_timeout)
+                      poll_interval=poll_interval, drain_timeout=drain_timeout,
+                      companions=companions)
 
     def run_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                    lease_ttl: float | None = None, poll_interval: float = 1.0,
                    drain_timeout: float = 30.0, metrics_port: int | None = None,
-                   metrics_host: str = "127.0.0.1") -> None:
+                   metrics_host: str = "127.0.0.1", schedules: bool = True) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
         ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
-        drain is over (docs/metrics.md)."""
+        drain is over (docs/metrics.md). ``schedules``: tick the schedules too."""
         _run_until_stopped(self, lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
-            poll_interval=poll_interval, drain_timeout=drain_timeout),
+            poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
             _listen(metrics_host, metrics_port))
 
     def metrics_registry(self) -> CollectorRegistry:
@@ -721,6 +778,10 @@ class Orchestrator:
     def close(self) -> None:
         """Release the connections held for sync calls (also done at interpreter exit)."""
         self._portal.close()
+
+
+def _named(workflow: Workflow) -> tuple[str, str]:
+    return workflow.name, workflow.version
 
 
 def _listen(host: str, port: int | None) -> tuple[str, int] | None:

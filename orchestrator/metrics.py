@@ -41,6 +41,8 @@ COUNTERS = (
     "claims",  # claim statements that returned at least one run
     "fenced_writes_rejected",  # writes the lease fence refused (the run had moved on)
     "database_retries",  # statements tried again after a transient database error
+    "schedule_slots",  # schedule slots handled one by one, by outcome: fired, skipped, buffered
+    "schedule_gaps",  # ranges of schedule slots recorded as missed at once (after downtime)
 )
 
 LABELS: dict[str, tuple[str, ...]] = {
@@ -55,6 +57,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "tool_failures": ("tool", "phase", "cause"),
     "lookups": ("tool", "answer"),
     "cancellations": ("stage",),
+    "schedule_slots": ("outcome",),
 }
 """The counters also kept per label values, and the names of their labels in order. A counter
 incremented without labels is counted in its total only."""

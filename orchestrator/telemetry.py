@@ -64,6 +64,9 @@ _PLAIN: tuple[tuple[str, str, str], ...] = (
      "Writes the lease fence refused: the run had moved on (another worker holds it)."),
     ("orchestrator_database_retries", "database_retries",
      "Statements tried again after a transient database error."),
+    ("orchestrator_schedule_gaps", "schedule_gaps",
+     "Ranges of schedule slots recorded as missed at once: older than the catch-up window "
+     "when a ticker came back after the fleet was away."),
 )
 _LABELLED: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_runs_started", "runs_started",
@@ -81,6 +84,9 @@ _LABELLED: tuple[tuple[str, str, str], ...] = (
      "Cancellation by stage: requested (through this process), observed (the run ended "
      "cancelled), provider_aborted (a tool call in flight was cancelled), effect_resolved (an "
      "uncertain effect of a run being cancelled was settled as not applied)."),
+    ("orchestrator_schedule_slots", "schedule_slots",
+     "Schedule slots this process's ticker handled, by outcome: fired (a run was submitted), "
+     "skipped (the overlap policy), buffered (kept until the previous run ends)."),
 )
 _HISTOGRAMS: dict[str, str] = {
     "run_queue_wait_seconds": "Seconds from a run's submission to the start of its first "

@@ -17,6 +17,7 @@ import secrets
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -51,6 +52,10 @@ from orchestrator.text import storable
 from orchestrator.tracing import record_error
 
 log = logging.getLogger("orchestrator.worker")
+
+COMPANION_GRACE = 5.0
+"""Seconds a companion (the schedules' ticker) has, after the drain, to finish what it was
+doing (a tick is one transaction: cancelled, it rolls back) before it is cancelled."""
 SWEEP_INTERVAL = 0.5  # seconds between looks for expired leases and dead workers
 HEARTBEAT_INTERVAL = 0.25  # at most; a worker's liveness is judged by it (one row per beat)
 # Seconds a stopping worker waits, after its drain timeout, for writes in flight to land before
@@ -80,6 +85,7 @@ class Worker:
         lease_ttl: float | None = None,
         poll_interval: float = 1.0,
         drain_timeout: float = 30.0,
+        companions: Sequence[Callable[[asyncio.Event], Awaitable[None]]] = (),
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -100,6 +106,9 @@ class Worker:
         self._stop = asyncio.Event()
         self.claimed = 0  # runs claimed since start (for tests and the demo)
         self._spans: dict[uuid.UUID, Span] = {}  # the run span of each run driven here
+        # What else runs in this process beside the claims (the schedules' ticker): started
+        # once the worker is registered, told to stop when it begins to drain.
+        self.companions = tuple(companions)
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
@@ -130,6 +139,9 @@ class Worker:
         last_sweep = last_claim = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
+        companions_stop = asyncio.Event()
+        companions = [asyncio.ensure_future(self._companion(run, companions_stop))
+                      for run in self.companions]
         try:
             while not self._stop.is_set():
                 self._wake.clear()
@@ -151,7 +163,15 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.poll_interval)
         finally:
+            companions_stop.set()
             await self._drain()
+            if companions:  # told to stop before the drain; one stuck on the database goes
+                _, stuck = await asyncio.wait(companions, timeout=COMPANION_GRACE)
+                for companion in stuck:
+                    companion.cancel()
+                for companion in companions:
+                    with contextlib.suppress(BaseException):
+                        await companion
             listen_stop.set()
             heart.cancel()
             for task in (listener, heart):
@@ -170,6 +190,18 @@ class Worker:
                     ex.run.note_cancel()
             return
         self._wake.set()
+
+    async def _companion(self, run: Callable[[asyncio.Event], Awaitable[None]],
+                         stop: asyncio.Event) -> None:
+        """One companion until ``stop``; one that fails is logged and not restarted: the
+        worker goes on claiming."""
+        try:
+            await run(stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("worker %s: a companion task failed (%s); the worker goes on",
+                          self.worker_id, getattr(run, "__qualname__", run))
 
     async def _forward_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()

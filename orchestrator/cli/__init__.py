@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from orchestrator.cli import console, db, demo, incidents, ops, runs, worker
+from orchestrator.cli import console, db, demo, incidents, ops, runs, schedules, worker
 from orchestrator.errors import OrchestratorError
 
-GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, console, demo]
+GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, schedules, console, demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0

@@ -31,6 +31,9 @@ def register(subparsers: Any) -> None:
                         help="seconds a lease lasts without a heartbeat (default: the app's)")
     worker.add_argument("--migrate", action="store_true",
                         help="upgrade the schema first instead of refusing an old one")
+    worker.add_argument("--no-schedules", dest="schedules", action="store_false",
+                        help="do not tick the schedules here (other workers do; "
+                             "docs/schedules.md)")
     add_log_format_argument(worker)
     add_metrics_arguments(worker)
     worker.set_defaults(func=cmd_worker)
@@ -124,7 +127,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
-    options: dict[str, Any] = {"concurrency": args.concurrency, **metrics_options(args)}
+    options: dict[str, Any] = {"concurrency": args.concurrency, "schedules": args.schedules,
+                               **metrics_options(args)}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
     announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "

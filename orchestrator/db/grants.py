@@ -74,6 +74,9 @@ _TABLES = (
     _table("external_events", "SELECT", "INSERT", "UPDATE"),
     _table("operator_audit", "SELECT", "INSERT"),
     _table("workers", "SELECT", "INSERT", "UPDATE", "DELETE"),
+    _table("schedules", "SELECT", "INSERT", "UPDATE", "DELETE"),
+    _table("schedule_slots", "SELECT", "INSERT", "UPDATE"),
+    _table("schedule_gaps", "SELECT", "INSERT"),
     _table("alembic_version", "SELECT"),
 )
 

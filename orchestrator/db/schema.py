@@ -15,9 +15,11 @@ from datetime import datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -297,4 +299,69 @@ workers = Table(
     _ts("started_at", nullable=False, default_now=True),
     _ts("heartbeat_at", nullable=False, default_now=True),
     Index("ix_workers_heartbeat", "heartbeat_at"),
+)
+
+
+OVERLAP_POLICIES = ("skip", "buffer_one", "buffer_all", "cancel_other", "allow_all")
+
+# Schedules (migration 0011, docs/schedules.md): each schedule's definition and its place; what
+# became of each slot handled one by one; ranges of slots recorded at once.
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("workflow_name", Text, nullable=False),
+    Column("workflow_version", Text, nullable=False),
+    Column("cron", Text, nullable=False),
+    Column("timezone", Text, nullable=False),
+    Column("overlap", Text, nullable=False),
+    Column("catchup_seconds", Float, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("tenant", Text, nullable=False),
+    Column("principal", Text, nullable=False),
+    Column("declared", Boolean, nullable=False, server_default=text("false")),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    _ts("paused_at"),
+    _ts("next_slot"),
+    _ts("last_slot"),
+    Column("last_run_id", UUID(as_uuid=True)),
+    Column("buffered", Integer, nullable=False, server_default=text("0")),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(_in("overlap", OVERLAP_POLICIES), name="overlap"),
+    CheckConstraint("buffered >= 0 AND catchup_seconds > 0", name="counters"),
+    Index("ix_schedules_next_slot", "next_slot", postgresql_where=text("NOT paused")),
+)
+
+schedule_slots = Table(
+    "schedule_slots",
+    metadata,
+    Column("schedule_id", Text, ForeignKey("schedules.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("slot", DateTime(timezone=True), primary_key=True),
+    Column("kind", Text, primary_key=True),
+    Column("state", Text, nullable=False),
+    Column("reason", Text),
+    Column("overlap", Text, nullable=False),
+    Column("run_id", UUID(as_uuid=True)),
+    _ts("recorded_at", nullable=False, default_now=True),
+    CheckConstraint("kind IN ('cron', 'backfill', 'trigger')", name="kind"),
+    CheckConstraint("state IN ('fired', 'skipped', 'buffered')", name="state"),
+    CheckConstraint("(state = 'fired') = (run_id IS NOT NULL)", name="fired_has_run"),
+    Index("ix_schedule_slots_buffered", "schedule_id", "slot",
+          postgresql_where=text("state = 'buffered'")),
+)
+
+schedule_gaps = Table(
+    "schedule_gaps",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("schedule_id", Text, ForeignKey("schedules.id", ondelete="CASCADE"), nullable=False),
+    _ts("first_slot", nullable=False),
+    _ts("last_slot", nullable=False),
+    Column("reason", Text, nullable=False),
+    _ts("recorded_at", nullable=False, default_now=True),
+    CheckConstraint("reason IN ('missed', 'paused')", name="reason"),
+    CheckConstraint("first_slot <= last_slot", name="range"),
+    Index("ix_schedule_gaps_schedule_id", "schedule_id"),
 )

@@ -48,7 +48,9 @@ async def uncertain(ctx: WorkflowContext, data: Any) -> Any:
     return await ctx.call(charge, n=1)
 
 
-@app.tool(retry=RetryPolicy(max_attempts=3, base_delay_ms=10, max_delay_ms=10))
+# No delay before the retry: a delay (jittered) would park the run or not depending on how long
+# the failure's write took, and the test counts parks exactly.
+@app.tool(retry=RetryPolicy(max_attempts=3, base_delay_ms=0, max_delay_ms=0))
 async def flaky(ctx: ToolContext, *, n: int) -> dict[str, int]:
     """Refused before it was sent the first time (nothing applied, retryable), then fine."""
     if ctx.attempt == 1:

@@ -32,8 +32,10 @@ def test_the_runtime_role_may_not_rewrite_the_journal_or_the_audit(details):
     held = _tables(grants.runtime_grants(incident_details=details))
     for table in grants.APPEND_ONLY:
         assert held[table] == {"SELECT", "INSERT"}
+    # DELETE only where nothing is evidence: dead workers are forgotten, schedules deleted
+    # (their runs, which are, stay).
     assert all("DELETE" not in privileges for table, privileges in held.items()
-               if table != f"{SCHEMA}.workers")
+               if table not in (f"{SCHEMA}.workers", f"{SCHEMA}.schedules"))
     assert all("TRUNCATE" not in privileges for privileges in held.values())
 
 

@@ -51,6 +51,8 @@ COUNTERS = {
     "orchestrator_tool_failures": {"tool", "phase", "cause"},
     "orchestrator_lookups": {"tool", "answer"},
     "orchestrator_cancellations": {"stage"},
+    "orchestrator_schedule_slots": {"outcome"},
+    "orchestrator_schedule_gaps": set(),
 }
 
 HISTOGRAMS = {

@@ -64,12 +64,19 @@ def test_worker_and_reconciler_factories_take_their_constructors_parameters(
         method: Callable[..., Any], constructor: Callable[..., Any]) -> None:
     # The constructor's first four (config, registry, database, metrics) are the app's own.
     # run_worker and run_reconciler also serve the metrics (docs/metrics.md).
+    # A worker's companions are the app's to build: its factories take ``schedules`` (tick
+    # the schedules, docs/schedules.md) in their place.
     parameters = _parameters(method, 1)
+    expected = _parameters(constructor, 5)
+    if constructor is Worker.__init__:
+        assert parameters[-1] == ("schedules", inspect.Parameter.KEYWORD_ONLY, True, "bool")
+        assert expected[-1][0] == "companions"
+        parameters, expected = parameters[:-1], expected[:-1]
     if method.__name__.startswith("run_"):
         served = [(name, default) for name, _, default, _ in parameters[-2:]]
         assert served == [("metrics_port", None), ("metrics_host", "127.0.0.1")]
         parameters = parameters[:-2]
-    assert parameters == _parameters(constructor, 5)
+    assert parameters == expected
     assert all(kind is inspect.Parameter.KEYWORD_ONLY
                for _, kind, _, _ in _parameters(method, 1))
 

@@ -1,0 +1,207 @@
+"""``orchestrator schedules list|show|pause|resume|trigger|backfill``: the stored schedules.
+
+No application code is needed: a schedule names its workflow and version, and firing one
+submits a run of it (docs/schedules.md). Times print in UTC; ``show`` also gives each slot in
+the schedule's own time zone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
+
+from orchestrator.canonical import JsonLimits
+from orchestrator.cli import records
+from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.tables import render
+from orchestrator.db.database import Database
+from orchestrator.errors import InvalidRequest
+from orchestrator.metrics import Metrics
+from orchestrator.records import ident, iso
+from orchestrator.scheduler import ScheduleAdmin, ScheduleInfo
+from orchestrator.schedules import OVERLAP_POLICIES
+
+T = TypeVar("T")
+
+
+def register(subparsers: Any) -> None:
+    group = subparsers.add_parser("schedules", help="cron schedules that fire runs")
+    commands = group.add_subparsers(title="schedules commands", metavar="COMMAND")
+    group.set_defaults(func=None, help_parser=group)
+    listing = commands.add_parser("list", help="every schedule, its next and last slot")
+    json_option(listing)
+    listing.set_defaults(func=cmd_list)
+    show = commands.add_parser("show", help="a schedule: its next slots, its recent slots "
+                                            "and their runs, what it missed")
+    show.add_argument("id")
+    show.add_argument("--recent", type=int, default=20, help="slots to show (default 20)")
+    json_option(show)
+    show.set_defaults(func=cmd_show)
+    for name, about in (("pause", "fire nothing until resumed (buffered slots wait)"),
+                        ("resume", "fire again from the next slot; what passed meanwhile is "
+                                   "recorded as skipped")):
+        cmd = commands.add_parser(name, help=about)
+        cmd.add_argument("id")
+        json_option(cmd)
+        cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume)
+    trigger = commands.add_parser("trigger", help="fire a run now, under the overlap policy")
+    trigger.add_argument("id")
+    trigger.add_argument("--overlap", choices=OVERLAP_POLICIES, default=None,
+                         help="instead of the schedule's own policy")
+    json_option(trigger)
+    trigger.set_defaults(func=cmd_trigger)
+    backfill = commands.add_parser("backfill", help="fire the slots of a past range")
+    backfill.add_argument("id")
+    backfill.add_argument("--from", dest="start", required=True, metavar="T",
+                          help="ISO 8601 time with its offset, e.g. 2026-12-01T00:00:00Z")
+    backfill.add_argument("--to", dest="end", required=True, metavar="T",
+                          help="ISO 8601 time with its offset (not later than now)")
+    backfill.add_argument("--overlap", choices=OVERLAP_POLICIES, default="allow_all",
+                          help="the backfill's own overlap policy (default allow_all)")
+    json_option(backfill)
+    backfill.set_defaults(func=cmd_backfill)
+
+
+def _time(value: str, path: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidRequest(f"--{path} must be an ISO 8601 time with its offset, e.g. "
+                             "2026-12-01T00:00:00Z", path=path)
+    return when
+
+
+def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]]) -> T:
+    async def main() -> T:
+        db = Database(database_target(args))
+        try:
+            return await act(ScheduleAdmin(db, JsonLimits(), Metrics()))
+        finally:
+            await db.close()
+
+    return asyncio.run(main())
+
+
+def record(info: ScheduleInfo) -> dict[str, Any]:
+    return {"id": info.id, "workflow": info.workflow, "version": info.version,
+            "cron": info.cron, "timezone": info.timezone, "overlap": info.overlap,
+            "catchup_window_seconds": info.catchup_window.total_seconds(),
+            "input": info.input, "tenant": info.owner.tenant,
+            "principal": info.owner.principal, "declared": info.declared,
+            "paused": info.paused, "next_slot": iso(info.next_slot),
+            "last_slot": iso(info.last_slot), "last_run_id": ident(info.last_run_id),
+            "buffered": info.buffered}
+
+
+def _state(info: ScheduleInfo) -> str:
+    return "paused" if info.paused else "active"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    shown = _admin(args, lambda admin: admin.list())
+    if args.json:
+        records.emit({"schedules": [record(s) for s in shown], "count": len(shown)})
+        return 0
+    if not shown:
+        print("no schedules")
+        return 0
+    print(render(["SCHEDULE", "WORKFLOW", "CRON", "TIMEZONE", "OVERLAP", "STATE", "NEXT SLOT",
+                  "LAST SLOT", "BUFFERED"],
+                 [[s.id, f"{s.workflow}@{s.version}", s.cron, s.timezone, s.overlap,
+                   _state(s), s.next_slot, s.last_slot, s.buffered] for s in shown]))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    if args.recent < 0 or args.recent > 1000:
+        raise InvalidRequest("--recent must be between 0 and 1000", path="recent")
+    detail = _admin(args, lambda admin: admin.show(args.id, recent=args.recent))
+    info = detail.info
+    if args.json:
+        records.emit({**record(info), "upcoming": [iso(t) for t in detail.upcoming],
+                      "recent": [{"slot": iso(r["slot"]), "kind": r["kind"],
+                                  "state": r["state"], "reason": r["reason"],
+                                  "overlap": r["overlap"], "run_id": ident(r["run_id"]),
+                                  "run_status": r["run_status"]} for r in detail.recent],
+                      "gaps": [{"first_slot": iso(g["first_slot"]),
+                                "last_slot": iso(g["last_slot"]), "reason": g["reason"]}
+                               for g in detail.gaps]})
+        return 0
+    zone = ZoneInfo(info.timezone)
+    print(f"schedule {info.id}: {info.workflow}@{info.version}, cron '{info.cron}' in "
+          f"{info.timezone}, overlap {info.overlap}, catch-up "
+          f"{info.catchup_window.total_seconds():.0f} s, {_state(info)}"
+          + (" (declared in code)" if info.declared else ""))
+    print(f"runs as {info.owner.tenant}/{info.owner.principal}; buffered slots: "
+          f"{info.buffered}")
+    if detail.upcoming:
+        print("next slots: " + ", ".join(
+            f"{iso(t)} ({t.astimezone(zone):%Y-%m-%d %H:%M:%S %Z})" for t in detail.upcoming))
+    elif info.paused:
+        print("next slots: none while paused (`orchestrator schedules resume` fires again)")
+    else:
+        print("next slots: none (the expression does not fire again)")
+    if detail.recent:
+        print(render(["SLOT", "KIND", "STATE", "REASON", "RUN", "RUN STATUS"],
+                     [[r["slot"], r["kind"], r["state"], r["reason"], r["run_id"],
+                       r["run_status"]] for r in detail.recent]))
+    else:
+        print("no slots handled yet")
+    for gap in detail.gaps:
+        print(f"{gap['reason']}: the slots from {iso(gap['first_slot'])} to "
+              f"{iso(gap['last_slot'])}")
+    return 0
+
+
+def _changed(args: argparse.Namespace, paused: bool) -> int:
+    info = _admin(args, lambda admin: admin.set_paused(args.id, paused))
+    if args.json:
+        records.emit(record(info))
+    else:
+        print(f"schedule {info.id} {'paused' if paused else 'resumed'}"
+              + ("" if paused else f"; next slot {iso(info.next_slot)}"))
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    return _changed(args, True)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    return _changed(args, False)
+
+
+def cmd_trigger(args: argparse.Namespace) -> int:
+    said = _admin(args, lambda admin: admin.trigger(args.id, overlap=args.overlap))
+    if args.json:
+        records.emit({**said, "slot": iso(said["slot"]), "run_id": ident(said["run_id"])})
+    elif said["state"] == "fired":
+        print(f"schedule {args.id} fired: run {said['run_id']}")
+    else:
+        print(f"schedule {args.id}: the trigger was {said['state']} (its previous run has not "
+              "finished; --overlap allow_all fires anyway)")
+    return 0
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    start, end = _time(args.start, "from"), _time(args.end, "to")
+    said = _admin(args, lambda admin: admin.backfill(args.id, start, end,
+                                                     overlap=args.overlap))
+    if args.json:
+        records.emit({"schedule": args.id, "slots": [
+            {"slot": iso(s["slot"]), "state": s["state"]} for s in said],
+            "count": len(said)})
+        return 0
+    counts: dict[str, int] = {}
+    for s in said:
+        counts[s["state"]] = counts.get(s["state"], 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no slots"
+    print(f"schedule {args.id}: {len(said)} slots from {iso(start)} to {iso(end)}: {summary}"
+          + (" (known: handled before, left as they were)" if "known" in counts else ""))
+    return 0

@@ -1,0 +1,609 @@
+"""The schedules' ticker: fires their slots, in every worker process, with no leader.
+
+Each tick locks the schedules that have something to do (``FOR UPDATE SKIP LOCKED``: another
+process's ticker takes the others) and, for each, in one transaction with the runs it
+submits: fires a buffered slot whose previous run has ended; records the slots missed beyond
+the catch-up window as one gap; handles each due slot under the overlap policy (fire, skip,
+buffer, or cancel the previous run and fire); and moves the schedule to its next slot. A run's
+idempotency key is the schedule id and the slot (:func:`~orchestrator.schedules.slot_key`), so
+a slot fires once however many processes tick and whichever of them crash
+(docs/schedules.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from orchestrator import admin
+from orchestrator.canonical import JsonLimits
+from orchestrator.db import runs as runs_db
+from orchestrator.db import schedules as sched_db
+from orchestrator.db.database import Conn, Database
+from orchestrator.errors import InvalidRequest, OrchestratorError
+from orchestrator.logs import fields
+from orchestrator.metrics import Metrics
+from orchestrator.models import Owner
+from orchestrator.schedules import (
+    DEFAULT_CATCHUP,
+    Cron,
+    check_catchup,
+    check_overlap,
+    check_schedule_id,
+    slot_key,
+    utc,
+)
+
+log = logging.getLogger("orchestrator.scheduler")
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+SLOTS_PER_TICK = 1000
+"""The most slots one schedule handles in one tick (a long catch-up goes on at the next)."""
+SCHEDULES_PER_TICK = 100
+"""The most schedules one ticker handles in one tick; the others are next."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A schedule declared in code (``@app.schedule``), as the database keeps it."""
+
+    row: dict[str, Any]  # the definition columns of orchestrator.schedules, with "id"
+    cron: Cron
+
+
+class Scheduler:
+    """Fires the slots of every schedule in the database; one per worker process."""
+
+    def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics, *,
+                 declared: Sequence[Declared] = (), interval: float = 1.0,
+                 clock: Callable[[], datetime] | None = None) -> None:
+        self.database = database
+        self.json_limits = json_limits
+        self.metrics = metrics
+        self.declared = declared
+        self.interval = interval
+        self.clock = clock  # None: the database's clock (one clock for every ticker)
+
+    async def declare(self) -> None:
+        """Write the schedules this process's code declares (their definitions are the
+        code's; their pause and their place are kept)."""
+        if not self.declared:
+            return
+        now = await self._now()
+        async with self.database.connection() as conn, conn.transaction():
+            for item in self.declared:
+                said = await sched_db.schedule_declare(
+                    conn, {**item.row, "next_slot": item.cron.after(now)})
+                if said != "same":
+                    log.info("schedule %s %s from code", item.row["id"], said,
+                             extra=fields(code=said))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Declare, then tick every ``interval`` seconds until ``stop`` is set. A tick that
+        fails (the database away) is logged and the next one tries again."""
+        await self.declare()
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except OrchestratorError as exc:
+                log.warning("schedules: a tick failed (%s); the next one tries again",
+                            exc.code, extra=fields(code=exc.code))
+            except Exception:
+                log.exception("schedules: a tick failed; the next one tries again")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
+
+    async def tick(self, now: datetime | None = None) -> int:
+        """Handle what is due at ``now`` (default: the database's clock); the number of slots
+        handled (fired, skipped, buffered, or in a gap)."""
+        handled = 0
+        async with self.database.connection() as conn, conn.transaction():
+            when = now or (self.clock() if self.clock is not None else await _db_now(conn))
+            for row in await sched_db.schedule_lock_due(conn, now=when,
+                                                        limit=SCHEDULES_PER_TICK):
+                try:
+                    async with conn.transaction():  # a savepoint: one schedule at a time
+                        handled += await _Tick(self, conn, row, when).handle()
+                except OrchestratorError as exc:
+                    # Its slots stay due: the next tick tries again; the others go on now.
+                    log.error("schedule %s: its slots could not be handled (%s); the next "
+                              "tick tries again", row["id"], exc.code,
+                              extra=fields(code=exc.code))
+        return handled
+
+    async def _now(self) -> datetime:
+        if self.clock is not None:
+            return self.clock()
+        return await self.database.read(_db_now)
+
+
+async def _db_now(conn: Conn) -> datetime:
+    """The database's clock: one clock for every ticker, whatever the hosts' say."""
+    cur = await conn.execute("SELECT now() AS now")
+    row = await cur.fetchone()
+    assert row is not None
+    return row["now"]  # type: ignore[no-any-return]
+
+
+class _Tick:
+    """One schedule, locked, at one moment."""
+
+    def __init__(self, scheduler: Scheduler, conn: Conn, row: dict[str, Any],
+                 now: datetime) -> None:
+        self.s = scheduler
+        self.conn = conn
+        self.row = row
+        self.now = now
+        self.id: str = row["id"]
+        self.last_run: uuid.UUID | None = row["last_run_id"]
+        self.last_slot: datetime | None = row["last_slot"]
+        self.buffered: int = row["buffered"]
+        self.running = False
+        self.handled = 0
+
+    async def handle(self) -> int:
+        try:
+            cron = Cron(self.row["cron"], self.row["timezone"])
+        except OrchestratorError as exc:  # stored under other rules (a time zone gone)
+            log.error("schedule %s cannot be read here (%s); it is not ticked", self.id,
+                      exc, extra=fields(code=exc.code))
+            return 0
+        if self.last_run is not None:
+            status = await sched_db.run_status(self.conn, self.last_run)
+            self.running = status is not None and status not in TERMINAL
+        if self.buffered and not self.running:
+            await self._fire_buffered()
+        next_slot: datetime | None = self.row["next_slot"]
+        if next_slot is not None and next_slot <= self.now:
+            next_slot = await self._due(cron, next_slot)
+        await sched_db.schedule_set_place(
+            self.conn, self.id, next_slot=next_slot, last_slot=self.last_slot,
+            last_run_id=self.last_run, buffered=self.buffered)
+        return self.handled
+
+    async def _due(self, cron: Cron, first: datetime) -> datetime | None:
+        """Handle the slots from ``first`` to now; the next slot not handled."""
+        window = self.now - timedelta(seconds=self.row["catchup_seconds"])
+        if first < window:  # the fleet was away: what is older than the window is missed
+            missed = cron.before(window)
+            if missed is not None and missed >= first:
+                await sched_db.gap_record(self.conn, self.id, first, missed, "missed")
+                self.s.metrics.incr("schedule_gaps")
+                log.warning("schedule %s: slots from %s to %s missed (older than its "
+                            "catch-up window)", self.id, first.isoformat(),
+                            missed.isoformat(), extra=fields(code="missed"))
+                self.handled += 1
+            first = window
+        overlap = self.row["overlap"]
+        slots = cron.between(first - timedelta(microseconds=1), self.now,
+                             limit=SLOTS_PER_TICK)
+        for slot in slots:
+            await self.slot(slot, "cron", overlap)
+        after = slots[-1] if slots else first - timedelta(microseconds=1)
+        if slots and len(slots) == SLOTS_PER_TICK:
+            return cron.after(after)  # in the past: the next tick goes on
+        return cron.after(max(after, self.now))
+
+    async def slot(self, slot: datetime, kind: str, overlap: str) -> str:
+        """Handle one slot under ``overlap``; what became of it (``fired``, ``skipped``,
+        ``buffered``, or ``known`` when it was recorded before)."""
+        decision = "fire"
+        if self.running:
+            decision = {"allow_all": "fire", "skip": "skip", "cancel_other": "cancel",
+                        "buffer_all": "buffer",
+                        "buffer_one": "buffer" if self.buffered == 0 else "skip_full",
+                        }[overlap]
+        if decision in ("skip", "skip_full"):
+            reason = "overlap" if decision == "skip" else "buffer_full"
+            if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind,
+                                              state="skipped", overlap=overlap, reason=reason):
+                return "known"
+            return self._count(slot, "skipped")
+        if decision == "buffer":
+            if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind,
+                                              state="buffered", overlap=overlap):
+                return "known"
+            self.buffered += 1
+            return self._count(slot, "buffered")
+        if decision == "cancel" and self.last_run is not None:
+            locked = await runs_db.run_lock(self.conn, self.last_run)
+            if locked is not None:
+                await admin.cancel_locked(self.conn, locked)
+                self.s.metrics.incr("cancellations", stage="requested")
+        run_id = await self._submit(slot, kind)
+        if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind, state="fired",
+                                          overlap=overlap, run_id=run_id):
+            return "known"
+        self.last_run, self.running = run_id, True
+        return self._count(slot, "fired")
+
+    def _count(self, slot: datetime, outcome: str) -> str:
+        self.handled += 1
+        if self.last_slot is None or slot > self.last_slot:
+            self.last_slot = slot
+        self.s.metrics.incr("schedule_slots", outcome=outcome)
+        return outcome
+
+    async def _fire_buffered(self) -> None:
+        kept = await sched_db.slot_oldest_buffered(self.conn, self.id)
+        if kept is None:  # the count says more than the rows: trust the rows
+            self.buffered = 0
+            return
+        run_id = await self._submit(kept["slot"], kept["kind"])
+        await sched_db.slot_fire_buffered(self.conn, self.id, kept["slot"], kept["kind"],
+                                          run_id)
+        self.buffered -= 1
+        self.last_run, self.running = run_id, True
+        self.handled += 1
+        self.s.metrics.incr("schedule_slots", outcome="fired")
+
+    async def _submit(self, slot: datetime, kind: str) -> uuid.UUID:
+        """Submit the slot's run in this transaction; its key makes it the slot's only run."""
+        row = self.row
+        key = slot_key(self.id, slot) if kind != "trigger" else trigger_key(self.id, slot)
+        run_row = runs_db.run_row(
+            row["workflow_name"], row["workflow_version"], row["input"],
+            limits=self.s.json_limits,
+            owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
+            idempotency_key=key, deadline=None)
+        run_id, created, _ = await runs_db.run_insert(self.conn, run_row)
+        if created:
+            self.s.metrics.incr("runs_submitted")
+            log.info("schedule %s fired slot %s: run %s", self.id, slot.isoformat(), run_id,
+                     extra=fields(run_id=run_id, workflow=row["workflow_name"]))
+        return run_id
+
+
+def trigger_key(schedule_id: str, at: datetime) -> str:
+    """The key of a run fired by hand at ``at`` (to the microsecond: two triggers are two
+    runs; a retry of one call is the same run)."""
+    return f"schedule:{schedule_id}:trigger:{at.astimezone(UTC):%Y%m%dT%H%M%S%f}Z"
+
+
+async def fire_now(scheduler: Scheduler, conn: Conn, row: dict[str, Any], at: datetime,
+                   kind: str, overlap: str) -> str:
+    """Handle one slot of a schedule whose row ``conn`` holds locked (a trigger, a backfill
+    slot), under ``overlap``; the schedule's place is updated. What became of it."""
+    tick = _Tick(scheduler, conn, row, at)
+    if tick.last_run is not None:
+        status = await sched_db.run_status(conn, tick.last_run)
+        tick.running = status is not None and status not in TERMINAL
+    said = await tick.slot(at, kind, overlap)
+    await sched_db.schedule_set_place(conn, tick.id, next_slot=row["next_slot"],
+                                      last_slot=tick.last_slot, last_run_id=tick.last_run,
+                                      buffered=tick.buffered)
+    return said
+
+
+# -- managing schedules (app.schedules, the CLI) ---------------------------------------------
+
+BACKFILL_MAX = 10_000
+"""The most slots one backfill fires or records."""
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """A schedule as ``schedules list`` and ``app.schedules`` show it."""
+
+    id: str
+    workflow: str
+    version: str
+    cron: str
+    timezone: str
+    overlap: str
+    catchup_window: timedelta
+    input: Any
+    owner: Owner
+    declared: bool
+    paused: bool
+    next_slot: datetime | None
+    last_slot: datetime | None
+    last_run_id: uuid.UUID | None
+    buffered: int
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> ScheduleInfo:
+        return cls(id=row["id"], workflow=row["workflow_name"], version=row["workflow_version"],
+                   cron=row["cron"], timezone=row["timezone"], overlap=row["overlap"],
+                   catchup_window=timedelta(seconds=row["catchup_seconds"]),
+                   input=row["input"],
+                   owner=Owner.model_construct(tenant=row["tenant"],
+                                               principal=row["principal"]),
+                   declared=row["declared"], paused=row["paused"],
+                   next_slot=row["next_slot"], last_slot=row["last_slot"],
+                   last_run_id=row["last_run_id"], buffered=row["buffered"])
+
+
+@dataclass(frozen=True)
+class ScheduleDetail:
+    """``schedules show``: the schedule, its next slots, what became of its recent slots (with
+    their runs' status) and the ranges it missed."""
+
+    info: ScheduleInfo
+    upcoming: list[datetime]
+    recent: list[dict[str, Any]]
+    gaps: list[dict[str, Any]]
+
+
+class ScheduleAdmin:
+    """What is done to stored schedules (no application code needed: the CLI uses it as is)."""
+
+    def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics) -> None:
+        self.database = database
+        self.ticker = Scheduler(database, json_limits, metrics)
+
+    async def list(self) -> builtins.list[ScheduleInfo]:
+        rows = await self.database.read(sched_db.schedule_list)
+        return [ScheduleInfo.from_row(row) for row in rows]
+
+    async def show(self, schedule_id: str, *, upcoming: int = 5,
+                   recent: int = 20) -> ScheduleDetail:
+        sid = check_schedule_id(schedule_id)
+
+        async def read(conn: Conn) -> tuple[dict[str, Any] | None, builtins.list[Any],
+                                            builtins.list[Any]]:
+            row = await sched_db.schedule_get(conn, sid)
+            if row is None:
+                return None, [], []
+            return (row, await sched_db.slots_recent(conn, sid, recent),
+                    await sched_db.gaps_recent(conn, sid, recent))
+
+        row, slots, gaps = await self.database.read(read)
+        if row is None:
+            raise _missing(sid)
+        nexts: builtins.list[datetime] = []
+        when = row["next_slot"]
+        if when is not None and not row["paused"]:
+            cron = Cron(row["cron"], row["timezone"])
+            nexts = [when, *cron.between(when, when + timedelta(days=3660),
+                                         limit=upcoming - 1)]
+        return ScheduleDetail(ScheduleInfo.from_row(row), nexts, slots, gaps)
+
+    async def set_paused(self, schedule_id: str, paused: bool) -> ScheduleInfo:
+        """Pause (no slot fires; buffered ones wait) or resume (the slots passed meanwhile are
+        recorded as one gap; the next slot is the first after now)."""
+        sid = check_schedule_id(schedule_id)
+        now = await self.ticker._now()
+        async with self.database.connection() as conn, conn.transaction():
+            row = await sched_db.schedule_get(conn, sid, lock=True)
+            if row is None:
+                raise _missing(sid)
+            cron = Cron(row["cron"], row["timezone"])
+            if not paused and row["paused"]:
+                first = row["next_slot"]
+                last = cron.before(now)
+                if first is not None and last is not None and first <= last:
+                    await sched_db.gap_record(conn, sid, first, last, "paused")
+            await sched_db.schedule_set_paused(conn, sid, paused, next_slot=cron.after(now))
+            changed = await sched_db.schedule_get(conn, sid)
+        assert changed is not None
+        log.info("schedule %s %s", sid, "paused" if paused else "resumed")
+        return ScheduleInfo.from_row(changed)
+
+    async def trigger(self, schedule_id: str, *, overlap: str | None = None
+                      ) -> dict[str, Any]:
+        """Fire the schedule now, under its overlap policy (or ``overlap``): what became of it
+        (``state``) and its run."""
+        sid = check_schedule_id(schedule_id)
+        policy = None if overlap is None else check_overlap(overlap)
+        now = await self.ticker._now()
+        async with self.database.connection() as conn, conn.transaction():
+            row = await sched_db.schedule_get(conn, sid, lock=True)
+            if row is None:
+                raise _missing(sid)
+            state = await fire_now(self.ticker, conn, row, now, "trigger",
+                                   policy or row["overlap"])
+            after = await sched_db.schedule_get(conn, sid)
+        assert after is not None
+        return {"schedule": sid, "slot": now, "state": state,
+                "run_id": after["last_run_id"] if state == "fired" else None}
+
+    async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
+                       overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:
+        """Fire the slots in ``[start, end]`` (in the past), oldest first, each under
+        ``overlap``: a slot handled before (fired, skipped or buffered by the cron, or an
+        earlier backfill) is left as it was. What became of each slot."""
+        sid = check_schedule_id(schedule_id)
+        policy = check_overlap(overlap)
+        first, last = utc(start), utc(end)
+        now = await self.ticker._now()
+        if first > last:
+            raise InvalidRequest("backfill needs --from before --to", path="from")
+        if last > now:
+            raise InvalidRequest("backfill fires slots in the past: --to must not be later "
+                                 "than now", path="to")
+        async with self.database.connection() as conn, conn.transaction():
+            row = await sched_db.schedule_get(conn, sid, lock=True)
+            if row is None:
+                raise _missing(sid)
+            cron = Cron(row["cron"], row["timezone"])
+            slots = cron.between(first - timedelta(microseconds=1), last,
+                                 limit=BACKFILL_MAX + 1)
+            if len(slots) > BACKFILL_MAX:
+                raise InvalidRequest(f"that range holds more than {BACKFILL_MAX} slots; "
+                                     "backfill a shorter one at a time", path="to")
+            said = []
+            for slot in slots:
+                if await _handled_by_cron(conn, sid, slot):
+                    said.append({"slot": slot, "state": "known"})
+                    continue
+                state = await fire_now(self.ticker, conn, row, slot, "backfill", policy)
+                row = await sched_db.schedule_get(conn, sid)
+                assert row is not None
+                said.append({"slot": slot, "state": state})
+        log.info("schedule %s backfilled %d slots from %s to %s", sid, len(slots),
+                 first.isoformat(), last.isoformat())
+        return said
+
+    async def delete(self, schedule_id: str) -> None:
+        sid = check_schedule_id(schedule_id)
+
+        async def delete(conn: Conn) -> dict[str, Any] | None:
+            row = await sched_db.schedule_get(conn, sid, lock=True)
+            if row is not None and not row["declared"]:
+                await sched_db.schedule_delete(conn, sid)
+            return row
+
+        row = await self.database.run_in_transaction(delete)
+        if row is None:
+            raise _missing(sid)
+        if row["declared"]:
+            raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): remove "
+                                 "it there; pause it meanwhile", path="id")
+
+
+async def _handled_by_cron(conn: Conn, schedule_id: str, slot: datetime) -> bool:
+    cur = await conn.execute(
+        "SELECT 1 FROM orchestrator.schedule_slots WHERE schedule_id = %s AND slot = %s "
+        "AND kind IN ('cron', 'backfill')", (schedule_id, slot))
+    return await cur.fetchone() is not None
+
+
+def _missing(schedule_id: str) -> InvalidRequest:
+    return InvalidRequest(f"no schedule {schedule_id}; `orchestrator schedules list` shows "
+                          "them", path="id")
+
+
+def definition(schedule_id: str, workflow: tuple[str, str], *, cron: str, timezone: str,
+               overlap: str, catchup_window: timedelta, input: Any, owner: Owner,
+               json_limits: JsonLimits) -> tuple[dict[str, Any], Cron]:
+    """A schedule's definition row, every field checked (``INVALID_REQUEST`` naming the
+    first bad one, before anything is written), and its cron."""
+    sid = check_schedule_id(schedule_id)
+    when = Cron(cron, timezone)
+    if when.after(datetime.now(UTC)) is None:
+        raise InvalidRequest(f"cron {cron!r} never fires", path="cron")
+    row = {
+        "id": sid, "workflow_name": workflow[0], "workflow_version": workflow[1],
+        "cron": cron, "timezone": timezone, "overlap": check_overlap(overlap),
+        "catchup_seconds": check_catchup(catchup_window).total_seconds(),
+        "input": json.loads(json_limits.text(input, "$.input")),
+        "tenant": owner.tenant, "principal": owner.principal,
+    }
+    return row, when
+
+
+class Schedules:
+    """``app.schedules``: schedules stored in the database, made and changed at run time
+    (docs/schedules.md). Each method has an ``_async`` twin for code in an event loop."""
+
+    def __init__(self, admin: ScheduleAdmin, *, json_limits: JsonLimits,
+                 resolve: Callable[[Any, str | None], tuple[str, str]],
+                 default_owner: Callable[[Owner | None], Owner],
+                 call: Callable[[Any], Any]) -> None:
+        self.admin = admin
+        self._limits = json_limits
+        self._resolve = resolve
+        self._owner = default_owner
+        self._call = call
+
+    async def create_async(self, schedule_id: str, workflow: Any, *, cron: str,
+                           timezone: str = "UTC", overlap: str = "skip",
+                           catchup_window: timedelta = DEFAULT_CATCHUP, input: Any = None,
+                           owner: Owner | None = None, version: str | None = None,
+                           paused: bool = False) -> ScheduleInfo:
+        """Create a schedule of ``workflow`` (a workflow or its name; ``version``: the
+        newest registered here if not given). ``INVALID_REQUEST`` for an id already taken."""
+        row, when = definition(
+            schedule_id, self._resolve(workflow, version), cron=cron, timezone=timezone,
+            overlap=overlap, catchup_window=catchup_window, input=input,
+            owner=self._owner(owner), json_limits=self._limits)
+        now = await self.admin.ticker._now()
+        created = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_create(
+            conn, {**row, "paused": bool(paused), "next_slot": when.after(now)}))
+        if not created:
+            raise InvalidRequest(f"a schedule {row['id']} exists; update or delete it",
+                                 path="id")
+        return await self.get_async(row["id"])
+
+    async def update_async(self, schedule_id: str, *, workflow: Any = None,
+                           version: str | None = None, cron: str | None = None,
+                           timezone: str | None = None, overlap: str | None = None,
+                           catchup_window: timedelta | None = None, input: Any = ...,
+                           owner: Owner | None = None) -> ScheduleInfo:
+        """Change what is given of a schedule made at run time (one declared in code is
+        changed in the code). A new cron or time zone starts from the first slot after now."""
+        old = await self.get_async(schedule_id)
+        if old.declared:
+            raise InvalidRequest(f"schedule {old.id} is declared in code (@app.schedule): "
+                                 "change it there", path="id")
+        target = ((old.workflow, old.version) if workflow is None and version is None
+                  else self._resolve(workflow or old.workflow, version))
+        row, when = definition(
+            old.id, target, cron=cron or old.cron, timezone=timezone or old.timezone,
+            overlap=overlap or old.overlap, catchup_window=catchup_window or old.catchup_window,
+            input=old.input if input is ... else input, owner=owner or old.owner,
+            json_limits=self._limits)
+        now = await self.admin.ticker._now()
+        timing = (row["cron"], row["timezone"]) != (old.cron, old.timezone)
+        changed = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_update(
+            conn, old.id, {**row, "next_slot": when.after(now)}, timing_changed=timing))
+        if not changed:
+            raise _missing(old.id)
+        return await self.get_async(old.id)
+
+    async def get_async(self, schedule_id: str) -> ScheduleInfo:
+        return (await self.admin.show(schedule_id, upcoming=1, recent=0)).info
+
+    async def list_async(self) -> list[ScheduleInfo]:
+        return await self.admin.list()
+
+    async def show_async(self, schedule_id: str) -> ScheduleDetail:
+        return await self.admin.show(schedule_id)
+
+    async def delete_async(self, schedule_id: str) -> None:
+        await self.admin.delete(schedule_id)
+
+    async def pause_async(self, schedule_id: str) -> ScheduleInfo:
+        return await self.admin.set_paused(schedule_id, True)
+
+    async def resume_async(self, schedule_id: str) -> ScheduleInfo:
+        return await self.admin.set_paused(schedule_id, False)
+
+    async def trigger_async(self, schedule_id: str, *, overlap: str | None = None
+                            ) -> dict[str, Any]:
+        return await self.admin.trigger(schedule_id, overlap=overlap)
+
+    async def backfill_async(self, schedule_id: str, start: datetime, end: datetime, *,
+                             overlap: str = "allow_all") -> list[dict[str, Any]]:
+        return await self.admin.backfill(schedule_id, start, end, overlap=overlap)
+
+    # Sync twins.
+    def create(self, schedule_id: str, workflow: Any, **options: Any) -> ScheduleInfo:
+        return self._call(self.create_async(schedule_id, workflow, **options))  # type: ignore[no-any-return]
+
+    def update(self, schedule_id: str, **options: Any) -> ScheduleInfo:
+        return self._call(self.update_async(schedule_id, **options))  # type: ignore[no-any-return]
+
+    def get(self, schedule_id: str) -> ScheduleInfo:
+        return self._call(self.get_async(schedule_id))  # type: ignore[no-any-return]
+
+    def list(self) -> builtins.list[ScheduleInfo]:
+        return self._call(self.list_async())  # type: ignore[no-any-return]
+
+    def show(self, schedule_id: str) -> ScheduleDetail:
+        return self._call(self.show_async(schedule_id))  # type: ignore[no-any-return]
+
+    def delete(self, schedule_id: str) -> None:
+        self._call(self.delete_async(schedule_id))
+
+    def pause(self, schedule_id: str) -> ScheduleInfo:
+        return self._call(self.pause_async(schedule_id))  # type: ignore[no-any-return]
+
+    def resume(self, schedule_id: str) -> ScheduleInfo:
+        return self._call(self.resume_async(schedule_id))  # type: ignore[no-any-return]
+
+    def trigger(self, schedule_id: str, *, overlap: str | None = None) -> dict[str, Any]:
+        return self._call(self.trigger_async(schedule_id, overlap=overlap))  # type: ignore[no-any-return]
+
+    def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
+                 overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:
+        return self._call(self.backfill_async(schedule_id, start, end, overlap=overlap))  # type: ignore[no-any-return]

@@ -1,0 +1,305 @@
+"""Schedules against a real database, the ticker on an injected clock (docs/schedules.md):
+each slot fires once whoever ticks, catch-up after downtime, every overlap policy, triggers,
+backfills, pause and resume, daylight saving, schedules declared in code, bad input, the CLI,
+and a real worker firing a schedule on the database's clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from orchestrator import InvalidRequest, Orchestrator
+from orchestrator.scheduler import Scheduler
+from tests.clitools import run_cli
+from tests.integration.conftest import running, wait_for
+
+Sql = Callable[..., list[dict[str, Any]]]
+T0 = datetime(2026, 12, 3, 10, 0, 0, tzinfo=UTC)
+
+
+def minute(n: int, second: float = 0.0) -> datetime:
+    return T0 + timedelta(minutes=n, seconds=second)
+
+
+def _app(make_app: Callable[..., Orchestrator], clock: list[datetime]) -> Orchestrator:
+    app = make_app()
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    app.schedules.admin.ticker.clock = lambda: clock[0]
+    return app
+
+
+def _ticker(app: Orchestrator, clock: list[datetime]) -> Scheduler:
+    return Scheduler(app.database, app.json_limits, app.metrics, clock=lambda: clock[0])
+
+
+def slots(sql: Sql, schedule: str = "s") -> list[tuple[datetime, str, str | None]]:
+    return [(r["slot"], r["state"], r["reason"]) for r in sql(
+        "SELECT slot, state, reason FROM orchestrator.schedule_slots WHERE schedule_id = %s "
+        "ORDER BY slot, kind", (schedule,))]
+
+
+def runs_of(sql: Sql, schedule: str = "s") -> list[dict[str, Any]]:
+    return sql("SELECT id, status, idempotency_key FROM orchestrator.runs "
+               "WHERE idempotency_key LIKE %s ORDER BY idempotency_key",
+               (f"schedule:{schedule}:%",))
+
+
+async def test_each_slot_fires_once_however_many_tickers_tick(make_app, sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="* * * * *", overlap="allow_all",
+                                     input={"n": 1})
+    clock[0] = minute(5, 0.5)
+    tickers = [_ticker(app, clock) for _ in range(4)]
+    handled = await asyncio.gather(*(t.tick() for t in tickers))
+    assert sum(handled) == 5
+    assert [s[:2] for s in slots(sql)] == [(minute(n), "fired") for n in range(1, 6)]
+    made = runs_of(sql)
+    assert [r["idempotency_key"] for r in made] == [
+        f"schedule:s:{minute(n):%Y%m%dT%H%M%S}Z" for n in range(1, 6)]
+    assert await tickers[0].tick() == 0  # nothing is due twice
+    info = await app.schedules.get_async("s")
+    assert info.next_slot == minute(6) and info.last_slot == minute(5)
+    await app.database.close()
+
+
+async def test_after_downtime_only_the_slots_inside_the_catch_up_window_fire(make_app, sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="* * * * *", overlap="allow_all",
+                                     catchup_window=timedelta(minutes=5))
+    clock[0] = minute(10, 30)  # the fleet was away for ten minutes
+    await _ticker(app, clock).tick()
+    assert [s[0] for s in slots(sql)] == [minute(n) for n in range(6, 11)]
+    assert len(runs_of(sql)) == 5
+    gaps = sql("SELECT first_slot, last_slot, reason FROM orchestrator.schedule_gaps")
+    assert gaps == [{"first_slot": minute(1), "last_slot": minute(5), "reason": "missed"}]
+    detail = await app.schedules.show_async("s")
+    assert detail.gaps[0]["reason"] == "missed" and detail.upcoming[0] == minute(11)
+    await app.database.close()
+
+
+async def _policy(make_app, sql, overlap: str):  # type: ignore[no-untyped-def]
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="* * * * *", overlap=overlap)
+    ticker = _ticker(app, clock)
+
+    async def tick(n: int) -> None:
+        clock[0] = minute(n, 0.5)
+        await ticker.tick()
+
+    return app, tick
+
+
+async def test_skip_drops_a_slot_while_the_previous_run_is_unfinished(make_app, sql):
+    app, tick = await _policy(make_app, sql, "skip")
+    await tick(1)
+    await tick(2)  # run 1 is still queued: no worker here
+    (first,) = runs_of(sql)
+    await app.cancel_async(first["id"])
+    await tick(3)
+    assert slots(sql) == [(minute(1), "fired", None), (minute(2), "skipped", "overlap"),
+                          (minute(3), "fired", None)]
+    await app.database.close()
+
+
+async def test_allow_all_fires_every_slot(make_app, sql):
+    app, tick = await _policy(make_app, sql, "allow_all")
+    for n in (1, 2, 3):
+        await tick(n)
+    assert [s[1] for s in slots(sql)] == ["fired"] * 3
+    assert len(runs_of(sql)) == 3
+    await app.database.close()
+
+
+async def test_cancel_other_cancels_the_previous_run_and_fires(make_app, sql):
+    app, tick = await _policy(make_app, sql, "cancel_other")
+    await tick(1)
+    await tick(2)
+    first, second = runs_of(sql)
+    assert first["status"] == "cancelled" and second["status"] == "queued"
+    assert [s[1] for s in slots(sql)] == ["fired", "fired"]
+    await app.database.close()
+
+
+async def test_buffer_one_keeps_one_slot_until_the_previous_run_ends(make_app, sql):
+    app, tick = await _policy(make_app, sql, "buffer_one")
+    await tick(1)
+    await tick(2)
+    await tick(3)
+    assert slots(sql) == [(minute(1), "fired", None), (minute(2), "buffered", None),
+                          (minute(3), "skipped", "buffer_full")]
+    assert (await app.schedules.get_async("s")).buffered == 1
+    (first,) = runs_of(sql)
+    await app.cancel_async(first["id"])
+    clock_tick = minute(3, 40)
+    await _ticker(app, [clock_tick]).tick()  # the previous run ended: the kept slot fires
+    assert slots(sql)[1] == (minute(2), "fired", None)
+    assert [r["idempotency_key"] for r in runs_of(sql)] == [
+        f"schedule:s:{minute(n):%Y%m%dT%H%M%S}Z" for n in (1, 2)]
+    assert (await app.schedules.get_async("s")).buffered == 0
+    await app.database.close()
+
+
+async def test_buffer_all_fires_every_kept_slot_in_order_one_run_at_a_time(make_app, sql):
+    app, tick = await _policy(make_app, sql, "buffer_all")
+    for n in (1, 2, 3):
+        await tick(n)
+    assert [s[1] for s in slots(sql)] == ["fired", "buffered", "buffered"]
+    for expected in (2, 3):
+        running_run = [r for r in runs_of(sql) if r["status"] == "queued"]
+        assert len(running_run) == 1
+        await app.cancel_async(running_run[0]["id"])
+        await tick(3)  # no new slot due: only the kept one fires
+        assert [s[1] for s in slots(sql)][expected - 1] == "fired"
+    assert len(runs_of(sql)) == 3
+    assert (await app.schedules.get_async("s")).buffered == 0
+    await app.database.close()
+
+
+async def test_trigger_backfill_pause_and_resume(make_app, sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", overlap="skip")
+    clock[0] = T0 + timedelta(minutes=5)
+    fired = await app.schedules.trigger_async("s")
+    assert fired["state"] == "fired" and fired["run_id"] is not None
+    clock[0] += timedelta(seconds=1)
+    again = await app.schedules.trigger_async("s")  # the first is unfinished: skip
+    assert again["state"] == "skipped" and again["run_id"] is None
+    clock[0] += timedelta(seconds=1)
+    forced = await app.schedules.trigger_async("s", overlap="allow_all")
+    assert forced["state"] == "fired"
+    # Backfill the three hours before: each slot fires (allow_all), once.
+    said = await app.schedules.backfill_async("s", T0 - timedelta(hours=3), T0)
+    assert [s["state"] for s in said] == ["fired"] * 4
+    again_said = await app.schedules.backfill_async("s", T0 - timedelta(hours=3), T0)
+    assert [s["state"] for s in again_said] == ["known"] * 4
+    assert len(runs_of(sql)) == 2 + 4
+    with pytest.raises(InvalidRequest) as info:
+        await app.schedules.backfill_async("s", T0, T0 + timedelta(days=1))
+    assert info.value.path == "to"
+    # Paused, nothing fires; resumed, what passed is one gap and the next slot is ahead.
+    await app.schedules.pause_async("s")
+    clock[0] = T0 + timedelta(hours=3, minutes=30)
+    assert await _ticker(app, clock).tick() == 0
+    resumed = await app.schedules.resume_async("s")
+    assert resumed.next_slot == T0 + timedelta(hours=4) and not resumed.paused
+    gaps = sql("SELECT first_slot, last_slot, reason FROM orchestrator.schedule_gaps")
+    assert gaps == [{"first_slot": T0 + timedelta(hours=1),
+                     "last_slot": T0 + timedelta(hours=3), "reason": "paused"}]
+    await app.database.close()
+
+
+async def test_a_daily_slot_in_the_spring_gap_fires_when_the_clocks_have_jumped(make_app, sql):
+    clock = [datetime(2026, 3, 28, 12, 0, tzinfo=UTC)]
+    app = _app(make_app, clock)
+    info = await app.schedules.create_async("s", "report", cron="30 2 * * *",
+                                            timezone="Europe/Berlin")
+    jump = datetime(2026, 3, 29, 1, 0, tzinfo=UTC)  # 02:00 CET -> 03:00 CEST
+    assert info.next_slot == jump
+    clock[0] = jump - timedelta(seconds=1)
+    assert await _ticker(app, clock).tick() == 0
+    clock[0] = jump + timedelta(seconds=1)
+    assert await _ticker(app, clock).tick() == 1
+    assert slots(sql) == [(jump, "fired", None)]
+    assert (await app.schedules.get_async("s")).next_slot == datetime(
+        2026, 3, 30, 0, 30, tzinfo=UTC)
+    await app.database.close()
+
+
+async def test_a_schedule_declared_in_code_is_written_by_the_ticker_and_changed_only_there(
+        make_app, sql):
+    app = make_app()
+
+    @app.schedule("nightly", cron="0 3 * * *", timezone="Europe/Berlin", input={"kind": "all"})
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await app.create_scheduler().declare()
+    info = await app.schedules.get_async("nightly")
+    assert info.declared and info.workflow == "report" and info.input == {"kind": "all"}
+    await app.schedules.pause_async("nightly")
+    await app.create_scheduler().declare()  # a restart keeps the pause
+    assert (await app.schedules.get_async("nightly")).paused
+    with pytest.raises(InvalidRequest) as info_update:
+        await app.schedules.update_async("nightly", cron="0 4 * * *")
+    assert info_update.value.path == "id"
+    with pytest.raises(InvalidRequest):
+        await app.schedules.delete_async("nightly")
+    with pytest.raises(InvalidRequest) as twice:
+        app.schedule("nightly", cron="0 3 * * *")(report)
+    assert twice.value.path == "id"
+    await app.database.close()
+
+
+@pytest.mark.parametrize(("options", "path"), [
+    ({"cron": "0 25 * * *"}, "cron"),
+    ({"cron": "0 0 30 2 *"}, "cron"),  # never fires
+    ({"cron": "0 3 * * *", "timezone": "Europe/Atlantis"}, "timezone"),
+    ({"cron": "0 3 * * *", "overlap": "queue_them"}, "overlap"),
+    ({"cron": "0 3 * * *", "catchup_window": timedelta(seconds=-5)}, "catchup_window"),
+    ({"cron": "0 3 * * *", "input": {"x": float("nan")}}, "$.input.x"),
+])
+async def test_bad_schedules_are_rejected_naming_the_field_and_nothing_is_written(
+        make_app, sql, options: dict[str, Any], path: str):
+    app = _app(make_app, [T0])
+    with pytest.raises(InvalidRequest) as info:
+        await app.schedules.create_async("s", "report", **options)
+    assert info.value.code == "INVALID_REQUEST" and info.value.path == path
+    with pytest.raises(InvalidRequest) as bad_id:
+        await app.schedules.create_async("no spaces", "report", cron="0 3 * * *")
+    assert bad_id.value.path == "id"
+    assert sql("SELECT count(*) AS n FROM orchestrator.schedules")[0]["n"] == 0
+    await app.database.close()
+
+
+async def test_the_cli_lists_shows_triggers_and_pauses(make_app, sql, migrated_database_url):
+    app = _app(make_app, [T0])
+    await app.schedules.create_async("s", "report", cron="*/5 * * * *", input={"x": 1})
+    await app.database.close()
+    listed = run_cli(["schedules", "list", "--json"], database_url=migrated_database_url)
+    assert listed.returncode == 0, listed.stderr
+    (only,) = json.loads(listed.stdout)["schedules"]
+    assert only["id"] == "s" and only["cron"] == "*/5 * * * *" and not only["paused"]
+    fired = run_cli(["schedules", "trigger", "s", "--json"], database_url=migrated_database_url)
+    assert fired.returncode == 0, fired.stderr
+    assert json.loads(fired.stdout)["state"] == "fired"
+    paused = run_cli(["schedules", "pause", "s"], database_url=migrated_database_url)
+    assert paused.returncode == 0 and "paused" in paused.stdout
+    shown = run_cli(["schedules", "show", "s"], database_url=migrated_database_url)
+    assert shown.returncode == 0, shown.stderr
+    assert "paused" in shown.stdout and "trigger" in shown.stdout
+    missing = run_cli(["schedules", "show", "nope"], database_url=migrated_database_url)
+    assert missing.returncode != 0 and "INVALID_REQUEST" in missing.stderr
+    bad = run_cli(["schedules", "backfill", "s", "--from", "yesterday", "--to", "now"],
+                  database_url=migrated_database_url)
+    assert bad.returncode != 0 and "--from" in bad.stderr
+
+
+async def test_a_worker_fires_a_schedule_on_the_database_clock(make_app, sql):
+    app = make_app()
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await app.schedules.create_async("every-second", "report", cron="* * * * * *",
+                                     overlap="allow_all", input={"ok": True})
+    async with running(app):
+        await wait_for(lambda: len([r for r in runs_of(sql, "every-second")
+                                    if r["status"] == "succeeded"]) >= 3, timeout=15)
+    handled = slots(sql, "every-second")
+    times = [s[0] for s in handled]
+    assert all(b - a == timedelta(seconds=1) for a, b in zip(times, times[1:], strict=False))
