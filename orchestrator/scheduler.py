@@ -87,11 +87,14 @@ class Scheduler:
                              extra=fields(code=said))
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Declare, then tick every ``interval`` seconds until ``stop`` is set. A tick that
-        fails (the database away) is logged and the next one tries again."""
-        await self.declare()
+        """Declare, then tick every ``interval`` seconds until ``stop`` is set. A declaration
+        or a tick that fails (the database away) is logged and tried again a tick later."""
+        declared = False
         while not stop.is_set():
             try:
+                if not declared:  # until it succeeds: the database may be away at first
+                    await self.declare()
+                    declared = True
                 await self.tick()
             except OrchestratorError as exc:
                 log.warning("schedules: a tick failed (%s); the next one tries again",

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator
+from orchestrator.errors import DatabaseError
 from orchestrator.scheduler import Scheduler
 from tests.clitools import run_cli
 from tests.integration.conftest import running, wait_for
@@ -303,3 +304,31 @@ async def test_a_worker_fires_a_schedule_on_the_database_clock(make_app, sql):
     handled = slots(sql, "every-second")
     times = [s[0] for s in handled]
     assert all(b - a == timedelta(seconds=1) for a, b in zip(times, times[1:], strict=False))
+
+
+async def test_a_ticker_that_cannot_declare_at_first_tries_again(make_app, sql, monkeypatch):
+    app = make_app()
+
+    @app.schedule("nightly", cron="0 3 * * *")
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    ticker = app.create_scheduler(interval=0.05)
+    real = ticker.declare
+    failures = []
+
+    async def flaky_declare() -> None:
+        if not failures:
+            failures.append(1)
+            raise DatabaseError("the database is restarting")
+        await real()
+
+    monkeypatch.setattr(ticker, "declare", flaky_declare)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(ticker.run(stop))
+    await wait_for(lambda: sql("SELECT 1 FROM orchestrator.schedules WHERE id = 'nightly'"))
+    stop.set()
+    await task
+    assert failures == [1]
+    await app.database.close()
