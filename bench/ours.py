@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg  # noqa: TID251 - fixtures and progress queries
 
-from bench.app import build_app
+from bench.app import build_app, dropping_provider
 from bench.common import (
     CpuMeter,
     Proc,
@@ -66,19 +66,7 @@ def sdk_span_cost(spans: int = 20_000, rounds: int = 5) -> float:
     pays it under load, with attributes, among its other work. The median of ``rounds``."""
     import timeit
 
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (
-        BatchSpanProcessor,
-        SpanExporter,
-        SpanExportResult,
-    )
-
-    class Dropped(SpanExporter):
-        def export(self, spans: Any) -> SpanExportResult:
-            return SpanExportResult.SUCCESS
-
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    provider = dropping_provider()
     tracer = provider.get_tracer("bench")
     try:
         times = timeit.repeat(lambda: tracer.start_span("call tool").end(), number=spans,
