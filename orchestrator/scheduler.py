@@ -167,9 +167,11 @@ class _Tick:
         next_slot: datetime | None = self.row["next_slot"]
         if next_slot is not None and next_slot <= self.now:
             next_slot = await self._due(cron, next_slot)
-        await sched_db.schedule_set_place(
-            self.conn, self.id, next_slot=next_slot, last_slot=self.last_slot,
-            last_run_id=self.last_run, buffered=self.buffered)
+        if self.handled or next_slot != self.row["next_slot"] \
+                or self.buffered != self.row["buffered"]:  # else nothing moved: no write
+            await sched_db.schedule_set_place(
+                self.conn, self.id, next_slot=next_slot, last_slot=self.last_slot,
+                last_run_id=self.last_run, buffered=self.buffered)
         return self.handled
 
     async def _due(self, cron: Cron, first: datetime) -> datetime | None:
@@ -271,15 +273,24 @@ def trigger_key(schedule_id: str, at: datetime) -> str:
     return f"schedule:{schedule_id}:trigger:{at.astimezone(UTC):%Y%m%dT%H%M%S%f}Z"
 
 
-async def fire_now(scheduler: Scheduler, conn: Conn, row: dict[str, Any], at: datetime,
-                   kind: str, overlap: str) -> str:
-    """Handle one slot of a schedule whose row ``conn`` holds locked (a trigger, a backfill
-    slot), under ``overlap``; the schedule's place is updated. What became of it."""
+async def by_hand(scheduler: Scheduler, conn: Conn, row: dict[str, Any], at: datetime,
+                  slots: builtins.list[datetime], kind: str, overlap: str
+                  ) -> builtins.list[dict[str, Any]]:
+    """Handle ``slots`` of a schedule whose row ``conn`` holds locked (a trigger, a backfill),
+    oldest first, each under ``overlap``, and write the schedule's place once. What became of
+    each (``known``: the cron or an earlier backfill handled it, left as it was)."""
     tick = _Tick(scheduler, conn, row, at)
     if tick.last_run is not None:
         status = await sched_db.run_status(conn, tick.last_run)
         tick.running = status is not None and status not in TERMINAL
-    said = await tick.slot(at, kind, overlap)
+    handled = (set() if kind == "trigger"
+               else await sched_db.slots_handled(conn, tick.id, slots[0], slots[-1])
+               if slots else set())
+    said: builtins.list[dict[str, Any]] = []
+    for slot in slots:
+        state = "known" if slot in handled else await tick.slot(slot, kind, overlap)
+        said.append({"slot": slot, "state": state,
+                     "run_id": tick.last_run if state == "fired" else None})
     await sched_db.schedule_set_place(conn, tick.id, next_slot=row["next_slot"],
                                       last_slot=tick.last_slot, last_run_id=tick.last_run,
                                       buffered=tick.buffered)
@@ -347,6 +358,13 @@ class ScheduleAdmin:
         rows = await self.database.read(sched_db.schedule_list)
         return [ScheduleInfo.from_row(row) for row in rows]
 
+    async def get(self, schedule_id: str) -> ScheduleInfo:
+        sid = check_schedule_id(schedule_id)
+        row = await self.database.read(lambda conn: sched_db.schedule_get(conn, sid))
+        if row is None:
+            raise _missing(sid)
+        return ScheduleInfo.from_row(row)
+
     async def show(self, schedule_id: str, *, upcoming: int = 5,
                    recent: int = 20) -> ScheduleDetail:
         sid = check_schedule_id(schedule_id)
@@ -385,9 +403,8 @@ class ScheduleAdmin:
                 last = cron.before(now)
                 if first is not None and last is not None and first <= last:
                     await sched_db.gap_record(conn, sid, first, last, "paused")
-            await sched_db.schedule_set_paused(conn, sid, paused, next_slot=cron.after(now))
-            changed = await sched_db.schedule_get(conn, sid)
-        assert changed is not None
+            changed = await sched_db.schedule_set_paused(conn, sid, paused,
+                                                         next_slot=cron.after(now))
         log.info("schedule %s %s", sid, "paused" if paused else "resumed")
         return ScheduleInfo.from_row(changed)
 
@@ -402,12 +419,9 @@ class ScheduleAdmin:
             row = await sched_db.schedule_get(conn, sid, lock=True)
             if row is None:
                 raise _missing(sid)
-            state = await fire_now(self.ticker, conn, row, now, "trigger",
-                                   policy or row["overlap"])
-            after = await sched_db.schedule_get(conn, sid)
-        assert after is not None
-        return {"schedule": sid, "slot": now, "state": state,
-                "run_id": after["last_run_id"] if state == "fired" else None}
+            (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
+                                    policy or row["overlap"])
+        return {"schedule": sid, "slot": now, "state": said["state"], "run_id": said["run_id"]}
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                        overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:
@@ -433,15 +447,7 @@ class ScheduleAdmin:
             if len(slots) > BACKFILL_MAX:
                 raise InvalidRequest(f"that range holds more than {BACKFILL_MAX} slots; "
                                      "backfill a shorter one at a time", path="to")
-            said = []
-            for slot in slots:
-                if await _handled_by_cron(conn, sid, slot):
-                    said.append({"slot": slot, "state": "known"})
-                    continue
-                state = await fire_now(self.ticker, conn, row, slot, "backfill", policy)
-                row = await sched_db.schedule_get(conn, sid)
-                assert row is not None
-                said.append({"slot": slot, "state": state})
+            said = await by_hand(self.ticker, conn, row, now, slots, "backfill", policy)
         log.info("schedule %s backfilled %d slots from %s to %s", sid, len(slots),
                  first.isoformat(), last.isoformat())
         return said
@@ -461,13 +467,6 @@ class ScheduleAdmin:
         if row["declared"]:
             raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): remove "
                                  "it there; pause it meanwhile", path="id")
-
-
-async def _handled_by_cron(conn: Conn, schedule_id: str, slot: datetime) -> bool:
-    cur = await conn.execute(
-        "SELECT 1 FROM orchestrator.schedule_slots WHERE schedule_id = %s AND slot = %s "
-        "AND kind IN ('cron', 'backfill')", (schedule_id, slot))
-    return await cur.fetchone() is not None
 
 
 def _missing(schedule_id: str) -> InvalidRequest:
@@ -554,7 +553,7 @@ class Schedules:
         return await self.get_async(old.id)
 
     async def get_async(self, schedule_id: str) -> ScheduleInfo:
-        return (await self.admin.show(schedule_id, upcoming=1, recent=0)).info
+        return await self.admin.get(schedule_id)
 
     async def list_async(self) -> list[ScheduleInfo]:
         return await self.admin.list()

@@ -154,23 +154,25 @@ async def schedule_set_place(conn: Conn, schedule_id: str, *, next_slot: datetim
 
 
 async def schedule_set_paused(conn: Conn, schedule_id: str, paused: bool, *,
-                              next_slot: datetime | None = None) -> dict[str, Any] | None:
-    """Pause or resume; resuming sets the next slot (the first after now). The row as it
-    was before (None: no such schedule)."""
+                              next_slot: datetime | None) -> dict[str, Any]:
+    """Pause or resume a schedule whose row ``conn`` holds locked; resuming sets the next slot
+    (the first after now). The row afterwards."""
     cur = await conn.execute(
         f"""
-        UPDATE {S}.schedules AS s SET paused = %(paused)s,
-            paused_at = CASE WHEN %(paused)s THEN COALESCE(before.paused_at, now()) END,
-            next_slot = CASE WHEN %(paused)s OR NOT before.paused THEN s.next_slot
+        UPDATE {S}.schedules SET paused = %(paused)s,
+            paused_at = CASE WHEN %(paused)s THEN COALESCE(paused_at, now()) END,
+            next_slot = CASE WHEN %(paused)s OR NOT paused THEN next_slot
                              ELSE %(next_slot)s END,
             updated_at = now()
-        FROM {S}.schedules AS before
-        WHERE s.id = %(id)s AND before.id = s.id
-        RETURNING before.paused, before.paused_at, before.next_slot
+        WHERE id = %(id)s
+        RETURNING {_COLUMNS}
         """,
         {"id": schedule_id, "paused": paused, "next_slot": next_slot},
     )
-    return await cur.fetchone()
+    row = await cur.fetchone()
+    if row is None:  # pragma: no cover - the row is locked by this transaction
+        raise RuntimeError(f"schedule {schedule_id} vanished under its lock")
+    return row
 
 
 async def slot_record(conn: Conn, schedule_id: str, slot: datetime, *, kind: str, state: str,
@@ -188,6 +190,20 @@ async def slot_record(conn: Conn, schedule_id: str, slot: datetime, *, kind: str
          "overlap": overlap, "run_id": run_id},
     )
     return cur.rowcount == 1
+
+
+async def slots_handled(conn: Conn, schedule_id: str, first: datetime,
+                        last: datetime) -> set[datetime]:
+    """The slots in ``[first, last]`` the cron or a backfill already handled (a trigger's
+    instants are its own)."""
+    cur = await conn.execute(
+        f"""
+        SELECT slot FROM {S}.schedule_slots
+        WHERE schedule_id = %s AND slot BETWEEN %s AND %s AND kind IN ('cron', 'backfill')
+        """,
+        (schedule_id, first, last),
+    )
+    return {row["slot"] for row in await cur.fetchall()}
 
 
 async def slot_fire_buffered(conn: Conn, schedule_id: str, slot: datetime, kind: str,

@@ -332,3 +332,17 @@ async def test_a_ticker_that_cannot_declare_at_first_tries_again(make_app, sql, 
     await task
     assert failures == [1]
     await app.database.close()
+
+
+async def test_a_backfill_over_its_bound_is_refused_and_fires_nothing(make_app, sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="* * * * * *", overlap="allow_all")
+    with pytest.raises(InvalidRequest) as info:  # 10,001 slots of one second
+        await app.schedules.backfill_async("s", T0 - timedelta(seconds=10_000), T0)
+    assert info.value.path == "to"
+    assert slots(sql) == [] and runs_of(sql) == []
+    said = await app.schedules.backfill_async("s", T0 - timedelta(seconds=2), T0)
+    assert [s["state"] for s in said] == ["fired"] * 3
+    assert [s["run_id"] for s in said] == [r["id"] for r in runs_of(sql)]
+    await app.database.close()
