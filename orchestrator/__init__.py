@@ -26,6 +26,7 @@ from orchestrator.failures import ToolError
 from orchestrator.handle import RunHandle
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import JournalEntry, Owner, RunInfo
+from orchestrator.queues import Queue, QueueInfo, RateLimit
 from orchestrator.recovery import RetryPolicy
 from orchestrator.registry import Tool, Workflow
 
@@ -45,6 +46,9 @@ __all__ = [
     "OrchestratorError",
     "Owner",
     "PolicyContext",
+    "Queue",
+    "QueueInfo",
+    "RateLimit",
     "ResolutionConflict",
     "ResultTimeout",
     "RetryPolicy",

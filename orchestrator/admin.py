@@ -15,6 +15,7 @@ from typing import Any
 
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
+from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
@@ -36,9 +37,14 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
     check_run_filters(status=status, workflow=workflow, tenant=tenant, limit=limit,
                       submission_key=submission_key)
     async with db.connection() as conn:
-        return await runs_db.run_list(conn, tenant=tenant, principal=None, status=status,
+        rows = await runs_db.run_list(conn, tenant=tenant, principal=None, status=status,
                                       workflow=workflow, limit=limit, parent=parent,
                                       submission_key=submission_key)
+        blocked = await queues_db.run_blockers(
+            conn, [r["id"] for r in rows if r["queue"] is not None])
+    for row in rows:  # why a run ready in a queue has not started (docs/flow.md)
+        row["blocked"] = blocked.get(row["id"])
+    return rows
 
 
 HOLDER_STATES = ("live", "silent", "dead", "gone", "expired")
@@ -92,6 +98,7 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
         if run["status"] == "running" and run["lease_owner"] is not None:
             holder = lease_holder(run, await workers_db.worker_lease_holder(
                 conn, run["lease_owner"]))
+        run["blocked"] = (await queues_db.run_blockers(conn, [run_id])).get(run_id)
     return RunDetail(run, journal, operations, _note(run, workers, holder), workers, holder)
 
 
@@ -155,8 +162,12 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]],
         if not able:
             return (f"waiting for a worker that has workflow {run['workflow_name']} version "
                     f"{run['workflow_version']}: no live worker registers it")
+        if run.get("blocked"):
+            return f"ready, not started: {run['blocked']}"
         return f"ready; {len(able)} live worker(s) can run {key}"
     if run["status"] == "waiting":
+        if run.get("blocked"):  # its wait is over; its queue has no room for it yet
+            return f"ready to resume, not resumed: {run['blocked']}"
         when = run["available_at"]
         return f"waiting for {run['waiting_for']}" + (f" (wakes at {utc_text(when)})"
                                                        if when else "")

@@ -60,6 +60,17 @@ from orchestrator.models import (
     validate_idempotency_key,
 )
 from orchestrator.operators import Operators, check_readers, check_scopes
+from orchestrator.queues import (
+    DEFAULT_PRIORITY_AGING,
+    Queue,
+    QueueAdmin,
+    Queues,
+    RateLimit,
+    check_concurrency_key,
+    check_priority,
+    check_queue_name,
+)
+from orchestrator.queues import declare as declare_queue
 from orchestrator.reconcile import Reconciler
 from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
 from orchestrator.registry import (
@@ -198,6 +209,9 @@ class Orchestrator:
         # Schedules declared in code (@app.schedule): each worker writes them when it starts.
         self._declared_schedules: dict[str, Declared] = {}
         self._schedules: Schedules | None = None
+        # Queues declared in code (app.queue): each worker writes them when it starts.
+        self._declared_queues: dict[str, Queue] = {}
+        self._queues: Queues | None = None
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -234,15 +248,19 @@ class Orchestrator:
         return target
 
     def workflow(
-        self, *, version: str = "1", name: str | None = None
+        self, *, version: str = "1", name: str | None = None, queue: str | None = None
     ) -> Callable[[Callable[[WorkflowContext, I], Awaitable[R]]], Workflow[I, R]]:
         """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's.
+        ``queue``: the queue its runs (and its runs as children) wait in unless a submission
+        names another; it must be declared with :meth:`queue` before a run is submitted.
 
         Returns a :class:`Workflow` typed by the function's input and result."""
+        if queue is not None:
+            check_queue_name(queue)
 
         def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
             wf = Workflow(name=check_name("workflow", name or fn.__name__),
-                          version=check_name("version", str(version)), fn=fn)
+                          version=check_name("version", str(version)), fn=fn, queue=queue)
             self.registry.add_workflow(wf)
             return wf
 
@@ -285,6 +303,47 @@ class Orchestrator:
             return tool
 
         return register
+
+    def queue(self, name: str, *, concurrency: int | None = None,
+              worker_concurrency: int | None = None, key_concurrency: int | None = None,
+              rate: RateLimit | str | None = None, priority: bool = False,
+              count_parked: bool = True,
+              priority_aging: timedelta = DEFAULT_PRIORITY_AGING) -> Queue:
+        """Declare a queue (docs/flow.md): ``concurrency`` runs of it started and not finished
+        across every worker (parked runs keep their slot unless ``count_parked=False``),
+        ``worker_concurrency`` on one worker, ``key_concurrency`` per ``concurrency_key``
+        (a key's runs start in submission order), ``rate`` starts per window
+        (``RateLimit(10, per=timedelta(seconds=1))`` or ``"10/s"``), ``priority``: lower
+        numbers first, a waiting run gaining a level per ``priority_aging``. None is no limit.
+
+        Every worker of this app writes the declaration when it starts; limits changed at run
+        time (``orchestrator queues set``) are kept until ``queues reset``. ``INVALID_REQUEST``
+        naming the field for a bad name or limit, or a name declared twice."""
+        declared = declare_queue(name, concurrency=concurrency,
+                                 worker_concurrency=worker_concurrency,
+                                 key_concurrency=key_concurrency, rate=rate, priority=priority,
+                                 count_parked=count_parked, priority_aging=priority_aging)
+        if declared.name in self._declared_queues:
+            raise InvalidRequest(f"queue {declared.name} is declared twice", path="name")
+        self._declared_queues[declared.name] = declared
+        return declared
+
+    @property
+    def queues(self) -> Queues:
+        """Queues stored in the database: ``list``, ``get``, ``set``, ``reset``, ``pause``,
+        ``resume`` (each with an ``_async`` twin); docs/flow.md."""
+        if self._queues is None:
+            self._queues = Queues(QueueAdmin(self.database), self._portal.call)
+        return self._queues
+
+    def _queue_of(self, wf: Workflow, queue: str | None) -> str | None:
+        """The queue a run of ``wf`` waits in: the submission's, else the workflow's; either
+        must be declared here (``INVALID_REQUEST`` naming ``queue``)."""
+        name = check_queue_name(queue) if queue is not None else wf.queue
+        if name is not None and name not in self._declared_queues:
+            raise InvalidRequest(
+                f"unknown queue {name}: declare it with app.queue({name!r}, ...)", path="queue")
+        return name
 
     def schedule(
         self, id: str, *, cron: str, timezone: str = "UTC", overlap: str = "skip",
@@ -361,11 +420,18 @@ class Orchestrator:
         run_id: uuid.UUID | None = None,
         parent: tuple[uuid.UUID, int] | None = None,
         start: Start | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
     ) -> dict[str, Any]:
         """Validate a submission and build its row. Raises before anything is written."""
         return runs_db.run_row(workflow.name, workflow.version, input, limits=self.json_limits,
                                owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-                               run_id=run_id, parent=parent, start=start)
+                               run_id=run_id, parent=parent, start=start,
+                               queue=self._queue_of(workflow, queue),
+                               priority=check_priority(priority),
+                               concurrency_key=(check_concurrency_key(concurrency_key)
+                                                if concurrency_key is not None else None))
 
     @overload
     async def submit_async(
@@ -378,6 +444,9 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[R]: ...
 
@@ -392,6 +461,9 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]: ...
 
@@ -405,12 +477,18 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]:
         """Submit a run; with ``idempotency_key``, at most one run per owner and key (C1).
 
         ``start_at`` (a timezone-aware time) or ``delay`` (from now) hold the run back: no
         worker claims it before then, and its ``deadline`` counts from then (docs/flow.md).
+        ``queue`` (else the workflow's), ``priority`` (lower first, in a queue declared with
+        ``priority=True``) and ``concurrency_key`` (bounded by the queue's
+        ``key_concurrency``) say where the run waits for its turn (docs/flow.md).
 
         With ``connection`` (a psycopg async connection in a transaction), the run is written
         in the caller's transaction: invisible until it commits, gone if it rolls back.
@@ -418,7 +496,9 @@ class Orchestrator:
         handle, _ = await self._submit_async(workflow, input, owner=owner,
                                              idempotency_key=idempotency_key,
                                              deadline=deadline, start_at=start_at,
-                                             delay=delay, connection=connection)
+                                             delay=delay, queue=queue, priority=priority,
+                                             concurrency_key=concurrency_key,
+                                             connection=connection)
         return handle
 
     async def _submit_async(
@@ -432,6 +512,9 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> tuple[RunHandle[Any], bool]:
         """:meth:`submit_async`, and whether it created the run (False: the owner's key named
@@ -450,7 +533,8 @@ class Orchestrator:
             seconds = deadline.total_seconds()
         start = check_start(start_at, delay, datetime.now(UTC))
         row = self.new_run_row(wf, input, owner=who, idempotency_key=idempotency_key,
-                               deadline=seconds, start=start)
+                               deadline=seconds, start=start, queue=queue, priority=priority,
+                               concurrency_key=concurrency_key)
         tracer = self.tracing.tracer
         if tracer is None:  # not tracing here: the caller's own span, if any, is the parent
             row["traceparent"] = current_traceparent()
@@ -498,6 +582,9 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[R]: ...
 
@@ -512,6 +599,9 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]: ...
 
@@ -525,13 +615,17 @@ class Orchestrator:
         deadline: timedelta | None = None,
         start_at: datetime | None = None,
         delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
         connection: Conn | None = None,
     ) -> RunHandle[Any]:
         """Sync twin of :meth:`submit_async`. The caller's current span (its thread's
         OpenTelemetry context) is the submission's parent, as in the async method."""
         return self._portal.call(_in_context(otel_context.get_current(), self.submit_async(
             workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-            start_at=start_at, delay=delay, connection=connection)))
+            start_at=start_at, delay=delay, queue=queue, priority=priority,
+            concurrency_key=concurrency_key, connection=connection)))
 
     # -- reading and acting on runs ----------------------------------------------------------
 
@@ -743,10 +837,15 @@ class Orchestrator:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop.
         ``schedules``: the worker also ticks the schedules (docs/schedules.md)."""
         companions = [self.create_scheduler().run] if schedules else []
+        for wf in self.registry.workflows.values():
+            if wf.queue is not None and wf.queue not in self._declared_queues:
+                raise ConfigurationError(f"workflow {wf.key} waits in queue {wf.queue}, which "
+                                         f"is not declared: app.queue({wf.queue!r}, ...)")
         return Worker(self.engine_config, self.registry, self.database, self.metrics,
                       concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
                       poll_interval=poll_interval, drain_timeout=drain_timeout,
-                      companions=companions)
+                      companions=companions,
+                      queues=[q.row() for q in self._declared_queues.values()])
 
     def run_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                    lease_ttl: float | None = None, poll_interval: float = 1.0,

@@ -67,6 +67,11 @@ def run_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "created_at": iso(r["created_at"]),
         "updated_at": iso(r["updated_at"]),
         "finished_at": iso(r["finished_at"]),
+        "queue": r.get("queue"),
+        "priority": r.get("priority", 0),
+        "concurrency_key": r.get("concurrency_key"),
+        "started_at": iso(r.get("started_at")),
+        "blocked": r.get("blocked"),
     }
 
 

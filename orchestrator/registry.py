@@ -64,6 +64,9 @@ class Workflow(Generic[I, R]):
     name: str
     version: str
     fn: Callable[[Any, I], Awaitable[R]]  # fn(ctx: WorkflowContext, input)
+    queue: str | None = None
+    """The queue its runs wait in unless a submission names another (None: the default
+    queue, unlimited); docs/flow.md."""
 
     @property
     def key(self) -> str:

@@ -1,7 +1,11 @@
 """The worker: claims ready runs, drives them, keeps their leases alive, drains on stop.
 
 One worker process holds up to ``concurrency`` runs at once. It wakes on NOTIFY (new work,
-events, finished children, expired leases) and polls only as a fallback. Stopping (SIGTERM)
+events, finished children, expired leases) and polls only as a fallback. It claims from the
+default queue and from every queue (docs/flow.md) it has news of: a NOTIFY names the queue
+whose runs it concerns (empty: any), and a source is claimed from again only after such news,
+after a claim that filled every free slot (more may wait), when a queue's rate window has room
+again, or at the poll. Stopping (SIGTERM)
 drains: no new claims; in-flight runs go on to their next durable point, then their leases are
 released so another worker picks them up at once.
 """
@@ -28,6 +32,7 @@ from opentelemetry.trace import Span, Tracer
 from orchestrator.db import grants as grants_db
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
+from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn, Database
@@ -86,6 +91,7 @@ class Worker:
         poll_interval: float = 1.0,
         drain_timeout: float = 30.0,
         companions: Sequence[Callable[[asyncio.Event], Awaitable[None]]] = (),
+        queues: Sequence[dict[str, Any]] = (),
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -109,6 +115,14 @@ class Worker:
         # What else runs in this process beside the claims (the schedules' ticker): started
         # once the worker is registered, told to stop when it begins to drain.
         self.companions = tuple(companions)
+        # Queues (docs/flow.md): those declared by this app (``Queue.row()``), written when the
+        # worker starts; the names of those stored and not paused, read at each sweep; the
+        # sources with news since their last claim (None: the default queue); and when a
+        # queue's rate window next has room (monotonic time).
+        self.declared_queues = tuple(queues)
+        self._queues: set[str] = set()
+        self._dirty: set[str | None] = {None}
+        self._rate_wakes: dict[str, float] = {}
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
@@ -132,6 +146,10 @@ class Worker:
         workflows = list(self.registry.workflows)
         held = await self._liveness.ensure()  # before registering: never seen alive without
         async with self.database.connection() as conn:
+            if self.declared_queues:
+                await queues_db.queue_declare(conn, self.declared_queues)
+            self._queues = set(await queues_db.queue_names(conn))
+            self._dirty.update(self._queues)
             await workers_db.worker_register(
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                 workflows=workflows, concurrency=self.concurrency,
@@ -149,19 +167,29 @@ class Worker:
                     last_sweep = time.monotonic()
                     await self._sweep()
                 free = self.concurrency - len(self._running)
-                if free > 0 and workflows and self._liveness.held:
+                if free > 0 and workflows and self._liveness.held and self._dirty:
                     gap = last_claim + CLAIM_GAP - time.monotonic()
                     if self._running and gap > 0:
                         await asyncio.sleep(gap)
                         free = self.concurrency - len(self._running)
                     last_claim = time.monotonic()
-                    claims = await self._claim(workflows, free)
-                    for claim in claims:
-                        self._start(claim)
-                    if claims and len(claims) == free:
+                    if await self._claim_sources(workflows, free):
                         continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+                timeout = self.poll_interval
+                if self._rate_wakes:
+                    timeout = max(0.0, min(timeout,
+                                           min(self._rate_wakes.values()) - time.monotonic()))
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    if timeout == self.poll_interval:  # the fallback poll: look everywhere
+                        self._dirty.add(None)
+                        self._dirty.update(self._queues)
+                now = time.monotonic()
+                for queue, due in list(self._rate_wakes.items()):
+                    if due <= now:
+                        del self._rate_wakes[queue]
+                        self._dirty.add(queue)
         finally:
             companions_stop.set()
             await self._drain()
@@ -189,6 +217,12 @@ class Worker:
                 if ex is not None and str(rid) == payload:
                     ex.run.note_cancel()
             return
+        if payload:  # news of one queue (a submission, a slot freed, a limit changed)
+            self._queues.add(payload)
+            self._dirty.add(payload)
+        else:  # news of any run: look everywhere
+            self._dirty.add(None)
+            self._dirty.update(self._queues)
         self._wake.set()
 
     async def _companion(self, run: Callable[[asyncio.Event], Awaitable[None]],
@@ -213,18 +247,46 @@ class Worker:
                 await runs_db.run_release_expired(conn)
                 await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
+                self._queues = set(await queues_db.queue_names(conn))
         except OrchestratorError as exc:  # the next sweep tries again; the message says why
             log.warning("lease sweep failed: %s", exc)
 
-    async def _claim(self, workflows: list[str], free: int) -> list[dict[str, Any]]:
+    async def _claim_sources(self, workflows: list[str], free: int) -> bool:
+        """Claim from each source with news, the default queue first, while slots are free;
+        True when a source filled every slot it was offered (more may wait: claim again)."""
+        dirty, self._dirty = self._dirty, set()
+        full = False
+        for source in sorted(dirty, key=lambda q: (q is not None, q or "")):
+            if free <= 0:
+                self._dirty.add(source)  # not looked at: still news
+                continue
+            claims = await self._claim(workflows, free, source)
+            for claim in claims:
+                self._start(claim)
+            if len(claims) == free:
+                self._dirty.add(source)
+                full = True
+            free -= len(claims)
+        return full
+
+    async def _claim(self, workflows: list[str], free: int,
+                     queue: str | None = None) -> list[dict[str, Any]]:
         try:
             async with self.database.connection() as conn:
                 sent = time.monotonic()  # the leases last at least ttl from here (C6)
-                claims = await runs_db.run_claim_ready(
-                    conn, worker=self.worker_id, workflows=workflows, limit=free,
-                    ttl=self.lease_ttl)
+                if queue is None:
+                    claims = await runs_db.run_claim_ready(
+                        conn, worker=self.worker_id, workflows=workflows, limit=free,
+                        ttl=self.lease_ttl)
+                else:
+                    claims, wake = await queues_db.queue_claim(
+                        conn, queue=queue, worker=self.worker_id, workflows=workflows,
+                        limit=free, ttl=self.lease_ttl)
+                    if wake is not None:  # its rate window is full for so many seconds
+                        self._rate_wakes[queue] = time.monotonic() + wake
         except OrchestratorError as exc:
             log.warning("claim failed: %s", exc.code)
+            self._dirty.add(queue)
             await asyncio.sleep(self.poll_interval)
             return []
         for claim in claims:

@@ -20,10 +20,21 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from orchestrator.cli import console, db, demo, incidents, ops, runs, schedules, worker
+from orchestrator.cli import (
+    console,
+    db,
+    demo,
+    incidents,
+    ops,
+    queues,
+    runs,
+    schedules,
+    worker,
+)
 from orchestrator.errors import OrchestratorError
 
-GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, schedules, console, demo]
+GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, schedules, queues, console,
+                            demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0

@@ -87,7 +87,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(render(
         ["RUN", "WORKFLOW", "STATUS", "OWNER", "DETAIL", "CREATED", "UPDATED"],
         [[r["id"], f"{r['workflow_name']}@{r['workflow_version']}", r["status"],
-          f"{r['tenant']}/{r['principal']}", r["outcome_code"] or r["waiting_for"],
+          f"{r['tenant']}/{r['principal']}",
+          r["outcome_code"] or r.get("blocked") or r["waiting_for"],
           r["created_at"], r["updated_at"]] for r in rows]))
     return 0
 
@@ -177,6 +178,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("status", run["status"] + (f" ({run['outcome_code']})" if run["outcome_code"]
                                     and run["outcome_code"].lower() != run["status"] else "")),
         ("note", detail.note),
+        ("queue", None if run["queue"] is None else run["queue"] + "".join(
+            f", {label} {value}" for label, value in (
+                ("priority", run["priority"] or None), ("key", run["concurrency_key"]))
+            if value is not None)),
         ("revision", run["revision"]),
         ("deadline", run["deadline_at"]),
         ("created", run["created_at"]),

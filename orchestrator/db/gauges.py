@@ -7,7 +7,8 @@ cheap however many finished runs and settled operations the tables hold:
 - unknown operations and the operator queue: ``ix_operations_unknown`` (``state =
   'unknown'``); an item waits for an operator only while its operation is unknown, so the
   queue is found from the unknown operations through the items' unique ``operation_id``;
-- queued runs: ``ix_runs_claimable`` (unfinished, claimable runs only).
+- queued runs: ``ix_runs_claimable`` (the default queue's claimable runs only) and
+  ``ix_runs_queue_ready`` (the queues' ready runs, docs/flow.md).
 """
 
 from __future__ import annotations
@@ -39,11 +40,22 @@ WHERE o.state = 'unknown'
 GROUP BY o.tool_name"""
 
 QUEUED_BY_WORKFLOW = f"""
-SELECT workflow_name AS workflow, count(*) AS queued,
-       EXTRACT(EPOCH FROM now() - min(available_at))::float8 AS oldest
-FROM {S}.runs
-WHERE status = 'queued' AND available_at IS NOT NULL AND available_at <= now()
-GROUP BY workflow_name"""
+SELECT workflow, sum(queued)::bigint AS queued, max(oldest) AS oldest FROM (
+    SELECT workflow_name AS workflow, count(*) AS queued,
+           EXTRACT(EPOCH FROM now() - min(available_at))::float8 AS oldest
+    FROM {S}.runs
+    WHERE status = 'queued' AND available_at IS NOT NULL AND available_at <= now()
+      AND queue IS NULL
+    GROUP BY workflow_name
+    UNION ALL
+    SELECT workflow_name, count(*),
+           EXTRACT(EPOCH FROM now() - min(available_at))::float8
+    FROM {S}.runs
+    WHERE status = 'queued' AND available_at IS NOT NULL AND available_at <= now()
+      AND queue IS NOT NULL
+    GROUP BY workflow_name
+) AS parts
+GROUP BY workflow"""
 
 
 def read_gauges(target: DatabaseTarget) -> dict[str, list[dict[str, Any]]]:

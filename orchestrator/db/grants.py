@@ -77,6 +77,7 @@ _TABLES = (
     _table("schedules", "SELECT", "INSERT", "UPDATE", "DELETE"),
     _table("schedule_slots", "SELECT", "INSERT", "UPDATE"),
     _table("schedule_gaps", "SELECT", "INSERT"),
+    _table("queues", "SELECT", "INSERT", "UPDATE"),
     _table("alembic_version", "SELECT"),
 )
 
@@ -84,6 +85,8 @@ _FUNCTIONS = (
     Grant("function", f"{SCHEMA}.runs_ready(text[], integer)", ("EXECUTE",)),
     Grant("function", f"{SCHEMA}.batch_rows(jsonb)", ("EXECUTE",)),
     Grant("function", f"{SCHEMA}.row_applied(boolean, text)", ("EXECUTE",)),
+    Grant("function",
+          f"{SCHEMA}.queue_claim(text, text[], text, integer, double precision)", ("EXECUTE",)),
 )
 
 

@@ -44,16 +44,24 @@ def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: Js
             owner: Owner, idempotency_key: str | None, deadline: float | None,
             run_id: uuid.UUID | None = None,
             parent: tuple[uuid.UUID, int] | None = None,
-            start: Start | None = None) -> dict[str, Any]:
+            start: Start | None = None, queue: str | None = None, priority: int = 0,
+            concurrency_key: str | None = None) -> dict[str, Any]:
     """A new run's row for :func:`run_insert`, its input held to ``limits``. Raises before
-    anything is written (a submission's and a child's alike). ``start``: a held-back start
-    (docs/flow.md), part of the request its idempotency key names."""
+    anything is written (a submission's and a child's alike). ``start``: a held-back start;
+    ``queue``, ``priority``, ``concurrency_key``: where it waits for its turn (docs/flow.md);
+    all part of the request its idempotency key names."""
     input_text = limits.text(input, "$.input")
     options: dict[str, Any] = {}
     if deadline is not None:
         options["deadline_seconds"] = deadline
     if start is not None:
         options.update(start.option())
+    if queue is not None:
+        options["queue"] = queue
+    if priority:
+        options["priority"] = priority
+    if concurrency_key is not None:
+        options["concurrency_key"] = concurrency_key
     return {
         "id": run_id or new_run_id(),
         "tenant": owner.tenant,
@@ -70,6 +78,9 @@ def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: Js
         "start_at": start.at if start is not None else None,
         "delay_seconds": start.delay_seconds if start is not None else None,
         "traceparent": None,  # the submitter's span, set by the caller (docs/tracing.md)
+        "queue": queue,
+        "priority": priority,
+        "concurrency_key": concurrency_key,
     }
 
 
@@ -83,13 +94,14 @@ _START = """(CASE WHEN %(start_at)s::timestamptz IS NOT NULL
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
-                      available_at, deadline_at, traceparent)
+                      available_at, deadline_at, traceparent, queue, priority,
+                      concurrency_key)
 VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
         %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
         %(parent_run_id)s, %(parent_position)s, 'queued', {_START},
         CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
              ELSE {_START} + make_interval(secs => %(deadline_seconds)s::float8) END,
-        %(traceparent)s)
+        %(traceparent)s, %(queue)s, %(priority)s, %(concurrency_key)s)
 ON CONFLICT DO NOTHING
 RETURNING id
 """
@@ -109,7 +121,8 @@ the first one committed instead of creating a second."""
 
 _SUBMIT = f"""
 WITH ins AS ({_INSERT})
-SELECT id, (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')) AS n) AS notified
+SELECT id, (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}',
+                                                   coalesce(%(queue)s, ''))) AS n) AS notified
 FROM ins
 """
 
@@ -146,7 +159,7 @@ _SUMMARY_COLUMNS = """
 id, tenant, principal, workflow_name, workflow_version, options, status, outcome_code,
 error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
-parent_run_id, parent_position, idempotency_key
+parent_run_id, parent_position, idempotency_key, queue, priority, concurrency_key, started_at
 """
 _RUN_COLUMNS = _SUMMARY_COLUMNS + ", result"
 
@@ -388,7 +401,7 @@ async def run_finish(
                 AND (o.state IN ('pending', 'submitted')
                      OR (o.state = 'unknown' AND %(outcome)s IS DISTINCT FROM
                          'DEADLINE_EXCEEDED')))
-        RETURNING parent_run_id
+        RETURNING parent_run_id, queue
         """,
         {"run_id": run_id, "token": token, "status": status, "outcome": outcome_code,
          "result": result, "error": error},
@@ -401,6 +414,8 @@ async def run_finish(
         if held is None:
             raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
         raise UnsettledOperations(f"run {run_id} has operations without a settled outcome")
+    if row["queue"] is not None:  # a slot of its queue is free: the workers may claim
+        await conn.execute("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, row["queue"]))
     parent: uuid.UUID | None = row["parent_run_id"]
     if parent is not None:
         await run_wake(conn, parent)
@@ -444,11 +459,15 @@ async def run_suspend(
                    ELSE LEAST(deadline_at, %(wake_at)s::timestamptz) END,
                lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        RETURNING queue
         """,
         {"run_id": run_id, "token": token, "wake_at": wake_at, "waiting_for": waiting_for},
     )
-    if cur.rowcount != 1:
+    parked = await cur.fetchone()
+    if parked is None:
         raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
+    if parked["queue"] is not None:  # its slot may be free now (count_parked=False)
+        await conn.execute("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, parked["queue"]))
     cur = await conn.execute(
         f"""
         UPDATE {S}.runs SET available_at = now()
@@ -545,13 +564,15 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
         WHERE id = %(run_id)s AND status IN ('queued', 'waiting') AND revision = %(revision)s
           AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
                           AND o.state IN ('pending', 'submitted', 'unknown'))
-        RETURNING parent_run_id, lease_token
+        RETURNING parent_run_id, lease_token, queue
         """,
         {"run_id": run_id, "revision": revision, "error": error},
     )
     row = await cur.fetchone()
     if row is None:
         return False
+    if row["queue"] is not None:
+        await conn.execute("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, row["queue"]))
     await journal_insert_held(conn, run_id=run_id, token=row["lease_token"], revision=revision,
                               events=[entry(EventKind.RUN_CANCELLED, None, None, {})])
     if row["parent_run_id"] is not None:
@@ -615,7 +636,7 @@ WITH x AS (
       AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
                       AND o.state IN ('pending', 'submitted', 'unknown')
                       AND o.id IS DISTINCT FROM x.prev_op)
-    RETURNING x.i, r.id, r.parent_run_id
+    RETURNING x.i, r.id, r.parent_run_id, r.queue
 ), done AS ({settle_receipt_sql("x")}
 ), ins AS (
     {JOURNAL_INSERT}
@@ -639,7 +660,11 @@ WITH x AS (
 SELECT x.i,
        {S}.row_applied(n.events = {EVENTS}, 'run success') AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
-                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke
+                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
+       -- A run of a queue freed its slot: the workers may claim the next.
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
+                              FROM (SELECT DISTINCT queue FROM fence
+                                    WHERE queue IS NOT NULL) AS q) AS n) AS freed
 FROM x LEFT JOIN n ON n.run_id = x.run_id
 """
 

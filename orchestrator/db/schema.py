@@ -89,6 +89,8 @@ def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Colum
 # table; the migrations test compares this with the database.
 FILLFACTOR = {"runs": 70, "operations": 70}
 
+_READY = "status IN ('queued', 'waiting') AND available_at IS NOT NULL"
+
 runs = Table(
     "runs",
     metadata,
@@ -120,6 +122,12 @@ runs = Table(
     _ts("finished_at"),
     # The W3C traceparent of the span that submitted the run (migration 0010), or NULL.
     Column("traceparent", Text),
+    # Flow control (migration 0012, docs/flow.md): the run's queue (NULL: the default queue),
+    # its priority and concurrency key there, and when a queue's claim first started it.
+    Column("queue", Text),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("concurrency_key", Text),
+    _ts("started_at"),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(
@@ -133,11 +141,26 @@ runs = Table(
     UniqueConstraint("tenant", "principal", "idempotency_key"),
     # Claiming: only unfinished, claimable runs are in this index, so it stays small however
     # many finished runs pile up.
+    # Only the default queue's runs: a queue's backlog costs the default claim nothing.
     Index(
         "ix_runs_claimable",
         "available_at",
-        postgresql_where=text("status IN ('queued', 'waiting') AND available_at IS NOT NULL"),
+        postgresql_where=text(f"{_READY} AND queue IS NULL"),
     ),
+    # A queue's claim (orchestrator.queue_claim): its ready runs by priority and by age, the
+    # slots held, the starts in its rate window, each key's runs not started yet.
+    Index("ix_runs_queue_priority", "queue", "priority", "available_at",
+          postgresql_where=text(f"{_READY} AND queue IS NOT NULL")),
+    Index("ix_runs_queue_ready", "queue", "available_at",
+          postgresql_where=text(f"{_READY} AND queue IS NOT NULL")),
+    Index("ix_runs_queue_held", "queue", "concurrency_key",
+          postgresql_where=text(
+              "queue IS NOT NULL AND started_at IS NOT NULL AND finished_at IS NULL")),
+    Index("ix_runs_queue_started", "queue", "started_at",
+          postgresql_where=text("queue IS NOT NULL AND started_at IS NOT NULL")),
+    Index("ix_runs_queue_key_unstarted", "queue", "concurrency_key", "created_at",
+          postgresql_where=text("queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
+                                "started_at IS NULL AND status = 'queued'")),
     Index("ix_runs_lease_expiry", "lease_expires_at", postgresql_where=text("status = 'running'")),
     Index("ix_runs_owner_created", "tenant", "principal", "created_at"),
     # The console's pages of runs, newest first across owners (migration 0009).
@@ -364,4 +387,33 @@ schedule_gaps = Table(
     CheckConstraint("reason IN ('missed', 'paused')", name="reason"),
     CheckConstraint("first_slot <= last_slot", name="range"),
     Index("ix_schedule_gaps_schedule_id", "schedule_id"),
+)
+
+# Queues (migration 0012, docs/flow.md): each queue's limits in force, what the code declared,
+# which limits were set at run time, and its pause.
+queues = Table(
+    "queues",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("concurrency", Integer),
+    Column("worker_concurrency", Integer),
+    Column("key_concurrency", Integer),
+    Column("rate_limit", Integer),
+    Column("rate_seconds", Float),
+    Column("priority", Boolean, nullable=False, server_default=text("false")),
+    Column("priority_aging_seconds", Float, nullable=False, server_default=text("60")),
+    Column("count_parked", Boolean, nullable=False, server_default=text("true")),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    _ts("paused_at"),
+    Column("declared", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("overridden", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+    _ts("created_at", nullable=False, default_now=True),
+    _ts("updated_at", nullable=False, default_now=True),
+    CheckConstraint(
+        "(concurrency IS NULL OR concurrency > 0) AND (worker_concurrency IS NULL OR "
+        "worker_concurrency > 0) AND (key_concurrency IS NULL OR key_concurrency > 0) AND "
+        "priority_aging_seconds > 0", name="limits"),
+    CheckConstraint(
+        "(rate_limit IS NULL) = (rate_seconds IS NULL) AND (rate_limit IS NULL OR "
+        "(rate_limit > 0 AND rate_seconds > 0))", name="rate"),
 )

@@ -188,7 +188,7 @@ class Commands:
             row = runs_db.run_row(
                 wf.name, wf.version, input, limits=self.config.json_limits, owner=run.owner,
                 idempotency_key=None, deadline=run.remaining(), run_id=child_id,
-                parent=(run.run_id, position))
+                parent=(run.run_id, position), queue=wf.queue)
             row["traceparent"] = tracing.current_traceparent()  # the parent run's span
 
             async def start(conn: Conn) -> tuple[None, list[Entry]]:

@@ -110,9 +110,10 @@ def watch_claims(worker: Worker) -> ClaimWatch:
     watch = ClaimWatch()
     claim = worker._claim
 
-    async def watched(workflows: list[str], free: int) -> list[dict[str, Any]]:
+    async def watched(workflows: list[str], free: int,
+                      queue: str | None = None) -> list[dict[str, Any]]:
         watch.started += 1
-        got = await claim(workflows, free)
+        got = await claim(workflows, free, queue)
         watch.sizes.append(len(got))
         return got
 

@@ -20,7 +20,7 @@ def test_every_object_the_migrations_create_has_its_decision(sql):
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = 'orchestrator' AND c.relkind IN ('r', 'p', 'v', 'm')")}
     assert tables == {g.name for g in grants.RUNTIME if g.kind == "table"}
-    functions = {r["name"] for r in sql(
+    functions = {r["name"].replace(" ", "") for r in sql(
         "SELECT p.oid::regprocedure::text AS name FROM pg_proc p "
         "JOIN pg_namespace n ON n.oid = p.pronamespace "
         "WHERE n.nspname = 'orchestrator' AND p.prorettype <> 'trigger'::regtype")}

@@ -61,5 +61,5 @@ def test_the_gauge_queries_are_answered_by_partial_indexes(  # type: ignore[no-u
     assert "ix_operations_unknown" in unknown
     assert "Seq Scan on operations" not in unknown
     queued = _plan(app.target.url, gauges.QUEUED_BY_WORKFLOW)
-    assert "ix_runs_claimable" in queued
+    assert "ix_runs_claimable" in queued and "ix_runs_queue_ready" in queued
     assert "Seq Scan on runs" not in queued

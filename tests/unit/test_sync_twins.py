@@ -69,9 +69,10 @@ def test_worker_and_reconciler_factories_take_their_constructors_parameters(
     parameters = _parameters(method, 1)
     expected = _parameters(constructor, 5)
     if constructor is Worker.__init__:
+        # Its queues too: the app passes those it declares (docs/flow.md).
         assert parameters[-1] == ("schedules", inspect.Parameter.KEYWORD_ONLY, True, "bool")
-        assert expected[-1][0] == "companions"
-        parameters, expected = parameters[:-1], expected[:-1]
+        assert [p[0] for p in expected[-2:]] == ["companions", "queues"]
+        parameters, expected = parameters[:-1], expected[:-2]
     if method.__name__.startswith("run_"):
         served = [(name, default) for name, _, default, _ in parameters[-2:]]
         assert served == [("metrics_port", None), ("metrics_host", "127.0.0.1")]

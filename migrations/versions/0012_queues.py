@@ -1,0 +1,295 @@
+"""queues: run-level flow control enforced by the claim itself
+
+``queues`` holds each queue's limits (global, per worker and per key concurrency, a start rate,
+priorities, whether parked runs hold their slot) and its pause. The values in the columns are
+the ones in force; ``declared`` keeps what the code declared and ``overridden`` names the
+columns set at run time (``orchestrator queues set``), which a later declaration leaves alone.
+
+``runs`` gains the queue it was submitted to (NULL: the default queue, unlimited), its
+priority, its concurrency key and when it first started. The default claim
+(``runs_ready``) and its index ``ix_runs_claimable`` now hold only runs of the default queue,
+so a backlog held back by a queue's limits costs the default claim nothing.
+
+``orchestrator.queue_claim(queue, workflows, worker, lim, ttl)`` claims from one queue: it
+locks the queue's row (so the claims of one queue are serialised: each sees every start the
+one before it committed), counts the slots held, this worker's runs and the starts in the rate
+window with statements that each read a fresh snapshot, picks the runs those limits admit and
+moves them to ``running`` in the same transaction, which releases the queue's row when it
+commits. A limit can therefore never be exceeded by two workers claiming at once, and a crash
+at any point leaves either the whole claim or nothing. The rules are in docs/flow.md.
+
+Revision ID: 0012
+Revises: 0011
+Create Date: 2026-12-03 17:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+
+revision = "0012"
+down_revision = "0011"
+branch_labels = None
+depends_on = None
+
+S = "orchestrator"
+
+READY = "status IN ('queued', 'waiting') AND available_at IS NOT NULL"
+
+CLAIM_SQL = """
+CREATE FUNCTION orchestrator.queue_claim(q text, workflows text[], worker text, lim integer,
+                                         ttl float8)
+RETURNS TABLE (id uuid, tenant text, principal text, workflow_name text,
+               workflow_version text, input_text text, deadline_at timestamptz,
+               lease_token bigint, revision bigint, cancel_requested_at timestamptz,
+               parent_run_id uuid, traceparent text, db_now timestamptz,
+               created_at timestamptz, claimed_from text, wake_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    cfg orchestrator.queues%ROWTYPE;
+    at timestamptz;
+    held integer := 0;
+    mine integer := 0;
+    recent integer := 0;
+    gfree integer;
+    rfree integer;
+    take integer;
+    window_len interval;
+    wake timestamptz;
+    ids uuid[];
+    froms text[];
+BEGIN
+    IF lim < 1 THEN
+        RETURN;
+    END IF;
+    -- Serialise the claims of this queue: every count below is read after the claim before
+    -- this one committed.
+    SELECT * INTO cfg FROM orchestrator.queues AS qq WHERE qq.name = q FOR UPDATE;
+    IF NOT FOUND OR cfg.paused THEN
+        RETURN;
+    END IF;
+    at := clock_timestamp();
+    IF cfg.concurrency IS NOT NULL THEN
+        SELECT count(*) INTO held FROM orchestrator.runs AS h
+        WHERE h.queue = q AND h.started_at IS NOT NULL AND h.finished_at IS NULL
+          AND (cfg.count_parked OR h.status <> 'waiting');
+    END IF;
+    IF cfg.worker_concurrency IS NOT NULL THEN
+        SELECT count(*) INTO mine FROM orchestrator.runs AS h
+        WHERE h.queue = q AND h.started_at IS NOT NULL AND h.finished_at IS NULL
+          AND h.status = 'running' AND h.lease_owner = worker;
+    END IF;
+    IF cfg.rate_limit IS NOT NULL THEN
+        window_len := make_interval(secs => cfg.rate_seconds);
+        SELECT count(*) INTO recent FROM orchestrator.runs AS h
+        WHERE h.queue = q AND h.started_at > at - window_len;
+    END IF;
+    gfree := coalesce(cfg.concurrency - held, lim);
+    rfree := coalesce(cfg.rate_limit - recent, lim);
+    take := least(lim, coalesce(cfg.worker_concurrency - mine, lim));
+    IF take < 1 THEN
+        RETURN;
+    END IF;
+
+    WITH scanned AS (
+        -- The best by priority and the longest waiting, each read in index order and capped:
+        -- a run that waits long enough is among the candidates whatever its priority.
+        (SELECT r.id FROM orchestrator.runs AS r
+         WHERE r.queue = q AND r.status IN ('queued', 'waiting') AND r.available_at IS NOT NULL
+           AND r.available_at <= now()
+           AND r.workflow_name || '@' || r.workflow_version = ANY(workflows)
+         ORDER BY r.priority, r.available_at LIMIT 1000)
+        UNION
+        (SELECT r.id FROM orchestrator.runs AS r
+         WHERE r.queue = q AND r.status IN ('queued', 'waiting') AND r.available_at IS NOT NULL
+           AND r.available_at <= now()
+           AND r.workflow_name || '@' || r.workflow_version = ANY(workflows)
+         ORDER BY r.available_at LIMIT 1000)
+    ), ready AS (
+        SELECT r.id, r.status, r.created_at, r.available_at, r.concurrency_key AS ckey,
+               r.started_at IS NULL AS fresh,
+               (r.started_at IS NOT NULL AND (r.status = 'queued' OR cfg.count_parked)) AS holds,
+               CASE WHEN cfg.priority
+                    THEN r.priority - floor(extract(epoch FROM now() - r.available_at)
+                                            / cfg.priority_aging_seconds)
+                    ELSE 0 END AS rank_priority
+        FROM scanned JOIN orchestrator.runs AS r ON r.id = scanned.id
+    ), key_free AS (
+        -- Per key of the candidates: the slots its holders leave free.
+        SELECT k.ckey, cfg.key_concurrency - (
+                   SELECT count(*) FROM orchestrator.runs AS h
+                   WHERE h.queue = q AND h.concurrency_key = k.ckey
+                     AND h.started_at IS NOT NULL AND h.finished_at IS NULL
+                     AND (cfg.count_parked OR h.status <> 'waiting')) AS free
+        FROM (SELECT DISTINCT ckey FROM ready
+              WHERE ckey IS NOT NULL AND NOT holds AND cfg.key_concurrency IS NOT NULL) AS k
+    ), key_next AS (
+        -- Per key: its oldest runs not yet started, as many as it has free slots; a key's
+        -- runs start in submission order, so only these may start now.
+        SELECT n.id FROM key_free AS f
+        CROSS JOIN LATERAL (
+            SELECT o.id FROM orchestrator.runs AS o
+            WHERE o.queue = q AND o.concurrency_key = f.ckey AND o.started_at IS NULL
+              AND o.status = 'queued' AND o.available_at IS NOT NULL
+              AND o.available_at <= now()
+            ORDER BY o.created_at, o.id
+            LIMIT greatest(f.free, 0)) AS n
+    ), keyed AS (
+        SELECT ready.*,
+               row_number() OVER (PARTITION BY ready.ckey
+                                  ORDER BY ready.fresh, ready.created_at, ready.id) AS key_rank,
+               f.free AS key_slots
+        FROM ready LEFT JOIN key_free AS f ON f.ckey = ready.ckey
+        WHERE ready.holds OR ready.ckey IS NULL OR cfg.key_concurrency IS NULL
+           OR NOT ready.fresh OR ready.id IN (SELECT key_next.id FROM key_next)
+    ), counted AS (
+        SELECT keyed.*,
+               count(*) FILTER (WHERE NOT holds) OVER w AS n_new,
+               count(*) FILTER (WHERE fresh) OVER w AS n_fresh
+        FROM keyed
+        WHERE holds OR key_slots IS NULL OR key_rank <= key_slots
+        WINDOW w AS (ORDER BY rank_priority, available_at, id)
+    ), admitted AS (
+        SELECT counted.id, counted.status, counted.rank_priority, counted.available_at
+        FROM counted
+        WHERE holds OR (n_new <= gfree AND (NOT fresh OR n_fresh <= rfree))
+        ORDER BY rank_priority, available_at, id
+        LIMIT take
+    )
+    SELECT array_agg(admitted.id), array_agg(admitted.status) INTO ids, froms FROM admitted;
+
+    IF ids IS NOT NULL THEN
+        RETURN QUERY
+        UPDATE orchestrator.runs AS r
+        SET status = 'running', lease_owner = worker, lease_token = r.lease_token + 1,
+            lease_expires_at = now() + make_interval(secs => ttl), waiting_for = NULL,
+            available_at = NULL, updated_at = now(),
+            started_at = coalesce(r.started_at, clock_timestamp())
+        FROM unnest(ids, froms) AS p(id, status)
+        WHERE r.id = p.id AND r.status IN ('queued', 'waiting') AND r.available_at IS NOT NULL
+        RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
+                  r.input::text, r.deadline_at, r.lease_token, r.revision,
+                  r.cancel_requested_at, r.parent_run_id, r.traceparent, now(), r.created_at,
+                  p.status, NULL::timestamptz;
+    END IF;
+
+    IF cfg.rate_limit IS NOT NULL THEN
+        -- When the window next has room: its oldest start ages out. Said only when it is
+        -- full, so that the worker wakes then instead of at its next poll.
+        SELECT min(h.started_at) + window_len INTO wake FROM orchestrator.runs AS h
+        WHERE h.queue = q AND h.started_at > clock_timestamp() - window_len
+        HAVING count(*) >= cfg.rate_limit;
+        IF wake IS NOT NULL THEN
+            RETURN QUERY SELECT NULL::uuid, NULL::text, NULL::text, NULL::text, NULL::text,
+                NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::timestamptz,
+                NULL::uuid, NULL::text, now(), NULL::timestamptz, NULL::text, wake;
+        END IF;
+    END IF;
+END
+$$;
+"""
+
+RUNS_READY_SQL = """
+CREATE OR REPLACE FUNCTION orchestrator.runs_ready(workflows text[], lim integer)
+RETURNS SETOF uuid
+LANGUAGE sql VOLATILE STRICT ROWS 1 SET enable_sort = off AS $$
+    SELECT id FROM orchestrator.runs
+    WHERE status IN ('queued', 'waiting') AND available_at IS NOT NULL AND queue IS NULL
+      AND available_at <= now()
+      AND workflow_name || '@' || workflow_version = ANY(workflows)
+    ORDER BY available_at
+    LIMIT lim
+    FOR UPDATE SKIP LOCKED
+$$;
+"""
+
+RUNS_READY_0007 = """
+CREATE OR REPLACE FUNCTION orchestrator.runs_ready(workflows text[], lim integer)
+RETURNS SETOF uuid
+LANGUAGE sql VOLATILE STRICT ROWS 1 SET enable_sort = off AS $$
+    SELECT id FROM orchestrator.runs
+    WHERE status IN ('queued', 'waiting') AND available_at IS NOT NULL
+      AND available_at <= now()
+      AND workflow_name || '@' || workflow_version = ANY(workflows)
+    ORDER BY available_at
+    LIMIT lim
+    FOR UPDATE SKIP LOCKED
+$$;
+"""
+
+
+def _ts(name: str, *, nullable: bool = True, now: bool = False) -> sa.Column:
+    return sa.Column(name, sa.DateTime(timezone=True), nullable=nullable,
+                     server_default=sa.text("now()") if now else None)
+
+
+def upgrade() -> None:
+    op.create_table(
+        "queues",
+        sa.Column("name", sa.Text(), nullable=False),
+        sa.Column("concurrency", sa.Integer(), nullable=True),
+        sa.Column("worker_concurrency", sa.Integer(), nullable=True),
+        sa.Column("key_concurrency", sa.Integer(), nullable=True),
+        sa.Column("rate_limit", sa.Integer(), nullable=True),
+        sa.Column("rate_seconds", sa.Float(), nullable=True),
+        sa.Column("priority", sa.Boolean(), nullable=False, server_default=sa.text("false")),
+        sa.Column("priority_aging_seconds", sa.Float(), nullable=False,
+                  server_default=sa.text("60")),
+        sa.Column("count_parked", sa.Boolean(), nullable=False, server_default=sa.text("true")),
+        sa.Column("paused", sa.Boolean(), nullable=False, server_default=sa.text("false")),
+        _ts("paused_at"),
+        sa.Column("declared", JSONB(), nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("overridden", ARRAY(sa.Text()), nullable=False,
+                  server_default=sa.text("'{}'::text[]")),
+        _ts("created_at", nullable=False, now=True),
+        _ts("updated_at", nullable=False, now=True),
+        sa.CheckConstraint(
+            "(concurrency IS NULL OR concurrency > 0) AND (worker_concurrency IS NULL OR "
+            "worker_concurrency > 0) AND (key_concurrency IS NULL OR key_concurrency > 0) AND "
+            "priority_aging_seconds > 0", name=op.f("ck_queues_limits")),
+        sa.CheckConstraint(
+            "(rate_limit IS NULL) = (rate_seconds IS NULL) AND (rate_limit IS NULL OR "
+            "(rate_limit > 0 AND rate_seconds > 0))", name=op.f("ck_queues_rate")),
+        sa.PrimaryKeyConstraint("name", name=op.f("pk_queues")),
+        schema=S,
+    )
+    op.add_column("runs", sa.Column("queue", sa.Text(), nullable=True), schema=S)
+    op.add_column("runs", sa.Column("priority", sa.Integer(), nullable=False,
+                                    server_default=sa.text("0")), schema=S)
+    op.add_column("runs", sa.Column("concurrency_key", sa.Text(), nullable=True), schema=S)
+    op.add_column("runs", _ts("started_at"), schema=S)
+    op.drop_index("ix_runs_claimable", table_name="runs", schema=S)
+    op.create_index("ix_runs_claimable", "runs", ["available_at"], schema=S,
+                    postgresql_where=sa.text(f"{READY} AND queue IS NULL"))
+    op.create_index("ix_runs_queue_priority", "runs", ["queue", "priority", "available_at"],
+                    schema=S, postgresql_where=sa.text(f"{READY} AND queue IS NOT NULL"))
+    op.create_index("ix_runs_queue_ready", "runs", ["queue", "available_at"], schema=S,
+                    postgresql_where=sa.text(f"{READY} AND queue IS NOT NULL"))
+    op.create_index("ix_runs_queue_held", "runs", ["queue", "concurrency_key"], schema=S,
+                    postgresql_where=sa.text(
+                        "queue IS NOT NULL AND started_at IS NOT NULL AND finished_at IS NULL"))
+    op.create_index("ix_runs_queue_started", "runs", ["queue", "started_at"], schema=S,
+                    postgresql_where=sa.text("queue IS NOT NULL AND started_at IS NOT NULL"))
+    op.create_index("ix_runs_queue_key_unstarted", "runs",
+                    ["queue", "concurrency_key", "created_at"], schema=S,
+                    postgresql_where=sa.text(
+                        "queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
+                        "started_at IS NULL AND status = 'queued'"))
+    op.execute(RUNS_READY_SQL)
+    op.execute(CLAIM_SQL)
+
+
+def downgrade() -> None:
+    op.execute("DROP FUNCTION orchestrator.queue_claim(text, text[], text, integer, float8)")
+    op.execute(RUNS_READY_0007)
+    for index in ("ix_runs_queue_key_unstarted", "ix_runs_queue_started", "ix_runs_queue_held",
+                  "ix_runs_queue_ready", "ix_runs_queue_priority", "ix_runs_claimable"):
+        op.drop_index(index, table_name="runs", schema=S)
+    op.create_index("ix_runs_claimable", "runs", ["available_at"], schema=S,
+                    postgresql_where=sa.text(READY))
+    for column in ("started_at", "concurrency_key", "priority", "queue"):
+        op.drop_column("runs", column, schema=S)
+    op.drop_table("queues", schema=S)

@@ -1,0 +1,329 @@
+"""Queues: run-level flow control (docs/flow.md).
+
+A queue bounds how many of its runs are started and not finished (``concurrency``, across every
+worker; parked runs hold their slot unless ``count_parked=False``), how many run on one worker
+(``worker_concurrency``), how many of one ``concurrency_key`` (``key_concurrency``, a key's
+runs starting in the order they were submitted), and how many start in a sliding window
+(``rate``); with ``priority=True`` it starts lower numbers first, FIFO within a priority, a
+waiting run gaining one level per ``priority_aging`` so that none starves. A run submitted to
+no queue is in the default queue: unlimited, claimed as before.
+
+The limits are enforced by the database: a worker's claim from a queue is one function call
+that locks the queue's row, counts and claims (migration 0012). The queue's settings are
+stored: the code declares them (``app.queue``) and every worker writes the declaration when it
+starts; ``orchestrator queues set`` changes them at run time, and those changes outlive later
+declarations until ``queues reset``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeVar, cast
+
+from orchestrator.db import queues as queues_db
+from orchestrator.db.database import Database
+from orchestrator.errors import InvalidRequest
+from orchestrator.models import validate_idempotency_key
+from orchestrator.registry import check_name
+
+T = TypeVar("T")
+
+DEFAULT_PRIORITY_AGING = timedelta(seconds=60)
+"""How long a run waits in a priority queue to gain one level (its starvation bound)."""
+MAX_PRIORITY = 1_000
+"""Priorities run from ``-MAX_PRIORITY`` to ``MAX_PRIORITY``; lower numbers start first."""
+MAX_LIMIT = 1_000_000
+"""The largest concurrency or rate count a queue takes."""
+MAX_WINDOW = timedelta(days=1)
+"""The longest rate window."""
+
+_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60,
+          "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
+          "days": 86400}
+_RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([a-z]+)\s*")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most ``limit`` starts (or dispatches) in any window of length ``per``."""
+
+    limit: int
+    per: timedelta = timedelta(seconds=1)
+
+    def __post_init__(self) -> None:
+        if type(self.limit) is not int or not 0 < self.limit <= MAX_LIMIT:
+            raise InvalidRequest(f"rate limit must be an integer from 1 to {MAX_LIMIT}",
+                                 path="rate")
+        if not isinstance(self.per, timedelta) or not timedelta(0) < self.per <= MAX_WINDOW:
+            raise InvalidRequest("rate per must be a positive timedelta of at most a day",
+                                 path="rate")
+
+    @classmethod
+    def parse(cls, text: str) -> RateLimit:
+        """``"100/s"``, ``"10/5s"``, ``"600/min"``, ``"1000/h"``, ``"5000/day"``."""
+        match = _RATE.fullmatch(text.lower()) if isinstance(text, str) else None
+        if match is None or match.group(3) not in _UNITS:
+            raise InvalidRequest(
+                f"rate {text!r} is not COUNT/UNIT: a count, '/', an optional number and a "
+                "unit of s, min, h or day (e.g. 100/s, 10/5s, 600/min)", path="rate")
+        seconds = float(match.group(2) or 1) * _UNITS[match.group(3)]
+        if seconds <= 0:
+            raise InvalidRequest(f"rate {text!r} has an empty window", path="rate")
+        return cls(int(match.group(1)), timedelta(seconds=seconds))
+
+    def __str__(self) -> str:
+        seconds = self.per.total_seconds()
+        return f"{self.limit}/s" if seconds == 1 else f"{self.limit}/{seconds:g}s"
+
+
+@dataclass(frozen=True)
+class Queue:
+    """A queue as the code declares it (``app.queue``)."""
+
+    name: str
+    concurrency: int | None = None
+    worker_concurrency: int | None = None
+    key_concurrency: int | None = None
+    rate: RateLimit | None = None
+    priority: bool = False
+    count_parked: bool = True
+    priority_aging: timedelta = DEFAULT_PRIORITY_AGING
+
+    def row(self) -> dict[str, Any]:
+        return {"name": self.name, "concurrency": self.concurrency,
+                "worker_concurrency": self.worker_concurrency,
+                "key_concurrency": self.key_concurrency,
+                "rate_limit": self.rate.limit if self.rate else None,
+                "rate_seconds": self.rate.per.total_seconds() if self.rate else None,
+                "priority": self.priority, "count_parked": self.count_parked,
+                "priority_aging_seconds": self.priority_aging.total_seconds()}
+
+
+def check_queue_name(name: Any, path: str = "queue") -> str:
+    try:
+        return check_name("queue", name)
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message, path=path) from None
+
+
+def check_limit(value: Any, path: str) -> int | None:
+    """A concurrency limit: None (no limit) or an integer from 1."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 < value <= MAX_LIMIT:
+        raise InvalidRequest(f"{path} must be an integer from 1 to {MAX_LIMIT} (or None: no "
+                             f"limit), got {value!r}", path=path)
+    return value
+
+
+def check_rate(value: Any) -> RateLimit | None:
+    if value is None or isinstance(value, RateLimit):
+        return value
+    if isinstance(value, str):
+        return RateLimit.parse(value)
+    raise InvalidRequest("rate must be a RateLimit or text such as '100/s'", path="rate")
+
+
+def declare(name: str, *, concurrency: int | None = None, worker_concurrency: int | None = None,
+            key_concurrency: int | None = None, rate: RateLimit | str | None = None,
+            priority: bool = False, count_parked: bool = True,
+            priority_aging: timedelta = DEFAULT_PRIORITY_AGING) -> Queue:
+    """A checked :class:`Queue`: ``INVALID_REQUEST`` naming the field for a bad name, a zero,
+    negative or non-integer limit, a malformed rate."""
+    for flag, value in (("priority", priority), ("count_parked", count_parked)):
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"{flag} must be True or False", path=flag)
+    if not isinstance(priority_aging, timedelta) or priority_aging <= timedelta(0):
+        raise InvalidRequest("priority_aging must be a positive timedelta",
+                             path="priority_aging")
+    return Queue(check_queue_name(name, "name"), check_limit(concurrency, "concurrency"),
+                 check_limit(worker_concurrency, "worker_concurrency"),
+                 check_limit(key_concurrency, "key_concurrency"), check_rate(rate), priority,
+                 count_parked, priority_aging)
+
+
+def check_priority(value: Any) -> int:
+    if type(value) is not int or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority must be an integer from {-MAX_PRIORITY} to "
+                             f"{MAX_PRIORITY} (lower starts first)", path="priority")
+    return value
+
+
+def check_concurrency_key(value: Any) -> str:
+    """The idempotency key's rules (1-128 ASCII letters, digits, '.', '_', ':', '-')."""
+    return validate_idempotency_key(value, "concurrency_key")
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A stored queue: its limits in force, its pause, and what it holds now."""
+
+    name: str
+    concurrency: int | None
+    worker_concurrency: int | None
+    key_concurrency: int | None
+    rate: RateLimit | None
+    priority: bool
+    count_parked: bool
+    priority_aging: timedelta
+    paused: bool
+    paused_at: datetime | None
+    overridden: tuple[str, ...]
+    declared: dict[str, Any]
+    held: int
+    """Slots held: runs started and not finished (parked ones unless ``count_parked`` is off)."""
+    running: int
+    ready: int
+    """Runs ready to start (or to resume into a slot) that no worker has claimed yet."""
+    oldest_seconds: float | None
+    recent_starts: int
+    """Starts in the current rate window (0 without a rate)."""
+    keys: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any],
+                 keys: Sequence[dict[str, Any]] = ()) -> QueueInfo:
+        rate = (RateLimit(row["rate_limit"], timedelta(seconds=row["rate_seconds"]))
+                if row["rate_limit"] is not None else None)
+        return cls(row["name"], row["concurrency"], row["worker_concurrency"],
+                   row["key_concurrency"], rate, row["priority"], row["count_parked"],
+                   timedelta(seconds=row["priority_aging_seconds"]), row["paused"],
+                   row["paused_at"], tuple(row["overridden"]), dict(row["declared"]),
+                   row["held"], row["running"], row["ready"], row["oldest_seconds"],
+                   row["recent_starts"], tuple(keys))
+
+
+def _missing(name: str) -> InvalidRequest:
+    return InvalidRequest(f"no queue {name}: a queue is stored once a worker of an app that "
+                          "declares it (app.queue) has started; `orchestrator queues list` "
+                          "shows them", path="name")
+
+
+class QueueAdmin:
+    """What ``orchestrator queues`` and ``app.queues`` do, on a database."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    async def list(self) -> list[QueueInfo]:
+        rows = await self.database.read(queues_db.queue_list)
+        return [QueueInfo.from_row(row) for row in rows]
+
+    async def get(self, name: str, *, keys: int = 0) -> QueueInfo:
+        check_queue_name(name, "name")
+
+        async def read(conn: Any) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+            row = await queues_db.queue_get(conn, name)
+            return row, (await queues_db.queue_keys(conn, name, keys) if row and keys else [])
+
+        row, key_rows = await self.database.read(read)
+        if row is None:
+            raise _missing(name)
+        return QueueInfo.from_row(row, key_rows)
+
+    async def set(self, name: str, **changes: Any) -> QueueInfo:
+        """Change limits at run time: ``concurrency``, ``worker_concurrency``,
+        ``key_concurrency`` (an integer, or None for no limit), ``rate`` (a
+        :class:`RateLimit`, text such as ``"100/s"``, or None), ``priority``,
+        ``count_parked``. What is not given stays."""
+        check_queue_name(name, "name")
+        row = _changes(changes)
+        if not row:
+            raise InvalidRequest("give at least one limit to set", path="limits")
+        got = await self.database.run_autocommit(
+            lambda conn: queues_db.queue_set(conn, name, row))
+        if got is None:
+            raise _missing(name)
+        return QueueInfo.from_row(got)
+
+    async def reset(self, name: str) -> QueueInfo:
+        """Drop every limit set at run time: the code's declaration is in force again."""
+        check_queue_name(name, "name")
+        got = await self.database.run_autocommit(lambda conn: queues_db.queue_reset(conn, name))
+        if got is None:
+            raise _missing(name)
+        return QueueInfo.from_row(got)
+
+    async def set_paused(self, name: str, paused: bool) -> QueueInfo:
+        check_queue_name(name, "name")
+        got = await self.database.run_autocommit(
+            lambda conn: queues_db.queue_pause(conn, name, paused))
+        if got is None:
+            raise _missing(name)
+        return QueueInfo.from_row(got)
+
+
+_SETTABLE = ("concurrency", "worker_concurrency", "key_concurrency", "rate", "priority",
+             "count_parked")
+
+
+def _changes(changes: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for field, value in changes.items():
+        if field not in _SETTABLE:
+            raise InvalidRequest(f"{field} is not a queue limit (one of "
+                                 f"{', '.join(_SETTABLE)})", path=field)
+        if field == "rate":
+            rate = check_rate(value)
+            row["rate_limit"] = rate.limit if rate else None
+            row["rate_seconds"] = rate.per.total_seconds() if rate else None
+        elif field in ("priority", "count_parked"):
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{field} must be True or False", path=field)
+            row[field] = value
+        else:
+            row[field] = check_limit(value, field)
+    return row
+
+
+class Queues:
+    """``app.queues``: the stored queues, read and changed at run time. Each method has an
+    ``_async`` twin for code in an event loop."""
+
+    def __init__(self, admin: QueueAdmin, call: Callable[[Any], Any]) -> None:
+        self.admin = admin
+        self._call = call
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return cast(T, self._call(coro))
+
+    async def list_async(self) -> list[QueueInfo]:
+        return await self.admin.list()
+
+    def list(self) -> list[QueueInfo]:
+        return self._run(self.list_async())
+
+    async def get_async(self, name: str) -> QueueInfo:
+        return await self.admin.get(name, keys=20)
+
+    def get(self, name: str) -> QueueInfo:
+        return self._run(self.get_async(name))
+
+    async def set_async(self, name: str, **changes: Any) -> QueueInfo:
+        return await self.admin.set(name, **changes)
+
+    def set(self, name: str, **changes: Any) -> QueueInfo:
+        """See :meth:`QueueAdmin.set`."""
+        return self._run(self.set_async(name, **changes))
+
+    async def reset_async(self, name: str) -> QueueInfo:
+        return await self.admin.reset(name)
+
+    def reset(self, name: str) -> QueueInfo:
+        return self._run(self.reset_async(name))
+
+    async def pause_async(self, name: str) -> QueueInfo:
+        return await self.admin.set_paused(name, True)
+
+    def pause(self, name: str) -> QueueInfo:
+        """Start nothing new from the queue; its running runs go on."""
+        return self._run(self.pause_async(name))
+
+    async def resume_async(self, name: str) -> QueueInfo:
+        return await self.admin.set_paused(name, False)
+
+    def resume(self, name: str) -> QueueInfo:
+        return self._run(self.resume_async(name))

@@ -1,0 +1,347 @@
+"""Queues: concurrency (global, per worker, per key), rates, priorities, pauses and changes at
+run time, all enforced by the claim in the database (docs/flow.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from orchestrator import InvalidRequest, Orchestrator, RateLimit
+from orchestrator.admin import list_runs, show_run
+from orchestrator.testing import running_worker
+from tests.clitools import run_cli
+from tests.integration.conftest import running, wait_for
+
+
+class Gauge:
+    """What runs are inside their body now, and the most there ever were (per key too)."""
+
+    def __init__(self) -> None:
+        self.live: dict[Any, int] = {}
+        self.peak: dict[Any, int] = {}
+        self.order: list[Any] = []
+        self.gate = asyncio.Event()
+
+    def enter(self, key: Any) -> None:
+        for k in {None, key}:
+            self.live[k] = self.live.get(k, 0) + 1
+            self.peak[k] = max(self.peak.get(k, 0), self.live[k])
+
+    def leave(self, key: Any) -> None:
+        for k in {None, key}:
+            self.live[k] -= 1
+
+
+def _app(make_app: Callable[..., Orchestrator], gauge: Gauge, *, hold: float = 0.15,
+         **queue: Any) -> tuple[Orchestrator, Any]:
+    app = make_app()
+    app.queue("work", **queue)
+
+    @app.workflow(queue="work")
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        gauge.order.append(data["n"])
+        gauge.enter(data.get("key"))
+        try:
+            if data.get("gate"):
+                await gauge.gate.wait()
+            else:
+                await asyncio.sleep(hold)
+        finally:
+            gauge.leave(data.get("key"))
+        return data["n"]
+
+    return app, job
+
+
+async def _stored(app: Orchestrator, name: str = "work") -> None:
+    """Wait for a started worker to have written the app's queues."""
+    async def stored() -> bool:
+        return any(q.name == name for q in await app.queues.list_async())
+
+    await wait_for(stored, what=f"queue {name} stored")
+
+
+@contextlib.asynccontextmanager
+async def _workers(apps: list[Orchestrator], **options: Any) -> AsyncIterator[list[Any]]:
+    options.setdefault("poll_interval", 0.2)
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [await stack.enter_async_context(running_worker(a, **options)) for a in apps]
+        yield workers
+    for a in apps:
+        await a.database.close()
+
+
+async def test_concurrency_holds_across_workers_and_every_run_ends(make_app, sql):
+    gauge = Gauge()
+    apps = [_app(make_app, gauge, concurrency=3)[0] for _ in range(2)]
+    job = apps[0].registry.workflows["job@1"]
+    handles = [await apps[0].submit_async(job, {"n": i}) for i in range(12)]
+    async with _workers(apps, concurrency=10):
+        assert sorted([await h.result_async(timeout=30) for h in handles]) == list(range(12))
+    assert gauge.peak[None] == 3
+    rows = sql("SELECT started_at, finished_at FROM orchestrator.runs WHERE queue = 'work'")
+    assert len(rows) == 12 and all(r["started_at"] is not None for r in rows)
+    # In the database's own times: never more than 3 started and not finished at once.
+    for r in rows:
+        overlapping = [o for o in rows if o["started_at"] <= r["started_at"] < o["finished_at"]]
+        assert len(overlapping) <= 3
+
+
+async def test_worker_concurrency_bounds_each_worker(make_app):
+    gauge = Gauge()
+    apps = [_app(make_app, gauge, worker_concurrency=1, hold=0.3)[0] for _ in range(2)]
+    job = apps[0].registry.workflows["job@1"]
+    handles = [await apps[0].submit_async(job, {"n": i}) for i in range(6)]
+    async with _workers(apps, concurrency=5) as workers:
+        peaks: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                peaks.append(max(w.active_runs for w in workers))
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.ensure_future(sample())
+        for h in handles:
+            await h.result_async(timeout=30)
+        sampler.cancel()
+    assert max(peaks) == 1
+    assert gauge.peak[None] == 2  # one on each worker
+
+
+async def test_a_key_runs_one_at_a_time_in_submission_order(make_app):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, key_concurrency=1, hold=0.05)
+    handles = [await app.submit_async(job, {"n": i, "key": f"customer-{i % 3}"},
+                                      concurrency_key=f"customer-{i % 3}") for i in range(12)]
+    async with running(app, concurrency=10):
+        for h in handles:
+            await h.result_async(timeout=30)
+    assert all(gauge.peak[f"customer-{k}"] == 1 for k in range(3))
+    assert gauge.peak[None] == 3  # three keys at once: other keys are not held back
+    for k in range(3):
+        started = [n for n in gauge.order if n % 3 == k]
+        assert started == sorted(started)
+
+
+async def test_the_rate_limits_starts_in_every_window(make_app, sql):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, rate=RateLimit(5, per=timedelta(seconds=1)), hold=0)
+    handles = [await app.submit_async(job, {"n": i}) for i in range(12)]
+    async with running(app, concurrency=10):
+        for h in handles:
+            await h.result_async(timeout=30)
+    starts = sorted(r["started_at"] for r in sql(
+        "SELECT started_at FROM orchestrator.runs WHERE queue = 'work'"))
+    for i, first in enumerate(starts):
+        inside = [s for s in starts[i:] if s < first + timedelta(seconds=1)]
+        assert len(inside) <= 5
+    # 12 starts at 5 per second: the last window opens 2 s after the first start.
+    assert starts[-1] - starts[0] >= timedelta(seconds=2)
+    assert starts[-1] - starts[0] < timedelta(seconds=4)  # and the worker woke for it
+
+
+async def test_priority_starts_lower_numbers_first_and_fifo_within(make_app, sql):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, priority=True, concurrency=1, hold=0)
+    async with running(app, concurrency=1):
+        await _stored(app)
+        await app.queues.pause_async("work")
+        handles = [await app.submit_async(job, {"n": n}, priority=p)
+                   for n, p in ((0, 5), (1, 1), (2, 5), (3, 0), (4, 1))]
+        await app.queues.resume_async("work")
+        for h in handles:
+            await h.result_async(timeout=30)
+    assert gauge.order == [3, 1, 4, 0, 2]
+
+
+async def test_a_long_wait_overtakes_a_higher_priority(make_app, sql):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, priority=True, concurrency=1, hold=0,
+                    priority_aging=timedelta(seconds=10))
+    async with running(app, concurrency=1):
+        await _stored(app)
+        await app.queues.pause_async("work")
+        old = await app.submit_async(job, {"n": 0}, priority=9)
+        new = [await app.submit_async(job, {"n": n}, priority=0) for n in (1, 2)]
+        # The first has waited 100 s: ten levels gained, it now comes before priority 0.
+        sql("UPDATE orchestrator.runs SET available_at = available_at - interval '100 s' "
+            "WHERE id = %s", (old.id,))
+        await app.queues.resume_async("work")
+        for h in (old, *new):
+            await h.result_async(timeout=30)
+    assert gauge.order == [0, 1, 2]
+
+
+async def test_a_paused_queue_starts_nothing_and_says_so(make_app):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, concurrency=5)
+    async with running(app, concurrency=5):
+        first = await app.submit_async(job, {"n": 0, "gate": True})
+        await wait_for(lambda: gauge.live.get(None) == 1)
+        await _stored(app)
+        paused = await app.queues.pause_async("work")
+        assert paused.paused and paused.running == 1
+        second = await app.submit_async(job, {"n": 1})
+        await asyncio.sleep(0.5)
+        assert (await second.info_async()).status == "queued"
+        note = (await show_run(app.database, second.id)).note
+        assert note == "ready, not started: queue work is paused"
+        listed = {r["id"]: r for r in await list_runs(app.database)}
+        assert listed[second.id]["blocked"] == "queue work is paused"
+        gauge.gate.set()  # the running run goes on while the queue is paused
+        assert await first.result_async(timeout=10) == 0
+        assert (await second.info_async()).status == "queued"
+        await app.queues.resume_async("work")
+        assert await second.result_async(timeout=10) == 1
+
+
+@pytest.mark.parametrize("count_parked", [True, False])
+async def test_parked_runs_hold_their_slot_unless_told_not_to(make_app, count_parked):
+    app = make_app()
+    app.queue(f"q{int(count_parked)}", concurrency=1, count_parked=count_parked)
+
+    @app.workflow(queue=f"q{int(count_parked)}")
+    async def waits(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            await ctx.wait_for_event("go", timeout=timedelta(minutes=1))
+        return n
+
+    async with running(app, concurrency=5):
+        parked = await app.submit_async(waits, 0)
+        await wait_for(lambda: _is(parked, "waiting"))
+        other = await app.submit_async(waits, 1)
+        if count_parked:
+            await asyncio.sleep(0.6)
+            assert (await other.info_async()).status == "queued"
+            note = (await show_run(app.database, other.id)).note or ""
+            assert "concurrency full (1 of 1 slots held)" in note
+            await app.send_event_async(parked.id, "go", {})
+            assert await parked.result_async(timeout=10) == 0
+            assert await other.result_async(timeout=10) == 1
+        else:
+            assert await other.result_async(timeout=10) == 1
+            await app.send_event_async(parked.id, "go", {})
+            assert await parked.result_async(timeout=10) == 0
+
+
+def _declared_again(app: Orchestrator) -> Callable[[], Any]:
+    async def seen() -> bool:
+        rows = await app.queues.list_async()
+        return bool(rows) and rows[0].declared.get("concurrency") == 2
+
+    return seen
+
+
+async def _is(handle: Any, status: str) -> bool:
+    return (await handle.info_async()).status == status
+
+
+async def test_limits_set_at_run_time_are_in_force_and_outlive_a_declaration(make_app):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, concurrency=1)
+    async with running(app, concurrency=5):
+        handles = [await app.submit_async(job, {"n": i, "gate": True}) for i in range(3)]
+        await wait_for(lambda: gauge.live.get(None) == 1)
+        changed = await app.queues.set_async("work", concurrency=3)
+        assert changed.concurrency == 3 and changed.overridden == ("concurrency",)
+        await wait_for(lambda: gauge.live.get(None) == 3)
+        gauge.gate.set()
+        for h in handles:
+            await h.result_async(timeout=10)
+    again, _ = _app(make_app, Gauge(), concurrency=2)  # the code now says 2
+    async with running(again):
+        await wait_for(_declared_again(again))
+        info = await again.queues.get_async("work")
+        assert info.concurrency == 3 and info.declared["concurrency"] == 2
+        reset = await again.queues.reset_async("work")
+        assert reset.concurrency == 2 and reset.overridden == ()
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("queue", lambda app, job: app.submit(job, {"n": 0}, queue="nowhere")),
+    ("queue", lambda app, job: app.submit(job, {"n": 0}, queue="bad name")),
+    ("priority", lambda app, job: app.submit(job, {"n": 0}, priority=10_000)),
+    ("priority", lambda app, job: app.submit(job, {"n": 0}, priority="high")),
+    ("concurrency_key", lambda app, job: app.submit(job, {"n": 0}, concurrency_key="a b")),
+    ("concurrency_key", lambda app, job: app.submit(job, {"n": 0}, concurrency_key="x" * 129)),
+])
+def test_bad_submissions_name_the_field_and_write_nothing(make_app, sql, field, call):
+    app, job = _app(make_app, Gauge())
+    with pytest.raises(InvalidRequest) as caught:
+        call(app, job)
+    assert caught.value.code == "INVALID_REQUEST" and caught.value.path == field
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 0
+
+
+@pytest.mark.parametrize(("field", "options"), [
+    ("concurrency", {"concurrency": 0}),
+    ("worker_concurrency", {"worker_concurrency": -1}),
+    ("key_concurrency", {"key_concurrency": 1.5}),
+    ("rate", {"rate": "10/fortnight"}),
+    ("rate", {"rate": "ten/s"}),
+    ("rate", {"rate": 10}),
+    ("name", {"name": "-x"}),
+])
+def test_bad_queue_declarations_name_the_field(make_app, field, options):
+    app = make_app()
+    name = options.pop("name", "q")
+    with pytest.raises(InvalidRequest) as caught:
+        app.queue(name, **options)
+    assert caught.value.path == field
+
+
+def test_rate_text_forms() -> None:
+    assert RateLimit.parse("100/s") == RateLimit(100, timedelta(seconds=1))
+    assert RateLimit.parse("10/5s") == RateLimit(10, timedelta(seconds=5))
+    assert RateLimit.parse("600/min") == RateLimit(600, timedelta(minutes=1))
+    assert RateLimit.parse("5000 / day") == RateLimit(5000, timedelta(days=1))
+    with pytest.raises(InvalidRequest):
+        RateLimit(0)
+
+
+def test_a_workflow_in_an_undeclared_queue_cannot_start_a_worker(make_app):
+    app = make_app()
+
+    @app.workflow(queue="later")
+    async def job(ctx, n):  # type: ignore[no-untyped-def]
+        return n
+
+    with pytest.raises(Exception) as caught:
+        app.create_worker()
+    assert getattr(caught.value, "code", None) == "CONFIGURATION_ERROR"
+
+
+async def test_the_queues_commands(make_app, migrated_database_url):
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, concurrency=2, key_concurrency=1)
+    async with running(app):
+        await _stored(app)
+    def cli(*args: str) -> Any:
+        return run_cli(["queues", *args], database_url=migrated_database_url)
+
+    for i in range(3):
+        await app.submit_async(job, {"n": i}, concurrency_key="k")
+    listed = json.loads(cli("list", "--json").stdout)
+    assert [(q["name"], q["concurrency"], q["ready"]) for q in listed["queues"]] == [
+        ("work", 2, 3)]
+    table = cli("list").stdout
+    assert "QUEUE" in table and "work" in table
+    changed = json.loads(cli("set", "work", "--rate", "100/s", "--concurrency",
+                                 "none", "--json").stdout)
+    assert changed["rate"] == {"limit": 100, "per_seconds": 1.0}
+    assert changed["concurrency"] is None
+    assert sorted(changed["overridden"]) == ["concurrency", "rate_limit", "rate_seconds"]
+    shown = cli("show", "work").stdout
+    assert "rate:" in shown and "KEY" in shown and "k" in shown
+    paused = json.loads(cli("pause", "work", "--json").stdout)
+    assert paused["paused"] is True
+    bad = cli("set", "work", "--rate", "10/fortnight")
+    assert bad.returncode == 2 and "INVALID_REQUEST" in bad.stderr
+    missing = cli("show", "nowhere")
+    assert missing.returncode == 2 and "no queue nowhere" in missing.stderr
