@@ -5,6 +5,12 @@ returns a small dict, so every step pays the whole contract: a fenced write-ahea
 ``submitted``, the call, a fenced receipt, and at the end a fenced completion. The tool stamps
 the wall-clock time it started, which the latency section reads back from the result.
 
+Queues (the queues section, docs/flow.md): ``k3q`` is ``k3`` in the queue ``wide``, whose
+limit never binds (what a configured queue costs); ``capped`` makes one call and then holds
+its slot for ``BENCH_QUEUE_HOLD`` seconds in the queue ``capped`` (``BENCH_QUEUE_CAP`` runs at
+once: how close to the limit the workers keep it); ``rated`` is ``k1`` in the queue ``rated``
+(``BENCH_QUEUE_RATE`` starts per second: how close to the rate they start).
+
 ``hold`` parks its run inside a ``read`` tool that never returns: the recovery section kills
 the worker holding such runs (a ``read`` tool may be repeated as a new attempt, so the run
 really runs again elsewhere rather than waiting for reconciliation).
@@ -23,9 +29,12 @@ import os
 import time
 from typing import Any
 
-from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+from orchestrator import Orchestrator, Owner, RateLimit, ToolContext, WorkflowContext
 
 OWNER = Owner(tenant="bench", principal="bench")
+QUEUE_CAP = int(os.environ.get("BENCH_QUEUE_CAP", "8"))
+QUEUE_RATE = int(os.environ.get("BENCH_QUEUE_RATE", "100"))
+QUEUE_HOLD = float(os.environ.get("BENCH_QUEUE_HOLD", "0.1"))
 
 
 def build_app(url: str | None, *, lease_ttl: float | None = None,
@@ -65,6 +74,24 @@ def _register(orch: Orchestrator) -> None:
             return await steps(ctx, k)
 
         orch.workflow(version="1", name=f"k{k}")(run_k)
+
+    orch.queue("wide", concurrency=1_000_000)
+    orch.queue("capped", concurrency=QUEUE_CAP)
+    orch.queue("rated", rate=RateLimit(QUEUE_RATE))
+
+    @orch.workflow(version="1", name="k3q", queue="wide")
+    async def k3q(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        return await steps(ctx, 3)
+
+    @orch.workflow(version="1", name="capped", queue="capped")
+    async def capped(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        done = await steps(ctx, 1)
+        await asyncio.sleep(QUEUE_HOLD)
+        return done
+
+    @orch.workflow(version="1", name="rated", queue="rated")
+    async def rated(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        return await steps(ctx, 1)
 
     @orch.workflow(version="1", name="hold")
     async def hold_run(ctx: WorkflowContext, data: Any) -> dict[str, Any]:

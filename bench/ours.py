@@ -54,6 +54,7 @@ class Setup:
     # during a drain; "tracing": each worker has the OpenTelemetry SDK, its spans dropped;
     # "tracing-sampled": the same with a parent-based sampler keeping 1 trace in 10
     telemetry: str = "off"
+    env: dict[str, str] | None = None  # more environment for the worker processes
 
 
 TRACING_RATIOS = {"tracing": 1.0, "tracing-sampled": 0.1}
@@ -91,7 +92,8 @@ def worker_args(concurrency: int, *, floor_k: int | None = None) -> list[str]:
 
 async def start_workers(url: str, setup: Setup, count: int | None = None,
                         prefix: str = "worker", k: int | None = None) -> list[Proc]:
-    env = {"ORCHESTRATOR_DATABASE_URL": url, "BENCH_POOL_SIZE": str(setup.pool_size)}
+    env = {"ORCHESTRATOR_DATABASE_URL": url, "BENCH_POOL_SIZE": str(setup.pool_size),
+           **(setup.env or {})}
     if setup.lease_ttl is not None:
         env["BENCH_LEASE_TTL"] = str(setup.lease_ttl)
     n = setup.workers if count is None else count
@@ -264,17 +266,19 @@ async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
 
 
 async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: str | None = None,
-                          timeout: float = 600.0, profile: bool = False) -> dict[str, Any]:
+                          timeout: float = 600.0, profile: bool = False,
+                          workflow: str | None = None) -> dict[str, Any]:
     """One drain of ``n`` runs of K steps on a fresh database (or ``url``, already migrated).
 
     With ``profile``, the first worker process is sampled by py-spy during the drain.
+    ``workflow``: another workflow of K steps than ``k{K}`` (``k3q``: in a queue).
     """
     own = url is None
     if url is None:
         url = server.create_database("tp")
         migrate(url)
     try:
-        ids = await submit_many(url, f"k{k}", n)
+        ids = await submit_many(url, workflow or f"k{k}", n)
         await hold(url, ids)
         procs = await start_workers(url, setup, k=k)
         try:

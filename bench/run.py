@@ -22,6 +22,8 @@ Sections (``--sections a,b``; default: all):
   telemetry   K = 3 throughput and first-step latency with the workers' /metrics served and
               scraped every second, and with OpenTelemetry tracing (SDK, spans dropped), beside
               the same without either, interleaved
+  queues      K = 3 throughput in a queue whose limit never binds beside the default queue,
+              interleaved; a binding concurrency limit's utilisation; a start rate's accuracy
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -42,7 +44,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import batches, bulk, console_load, console_pages, console_seed, ours, peers, scale
+from bench import (
+    batches,
+    bulk,
+    console_load,
+    console_pages,
+    console_seed,
+    flow,
+    ours,
+    peers,
+    scale,
+)
 from bench import ceiling as ceiling_mod
 from bench import console as console_mod
 from bench.common import (
@@ -89,7 +101,7 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile", "bulk", "console", "telemetry")
+            "memory", "profile", "bulk", "console", "telemetry", "queues")
 
 
 @dataclass
@@ -132,6 +144,12 @@ class Plan:
     # worker's first seconds (lazy imports, first connections), and the arms' order mattered
     # more than telemetry did.
     telemetry_runs: int = 20_000
+    queue_runs: int = 6_000  # K=3 runs of each queues drain (default queue, then a queue)
+    queue_cap: int = 8  # the binding concurrency limit (fewer than the workers' slots)
+    queue_cap_runs: int = 400  # runs holding a slot for queue_hold seconds each: 5 s ideal
+    queue_hold: float = 0.1
+    queue_rate: int = 100  # starts per second of the rated drain
+    queue_rate_runs: int = 800  # 8 s at the rate
     quick: bool = False
 
 
@@ -144,7 +162,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     pgqueuer_min_jobs=5_000, pgqueuer_batches=(10,), batch_sizes=(1, 8, 64),
                     batch_runs=128, console_steps=40, console_clients=2,
                     console_rows=20_000, console_page_requests=10, console_sse_clients=20,
-                    console_sse_runs=500, console_sse_rounds=1, telemetry_runs=300, quick=True)
+                    console_sse_runs=500, console_sse_rounds=1, telemetry_runs=300,
+                    queue_runs=300, queue_cap_runs=80, queue_rate_runs=300, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -739,6 +758,65 @@ class Suite:
             f"{off_us or 0:.0f} µs of worker CPU per step")
         table.print()
         self.record("telemetry", payload)
+
+    async def section_queues(self) -> None:
+        """What queues cost and how well their limits are used: K=3 drains of runs in the
+        default queue and in a queue configured with a limit that never binds, interleaved
+        (their order alternates), each compared with the default drain of its repetition; a
+        binding concurrency limit's utilisation; a start rate's steady rate and busiest
+        window."""
+        p = self.plan
+        arms = ("default queue", "queue, limit not binding")
+        drains: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        for i in range(p.reps):
+            for arm in (arms if i % 2 == 0 else arms[::-1]):
+                log(f"queues: repetition {i + 1}/{p.reps}, {arm}")
+                drains[arm].append(await ours.throughput_once(
+                    self.server, k=3, n=p.queue_runs, setup=self.setup(),
+                    workflow="k3" if arm == arms[0] else "k3q"))
+        capped = await self.repeat("queues: binding concurrency", partial(
+            flow.capped_once, self.server, n=p.queue_cap_runs, cap=p.queue_cap,
+            hold_s=p.queue_hold, setup=self.setup()))
+        rated = await self.repeat("queues: start rate", partial(
+            flow.rated_once, self.server, n=p.queue_rate_runs, rate=p.queue_rate,
+            setup=self.setup()))
+        table = Table(f"queues: K=3 throughput ({p.queue_runs:,} runs, {p.workers} workers × "
+                      f"concurrency {p.concurrency}), a binding limit, a start rate",
+                      ["measure", "figure", "min–max", "target", "verdict"])
+        off = [d["steps_per_s"] for d in drains[arms[0]]]
+        on = [d["steps_per_s"] for d in drains[arms[1]]]
+        paired = median([a / b for a, b in zip(on, off, strict=True)])
+        table.add("K=3 steps/s, default queue", median(off), f"{min(off):,.0f}–{max(off):,.0f}",
+                  "—", "")
+        table.add("K=3 steps/s, queue not binding", median(on), f"{min(on):,.0f}–{max(on):,.0f}",
+                  "—", "")
+        table.add("÷ default (paired median)", fx(paired), "", "≥ 0.9×",
+                  "meets" if paired >= 0.9 else "misses")
+        use = [c["utilisation"] for c in capped]
+        table.add(f"utilisation of concurrency {p.queue_cap}", pct(median(use)),
+                  f"{min(use):.1%}–{max(use):.1%}", "≥ 90 %",
+                  "meets" if median(use) >= 0.9 else "misses")
+        table.add("most slots held at once", str(max(c["peak"] for c in capped)), "",
+                  f"≤ {p.queue_cap}",
+                  "holds" if max(c["peak"] for c in capped) <= p.queue_cap else "BROKEN")
+        steady = [r["steady_rate"] for r in rated]
+        off_by = abs(median(steady) - p.queue_rate) / p.queue_rate
+        table.add(f"starts per second at {p.queue_rate}/s (steady)", f"{median(steady):g}",
+                  f"{min(steady):g}–{max(steady):g}", "within 5 %",
+                  f"{off_by:.1%} off: {'meets' if off_by <= 0.05 else 'misses'}")
+        busiest = max(r["busiest_window"] for r in rated)
+        table.add("most starts in any 1 s window", str(busiest), "", f"≤ {p.queue_rate}",
+                  "holds" if busiest <= p.queue_rate else "BROKEN")
+        table.notes.append(f"{p.reps} repetitions, fresh databases; binding limit: "
+                           f"{p.queue_cap_runs} runs each holding its slot "
+                           f"{p.queue_hold:g} s (ideal {capped[0]['ideal_seconds']:.1f} s), "
+                           "utilisation = slot-seconds held ÷ (limit × first start to last "
+                           f"finish); rate: {p.queue_rate_runs} K=1 runs, starts counted per "
+                           "whole second from the first (the first second, the window's "
+                           "burst, left out of the steady figure), from runs.started_at")
+        table.print()
+        self.record("queues", {"drains": drains, "ratio": paired, "capped": capped,
+                               "rated": rated})
 
     async def section_console(self) -> None:
         """Three parts (``--console-parts``): the SSE latency, the pages over a long history,

@@ -108,6 +108,10 @@ class RunInfo(BaseModel):
     start_at: datetime | None = None
     """When a held-back run (``submit(start_at=…)`` or ``delay=``) may start; None if it was
     submitted to start at once."""
+    queue: str | None = None
+    """The queue the run waits in (None: the default queue); docs/flow.md."""
+    priority: int = 0
+    concurrency_key: str | None = None
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None
@@ -129,6 +133,9 @@ class RunInfo(BaseModel):
             revision=row["revision"],
             deadline_at=row["deadline_at"],
             start_at=held_until(row),
+            queue=row.get("queue"),
+            priority=row.get("priority") or 0,
+            concurrency_key=row.get("concurrency_key"),
             created_at=row["created_at"],
             updated_at=row["updated_at"],
             finished_at=row["finished_at"],

@@ -57,6 +57,7 @@ DECLARE
     gfree integer;
     rfree integer;
     take integer;
+    scan integer;
     window_len interval;
     wake timestamptz;
     ids uuid[];
@@ -93,21 +94,25 @@ BEGIN
     IF take < 1 THEN
         RETURN;
     END IF;
+    -- Without keys the runs admitted are a prefix of the candidates in order, so reading
+    -- ``take`` of them is enough; with keys, the ready runs of busy keys are passed over, so
+    -- read further.
+    scan := CASE WHEN cfg.key_concurrency IS NULL THEN take ELSE greatest(take * 50, 500) END;
 
     WITH scanned AS (
-        -- The best by priority and the longest waiting, each read in index order and capped:
-        -- a run that waits long enough is among the candidates whatever its priority.
+        -- The longest waiting and (with priorities) the best by priority, each read in index
+        -- order: a run that waits long enough is among the candidates whatever its priority.
         (SELECT r.id FROM orchestrator.runs AS r
          WHERE r.queue = q AND r.status IN ('queued', 'waiting') AND r.available_at IS NOT NULL
            AND r.available_at <= now()
            AND r.workflow_name || '@' || r.workflow_version = ANY(workflows)
-         ORDER BY r.priority, r.available_at LIMIT 1000)
+         ORDER BY r.available_at LIMIT scan)
         UNION
         (SELECT r.id FROM orchestrator.runs AS r
-         WHERE r.queue = q AND r.status IN ('queued', 'waiting') AND r.available_at IS NOT NULL
-           AND r.available_at <= now()
+         WHERE cfg.priority AND r.queue = q AND r.status IN ('queued', 'waiting')
+           AND r.available_at IS NOT NULL AND r.available_at <= now()
            AND r.workflow_name || '@' || r.workflow_version = ANY(workflows)
-         ORDER BY r.available_at LIMIT 1000)
+         ORDER BY r.priority, r.available_at LIMIT scan)
     ), ready AS (
         SELECT r.id, r.status, r.created_at, r.available_at, r.concurrency_key AS ckey,
                r.started_at IS NULL AS fresh,

@@ -62,7 +62,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 MAX_WAIT = 60
 """Seconds ``GET /api/runs/{id}/result?wait=`` may wait at most."""
-SUBMIT_FIELDS = frozenset({"workflow", "version", "input", "deadline", "start_at", "delay"})
+SUBMIT_FIELDS = frozenset({"workflow", "version", "input", "deadline", "start_at", "delay",
+                           "queue", "priority", "concurrency_key"})
 EVENT_FIELDS = frozenset({"payload", "event_key"})
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -78,6 +79,8 @@ class Submitting(Protocol):
                             idempotency_key: str | None = None,
                             deadline: timedelta | None = None,
                             start_at: datetime | None = None, delay: timedelta | None = None,
+                            queue: str | None = None, priority: int = 0,
+                            concurrency_key: str | None = None,
                             connection: Any = None) -> tuple[RunHandle[Any], bool]: ...
 
     async def get_run_async(self, run_id: Any, *, owner: Owner | None = None
@@ -111,6 +114,9 @@ def run_record(info: RunInfo) -> dict[str, Any]:
         "cancel_requested": info.cancel_requested,
         "deadline_at": iso(info.deadline_at),
         "start_at": iso(info.start_at),
+        "queue": info.queue,
+        "priority": info.priority,
+        "concurrency_key": info.concurrency_key,
         "created_at": iso(info.created_at),
         "updated_at": iso(info.updated_at),
         "finished_at": iso(info.finished_at),
@@ -259,7 +265,9 @@ class Submitters:
         handle, created = await self.app._submit_async(
             workflow, body.get("input"), version=version, owner=owner,
             idempotency_key=key, deadline=_deadline(body.get("deadline")),
-            start_at=_start_at(body.get("start_at")), delay=_delay(body.get("delay")))
+            start_at=_start_at(body.get("start_at")), delay=_delay(body.get("delay")),
+            queue=body.get("queue"), priority=body.get("priority", 0),
+            concurrency_key=body.get("concurrency_key"))
         info = await handle.info_async()
         headers = {"Location": f"{request.scope.get('root_path') or ''}/api/runs/{handle.id}"}
         if not created:

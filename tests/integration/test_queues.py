@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator, RateLimit
 from orchestrator.admin import list_runs, show_run
 from orchestrator.testing import running_worker
 from tests.clitools import run_cli
-from tests.integration.conftest import running, wait_for
+from tests.consoletools import GRANTS, Served, from_header
+from tests.integration.conftest import OWNER, running, wait_for
 
 
 class Gauge:
@@ -345,3 +347,25 @@ async def test_the_queues_commands(make_app, migrated_database_url):
     assert bad.returncode == 2 and "INVALID_REQUEST" in bad.stderr
     missing = cli("show", "nowhere")
     assert missing.returncode == 2 and "no queue nowhere" in missing.stderr
+
+
+async def test_the_http_api_takes_a_queue_a_priority_and_a_key(make_app, sql):
+    app, _ = _app(make_app, Gauge(), key_concurrency=1)
+    console = app.console(from_header, GRANTS, authenticate_owner=lambda request: OWNER)
+    with Served(console) as server:
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as http:
+            made = await http.post("/api/runs", json={
+                "workflow": "job", "input": {"n": 1}, "queue": "work", "priority": 3,
+                "concurrency_key": "customer-1"})
+            assert made.status_code == 201, made.text
+            body = made.json()
+            assert (body["queue"], body["priority"], body["concurrency_key"]) == (
+                "work", 3, "customer-1")
+            for extra, field in (({"queue": "nowhere"}, "queue"), ({"priority": 1.5}, "priority"),
+                                 ({"concurrency_key": "a b"}, "concurrency_key")):
+                bad = await http.post("/api/runs", json={"workflow": "job", "input": {"n": 2},
+                                                         **extra})
+                assert bad.status_code == 400, bad.text
+                assert bad.json()["code"] == "INVALID_REQUEST"
+                assert field in bad.json()["message"]
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 1
