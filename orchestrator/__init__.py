@@ -23,10 +23,11 @@ from orchestrator.errors import (
     WorkflowError,
 )
 from orchestrator.failures import ToolError
+from orchestrator.flow import RateLimit
 from orchestrator.handle import RunHandle
 from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.models import JournalEntry, Owner, RunInfo
-from orchestrator.queues import Queue, QueueInfo, RateLimit
+from orchestrator.queues import Queue, QueueInfo
 from orchestrator.recovery import RetryPolicy
 from orchestrator.registry import Tool, Workflow
 

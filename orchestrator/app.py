@@ -48,7 +48,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
     UnknownWorkflow,
 )
-from orchestrator.flow import Start, check_start
+from orchestrator.flow import RateLimit, Start, check_start
 from orchestrator.handle import DENIED, TERMINAL, H, RunHandle
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
@@ -65,10 +65,11 @@ from orchestrator.queues import (
     Queue,
     QueueAdmin,
     Queues,
-    RateLimit,
     check_concurrency_key,
+    check_limit,
     check_priority,
     check_queue_name,
+    check_rate,
 )
 from orchestrator.queues import declare as declare_queue
 from orchestrator.reconcile import Reconciler
@@ -277,6 +278,9 @@ class Orchestrator:
         retry: RetryPolicy | None = None,
         authorize_timeout: timedelta | None = None,
         approve_timeout: timedelta | None = None,
+        rate: RateLimit | str | None = None,
+        concurrency: int | None = None,
+        shared_backoff: bool = True,
     ) -> Callable[[Callable[Concatenate[ToolContext, P], Awaitable[R]]], Tool[P, R]]:
         """Register an async tool ``fn(ctx: ToolContext, **arguments)`` returning JSON.
 
@@ -286,7 +290,17 @@ class Orchestrator:
         ``retry`` (a :class:`~orchestrator.recovery.RetryPolicy`) defaults to the app's, else
         to the effect class's: one attempt for ``consequential``, three for ``idempotent`` and
         ``read``. ``max_attempts`` alone overrides just the attempt count.
+
+        ``rate`` (``RateLimit(10, per=timedelta(seconds=1))`` or ``"10/s"``) and
+        ``concurrency`` bound the tool's dispatches and its calls in flight across every
+        worker; a call waiting for its turn parks its run, and the wait counts against the
+        run's deadline. ``shared_backoff``: a provider's 429 or 503 with a Retry-After pauses
+        the tool's dispatch for every run until then (docs/flow.md).
         """
+        tool_rate = check_rate(rate)
+        tool_concurrency = check_limit(concurrency, "concurrency")
+        if not isinstance(shared_backoff, bool):
+            raise InvalidRequest("shared_backoff must be True or False", path="shared_backoff")
         if effect not in EFFECT_CLASSES:
             raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}")
         policy = retry or self.retry_policy or DEFAULT_POLICIES[effect]
@@ -298,7 +312,9 @@ class Orchestrator:
                         version=check_name("version", str(version)), fn=fn, effect=effect,
                         timeout=timeout, policy=policy,
                         authorize_timeout=_seconds(authorize_timeout, self.stage_timeout),
-                        approve_timeout=_seconds(approve_timeout, self.stage_timeout))
+                        approve_timeout=_seconds(approve_timeout, self.stage_timeout),
+                        rate=tool_rate, concurrency=tool_concurrency,
+                        shared_backoff=shared_backoff)
             self.registry.add_tool(tool)
             return tool
 

@@ -1,4 +1,4 @@
-"""Flow control of runs: when a run may start (docs/flow.md).
+"""Flow control: when a run may start, and the rate limits of queues and tools (docs/flow.md).
 
 A submission may hold its run back, ``start_at`` (a timezone-aware time) or ``delay`` (from
 the moment of submission). The run is written at once (its idempotency key is taken, its
@@ -10,6 +10,7 @@ whatever the clock says by then), with another ``delay`` or ``start_at`` a confl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -74,3 +75,47 @@ def _ago(span: timedelta) -> str:
     if seconds < 2 * 86400:
         return f"{seconds // 3600} hours"
     return f"{seconds // 86400} days"
+
+
+MAX_LIMIT = 1_000_000
+"""The largest concurrency or rate count a queue takes."""
+MAX_WINDOW = timedelta(days=1)
+"""The longest rate window."""
+
+_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60,
+          "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600, "d": 86400, "day": 86400,
+          "days": 86400}
+_RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([a-z]+)\s*")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most ``limit`` starts (or dispatches) in any window of length ``per``."""
+
+    limit: int
+    per: timedelta = timedelta(seconds=1)
+
+    def __post_init__(self) -> None:
+        if type(self.limit) is not int or not 0 < self.limit <= MAX_LIMIT:
+            raise InvalidRequest(f"rate limit must be an integer from 1 to {MAX_LIMIT}",
+                                 path="rate")
+        if not isinstance(self.per, timedelta) or not timedelta(0) < self.per <= MAX_WINDOW:
+            raise InvalidRequest("rate per must be a positive timedelta of at most a day",
+                                 path="rate")
+
+    @classmethod
+    def parse(cls, text: str) -> RateLimit:
+        """``"100/s"``, ``"10/5s"``, ``"600/min"``, ``"1000/h"``, ``"5000/day"``."""
+        match = _RATE.fullmatch(text.lower()) if isinstance(text, str) else None
+        if match is None or match.group(3) not in _UNITS:
+            raise InvalidRequest(
+                f"rate {text!r} is not COUNT/UNIT: a count, '/', an optional number and a "
+                "unit of s, min, h or day (e.g. 100/s, 10/5s, 600/min)", path="rate")
+        seconds = float(match.group(2) or 1) * _UNITS[match.group(3)]
+        if seconds <= 0:
+            raise InvalidRequest(f"rate {text!r} has an empty window", path="rate")
+        return cls(int(match.group(1)), timedelta(seconds=seconds))
+
+    def __str__(self) -> str:
+        seconds = self.per.total_seconds()
+        return f"{self.limit}/s" if seconds == 1 else f"{self.limit}/{seconds:g}s"

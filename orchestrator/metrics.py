@@ -43,6 +43,8 @@ COUNTERS = (
     "database_retries",  # statements tried again after a transient database error
     "schedule_slots",  # schedule slots handled one by one, by outcome: fired, skipped, buffered
     "schedule_gaps",  # ranges of schedule slots recorded as missed at once (after downtime)
+    "tool_turn_waits",  # a call waited for its tool's turn (its limits), by tool and limit
+    "tool_back_offs",  # a provider's 429/503 with a Retry-After paused a tool for every run
 )
 
 LABELS: dict[str, tuple[str, ...]] = {
@@ -58,6 +60,8 @@ LABELS: dict[str, tuple[str, ...]] = {
     "lookups": ("tool", "answer"),
     "cancellations": ("stage",),
     "schedule_slots": ("outcome",),
+    "tool_turn_waits": ("tool", "limit"),
+    "tool_back_offs": ("tool",),
 }
 """The counters also kept per label values, and the names of their labels in order. A counter
 incremented without labels is counted in its total only."""

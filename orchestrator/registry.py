@@ -16,6 +16,7 @@ from typing import Any, Concatenate, Generic, Literal
 from typing_extensions import ParamSpec, TypeVar
 
 from orchestrator.errors import InvalidRequest
+from orchestrator.flow import RateLimit
 from orchestrator.recovery import RetryPolicy
 
 # The context a tool or workflow function receives is typed ``Any`` here: the contexts
@@ -100,12 +101,23 @@ class Tool(Generic[P, R]):
     approve_fn: Hook | None = None
     authorize_timeout: float = 30.0
     approve_timeout: float = 30.0
+    # Flow control (docs/flow.md): at most ``concurrency`` calls in flight and ``rate``
+    # dispatches per window, across every worker; a provider's 429/503 with a Retry-After
+    # pauses the tool for every run (``shared_backoff``).
+    rate: RateLimit | None = None
+    concurrency: int | None = None
+    shared_backoff: bool = True
     _accepted_names: set[frozenset[str]] = field(default_factory=set, repr=False,
                                                  compare=False)
 
     @property
     def max_attempts(self) -> int:
         return self.policy.max_attempts
+
+    @property
+    def limited(self) -> bool:
+        """Whether its calls are admitted against a limit before dispatch."""
+        return self.rate is not None or self.concurrency is not None
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:

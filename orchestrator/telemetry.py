@@ -87,6 +87,13 @@ _LABELLED: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_schedule_slots", "schedule_slots",
      "Schedule slots this process's ticker handled, by outcome: fired (a run was submitted), "
      "skipped (the overlap policy), buffered (kept until the previous run ends)."),
+    ("orchestrator_tool_turn_waits", "tool_turn_waits",
+     "Calls that waited for their tool's turn before dispatch, by tool and limit (rate: the "
+     "rate window or a shared back-off; concurrency: calls in flight; busy: another admission "
+     "of the tool under way)."),
+    ("orchestrator_tool_back_offs", "tool_back_offs",
+     "Pauses of a tool's dispatch for every run, asked by its provider (429 or 503 with a "
+     "Retry-After), by tool."),
 )
 _HISTOGRAMS: dict[str, str] = {
     "run_queue_wait_seconds": "Seconds from a run's submission to the start of its first "

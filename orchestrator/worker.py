@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -35,7 +36,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
-from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, Conn, Database
+from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, TOOLS_CHANNEL, Conn, Database
 from orchestrator.db.events import incident_record
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
@@ -141,7 +142,7 @@ class Worker:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(self.database.listen(
-            [RUNS_CHANNEL, CANCEL_CHANNEL], self._on_notify, listen_stop))
+            [RUNS_CHANNEL, CANCEL_CHANNEL, TOOLS_CHANNEL], self._on_notify, listen_stop))
         heart = asyncio.ensure_future(self._heartbeat_loop())
         workflows = list(self.registry.workflows)
         held = await self._liveness.ensure()  # before registering: never seen alive without
@@ -150,6 +151,7 @@ class Worker:
                 await queues_db.queue_declare(conn, self.declared_queues)
             self._queues = set(await queues_db.queue_names(conn))
             self._dirty.update(self._queues)
+            self.config.back_offs.update(await ops_db.tool_back_offs(conn))
             await workers_db.worker_register(
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                 workflows=workflows, concurrency=self.concurrency,
@@ -212,6 +214,13 @@ class Worker:
             log.info("worker %s stopped", self.worker_id)
 
     def _on_notify(self, channel: str, payload: str) -> None:
+        if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too
+            name, _, until = payload.partition("\t")
+            with contextlib.suppress(ValueError):
+                when = datetime.fromtimestamp(float(until), UTC)
+                if when > self.config.back_offs.get(name, when - timedelta(seconds=1)):
+                    self.config.back_offs[name] = when
+            return
         if channel == CANCEL_CHANNEL:
             for rid, (_, ex) in self._running.items():
                 if ex is not None and str(rid) == payload:

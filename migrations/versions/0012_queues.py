@@ -1,4 +1,4 @@
-"""queues: run-level flow control enforced by the claim itself
+"""queues and tool limits: flow control enforced where work is admitted
 
 ``queues`` holds each queue's limits (global, per worker and per key concurrency, a start rate,
 priorities, whether parked runs hold their slot) and its pause. The values in the columns are
@@ -17,6 +17,17 @@ window with statements that each read a fresh snapshot, picks the runs those lim
 moves them to ``running`` in the same transaction, which releases the queue's row when it
 commits. A limit can therefore never be exceeded by two workers claiming at once, and a crash
 at any point leaves either the whole claim or nothing. The rules are in docs/flow.md.
+
+Tools: ``orchestrator.tool_admit(tool, concurrency, rate, per)`` runs in the transaction that
+records a call's operation as ``submitted`` (write-ahead, before dispatch), before the insert:
+under a transaction-level advisory lock of the tool it counts the tool's operations in flight
+(``submitted``, through ``ix_operations_tool_inflight``) and its dispatches in the rate window
+(``tool_dispatches``), and reads the tool's shared back-off (``tool_limits.backoff_until``, set
+when the provider answered 429 or 503 with a Retry-After). The lock is only tried, never waited
+for (writes of many runs share a transaction, so waiting could deadlock): a caller that does
+not get it tries again a moment later. A fenced write (a zombie) rolls back with its
+admission, so it never counts. Runs parked for the turn of a tool at its concurrency limit
+(``ix_runs_turn_waiters``) are woken when a call of the tool ends.
 
 Revision ID: 0012
 Revises: 0011
@@ -37,6 +48,7 @@ depends_on = None
 S = "orchestrator"
 
 READY = "status IN ('queued', 'waiting') AND available_at IS NOT NULL"
+TURN_WAITERS = "status = 'waiting' AND waiting_for LIKE '%the turn of tool %'"
 
 CLAIM_SQL = """
 CREATE FUNCTION orchestrator.queue_claim(q text, workflows text[], worker text, lim integer,
@@ -197,6 +209,52 @@ END
 $$;
 """
 
+ADMIT_SQL = """
+CREATE FUNCTION orchestrator.tool_admit(t text, conc integer, rate integer, per float8)
+RETURNS float8 LANGUAGE plpgsql VOLATILE AS $$
+-- NULL: admitted (the caller records its operation now, in this transaction); -1: another
+-- transaction holds the tool's lock (try again in a moment); -2: the tool's concurrency is
+-- full; a positive number: seconds until the rate window or the shared back-off has room.
+DECLARE
+    until timestamptz;
+    moment timestamptz;
+    n integer;
+    oldest timestamptz;
+    span interval;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('orchestrator.tool_admit'), hashtext(t)) THEN
+        RETURN -1;
+    END IF;
+    moment := clock_timestamp();
+    SELECT l.backoff_until INTO until FROM orchestrator.tool_limits AS l WHERE l.name = t;
+    IF until > moment THEN
+        RETURN extract(epoch FROM until - moment);
+    END IF;
+    IF conc IS NOT NULL THEN
+        SELECT count(*) INTO n FROM orchestrator.operations AS o
+        WHERE o.state = 'submitted' AND o.tool_name = t;
+        IF n >= conc THEN
+            RETURN -2;
+        END IF;
+    END IF;
+    IF rate IS NOT NULL THEN
+        -- The window is counted a little longer than it is (a tenth, at most a quarter of a
+        -- second): a call reaches its provider a moment after its admission commits, and
+        -- that moment varies, so without the margin a provider counting by its own clock
+        -- could see a window with more than the rate.
+        span := make_interval(secs => per + least(per * 0.1, 0.25));
+        DELETE FROM orchestrator.tool_dispatches AS d WHERE d.tool = t AND d.at <= moment - span;
+        SELECT count(*), min(d.at) INTO n, oldest FROM orchestrator.tool_dispatches AS d
+        WHERE d.tool = t;
+        IF n >= rate THEN
+            RETURN greatest(0.001, extract(epoch FROM oldest + span - moment));
+        END IF;
+    END IF;
+    RETURN NULL;
+END
+$$;
+"""
+
 RUNS_READY_SQL = """
 CREATE OR REPLACE FUNCTION orchestrator.runs_ready(workflows text[], lim integer)
 RETURNS SETOF uuid
@@ -283,12 +341,40 @@ def upgrade() -> None:
                     postgresql_where=sa.text(
                         "queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
                         "started_at IS NULL AND status = 'queued'"))
+    op.create_table(
+        "tool_limits",
+        sa.Column("name", sa.Text(), nullable=False),
+        _ts("backoff_until"),
+        _ts("updated_at", nullable=False, now=True),
+        sa.PrimaryKeyConstraint("name", name=op.f("pk_tool_limits")),
+        schema=S,
+    )
+    op.create_table(
+        "tool_dispatches",
+        sa.Column("tool", sa.Text(), nullable=False),
+        sa.Column("operation_id", sa.BigInteger(), nullable=False),
+        _ts("at", nullable=False),
+        sa.PrimaryKeyConstraint("tool", "operation_id", name=op.f("pk_tool_dispatches")),
+        schema=S,
+    )
+    op.create_index("ix_tool_dispatches_tool_at", "tool_dispatches", ["tool", "at"], schema=S)
+    op.create_index("ix_operations_tool_inflight", "operations", ["tool_name"], schema=S,
+                    postgresql_where=sa.text("state = 'submitted'"))
+    op.create_index("ix_runs_turn_waiters", "runs", ["available_at"], schema=S,
+                    postgresql_where=sa.text(TURN_WAITERS))
     op.execute(RUNS_READY_SQL)
     op.execute(CLAIM_SQL)
+    op.execute(ADMIT_SQL)
 
 
 def downgrade() -> None:
+    op.execute("DROP FUNCTION orchestrator.tool_admit(text, integer, integer, float8)")
     op.execute("DROP FUNCTION orchestrator.queue_claim(text, text[], text, integer, float8)")
+    op.drop_index("ix_runs_turn_waiters", table_name="runs", schema=S)
+    op.drop_index("ix_operations_tool_inflight", table_name="operations", schema=S)
+    op.drop_index("ix_tool_dispatches_tool_at", table_name="tool_dispatches", schema=S)
+    op.drop_table("tool_dispatches", schema=S)
+    op.drop_table("tool_limits", schema=S)
     op.execute(RUNS_READY_0007)
     for index in ("ix_runs_queue_key_unstarted", "ix_runs_queue_started", "ix_runs_queue_held",
                   "ix_runs_queue_ready", "ix_runs_queue_priority", "ix_runs_claimable"):

@@ -47,6 +47,9 @@ RECONCILE_CHANNEL = "orchestrator_reconcile"
 """NOTIFY channel: a run was parked on an unknown operation."""
 CANCEL_CHANNEL = "orchestrator_cancel"
 """NOTIFY channel: cancellation was requested; the payload is the run id."""
+TOOLS_CHANNEL = "orchestrator_tools"
+"""NOTIFY channel: a tool's dispatch is paused (a provider's back-off); the payload is the
+tool's name, a tab, and the end of the pause in seconds since the epoch."""
 
 
 def _transient(exc: BaseException) -> bool:

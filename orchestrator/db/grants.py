@@ -78,6 +78,8 @@ _TABLES = (
     _table("schedule_slots", "SELECT", "INSERT", "UPDATE"),
     _table("schedule_gaps", "SELECT", "INSERT"),
     _table("queues", "SELECT", "INSERT", "UPDATE"),
+    _table("tool_limits", "SELECT", "INSERT", "UPDATE"),
+    _table("tool_dispatches", "SELECT", "INSERT", "DELETE"),
     _table("alembic_version", "SELECT"),
 )
 
@@ -87,6 +89,8 @@ _FUNCTIONS = (
     Grant("function", f"{SCHEMA}.row_applied(boolean, text)", ("EXECUTE",)),
     Grant("function",
           f"{SCHEMA}.queue_claim(text, text[], text, integer, double precision)", ("EXECUTE",)),
+    Grant("function", f"{SCHEMA}.tool_admit(text, integer, integer, double precision)",
+          ("EXECUTE",)),
 )
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from orchestrator.db.database import Conn
+from orchestrator.db.database import TOOLS_CHANNEL, Conn
 from orchestrator.db.journal import JOURNAL_INSERT, entry_sql, receipt_entry_sql
 from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
@@ -503,3 +504,59 @@ async def operation_count_unknown(conn: Conn, *, run_id: uuid.UUID) -> int:
         (run_id,))
     row = await cur.fetchone()
     return int(row["n"]) if row else 0
+
+
+# -- tool limits (migration 0012, docs/flow.md) ----------------------------------------------
+
+ADMIT_BUSY = -1.0
+"""``tool_admit``: another transaction is admitting a call of the tool; try again shortly."""
+ADMIT_FULL = -2.0
+"""``tool_admit``: the tool's concurrency is full; try again once a call of it has ended."""
+
+
+async def tool_admit(conn: Conn, *, tool: str, concurrency: int | None, rate: int | None,
+                     per: float | None) -> float | None:
+    """Whether a call of ``tool`` may be dispatched now (None: yes, and the caller records its
+    operation ``submitted`` in this same transaction), else :data:`ADMIT_BUSY`,
+    :data:`ADMIT_FULL` or the seconds until the rate window or the tool's back-off has room."""
+    cur = await conn.execute(f"SELECT {S}.tool_admit(%s, %s, %s, %s) AS wait",
+                             (tool, concurrency, rate, per))
+    row = await cur.fetchone()
+    assert row is not None
+    wait = row["wait"]
+    return None if wait is None else float(wait)
+
+
+async def tool_dispatched(conn: Conn, *, tool: str, op_id: int) -> None:
+    """Count a dispatch of a rate-limited tool in its window (with its admission)."""
+    await conn.execute(
+        f"INSERT INTO {S}.tool_dispatches (tool, operation_id, at) "
+        "VALUES (%s, %s, clock_timestamp())", (tool, op_id))
+
+
+async def tool_back_off(conn: Conn, *, tool: str, seconds: float) -> datetime:
+    """Pause ``tool``'s dispatch for every run for ``seconds`` from now (or longer, if a
+    pause already runs past that); tell every worker. Returns the end of the pause."""
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.tool_limits AS l (name, backoff_until)
+        VALUES (%(tool)s, now() + make_interval(secs => %(seconds)s))
+        ON CONFLICT (name) DO UPDATE
+        SET backoff_until = greatest(coalesce(l.backoff_until, EXCLUDED.backoff_until),
+                                     EXCLUDED.backoff_until),
+            updated_at = now()
+        RETURNING backoff_until
+        """, {"tool": tool, "seconds": seconds})
+    row = await cur.fetchone()
+    assert row is not None
+    until: datetime = row["backoff_until"]
+    await conn.execute("SELECT pg_notify(%s, %s)",
+                       (TOOLS_CHANNEL, f"{tool}\t{until.timestamp()}"))
+    return until
+
+
+async def tool_back_offs(conn: Conn) -> dict[str, datetime]:
+    """The tools whose dispatch is paused now, and until when."""
+    cur = await conn.execute(
+        f"SELECT name, backoff_until FROM {S}.tool_limits WHERE backoff_until > now()")
+    return {row["name"]: row["backoff_until"] for row in await cur.fetchall()}

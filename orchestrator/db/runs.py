@@ -685,3 +685,20 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
     text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
                       receipt, result=result)
     return Statement(_FAST_SUCCEED, text, run_id, check)
+
+
+async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
+    """Wake the ``count`` runs parked longest for the turn of ``tool`` (a call of it ended, so
+    its concurrency has room): they claim again and ask for admission (docs/flow.md)."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs SET available_at = now()
+        WHERE id IN (SELECT id FROM {S}.runs
+                     WHERE status = 'waiting' AND waiting_for LIKE '%%the turn of tool %%'
+                       AND waiting_for LIKE %(pattern)s AND available_at > now()
+                     ORDER BY available_at LIMIT %(count)s
+                     FOR UPDATE SKIP LOCKED)
+        """, {"pattern": f"%the turn of tool {tool}%", "count": count})
+    if cur.rowcount:
+        await conn.execute(_NOTIFY)
+    return cur.rowcount

@@ -158,6 +158,9 @@ runs = Table(
               "queue IS NOT NULL AND started_at IS NOT NULL AND finished_at IS NULL")),
     Index("ix_runs_queue_started", "queue", "started_at",
           postgresql_where=text("queue IS NOT NULL AND started_at IS NOT NULL")),
+    # Runs parked until a call of a tool at its concurrency limit ends (migration 0012).
+    Index("ix_runs_turn_waiters", "available_at",
+          postgresql_where=text("status = 'waiting' AND waiting_for LIKE '%the turn of tool %'")),
     Index("ix_runs_queue_key_unstarted", "queue", "concurrency_key", "created_at",
           postgresql_where=text("queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
                                 "started_at IS NULL AND status = 'queued'")),
@@ -220,6 +223,8 @@ operations = Table(
     # A run's operations without an outcome: what a run may not finish with (migration 0005).
     Index("ix_operations_unsettled", "run_id",
           postgresql_where=text("state IN ('pending', 'submitted', 'unknown')")),
+    # A tool's calls in flight: what its concurrency limit counts (migration 0012).
+    Index("ix_operations_tool_inflight", "tool_name", postgresql_where=text("state = 'submitted'")),
 )
 
 reconciliation_items = Table(
@@ -416,4 +421,23 @@ queues = Table(
     CheckConstraint(
         "(rate_limit IS NULL) = (rate_seconds IS NULL) AND (rate_limit IS NULL OR "
         "(rate_limit > 0 AND rate_seconds > 0))", name="rate"),
+)
+
+# Tool limits (migration 0012, docs/flow.md): a tool's shared back-off after a provider's 429 or
+# 503 with a Retry-After, and each dispatch of a rate-limited tool inside its window.
+tool_limits = Table(
+    "tool_limits",
+    metadata,
+    Column("name", Text, primary_key=True),
+    _ts("backoff_until"),
+    _ts("updated_at", nullable=False, default_now=True),
+)
+
+tool_dispatches = Table(
+    "tool_dispatches",
+    metadata,
+    Column("tool", Text, primary_key=True),
+    Column("operation_id", BigInteger, primary_key=True),
+    _ts("at", nullable=False),
+    Index("ix_tool_dispatches_tool_at", "tool", "at"),
 )

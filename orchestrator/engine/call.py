@@ -151,8 +151,12 @@ class Call(CallSite):
         op_id, key = await self._intent(state, pending=bool(stages))
         tracer = self.config.tracing.tracer
         if tracer is None:
-            return await self._send(state, op_id, key, stages)
-        return await self._send_traced(tracer, state, op_id, key, stages)
+            outcome = await self._send(state, op_id, key, stages)
+        else:
+            outcome = await self._send_traced(tracer, state, op_id, key, stages)
+        if self.tool.concurrency is not None:  # its call ended: a parked one may go now
+            await self.free_turn()
+        return outcome
 
     async def _send_traced(self, tracer: Tracer, state: Attempt, op_id: int, key: str,
                            stages: list[Stage]) -> Attempt | _Done:
@@ -203,6 +207,8 @@ class Call(CallSite):
         key = state.key or self.key_for(state.number)
         op_id = state.pending_op
         if op_id is None:
+            if self.config.back_offs:
+                await self.before_dispatch()
             op_id, status = await self.begin(state.number, key, pending=pending)
             if (held := faults.reach("after_intent", tool.name)) is not None:
                 await held
@@ -235,7 +241,8 @@ class Call(CallSite):
             "worker_id": run.worker_id, "token": run.token,
         }
 
-        if not pending and not session.buffered and not run.cancel_requested:
+        if not pending and not session.buffered and not run.cancel_requested \
+                and not self.tool.limited:
             try:
                 with self.branches.active():
                     op_id: int = await session.write_direct(
@@ -246,17 +253,24 @@ class Call(CallSite):
             except ops_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
 
+        rate = self.tool.rate
+
         async def work(conn: Conn) -> tuple[tuple[int, str], list[Entry]]:
             op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
             kind = EventKind.CALL_SUBMITTED if status == "submitted" else EventKind.CALL_PENDING
             events = [self.event(kind, self.submitted_payload(number, op_id, key))]
             if status == "cancelled":
                 events.append(self.event(EventKind.CALL_CANCELLED, {"op": op_id}))
+            elif status == "submitted" and rate is not None:
+                await ops_db.tool_dispatched(conn, tool=self.tool.name, op_id=op_id)
             return (op_id, status), events
 
         try:
-            with self.branches.active():
-                result = await session.write(work, new_work=True, hold=True)
+            if pending or not self.tool.limited:
+                with self.branches.active():
+                    result = await session.write(work, new_work=True, hold=True)
+            else:  # admitted against the tool's limits in the same transaction
+                result = await self.admitted_write(work, new_work=True)
         except ops_db.OperationIdentityReused as exc:
             raise Nondeterminism(str(exc)) from None
         assert result is not None
@@ -324,6 +338,10 @@ class Call(CallSite):
         aftermath = Aftermath(self)
         self.said = "unknown"
         if isinstance(exc, ToolError):
+            if exc.status in (429, 503) and exc.retry_after is not None:
+                hint, _ = parse_retry_after(exc.retry_after, self.run.now())
+                if hint:  # the provider asked every caller to wait: one pause for the tool
+                    await self.back_off_shared(hint / 1000)
             cls = exc.classification()
             if cls.effects != "unknown":
                 self.said = "failed"
@@ -352,7 +370,9 @@ class Call(CallSite):
                                   text=receipt_text, digest=digest)
         if not resent and not session.buffered:
             session.rider.defer(recorded, receipt)
-            if not self.config.receipts_ride:  # written now, alone (or kept as evidence)
+            # Written now, alone (or kept as evidence): when asked, and for a tool with a
+            # concurrency limit, whose call counts as in flight until its receipt is written.
+            if not self.config.receipts_ride or self.tool.concurrency is not None:
                 with self.branches.active():
                     settled = await session.settle(hold=True)
                 if not settled:

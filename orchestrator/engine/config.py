@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
@@ -30,3 +30,6 @@ class EngineConfig:
     authorize: Hook | None = None  # app-wide policy stages, run before each tool's own
     approve: Hook | None = None
     tracing: Tracing = field(default_factory=Tracing)  # where spans go (docs/tracing.md)
+    # Tools whose dispatch is paused (a provider's back-off, docs/flow.md), and until when:
+    # kept current by the worker (NOTIFY), read before each dispatch.
+    back_offs: dict[str, datetime] = field(default_factory=dict)

@@ -38,7 +38,7 @@ class Verdict:
 class Wait:
     """Why a branch of the workflow cannot proceed without the database's help."""
 
-    kind: str  # timer | event | child | blocked
+    kind: str  # timer | event | child | blocked | turn (a tool's limits, docs/flow.md)
     position: int
     wake_at: datetime | None = None
     name: str | None = None

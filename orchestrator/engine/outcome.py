@@ -79,6 +79,8 @@ class Outcome:
         if any(w.kind == "timer" for w in waits):
             parts.append("timer")
         parts += [f"event {n!r}" for n in names]
+        parts += [f"the turn of tool {n}" for n in sorted(
+            {w.name for w in waits if w.kind == "turn" and w.name})]
         if children:
             parts.append("child run")
         if await self._flush_then(lambda conn: runs_db.run_suspend(

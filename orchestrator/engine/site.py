@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, NoReturn
+from datetime import datetime, timedelta
+from typing import Any, NoReturn, TypeVar, cast
 
 from orchestrator import canonical, faults
 from orchestrator.db import operations as ops_db
@@ -37,6 +39,8 @@ from orchestrator.text import storable
 
 log = logging.getLogger("orchestrator.worker")
 
+T = TypeVar("T")
+
 
 def next_step_after_uncertain(effect: str, attempts: int, max_attempts: int) -> str:
     """What may follow an attempt whose outcome is unknown (CONTRACT C5). Pure.
@@ -48,6 +52,21 @@ def next_step_after_uncertain(effect: str, attempts: int, max_attempts: int) -> 
     if attempts >= max_attempts or effect == "consequential":
         return "reconcile"
     return "resend" if effect == "idempotent" else "new_attempt"
+
+
+IN_PROCESS_TURN = 0.05
+"""Seconds: a call whose turn comes sooner waits in its worker instead of parking its run
+(parking and resuming cost more than that)."""
+FULL_RECHECK = (0.2, 1.0)
+"""Seconds (a random span) a run parks before a call of a tool at its concurrency limit asks
+again."""
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """What the admission said instead of admitting: see ``ops_db.tool_admit``."""
+
+    wait: float
 
 
 @dataclass
@@ -242,6 +261,84 @@ class CallSite:
         """A durable wait before the next attempt: the run is parked, not a process asleep."""
         if when > self.run.now():
             await self.branches.park(Wait("timer", self.position, wake_at=when))
+
+    # -- the tool's limits (docs/flow.md) ------------------------------------------------------
+
+    async def admitted_write(self, write: Callable[[Conn], Awaitable[tuple[T, list[Entry]]]],
+                             *, new_work: bool = False) -> T:
+        """``write`` (which records the attempt ``submitted``) in the transaction that admits
+        the dispatch against the tool's limits; until they admit it, the call waits its turn
+        (:meth:`wait_turn`). A tool without limits writes at once."""
+        tool, rate = self.tool, self.tool.rate
+        per = rate.per.total_seconds() if rate is not None else None
+        while True:
+            async def work(conn: Conn) -> tuple[T | _Turn, list[Entry]]:
+                wait = await ops_db.tool_admit(conn, tool=tool.name,
+                                               concurrency=tool.concurrency,
+                                               rate=rate.limit if rate else None, per=per)
+                if wait is not None:
+                    return _Turn(wait), []
+                return await write(conn)
+
+            with self.branches.active():
+                result = await self.session.write(work if tool.limited else write,
+                                                  new_work=new_work, hold=True)
+            if not isinstance(result, _Turn):
+                return cast(T, result)
+            await self.wait_turn(result.wait)
+
+    async def wait_turn(self, wait: float) -> None:
+        """Wait for the tool's turn: a moment in this process when another transaction is
+        admitting a call of it or the wait is shorter than parking costs; else the run is
+        parked (it holds no worker slot) until the rate window or the back-off has room, or,
+        when the tool's concurrency is full, for a while before it asks again."""
+        self.run.metrics.incr("tool_turn_waits", tool=self.tool.name,
+                              limit="busy" if wait == ops_db.ADMIT_BUSY
+                              else "concurrency" if wait == ops_db.ADMIT_FULL else "rate")
+        if wait == ops_db.ADMIT_BUSY:
+            await asyncio.sleep(random.uniform(0.001, 0.005))  # noqa: S311 - jitter
+            return
+        if wait == ops_db.ADMIT_FULL:
+            wait = random.uniform(*FULL_RECHECK)  # noqa: S311 - jitter
+        if wait < IN_PROCESS_TURN:
+            await asyncio.sleep(wait)
+            return
+        await self.branches.park(Wait("turn", self.position, name=self.tool.name,
+                                      wake_at=self.run.now() + timedelta(seconds=wait)))
+
+    async def back_off_shared(self, seconds: float) -> None:
+        """The provider asked for a pause (429 or 503 with a Retry-After): pause the tool's
+        dispatch for every run (a failure to record it is logged; this attempt's outcome is
+        recorded all the same)."""
+        if not self.tool.shared_backoff or seconds <= 0:
+            return
+        name = self.tool.name
+        try:
+            async with self.session.db.connection() as conn:
+                until = await ops_db.tool_back_off(conn, tool=name, seconds=seconds)
+        except OrchestratorError as exc:
+            log.warning("tool %s: its back-off could not be shared: %s", name, exc.code)
+            return
+        self.config.back_offs[name] = until
+        self.run.metrics.incr("tool_back_offs", tool=name)
+
+    async def free_turn(self) -> None:
+        """A call of the tool (which has a concurrency limit) has ended: wake as many runs
+        parked for its turn as it admits at once (best effort: they also ask again on their
+        own, :data:`FULL_RECHECK`)."""
+        tool = self.tool
+        assert tool.concurrency is not None
+        with contextlib.suppress(OrchestratorError):
+            async with self.session.db.connection() as conn:
+                await runs_db.run_wake_turn(conn, tool.name, tool.concurrency)
+
+    async def before_dispatch(self) -> None:
+        """Wait out a back-off of the tool that a provider asked for (parked)."""
+        until = self.config.back_offs.get(self.tool.name)
+        if until is not None:
+            left = (until - self.run.now()).total_seconds()
+            if left > 0:
+                await self.wait_turn(left)
 
     async def incident(self, op_id: int, phase: str, exc: BaseException) -> str:
         """Keep what went wrong in protected diagnostics; return the incident reference."""

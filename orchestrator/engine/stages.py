@@ -64,16 +64,21 @@ class Stages:
         await self.admissible(op_id)
         token, run_id = run.token, run.run_id
 
+        rate = site.tool.rate
+
         async def submit(conn: Conn) -> tuple[str, list[Entry]]:
             status = await ops_db.operation_mark_submitted(conn, run_id=run_id, op_id=op_id,
                                                            token=token)
             if status == "cancelled":
                 return status, [site.event(EventKind.CALL_CANCELLED, {"op": op_id})]
+            if rate is not None:
+                await ops_db.tool_dispatched(conn, tool=site.tool.name, op_id=op_id)
             return status, [site.event(EventKind.CALL_SUBMITTED,
                                        site.submitted_payload(number, op_id, key))]
 
-        with site.branches.active():
-            status = await site.session.write(submit, hold=True)
+        if site.config.back_offs:
+            await site.before_dispatch()
+        status = await site.admitted_write(submit)
         await site.written(op_id, number, status, pending=False)
 
     async def admissible(self, op_id: int) -> None:

@@ -33,9 +33,11 @@ def test_the_runtime_role_may_not_rewrite_the_journal_or_the_audit(details):
     for table in grants.APPEND_ONLY:
         assert held[table] == {"SELECT", "INSERT"}
     # DELETE only where nothing is evidence: dead workers are forgotten, schedules deleted
-    # (their runs, which are, stay).
+    # (their runs, which are, stay), a rate-limited tool's dispatches leave its window (the
+    # operations, which are, stay).
     assert all("DELETE" not in privileges for table, privileges in held.items()
-               if table not in (f"{SCHEMA}.workers", f"{SCHEMA}.schedules"))
+               if table not in (f"{SCHEMA}.workers", f"{SCHEMA}.schedules",
+                                f"{SCHEMA}.tool_dispatches"))
     assert all("TRUNCATE" not in privileges for privileges in held.values())
 
 

@@ -52,6 +52,8 @@ COUNTERS = {
     "orchestrator_lookups": {"tool", "answer"},
     "orchestrator_cancellations": {"stage"},
     "orchestrator_schedule_slots": {"outcome"},
+    "orchestrator_tool_turn_waits": {"tool", "limit"},
+    "orchestrator_tool_back_offs": {"tool"},
     "orchestrator_schedule_gaps": set(),
 }
 
