@@ -21,7 +21,8 @@ at any point leaves either the whole claim or nothing. The rules are in docs/flo
 Tools: ``orchestrator.tool_admit(tool, concurrency, rate, per)`` runs in the transaction that
 records a call's operation as ``submitted`` (write-ahead, before dispatch), before the insert:
 under a transaction-level advisory lock of the tool it counts the tool's operations in flight
-(``submitted``, through ``ix_operations_tool_inflight``) and its dispatches in the rate window
+(``submitted``, or ``unknown`` within the tool's timeout, through
+``ix_operations_tool_inflight``) and its dispatches in the rate window
 (``tool_dispatches``), and reads the tool's shared back-off (``tool_limits.backoff_until``, set
 when the provider answered 429 or 503 with a Retry-After). The lock is only tried, never waited
 for (writes of many runs share a transaction, so waiting could deadlock): a caller that does
@@ -210,7 +211,8 @@ $$;
 """
 
 ADMIT_SQL = """
-CREATE FUNCTION orchestrator.tool_admit(t text, conc integer, rate integer, per float8)
+CREATE FUNCTION orchestrator.tool_admit(t text, conc integer, rate integer, per float8,
+                                        timeout float8)
 RETURNS float8 LANGUAGE plpgsql VOLATILE AS $$
 -- NULL: admitted (the caller records its operation now, in this transaction); -1: another
 -- transaction holds the tool's lock (try again in a moment); -2: the tool's concurrency is
@@ -231,8 +233,12 @@ BEGIN
         RETURN extract(epoch FROM until - moment);
     END IF;
     IF conc IS NOT NULL THEN
+        -- In flight: sent and not settled, or unknown (its worker was lost, its call timed
+        -- out) while the call may still be running at the provider, up to the tool's timeout.
         SELECT count(*) INTO n FROM orchestrator.operations AS o
-        WHERE o.state = 'submitted' AND o.tool_name = t;
+        WHERE o.state IN ('submitted', 'unknown') AND o.tool_name = t
+          AND (o.state = 'submitted'
+               OR o.submitted_at > moment - make_interval(secs => timeout));
         IF n >= conc THEN
             RETURN -2;
         END IF;
@@ -358,8 +364,9 @@ def upgrade() -> None:
         schema=S,
     )
     op.create_index("ix_tool_dispatches_tool_at", "tool_dispatches", ["tool", "at"], schema=S)
-    op.create_index("ix_operations_tool_inflight", "operations", ["tool_name"], schema=S,
-                    postgresql_where=sa.text("state = 'submitted'"))
+    op.create_index("ix_operations_tool_inflight", "operations",
+                    ["tool_name", "submitted_at"], schema=S,
+                    postgresql_where=sa.text("state IN ('submitted', 'unknown')"))
     op.create_index("ix_runs_turn_waiters", "runs", ["available_at"], schema=S,
                     postgresql_where=sa.text(TURN_WAITERS))
     op.execute(RUNS_READY_SQL)
@@ -368,7 +375,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP FUNCTION orchestrator.tool_admit(text, integer, integer, float8)")
+    op.execute("DROP FUNCTION orchestrator.tool_admit(text, integer, integer, float8, float8)")
     op.execute("DROP FUNCTION orchestrator.queue_claim(text, text[], text, integer, float8)")
     op.drop_index("ix_runs_turn_waiters", table_name="runs", schema=S)
     op.drop_index("ix_operations_tool_inflight", table_name="operations", schema=S)

@@ -89,8 +89,8 @@ _FUNCTIONS = (
     Grant("function", f"{SCHEMA}.row_applied(boolean, text)", ("EXECUTE",)),
     Grant("function",
           f"{SCHEMA}.queue_claim(text, text[], text, integer, double precision)", ("EXECUTE",)),
-    Grant("function", f"{SCHEMA}.tool_admit(text, integer, integer, double precision)",
-          ("EXECUTE",)),
+    Grant("function", f"{SCHEMA}.tool_admit(text, integer, integer, double precision, "
+                      "double precision)", ("EXECUTE",)),
 )
 
 

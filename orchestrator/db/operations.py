@@ -515,12 +515,13 @@ ADMIT_FULL = -2.0
 
 
 async def tool_admit(conn: Conn, *, tool: str, concurrency: int | None, rate: int | None,
-                     per: float | None) -> float | None:
+                     per: float | None, timeout: float) -> float | None:
     """Whether a call of ``tool`` may be dispatched now (None: yes, and the caller records its
     operation ``submitted`` in this same transaction), else :data:`ADMIT_BUSY`,
-    :data:`ADMIT_FULL` or the seconds until the rate window or the tool's back-off has room."""
-    cur = await conn.execute(f"SELECT {S}.tool_admit(%s, %s, %s, %s) AS wait",
-                             (tool, concurrency, rate, per))
+    :data:`ADMIT_FULL` or the seconds until the rate window or the tool's back-off has room.
+    ``timeout``: the tool's, for how long an unknown call may still be in flight."""
+    cur = await conn.execute(f"SELECT {S}.tool_admit(%s, %s, %s, %s, %s) AS wait",
+                             (tool, concurrency, rate, per, timeout))
     row = await cur.fetchone()
     assert row is not None
     wait = row["wait"]

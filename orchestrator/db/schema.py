@@ -224,7 +224,8 @@ operations = Table(
     Index("ix_operations_unsettled", "run_id",
           postgresql_where=text("state IN ('pending', 'submitted', 'unknown')")),
     # A tool's calls in flight: what its concurrency limit counts (migration 0012).
-    Index("ix_operations_tool_inflight", "tool_name", postgresql_where=text("state = 'submitted'")),
+    Index("ix_operations_tool_inflight", "tool_name", "submitted_at",
+          postgresql_where=text("state IN ('submitted', 'unknown')")),
 )
 
 reconciliation_items = Table(

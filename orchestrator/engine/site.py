@@ -271,11 +271,13 @@ class CallSite:
         (:meth:`wait_turn`). A tool without limits writes at once."""
         tool, rate = self.tool, self.tool.rate
         per = rate.per.total_seconds() if rate is not None else None
+        timeout = (tool.timeout or self.config.tool_timeout).total_seconds()
         while True:
             async def work(conn: Conn) -> tuple[T | _Turn, list[Entry]]:
                 wait = await ops_db.tool_admit(conn, tool=tool.name,
                                                concurrency=tool.concurrency,
-                                               rate=rate.limit if rate else None, per=per)
+                                               rate=rate.limit if rate else None, per=per,
+                                               timeout=timeout)
                 if wait is not None:
                     return _Turn(wait), []
                 return await write(conn)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import dbtools
 from tests.chaos.conftest import run_chaos
-from tests.chaos.environment import Environment
+from tests.chaos.environment import Environment, migrate_to_head
 from tests.chaos.harness import Config
+from tests.chaos.limits import LimitsConfig, run_profile
 
 pytestmark = pytest.mark.chaos
 
@@ -53,6 +55,27 @@ def test_the_harness_catches_duplicates_when_the_no_redispatch_guard_is_off(
     assert duplicates.value > 0, result.text
     assert not result.ok
     assert "verdict: FAIL" in result.text
+
+
+@pytest.mark.timeout(600)
+def test_limits_profile_holds_every_limit_while_workers_die(pg_admin_url: str,
+                                                             tmp_path: Path) -> None:
+    """Queue and tool limits under worker kills and pauses, measured by the sink
+    (tests/chaos/limits.py); ``python -m tests.chaos.limits`` runs it at full size."""
+    import asyncio
+
+    names = [dbtools.unique_name("limits"), dbtools.unique_name("limitssink")]
+    db_url, sink_url = (dbtools.create_database(pg_admin_url, n) for n in names)
+    try:
+        migrate_to_head(db_url)
+        result = asyncio.run(run_profile(LimitsConfig(seed=FIXED_SEED, fault_interval=0.8)
+                                         .scaled(0.5), db_url=db_url, sink_url=sink_url,
+                                         log_dir=tmp_path / "logs"))
+    finally:
+        for name in names:
+            dbtools.drop_database(pg_admin_url, name)
+    assert result.ok, result.text
+    assert sum(result.faults.values()) > 0, result.text
 
 
 @pytest.mark.chaos_long
