@@ -42,8 +42,12 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
                                       submission_key=submission_key)
         blocked = await queues_db.run_blockers(
             conn, [r["id"] for r in rows if r["queue"] is not None])
-    for row in rows:  # why a run ready in a queue has not started (docs/flow.md)
+    now = datetime.now(UTC)
+    for row in rows:  # why a run ready in a queue, or held back, has not started
         row["blocked"] = blocked.get(row["id"])
+        start = held_until(row) if row["status"] == "queued" and not row["revision"] else None
+        if row["blocked"] is None and start is not None and start > now:
+            row["blocked"] = f"not before {utc_text(start)}"
     return rows
 
 

@@ -136,11 +136,11 @@ class Workers:
         self.faults: dict[str, int] = defaultdict(int)
 
     def start(self, i: int) -> None:
-        out = (self.log_dir / f"worker-{i}.log").open("ab")
-        self.procs[i] = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", "worker", "--app",
-             "tests.chaos.limits_app:app", "--concurrency", str(self.cfg.concurrency)],
-            env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ENGINE_DIR))
+        with (self.log_dir / f"worker-{i}.log").open("ab") as out:  # the child keeps its own
+            self.procs[i] = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", "worker", "--app",
+                 "tests.chaos.limits_app:app", "--concurrency", str(self.cfg.concurrency)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ENGINE_DIR))
 
     def start_all(self) -> None:
         for i in range(self.cfg.workers):

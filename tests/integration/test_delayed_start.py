@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from orchestrator import IdempotencyConflict, InvalidRequest
-from orchestrator.admin import show_run
+from orchestrator.admin import list_runs, show_run
 from orchestrator.records import iso
 from tests.consoletools import GRANTS, Served, from_header
 from tests.integration.conftest import OWNER, running
@@ -44,6 +44,9 @@ async def test_a_delayed_run_is_not_claimed_before_its_start_and_runs_after_it(m
         assert info.start_at == info.created_at + timedelta(seconds=2)
         note = (await show_run(app.database, later.id)).note or ""
         assert note.startswith("not before ") and "held-back start" in note
+        listed = {r["id"]: r for r in await list_runs(app.database)}
+        assert listed[later.id]["blocked"].startswith("not before ")
+        assert listed[now.id]["blocked"] is None
         assert await later.result_async(timeout=10) == {"name": "later"}
     assert started["later"] - submitted >= 2.0
     assert (await later.info_async()).start_at == info.start_at  # still says when it could

@@ -117,7 +117,7 @@ async def test_a_submission_key_follows_c1_over_http(make_app, sql) -> None:  # 
                 "unknown version": await http.post(
                     "/api/runs", json={"workflow": "approve", "version": "9", "input": 1}),
                 "unknown field": await http.post(
-                    "/api/runs", json={"workflow": "approve", "input": 1, "priority": 1}),
+                    "/api/runs", json={"workflow": "approve", "input": 1, "urgency": 1}),
                 "bad deadline": await http.post(
                     "/api/runs", json={"workflow": "approve", "input": 1, "deadline": -1}),
                 "not JSON": await http.post(
