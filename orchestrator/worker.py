@@ -156,7 +156,7 @@ class Worker:
                 conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
                 workflows=workflows, concurrency=self.concurrency,
                 lock_key=self._liveness.key if held else None)
-        last_sweep = last_claim = 0.0
+        last_sweep = last_claim = last_look = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
         companions_stop = asyncio.Event()
@@ -165,6 +165,12 @@ class Worker:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
+                if time.monotonic() - last_look >= self.poll_interval:
+                    # The fallback poll, however often news came meanwhile: a run whose
+                    # timer fell due, or a queue's news that was missed, is claimed by it.
+                    last_look = time.monotonic()
+                    self._dirty.add(None)
+                    self._dirty.update(self._queues)
                 if time.monotonic() - last_sweep > min(self.lease_ttl / 2, SWEEP_INTERVAL):
                     last_sweep = time.monotonic()
                     await self._sweep()
@@ -177,16 +183,12 @@ class Worker:
                     last_claim = time.monotonic()
                     if await self._claim_sources(workflows, free):
                         continue
-                timeout = self.poll_interval
+                timeout = max(0.0, last_look + self.poll_interval - time.monotonic())
                 if self._rate_wakes:
                     timeout = max(0.0, min(timeout,
                                            min(self._rate_wakes.values()) - time.monotonic()))
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except TimeoutError:
-                    if timeout == self.poll_interval:  # the fallback poll: look everywhere
-                        self._dirty.add(None)
-                        self._dirty.update(self._queues)
                 now = time.monotonic()
                 for queue, due in list(self._rate_wakes.items()):
                     if due <= now:
