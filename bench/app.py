@@ -29,7 +29,12 @@ import os
 import time
 from typing import Any
 
-from orchestrator import Orchestrator, Owner, RateLimit, ToolContext, WorkflowContext
+from orchestrator import Orchestrator, Owner, ToolContext, WorkflowContext
+
+try:
+    from orchestrator import RateLimit
+except ImportError:  # an engine from before queues (bench --engine REF): no queue workflows
+    RateLimit = None  # type: ignore[assignment,misc]
 
 OWNER = Owner(tenant="bench", principal="bench")
 QUEUE_CAP = int(os.environ.get("BENCH_QUEUE_CAP", "8"))
@@ -75,6 +80,16 @@ def _register(orch: Orchestrator) -> None:
 
         orch.workflow(version="1", name=f"k{k}")(run_k)
 
+    if RateLimit is not None:
+        _queues(orch, steps)
+
+    @orch.workflow(version="1", name="hold")
+    async def hold_run(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        result: dict[str, Any] = await ctx.call(hold)
+        return result
+
+
+def _queues(orch: Orchestrator, steps: Any) -> None:
     orch.queue("wide", concurrency=1_000_000)
     orch.queue("capped", concurrency=QUEUE_CAP)
     orch.queue("rated", rate=RateLimit(QUEUE_RATE))
@@ -92,11 +107,6 @@ def _register(orch: Orchestrator) -> None:
     @orch.workflow(version="1", name="rated", queue="rated")
     async def rated(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
         return await steps(ctx, 1)
-
-    @orch.workflow(version="1", name="hold")
-    async def hold_run(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
-        result: dict[str, Any] = await ctx.call(hold)
-        return result
 
 
 def _env_float(name: str) -> float | None:

@@ -152,7 +152,23 @@ class QueueInfo:
                    row["recent_starts"], tuple(keys))
 
 
-def _missing(name: str) -> InvalidRequest:
+def queue_record(info: QueueInfo) -> dict[str, Any]:
+    """A queue as ``queues ... --json`` and the console's API show it (docs/cli-json.md)."""
+    return {"name": info.name, "concurrency": info.concurrency,
+            "worker_concurrency": info.worker_concurrency,
+            "key_concurrency": info.key_concurrency,
+            "rate": None if info.rate is None else {
+                "limit": info.rate.limit, "per_seconds": info.rate.per.total_seconds()},
+            "priority": info.priority, "count_parked": info.count_parked,
+            "priority_aging_seconds": info.priority_aging.total_seconds(),
+            "paused": info.paused, "overridden": list(info.overridden),
+            "declared": info.declared, "held": info.held, "running": info.running,
+            "ready": info.ready, "oldest_ready_seconds": info.oldest_seconds,
+            "recent_starts": info.recent_starts,
+            "keys": [dict(k) for k in info.keys]}
+
+
+def missing(name: str) -> InvalidRequest:
     return InvalidRequest(f"no queue {name}: a queue is stored once a worker of an app that "
                           "declares it (app.queue) has started; `orchestrator queues list` "
                           "shows them", path="name")
@@ -177,7 +193,7 @@ class QueueAdmin:
 
         row, key_rows = await self.database.read(read)
         if row is None:
-            raise _missing(name)
+            raise missing(name)
         return QueueInfo.from_row(row, key_rows)
 
     async def set(self, name: str, **changes: Any) -> QueueInfo:
@@ -186,13 +202,13 @@ class QueueAdmin:
         :class:`RateLimit`, text such as ``"100/s"``, or None), ``priority``,
         ``count_parked``. What is not given stays."""
         check_queue_name(name, "name")
-        row = _changes(changes)
+        row = queue_changes(changes)
         if not row:
             raise InvalidRequest("give at least one limit to set", path="limits")
         got = await self.database.run_autocommit(
             lambda conn: queues_db.queue_set(conn, name, row))
         if got is None:
-            raise _missing(name)
+            raise missing(name)
         return QueueInfo.from_row(got)
 
     async def reset(self, name: str) -> QueueInfo:
@@ -200,7 +216,7 @@ class QueueAdmin:
         check_queue_name(name, "name")
         got = await self.database.run_autocommit(lambda conn: queues_db.queue_reset(conn, name))
         if got is None:
-            raise _missing(name)
+            raise missing(name)
         return QueueInfo.from_row(got)
 
     async def set_paused(self, name: str, paused: bool) -> QueueInfo:
@@ -208,7 +224,7 @@ class QueueAdmin:
         got = await self.database.run_autocommit(
             lambda conn: queues_db.queue_pause(conn, name, paused))
         if got is None:
-            raise _missing(name)
+            raise missing(name)
         return QueueInfo.from_row(got)
 
 
@@ -216,7 +232,10 @@ _SETTABLE = ("concurrency", "worker_concurrency", "key_concurrency", "rate", "pr
              "count_parked")
 
 
-def _changes(changes: dict[str, Any]) -> dict[str, Any]:
+def queue_changes(changes: dict[str, Any]) -> dict[str, Any]:
+    """Limits given by name (``rate`` as a :class:`RateLimit` or text), checked, as the
+    columns that hold them; ``INVALID_REQUEST`` naming a field that is not a limit or a bad
+    value."""
     row: dict[str, Any] = {}
     for field, value in changes.items():
         if field not in _SETTABLE:

@@ -17,7 +17,7 @@ from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
-from orchestrator.queues import QueueAdmin, QueueInfo
+from orchestrator.queues import QueueAdmin, QueueInfo, queue_record
 
 T = TypeVar("T")
 
@@ -71,19 +71,7 @@ def _admin(args: argparse.Namespace, act: Callable[[QueueAdmin], Awaitable[T]]) 
     return asyncio.run(main())
 
 
-def record(info: QueueInfo) -> dict[str, Any]:
-    return {"name": info.name, "concurrency": info.concurrency,
-            "worker_concurrency": info.worker_concurrency,
-            "key_concurrency": info.key_concurrency,
-            "rate": None if info.rate is None else {
-                "limit": info.rate.limit, "per_seconds": info.rate.per.total_seconds()},
-            "priority": info.priority, "count_parked": info.count_parked,
-            "priority_aging_seconds": info.priority_aging.total_seconds(),
-            "paused": info.paused, "overridden": list(info.overridden),
-            "declared": info.declared, "held": info.held, "running": info.running,
-            "ready": info.ready, "oldest_ready_seconds": info.oldest_seconds,
-            "recent_starts": info.recent_starts,
-            "keys": [dict(k) for k in info.keys]}
+record = queue_record
 
 
 def _limit(value: int | None) -> str:

@@ -249,6 +249,8 @@ class Api:
             Route("/api/operations/{operation_id:int}/abandon", post(self.abandon),
                   methods=["POST"]),
             Route("/api/workers", get(self.workers)),
+            Route("/api/queues", get(self.queues)),
+            Route("/api/queues/{name}", post(self.change_queue), methods=["POST"]),
             Route("/api/incidents", get(self.incidents)),
             Route("/api/incidents/{ref}", get(self.incident)),
             Route("/api/audit", get(self.audit)),
@@ -313,6 +315,26 @@ class Api:
 
     async def workers(self, request: Request, access: Access) -> Any:
         return {"workers": [documents.worker(w) for w in await self.service.workers(access)]}
+
+    async def queues(self, request: Request, access: Access) -> Any:
+        shown = await self.service.queues(access)
+        return {"queues": [documents.queue_doc(q) for q in shown], "count": len(shown)}
+
+    async def change_queue(self, request: Request, access: Access) -> Any:
+        """``{"action": "pause"|"resume"|"set"|"reset", "evidence": ..., "concurrency": ...,
+        "worker_concurrency": ..., "key_concurrency": ..., "rate": "100/s"}``: the queue
+        after the change."""
+        body = await json_body(request)
+        limits: tuple[str, ...] = ("concurrency", "worker_concurrency", "key_concurrency",
+                                   "rate")
+        changes: dict[str, Any] = {k: body[k] for k in limits if k in body}
+        unknown = sorted(set(body) - set(changes) - {"action", "evidence"})
+        if unknown:
+            raise InvalidRequest(f"the body has no field {unknown[0]!r}", path=unknown[0])
+        info = await self.service.change_queue(
+            access, request.path_params["name"], action=_text(body, "action", required=True),
+            evidence=_text(body, "evidence", required=True), changes=changes)
+        return documents.queue_doc(info)
 
     async def incidents(self, request: Request, access: Access) -> Any:
         page = await self.service.incidents(access, before=text_param(request, "before"),

@@ -11,6 +11,7 @@ from typing import Any
 from orchestrator import records
 from orchestrator.console.grants import Access
 from orchestrator.console.service import Overview, Page, RunView, Worker
+from orchestrator.queues import QueueInfo, queue_record
 from orchestrator.records import ident, iso
 
 
@@ -26,6 +27,11 @@ def worker(w: Worker) -> dict[str, Any]:
             "runs_held": int(row["runs_held"]), "started_at": iso(row["started_at"]),
             "heartbeat_at": iso(row["heartbeat_at"]),
             "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"]}
+
+
+def queue_doc(info: QueueInfo) -> dict[str, Any]:
+    """A queue (docs/cli-json.md's ``QUEUE``)."""
+    return queue_record(info)
 
 
 def overview(o: Overview) -> dict[str, Any]:

@@ -9,6 +9,8 @@
 ``incidents``  read protected diagnostics: the incidents, what lookups said
 ``metrics``    scrape ``/metrics``: the gauges read from the database (unknown operations,
                the operator queue, queued runs), counted over every tenant
+``queues``     pause, resume or change the limits of a queue (docs/flow.md); a queue is
+               shared by every tenant, so only an operator without tenant scopes may
 =============  ======================================================================
 
 Grants say what kind of thing an operator may do; the application's ``operator_scopes`` say on
@@ -27,7 +29,7 @@ from typing import Any
 from orchestrator.errors import ConfigurationError, Forbidden, InvalidRequest
 from orchestrator.text import check_operator
 
-GRANTS = ("read", "resolve", "bulk", "cancel", "incidents", "metrics")
+GRANTS = ("read", "resolve", "bulk", "cancel", "incidents", "metrics", "queues")
 ALL = "all"
 """Shorthand for every grant (``--grant alice=all``)."""
 

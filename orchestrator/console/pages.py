@@ -39,7 +39,7 @@ from orchestrator.console.web import (
     set_cookie,
     status_of,
 )
-from orchestrator.errors import InvalidRequest, OrchestratorError, ResolutionConflict
+from orchestrator.errors import Forbidden, InvalidRequest, OrchestratorError, ResolutionConflict
 from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
 from orchestrator.operators import ITEM_STATES, UNRESOLVED
@@ -55,6 +55,10 @@ DONE = {
     "cancel_requested": "Cancellation requested: the run stops at its next step (a run "
                         "blocked on an unknown operation, once that is reconciled).",
     "finished": "The run had already finished; nothing to cancel.",
+    "queue_pause": "The queue is paused: nothing new starts from it; its running runs go on.",
+    "queue_resume": "The queue is resumed: its runs start again.",
+    "queue_set": "The queue's limits are changed; the workers' next claims use them.",
+    "queue_reset": "The queue's limits are back to what the code declares.",
 }
 """What ``?done=`` says on the page an action led to (only these texts: never the query's)."""
 
@@ -160,6 +164,8 @@ class Pages:
             Route("/operations/{operation_id:int}/resolve", act(self.resolve),
                   methods=["POST"]),
             Route("/workers", page(self.workers)),
+            Route("/queues", page(self.queues)),
+            Route("/queues/{name}", act(self.change_queue), methods=["POST"]),
             Route("/incidents", page(self.incidents)),
             Route("/incidents/{ref}", page(self.incident)),
             Route("/audit", page(self.audit)),
@@ -356,6 +362,29 @@ class Pages:
     async def workers(self, request: Request, access: Access) -> Response:
         shown = [documents.worker(w) for w in await self.service.workers(access)]
         return self.render(request, "workers.html", access, nav="workers", workers=shown)
+
+    async def queues(self, request: Request, access: Access, *, status: int = 200,
+                     error: OrchestratorError | None = None) -> Response:
+        shown = [documents.queue_doc(q) for q in await self.service.queues(access)]
+        return self.render(request, "queues.html", access, status=status, nav="queues",
+                           queues=shown, failure=None if error is None else public(error))
+
+    async def change_queue(self, request: Request, access: Access, form: FormData) -> Response:
+        name = request.path_params["name"]
+        action = _field(form, "action") or ""
+        changes: dict[str, Any] = {}
+        for limit in ("concurrency", "rate"):
+            given = (_field(form, limit) or "").strip()
+            if given:
+                changes[limit] = None if given.lower() == "none" else (
+                    int(given) if limit == "concurrency" and given.isdigit() else given)
+        try:
+            await self.service.change_queue(access, name, action=action,
+                                            evidence=_field(form, "evidence") or "",
+                                            changes=changes)
+        except (InvalidRequest, Forbidden) as exc:
+            return await self.queues(request, access, status=status_of(exc), error=exc)
+        return self.redirect(request, "/queues", done=f"queue_{action}")
 
     async def incidents(self, request: Request, access: Access) -> Response:
         page = await self.service.incidents(access, before=text_param(request, "before"),

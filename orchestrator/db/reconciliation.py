@@ -334,11 +334,12 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
 
 
 async def audit_record(
-    conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str, tenant: str,
-    evidence: str, before: str | None, after: str | None
+    conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str,
+    tenant: str | None, evidence: str, before: str | None, after: str | None
 ) -> None:
     """One audit row; ``tenant`` is the tenant of the target (an operation's owner), which
-    decides which operators may read the row."""
+    decides which operators may read the row (None: a target of every tenant, such as a
+    queue; only operators without tenant scopes read it)."""
     await conn.execute(
         f"""
         INSERT INTO {S}.operator_audit (operator, action, target_kind, target_id, tenant,

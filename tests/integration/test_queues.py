@@ -17,7 +17,7 @@ from orchestrator import InvalidRequest, Orchestrator, RateLimit
 from orchestrator.admin import list_runs, show_run
 from orchestrator.testing import running_worker
 from tests.clitools import run_cli
-from tests.consoletools import GRANTS, Served, from_header
+from tests.consoletools import GRANTS, Client, Served, from_header
 from tests.integration.conftest import OWNER, running, wait_for
 
 
@@ -369,3 +369,52 @@ async def test_the_http_api_takes_a_queue_a_priority_and_a_key(make_app, sql):
                 assert bad.json()["code"] == "INVALID_REQUEST"
                 assert field in bad.json()["message"]
     assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 1
+
+
+async def test_the_console_shows_queues_and_an_operator_changes_them_audited(make_app, sql):
+    app, _ = _app(make_app, Gauge(), concurrency=2)
+    async with running(app):
+        await _stored(app)
+    console = app.console(from_header, {"ops": ["queues"], "viewer": ["read"]})
+    async with Client(console, "viewer") as viewer, Client(console, "ops") as ops:
+        listed = (await viewer.get("/api/queues")).json()
+        assert [(q["name"], q["concurrency"]) for q in listed["queues"]] == [("work", 2)]
+        page = await viewer.get("/queues")
+        assert page.status_code == 200 and "work" in page.text and "Pause" not in page.text
+        refused = await viewer.post("/api/queues/work", {"action": "pause",
+                                                         "evidence": "deploy in progress"})
+        assert refused.status_code == 403
+        assert (await ops.post("/api/queues/work", {"action": "pause"})).status_code == 400
+        bad = await ops.post("/api/queues/work", {"action": "set", "rate": "10/fortnight",
+                                                  "evidence": "slow the partner down"})
+        assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
+        paused = await ops.post("/api/queues/work", {"action": "pause",
+                                                     "evidence": "deploy in progress"})
+        assert paused.status_code == 200, paused.text
+        assert paused.json()["paused"] is True
+        changed = await ops.form("/queues/work", {"action": "set", "concurrency": "5",
+                                                  "rate": "100/s",
+                                                  "evidence": "partner raised our quota"})
+        assert changed.status_code == 303
+        info = await app.queues.get_async("work")
+        assert info.concurrency == 5 and info.rate == RateLimit(100) and info.paused
+        assert "Pause" in (await ops.get("/queues")).text or "Resume" in (
+            await ops.get("/queues")).text
+    audit = sql("SELECT operator, action, target_kind, target_id, tenant, evidence, "
+                "after->>'paused' AS paused FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"], a["target_id"], a["tenant"]) for a in audit] == [
+        ("ops", "queue.pause", "work", None), ("ops", "queue.set", "work", None)]
+    assert audit[0]["paused"] == "true"
+
+
+async def test_an_operator_limited_to_tenants_may_not_change_a_queue(make_app):
+    app = make_app(operator_scopes={"scoped": ["acme"]})
+    app.queue("work")
+    async with running(app):
+        await _stored(app)
+    console = app.console(from_header, {"scoped": ["queues"]})
+    async with Client(console, "scoped") as scoped:
+        refused = await scoped.post("/api/queues/work", {"action": "pause",
+                                                         "evidence": "not mine to pause"})
+        assert refused.status_code == 403, refused.text
+    assert not (await app.queues.get_async("work")).paused
