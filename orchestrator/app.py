@@ -81,7 +81,6 @@ from orchestrator.registry import (
     Tool,
     Workflow,
     check_name,
-    version_order,
 )
 from orchestrator.scheduler import (
     Declared,
@@ -249,11 +248,16 @@ class Orchestrator:
         return target
 
     def workflow(
-        self, *, version: str = "1", name: str | None = None, queue: str | None = None
+        self, *, version: str = "1", name: str | None = None, queue: str | None = None,
+        default: bool = False,
     ) -> Callable[[Callable[[WorkflowContext, I], Awaitable[R]]], Workflow[I, R]]:
         """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's.
         ``queue``: the queue its runs (and its runs as children) wait in unless a submission
         names another; it must be declared with :meth:`queue` before a run is submitted.
+        ``version``: several versions of one name may be registered side by side (a run keeps
+        the version it started with); a submission by name alone starts the one marked
+        ``default=True`` (at most one), else the highest (``"10"`` after ``"9"``); see
+        docs/versioning.md.
 
         Returns a :class:`Workflow` typed by the function's input and result."""
         if queue is not None:
@@ -261,7 +265,8 @@ class Orchestrator:
 
         def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
             wf = Workflow(name=check_name("workflow", name or fn.__name__),
-                          version=check_name("version", str(version)), fn=fn, queue=queue)
+                          version=check_name("version", str(version)), fn=fn, queue=queue,
+                          default=bool(default))
             self.registry.add_workflow(wf)
             return wf
 
@@ -415,15 +420,19 @@ class Orchestrator:
             raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
         return self.default_owner
 
+    def arguments_text(self, arguments: Any) -> str:
+        """A tool call's arguments as the ledger's intent digest reads them (canonical JSON,
+        held to this app's limits)."""
+        return self.json_limits.text(arguments, "$.arguments")
+
     def _resolve_workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
         if isinstance(workflow, Workflow):
             return workflow
-        matches = [w for w in self.registry.workflows.values()
-                   if w.name == workflow and (version is None or w.version == version)]
-        if not matches:
+        chosen = self.registry.choose(workflow, version)
+        if chosen is None:
             named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
             raise UnknownWorkflow(f"{named} is not registered")
-        return max(matches, key=lambda w: version_order(w.version))
+        return chosen
 
     def new_run_row(
         self,
@@ -472,6 +481,7 @@ class Orchestrator:
         workflow: str,
         input: Any = None,
         *,
+        version: str | None = None,
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
@@ -488,6 +498,7 @@ class Orchestrator:
         workflow: Workflow[Any, Any] | str,
         input: Any = None,
         *,
+        version: str | None = None,
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
@@ -500,6 +511,9 @@ class Orchestrator:
     ) -> RunHandle[Any]:
         """Submit a run; with ``idempotency_key``, at most one run per owner and key (C1).
 
+        A workflow given by name starts ``version``, or without one the version registered
+        with ``default=True``, else the highest (``"10"`` after ``"9"``; docs/versioning.md).
+
         ``start_at`` (a timezone-aware time) or ``delay`` (from now) hold the run back: no
         worker claims it before then, and its ``deadline`` counts from then (docs/flow.md).
         ``queue`` (else the workflow's), ``priority`` (lower first, in a queue declared with
@@ -509,7 +523,7 @@ class Orchestrator:
         With ``connection`` (a psycopg async connection in a transaction), the run is written
         in the caller's transaction: invisible until it commits, gone if it rolls back.
         """
-        handle, _ = await self._submit_async(workflow, input, owner=owner,
+        handle, _ = await self._submit_async(workflow, input, version=version, owner=owner,
                                              idempotency_key=idempotency_key,
                                              deadline=deadline, start_at=start_at,
                                              delay=delay, queue=queue, priority=priority,
@@ -535,7 +549,7 @@ class Orchestrator:
     ) -> tuple[RunHandle[Any], bool]:
         """:meth:`submit_async`, and whether it created the run (False: the owner's key named
         an existing run of the same request). ``version`` picks a registered version of a
-        workflow given by name (None: the newest)."""
+        workflow given by name (None: the default one, else the highest)."""
         who = self._owner(owner)
         if idempotency_key is not None:
             validate_idempotency_key(idempotency_key)
@@ -610,6 +624,7 @@ class Orchestrator:
         workflow: str,
         input: Any = None,
         *,
+        version: str | None = None,
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
@@ -626,6 +641,7 @@ class Orchestrator:
         workflow: Workflow[Any, Any] | str,
         input: Any = None,
         *,
+        version: str | None = None,
         owner: Owner | None = None,
         idempotency_key: str | None = None,
         deadline: timedelta | None = None,
@@ -638,10 +654,11 @@ class Orchestrator:
     ) -> RunHandle[Any]:
         """Sync twin of :meth:`submit_async`. The caller's current span (its thread's
         OpenTelemetry context) is the submission's parent, as in the async method."""
-        return self._portal.call(_in_context(otel_context.get_current(), self.submit_async(
-            workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-            start_at=start_at, delay=delay, queue=queue, priority=priority,
-            concurrency_key=concurrency_key, connection=connection)))
+        submitted = self._submit_async(
+            workflow, input, version=version, owner=owner, idempotency_key=idempotency_key,
+            deadline=deadline, start_at=start_at, delay=delay, queue=queue, priority=priority,
+            concurrency_key=concurrency_key, connection=connection)
+        return self._portal.call(_in_context(otel_context.get_current(), submitted))[0]
 
     # -- reading and acting on runs ----------------------------------------------------------
 

@@ -40,6 +40,8 @@ class Commands(Protocol):
 
     def next_position(self) -> int: ...
 
+    def patch(self, patch_id: str) -> bool: ...
+
     def value(self, position: int, name: str) -> Any: ...
 
     def publish(self, position: int, value: Any, topic: str) -> None: ...
@@ -149,6 +151,31 @@ class WorkflowContext:
         """A random float in [0, 1), recorded: a replay sees the same value."""
         value: float = self._ex.value(self._ex.next_position(), "random")
         return value
+
+    def patched(self, patch_id: str) -> bool:
+        """Whether this run takes the new code of patch ``patch_id`` (docs/versioning.md)::
+
+            if ctx.patched("fee-before-charge"):
+                await ctx.call(fee, order=order)      # the new code
+            await ctx.call(charge, order=order)
+
+        A run that reaches this point for the first time takes the new code (True) and its
+        journal records a marker. A run whose journal already holds what the code before
+        the patch did here (it got this far on the old code, then parked or lost its worker)
+        gets False on every replay, and goes on down the old path. Not a command: the marker
+        takes no position, so adding or removing a patch does not move the commands after
+        it. ``patch_id`` is a name (``INVALID_REQUEST`` otherwise).
+        """
+        return self._ex.patch(patch_id)
+
+    def deprecate_patch(self, patch_id: str) -> None:
+        """Say that the old code of patch ``patch_id`` is gone: the step after
+        ``if ctx.patched(...)``, once no run that took the old path is in flight (`orchestrator
+        replay` tells). It records the marker as :meth:`patched` would, so workers that still
+        run the patched code replay runs started here down the new path; remove it too once
+        those workers are gone. A run that recorded the old path fails at its next command with
+        ``NONDETERMINISM`` (the replay check finds it first)."""
+        self._ex.patch(patch_id)
 
     def publish(self, value: Any, topic: str = "progress") -> None:
         """Publish ``value`` (a JSON value) into the run's stream, for readers of

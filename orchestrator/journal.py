@@ -54,6 +54,9 @@ class EventKind(StrEnum):
     CHILD_STARTED = "child.started"
     CHILD_COMPLETED = "child.completed"
     CHILD_FAILED = "child.failed"
+    # ctx.patched / ctx.deprecate_patch: this run took a patch's new code (a marker that
+    # takes no position of its own: it is filed under the position of the next command)
+    PATCH = "patch"
     # the run's end
     RUN_COMPLETED = "run.completed"
     RUN_FAILED = "run.failed"
@@ -88,6 +91,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CHILD_STARTED: (("run_id", "version"), ()),
     K.CHILD_COMPLETED: (("result",), ()),
     K.CHILD_FAILED: (("code", "message"), ("cause",)),
+    K.PATCH: ((), ()),  # its name is the patch's id
     K.RUN_COMPLETED: (("result",), ()),
     K.RUN_FAILED: (("code", "message", "incident"), ("cause",)),
     K.RUN_CANCELLED: ((), ()),
@@ -167,12 +171,22 @@ class JournalIndex:
         if not events:
             return []
         first = events[0]
+        if first["kind"] == K.PATCH:  # markers are not commands: look past them
+            events = [e for e in events if e["kind"] != K.PATCH]
+            if not events:
+                return []
+            first = events[0]
         if first["kind"] not in FIRST_KIND[command] or first["name"] != name:
             raise Nondeterminism(
                 f"position {position}: the workflow issued {command} {name!r} but the journal "
                 f"recorded {first['kind']} {first['name']!r}"
             )
         return events
+
+    def patched(self, position: int, patch_id: str) -> bool:
+        """Whether a marker of patch ``patch_id`` is filed at ``position``."""
+        return any(e["kind"] == K.PATCH and e["name"] == patch_id
+                   for e in self.by_position.get(position, ()))
 
     def add(self, event: Entry) -> None:
         """Keep the index current with an event this process just committed."""

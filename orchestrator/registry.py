@@ -68,6 +68,9 @@ class Workflow(Generic[I, R]):
     queue: str | None = None
     """The queue its runs wait in unless a submission names another (None: the default
     queue, unlimited); docs/flow.md."""
+    default: bool = False
+    """The version a submission by name alone starts (docs/versioning.md); without one,
+    the highest version in :func:`version_order`."""
 
     @property
     def key(self) -> str:
@@ -168,7 +171,25 @@ class Registry:
     def add_workflow(self, wf: Workflow) -> None:
         if wf.key in self.workflows:
             raise InvalidRequest(f"workflow {wf.name} version {wf.version} is registered twice")
+        if wf.default:
+            other = next((w for w in self.workflows.values()
+                          if w.name == wf.name and w.default), None)
+            if other is not None:
+                raise InvalidRequest(f"workflow {wf.name}: versions {other.version} and "
+                                     f"{wf.version} are both marked default=True",
+                                     path="default")
         self.workflows[wf.key] = wf
+
+    def choose(self, name: str, version: str | None = None) -> Workflow | None:
+        """The workflow ``name`` at ``version``; without a version, the one marked
+        ``default=True``, else the highest version by :func:`version_order` ("10" after "9")."""
+        if version is not None:
+            return self.workflow(name, version)
+        versions = [w for w in self.workflows.values() if w.name == name]
+        if not versions:
+            return None
+        marked = [w for w in versions if w.default]
+        return marked[0] if marked else max(versions, key=lambda w: version_order(w.version))
 
     def add_tool(self, tool: Tool) -> None:
         if tool.name in self.tools:

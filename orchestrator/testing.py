@@ -7,6 +7,9 @@ helpers wait for what the test means instead:
   deadline; on failure the message names what was awaited and the last value seen.
 - :func:`run_until_idle` / :func:`run_until_idle_sync`: run a worker until there is nothing
   left for it to do (or until given runs have ended or are waiting), then stop it.
+- :func:`replay` / :func:`replay_async`: run new workflow code against stored journals
+  (runs in the database, or exported with ``orchestrator runs export``), dispatching
+  nothing: ``ok`` or the first ``NONDETERMINISM`` per run (docs/versioning.md).
 - :func:`fault_gate`: arm a named fault point (:mod:`orchestrator.faults`) so that the engine
   stops there until the test releases it; ``await gate.arrived()`` says it got there.
 
@@ -23,15 +26,17 @@ import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator import faults
+from orchestrator import replay as checks
 from orchestrator.app import Orchestrator
 from orchestrator.db import runs as runs_db
 from orchestrator.faults import Gate
 from orchestrator.handle import RunHandle
+from orchestrator.replay import RecordedRun, Verdict
 from orchestrator.worker import Worker
 
 __all__ = [
@@ -39,6 +44,8 @@ __all__ = [
     "TERMINAL_STATES",
     "Gate",
     "fault_gate",
+    "replay",
+    "replay_async",
     "run_until_idle",
     "run_until_idle_sync",
     "running_worker",
@@ -225,3 +232,36 @@ def run_until_idle_sync(app: Orchestrator, *,
     ``run.result``): the worker runs on the loop that serves those calls, then stops."""
     coro = run_until_idle(app, runs=runs, timeout=timeout, **options)
     return app._portal.call(coro)
+
+
+Journal = RecordedRun | Mapping[str, Any] | RunHandle | uuid.UUID | str
+"""What :func:`replay` checks: a run's export document (``orchestrator runs export``), a
+:class:`~orchestrator.replay.RecordedRun`, or a run in ``app``'s database (a handle or an id)."""
+
+
+async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[Verdict]:
+    """Run ``app``'s workflow code against each journal, dispatching nothing (no tool is
+    called, nothing is written): a :class:`~orchestrator.replay.Verdict` per run, in order;
+    ``verdict.ok``, or ``verdict.verdict == "nondeterminism"`` with the ``position``, the
+    ``recorded`` command and the ``issued`` one. Runs given by id are read from ``app``'s
+    database (``app`` may be new code beside the one that wrote them)."""
+    runs: list[RecordedRun] = []
+    for item in journals:
+        if isinstance(item, RecordedRun):
+            runs.append(item)
+        elif isinstance(item, Mapping):
+            runs.append(RecordedRun.from_document(item))
+        else:
+            run_id = _run_ids([item])[0]
+            async with app.database.connection() as conn:
+                found = await checks.load_runs(conn, run_id=run_id, last=1)
+            if not found:
+                raise ValueError(f"no run {run_id}")
+            runs.extend(found)
+    return await checks.check_runs(runs, app.registry, app.arguments_text)
+
+
+def replay(app: Orchestrator, journals: Iterable[Journal]) -> list[Verdict]:
+    """:func:`replay_async` from synchronous code (a test, a script)."""
+    items = list(journals)
+    return app._portal.call(replay_async(app, items))

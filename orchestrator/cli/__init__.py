@@ -27,14 +27,15 @@ from orchestrator.cli import (
     incidents,
     ops,
     queues,
+    replay,
     runs,
     schedules,
     worker,
 )
 from orchestrator.errors import OrchestratorError
 
-GROUPS: list[ModuleType] = [db, worker, runs, ops, incidents, schedules, queues, console,
-                            demo]
+GROUPS: list[ModuleType] = [db, worker, runs, replay, ops, incidents, schedules, queues,
+                            console, demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0

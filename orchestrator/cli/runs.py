@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from orchestrator import admin
+from orchestrator import admin, replay
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
@@ -55,6 +55,17 @@ def register(subparsers: Any) -> None:
                        help="print JSON lines: one object per entry, then one for the outcome "
                        "(fields: docs/cli-json.md)")
     watch.set_defaults(func=cmd_watch)
+
+    export = commands.add_parser(
+        "export", help="one run and its journal as JSON, for `orchestrator replay --from-file`",
+        description="Print one run (workflow, version, owner, input, status) and its whole "
+        "journal as one JSON document, which `orchestrator replay --from-file` (and "
+        "orchestrator.testing.replay) checks new code against with no database. The input, "
+        "receipts and results are the owner's data: keep the file as you keep them.")
+    export.add_argument("run_id")
+    export.add_argument("--output", "-o", metavar="FILE",
+                        help="write to FILE instead of stdout")
+    export.set_defaults(func=cmd_export)
 
     cancel = commands.add_parser("cancel", help="request cancellation of a run")
     cancel.add_argument("run_id")
@@ -118,6 +129,8 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
         return f"operation {p['op']} committed{by}"
     if kind == "call.failed":
         return f"operation {p['op']} failed: {p['cause']} ({p['reason']})"
+    if kind == "patch":
+        return "took the patch's new code (ctx.patched)"
     if kind == "message":
         return clip(json.dumps(p["value"], sort_keys=True, ensure_ascii=False), 120)
     if kind == "run.completed":
@@ -212,6 +225,26 @@ def cmd_show(args: argparse.Namespace) -> int:
                      [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"],
                        _summary(e["payload"], e["kind"])] for e in detail.journal],
                      max_width=100))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    run_id = parse_run_id(args.run_id)
+
+    async def load(db: Database) -> list[replay.RecordedRun]:
+        async with db.connection() as conn:
+            return await replay.load_runs(conn, run_id=run_id, last=1)
+
+    found = asyncio.run(_with_db(args, load))
+    if not found:
+        raise AccessDenied("the run does not exist or is not accessible")
+    text = json.dumps(replay.export_document(found[0]), ensure_ascii=False, sort_keys=True,
+                      default=str)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+    else:
+        print(text)
     return 0
 
 

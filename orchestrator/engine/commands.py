@@ -46,6 +46,7 @@ class Commands:
         self.branches = branches
         self.config = config
         self.registry = registry
+        self.patches: set[tuple[int, str]] = set()  # markers buffered by this execution
 
     @property
     def run_id(self) -> uuid.UUID:
@@ -101,6 +102,24 @@ class Commands:
         # A copy, as it is now: workflow code may change the object before the write.
         self.session.buffer(entry(EventKind.MESSAGE, position, topic,
                                   {"value": json.loads(text)}))
+
+    def patch(self, patch_id: str) -> bool:
+        """Whether this run takes patch ``patch_id``'s new code (docs/versioning.md). A marker
+        takes no position: it is filed under the next command's, which holds it or not. Found
+        there: yes. That position is history without the marker (the run recorded what the
+        code before the patch did there): no. Past the history: yes, and the marker rides
+        with the run's next write."""
+        check_identifier("patch", patch_id)
+        run = self.run
+        position = run.position
+        if run.index.patched(position, patch_id):
+            return True
+        if position <= run.recorded_until:
+            return False
+        if (position, patch_id) not in self.patches:  # asked twice here: one marker
+            self.patches.add((position, patch_id))
+            self.session.buffer(entry(EventKind.PATCH, position, patch_id, {}))
+        return True
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
         resolved = self._tool(tool)
@@ -233,10 +252,10 @@ class Commands:
 
     def _workflow(self, workflow: Workflow | str) -> Workflow:
         if isinstance(workflow, str):
-            matches = [w for w in self.registry.workflows.values() if w.name == workflow]
-            if len(matches) != 1:
-                raise UnknownWorkflow(f"workflow {workflow!r} is not registered (or ambiguous)")
-            return matches[0]
+            chosen = self.registry.choose(workflow)
+            if chosen is None:
+                raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
+            return chosen
         return workflow
 
 

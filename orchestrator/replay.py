@@ -1,0 +1,411 @@
+"""The offline replay check (docs/versioning.md): workflow code run against stored journals,
+with nothing dispatched, written or waited for (CONTRACT C3).
+
+Each command the code issues is matched with what its run's journal recorded at that position,
+exactly as a worker's replay matches it: the same kind of command with the same name, a tool
+call with the same intent digest. A recorded outcome is handed back (a receipt, a tool's
+failure, an event, a child's result); where the journal ends (a command it has nothing for, a
+call without a settled outcome, a timer or an event not yet over), that branch of the code
+stops, as a worker's would until the run wakes. So the check answers, per run: would a worker
+running this code replay this history? ``ok``, or the first ``NONDETERMINISM`` with its
+position, the recorded command and the one the code issued.
+
+No I/O here but :func:`load_runs` (a query) and :func:`export_document`: the CLI
+(``orchestrator replay``, ``orchestrator runs export``) and ``orchestrator.testing.replay``
+drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from orchestrator import canonical
+from orchestrator.canonical import canonical_json
+from orchestrator.context import WorkflowContext
+from orchestrator.db.database import Conn
+from orchestrator.errors import (
+    EventTimeout,
+    InvalidRequest,
+    RunFailed,
+    ToolFailed,
+    UnknownWorkflow,
+)
+from orchestrator.journal import FIRST_KIND, RUN_ENDS, Entry, EventKind, JournalIndex
+from orchestrator.models import Owner
+from orchestrator.registry import Registry, Tool, Workflow
+from orchestrator.text import check_identifier
+
+EXPORT_FORMAT = "orchestrator.run"
+EXPORT_VERSION = 1
+QUIET_TURNS = 100
+"""Turns of the event loop with no command issued after which every branch of the code is
+taken to be waiting where its history ends."""
+
+K = EventKind
+_SETTLED = (K.CALL_COMPLETED, K.CALL_FAILED, K.CALL_DENIED)
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """A run as the check needs it: which code, its input and owner, and its journal."""
+
+    run_id: uuid.UUID
+    workflow: str
+    version: str
+    input: Any
+    owner: Owner
+    status: str
+    journal: list[Entry]
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> RecordedRun:
+        """A run from ``orchestrator runs export``'s document (``INVALID_REQUEST`` otherwise)."""
+        if not isinstance(doc, Mapping) or doc.get("format") != EXPORT_FORMAT:
+            raise InvalidRequest(f"not a run export: its format must be {EXPORT_FORMAT!r}",
+                                 path="format")
+        if doc.get("v") != EXPORT_VERSION:
+            raise InvalidRequest(f"run export version {doc.get('v')!r}: this code reads "
+                                 f"version {EXPORT_VERSION}", path="v")
+        try:
+            run, journal = doc["run"], doc["journal"]
+            entries = [{"seq": int(e["seq"]), "kind": str(e["kind"]),
+                        "position": None if e["position"] is None else int(e["position"]),
+                        "name": e["name"], "schema_version": int(e["schema_version"]),
+                        "payload": e["payload"]} for e in journal]
+            return cls(run_id=uuid.UUID(str(run["id"])), workflow=str(run["workflow"]),
+                       version=str(run["version"]), input=run["input"],
+                       owner=Owner.model_construct(tenant=str(run["tenant"]),
+                                                   principal=str(run["principal"])),
+                       status=str(run["status"]), journal=entries)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"a malformed run export ({type(exc).__name__}: {exc})",
+                                 path="run") from None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the check found for one run."""
+
+    run_id: uuid.UUID
+    workflow: str  # name@version
+    verdict: str  # "ok", "nondeterminism" or "error"
+    commands: int  # commands the code issued that the journal held
+    position: int | None = None  # where it differs (or, for ok, where the history ends)
+    recorded: str | None = None  # what the journal holds there
+    issued: str | None = None  # what the code issued there
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_id": str(self.run_id), "workflow": self.workflow, "verdict": self.verdict,
+                "commands": self.commands, "position": self.position,
+                "recorded": self.recorded, "issued": self.issued, "message": self.message}
+
+
+class _Differs(BaseException):
+    """The code issued another command than the journal recorded (a BaseException: workflow
+    code's ``except Exception`` cannot swallow it)."""
+
+    def __init__(self, position: int, recorded: str, issued: str, why: str = "") -> None:
+        super().__init__(why or f"position {position}: the journal recorded {recorded}, the "
+                                "code issued " + issued)
+        self.position, self.recorded, self.issued = position, recorded, issued
+
+
+class _HistoryEnds(BaseException):
+    """A command the journal has nothing for, issued where the code cannot wait (a recorded
+    value, a message): the run would go on live from here."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(position)
+        self.position = position
+
+
+def describe(event: Entry) -> str:
+    """A recorded command in words: ``call 'charge'``, ``sleep``, ``value 'now'``."""
+    kind = event["kind"]
+    command = next((c for c, kinds in FIRST_KIND.items() if kind in kinds), kind)
+    return "sleep" if command == "sleep" else f"{command} {event['name']!r}"
+
+
+class _Commands:
+    """The commands of one run's check: matched against its journal, never carried out."""
+
+    def __init__(self, run: RecordedRun, registry: Registry,
+                 arguments_text: Callable[[Any], str]) -> None:
+        self.recorded = run
+        self.registry = registry
+        self.arguments_text = arguments_text
+        self.index = JournalIndex(run.journal)
+        self.owner_text = canonical_json(run.owner.as_dict())
+        self.position = 0
+        self.issued = 0  # commands issued, to tell when the code has gone quiet
+        self.matched = 0
+        self.waiting: list[int] = []  # positions where a branch waits for what is not recorded
+        self.never: asyncio.Future[Any] | None = None
+
+    # -- the Commands protocol of orchestrator.context --------------------------------------
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.recorded.run_id
+
+    @property
+    def owner(self) -> Owner:
+        return self.recorded.owner
+
+    @property
+    def workflow(self) -> str:
+        return f"{self.recorded.workflow}@{self.recorded.version}"
+
+    @property
+    def replaying(self) -> bool:
+        return True
+
+    def next_position(self) -> int:
+        self.issued += 1
+        position = self.position
+        self.position += 1
+        return position
+
+    def patch(self, patch_id: str) -> bool:
+        check_identifier("patch", patch_id)
+        if self.index.patched(self.position, patch_id):
+            return True
+        return self.position > self.index.max_position  # past the history: a live run's yes
+
+    def value(self, position: int, name: str) -> Any:
+        recorded = self._expect(position, "value", name)
+        if not recorded:
+            raise _HistoryEnds(position)
+        raw = recorded[0]["payload"]["value"]
+        if name == "now":
+            return datetime.fromisoformat(raw)
+        if name == "uuid":
+            return uuid.UUID(raw)
+        return float(raw)
+
+    def publish(self, position: int, value: Any, topic: str) -> None:
+        check_identifier("topic", topic)
+        recorded = self._expect(position, "publish", topic)
+        if not recorded:
+            raise _HistoryEnds(position)
+        if canonical_json(recorded[0]["payload"]["value"]) != canonical_json(value):
+            raise _Differs(position, f"publish {topic!r}", f"publish {topic!r}",
+                           f"position {position}: the code published another value on topic "
+                           f"{topic!r} than the journal recorded")
+
+    async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
+        name = tool if isinstance(tool, str) else tool.name
+        found = self.registry.tools.get(name)
+        if found is None:
+            raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
+        recorded = self._expect(position, "call", name)
+        if not recorded:
+            return await self._wait(position)
+        intent = canonical.intent_digest_text(found.name, found.version, self.owner_text,
+                                              self.arguments_text(arguments))
+        if recorded[0]["payload"]["intent"] != intent:
+            raise _Differs(position, f"call {name!r}", f"call {name!r}",
+                           f"position {position}: tool {name!r} was recorded with other "
+                           "arguments (intent digest differs)")
+        outcome = self.index.last(position, _SETTLED)
+        if outcome is None or (outcome["kind"] == K.CALL_FAILED
+                               and outcome["payload"].get("reason") == "withdrawn"):
+            return await self._wait(position)  # not settled in this history
+        payload = outcome["payload"]
+        if outcome["kind"] == K.CALL_COMPLETED:
+            return payload["result"]
+        raise ToolFailed(f"tool {name} failed", tool=name, cause=payload.get("cause"),
+                         reason=payload.get("reason"), incident=payload.get("incident"))
+
+    async def sleep(self, position: int, duration: timedelta | float) -> None:
+        if not self._expect(position, "sleep", "sleep"):
+            await self._wait(position)
+        # A recorded timer is over if the history holds what came after it (a later command,
+        # or the run's end); else the run waits on it.
+        ended = any(e["kind"] in RUN_ENDS for e in self.index.run_events)
+        if self.index.max_position <= position and not ended:
+            await self._wait(position)
+
+    async def wait_for_event(self, position: int, name: str,
+                             timeout: timedelta | float | None) -> Any:
+        recorded = self._expect(position, "event", name)
+        outcome = self.index.last(position, (K.EVENT_RECEIVED, K.EVENT_TIMEOUT))
+        if not recorded or outcome is None:
+            return await self._wait(position)
+        if outcome["kind"] == K.EVENT_TIMEOUT:
+            raw = recorded[0]["payload"]["timeout_at"]
+            raise EventTimeout(f"event {name!r} did not arrive in time", event=name,
+                               timeout_at=None if raw is None else datetime.fromisoformat(raw))
+        return outcome["payload"]["payload"]
+
+    async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
+        name = workflow if isinstance(workflow, str) else workflow.name
+        recorded = self._expect(position, "child", name)
+        outcome = self.index.last(position, (K.CHILD_COMPLETED, K.CHILD_FAILED))
+        if not recorded or outcome is None:
+            return await self._wait(position)
+        payload = outcome["payload"]
+        if outcome["kind"] == K.CHILD_COMPLETED:
+            return payload["result"]
+        raise RunFailed(payload["message"], code=payload["code"],
+                        run_id=recorded[0]["payload"]["run_id"], cause=payload.get("cause"))
+
+    # -- matching ----------------------------------------------------------------------------
+
+    def _expect(self, position: int, command: str, name: str) -> list[Entry]:
+        events = [e for e in self.index.by_position.get(position, ()) if e["kind"] != K.PATCH]
+        issued = "sleep" if command == "sleep" else f"{command} {name!r}"
+        if not events:
+            return []
+        first = events[0]
+        if first["kind"] not in FIRST_KIND[command] or first["name"] != name:
+            raise _Differs(position, describe(first), issued)
+        self.matched += 1
+        return events
+
+    async def _wait(self, position: int) -> Any:
+        """Where the history ends for this branch: wait for ever (the check stops the code
+        once every branch waits)."""
+        self.waiting.append(position)
+        if self.never is None:
+            self.never = asyncio.get_running_loop().create_future()
+        return await self.never
+
+
+async def check_run(run: RecordedRun, registry: Registry,
+                    arguments_text: Callable[[Any], str]) -> Verdict:
+    """Run ``run``'s workflow code (as ``registry`` has it) against its journal."""
+    key = f"{run.workflow}@{run.version}"
+    wf = registry.workflow(run.workflow, run.version)
+    if wf is None:
+        return Verdict(run.run_id, key, "error", 0,
+                       message=f"workflow {key} is not registered in this code")
+    commands = _Commands(run, registry, arguments_text)
+    task = asyncio.ensure_future(wf.fn(WorkflowContext(commands), run.input))
+    quiet, seen = 0, -1
+    while not task.done() and quiet < QUIET_TURNS:
+        await asyncio.sleep(0)
+        quiet = quiet + 1 if commands.issued == seen else 0
+        seen = commands.issued
+    if not task.done():  # every branch waits where its history ends
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return _ended(run, key, commands, min(commands.waiting, default=commands.position))
+    failure = task.exception() if not task.cancelled() else None
+    if isinstance(failure, _Differs):
+        return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
+                       failure.recorded, failure.issued, f"NONDETERMINISM: {failure}")
+    if isinstance(failure, _HistoryEnds):
+        return _ended(run, key, commands, failure.position)
+    if isinstance(failure, InvalidRequest | UnknownWorkflow):
+        return Verdict(run.run_id, key, "error", commands.matched,
+                       message=f"{failure.code}: {failure}")
+    # The code ended (returned, or raised as a failing run does): the journal must not hold
+    # commands it did not issue.
+    beyond = sorted(p for p, events in commands.index.by_position.items()
+                    if p >= commands.position and any(e["kind"] != K.PATCH for e in events))
+    if beyond:
+        first = next(e for e in commands.index.by_position[beyond[0]] if e["kind"] != K.PATCH)
+        return Verdict(run.run_id, key, "nondeterminism", commands.matched, beyond[0],
+                       describe(first), "the end of the workflow",
+                       f"NONDETERMINISM: position {beyond[0]}: the journal recorded "
+                       f"{describe(first)}, the code ended")
+    return _ended(run, key, commands, None)
+
+
+def _ended(run: RecordedRun, key: str, commands: _Commands, at: int | None) -> Verdict:
+    where = ("the code ran to its end" if at is None else
+             f"the history ends at position {at}: a worker would go on live from there")
+    return Verdict(run.run_id, key, "ok", commands.matched, at, message=where)
+
+
+async def check_runs(runs: Iterable[RecordedRun], registry: Registry,
+                     arguments_text: Callable[[Any], str]) -> list[Verdict]:
+    return [await check_run(run, registry, arguments_text) for run in runs]
+
+
+# -- reading runs from the database and from files ----------------------------------------------
+
+S = "orchestrator"
+
+_RUNS = f"""
+SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at
+FROM {S}.runs
+WHERE (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
+  AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s::text)
+  AND (%(version)s::text IS NULL OR workflow_version = %(version)s::text)
+  AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+  AND (%(all)s OR status NOT IN ('succeeded', 'failed', 'cancelled'))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+_JOURNAL = f"""
+SELECT seq, kind, position, name, schema_version, payload
+FROM {S}.journal WHERE run_id = %s ORDER BY seq
+"""
+
+
+async def load_runs(conn: Conn, *, run_id: uuid.UUID | None = None,
+                    workflow: str | None = None, version: str | None = None,
+                    since: datetime | None = None, last: int = 100,
+                    finished: bool = True) -> list[RecordedRun]:
+    """The newest ``last`` runs the filters select, with their journals (``finished=False``:
+    only runs that have not ended, those a deployment's workers will replay)."""
+    cur = await conn.execute(_RUNS, {"run_id": run_id, "workflow": workflow,
+                                     "version": version, "since": since,
+                                     "all": finished or run_id is not None, "limit": last})
+    runs = []
+    for row in await cur.fetchall():
+        journal = await (await conn.execute(_JOURNAL, (row["id"],))).fetchall()
+        runs.append(RecordedRun(
+            run_id=row["id"], workflow=row["workflow_name"], version=row["workflow_version"],
+            input=row["input"], status=row["status"], journal=list(journal),
+            owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"])))
+    return runs
+
+
+def export_document(run: RecordedRun) -> dict[str, Any]:
+    """``orchestrator runs export``'s document: what ``replay --from-file`` reads."""
+    return {"format": EXPORT_FORMAT, "v": EXPORT_VERSION,
+            "run": {"id": str(run.run_id), "workflow": run.workflow, "version": run.version,
+                    "status": run.status, "tenant": run.owner.tenant,
+                    "principal": run.owner.principal, "input": run.input},
+            "journal": [{"seq": e["seq"], "kind": e["kind"], "position": e["position"],
+                         "name": e["name"], "schema_version": e["schema_version"],
+                         "payload": e["payload"]} for e in run.journal]}
+
+
+def read_documents(text: str, *, source: str) -> list[RecordedRun]:
+    """Runs from a file's text: one export document, a JSON array of them, or JSON lines."""
+    stripped = text.strip()
+    try:
+        if stripped.startswith("["):
+            docs = json.loads(stripped)
+        elif "\n" in stripped and not _one_document(stripped):
+            docs = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+        else:
+            docs = [json.loads(stripped)]
+    except ValueError as exc:
+        raise InvalidRequest(f"{source} is not JSON: {exc}", path="from_file") from None
+    return [RecordedRun.from_document(doc) for doc in docs]
+
+
+def _one_document(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
