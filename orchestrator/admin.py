@@ -42,13 +42,26 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
                                       submission_key=submission_key)
         blocked = await queues_db.run_blockers(
             conn, [r["id"] for r in rows if r["queue"] is not None])
+        workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
     now = datetime.now(UTC)
+    runnable = {key for w in workers for key in w["workflows"]}
     for row in rows:  # why a run ready in a queue, or held back, has not started
         row["blocked"] = blocked.get(row["id"])
         start = held_until(row) if row["status"] == "queued" and not row["revision"] else None
         if row["blocked"] is None and start is not None and start > now:
             row["blocked"] = f"not before {utc_text(start)}"
+        if row["blocked"] is None and _ready(row, now):
+            key = f"{row['workflow_name']}@{row['workflow_version']}"
+            if key not in runnable:
+                row["blocked"] = f"no worker has {key}"
     return rows
+
+
+def _ready(run: dict[str, Any], now: datetime) -> bool:
+    """Queued, or waiting with its wake time passed: a worker would claim it now."""
+    due = run.get("available_at")
+    return run["status"] == "queued" or (run["status"] == "waiting" and due is not None
+                                         and due <= now)
 
 
 HOLDER_STATES = ("live", "silent", "dead", "gone", "expired")
@@ -103,6 +116,10 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
             holder = lease_holder(run, await workers_db.worker_lease_holder(
                 conn, run["lease_owner"]))
         run["blocked"] = (await queues_db.run_blockers(conn, [run_id])).get(run_id)
+    key = f"{run['workflow_name']}@{run['workflow_version']}"
+    if run["blocked"] is None and _ready(run, datetime.now(UTC)) and not any(
+            key in w["workflows"] for w in workers):
+        run["blocked"] = f"no worker has {key}"
     return RunDetail(run, journal, operations, _note(run, workers, holder), workers, holder)
 
 
@@ -164,8 +181,9 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]],
                     f"(start_at or delay)")
         able = [w for w in workers if key in w["workflows"]]
         if not able:
-            return (f"waiting for a worker that has workflow {run['workflow_name']} version "
-                    f"{run['workflow_version']}: no live worker registers it")
+            return (f"no worker has {key}: waiting for a worker that has workflow "
+                    f"{run['workflow_name']} version {run['workflow_version']} (no live "
+                    "worker registers it)")
         if run.get("blocked"):
             return f"ready, not started: {run['blocked']}"
         return f"ready; {len(able)} live worker(s) can run {key}"

@@ -194,3 +194,35 @@ def test_the_replay_command_with_the_database_and_with_an_exported_file(
                       database_url=url)
     assert refused.returncode == 2
     assert "INVALID_REQUEST" in refused.stderr and "not a run export" in refused.stderr
+
+
+async def test_a_run_whose_version_no_live_worker_has_waits_and_says_so(make_app: Any) -> None:
+    from orchestrator import admin
+
+    def register(app: Orchestrator, *versions: str) -> None:
+        for version in versions:
+            one(app, version)
+
+    def one(app: Orchestrator, version: str) -> None:
+        @app.workflow(name="report", version=version)
+        async def report(ctx, n):  # type: ignore[no-untyped-def]
+            return version
+
+    submitter = make_app()
+    register(submitter, "1", "2")
+    old = await submitter.submit_async("report", 1, version="1")
+    newer = make_app()
+    register(newer, "2")
+    async with running(newer):
+        fresh = await newer.submit_async("report", 2)
+        assert await fresh.result_async(timeout=20) == "2"
+        rows = {r["id"]: r for r in await admin.list_runs(newer.database)}
+        assert rows[old.id]["status"] == "queued"  # never claimed, never failed
+        assert rows[old.id]["blocked"] == "no worker has report@1"
+        detail = await admin.show_run(newer.database, old.id)
+        assert detail.run["blocked"] == "no worker has report@1"
+        assert (detail.note or "").startswith("no worker has report@1")
+    both = make_app()
+    register(both, "1", "2")
+    async with running(both):
+        assert await old.result_async(timeout=20) == "1"
