@@ -24,6 +24,9 @@ Sections (``--sections a,b``; default: all):
               the same without either, interleaved
   queues      K = 3 throughput in a queue whose limit never binds beside the default queue,
               interleaved; a binding concurrency limit's utilisation; a start rate's accuracy
+  retention   `orchestrator prune` over the scale section's history (1,000,000 finished runs),
+              timed, with K = 3 drains beside it in the same database: their throughput
+              during the prune ÷ before and after
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -101,7 +105,7 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile", "bulk", "console", "telemetry", "queues")
+            "memory", "profile", "bulk", "console", "telemetry", "queues", "retention")
 
 
 @dataclass
@@ -150,6 +154,7 @@ class Plan:
     queue_hold: float = 0.1
     queue_rate: int = 100  # starts per second of the rated drain
     queue_rate_runs: int = 800  # 8 s at the rate
+    retention_runs: int = 6_000  # K=3 runs of each drain beside the prune
     quick: bool = False
 
 
@@ -163,7 +168,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     batch_runs=128, console_steps=40, console_clients=2,
                     console_rows=20_000, console_page_requests=10, console_sse_clients=20,
                     console_sse_runs=500, console_sse_rounds=1, telemetry_runs=300,
-                    queue_runs=300, queue_cap_runs=80, queue_rate_runs=300, quick=True)
+                    queue_runs=300, queue_cap_runs=80, queue_rate_runs=300,
+                    retention_runs=300, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -817,6 +823,81 @@ class Suite:
         table.print()
         self.record("queues", {"drains": drains, "ratio": paired, "capped": capped,
                                "rated": rated})
+
+    async def section_retention(self) -> None:
+        """Pruning the scale section's history: ``orchestrator prune`` in its own process over
+        ``scale_rows`` finished runs (1,000,000 in the full plan), timed, while K=3 drains run
+        back to back in the same database; the drains' throughput during the prune beside
+        drains of the same database before it and after it."""
+        p = self.plan
+        url = self.server.create_database("retention")
+        before: list[float] = []
+        during: list[float] = []
+        after: list[float] = []
+        try:
+            migrate(url)
+            filled = await scale.fill(url, runs=p.scale_rows, k=3)
+
+            async def drain() -> float:
+                tp = await ours.throughput_once(self.server, k=3, n=p.retention_runs,
+                                                setup=self.setup(), url=url)
+                return float(tp["steps_per_s"])
+
+            for i in range(2):
+                log(f"retention: drain {i + 1}/2 before the prune")
+                before.append(await drain())
+            log(f"retention: pruning {p.scale_rows:,} runs, K=3 drains meanwhile")
+            started = time.monotonic()
+            prune = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "orchestrator", "--database-url", url, "prune",
+                "--older-than", "1h", "--quiet", "--json",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            waiting = asyncio.ensure_future(prune.communicate())
+            while not waiting.done():
+                figure = await drain()
+                if not waiting.done():  # the whole drain ran beside the prune
+                    during.append(figure)
+            out, err = await waiting
+            seconds = time.monotonic() - started
+            if prune.returncode != 0:
+                raise RuntimeError(f"orchestrator prune failed: {err.decode()[-2000:]}")
+            report = json.loads(out)
+            log(f"retention: {report['runs']:,} runs pruned in {seconds:.0f}s")
+            for i in range(2):
+                log(f"retention: drain {i + 1}/2 after the prune")
+                after.append(await drain())
+        finally:
+            self.server.drop_database(url)
+        alone = before + after
+        ratio_during = median(during) / median(alone) if during else None
+        table = Table(f"retention: pruning {p.scale_rows:,} finished runs (K=3: "
+                      f"{p.scale_rows * 7:,} journal events, {filled['tables_gib']:.1f} GiB) "
+                      "beside a K=3 drain", ["measure", "figure", "target", "verdict"])
+        table.add("runs pruned", f"{report['runs']:,}", f"{p.scale_rows:,}",
+                  "all" if report["runs"] == p.scale_rows else "MISSING")
+        table.add("journal rows deleted", f"{report['journal_rows']:,}", "", "")
+        table.add("prune wall time", f"{seconds:.0f} s ({seconds / 60:.1f} min)",
+                  "minutes, not hours", "meets" if seconds < 3600 else "misses")
+        table.add("runs pruned per second", f"{report['runs'] / seconds:,.0f}", "", "")
+        table.add("K=3 steps/s, no prune (before, after)", f"{median(alone):,.0f}", "",
+                  ", ".join(f"{x:,.0f}" for x in alone))
+        table.add(f"K=3 steps/s during the prune ({len(during)} drains)",
+                  f"{median(during):,.0f}" if during else "—", "",
+                  ", ".join(f"{x:,.0f}" for x in during))
+        table.add("÷ no prune", fx(ratio_during), "≥ 0.8×",
+                  "—" if ratio_during is None else
+                  ("meets" if ratio_during >= 0.8 else "misses"))
+        table.notes.append(f"history loaded as in the scale section in "
+                           f"{filled['fill_seconds']:.0f} s; `orchestrator prune --older-than "
+                           f"1h` in its own process, batches of 500 runs, one transaction "
+                           f"each; drains of {p.retention_runs:,} K=3 runs in the same "
+                           "database (its own new runs are not pruned); a drain counts as "
+                           "during the prune only if the prune was still running when it "
+                           "ended")
+        table.print()
+        self.record("retention", {"fill": filled, "prune": report, "seconds": seconds,
+                                  "before": before, "during": during, "after": after,
+                                  "ratio": ratio_during})
 
     async def section_console(self) -> None:
         """Three parts (``--console-parts``): the SSE latency, the pages over a long history,

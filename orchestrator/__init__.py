@@ -19,6 +19,7 @@ from orchestrator.errors import (
     ResolutionConflict,
     ResultTimeout,
     RunFailed,
+    RunPruned,
     ToolFailed,
     WorkflowError,
 )
@@ -30,6 +31,7 @@ from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.queues import Queue, QueueInfo
 from orchestrator.recovery import RetryPolicy
 from orchestrator.registry import Tool, Workflow
+from orchestrator.retention import Retention
 
 __all__ = [
     "AccessDenied",
@@ -52,8 +54,10 @@ __all__ = [
     "RateLimit",
     "ResolutionConflict",
     "ResultTimeout",
+    "Retention",
     "RetryPolicy",
     "RunFailed",
+    "RunPruned",
     "RunHandle",
     "RunInfo",
     "StillUnknown",

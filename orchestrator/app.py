@@ -72,7 +72,7 @@ from orchestrator.queues import (
     check_rate,
 )
 from orchestrator.queues import declare as declare_queue
-from orchestrator.reconcile import Reconciler
+from orchestrator.reconcile import PRUNE_INTERVAL, Reconciler
 from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
 from orchestrator.registry import (
     EFFECT_CLASSES,
@@ -82,6 +82,7 @@ from orchestrator.registry import (
     Workflow,
     check_name,
 )
+from orchestrator.retention import Pruner, PruneReport, Retention
 from orchestrator.scheduler import (
     Declared,
     ScheduleAdmin,
@@ -165,6 +166,7 @@ class Orchestrator:
         receipts_ride: bool = True,
         trace_parent: ParentMode = "link",
         tracer_provider: TracerProvider | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self._database_url = database_url
         self.metrics = Metrics()
@@ -187,6 +189,11 @@ class Orchestrator:
         # string) is a CONFIGURATION_ERROR at start, not a scope that silently never matches.
         self.operator_scopes = check_scopes(operator_scopes)
         self.incident_readers = check_readers(incident_readers)
+        if retention is not None and not isinstance(retention, Retention):
+            raise ConfigurationError("retention must be an orchestrator.Retention")
+        # How long finished runs and the evidence are kept (docs/retention.md); None: for
+        # ever. The reconciler prunes by it in the background; so does `orchestrator prune`.
+        self.retention = retention
         self.retry_policy = retry_policy
         self.authorize = authorize  # app-wide policy stages, run before each tool's own
         self.approve = approve
@@ -846,22 +853,27 @@ class Orchestrator:
 
     def create_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                           max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
-                          lookup_timeout: float = 30.0) -> Reconciler:
-        """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups."""
+                          lookup_timeout: float = 30.0,
+                          prune_interval: float = PRUNE_INTERVAL) -> Reconciler:
+        """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups
+        and, with a ``retention``, prunes by it every ``prune_interval`` seconds."""
         return Reconciler(self.engine_config, self.registry, self.database, self.metrics,
                           max_lookups=max_lookups, base_delay=base_delay,
                           max_delay=max_delay, batch=batch, poll_interval=poll_interval,
-                          lookup_timeout=lookup_timeout)
+                          lookup_timeout=lookup_timeout, retention=self.retention,
+                          prune_interval=prune_interval)
 
     def run_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                        max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
-                       lookup_timeout: float = 30.0, metrics_port: int | None = None,
+                       lookup_timeout: float = 30.0, prune_interval: float = PRUNE_INTERVAL,
+                       metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1") -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
         ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md)."""
         _run_until_stopped(self, lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
-            poll_interval=poll_interval, lookup_timeout=lookup_timeout),
+            poll_interval=poll_interval, lookup_timeout=lookup_timeout,
+            prune_interval=prune_interval),
             _listen(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
@@ -891,6 +903,23 @@ class Orchestrator:
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
             _listen(metrics_host, metrics_port))
+
+    async def prune_async(self, *, dry_run: bool = False, batch: int = 500,
+                          evidence: bool = True) -> PruneReport:
+        """Prune by this app's ``retention`` now, in batches, until nothing is left
+        (docs/retention.md); ``dry_run`` counts and changes nothing. Evidence past its period
+        is expired too when the database role may (the migration role)."""
+        if self.retention is None:
+            raise ConfigurationError("this app has no retention: Orchestrator(retention="
+                                     "Retention(finished_runs=timedelta(days=30)))")
+        return await Pruner(self.database, self.retention, batch=batch).prune(
+            dry_run=dry_run, evidence=evidence)
+
+    def prune(self, *, dry_run: bool = False, batch: int = 500,
+              evidence: bool = True) -> PruneReport:
+        """Sync twin of :meth:`prune_async`."""
+        return self._portal.call(self.prune_async(dry_run=dry_run, batch=batch,
+                                                  evidence=evidence))
 
     def metrics_registry(self) -> CollectorRegistry:
         """A ``prometheus_client.CollectorRegistry`` with this app's metrics, for a host that

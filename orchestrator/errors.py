@@ -208,6 +208,22 @@ class LeaseLost(OrchestratorError):
     retryable = True
 
 
+class RunPruned(OrchestratorError):
+    """The run finished long enough ago that retention pruned it (docs/retention.md): its
+    result, input and journal are gone. Its row stays as long as its evidence, so that its
+    submission key keeps answering with this run (never a second one); ``status`` and
+    ``outcome`` say how it ended, ``pruned_at`` when it was pruned. HTTP 410."""
+
+    code = "RUN_PRUNED"
+
+    def __init__(self, message: str, *, status: str, outcome: str | None = None,
+                 pruned_at: Any = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.status = status
+        self.outcome = outcome
+        self.pruned_at = pruned_at
+
+
 class ResultTimeout(OrchestratorError):
     """``result(timeout)`` passed before the run became terminal; nothing was changed.
 

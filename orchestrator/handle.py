@@ -26,6 +26,7 @@ from orchestrator.errors import (
     OperationUncertain,
     ResultTimeout,
     RunFailed,
+    RunPruned,
 )
 from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.stream import RunStreams, check_cursor, check_topics
@@ -209,6 +210,11 @@ def _still(status: str, run_id: uuid.UUID) -> str:
 
 def _outcome(row: dict[str, Any]) -> Any:
     if row["status"] == "succeeded":
+        if row.get("pruned_at") is not None:  # its result went with its journal
+            raise RunPruned(f"run {row['id']} succeeded and was pruned by retention at "
+                            f"{row['pruned_at'].isoformat()}: its result is no longer kept "
+                            "(docs/retention.md)", status=row["status"],
+                            outcome=row["outcome_code"], pruned_at=row["pruned_at"])
         return row["result"]
     error = row["error"] or {}
     code = row["outcome_code"] or ("CANCELLED" if row["status"] == "cancelled"

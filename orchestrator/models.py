@@ -118,6 +118,9 @@ class RunInfo(BaseModel):
     cancel_requested: bool = False
     parent_run_id: uuid.UUID | None = None
     error: dict[str, Any] | None = None
+    pruned_at: datetime | None = None
+    """When retention pruned the finished run (its journal, input and result deleted;
+    docs/retention.md); None if it was not."""
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> RunInfo:
@@ -142,6 +145,7 @@ class RunInfo(BaseModel):
             cancel_requested=row["cancel_requested_at"] is not None,
             parent_run_id=row["parent_run_id"],
             error=row["error"],
+            pruned_at=row.get("pruned_at"),
         )
 
 

@@ -43,10 +43,13 @@ from orchestrator.lookups import Committed, NotApplied, StillUnknown
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
 from orchestrator.registry import Registry, Tool
+from orchestrator.retention import Pruner, Retention
 from orchestrator.text import check_operator, check_prose, storable
 from orchestrator.tracing import key_digest, record_error
 
 log = logging.getLogger("orchestrator.reconciler")
+PRUNE_INTERVAL = 60.0
+"""Seconds between two background prunes of a reconciler whose app has a retention."""
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
 THEN = ("resend", "fail")
 """What follows an operator's ``not_applied``: the call is sent again (a new attempt, outside
@@ -208,8 +211,12 @@ class Reconciler:
     def __init__(self, config: EngineConfig, registry: Registry, database: Database,
                  metrics: Metrics, *, max_lookups: int = 5, base_delay: float = 1.0,
                  max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
-                 lookup_timeout: float = 30.0) -> None:
+                 lookup_timeout: float = 30.0, retention: Retention | None = None,
+                 prune_interval: float = PRUNE_INTERVAL) -> None:
         self.config = config
+        # Retention (docs/retention.md): pruned in the background, every prune_interval.
+        self.pruner = None if retention is None else Pruner(database, retention)
+        self.prune_interval = prune_interval
         self.registry = registry
         self.db = database
         self.metrics = metrics
@@ -226,6 +233,8 @@ class Reconciler:
     def request_stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        if self.pruner is not None:
+            self.pruner.stopping = True
 
     async def run(self) -> None:
         async with self.db.connection() as conn:
@@ -233,6 +242,7 @@ class Reconciler:
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(
             self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))
+        pruning = None if self.pruner is None else asyncio.ensure_future(self._prune_forever())
         try:
             while not self._stop.is_set():
                 self._wake.clear()
@@ -243,8 +253,36 @@ class Reconciler:
                     await asyncio.wait_for(self._wake.wait(), self.poll_interval)
         finally:
             listen_stop.set()
+            if pruning is not None:
+                pruning.cancel()
             with contextlib.suppress(BaseException):
                 await listener
+            if pruning is not None:
+                with contextlib.suppress(BaseException):
+                    await pruning
+
+    async def _prune_forever(self) -> None:
+        """Prune by the app's retention now and every ``prune_interval`` seconds, in batches
+        of one short transaction each; a failure is logged and tried again next time."""
+        assert self.pruner is not None
+        pruner = self.pruner
+        if pruner.retention.evidence is not None and not await _quietly(pruner.may_expire()):
+            log.info("retention: this reconciler's database role may not expire evidence; "
+                     "it prunes finished runs only (evidence expiry: `orchestrator prune` as "
+                     "the migration role, docs/retention.md)")
+        while not self._stop.is_set():
+            try:
+                report = await pruner.prune()
+            except OrchestratorError as exc:
+                log.warning("retention: pruning failed: %s; trying again in %.0f s", exc.code,
+                            self.prune_interval)
+            else:
+                if report.runs or report.evidence_runs or report.evidence_audit:
+                    log.info("retention: pruned %d run(s) (%d journal rows), expired the "
+                             "evidence of %d run(s) and %d audit row(s)", report.runs,
+                             report.journal_rows, report.evidence_runs, report.evidence_audit)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.prune_interval)
 
     async def run_once(self) -> int:
         """Handle the items due now; return how many were handled."""
@@ -406,6 +444,13 @@ class Reconciler:
                 detail=json.dumps({"incident": ref} if ref else {}), retry_in=retry_in)
 
         return await self.db.run_in_transaction(tx), ref
+
+
+async def _quietly(check: Any) -> bool:
+    try:
+        return bool(await check)
+    except OrchestratorError:
+        return False
 
 
 def _said(item: dict[str, Any], **more: Any) -> dict[str, Any]:

@@ -72,6 +72,7 @@ def run_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "concurrency_key": r.get("concurrency_key"),
         "started_at": iso(r.get("started_at")),
         "blocked": r.get("blocked"),
+        "pruned_at": iso(r.get("pruned_at")),
     }
 
 

@@ -28,6 +28,7 @@ from orchestrator.cli import (
     ops,
     queues,
     replay,
+    retention,
     runs,
     schedules,
     worker,
@@ -35,7 +36,7 @@ from orchestrator.cli import (
 from orchestrator.errors import OrchestratorError
 
 GROUPS: list[ModuleType] = [db, worker, runs, replay, ops, incidents, schedules, queues,
-                            console, demo]
+                            retention, console, demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0

@@ -199,6 +199,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("deadline", run["deadline_at"]),
         ("created", run["created_at"]),
         ("finished", run["finished_at"]),
+        ("pruned", None if run.get("pruned_at") is None else
+         f"{run['pruned_at']} (journal, input and result deleted by retention)"),
         ("parent", run["parent_run_id"]),
     ]
     if run["result"] is not None:
@@ -218,7 +220,10 @@ def cmd_show(args: argparse.Namespace) -> int:
                        f"{o['tool_name']}@{o['tool_version']}", o["effect_class"], o["state"],
                        o["idempotency_key"]] for o in detail.operations], max_width=48))
     print("\ntimeline")
-    if not detail.journal:
+    if not detail.journal and run.get("pruned_at") is not None:
+        print("(deleted by retention when the run was pruned; its operations above are the "
+              "evidence)")
+    elif not detail.journal:
         print("(no events yet)")
     else:
         print(render(["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"],

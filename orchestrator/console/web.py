@@ -52,6 +52,7 @@ from orchestrator.errors import (
     OrchestratorError,
     PayloadTooLarge,
     ResolutionConflict,
+    RunPruned,
     Unauthenticated,
 )
 from orchestrator.text import check_operator
@@ -287,7 +288,7 @@ def set_cookie(response: Response, request: Request, name: str, value: str, *,
 STATUS = [
     (Unauthenticated, 401), (Forbidden, 403), (AccessDenied, 404), (PayloadTooLarge, 413),
     (InvalidRequest, 400), (ResolutionConflict, 409), (OperationInProgress, 409),
-    (IdempotencyConflict, 409), (EventBacklogFull, 429), (DatabaseError, 503),
+    (IdempotencyConflict, 409), (RunPruned, 410), (EventBacklogFull, 429), (DatabaseError, 503),
     (ConfigurationError, 500),
 ]
 """The HTTP status of each public error (the first class that matches); any other is the

@@ -91,6 +91,10 @@ _FUNCTIONS = (
           f"{SCHEMA}.queue_claim(text, text[], text, integer, double precision)", ("EXECUTE",)),
     Grant("function", f"{SCHEMA}.tool_admit(text, integer, integer, double precision, "
                       "double precision)", ("EXECUTE",)),
+    # Pruning (migration 0013): only the journals of settled, finished runs, through the
+    # function's own checks; expire_evidence (which deletes evidence) is not granted.
+    Grant("function", f"{SCHEMA}.prune_runs(double precision, text[], double precision[], "
+                      "integer, boolean)", ("EXECUTE",)),
 )
 
 
@@ -108,6 +112,9 @@ def runtime_grants(*, incident_details: bool = True) -> tuple[Grant, ...]:
 
 
 RUNTIME = runtime_grants()
+OWNER_ONLY = (f"{SCHEMA}.expire_evidence(double precision, integer, boolean)",)
+"""Functions granted to no role on purpose: only the schema's owner (the migration role) runs
+them. ``expire_evidence`` deletes the ledger's evidence past its retention period."""
 
 BUILTINS = (
     Grant("function", "pg_catalog.pg_advisory_lock(bigint)", ("EXECUTE",)),

@@ -159,7 +159,8 @@ _SUMMARY_COLUMNS = """
 id, tenant, principal, workflow_name, workflow_version, options, status, outcome_code,
 error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
-parent_run_id, parent_position, idempotency_key, queue, priority, concurrency_key, started_at
+parent_run_id, parent_position, idempotency_key, queue, priority, concurrency_key, started_at,
+pruned_at
 """
 _RUN_COLUMNS = _SUMMARY_COLUMNS + ", result"
 

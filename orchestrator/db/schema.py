@@ -128,6 +128,9 @@ runs = Table(
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("concurrency_key", Text),
     _ts("started_at"),
+    # Retention (migration 0013, docs/retention.md): when the run was pruned (its journal,
+    # events, input and result deleted; the row kept as a tombstone for its submission key).
+    _ts("pruned_at"),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(
@@ -169,6 +172,10 @@ runs = Table(
     # The console's pages of runs, newest first across owners (migration 0009).
     Index("ix_runs_created", "created_at", "id"),
     Index("ix_runs_parent", "parent_run_id", postgresql_where=text("parent_run_id IS NOT NULL")),
+    # What prune_runs and expire_evidence walk, oldest first (migration 0013).
+    Index("ix_runs_prunable", "finished_at",
+          postgresql_where=text("finished_at IS NOT NULL AND pruned_at IS NULL")),
+    Index("ix_runs_pruned", "finished_at", postgresql_where=text("pruned_at IS NOT NULL")),
 )
 
 journal = Table(
@@ -250,6 +257,9 @@ reconciliation_items = Table(
     Index(
         "ix_reconciliation_items_due", "next_attempt_at", postgresql_where=text("state = 'open'")
     ),
+    # A run's unresolved items: what keeps it from being pruned (migration 0013).
+    Index("ix_reconciliation_items_run_unresolved", "run_id",
+          postgresql_where=text("state <> 'resolved'")),
 )
 
 reconciliation_lookups = Table(

@@ -24,7 +24,8 @@ def test_every_object_the_migrations_create_has_its_decision(sql):
         "SELECT p.oid::regprocedure::text AS name FROM pg_proc p "
         "JOIN pg_namespace n ON n.oid = p.pronamespace "
         "WHERE n.nspname = 'orchestrator' AND p.prorettype <> 'trigger'::regtype")}
-    assert functions == {g.name.replace(" ", "") for g in grants.RUNTIME if g.kind == "function"}
+    assert functions == {g.name.replace(" ", "") for g in grants.RUNTIME if g.kind == "function"
+                         } | {name.replace(" ", "") for name in grants.OWNER_ONLY}
     # Every generated key is an identity column: no sequence needs a grant.
     assert sql("SELECT a.attrelid::regclass::text AS t FROM pg_attribute a "
                "JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "

@@ -1,0 +1,233 @@
+"""Retention (docs/retention.md): finished runs pruned after a period, the ledger's evidence
+kept for its own longer one, and the evidence exported as JSON lines before it goes.
+
+Pruning a run deletes its journal, its external events, its input and its result in small
+batches (one short transaction each, ``orchestrator.prune_runs``), and keeps its row as a
+tombstone: its submission key still answers with that run (``RUN_PRUNED`` for its result),
+never a second one. A run with an operation without an outcome, an unresolved reconciliation
+item, an unfinished child or an unfinished parent is never pruned. Evidence (operations with
+their intents, keys and receipts, reconciliation items and lookups, incidents, the operator
+audit) is deleted only when ``evidence`` has passed, with the tombstone
+(``orchestrator.expire_evidence``, for the migration role alone).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, TextIO
+
+from orchestrator.db import retention as retention_db
+from orchestrator.db.database import Database
+from orchestrator.errors import InvalidRequest
+from orchestrator.text import check_identifier
+
+log = logging.getLogger("orchestrator.retention")
+
+BATCH = 500
+"""Runs per batch: each batch is one transaction, so locks are held for one batch only."""
+EXPORT_PAGE = 1000
+
+_PERIOD = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_period(text: str, path: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (``INVALID_REQUEST`` naming ``path``)."""
+    found = _PERIOD.fullmatch(text.strip()) if isinstance(text, str) else None
+    if found is None:
+        raise InvalidRequest(f"--{path.replace('_', '-')} must be a period such as 30d, 12h, "
+                             f"90m or 45s, not {text!r}", path=path)
+    return timedelta(seconds=float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def _period(value: Any, path: str) -> timedelta:
+    if not isinstance(value, timedelta) or value < timedelta(0):
+        raise InvalidRequest(f"{path} must be a timedelta of zero or more", path=path)
+    return value
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long finished runs and the evidence are kept (docs/retention.md).
+
+    ``finished_runs``: a run finished longer ago is pruned (its journal, events, input and
+    result). ``workflows``: a workflow's own period instead (by name). ``evidence``: how long
+    the ledger's evidence and the pruned run's row are kept after the run finished; at least
+    every run period (``INVALID_REQUEST`` otherwise), None to keep it for ever.
+    """
+
+    finished_runs: timedelta = timedelta(days=30)
+    evidence: timedelta | None = timedelta(days=400)
+    workflows: Mapping[str, timedelta] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _period(self.finished_runs, "finished_runs")
+        if not isinstance(self.workflows, Mapping):
+            raise InvalidRequest("workflows must map workflow names to timedeltas",
+                                 path="workflows")
+        for name, period in self.workflows.items():
+            check_identifier("workflow", name)
+            _period(period, f"workflows.{name}")
+        if self.evidence is not None:
+            _period(self.evidence, "evidence")
+            longest = max([self.finished_runs, *self.workflows.values()])
+            if self.evidence < longest:
+                raise InvalidRequest(
+                    f"evidence ({self.evidence}) must be at least as long as the longest run "
+                    f"period ({longest}): a run's evidence outlives its journal", path="evidence")
+
+
+@dataclass
+class PruneReport:
+    """What a prune did (or, ``dry_run``, would do)."""
+
+    dry_run: bool
+    runs: int = 0
+    journal_rows: int = 0
+    events: int = 0
+    batches: int = 0
+    evidence_runs: int = 0
+    evidence_operations: int = 0
+    evidence_audit: int = 0
+    evidence_incidents: int = 0
+    evidence_checked: bool = False  # False: evidence was not looked at (no period, no right)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "runs": self.runs, "journal_rows": self.journal_rows,
+                "events": self.events, "batches": self.batches,
+                "evidence": None if not self.evidence_checked else {
+                    "runs": self.evidence_runs, "operations": self.evidence_operations,
+                    "audit": self.evidence_audit, "incidents": self.evidence_incidents},
+                "seconds": round(self.seconds, 3)}
+
+
+Progress = Callable[[PruneReport], None]
+
+
+class Pruner:
+    """Prunes by one :class:`Retention`, in batches, until nothing is left or it is told to
+    stop; ``progress`` is called after every batch."""
+
+    def __init__(self, db: Database, retention: Retention, *, batch: int = BATCH) -> None:
+        if not isinstance(batch, int) or not 1 <= batch <= 100_000:
+            raise InvalidRequest("batch must be 1 to 100000", path="batch")
+        self.db = db
+        self.retention = retention
+        self.batch = batch
+        self.stopping = False
+
+    def _args(self) -> dict[str, Any]:
+        names = sorted(self.retention.workflows)
+        return {"keep": self.retention.finished_runs.total_seconds(), "names": names,
+                "keeps": [self.retention.workflows[n].total_seconds() for n in names]}
+
+    async def prune(self, *, dry_run: bool = False, evidence: bool = True,
+                    progress: Progress | None = None, max_batches: int | None = None
+                    ) -> PruneReport:
+        """Prune finished runs, then (with ``evidence``, a period and the right to) expire the
+        evidence past its period. ``dry_run``: count, change nothing."""
+        started = datetime.now(UTC)
+        report = PruneReport(dry_run=dry_run)
+        args = self._args()
+        if dry_run:
+            async with self.db.connection() as conn:
+                counted = await retention_db.prune_batch(conn, **args, limit=1, dry=True)
+            report.runs = counted.runs
+        else:
+            while not self.stopping and (max_batches is None or report.batches < max_batches):
+                done = await self.db.run_in_transaction(
+                    lambda conn: retention_db.prune_batch(conn, **args, limit=self.batch))
+                report.batches += 1
+                report.runs += done.runs
+                report.journal_rows += done.journal_rows
+                report.events += done.events
+                if progress is not None:
+                    progress(report)
+                if done.runs < self.batch:
+                    break
+        if evidence and self.retention.evidence is not None and not self.stopping:
+            await self._expire(report, dry_run, progress, max_batches)
+        report.seconds = (datetime.now(UTC) - started).total_seconds()
+        return report
+
+    async def _expire(self, report: PruneReport, dry_run: bool, progress: Progress | None,
+                      max_batches: int | None) -> None:
+        assert self.retention.evidence is not None
+        keep = self.retention.evidence.total_seconds()
+        async with self.db.connection() as conn:
+            if not await retention_db.may_expire(conn):
+                return
+        report.evidence_checked = True
+        if dry_run:
+            async with self.db.connection() as conn:
+                counted = await retention_db.expire_batch(conn, keep=keep, limit=1, dry=True)
+            _add(report, counted)
+            return
+        batches = 0
+        while not self.stopping and (max_batches is None or batches < max_batches):
+            done = await self.db.run_in_transaction(
+                lambda conn: retention_db.expire_batch(conn, keep=keep, limit=self.batch))
+            batches += 1
+            _add(report, done)
+            if progress is not None:
+                progress(report)
+            if max(done.runs, done.audit, done.incidents) < self.batch:
+                break
+
+    async def may_expire(self) -> bool:
+        async with self.db.connection() as conn:
+            return await retention_db.may_expire(conn)
+
+
+def _add(report: PruneReport, done: retention_db.Expired) -> None:
+    report.evidence_runs += done.runs
+    report.evidence_operations += done.operations
+    report.evidence_audit += done.audit
+    report.evidence_incidents += done.incidents
+
+
+async def export_evidence(db: Database, out: TextIO, *, since: datetime,
+                          until: datetime | None = None,
+                          progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    """Write the evidence created in ``[since, until)`` to ``out`` as JSON lines (one object
+    per row, its kind in ``type``), page by page; return how many rows of each kind."""
+    until = until or datetime.now(UTC) + timedelta(seconds=1)
+    if since.tzinfo is None or until.tzinfo is None:
+        raise InvalidRequest("since and until need a time zone", path="since")
+    counts: dict[str, int] = {}
+    for kind, statement, first in retention_db.EVIDENCE:
+        after, written = first, 0
+        while True:
+            async with db.connection() as conn:
+                rows = await retention_db.evidence_page(conn, statement, after=after,
+                                                        since=since, until=until,
+                                                        limit=EXPORT_PAGE)
+            for row in rows:
+                out.write(json.dumps({"type": kind, **_plain(row)}, ensure_ascii=False,
+                                     sort_keys=True) + "\n")
+            written += len(rows)
+            if progress is not None and rows:
+                progress(kind, written)
+            if len(rows) < EXPORT_PAGE:
+                break
+            after = rows[-1]["id"]
+        counts[kind] = written
+    return counts
+
+
+def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's values as JSON takes them: times in UTC ISO 8601 with ``Z``, ids as text."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, datetime):
+            value = value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        elif not isinstance(value, str | int | float | bool | list | dict | type(None)):
+            value = str(value)
+        out[key] = value
+    return out

@@ -1,0 +1,256 @@
+"""Retention (docs/retention.md): pruning finished runs in batches, their submission keys
+answered by the tombstone, the runs never pruned, evidence kept for its own period and exported
+first, the background prune of the reconciler, the runtime role's narrow right, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import Orchestrator, Retention, RunPruned
+from orchestrator.db import grants
+from orchestrator.db.config import DatabaseTarget, validate_url
+from orchestrator.db.database import Database
+from orchestrator.errors import ConfigurationError, InvalidRequest
+from orchestrator.retention import Pruner, export_evidence, parse_period
+from tests.clitools import run_cli
+from tests.integration.conftest import running, wait_for
+
+NOW = Retention(finished_runs=timedelta(0), evidence=None)
+
+
+def shop(app: Orchestrator) -> Orchestrator:
+    @app.tool()
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        return {"charged": cents}
+
+    @app.workflow()
+    async def pay(ctx, cents):  # type: ignore[no-untyped-def]
+        await ctx.call(charge, cents=cents)
+        return {"paid": cents}
+
+    @app.workflow()
+    async def child(ctx, n):  # type: ignore[no-untyped-def]
+        return n
+
+    @app.workflow()
+    async def parent(ctx, n):  # type: ignore[no-untyped-def]
+        got = await ctx.run_child("child", n)
+        await ctx.wait_for_event("go")
+        return got
+
+    return app
+
+
+def count(sql: Any, query: str, *params: Any) -> int:
+    return int(sql(query, params)[0]["n"])
+
+
+async def test_a_pruned_run_answers_its_submission_key_and_never_runs_twice(
+        make_app: Any, sql: Any) -> None:
+    app = shop(make_app())
+    async with running(app):
+        run = await app.submit_async("pay", 500, idempotency_key="order-1")
+        assert await run.result_async(timeout=20) == {"paid": 500}
+    journal = count(sql, "SELECT count(*) AS n FROM orchestrator.journal WHERE run_id = %s",
+                    run.id)
+    assert journal == 3  # call.submitted, call.completed, run.completed
+    report = await Pruner(app.database, NOW).prune()
+    assert (report.runs, report.journal_rows) == (1, journal)
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.journal WHERE run_id = %s",
+                 run.id) == 0
+    (row,) = sql("SELECT input, result, status, pruned_at FROM orchestrator.runs")
+    assert row["input"] is None and row["result"] is None and row["status"] == "succeeded"
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.operations "
+                      "WHERE run_id = %s AND state = 'committed'", run.id) == 1  # evidence
+
+    again = await app.submit_async("pay", 500, idempotency_key="order-1")
+    assert again.id == run.id  # the same request answers with the same (pruned) run
+    with pytest.raises(RunPruned) as pruned:
+        await again.result_async(timeout=5)
+    assert pruned.value.code == "RUN_PRUNED" and pruned.value.status == "succeeded"
+    assert (await again.info_async()).pruned_at is not None
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 1  # no second run
+    assert (await Pruner(app.database, NOW).prune()).runs == 0  # nothing left to prune
+
+
+async def test_runs_that_are_never_pruned(make_app: Any, sql: Any) -> None:
+    app = shop(make_app())
+    async with running(app):
+        unknown = await app.submit_async("pay", 1)
+        item = await app.submit_async("pay", 2)
+        for run in (unknown, item):
+            await run.result_async(timeout=20)
+        family = await app.submit_async("parent", 3)
+        await wait_for(lambda: count(sql, "SELECT count(*) AS n FROM orchestrator.runs "
+                                          "WHERE workflow_name = 'child' AND status = "
+                                          "'succeeded'") == 1, timeout=20)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (family.id,)), timeout=20)
+        # An operation whose outcome is unknown, and an unresolved reconciliation item, on
+        # runs that finished (as an operator's tooling or a bug could leave them).
+        sql("""INSERT INTO orchestrator.operations (run_id, position, attempt, tool_name,
+                   tool_version, effect_class, tenant, principal, intent_digest, arguments,
+                   idempotency_key, state)
+               SELECT id, 9, 1, 'charge', '1', 'consequential', tenant, principal, 'd', '{}',
+                      'k-unknown', 'submitted' FROM orchestrator.runs WHERE id = %s""",
+            (unknown.id,))
+        sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE idempotency_key = "
+            "'k-unknown'")
+        sql("""INSERT INTO orchestrator.reconciliation_items (operation_id, run_id, reason)
+               SELECT id, run_id, 'TOOL_OUTCOME_UNCERTAIN' FROM orchestrator.operations
+               WHERE run_id = %s""", (item.id,))
+
+        report = await Pruner(app.database, NOW).prune()
+        assert report.runs == 0  # the child's parent has not finished; the others are held
+        assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs "
+                          "WHERE pruned_at IS NOT NULL") == 0
+        await app.send_event_async(family.id, "go")
+        assert await family.result_async(timeout=20) == 3
+    report = await Pruner(app.database, NOW).prune()
+    assert report.runs == 2  # the parent and its child, now both finished
+    kept = {r["id"] for r in sql("SELECT id FROM orchestrator.runs WHERE pruned_at IS NULL")}
+    assert kept == {unknown.id, item.id}
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.journal WHERE run_id = %s",
+                 unknown.id) > 0
+
+
+async def test_a_workflow_keeps_its_own_period(make_app: Any, sql: Any) -> None:
+    app = shop(make_app())
+    async with running(app):
+        paid = await app.submit_async("pay", 1)
+        await paid.result_async(timeout=20)
+        other = await app.submit_async("child", 2)
+        await other.result_async(timeout=20)
+    rules = Retention(finished_runs=timedelta(days=1), evidence=None,
+                      workflows={"pay": timedelta(0)})
+    assert (await Pruner(app.database, rules).prune(dry_run=True)).runs == 1
+    assert (await Pruner(app.database, rules).prune()).runs == 1
+    pruned = [r["id"] for r in sql("SELECT id FROM orchestrator.runs "
+                                   "WHERE pruned_at IS NOT NULL")]
+    assert pruned == [paid.id]  # "child" keeps the default day
+
+
+async def test_evidence_outlives_the_journal_is_exported_then_expires(
+        make_app: Any, sql: Any, tmp_path: Path) -> None:
+    app = shop(make_app())
+    async with running(app):
+        run = await app.submit_async("pay", 7, idempotency_key="order-7")
+        await run.result_async(timeout=20)
+    await Pruner(app.database, Retention(finished_runs=timedelta(0),
+                                         evidence=timedelta(days=1))).prune()
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 1  # within evidence
+    with open(tmp_path / "evidence.jsonl", "w", encoding="utf-8") as out:
+        counts = await export_evidence(app.database, out,
+                                       since=datetime.now(UTC) - timedelta(hours=1))
+    lines = [json.loads(x) for x in (tmp_path / "evidence.jsonl").read_text().splitlines()]
+    (op,) = [x for x in lines if x["type"] == "operation"]
+    assert counts["operation"] == 1 and op["run_id"] == str(run.id)
+    assert op["submission_key"] == "order-7" and op["state"] == "committed"
+    assert op["receipt"] == {"charged": 7} and op["intent_digest"]
+    assert op["created_at"].endswith("Z")
+
+    report = await Pruner(app.database, Retention(finished_runs=timedelta(0),
+                                                  evidence=timedelta(0))).prune()
+    assert report.evidence_checked and (report.evidence_runs, report.evidence_operations) == (
+        1, 1)
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 0
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.operations") == 0
+    # Past the evidence period the key is forgotten: the same request is a new run.
+    async with running(app):
+        fresh = await app.submit_async("pay", 7, idempotency_key="order-7")
+        assert fresh.id != run.id and await fresh.result_async(timeout=20) == {"paid": 7}
+
+
+async def test_the_reconciler_prunes_in_the_background(make_app: Any, sql: Any) -> None:
+    app = shop(make_app(retention=Retention(finished_runs=timedelta(seconds=1),
+                                            evidence=None)))
+    async with running(app):
+        runs = [await app.submit_async("pay", n) for n in range(3)]
+        for run in runs:
+            await run.result_async(timeout=20)
+    reconciler = app.create_reconciler(prune_interval=0.2)
+    task = asyncio.ensure_future(reconciler.run())
+    try:
+        await wait_for(lambda: count(sql, "SELECT count(*) AS n FROM orchestrator.runs "
+                                          "WHERE pruned_at IS NOT NULL") == 3, timeout=20,
+                       what="the reconciler pruned the three runs")
+        assert count(sql, "SELECT count(*) AS n FROM orchestrator.journal") == 0
+    finally:
+        reconciler.request_stop()
+        await task
+
+
+async def test_the_runtime_role_prunes_journals_and_may_not_expire_evidence(
+        make_app: Any, make_role: Any, migrated_database_url: str, sql: Any) -> None:
+    app = shop(make_app())
+    async with running(app):
+        await (await app.submit_async("pay", 1)).result_async(timeout=20)
+    role = make_role()
+    grants.grant_runtime(DatabaseTarget(validate_url(migrated_database_url), "argument"),
+                         role.name)
+    db = Database(DatabaseTarget(validate_url(role.url), "argument"), max_pool_size=1)
+    try:
+        report = await Pruner(db, Retention(finished_runs=timedelta(0),
+                                            evidence=timedelta(0))).prune()
+        assert report.runs == 1 and not report.evidence_checked
+        assert count(sql, "SELECT count(*) AS n FROM orchestrator.operations") == 1  # kept
+        with pytest.raises(ConfigurationError, match="permission denied for table journal"):
+            async with db.connection() as conn:  # and no DELETE on the journal by grant
+                await conn.execute("DELETE FROM orchestrator.journal")
+    finally:
+        await db.close()
+
+
+def test_the_prune_and_evidence_commands(make_app: Any, migrated_database_url: str,
+                                         tmp_path: Path) -> None:
+    url = migrated_database_url
+    app = shop(make_app())
+
+    async def drive() -> None:
+        async with running(app):
+            for n in range(5):
+                await (await app.submit_async("pay", n)).result_async(timeout=20)
+
+    asyncio.run(drive())
+    dry = run_cli(["prune", "--older-than", "0s", "--dry-run", "--json"], database_url=url)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["runs"] == 5
+    exported = run_cli(["evidence", "export", "--since", "2000-01-01T00:00:00Z", "-o",
+                        str(tmp_path / "e.jsonl")], database_url=url)
+    assert exported.returncode == 0, exported.stderr
+    kinds = [json.loads(x)["type"] for x in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert kinds.count("operation") == 5
+    done = run_cli(["prune", "--older-than", "0s", "--batch", "2"], database_url=url)
+    assert done.returncode == 0, done.stderr
+    assert "pruned 5 finished run(s)" in done.stdout and "3 batch(es)" in done.stdout
+    assert "prune: 5 runs pruned" in done.stderr  # progress, batch by batch
+    assert "evidence: kept (no evidence period given)" in done.stdout
+    refused = run_cli(["prune"], database_url=url)
+    assert refused.returncode == 2 and "INVALID_REQUEST" in refused.stderr
+    assert "--older-than" in refused.stderr
+    bad = run_cli(["prune", "--older-than", "10 fortnights"], database_url=url)
+    assert bad.returncode == 2 and "must be a period" in bad.stderr
+
+
+def test_retention_settings_are_checked() -> None:
+    assert parse_period("30d", "p") == timedelta(days=30)
+    assert parse_period("90m", "p") == timedelta(minutes=90)
+    for bad in ("30", "-1d", "1y", ""):
+        with pytest.raises(InvalidRequest):
+            parse_period(bad, "p")
+    with pytest.raises(InvalidRequest) as short:
+        Retention(finished_runs=timedelta(days=30), evidence=timedelta(days=7))
+    assert short.value.path == "evidence"
+    with pytest.raises(InvalidRequest):
+        Retention(finished_runs=timedelta(days=1), evidence=timedelta(days=2),
+                  workflows={"report": timedelta(days=3)})
+    with pytest.raises(InvalidRequest):
+        Retention(finished_runs=timedelta(days=-1))
+    with pytest.raises(ConfigurationError):
+        Orchestrator(retention="30d")  # type: ignore[arg-type]
