@@ -116,3 +116,31 @@ async def fill(url: str, *, runs: int, k: int = 3) -> dict[str, Any]:
     log(f"scale: {runs:,} finished runs ready in {seconds:.0f}s ({size / 2**30:.1f} GiB)")
     return {"filler_runs": runs, "filler_k": k, "fill_seconds": seconds,
             "tables_gib": size / 2**30}
+
+
+async def unsettle(url: str, *, runs: int) -> list[str]:
+    """Give ``runs`` of the loaded history an operation whose outcome is unknown (submitted,
+    then moved to unknown, as the engine would): runs retention must never prune."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            f"""
+            WITH picked AS (SELECT id, tenant, principal FROM {S}.runs
+                            WHERE status = 'succeeded' ORDER BY random() LIMIT %s)
+            INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
+                                        effect_class, tenant, principal, intent_digest,
+                                        arguments, idempotency_key, state)
+            SELECT id, 99, 1, 'noop', '1', 'consequential', tenant, principal, 'held',
+                   '{{}}'::jsonb, id::text || ':99:1', 'submitted' FROM picked
+            RETURNING run_id""", (runs,))
+        ids = [str(row[0]) for row in await cur.fetchall()]
+        await conn.execute(f"UPDATE {S}.operations SET state = 'unknown' WHERE position = 99 "
+                           "AND intent_digest = 'held'")
+    return ids
+
+
+async def unpruned(url: str, ids: list[str]) -> int:
+    """How many of the runs ``ids`` are not pruned."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        row = await fetch_one(conn, f"SELECT count(*) FROM {S}.runs WHERE id = ANY(%s::uuid[]) "
+                              "AND pruned_at IS NULL", (ids,))
+    return int(row[0])

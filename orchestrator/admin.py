@@ -17,12 +17,20 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db import views as views_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
+from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.workers import DEAD_AFTER
-from orchestrator.errors import AccessDenied
-from orchestrator.models import check_run_filters, held_until
+from orchestrator.errors import (
+    AccessDenied,
+    InvalidRequest,
+    OperationInProgress,
+    OperationUncertain,
+    RunPruned,
+)
+from orchestrator.models import Owner, check_run_filters, held_until
 from orchestrator.reconcile import check_evidence
 
 LIVE_WORKER_SECONDS = 60.0
@@ -263,3 +271,85 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
         return before, after
 
     return await db.run_in_transaction(cancel)
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """A restart: the new run, where its own history begins, and what it carries over."""
+
+    run_id: uuid.UUID
+    restarted_from: uuid.UUID
+    from_position: int
+    carried: int  # journal entries copied from the old run
+
+
+async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidence: str,
+                      from_position: int | None = None, limits: Any,
+                      tenants: list[str] | None = None,
+                      owner: tuple[str, str] | None = None) -> Restarted:
+    """Restart a finished run as a new run that does not repeat its effects (docs/versioning.md
+    "Restarting a run"), audited as ``run.restart``. The new run's journal holds the old one's
+    entries before ``from_position`` (default: where the old run went wrong) and, at every
+    position, the calls that committed, whose receipts it replays; the rest runs anew, a call
+    as a new operation with a new key. Refused while an operation of the old run has no outcome
+    (``OPERATION_UNCERTAIN``: reconcile first), for a run not finished
+    (``OPERATION_IN_PROGRESS``), pruned (``RUN_PRUNED``) or already restarted
+    (``INVALID_REQUEST`` naming the run that superseded it). ``tenants``: the operator's scope;
+    ``owner``: only that owner's run (the owner's API); either way another's is ACCESS_DENIED."""
+    check_evidence(evidence, operator)
+    if from_position is not None and (type(from_position) is not int or from_position < 0):
+        raise InvalidRequest("from_position must be a position (0 or more)",
+                             path="from_position")
+
+    async def restart(conn: Conn) -> Restarted:
+        row = await runs_db.run_lock(conn, run_id, owner=owner)
+        if row is None or (tenants is not None and row["tenant"] not in tenants):
+            raise AccessDenied("the run does not exist or is not accessible")
+        if row["status"] not in TERMINAL_STATUSES:
+            raise OperationInProgress(
+                f"run {run_id} has not finished (status {row['status']}): only a finished run "
+                "is restarted; cancel it first", status=row["status"])
+        if row["superseded_by"] is not None:
+            raise InvalidRequest(f"run {run_id} was already restarted as run "
+                                 f"{row['superseded_by']}: restart that one", path="run_id")
+        if row["pruned_at"] is not None:
+            raise RunPruned(f"run {run_id} was pruned by retention: its journal and input are "
+                            "gone, so it cannot be restarted", status=row["status"],
+                            outcome=row["outcome_code"], pruned_at=row["pruned_at"])
+        operations = await ops_db.operation_list_for_run(conn, run_id)
+        open_ops = [o for o in operations if o["state"] in ("pending", "submitted", "unknown")]
+        if open_ops:
+            raise OperationUncertain(
+                f"run {run_id} has {len(open_ops)} operation(s) whose outcome is not known "
+                f"(operation {open_ops[0]['id']}, {open_ops[0]['state']}): reconcile them "
+                "first (`orchestrator ops list --run`), so that nothing is sent twice",
+                known_operations=[{"position": o["position"], "tool": o["tool_name"],
+                                   "receipt": o["receipt"]}
+                                  for o in operations if o["state"] == "committed"])
+        at = (await runs_db.run_failed_position(conn, run_id) if from_position is None
+              else from_position)
+        input_value = await views_db.run_input(conn, run_id)
+        options = row["options"] or {}
+        new = runs_db.run_row(
+            row["workflow_name"], row["workflow_version"], input_value, limits=limits,
+            owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
+            idempotency_key=None, deadline=options.get("deadline_seconds"),
+            queue=row["queue"], priority=row["priority"] or 0,
+            concurrency_key=row["concurrency_key"])
+        new["traceparent"] = None
+        await runs_db.run_insert(conn, new)
+        carried = await runs_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
+        # The journal's entries are the run's revisions: its next write follows them.
+        await conn.execute(f"UPDATE {runs_db.S}.runs SET restarted_from = %s, revision = %s "
+                           "WHERE id = %s AND revision = 0", (run_id, carried, new["id"]))
+        if not await runs_db.run_supersede(conn, old=run_id, new=new["id"]):
+            raise InvalidRequest(f"run {run_id} was restarted meanwhile", path="run_id")
+        await audit_record(
+            conn, operator=operator, action="run.restart", target_kind="run",
+            target_id=str(run_id), tenant=row["tenant"], evidence=evidence,
+            before=json.dumps({"status": row["status"], "superseded_by": None}),
+            after=json.dumps({"superseded_by": str(new["id"]), "from_position": at,
+                              "carried_entries": carried}))
+        return Restarted(new["id"], run_id, at, carried)
+
+    return await db.run_in_transaction(restart, idempotent=False)

@@ -82,7 +82,7 @@ from orchestrator.registry import (
     Workflow,
     check_name,
 )
-from orchestrator.retention import Pruner, PruneReport, Retention
+from orchestrator.retention import DUTY, Pruner, PruneReport, Retention
 from orchestrator.scheduler import (
     Declared,
     ScheduleAdmin,
@@ -682,6 +682,35 @@ class Orchestrator:
             raise AccessDenied(DENIED)
         return row
 
+    async def restart_async(self, run_id: uuid.UUID | str, *, reason: str,
+                            from_position: int | None = None, operator: str | None = None,
+                            owner: Owner | None = None) -> RunHandle[Any]:
+        """Restart the owner's finished run as a new run that does not repeat its effects
+        (docs/versioning.md, "Restarting a run"): its journal carries the old run's entries
+        before ``from_position`` (default: where the old run went wrong) and every call that
+        committed, whose receipt it returns; everything else runs anew, a call as a new
+        operation with a new key. The two runs name each other (``restarted_from``,
+        ``superseded_by``: the new run is the authoritative one), and the restart is audited
+        (``run.restart``, by ``operator``, default the owner's principal, with ``reason``).
+        Refused with ``OPERATION_UNCERTAIN`` while an operation of the old run has no outcome
+        (reconcile first), ``OPERATION_IN_PROGRESS`` for a run not finished, ``RUN_PRUNED``
+        for a pruned one, ``INVALID_REQUEST`` for one restarted already."""
+        who = self._owner(owner)
+        rid = _as_uuid(run_id)
+        if rid is None:
+            raise AccessDenied(DENIED)
+        done = await admin.restart_run(
+            self.database, rid, operator=operator or who.principal, evidence=reason,
+            from_position=from_position, limits=self.json_limits,
+            owner=(who.tenant, who.principal))
+        return RunHandle(self, done.run_id, who)
+
+    def restart(self, run_id: uuid.UUID | str, *, reason: str, from_position: int | None = None,
+                operator: str | None = None, owner: Owner | None = None) -> RunHandle[Any]:
+        """Sync twin of :meth:`restart_async`."""
+        return self._portal.call(self.restart_async(
+            run_id, reason=reason, from_position=from_position, operator=operator, owner=owner))
+
     async def get_run_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> RunHandle[Any]:
         row = await self._row(run_id, owner)
@@ -905,21 +934,22 @@ class Orchestrator:
             _listen(metrics_host, metrics_port))
 
     async def prune_async(self, *, dry_run: bool = False, batch: int = 500,
-                          evidence: bool = True) -> PruneReport:
+                          evidence: bool = True, duty: float = DUTY) -> PruneReport:
         """Prune by this app's ``retention`` now, in batches, until nothing is left
         (docs/retention.md); ``dry_run`` counts and changes nothing. Evidence past its period
-        is expired too when the database role may (the migration role)."""
+        is expired too when the database role may (the migration role). ``duty``: the share
+        of the time spent in batches (1: no pauses between them; docs/retention.md)."""
         if self.retention is None:
             raise ConfigurationError("this app has no retention: Orchestrator(retention="
                                      "Retention(finished_runs=timedelta(days=30)))")
-        return await Pruner(self.database, self.retention, batch=batch).prune(
+        return await Pruner(self.database, self.retention, batch=batch, duty=duty).prune(
             dry_run=dry_run, evidence=evidence)
 
     def prune(self, *, dry_run: bool = False, batch: int = 500,
-              evidence: bool = True) -> PruneReport:
+              evidence: bool = True, duty: float = DUTY) -> PruneReport:
         """Sync twin of :meth:`prune_async`."""
         return self._portal.call(self.prune_async(dry_run=dry_run, batch=batch,
-                                                  evidence=evidence))
+                                                  evidence=evidence, duty=duty))
 
     def metrics_registry(self) -> CollectorRegistry:
         """A ``prometheus_client.CollectorRegistry`` with this app's metrics, for a host that

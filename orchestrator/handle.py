@@ -63,6 +63,10 @@ class Client(Protocol):
     async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> list[JournalEntry]: ...
 
+    async def restart_async(self, run_id: uuid.UUID | str, *, reason: str,
+                            from_position: int | None = None, operator: str | None = None,
+                            owner: Owner | None = None) -> RunHandle[Any]: ...
+
 
 class RunHandle(Generic[R_co]):
     """One run, as seen by its owner; ``R_co`` is its workflow's result type (for type
@@ -146,6 +150,19 @@ class RunHandle(Generic[R_co]):
 
     async def journal_async(self) -> list[JournalEntry]:
         return await self.app.journal_async(self.id, owner=self.owner)
+
+    async def restart_async(self, *, reason: str, from_position: int | None = None,
+                            operator: str | None = None) -> RunHandle[R_co]:
+        """Restart this finished run as a new run that does not repeat its effects
+        (``Orchestrator.restart_async``); the new run's handle."""
+        return await self.app.restart_async(self.id, reason=reason, from_position=from_position,
+                                            operator=operator, owner=self.owner)
+
+    def restart(self, *, reason: str, from_position: int | None = None,
+                operator: str | None = None) -> RunHandle[R_co]:
+        """Sync twin of :meth:`restart_async`."""
+        return self.app._portal.call(self.restart_async(
+            reason=reason, from_position=from_position, operator=operator))
 
     def journal(self) -> list[JournalEntry]:
         return self.app._portal.call(self.journal_async())

@@ -121,6 +121,10 @@ class RunInfo(BaseModel):
     pruned_at: datetime | None = None
     """When retention pruned the finished run (its journal, input and result deleted;
     docs/retention.md); None if it was not."""
+    restarted_from: uuid.UUID | None = None
+    """The run this one restarts (``handle.restart``); None for a run submitted."""
+    superseded_by: uuid.UUID | None = None
+    """The run that restarted this one, the authoritative one; None if it was not."""
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> RunInfo:
@@ -146,6 +150,8 @@ class RunInfo(BaseModel):
             parent_run_id=row["parent_run_id"],
             error=row["error"],
             pruned_at=row.get("pruned_at"),
+            restarted_from=row.get("restarted_from"),
+            superseded_by=row.get("superseded_by"),
         )
 
 

@@ -234,7 +234,7 @@ class Reconciler:
         self._stop.set()
         self._wake.set()
         if self.pruner is not None:
-            self.pruner.stopping = True
+            self.pruner.stop()
 
     async def run(self) -> None:
         async with self.db.connection() as conn:

@@ -73,6 +73,8 @@ def run_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "started_at": iso(r.get("started_at")),
         "blocked": r.get("blocked"),
         "pruned_at": iso(r.get("pruned_at")),
+        "restarted_from": ident(r.get("restarted_from")),
+        "superseded_by": ident(r.get("superseded_by")),
     }
 
 

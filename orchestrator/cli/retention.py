@@ -46,6 +46,10 @@ def register(subparsers: Any) -> None:
                        "the app's retention.evidence; without either, evidence is kept)")
     prune.add_argument("--batch", type=int, default=retention.BATCH, metavar="N",
                        help=f"runs per transaction (default {retention.BATCH})")
+    prune.add_argument("--duty", type=float, default=retention.DUTY, metavar="F",
+                       help="the share of the time spent pruning: after each batch it rests "
+                       f"so that batches take F of the time (default {retention.DUTY}; 1: no "
+                       "rest), leaving the database to the workers")
     prune.add_argument("--dry-run", action="store_true",
                        help="count what would be pruned and expired; change nothing")
     prune.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -125,7 +129,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     async def main() -> PruneReport:
         db = Database(target, max_pool_size=2)
         try:
-            pruner = Pruner(db, rules, batch=args.batch)
+            pruner = Pruner(db, rules, batch=args.batch, duty=args.duty)
             return await pruner.prune(dry_run=args.dry_run, progress=_progress(args.quiet))
         finally:
             await db.close()

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from orchestrator import admin, replay
+from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
@@ -66,6 +67,26 @@ def register(subparsers: Any) -> None:
     export.add_argument("--output", "-o", metavar="FILE",
                         help="write to FILE instead of stdout")
     export.set_defaults(func=cmd_export)
+
+    restart = commands.add_parser(
+        "restart", help="restart a finished run without repeating its effects",
+        description="Start a new run of the same workflow version and input whose journal "
+        "carries the old run's entries before --from-position (default: where it went wrong) "
+        "and every call that committed, whose receipt it returns instead of calling again; "
+        "everything else runs anew, a call as a new operation with a new key. The runs name "
+        "each other; the restart is audited. Refused while an operation of the old run has "
+        "no outcome (reconcile first), and for a run not finished, pruned or restarted "
+        "already (docs/versioning.md).")
+    restart.add_argument("run_id")
+    restart.add_argument("--from-position", type=int, metavar="N",
+                         help="keep the old run's history before position N (default: the "
+                         "first position that failed)")
+    restart.add_argument("--operator", required=True, metavar="NAME",
+                         help="who restarts it (audited)")
+    restart.add_argument("--evidence", required=True, metavar="TEXT",
+                         help="why (audited), e.g. 'the PSP outage is over'")
+    json_option(restart)
+    restart.set_defaults(func=cmd_restart)
 
     cancel = commands.add_parser("cancel", help="request cancellation of a run")
     cancel.add_argument("run_id")
@@ -202,6 +223,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("pruned", None if run.get("pruned_at") is None else
          f"{run['pruned_at']} (journal, input and result deleted by retention)"),
         ("parent", run["parent_run_id"]),
+        ("restarts", run.get("restarted_from")),
+        ("superseded by", None if run.get("superseded_by") is None else
+         f"{run['superseded_by']} (restarted: that run is the authoritative one)"),
     ]
     if run["result"] is not None:
         fields.append(("result", clip(json.dumps(run["result"], sort_keys=True), 200)))
@@ -250,6 +274,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             out.write(text + "\n")
     else:
         print(text)
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    run_id = parse_run_id(args.run_id)
+    done = asyncio.run(_with_db(args, lambda db: admin.restart_run(
+        db, run_id, operator=args.operator, evidence=args.evidence,
+        from_position=args.from_position, limits=JsonLimits())))
+    if args.json:
+        records.emit({"run_id": str(done.run_id), "restarted_from": str(done.restarted_from),
+                      "from_position": done.from_position, "carried_entries": done.carried})
+        return 0
+    print(f"run {done.run_id} restarts run {done.restarted_from}: it carries "
+          f"{done.carried} journal entries (history before position {done.from_position} and "
+          "every committed call); follow it with `orchestrator runs watch "
+          f"{done.run_id}`")
     return 0
 
 

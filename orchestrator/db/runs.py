@@ -160,7 +160,7 @@ id, tenant, principal, workflow_name, workflow_version, options, status, outcome
 error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
 parent_run_id, parent_position, idempotency_key, queue, priority, concurrency_key, started_at,
-pruned_at
+pruned_at, restarted_from, superseded_by
 """
 _RUN_COLUMNS = _SUMMARY_COLUMNS + ", result"
 
@@ -703,3 +703,55 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
     if cur.rowcount:
         await conn.execute(_NOTIFY)
     return cur.rowcount
+
+
+# -- restarts (migration 0014, docs/retention.md#restarting-a-run) --------------------------
+
+_COMMITTED_POSITIONS = f"""
+SELECT DISTINCT position FROM {S}.journal
+WHERE run_id = %(old)s AND kind = '{EventKind.CALL_COMPLETED}'
+"""
+
+
+async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
+                            before: int) -> int:
+    """Copy into the new run's journal the old run's entries at positions before ``before``
+    and, at every position, those of a call that committed (never repeated); renumbered
+    from 1, in the old order. Returns how many entries were copied."""
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                                 lease_token, created_at)
+        SELECT %(new)s, row_number() OVER (ORDER BY j.seq), j.kind, j.position, j.name,
+               j.schema_version, j.payload, 0, j.created_at
+        FROM {S}.journal j
+        WHERE j.run_id = %(old)s AND j.position IS NOT NULL
+          AND (j.position < %(before)s OR j.position IN ({_COMMITTED_POSITIONS}))
+        ORDER BY j.seq
+        """, {"old": old, "new": new, "before": before})
+    return cur.rowcount
+
+
+async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
+    """Where a run went wrong: the first position whose last entry is not a success (a call
+    that failed, was denied, cancelled or abandoned; an event that timed out; a child that
+    failed), else the position after its last one."""
+    cur = await conn.execute(
+        f"""
+        SELECT coalesce(min(position) FILTER (WHERE kind IN (
+                   '{EventKind.CALL_FAILED}', '{EventKind.CALL_DENIED}',
+                   '{EventKind.CALL_CANCELLED}', '{EventKind.CALL_ABANDONED}',
+                   '{EventKind.EVENT_TIMEOUT}', '{EventKind.CHILD_FAILED}')),
+               max(position) + 1, 0) AS at
+        FROM {S}.journal WHERE run_id = %s AND position IS NOT NULL
+        """, (run_id,))
+    row = await cur.fetchone()
+    return int(row["at"]) if row else 0
+
+
+async def run_supersede(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> bool:
+    """Mark ``old`` superseded by ``new`` unless it already is (the row count says)."""
+    cur = await conn.execute(
+        f"UPDATE {S}.runs SET superseded_by = %s, updated_at = now() "
+        "WHERE id = %s AND superseded_by IS NULL", (new, old))
+    return cur.rowcount == 1

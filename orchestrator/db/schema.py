@@ -131,6 +131,10 @@ runs = Table(
     # Retention (migration 0013, docs/retention.md): when the run was pruned (its journal,
     # events, input and result deleted; the row kept as a tombstone for its submission key).
     _ts("pruned_at"),
+    # Restarts (migration 0014): the run this one restarts, and the run that restarted this
+    # one (the authoritative one).
+    Column("restarted_from", UUID(as_uuid=True)),
+    Column("superseded_by", UUID(as_uuid=True)),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(

@@ -1,0 +1,141 @@
+"""Restarting a run without repeating its effects (docs/versioning.md, "Restarting a run"):
+committed charges are replayed from the old run's journal, the failed step runs anew, the runs
+name each other, the restart is audited, and it is refused while an outcome is unknown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from orchestrator import Orchestrator, RunFailed, ToolError
+from orchestrator.errors import InvalidRequest, OperationInProgress, OperationUncertain
+from tests.clitools import run_cli
+from tests.integration.conftest import running, wait_for
+
+CHARGES: Counter[str] = Counter()
+
+
+def shop(app: Orchestrator, broken: dict[str, bool]) -> Orchestrator:
+    @app.tool()
+    async def charge(ctx, *, card):  # type: ignore[no-untyped-def]
+        CHARGES[card] += 1  # the counting sink: every real charge
+        return {"charged": card}
+
+    @app.tool()
+    async def ship(ctx, *, order):  # type: ignore[no-untyped-def]
+        if broken["ship"]:
+            raise ToolError("the carrier refused the label", applied=False, status=422)
+        return {"shipped": order}
+
+    @app.workflow()
+    async def order(ctx, n):  # type: ignore[no-untyped-def]
+        first = await ctx.call(charge, card="a")
+        second = await ctx.call(charge, card="b")
+        label = await ctx.call(ship, order=n)
+        return [first, second, label]
+
+    @app.workflow()
+    async def waits(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("go")
+        return n
+
+    return app
+
+
+async def test_a_failed_run_restarted_from_zero_charges_nothing_again(make_app: Any,
+                                                                     sql: Any) -> None:
+    CHARGES.clear()
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+    async with running(app):
+        old = await app.submit_async("order", 7)
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+        assert CHARGES == {"a": 1, "b": 1}
+        broken["ship"] = False  # the carrier is back
+        new = await old.restart_async(reason="the carrier is back", from_position=0)
+        assert await new.result_async(timeout=20) == [
+            {"charged": "a"}, {"charged": "b"}, {"shipped": 7}]
+    assert CHARGES == {"a": 1, "b": 1}  # nothing charged twice
+    assert (await new.info_async()).restarted_from == old.id
+    assert (await old.info_async()).superseded_by == new.id
+    (audit,) = sql("SELECT operator, action, target_id, evidence, after "
+                   "FROM orchestrator.operator_audit")
+    assert (audit["operator"], audit["action"], audit["target_id"], audit["evidence"]) == (
+        "alice", "run.restart", str(old.id), "the carrier is back")
+    assert audit["after"]["superseded_by"] == str(new.id)
+    ops = sql("SELECT run_id, position, tool_name, idempotency_key FROM orchestrator.operations "
+              "WHERE run_id = %s", (new.id,))
+    assert [(o["position"], o["tool_name"]) for o in ops] == [(2, "ship")]  # a new operation
+    assert ops[0]["idempotency_key"].startswith(str(new.id))  # with a new key
+    with pytest.raises(InvalidRequest, match="already restarted"):
+        await old.restart_async(reason="again")
+
+
+async def test_a_restart_is_refused_while_an_outcome_is_unknown_or_the_run_goes_on(
+        make_app: Any, sql: Any) -> None:
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+    async with running(app):
+        failed = await app.submit_async("order", 1)
+        with pytest.raises(RunFailed):
+            await failed.result_async(timeout=20)
+        going = await app.submit_async("waits", 2)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (going.id,)), timeout=20)
+        with pytest.raises(OperationInProgress):
+            await going.restart_async(reason="too early")
+    # An operation whose outcome is unknown on a finished run (as a cancelled run leaves one).
+    sql("""INSERT INTO orchestrator.operations (run_id, position, attempt, tool_name,
+               tool_version, effect_class, tenant, principal, intent_digest, arguments,
+               idempotency_key, state)
+           SELECT id, 9, 1, 'ship', '1', 'consequential', tenant, principal, 'd', '{}',
+                  'k-unknown', 'submitted' FROM orchestrator.runs WHERE id = %s""",
+        (failed.id,))
+    sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE idempotency_key = "
+        "'k-unknown'")
+    with pytest.raises(OperationUncertain, match="reconcile them first") as refused:
+        await failed.restart_async(reason="not yet")
+    assert refused.value.code == "OPERATION_UNCERTAIN"
+    assert len(refused.value.known_operations) == 2  # the two charges, committed
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 2  # nothing started
+
+
+def test_the_restart_command(make_app: Any, migrated_database_url: str) -> None:
+    CHARGES.clear()
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+
+    async def fail() -> Any:
+        async with running(app):
+            run = await app.submit_async("order", 3)
+            with pytest.raises(RunFailed):
+                await run.result_async(timeout=20)
+            return run
+
+    old = asyncio.run(fail())
+    done = run_cli(["runs", "restart", str(old.id), "--operator", "bob", "--evidence",
+                    "label fixed", "--json"], database_url=migrated_database_url)
+    assert done.returncode == 0, done.stderr
+    restarted = json.loads(done.stdout)
+    assert restarted["from_position"] == 2  # the default: where the old run went wrong
+    assert restarted["restarted_from"] == str(old.id)
+    broken["ship"] = False
+
+    async def finish() -> Any:
+        async with running(app):
+            new = await app.get_run_async(restarted["run_id"])
+            return new, await new.result_async(timeout=20)
+
+    new, result = asyncio.run(finish())
+    assert result == [{"charged": "a"}, {"charged": "b"}, {"shipped": 3}]
+    assert CHARGES == {"a": 1, "b": 1}
+    shown = run_cli(["runs", "show", str(old.id)], database_url=migrated_database_url)
+    assert f"superseded by:  {new.id}" in shown.stdout
+    missing = run_cli(["runs", "restart", str(old.id), "--operator", "bob"],
+                      database_url=migrated_database_url)
+    assert missing.returncode == 2  # --evidence is required
