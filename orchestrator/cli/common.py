@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from datetime import datetime
 
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.probe import ping
+from orchestrator.errors import InvalidRequest
 
 SOURCE_LABELS = {
     "argument": "from --database-url",
@@ -35,3 +37,15 @@ def json_option(parser: argparse.ArgumentParser) -> None:
     """``--json``: one JSON document on stdout instead of the table (docs/cli-json.md)."""
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document (fields: docs/cli-json.md)")
+
+
+def parse_time(value: str, path: str) -> datetime:
+    """An option's ISO 8601 time with its offset (``INVALID_REQUEST`` naming ``--path``)."""
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidRequest(f"--{path} must be an ISO 8601 time with its offset, e.g. "
+                             "2026-12-01T00:00:00Z", path=path)
+    return when

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from orchestrator import replay as checks
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.common import database_target, json_option, parse_time
 from orchestrator.cli.tables import render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
@@ -55,19 +54,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=cmd_replay, help_parser=parser)
 
 
-def _since(value: str | None) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        when = None
-    if when is None or when.tzinfo is None:
-        raise InvalidRequest("--since must be an ISO 8601 time with its offset, e.g. "
-                             "2026-12-01T00:00:00Z", path="since")
-    return when
-
-
 def _from_files(paths: list[Path]) -> list[RecordedRun]:
     runs: list[RecordedRun] = []
     for path in paths:
@@ -84,7 +70,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not 1 <= args.last <= LAST_MAX:
         raise InvalidRequest(f"--last must be 1 to {LAST_MAX}", path="last")
     run_id = None if args.run is None else parse_run_id(args.run)
-    since = _since(args.since)
+    since = None if args.since is None else parse_time(args.since, "since")
     app = load_app(args.app, args.database_url)
 
     async def main() -> list[Verdict]:

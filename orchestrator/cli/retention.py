@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from orchestrator import retention
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.common import database_target, json_option, parse_time
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -73,17 +73,6 @@ def register(subparsers: Any) -> None:
     export.add_argument("--output", "-o", metavar="FILE", type=Path,
                         help="write to FILE instead of stdout")
     export.set_defaults(func=cmd_export)
-
-
-def _time(value: str, path: str) -> datetime:
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        when = None
-    if when is None or when.tzinfo is None:
-        raise InvalidRequest(f"--{path} must be an ISO 8601 time with its offset, e.g. "
-                             "2026-12-01T00:00:00Z", path=path)
-    return when
 
 
 def _retention(args: argparse.Namespace) -> Retention:
@@ -157,8 +146,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    since = _time(args.since, "since")
-    until = _time(args.until, "until") if args.until else datetime.now(UTC) + timedelta(
+    since = parse_time(args.since, "since")
+    until = parse_time(args.until, "until") if args.until else datetime.now(UTC) + timedelta(
         seconds=1)
     target = database_target(args)
 

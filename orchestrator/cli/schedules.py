@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.common import database_target, json_option, parse_time
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -64,17 +63,6 @@ def register(subparsers: Any) -> None:
                           help="the backfill's own overlap policy (default allow_all)")
     json_option(backfill)
     backfill.set_defaults(func=cmd_backfill)
-
-
-def _time(value: str, path: str) -> datetime:
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        when = None
-    if when is None or when.tzinfo is None:
-        raise InvalidRequest(f"--{path} must be an ISO 8601 time with its offset, e.g. "
-                             "2026-12-01T00:00:00Z", path=path)
-    return when
 
 
 def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]]) -> T:
@@ -190,7 +178,7 @@ def cmd_trigger(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    start, end = _time(args.start, "from"), _time(args.end, "to")
+    start, end = parse_time(args.start, "from"), parse_time(args.end, "to")
     said = _admin(args, lambda admin: admin.backfill(args.id, start, end,
                                                      overlap=args.overlap))
     if args.json:
