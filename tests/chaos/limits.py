@@ -14,9 +14,12 @@ timestamping every effect by its own clock, must show:
 - ``rated``: no one-second window with more than 50 starts (the database's ``started_at``,
   the moment the limit is enforced on; the sink's first effects are reported beside it, later
   by each run's claim-to-call time);
-- ``api``: no moment with more than 2 calls in flight at the provider (a call its worker was
-  killed in counts until its hold time has passed) and no one-second window with more than 20
-  calls begun.
+- ``api``: no moment with more than 2 calls in flight at the provider and no one-second window
+  with more than 20 calls begun. A call counts from its start to its end; one its worker was
+  killed in, until its hold time has passed. The provider here runs inside the worker, so a
+  call its worker was paused in is frozen with it; it counts for at most the tool's timeout,
+  which is how long the engine counts a lost call as in flight (docs/flow.md), as a real
+  provider, not paused with its caller, would have finished by then.
 
 The table prints each limit beside the sink's measured maximum.
 """
@@ -288,7 +291,9 @@ async def _measure(cfg: LimitsConfig, db_url: str, sink_url: str,
             most_in_window(rated_db, second),
             f"first effects in the sink: {most_in_window(rated_sink, second)} in any 1 s"),
         Row("api: calls in flight at the provider", limits_app.API_CONCURRENCY,
-            most_at_once([(c["started_at"], c["ended_at"] or c["started_at"] + hold)
+            most_at_once([(c["started_at"],
+                           min(c["ended_at"] or c["started_at"] + hold,
+                               c["started_at"] + limits_app.API_TIMEOUT))
                           for c in calls])),
         Row("api: calls begun in any 1 s", limits_app.API_RATE,
             most_in_window([c["started_at"] for c in calls], second)),
