@@ -221,11 +221,12 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> str:
     """Cancel a run; return its status afterwards (no ownership check: callers do that).
 
     A queued or waiting run is cancelled at once; a running one at its next command; a run
-    blocked on an unknown operation only after that operation is reconciled (C7).
+    blocked on an unknown operation only after that operation is reconciled (C7). A run that
+    continued as new (``ctx.continue_as_new``): the last run of its chain.
     """
 
     async def cancel(conn: Conn) -> str:
-        row = await runs_db.run_lock(conn, run_id)
+        row = await runs_db.run_lock_last(conn, run_id)
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
         return await cancel_locked(conn, row)
@@ -257,7 +258,7 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
     check_evidence(evidence, operator)
 
     async def cancel(conn: Conn) -> tuple[str, str]:
-        row = await runs_db.run_lock(conn, run_id)
+        row = await runs_db.run_lock_last(conn, run_id)
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         before = str(row["status"])
@@ -309,6 +310,10 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
             raise OperationInProgress(
                 f"run {run_id} has not finished (status {row['status']}): only a finished run "
                 "is restarted; cancel it first", status=row["status"])
+        if row["superseded_by"] is not None and row["outcome_code"] == runs_db.CONTINUED:
+            raise InvalidRequest(f"run {run_id} continued as run {row['superseded_by']} "
+                                 "(ctx.continue_as_new): restart the last run of its chain",
+                                 path="run_id")
         if row["superseded_by"] is not None:
             raise InvalidRequest(f"run {run_id} was already restarted as run "
                                  f"{row['superseded_by']}: restart that one", path="run_id")

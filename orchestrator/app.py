@@ -753,29 +753,29 @@ class Orchestrator:
         rid = _as_uuid(run_id)
 
         async def deliver(conn: Conn) -> bool:
-            row = (await runs_db.run_lock(conn, rid, owner=(who.tenant, who.principal))
+            row = (await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
                    if rid is not None else None)
             if row is None:
                 raise AccessDenied(DENIED)
-            assert rid is not None
+            target = row["id"]  # the last run of a chain of continuations
             if row["status"] in TERMINAL:
-                if event_key is not None and await event_seen(conn, run_id=rid,
+                if event_key is not None and await event_seen(conn, run_id=target,
                                                               event_key=event_key):
                     return False  # a retry of an event the run received: delivered once
                 raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
-            if event_key is not None and await event_seen(conn, run_id=rid,
+            if event_key is not None and await event_seen(conn, run_id=target,
                                                           event_key=event_key):
                 return False  # delivered once, even when the backlog is full now
             # The run's row is locked: no other sender counts at the same time (C15).
             cap = self.max_pending_events
-            if await event_pending_count(conn, run_id=rid, cap=cap) >= cap:
+            if await event_pending_count(conn, run_id=target, cap=cap) >= cap:
                 raise EventBacklogFull(
                     f"the run has {cap} events waiting to be consumed, its cap "
                     "(max_pending_events); nothing was stored")
-            created = await event_insert(conn, run_id=rid, name=name, event_key=event_key,
+            created = await event_insert(conn, run_id=target, name=name, event_key=event_key,
                                          payload=text)
             if created:
-                await runs_db.run_wake(conn, rid)
+                await runs_db.run_wake(conn, target)
             return created
 
         # Keyed, a retry after a lost COMMIT finds the event delivered; unkeyed, it could

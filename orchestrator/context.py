@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from orchestrator.logs import WorkflowLogger
 from orchestrator.models import Owner
@@ -56,6 +56,19 @@ class Commands(Protocol):
 
     def run_child(self, position: int, workflow: Workflow | str, input: Any
                   ) -> Awaitable[Any]: ...
+
+    def continue_as_new(self, input: Any, version: str | None) -> NoReturn: ...
+
+
+class ContinueAsNew(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Unwinds workflow code from ``ctx.continue_as_new``: the run ends and goes on as a new
+    run of ``version`` with ``input_text`` (its input, checked and serialised). A
+    BaseException, so that ``except Exception`` in workflow code does not swallow it."""
+
+    def __init__(self, input_text: str, version: str) -> None:
+        super().__init__(version)
+        self.input_text = input_text
+        self.version = version
 
 
 class WorkflowContext:
@@ -176,6 +189,31 @@ class WorkflowContext:
         those workers are gone. A run that recorded the old path fails at its next command with
         ``NONDETERMINISM`` (the replay check finds it first)."""
         self._ex.patch(patch_id)
+
+    def continue_as_new(self, input: Any, /, *, version: str | None = None) -> NoReturn:
+        """End this run and go on in a new run of the same workflow with ``input``: for a run
+        that loops for ever (a poller, a subscription), whose journal would otherwise reach
+        its cap (``JOURNAL_FULL``). Nothing else is carried over: what the next generation
+        needs goes in ``input`` (docs/versioning.md, "Long runs")::
+
+            @app.workflow()
+            async def poll(ctx, state):
+                for _ in range(50):
+                    state = await ctx.call(fetch_page, cursor=state["cursor"])
+                ctx.continue_as_new(state)
+
+        The new run has the same owner, queue, priority, concurrency key, parent and deadline,
+        and takes over the submission's idempotency key (a submission with it answers with
+        the newest run); this run ends ``succeeded`` with outcome ``CONTINUED_AS_NEW`` and
+        names it (``superseded_by``), and ``handle.result()`` follows the chain to the last
+        run's result. ``version``: the new run's workflow version (default: the one this
+        worker would start for a new submission, so a loop takes up new code at its next
+        generation). It never returns. While an operation of this run has no settled outcome
+        the run does not end: it waits for the reconciliation as any run's end does, then
+        continues. Bad ``input`` (not a JSON value, over the size cap) is ``INVALID_REQUEST``
+        or ``PAYLOAD_TOO_LARGE`` raised here, before anything ends.
+        """
+        self._ex.continue_as_new(input, version)
 
     def publish(self, value: Any, topic: str = "progress") -> None:
         """Publish ``value`` (a JSON value) into the run's stream, for readers of

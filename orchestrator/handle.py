@@ -90,11 +90,23 @@ class RunHandle(Generic[R_co]):
         return (await self.info_async()).status
 
     def status(self) -> str:
-        """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded``."""
+        """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded`` (this run's:
+        one that continued as new is ``succeeded``, ``info().outcome`` ``CONTINUED_AS_NEW``,
+        and :meth:`result` follows it)."""
         return self.app._portal.call(self.status_async())
 
+    async def _last(self, run_id: uuid.UUID) -> dict[str, Any]:
+        """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``), of
+        the last run of its chain (the same owner's)."""
+        row = await self.app._row(run_id, self.owner, result=True)
+        while row["outcome_code"] == runs_db.CONTINUED and row["superseded_by"] is not None:
+            row = await self.app._row(row["superseded_by"], self.owner, result=True)
+        return row
+
     async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
-        """Wait until the run is terminal; return its result or raise its outcome (C13).
+        """Wait until the run is terminal; return its result or raise its outcome (C13). A
+        run that continued as new (``ctx.continue_as_new``) is followed to the last run of its
+        chain: its result is the chain's.
 
         Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
         waiting changes nothing.
@@ -103,8 +115,10 @@ class RunHandle(Generic[R_co]):
         loop = asyncio.get_running_loop()
         give_up = None if seconds is None else loop.time() + seconds
         delay = 0.005
+        current = self.id
         while True:
-            row = await self.app._row(self.id, self.owner, result=True)
+            row = await self._last(current)
+            current = row["id"]
             if row["status"] in TERMINAL:
                 result: R_co = _outcome(row)
                 return result
@@ -122,15 +136,17 @@ class RunHandle(Generic[R_co]):
 
         Finished: the stored result, or the stored failure raised again; nothing is called.
         Blocked on an unknown operation: ``OPERATION_UNCERTAIN`` with the operations known to be
-        committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status.
+        committed so far. Otherwise: ``OPERATION_IN_PROGRESS`` with the current status. A run
+        that continued as new answers for the last run of its chain.
         """
-        row = await self.app._row(self.id, self.owner, result=True)
+        row = await self._last(self.id)
         if row["status"] in TERMINAL:
             result: R_co = _outcome(row)
             return result
         if row["status"] == "needs_reconciliation":
+            last = row["id"]
             ops = await self.app.database.read(
-                lambda conn: ops_db.operation_list_for_run(conn, self.id))
+                lambda conn: ops_db.operation_list_for_run(conn, last))
             known = [{"position": o["position"], "tool": o["tool_name"], "receipt": o["receipt"]}
                      for o in ops if o["state"] == "committed"]
             raise OperationUncertain(
@@ -177,10 +193,11 @@ class RunHandle(Generic[R_co]):
         entry exactly once. Following, the iterator waits for new entries (the run's revision
         is polled, every 50 ms while anything followed moves, at most every 200 ms after a
         quiet second: docs/streams.md) and ends right after yielding the run's terminal entry
-        (``run.completed``, ``run.failed`` or ``run.cancelled``), or, if the run had ended
-        before the cursor, after what follows it. ``follow=False`` yields what exists now and
-        ends. ``topics`` (a list of names) keeps only the messages that workflow code
-        published on those topics (``ctx.publish``) and the run's terminal entry.
+        (``run.completed``, ``run.failed``, ``run.cancelled`` or ``run.continued``), or, if
+        the run had ended before the cursor, after what follows it. ``follow=False`` yields
+        what exists now and ends. ``topics`` (a list of names) keeps only the messages that
+        workflow code published on those topics (``ctx.publish``) and the run's terminal
+        entry.
 
         The arguments are checked here (``INVALID_REQUEST``: a cursor that is not an ``int``
         from 0, topics that are not a list of names); the owner when iteration begins: another

@@ -61,11 +61,12 @@ class EventKind(StrEnum):
     RUN_COMPLETED = "run.completed"
     RUN_FAILED = "run.failed"
     RUN_CANCELLED = "run.cancelled"
+    RUN_CONTINUED = "run.continued"  # ctx.continue_as_new: the run goes on as a new run
 
 
 K = EventKind
 
-RUN_ENDS = (K.RUN_COMPLETED, K.RUN_FAILED, K.RUN_CANCELLED)
+RUN_ENDS = (K.RUN_COMPLETED, K.RUN_FAILED, K.RUN_CANCELLED, K.RUN_CONTINUED)
 """The kinds of a run's terminal entry: every way a run ends writes exactly one of them, in
 the transaction that makes its status terminal."""
 
@@ -95,6 +96,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.RUN_COMPLETED: (("result",), ()),
     K.RUN_FAILED: (("code", "message", "incident"), ("cause",)),
     K.RUN_CANCELLED: ((), ()),
+    K.RUN_CONTINUED: (("run_id", "version"), ()),
 }
 """The payload of each kind: the fields it always has, and those only some entries have."""
 

@@ -21,6 +21,7 @@ COUNTERS = (
     "runs_succeeded",
     "runs_failed",
     "runs_cancelled",
+    "runs_continued",  # ended by ctx.continue_as_new, going on as a new run
     "operations_dispatched",
     "operations_retried",
     "operations_resent",  # sent again outside the retry budget, proven not applied (C8)

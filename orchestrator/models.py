@@ -124,7 +124,10 @@ class RunInfo(BaseModel):
     restarted_from: uuid.UUID | None = None
     """The run this one restarts (``handle.restart``); None for a run submitted."""
     superseded_by: uuid.UUID | None = None
-    """The run that restarted this one, the authoritative one; None if it was not."""
+    """The run that restarted this one, or that it continued as (``outcome`` is
+    ``CONTINUED_AS_NEW``): the authoritative one; None if there is none."""
+    continued_from: uuid.UUID | None = None
+    """The run this one continues (``ctx.continue_as_new``); None for a run submitted."""
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> RunInfo:
@@ -152,6 +155,7 @@ class RunInfo(BaseModel):
             pruned_at=row.get("pruned_at"),
             restarted_from=row.get("restarted_from"),
             superseded_by=row.get("superseded_by"),
+            continued_from=row.get("continued_from"),
         )
 
 
@@ -161,8 +165,8 @@ class JournalEntry(BaseModel):
     ``seq`` numbers a run's entries 1, 2, 3 … with no gaps and is the cursor of
     ``events(after=seq)``; ``kind`` is one of the journal's kinds (``call.submitted``,
     ``message`` …, see docs/streams.md); ``at`` is when it was committed (the database's
-    clock); ``position`` is the workflow command it belongs to (None for the run's own
-    entries: ``run.completed``, ``run.failed``, ``run.cancelled``); ``name`` is the tool,
+    clock); ``position`` is the workflow command it belongs to (None for the run's own entries:
+    ``run.completed``, ``run.failed``, ``run.cancelled``, ``run.continued``); ``name`` is the tool,
     event, workflow or value name, or a ``message``'s topic; ``payload`` holds the kind's
     fields, built by the orchestrator from controlled values and the owner's own data (no
     tool's error text: that stays in incidents).

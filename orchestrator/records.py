@@ -75,6 +75,7 @@ def run_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "pruned_at": iso(r.get("pruned_at")),
         "restarted_from": ident(r.get("restarted_from")),
         "superseded_by": ident(r.get("superseded_by")),
+        "continued_from": ident(r.get("continued_from")),
     }
 
 

@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator import canonical
 from orchestrator.canonical import canonical_json
-from orchestrator.context import WorkflowContext
+from orchestrator.context import ContinueAsNew, WorkflowContext
 from orchestrator.db.database import Conn
 from orchestrator.errors import (
     EventTimeout,
@@ -260,6 +260,9 @@ class _Commands:
             return payload["result"]
         raise RunFailed(payload["message"], code=payload["code"],
                         run_id=recorded[0]["payload"]["run_id"], cause=payload.get("cause"))
+
+    def continue_as_new(self, input: Any, version: str | None) -> NoReturn:
+        raise ContinueAsNew("", version or self.recorded.version)  # the code ends here
 
     # -- matching ----------------------------------------------------------------------------
 

@@ -219,7 +219,7 @@ class _Tick:
             self.buffered += 1
             return self._count(slot, "buffered")
         if decision == "cancel" and self.last_run is not None:
-            locked = await runs_db.run_lock(self.conn, self.last_run)
+            locked = await runs_db.run_lock_last(self.conn, self.last_run)
             if locked is not None:
                 await admin.cancel_locked(self.conn, locked)
                 self.s.metrics.incr("cancellations", stage="requested")

@@ -25,10 +25,10 @@ per journal write: every write of every run would pay for it at commit, under a 
 all notifying commits share, for the rare run that someone follows; and the channels the
 engine already notifies say that work is ready, not that a run's journal grew.)
 
-A follower ends right after yielding the run's terminal entry (``run.completed``,
-``run.failed``, ``run.cancelled``), or, when the run had ended before the cursor, once it has
-yielded what follows the cursor. ``follow=False`` yields what exists now and ends. Nothing
-here writes, and nothing dispatches anything (C3).
+A follower ends right after yielding the run's terminal entry (``run.completed``, ``run.failed``,
+``run.cancelled``, or ``run.continued``, which names the run it goes on as), or, when the run had
+ended before the cursor, once it has yielded what follows the cursor. ``follow=False`` yields
+what exists now and ends. Nothing here writes, and nothing dispatches anything (C3).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ _HISTOGRAMS: dict[str, str] = {
     "commit_batch_size": "Writes per group commit.",
     "commit_latency_seconds": "Seconds per group commit (the batch's round trip).",
 }
-_RUN_OUTCOMES = ("succeeded", "failed", "cancelled")
+_RUN_OUTCOMES = ("succeeded", "failed", "cancelled", "continued")
 _BY_TOOL: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_tool_attempts", "operations_dispatched",
      "Tool attempts that reached dispatch, by tool and attempt_kind (initial, retry, "

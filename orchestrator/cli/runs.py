@@ -160,6 +160,8 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
         return f"the run failed: {p['code']}: {p['message']}"
     if kind == "run.cancelled":
         return "the run was cancelled"
+    if kind == "run.continued":
+        return f"the run continued as run {p['run_id']} ({p['version']})"
     return None
 
 
@@ -224,7 +226,10 @@ def cmd_show(args: argparse.Namespace) -> int:
          f"{run['pruned_at']} (journal, input and result deleted by retention)"),
         ("parent", run["parent_run_id"]),
         ("restarts", run.get("restarted_from")),
+        ("continues", run.get("continued_from")),
         ("superseded by", None if run.get("superseded_by") is None else
+         f"{run['superseded_by']} (continued as new: the run goes on there)"
+         if run["outcome_code"] == "CONTINUED_AS_NEW" else
          f"{run['superseded_by']} (restarted: that run is the authoritative one)"),
     ]
     if run["result"] is not None:

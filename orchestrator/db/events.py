@@ -40,11 +40,27 @@ async def event_pending_count(conn: Conn, *, run_id: uuid.UUID, cap: int) -> int
     return int(row["n"])
 
 
+SEEN_GENERATIONS = 16
+"""How many runs of a chain of continuations (``ctx.continue_as_new``) a keyed event's key is
+looked for in: the run and the 15 it continues, newest first."""
+
+
 async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
-    """Whether an event with this key was delivered to the run."""
+    """Whether an event with this key was delivered to the run, or to one of the last runs
+    it continues (:data:`SEEN_GENERATIONS`): a sender's retry that comes after the run went
+    on as a new one is still recognised."""
     cur = await conn.execute(
-        f"SELECT 1 FROM {S}.external_events WHERE run_id = %s AND event_key = %s",
-        (run_id, event_key))
+        f"""
+        WITH RECURSIVE chain AS (
+            SELECT id, continued_from, 1 AS depth FROM {S}.runs WHERE id = %(run)s
+            UNION ALL
+            SELECT r.id, r.continued_from, c.depth + 1
+            FROM chain c JOIN {S}.runs r ON r.id = c.continued_from
+            WHERE c.depth < %(depth)s
+        )
+        SELECT 1 FROM {S}.external_events e JOIN chain c ON e.run_id = c.id
+        WHERE e.event_key = %(key)s LIMIT 1
+        """, {"run": run_id, "key": event_key, "depth": SEEN_GENERATIONS})
     return await cur.fetchone() is not None
 
 

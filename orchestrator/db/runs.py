@@ -160,7 +160,7 @@ id, tenant, principal, workflow_name, workflow_version, options, status, outcome
 error, waiting_for, deadline_at, available_at, lease_owner, lease_token,
 lease_expires_at, revision, cancel_requested_at, created_at, updated_at, finished_at,
 parent_run_id, parent_position, idempotency_key, queue, priority, concurrency_key, started_at,
-pruned_at, restarted_from, superseded_by
+pruned_at, restarted_from, superseded_by, continued_from
 """
 _RUN_COLUMNS = _SUMMARY_COLUMNS + ", result"
 
@@ -190,12 +190,24 @@ async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
                        ) -> dict[tuple[uuid.UUID, str, str], str]:
     """The status of each ``(run_id, tenant, principal)`` that names that owner's run, in one
     statement whatever their number (``wait`` polls many runs with it); a run of another owner
-    is left out, as a missing one is (C9)."""
+    is left out, as a missing one is (C9). A run that continued as new
+    (``ctx.continue_as_new``) has the status of the last run of its chain."""
     cur = await conn.execute(
         f"""
-        SELECT r.id, r.tenant, r.principal, r.status
-        FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS w(id, tenant, principal)
-        JOIN {S}.runs AS r ON r.id = w.id AND r.tenant = w.tenant AND r.principal = w.principal
+        WITH RECURSIVE chain AS (
+            SELECT r.id AS start, r.tenant, r.principal, r.status, r.outcome_code,
+                   r.superseded_by, 0 AS depth
+            FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS w(id, tenant, principal)
+            JOIN {S}.runs AS r
+              ON r.id = w.id AND r.tenant = w.tenant AND r.principal = w.principal
+            UNION ALL
+            SELECT c.start, c.tenant, c.principal, n.status, n.outcome_code, n.superseded_by,
+                   c.depth + 1
+            FROM chain c JOIN {S}.runs AS n ON n.id = c.superseded_by
+            WHERE c.outcome_code = '{CONTINUED}'
+        )
+        SELECT DISTINCT ON (start) start AS id, tenant, principal, status
+        FROM chain ORDER BY start, depth DESC
         """,
         ([r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]),
     )
@@ -534,6 +546,18 @@ async def run_lock(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | No
     return await cur.fetchone()
 
 
+async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
+                        owner: tuple[str, str] | None = None) -> dict[str, Any] | None:
+    """:func:`run_lock`, following a run that continued as new (``ctx.continue_as_new``) to
+    the last run of its chain, each locked in turn (what a cancellation or an event sent to
+    the first run's id reaches)."""
+    row = await run_lock(conn, run_id, owner=owner)
+    while (row is not None and row["outcome_code"] == CONTINUED
+           and row["superseded_by"] is not None):
+        row = await run_lock(conn, row["superseded_by"], owner=owner)
+    return row
+
+
 async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:
     await conn.execute(
         f"""
@@ -703,6 +727,61 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
     if cur.rowcount:
         await conn.execute(_NOTIFY)
     return cur.rowcount
+
+
+# -- continuations (migration 0015, docs/versioning.md#long-runs) -----------------------------
+
+CONTINUED = "CONTINUED_AS_NEW"
+"""The outcome code of a run that ended by continuing as a new run (``ctx.continue_as_new``)."""
+
+_CONTINUE_FROM = f"""
+UPDATE {S}.runs AS r SET idempotency_key = NULL, parent_position = NULL,
+       superseded_by = %(new)s
+FROM (SELECT id, idempotency_key, parent_position FROM {S}.runs WHERE id = %(old)s
+      FOR UPDATE) AS before
+WHERE r.id = before.id AND r.superseded_by IS NULL AND r.status = 'succeeded'
+  AND r.outcome_code = '{CONTINUED}'
+RETURNING r.id, before.idempotency_key, before.parent_position
+"""
+
+_CONTINUE_AS = f"""
+INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
+                      request_digest, idempotency_key, parent_run_id, parent_position, status,
+                      available_at, deadline_at, traceparent, queue, priority,
+                      concurrency_key, continued_from, cancel_requested_at)
+SELECT %(new)s, o.tenant, o.principal, o.workflow_name, %(version)s, %(input)s::jsonb,
+       o.options, o.request_digest, %(key)s, o.parent_run_id, %(parent_position)s, 'queued',
+       now(), o.deadline_at, o.traceparent, o.queue, o.priority, o.concurrency_key, o.id,
+       o.cancel_requested_at
+FROM {S}.runs AS o WHERE o.id = %(old)s
+RETURNING (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}',
+                                                  coalesce(queue, ''))) AS n) AS notified
+"""
+
+
+async def run_continue(conn: Conn, *, run_id: uuid.UUID, token: int, new_id: uuid.UUID,
+                       version: str, input_text: str) -> None:
+    """End ``run_id`` under its lease as continued (``succeeded``, ``CONTINUED_AS_NEW``,
+    superseded by ``new_id``) and insert ``new_id``, queued, in its place: same owner,
+    workflow, options, queue, priority, concurrency key, parent's link and deadline, this
+    ``version`` and input; the submission's key and digest move to it (a submission with the
+    key answers with it), and so do the events not consumed yet and a cancellation requested
+    meanwhile. Guarded as :func:`run_finish` is (``LeaseLost``, ``UnsettledOperations``);
+    every step's row count is checked."""
+    await run_finish(conn, run_id=run_id, token=token, status="succeeded",
+                     outcome_code=CONTINUED, result=None, error=None)
+    cur = await conn.execute(_CONTINUE_FROM, {"old": run_id, "new": new_id})
+    moved = await cur.fetchone()
+    if moved is None:  # pragma: no cover - run_finish ended it under our lease just now
+        raise LeaseLost(f"run {run_id} could not be continued: it changed meanwhile")
+    cur = await conn.execute(_CONTINUE_AS, {
+        "old": run_id, "new": new_id, "version": version, "input": input_text,
+        "key": moved["idempotency_key"], "parent_position": moved["parent_position"]})
+    if cur.rowcount != 1:  # pragma: no cover - the row is locked by this transaction
+        raise LeaseLost(f"run {run_id} could not be continued: its row is gone")
+    # Events delivered and not consumed yet are the new run's: nothing accepted is dropped.
+    await conn.execute(f"UPDATE {S}.external_events SET run_id = %s "
+                       "WHERE run_id = %s AND consumed_position IS NULL", (new_id, run_id))
 
 
 # -- restarts (migration 0014, docs/retention.md#restarting-a-run) --------------------------

@@ -135,6 +135,8 @@ runs = Table(
     # one (the authoritative one).
     Column("restarted_from", UUID(as_uuid=True)),
     Column("superseded_by", UUID(as_uuid=True)),
+    # Continuations (migration 0015): the run this one continues (ctx.continue_as_new).
+    Column("continued_from", UUID(as_uuid=True)),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(

@@ -10,10 +10,11 @@ import json
 import random
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator import tracing
 from orchestrator.canonical import canonical_json
+from orchestrator.context import ContinueAsNew
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import event_take
@@ -235,6 +236,20 @@ class Commands:
             await self._append(outcome)
             return _child_outcome(child_id, outcome)
         await self.branches.park(Wait("child", position))
+
+    def continue_as_new(self, input: Any, version: str | None) -> NoReturn:
+        """``ctx.continue_as_new``: check what the new run takes, then unwind the workflow
+        (the run's end writes the continuation: ``Outcome.finish``). A cancellation already
+        requested wins: the run ends cancelled."""
+        run = self.run
+        run.boundary()
+        if version is None:
+            chosen = self.registry.choose(run.workflow_name)
+            version = chosen.version if chosen is not None else run.workflow_key.partition("@")[2]
+        elif not isinstance(version, str) or not version or len(version) > 200:
+            raise InvalidRequest("version must be a workflow version (a non-empty string)",
+                                 path="version")
+        raise ContinueAsNew(self.config.json_limits.text(input, "$.input"), version)
 
     async def _append(self, ev: Entry) -> None:
         async def work(conn: Conn) -> tuple[None, list[Entry]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from orchestrator.context import ContinueAsNew
 from orchestrator.errors import ConfigurationError, DatabaseError, InvalidRequest
 from orchestrator.journal import Nondeterminism
 
@@ -72,8 +73,9 @@ def as_seconds(value: timedelta | float | None) -> float | None:
 def engine_error_in(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """What decides the end of a run whose workflow's task group collected ``group``, when the
     engine raised it: a :class:`Stop` (a lost lease first: nothing more can be written), else
-    a :class:`DatabaseError` (never an outcome), else :class:`Nondeterminism`. None when the
-    group holds only the workflow's own errors (the run fails with the group)."""
+    a :class:`DatabaseError` (never an outcome), else :class:`Nondeterminism`, else a
+    continuation (``ctx.continue_as_new``). None when the group holds only the workflow's own
+    errors (the run fails with the group)."""
     ranked = [(rank, exc) for exc in _leaves(group) if (rank := _engine_rank(exc)) is not None]
     return min(ranked, key=lambda pair: pair[0])[1] if ranked else None  # the first of the best
 
@@ -95,4 +97,6 @@ def _engine_rank(exc: BaseException) -> int | None:
         return 2
     if isinstance(exc, Nondeterminism):
         return 3
+    if isinstance(exc, ContinueAsNew):  # ctx.continue_as_new in a branch of the group
+        return 4
     return None

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from orchestrator import tracing
+from orchestrator.context import ContinueAsNew
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
@@ -33,6 +34,7 @@ from orchestrator.errors import (
     error_json,
     new_incident_ref,
 )
+from orchestrator.ids import new_run_id
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
 from orchestrator.logs import fields
 from orchestrator.text import storable
@@ -175,6 +177,9 @@ class Outcome:
         if exc is None:
             await self._succeed(task.result())
             return
+        if isinstance(exc, ContinueAsNew):
+            await self._continue(exc)
+            return
         await self._fail_from(exc)
 
     async def _succeed(self, result: Any) -> None:
@@ -203,6 +208,26 @@ class Outcome:
                 pass  # the general path below finds out why, and acts on it
         await self._terminal("succeeded", None, text, None,
                              entry(EventKind.RUN_COMPLETED, None, None, {"result": result}))
+
+    async def _continue(self, to: ContinueAsNew) -> None:
+        """``ctx.continue_as_new``: end the run ``CONTINUED_AS_NEW`` and queue the new run in
+        the same transaction (``runs_db.run_continue``); while an operation is unsettled it
+        waits for the reconciliation instead, as any end does (and continues on its replay)."""
+        run = self.run
+        if run.index.max_position >= run.position:
+            await self._fail("NONDETERMINISM", "the workflow continued as new before reaching "
+                             "commands recorded in its journal")
+            return
+        new_id = new_run_id()
+        ev = entry(EventKind.RUN_CONTINUED, None, None,
+                   {"run_id": str(new_id), "version": to.version})
+
+        async def end(conn: Conn) -> None:
+            await runs_db.run_continue(conn, run_id=run.run_id, token=run.token, new_id=new_id,
+                                       version=to.version, input_text=to.input_text)
+
+        if await self._terminal("succeeded", runs_db.CONTINUED, None, None, ev, end=end):
+            log.debug("run %s (%s) continued as run %s", run.run_id, run.workflow_key, new_id)
 
     async def _fail_from(self, exc: BaseException) -> None:
         if isinstance(exc, DatabaseError | ConfigurationError):
@@ -301,9 +326,11 @@ class Outcome:
 
     async def _terminal(self, status: str, code: str | None, result: str | None,
                         error: str | None, ev: Entry,
-                        extra: Callable[[Conn], Awaitable[None]] | None = None) -> bool:
+                        extra: Callable[[Conn], Awaitable[None]] | None = None,
+                        end: Callable[[Conn], Awaitable[None]] | None = None) -> bool:
         """Write the run's end; False if it was not written (the lease is gone, or the run
-        waits for the reconciliation of unsettled operations instead)."""
+        waits for the reconciliation of unsettled operations instead). ``end`` writes the
+        run's row instead of ``run_finish`` (a continuation)."""
         run, session = self.run, self.session
 
         async def last(conn: Conn, events: list[Entry]) -> None:
@@ -312,6 +339,9 @@ class Outcome:
             await ops_db.operation_enqueue_unlisted(conn, run_id=run.run_id)
             await journal_db.journal_append(conn, run_id=run.run_id, token=run.token,
                                          expected=session.revision, events=[*events, ev])
+            if end is not None:
+                await end(conn)
+                return
             await runs_db.run_finish(conn, run_id=run.run_id, token=run.token, status=status,
                                      outcome_code=code, result=result, error=error)
 
@@ -322,10 +352,15 @@ class Outcome:
             if await self._strand():
                 return False
             # Only never-dispatched intents were left (now cancelled): end as intended.
-            return await self._terminal(status, code, result, error, ev, extra)
+            return await self._terminal(status, code, result, error, ev, extra, end)
         except (LeaseLost, DatabaseError):
             run.lose_lease("outcome rejected")
             return False
+        if code == runs_db.CONTINUED:
+            run.metrics.incr("runs_continued")
+            run.ended("continued")
+            tracing.annotate("orchestrator.outcome", "continued")
+            return True
         run.metrics.incr(f"runs_{status}")
         run.ended(status)
         if status == "cancelled":

@@ -230,5 +230,19 @@ async def child(ctx: WorkflowContext, data: dict[str, Any]) -> list[Any]:
     return await _interpret(ctx, data["steps"])
 
 
+@app.workflow()
+async def looping(ctx: WorkflowContext, data: dict[str, Any]) -> list[Any]:
+    """Its first step says how many generations it runs: each runs the other steps, then the
+    run continues as a new one (``ctx.continue_as_new``; an older engine pinned with --engine
+    has none: one generation)."""
+    plan, *steps = data["steps"]
+    results = await _interpret(ctx, steps)
+    generation = data.get("generation", 0) + 1
+    go_on = getattr(ctx, "continue_as_new", None)
+    if go_on is not None and generation < plan["generations"]:
+        go_on({**data, "generation": generation})
+    return results
+
+
 WORKFLOWS = {"checkout": checkout, "approval": approval, "fanout": fanout, "parent": parent,
-             "retrying": retrying}
+             "retrying": retrying, "looping": looping}

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-TERMINAL_EVENTS = ("run.completed", "run.failed", "run.cancelled")
+TERMINAL_EVENTS = ("run.completed", "run.failed", "run.cancelled", "run.continued")
 SETTLING_EVENTS = ("call.completed", "call.failed", "call.abandoned")
 UNCERTAIN_FAULTS = ("hang", "late", "error_after", "error_before")
 GRACE = 1.0  # seconds around a dispatch window when matching faults to it
@@ -436,11 +436,18 @@ def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
     engine turned something else, such as an infrastructure fault, into an outcome. (The
     planted poison runs fail on purpose, and are checked by :func:`poison_runs`.)"""
     details = []
+    runs = {r["id"]: r for r in data.runs}
+
+    def first(run: dict[str, Any]) -> Any:  # the run a chain of continuations began with
+        while run.get("continued_from") in runs:
+            run = runs[run["continued_from"]]
+        return run["id"]
+
     for run in data.runs:
         if poison and run["id"] in poison:
             continue
         if run["status"] == "failed" or (
-                run["status"] == "cancelled" and run["id"] not in expected_cancel
+                run["status"] == "cancelled" and first(run) not in expected_cancel
                 and run["parent_run_id"] not in expected_cancel):
             error = run["error"] or {}
             details.append(f"run {run['id']} ({run['workflow_name']}) {run['status']}: "

@@ -68,7 +68,8 @@ DEFAULT_FAULT_WEIGHTS = {
     "terminate_backends": 20,
     "postgres_restart": 4,
 }
-WORKFLOW_WEIGHTS = {"checkout": 30, "approval": 20, "fanout": 20, "parent": 15, "retrying": 15}
+WORKFLOW_WEIGHTS = {"checkout": 30, "approval": 20, "fanout": 20, "parent": 15, "retrying": 15,
+                    "looping": 10}
 OPERATOR = "chaos-operator"
 
 
@@ -172,6 +173,9 @@ def plan_runs(cfg: Config, seed: int) -> list[RunPlan]:
             steps = [{"child": [call("pay", "child-pay"), {"sleep": 0.5},
                                 call("index", "child-index")], "id": f"{i}.child"},
                      call("ship", "ship")]
+        elif wf == "looping":  # a few generations, each a new run (ctx.continue_as_new)
+            steps = [{"generations": rng.randint(2, 4)}, call("pay", "pay"),
+                     {"sleep": round(rng.uniform(0.1, 1.0), 2)}, call("index", "index")]
         else:  # retrying: not-applied transient errors, retried as new attempts
             first = call("pay", "pay")
             first.update(fault="transient", n=rng.randint(1, 2))
@@ -660,9 +664,11 @@ class Harness:
     # -- checks ----------------------------------------------------------------------------
 
     async def _verdict(self) -> checks.Verdict:
+        # continued_from (migration 0015) read so that an older schema (--engine) answers too
         runs = await self.sql("SELECT id, workflow_name, status, outcome_code, error, revision, "
-                              "parent_run_id, available_at, waiting_for, idempotency_key "
-                              "FROM orchestrator.runs")
+                              "parent_run_id, available_at, waiting_for, idempotency_key, "
+                              "(to_jsonb(r) ->> 'continued_from')::uuid AS continued_from "
+                              "FROM orchestrator.runs r")
         journal = await self.sql("SELECT run_id, seq, kind, position, name, payload, "
                                  "lease_token, created_at FROM orchestrator.journal")
         ops = await self.sql("SELECT id, run_id, position, attempt, tool_name, effect_class, "

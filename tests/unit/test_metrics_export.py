@@ -151,7 +151,7 @@ def test_counter_values_follow_the_snapshot() -> None:
     assert samples["orchestrator_runs_submitted_total"] == {(): 5}
     assert samples["orchestrator_runs_finished_total"] == {
         (("outcome", "succeeded"),): 3, (("outcome", "failed"),): 1,
-        (("outcome", "cancelled"),): 0}
+        (("outcome", "cancelled"),): 0, (("outcome", "continued"),): 0}
     assert samples["orchestrator_tool_attempts_total"] == {
         (("attempt_kind", "initial"), ("tool", "charge")): 3,
         (("attempt_kind", "retry"), ("tool", "charge")): 1}
