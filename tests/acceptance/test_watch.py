@@ -21,7 +21,14 @@ def _journal(workers: Workers, run_id: Any) -> list[dict[str, Any]]:
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+    """The watcher's exit status and output; one still running after ``timeout`` is killed
+    (the test fails, and the process does not outlive it)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     return proc.returncode, out, err
 
 
@@ -80,6 +87,6 @@ def test_ctrl_c_stops_watching_quietly(workers, client):
         "AND pid <> pg_backend_pid()"),  # … not this query, which has the same words
         "the watcher to follow the run")
     watch.send_signal(signal.SIGINT)
-    code, out, err = _finish(watch, timeout=15)
+    code, out, err = _finish(watch, timeout=30)  # a cancelled poll may take a while to end
     assert (code, out, err) == (130, "", "")  # no traceback, no message
     assert workers.sql("SELECT status FROM orchestrator.runs")[0]["status"] == "queued"
