@@ -99,9 +99,13 @@ class RunHandle(Generic[R_co]):
         """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``), of
         the last run of its chain (the same owner's)."""
         row = await self.app._row(run_id, self.owner, result=True)
-        while row["outcome_code"] == runs_db.CONTINUED and row["superseded_by"] is not None:
-            row = await self.app._row(row["superseded_by"], self.owner, result=True)
-        return row
+        if row["outcome_code"] != runs_db.CONTINUED:
+            return row
+        owner = (self.owner.tenant, self.owner.principal)
+        last = await self.app.database.read(
+            lambda conn: runs_db.run_last_id(conn, run_id, owner=owner))
+        return await self.app._row(last if last is not None else run_id, self.owner,
+                                   result=True)
 
     async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
         """Wait until the run is terminal; return its result or raise its outcome (C13). A

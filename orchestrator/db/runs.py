@@ -40,6 +40,10 @@ S = "orchestrator"
 
 _NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
 
+CONTINUED = "CONTINUED_AS_NEW"
+"""The outcome code of a run that ended by continuing as a new run (``ctx.continue_as_new``,
+migration 0015, docs/versioning.md#long-runs)."""
+
 def run_row(workflow_name: str, workflow_version: str, input: Any, *, limits: JsonLimits,
             owner: Owner, idempotency_key: str | None, deadline: float | None,
             run_id: uuid.UUID | None = None,
@@ -546,12 +550,36 @@ async def run_lock(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | No
     return await cur.fetchone()
 
 
+_LAST = f"""
+WITH RECURSIVE chain AS (
+    SELECT id, outcome_code, superseded_by, 0 AS depth FROM {S}.runs WHERE {_OWNED}
+    UNION ALL
+    SELECT n.id, n.outcome_code, n.superseded_by, c.depth + 1
+    FROM chain c JOIN {S}.runs AS n ON n.id = c.superseded_by
+    WHERE c.outcome_code = '{CONTINUED}'
+)
+SELECT id FROM chain ORDER BY depth DESC LIMIT 1
+"""
+
+
+async def run_last_id(conn: Conn, run_id: uuid.UUID, *,
+                      owner: tuple[str, str] | None = None) -> uuid.UUID | None:
+    """The id of the last run of the chain of continuations (``ctx.continue_as_new``) that
+    ``run_id`` begins or belongs to: ``run_id`` itself for a run that did not continue; None
+    when the run is missing or not ``owner``'s (its continuations are the same owner's). One
+    statement however long the chain."""
+    cur = await conn.execute(_LAST, _owned(run_id, owner))
+    row = await cur.fetchone()
+    return None if row is None else row["id"]
+
+
 async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
                         owner: tuple[str, str] | None = None) -> dict[str, Any] | None:
-    """:func:`run_lock`, following a run that continued as new (``ctx.continue_as_new``) to
-    the last run of its chain, each locked in turn (what a cancellation or an event sent to
-    the first run's id reaches)."""
-    row = await run_lock(conn, run_id, owner=owner)
+    """:func:`run_lock` of the last run of ``run_id``'s chain of continuations (what a
+    cancellation or an event sent to the first run's id reaches); locked, it is checked again,
+    as it may have continued meanwhile."""
+    last = await run_last_id(conn, run_id, owner=owner)
+    row = None if last is None else await run_lock(conn, last, owner=owner)
     while (row is not None and row["outcome_code"] == CONTINUED
            and row["superseded_by"] is not None):
         row = await run_lock(conn, row["superseded_by"], owner=owner)
@@ -730,9 +758,6 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
 
 
 # -- continuations (migration 0015, docs/versioning.md#long-runs) -----------------------------
-
-CONTINUED = "CONTINUED_AS_NEW"
-"""The outcome code of a run that ended by continuing as a new run (``ctx.continue_as_new``)."""
 
 _CONTINUE_FROM = f"""
 UPDATE {S}.runs AS r SET idempotency_key = NULL, parent_position = NULL,
