@@ -86,13 +86,22 @@ class RunHandle(Generic[R_co]):
     def info(self) -> RunInfo:
         return self.app._portal.call(self.info_async())
 
+    async def latest_async(self) -> RunInfo:
+        """The run the chain is at: this run, or, when it continued as new
+        (``ctx.continue_as_new``), the last run of its chain (``latest().id`` differs then)."""
+        return RunInfo.from_row(await self._last(self.id))
+
+    def latest(self) -> RunInfo:
+        """Sync twin of :meth:`latest_async`."""
+        return self.app._portal.call(self.latest_async())
+
     async def status_async(self) -> str:
         return (await self.info_async()).status
 
     def status(self) -> str:
         """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded`` (this run's:
-        one that continued as new is ``succeeded``, ``info().outcome`` ``CONTINUED_AS_NEW``,
-        and :meth:`result` follows it)."""
+        one that continued as new is ``succeeded``, ``info().outcome`` ``CONTINUED_AS_NEW``;
+        :meth:`result` follows it, and :meth:`latest` says where the chain is)."""
         return self.app._portal.call(self.status_async())
 
     async def _last(self, run_id: uuid.UUID) -> dict[str, Any]:

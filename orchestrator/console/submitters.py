@@ -120,6 +120,8 @@ def run_record(info: RunInfo) -> dict[str, Any]:
         "created_at": iso(info.created_at),
         "updated_at": iso(info.updated_at),
         "finished_at": iso(info.finished_at),
+        "continued_from": ident(info.continued_from),
+        "superseded_by": ident(info.superseded_by),
     }
 
 
@@ -307,7 +309,7 @@ class Submitters:
             return JSONResponse({"run_id": run_id, "done": False, "status": exc.status},
                                 status_code=202)
         except RunFailed as exc:
-            status = (await handle.info_async()).status
+            status = (await handle.latest_async()).status  # a chain's: where it ended
             return JSONResponse({"run_id": run_id, "done": True, "status": status,
                                  "result": None, "error": exc.to_dict()})
         return JSONResponse({"run_id": run_id, "done": True, "status": "succeeded",

@@ -79,7 +79,7 @@ def test_a_worker_serves_its_metrics_and_health(workers: Workers, client: Orches
     samples = _scrape(port)
     assert samples["orchestrator_runs_finished_total"] == {
         (("outcome", "succeeded"),): 3, (("outcome", "failed"),): 1,
-        (("outcome", "cancelled"),): 0}
+        (("outcome", "cancelled"),): 0, (("outcome", "continued"),): 0}
     assert samples["orchestrator_operations_unknown_total"] == {
         (("cause", "TOOL_OUTCOME_UNCERTAIN"), ("tool", "charge")): 1}
     assert samples["orchestrator_tool_attempts_total"] == {
@@ -180,7 +180,7 @@ def test_a_known_workload_is_scraped_exactly(workers: Workers, client: Orchestra
                                           ("uncertain", 1), ("stalled", 1), ("late", 1))}
     assert s["orchestrator_runs_finished_total"] == {
         (("outcome", "succeeded"),): 5, (("outcome", "failed"),): 1,
-        (("outcome", "cancelled"),): 1}
+        (("outcome", "cancelled"),): 1, (("outcome", "continued"),): 0}
     assert s["orchestrator_tool_attempts_total"] == {
         (("attempt_kind", "initial"), ("tool", t)): n
         for t, n in (("echo", 2), ("flaky", 1), ("ship", 1), ("charge", 1), ("slow_read", 1))

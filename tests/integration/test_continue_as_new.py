@@ -11,14 +11,15 @@ import uuid
 from collections import Counter
 from typing import Any
 
+import httpx
 import pytest
 
 from orchestrator import Orchestrator, RunFailed
 from orchestrator.errors import InvalidRequest
 from orchestrator.testing import replay
 from tests.clitools import run_cli
-from tests.consoletools import GRANTS, Client, from_header
-from tests.integration.conftest import running, wait_for
+from tests.consoletools import GRANTS, Client, Served, from_header
+from tests.integration.conftest import OWNER, running, wait_for
 
 GENERATIONS = 100
 STEPS = 50
@@ -254,3 +255,45 @@ async def test_the_console_links_both_ends_of_a_continuation(make_app: Any) -> N
     assert "its result is that chain" in first_page
     assert "continues" in second_page and f"/runs/{handle.id}" in second_page
     assert "&#34;n&#34;: 1" in second_page or '"n": 1' in second_page
+
+
+async def test_over_http_a_continued_run_names_its_successor_and_its_result_is_the_chains(
+        make_app: Any) -> None:
+    app = make_app()
+
+    @app.workflow()
+    async def countdown(ctx, n):  # type: ignore[no-untyped-def]
+        if n > 0:
+            ctx.continue_as_new(n - 1)
+        return "done"
+
+    @app.workflow()
+    async def gives_up(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            ctx.continue_as_new(1)
+        raise RuntimeError("the second generation fails")
+
+    console = app.console(from_header, GRANTS, authenticate_owner=lambda request: OWNER)
+    async with running(app):
+        with Served(console) as server:
+            async with httpx.AsyncClient(base_url=server.base, timeout=60) as http:
+                made = (await http.post("/api/runs", json={"workflow": "countdown",
+                                                           "input": 2})).json()
+                answer = (await http.get(f"/api/runs/{made['id']}/result",
+                                         params={"wait": 30})).json()
+                assert (answer["done"], answer["result"]) == (True, "done")
+                first = (await http.get(f"/api/runs/{made['id']}")).json()
+                assert first["outcome_code"] == "CONTINUED_AS_NEW"
+                second = (await http.get(f"/api/runs/{first['superseded_by']}")).json()
+                assert second["continued_from"] == made["id"]
+                failing = (await http.post("/api/runs", json={"workflow": "gives_up",
+                                                              "input": 0})).json()
+                failed = (await http.get(f"/api/runs/{failing['id']}/result",
+                                         params={"wait": 30})).json()
+                # The chain's end: failed, though the first run itself succeeded (continued).
+                assert (failed["done"], failed["status"]) == (True, "failed")
+                assert failed["error"]["code"] == "WORKFLOW_FAILED"
+        handle = await app.get_run_async(made["id"])
+        latest = await handle.latest_async()
+        assert latest.id != handle.id and latest.status == "succeeded"
+        assert latest.continued_from is not None and latest.outcome is None
