@@ -12,13 +12,14 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterable, Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from typing_extensions import TypeVar as DefaultTypeVar
 
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
-from orchestrator.db.database import Database
+from orchestrator.db.database import Conn, Database
 from orchestrator.errors import (
     AccessDenied,
     InvalidRequest,
@@ -108,13 +109,17 @@ class RunHandle(Generic[R_co]):
         """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``), of
         the last run of its chain (the same owner's)."""
         row = await self.app._row(run_id, self.owner, result=True)
-        if row["outcome_code"] != runs_db.CONTINUED:
-            return row
         owner = (self.owner.tenant, self.owner.principal)
-        last = await self.app.database.read(
-            lambda conn: runs_db.run_last_id(conn, run_id, owner=owner))
-        return await self.app._row(last if last is not None else run_id, self.owner,
-                                   result=True)
+
+        async def last_of(conn: Conn, start: uuid.UUID) -> uuid.UUID | None:
+            return await runs_db.run_last_id(conn, start, owner=owner)
+
+        # The last run found may have continued before its row is read: look again from it.
+        while row["outcome_code"] == runs_db.CONTINUED and row["superseded_by"] is not None:
+            last = await self.app.database.read(partial(last_of, start=row["id"]))
+            row = await self.app._row(last if last is not None else row["superseded_by"],
+                                      self.owner, result=True)
+        return row
 
     async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
         """Wait until the run is terminal; return its result or raise its outcome (C13). A

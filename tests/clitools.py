@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -63,11 +64,18 @@ def run_cli(
 
 
 def start_cli(args: Sequence[str], *, database_url: str | None = None) -> subprocess.Popen[str]:
-    """Start ``orchestrator ARGS`` without waiting (for concurrency tests)."""
+    """Start ``orchestrator ARGS`` without waiting (for concurrency tests), with SIGINT's
+    default disposition, as at a terminal: a test suite started in the background (``make
+    test &``) inherits SIGINT ignored, and the command would then never see a Ctrl-C."""
     return subprocess.Popen(
         [*command(), *args],
         env=cli_env(database_url),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - only resets a signal before exec
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
