@@ -12,6 +12,7 @@ import json
 from datetime import datetime
 from typing import Any
 
+from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 
 S = "orchestrator"
@@ -274,16 +275,9 @@ async def gaps_recent(conn: Conn, schedule_id: str, limit: int) -> list[dict[str
 async def run_status(conn: Conn, run_id: Any) -> str | None:
     """The status of ``run_id``, or, when it continued as new, of the last run of its chain
     (a schedule's run that loops with ``ctx.continue_as_new`` is still running)."""
-    cur = await conn.execute(
-        f"""
-        WITH RECURSIVE chain AS (
-            SELECT status, outcome_code, superseded_by, 0 AS depth FROM {S}.runs WHERE id = %s
-            UNION ALL
-            SELECT n.status, n.outcome_code, n.superseded_by, c.depth + 1
-            FROM chain c JOIN {S}.runs n ON n.id = c.superseded_by
-            WHERE c.outcome_code = 'CONTINUED_AS_NEW'
-        )
-        SELECT status FROM chain ORDER BY depth DESC LIMIT 1
-        """, (run_id,))
+    last = await runs_db.run_last_id(conn, run_id)
+    if last is None:
+        return None
+    cur = await conn.execute(f"SELECT status FROM {S}.runs WHERE id = %s", (last,))
     row = await cur.fetchone()
     return None if row is None else str(row["status"])
