@@ -578,11 +578,11 @@ async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
     """:func:`run_lock` of the last run of ``run_id``'s chain of continuations (what a
     cancellation or an event sent to the first run's id reaches); locked, it is checked again,
     as it may have continued meanwhile."""
-    last = await run_last_id(conn, run_id, owner=owner)
-    row = None if last is None else await run_lock(conn, last, owner=owner)
+    row = await run_lock(conn, run_id, owner=owner)  # one statement for a run not continued
     while (row is not None and row["outcome_code"] == CONTINUED
            and row["superseded_by"] is not None):
-        row = await run_lock(conn, row["superseded_by"], owner=owner)
+        last = await run_last_id(conn, row["superseded_by"], owner=owner)
+        row = None if last is None else await run_lock(conn, last, owner=owner)
     return row
 
 
