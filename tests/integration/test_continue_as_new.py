@@ -206,6 +206,48 @@ async def test_a_child_events_and_a_cancellation_follow_the_chain(make_app: Any,
             await looping.restart_async(reason="again")
 
 
+async def test_events_that_arrive_after_a_generations_last_wait_are_the_next_ones(
+        make_app: Any, sql: Any) -> None:
+    """Events delivered while a generation is past its last wait (here: in a call, after
+    which it continues without waiting again) are moved to the new run in the continuation's
+    transaction: the next generation receives each of them once, in the order sent, and the
+    old run keeps none."""
+    app = make_app()
+    inside, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(effect="read")
+    async def slow_read(ctx):  # type: ignore[no-untyped-def]
+        inside.set()
+        await release.wait()
+        return "read"
+
+    @app.workflow()
+    async def batcher(ctx, generation):  # type: ignore[no-untyped-def]
+        if generation == 0:
+            await ctx.call(slow_read)  # the events arrive during this call
+            ctx.continue_as_new(1)
+        return [await ctx.wait_for_event("item") for _ in range(3)]
+
+    async with running(app):
+        first = await app.submit_async("batcher", 0)
+        await asyncio.wait_for(inside.wait(), timeout=30)
+        for word in ("x", "y", "z"):
+            assert await app.send_event_async(first.id, "item", word, event_key=f"i-{word}")
+        held = sql("SELECT run_id FROM orchestrator.external_events")
+        assert [e["run_id"] for e in held] == [first.id] * 3  # delivered to generation 0
+        release.set()
+        assert await first.result_async(timeout=30) == ["x", "y", "z"]
+        (second,) = sql("SELECT id FROM orchestrator.runs WHERE continued_from = %s",
+                        (first.id,))
+        moved = sql("SELECT run_id, event_key, consumed_position "
+                    "FROM orchestrator.external_events ORDER BY id")
+        assert [(e["run_id"], e["event_key"]) for e in moved] == [
+            (second["id"], "i-x"), (second["id"], "i-y"), (second["id"], "i-z")]
+        assert all(e["consumed_position"] is not None for e in moved)
+        # The senders' retries are recognised on the run the events went to.
+        assert not await app.send_event_async(first.id, "item", "x", event_key="i-x")
+
+
 def test_runs_show_names_both_ends_of_a_continuation(make_app: Any,
                                                      migrated_database_url: str) -> None:
     app = make_app()
