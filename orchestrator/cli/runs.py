@@ -12,11 +12,13 @@ from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import cell, clip, render
+from orchestrator.cli.worker import load_app
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
-from orchestrator.errors import AccessDenied
+from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.models import parse_run_id
+from orchestrator.operators import Operators
 from orchestrator.stream import RunStreams, check_cursor
 
 EXIT_NOT_SUCCEEDED = 1  # the CLI's EXIT_FINDING: `runs watch` of a run that failed or was cancelled
@@ -85,6 +87,9 @@ def register(subparsers: Any) -> None:
                          help="who restarts it (audited)")
     restart.add_argument("--evidence", required=True, metavar="TEXT",
                          help="why (audited), e.g. 'the PSP outage is over'")
+    restart.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                         help="the application: its JSON limits hold the new run's input (as "
+                         "for a submission to it) and its operator scopes the operator")
     json_option(restart)
     restart.set_defaults(func=cmd_restart)
 
@@ -284,9 +289,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_restart(args: argparse.Namespace) -> int:
     run_id = parse_run_id(args.run_id)
-    done = asyncio.run(_with_db(args, lambda db: admin.restart_run(
-        db, run_id, operator=args.operator, evidence=args.evidence,
-        from_position=args.from_position, limits=JsonLimits())))
+    app = load_app(args.app, args.database_url) if args.app else None
+    # The new run is admitted as a submission to the application would be: under its JSON
+    # limits and, for the operator, its scopes. Without --app the defaults hold, and an input
+    # the application accepted under larger limits is refused with what to pass.
+    limits = app.json_limits if app is not None else JsonLimits()
+    tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)
+               if app is not None else None)
+    try:
+        done = asyncio.run(_with_db(args, lambda db: admin.restart_run(
+            db, run_id, operator=args.operator, evidence=args.evidence,
+            from_position=args.from_position, limits=limits, tenants=tenants)))
+    except InvalidRequest as exc:  # PAYLOAD_TOO_LARGE too
+        if app is not None or not (exc.path or "").startswith("$.input"):
+            raise
+        raise type(exc)(f"{exc.message}; without --app the run's input is held to the default "
+                        "JSON limits: pass --app MODULE:ATTR to restart it under its "
+                        "application's limits", path=exc.path) from None
     if args.json:
         records.emit({"run_id": str(done.run_id), "restarted_from": str(done.restarted_from),
                       "from_position": done.from_position, "carried_entries": done.carried})

@@ -14,9 +14,11 @@ import pytest
 from orchestrator import Orchestrator, RunFailed, ToolError
 from orchestrator.errors import InvalidRequest, OperationInProgress, OperationUncertain
 from tests.clitools import run_cli
+from tests.integration import large_records_app
 from tests.integration.conftest import running, wait_for
 
 CHARGES: Counter[str] = Counter()
+LARGE_APP = "tests.integration.large_records_app:app"
 
 
 def shop(app: Orchestrator, broken: dict[str, bool]) -> Orchestrator:
@@ -139,3 +141,34 @@ def test_the_restart_command(make_app: Any, migrated_database_url: str) -> None:
     missing = run_cli(["runs", "restart", str(old.id), "--operator", "bob"],
                       database_url=migrated_database_url)
     assert missing.returncode == 2  # --evidence is required
+
+
+def test_the_restart_command_takes_the_applications_limits_and_scopes(
+        make_app: Any, sql: Any, migrated_database_url: str) -> None:
+    """A run whose input the application accepted under larger JSON limits than the default is
+    restarted with ``--app`` (its limits, and its operator scopes, apply); without it the
+    command says what to pass, and writes nothing."""
+    CHARGES.clear()
+    app = shop(make_app(max_record_bytes=large_records_app.MAX_RECORD_BYTES), {"ship": True})
+    big = "x" * (2 * 1024 * 1024)  # over the default 1 MiB cap, under the application's
+
+    async def fail() -> Any:
+        async with running(app):
+            run = await app.submit_async("order", big)
+            with pytest.raises(RunFailed):
+                await run.result_async(timeout=20)
+            return run
+
+    old = asyncio.run(fail())
+    base = ["runs", "restart", str(old.id), "--evidence", "label fixed", "--json"]
+    refused = run_cli([*base, "--operator", "bob"], database_url=migrated_database_url)
+    assert refused.returncode != 0
+    assert "PAYLOAD_TOO_LARGE" in refused.stderr and "--app MODULE:ATTR" in refused.stderr
+    outside = run_cli([*base, "--operator", "opB", "--app", LARGE_APP],
+                      database_url=migrated_database_url)
+    assert outside.returncode != 0 and "ACCESS_DENIED" in outside.stderr  # not in its scopes
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 1  # nothing written
+    done = run_cli([*base, "--operator", "opA", "--app", LARGE_APP],
+                   database_url=migrated_database_url)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["restarted_from"] == str(old.id)
