@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from orchestrator.cli import main
@@ -79,3 +82,27 @@ def test_db_grant_print_connects_to_nothing(capsys, monkeypatch):
     assert '"upstream_status") ON TABLE "orchestrator"."incidents" TO "r";' in out
     assert main(["db", "grant", "--role", "bad\nname", "--print"]) == 2
     assert "INVALID_REQUEST" in capsys.readouterr().err
+
+
+def test_the_documented_grants_are_the_code_s():
+    """docs/security.md lists the runtime role's grants as SQL: the same objects with the
+    same privileges as ``grants.RUNTIME``, so the page cannot drift from what `db grant`
+    does."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    block = page.split("(the list itself is\n`orchestrator.db.grants.RUNTIME`):", 1)[1]
+    block = block.split("```sql", 1)[1].split("```", 1)[0]
+    documented: dict[tuple[str, str], set[str]] = {}
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        match = re.fullmatch(r"GRANT (.+?) ON (SCHEMA|FUNCTION)?\s*(\S.*?)\s+TO "
+                             r"orchestrator_runtime;", line.strip())
+        assert match, line
+        privileges, kind, name = match.groups()
+        kind = (kind or "table").lower()
+        documented.setdefault((kind, name), set()).update(
+            p.strip() for p in privileges.split(","))
+    coded: dict[tuple[str, str], set[str]] = {}
+    for grant in grants.RUNTIME:
+        coded.setdefault((grant.kind, grant.name), set()).update(grant.privileges)
+    assert documented == coded
