@@ -19,6 +19,7 @@ from orchestrator.db.database import Database
 from orchestrator.errors import ConfigurationError, InvalidRequest
 from orchestrator.retention import Pruner, export_evidence, parse_period
 from tests.clitools import run_cli
+from tests.consoletools import GRANTS, Client, from_header
 from tests.integration.conftest import running, wait_for
 
 NOW = Retention(finished_runs=timedelta(0), evidence=None)
@@ -77,6 +78,25 @@ async def test_a_pruned_run_answers_its_submission_key_and_never_runs_twice(
     assert (await again.info_async()).pruned_at is not None
     assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 1  # no second run
     assert (await Pruner(app.database, NOW).prune()).runs == 0  # nothing left to prune
+
+
+async def test_the_console_says_a_run_was_pruned(make_app: Any) -> None:
+    """The run page of a pruned run says so, and that its operations are the evidence left,
+    instead of showing an empty input, result and timeline as if the run had none."""
+    app = shop(make_app())
+    async with running(app):
+        run = await app.submit_async("pay", 700)
+        assert await run.result_async(timeout=20) == {"paid": 700}
+        console = app.console(from_header, grants=GRANTS)
+        async with Client(console, "alice") as alice:
+            before = (await alice.get(f"/runs/{run.id}")).text
+            await Pruner(app.database, NOW).prune()
+            after = (await alice.get(f"/runs/{run.id}")).text
+    assert 'id="run-pruned"' not in before and "700" in before
+    assert 'id="run-pruned"' in after and "by retention" in after
+    # the input, the result and the timeline
+    assert after.count("Deleted by retention when the run was pruned") == 3
+    assert "charge@1" in after  # the operation, kept as evidence
 
 
 async def test_runs_that_are_never_pruned(make_app: Any, sql: Any) -> None:
