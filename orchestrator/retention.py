@@ -98,6 +98,7 @@ class PruneReport:
     journal_rows: int = 0
     events: int = 0
     batches: int = 0
+    schedule_slots: int = 0  # slot records of schedules (no run, or their run pruned)
     evidence_runs: int = 0
     evidence_operations: int = 0
     evidence_audit: int = 0
@@ -108,6 +109,7 @@ class PruneReport:
     def as_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "runs": self.runs, "journal_rows": self.journal_rows,
                 "events": self.events, "batches": self.batches,
+                "schedule_slots": self.schedule_slots,
                 "evidence": None if not self.evidence_checked else {
                     "runs": self.evidence_runs, "operations": self.evidence_operations,
                     "audit": self.evidence_audit, "incidents": self.evidence_incidents},
@@ -162,6 +164,9 @@ class Pruner:
             async with self.db.connection() as conn:
                 counted = await retention_db.prune_batch(conn, **args, limit=1, dry=True)
             report.runs = counted.runs
+            async with self.db.connection() as conn:
+                report.schedule_slots = await retention_db.prune_slots(
+                    conn, keep=args["keep"], limit=1, dry=True)
         else:
             while not self.stopping and (max_batches is None or report.batches < max_batches):
                 began = time.monotonic()
@@ -176,10 +181,28 @@ class Pruner:
                 if done.runs < self.batch:
                     break
                 await self._rest(time.monotonic() - began)
+            await self._prune_slots(report, args["keep"], progress, max_batches)
         if evidence and self.retention.evidence is not None and not self.stopping:
             await self._expire(report, dry_run, progress, max_batches)
         report.seconds = (datetime.now(UTC) - started).total_seconds()
         return report
+
+    async def _prune_slots(self, report: PruneReport, keep: float, progress: Progress | None,
+                           max_batches: int | None) -> None:
+        """The slot records of schedules past the finished runs' period that fired no run or
+        whose run is pruned now (docs/schedules.md, "History")."""
+        batches = 0
+        while not self.stopping and (max_batches is None or batches < max_batches):
+            began = time.monotonic()
+            done = await self.db.run_in_transaction(
+                lambda conn: retention_db.prune_slots(conn, keep=keep, limit=self.batch))
+            batches += 1
+            report.schedule_slots += done
+            if progress is not None:
+                progress(report)
+            if done < self.batch:
+                break
+            await self._rest(time.monotonic() - began)
 
     async def _expire(self, report: PruneReport, dry_run: bool, progress: Progress | None,
                       max_batches: int | None) -> None:

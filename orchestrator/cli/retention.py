@@ -102,6 +102,8 @@ def _progress(quiet: bool) -> Callable[[PruneReport], None] | None:
 
     def show(report: PruneReport) -> None:
         line = f"prune: {report.runs:,} runs pruned ({report.journal_rows:,} journal rows)"
+        if report.schedule_slots:
+            line += f"; {report.schedule_slots:,} schedule slot records"
         if report.evidence_checked:
             line += (f"; evidence expired: {report.evidence_runs:,} runs, "
                      f"{report.evidence_operations:,} operations, "
@@ -132,6 +134,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         "" if report.dry_run else
         f" ({report.journal_rows:,} journal rows, {report.events:,} events, "
         f"{report.batches} batch(es), {report.seconds:.1f} s)"))
+    print(f"{verb} {report.schedule_slots:,} schedule slot record(s) (slots that fired no run "
+          "or whose run is pruned)")
     if rules.evidence is None:
         print("evidence: kept (no evidence period given)")
     elif not report.evidence_checked:

@@ -95,6 +95,9 @@ _FUNCTIONS = (
     # function's own checks; expire_evidence (which deletes evidence) is not granted.
     Grant("function", f"{SCHEMA}.prune_runs(double precision, text[], double precision[], "
                       "integer, boolean)", ("EXECUTE",)),
+    # The slot records of schedules, with the runs they fired (migration 0016).
+    Grant("function", f"{SCHEMA}.prune_schedule_slots(double precision, integer, boolean)",
+          ("EXECUTE",)),
 )
 
 

@@ -1,5 +1,6 @@
-"""Retention in the database (migration 0013, docs/retention.md): the calls of
-``orchestrator.prune_runs`` and ``orchestrator.expire_evidence``, whose checks are the rules,
+"""Retention in the database (migrations 0013 and 0016, docs/retention.md): the calls of
+``orchestrator.prune_runs``, ``orchestrator.prune_schedule_slots`` and
+``orchestrator.expire_evidence``, whose checks are the rules,
 and the reading of the evidence for ``orchestrator evidence export``."""
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ async def prune_batch(conn: Conn, *, keep: float, names: Sequence[str],
     row = await cur.fetchone()
     assert row is not None
     return Pruned(int(row["runs"]), int(row["journal_rows"] or 0), int(row["events"] or 0))
+
+
+async def prune_slots(conn: Conn, *, keep: float, limit: int, dry: bool = False) -> int:
+    """One batch of ``prune_schedule_slots`` (migration 0016): slot records of schedules older
+    than ``keep`` seconds that fired no run or whose run was pruned (with ``dry``: how many
+    there are)."""
+    cur = await conn.execute(
+        f"SELECT {S}.prune_schedule_slots(%s::float8, %s, %s) AS n", (keep, limit, dry))
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row["n"])
 
 
 async def expire_batch(conn: Conn, *, keep: float, limit: int, dry: bool = False) -> Expired:

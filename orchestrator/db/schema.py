@@ -395,6 +395,9 @@ schedule_slots = Table(
     CheckConstraint("(state = 'fired') = (run_id IS NOT NULL)", name="fired_has_run"),
     Index("ix_schedule_slots_buffered", "schedule_id", "slot",
           postgresql_where=text("state = 'buffered'")),
+    # What prune_schedule_slots walks, oldest first (migration 0016).
+    Index("ix_schedule_slots_recorded", "recorded_at",
+          postgresql_where=text("state <> 'buffered'")),
 )
 
 schedule_gaps = Table(

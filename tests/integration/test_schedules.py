@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator import InvalidRequest, Orchestrator
 from orchestrator.errors import DatabaseError
+from orchestrator.retention import Pruner, Retention
 from orchestrator.scheduler import Scheduler
 from tests.clitools import run_cli
 from tests.integration.conftest import running, wait_for
@@ -345,4 +346,42 @@ async def test_a_backfill_over_its_bound_is_refused_and_fires_nothing(make_app, 
     said = await app.schedules.backfill_async("s", T0 - timedelta(seconds=2), T0)
     assert [s["state"] for s in said] == ["fired"] * 3
     assert [s["run_id"] for s in said] == [r["id"] for r in runs_of(sql)]
+    await app.database.close()
+
+
+async def test_retention_prunes_slot_records_with_their_runs(make_app, sql):
+    """A slot record past the finished runs' period goes once it fired no run or its run is
+    pruned; a buffered slot and the record of a run not pruned stay; a backfill over the
+    pruned range answers with the pruned runs (their submission keys), never a second run."""
+    app, tick = await _policy(make_app, sql, "buffer_one")
+    for n in (1, 2, 3):
+        await tick(n)  # minute 1 fires (its run waits: no worker), 2 is kept, 3 skipped
+    now = Retention(finished_runs=timedelta(0), evidence=None)
+    report = await Pruner(app.database, now).prune()
+    assert (report.runs, report.schedule_slots) == (0, 1)  # the skipped slot's record
+    assert slots(sql) == [(minute(1), "fired", None), (minute(2), "buffered", None)]
+
+    (first,) = runs_of(sql)
+    await app.cancel_async(first["id"])
+    await tick(4)  # the kept slot fires; minute 4 is kept behind it
+    second = [r for r in runs_of(sql) if r["status"] == "queued"]
+    await app.cancel_async(second[0]["id"])
+    await tick(4)  # minute 4 fires too
+    third = [r for r in runs_of(sql) if r["status"] == "queued"]
+    await app.cancel_async(third[0]["id"])
+    dry = await Pruner(app.database, now).prune(dry_run=True)
+    assert (dry.runs, dry.schedule_slots) == (3, 0)  # their runs are not pruned yet
+    report = await Pruner(app.database, now).prune()
+    assert (report.runs, report.schedule_slots) == (3, 3)
+    assert slots(sql) == []
+    assert report.as_dict()["schedule_slots"] == 3
+
+    said = await app.schedules.backfill_async("s", minute(1), minute(4))
+    assert [s["state"] for s in said] == ["fired"] * 4
+    made = runs_of(sql)
+    assert len(made) == 4  # minutes 1, 2 and 4 answered with their pruned runs; 3 fired now
+    pruned = {r["id"] for r in made if r["id"] in {first["id"], second[0]["id"],
+                                                   third[0]["id"]}}
+    assert len(pruned) == 3
+    assert {s["run_id"] for s in said} == {r["id"] for r in made}
     await app.database.close()
