@@ -190,7 +190,7 @@ class Pruner:
     async def _prune_slots(self, report: PruneReport, keep: float, progress: Progress | None,
                            max_batches: int | None) -> None:
         """The slot records of schedules past the finished runs' period that fired no run or
-        whose run is pruned now (docs/schedules.md, "History")."""
+        whose run is pruned now (docs/schedules.md, "What is recorded")."""
         batches = 0
         while not self.stopping and (max_batches is None or batches < max_batches):
             began = time.monotonic()

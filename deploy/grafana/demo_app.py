@@ -2,7 +2,8 @@
 everything the dashboard shows. Most runs succeed in three steps; some calls are refused once
 and retried; some consequential calls end with an unknown outcome, which the reconciler's
 lookup settles (``ship``) or which waits for an operator (``refund``, no lookup); some runs
-sleep (they park and resume); a slow read is there to be cancelled; a few runs fail.
+sleep (they park and resume); a slow read is there to be cancelled; a few runs fail; a
+schedule fires every 5 seconds and skips a slot while its last run is still going.
 
 The tools only pretend: they sleep a few milliseconds and draw their answer at random."""
 
@@ -104,6 +105,20 @@ async def fulfil(ctx: WorkflowContext, data: Any) -> Any:
 @app.workflow()
 async def give_back(ctx: WorkflowContext, data: Any) -> Any:
     return await ctx.call(refund, order=int(data["order"]))
+
+
+@app.tool(effect="read")
+async def pulse(ctx: ToolContext) -> dict[str, float]:
+    """Sometimes slower than the schedule's period, so that some slots are skipped."""
+    took = random.choice([0.5, 1.0, 7.0])
+    await asyncio.sleep(took)
+    return {"took": took}
+
+
+@app.schedule("pulse", cron="*/5 * * * * *", overlap="skip")
+@app.workflow()
+async def heartbeat(ctx: WorkflowContext, data: Any) -> Any:
+    return await ctx.call(pulse)
 
 
 @app.workflow()
