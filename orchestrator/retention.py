@@ -19,15 +19,17 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from orchestrator.db import retention as retention_db
-from orchestrator.db.database import Database
+from orchestrator.db.database import Conn, Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.text import check_identifier
+
+T = TypeVar("T")
 
 log = logging.getLogger("orchestrator.retention")
 
@@ -168,39 +170,46 @@ class Pruner:
                 report.schedule_slots = await retention_db.prune_slots(
                     conn, keep=args["keep"], limit=1, dry=True)
         else:
-            while not self.stopping and (max_batches is None or report.batches < max_batches):
-                began = time.monotonic()
-                done = await self.db.run_in_transaction(
-                    lambda conn: retention_db.prune_batch(conn, **args, limit=self.batch))
+            def pruned(done: retention_db.Pruned) -> int:
                 report.batches += 1
                 report.runs += done.runs
                 report.journal_rows += done.journal_rows
                 report.events += done.events
-                if progress is not None:
-                    progress(report)
-                if done.runs < self.batch:
-                    break
-                await self._rest(time.monotonic() - began)
-            await self._prune_slots(report, args["keep"], progress, max_batches)
+                return done.runs
+
+            await self._in_batches(
+                lambda conn: retention_db.prune_batch(conn, **args, limit=self.batch), pruned,
+                report, progress, max_batches)
+
+            def slots(done: int) -> int:
+                report.schedule_slots += done
+                return done
+
+            # The slot records of schedules past the period that fired no run or whose run
+            # is pruned now (docs/schedules.md, "What is recorded").
+            await self._in_batches(
+                lambda conn: retention_db.prune_slots(conn, keep=args["keep"],
+                                                      limit=self.batch), slots,
+                report, progress, max_batches)
         if evidence and self.retention.evidence is not None and not self.stopping:
             await self._expire(report, dry_run, progress, max_batches)
         report.seconds = (datetime.now(UTC) - started).total_seconds()
         return report
 
-    async def _prune_slots(self, report: PruneReport, keep: float, progress: Progress | None,
-                           max_batches: int | None) -> None:
-        """The slot records of schedules past the finished runs' period that fired no run or
-        whose run is pruned now (docs/schedules.md, "What is recorded")."""
+    async def _in_batches(self, batch: Callable[[Conn], Awaitable[T]],
+                          count: Callable[[T], int], report: PruneReport,
+                          progress: Progress | None, max_batches: int | None) -> None:
+        """``batch`` in a transaction of its own, again and again, until one finds less than
+        a whole batch (``count`` adds what it did to ``report`` and says how many it found),
+        or the pruner is stopped, or ``max_batches`` have run; paced by :meth:`_rest`."""
         batches = 0
         while not self.stopping and (max_batches is None or batches < max_batches):
             began = time.monotonic()
-            done = await self.db.run_in_transaction(
-                lambda conn: retention_db.prune_slots(conn, keep=keep, limit=self.batch))
+            found = count(await self.db.run_in_transaction(batch))
             batches += 1
-            report.schedule_slots += done
             if progress is not None:
                 progress(report)
-            if done < self.batch:
+            if found < self.batch:
                 break
             await self._rest(time.monotonic() - began)
 
@@ -217,18 +226,14 @@ class Pruner:
                 counted = await retention_db.expire_batch(conn, keep=keep, limit=1, dry=True)
             _add(report, counted)
             return
-        batches = 0
-        while not self.stopping and (max_batches is None or batches < max_batches):
-            began = time.monotonic()
-            done = await self.db.run_in_transaction(
-                lambda conn: retention_db.expire_batch(conn, keep=keep, limit=self.batch))
-            batches += 1
+
+        def expired(done: retention_db.Expired) -> int:
             _add(report, done)
-            if progress is not None:
-                progress(report)
-            if max(done.runs, done.audit, done.incidents) < self.batch:
-                break
-            await self._rest(time.monotonic() - began)
+            return max(done.runs, done.audit, done.incidents)
+
+        await self._in_batches(
+            lambda conn: retention_db.expire_batch(conn, keep=keep, limit=self.batch), expired,
+            report, progress, max_batches)
 
     async def may_expire(self) -> bool:
         async with self.db.connection() as conn:
