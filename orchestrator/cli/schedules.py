@@ -17,6 +17,7 @@ from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option, parse_time
 from orchestrator.cli.tables import render
+from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
@@ -51,6 +52,7 @@ def register(subparsers: Any) -> None:
     trigger.add_argument("id")
     trigger.add_argument("--overlap", choices=OVERLAP_POLICIES, default=None,
                          help="instead of the schedule's own policy")
+    _app_option(trigger)
     json_option(trigger)
     trigger.set_defaults(func=cmd_trigger)
     backfill = commands.add_parser("backfill", help="fire the slots of a past range")
@@ -61,19 +63,36 @@ def register(subparsers: Any) -> None:
                           help="ISO 8601 time with its offset (not later than now)")
     backfill.add_argument("--overlap", choices=OVERLAP_POLICIES, default="allow_all",
                           help="the backfill's own overlap policy (default allow_all)")
+    _app_option(backfill)
     json_option(backfill)
     backfill.set_defaults(func=cmd_backfill)
 
 
+def _app_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                        help="the application: its JSON limits hold the input of the runs "
+                        "fired, as its workers' ticker does (default: the default limits)")
+
+
 def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]]) -> T:
+    app = load_app(args.app, args.database_url) if getattr(args, "app", None) else None
+
     async def main() -> T:
         db = Database(database_target(args))
         try:
-            return await act(ScheduleAdmin(db, JsonLimits(), Metrics()))
+            limits = app.json_limits if app is not None else JsonLimits()
+            return await act(ScheduleAdmin(db, limits, Metrics()))
         finally:
             await db.close()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except InvalidRequest as exc:  # PAYLOAD_TOO_LARGE too
+        if app is not None or not (exc.path or "").startswith("$.input"):
+            raise
+        raise type(exc)(f"{exc.message}; without --app the schedule's input is held to the "
+                        "default JSON limits: pass --app MODULE:ATTR to fire it under its "
+                        "application's limits", path=exc.path) from None
 
 
 def record(info: ScheduleInfo) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from orchestrator.errors import DatabaseError
 from orchestrator.retention import Pruner, Retention
 from orchestrator.scheduler import Scheduler
 from tests.clitools import run_cli
+from tests.integration import large_records_app
 from tests.integration.conftest import running, wait_for
 
 Sql = Callable[..., list[dict[str, Any]]]
@@ -288,6 +289,31 @@ async def test_the_cli_lists_shows_triggers_and_pauses(make_app, sql, migrated_d
     bad = run_cli(["schedules", "backfill", "s", "--from", "yesterday", "--to", "now"],
                   database_url=migrated_database_url)
     assert bad.returncode != 0 and "--from" in bad.stderr
+
+
+async def test_the_cli_fires_under_the_applications_limits_with_app(make_app, sql,
+                                                                    migrated_database_url):
+    """A schedule whose input the application accepted under larger JSON limits than the
+    default is fired from the CLI with ``--app``; without it the command says to pass it and
+    fires nothing."""
+    app = make_app(max_record_bytes=large_records_app.MAX_RECORD_BYTES)
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return len(data)
+
+    big = "x" * (2 * 1024 * 1024)  # over the default 1 MiB cap, under the application's
+    await app.schedules.create_async("big", "report", cron="0 3 * * *", input=big)
+    await app.database.close()
+    refused = run_cli(["schedules", "trigger", "big"], database_url=migrated_database_url)
+    assert refused.returncode != 0
+    assert "PAYLOAD_TOO_LARGE" in refused.stderr and "--app MODULE:ATTR" in refused.stderr
+    assert runs_of(sql, "big") == []
+    fired = run_cli(["schedules", "trigger", "big", "--json", "--app",
+                     "tests.integration.large_records_app:app"],
+                    database_url=migrated_database_url)
+    assert fired.returncode == 0, fired.stderr
+    assert json.loads(fired.stdout)["state"] == "fired" and len(runs_of(sql, "big")) == 1
 
 
 async def test_a_worker_fires_a_schedule_on_the_database_clock(make_app, sql):
