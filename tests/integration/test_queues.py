@@ -15,6 +15,8 @@ import pytest
 
 from orchestrator import InvalidRequest, Orchestrator, RateLimit
 from orchestrator.admin import list_runs, show_run
+from orchestrator.db import queues as queues_db
+from orchestrator.db import runs as runs_db
 from orchestrator.testing import running_worker
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, Served, from_header
@@ -418,3 +420,31 @@ async def test_an_operator_limited_to_tenants_may_not_change_a_queue(make_app):
                                                          "evidence": "not mine to pause"})
         assert refused.status_code == 403, refused.text
     assert not (await app.queues.get_async("work")).paused
+
+
+async def test_a_run_holding_the_only_slot_is_claimed_again_behind_a_backlog(make_app, sql):
+    """A run that started and went back to the queue (its worker lost, its lease expired)
+    still holds its slot, and is ready again only from then: behind every run submitted
+    before. It is claimed again all the same, however many of those wait (none of them may
+    start while it holds the only slot): the queue never stands still."""
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, concurrency=1, hold=0.01)
+    handles = [await app.submit_async(job, {"n": i}) for i in range(12)]
+    async with app.database.connection() as conn:
+        await queues_db.queue_declare(conn, [app._declared_queues["work"].row()])
+        # A worker that claims the oldest run and is never heard of again (a 0.2 s lease).
+        cur = await conn.execute("SELECT id FROM orchestrator.queue_claim("
+                                 "'work', ARRAY['job@1'], 'ghost', 1, 0.2)")
+        (ghost,) = [row["id"] for row in await cur.fetchall()]
+    await asyncio.sleep(0.5)
+    async with app.database.connection() as conn:
+        assert await runs_db.run_release_expired(conn) == 1  # back in the queue, holding
+    (held,) = sql("SELECT status, started_at, available_at FROM orchestrator.runs "
+                  "WHERE id = %s", (ghost,))
+    assert held["status"] == "queued" and held["started_at"] is not None
+    behind = sql("SELECT count(*) AS n FROM orchestrator.runs WHERE queue = 'work' "
+                 "AND started_at IS NULL AND available_at < %s", (held["available_at"],))
+    assert behind[0]["n"] == 11  # every other run waits before it
+    async with _workers([app], concurrency=2):  # claims read 2 candidates at a time
+        assert sorted([await h.result_async(timeout=30) for h in handles]) == list(range(12))
+    assert gauge.peak[None] == 1
