@@ -324,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="multiply every run count (default 1)")
     parser.add_argument("--fault-interval", type=float, default=1.5)
     parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--keep-databases", action="store_true",
+                        help="leave the engine's and the sink's databases for inspection")
     args = parser.parse_args(argv)
     cfg = LimitsConfig(seed=args.seed, fault_interval=args.fault_interval).scaled(args.scale)
     admin = dbtools.choose_server().admin_url
@@ -336,9 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(run_profile(cfg, db_url=db_url, sink_url=sink_url,
                                          log_dir=log_dir))
     finally:
-        for name in (db_name, sink_name):
-            with contextlib.suppress(Exception):
-                dbtools.drop_database(admin, name)
+        if args.keep_databases:
+            print(f"chaos limits: kept the databases: {db_url} and {sink_url}")
+        else:
+            for name in (db_name, sink_name):
+                with contextlib.suppress(Exception):
+                    dbtools.drop_database(admin, name)
     return 0 if result.ok else 1
 
 
