@@ -10,8 +10,9 @@ stood still for ever (found by the chaos suite's limits profile: a queue of conc
 its 3 holders re-queued behind 15 fresh runs, none claimed in 300 s).
 
 The function now also reads, in a third branch, the ready runs that hold a slot (started, not
-finished; in ``ix_runs_queue_held``), oldest first, so they are always candidates and, holding
-their slots already, are admitted.
+finished; in ``ix_runs_queue_held``), oldest first, whenever a limit could keep every fresh run
+from starting (the slots all held, the rate window full, or per-key limits); holding their
+slots already, they are admitted. Otherwise a fresh run starts, and the line moves on.
 
 Revision ID: 0017
 Revises: 0016
@@ -40,11 +41,12 @@ PRIORITY_BRANCH = """
 """
 
 HOLDERS_BRANCH = PRIORITY_BRANCH + """        UNION
-        -- Runs that hold a slot (started, back in the queue after a lost worker): always
-        -- candidates, whatever waits before them, since nothing else may start while they
-        -- hold every slot.
+        -- Runs that hold a slot (started, back in the queue after a lost worker): candidates
+        -- whatever waits before them whenever a limit could keep every fresh run from
+        -- starting (otherwise a fresh run starts and the line moves on).
         (SELECT r.id FROM orchestrator.runs AS r
-         WHERE r.queue = q AND r.started_at IS NOT NULL AND r.finished_at IS NULL
+         WHERE (gfree <= 0 OR rfree <= 0 OR cfg.key_concurrency IS NOT NULL)
+           AND r.queue = q AND r.started_at IS NOT NULL AND r.finished_at IS NULL
            AND r.status IN ('queued', 'waiting')
            AND r.available_at IS NOT NULL AND r.available_at <= now()
            AND r.workflow_name || '@' || r.workflow_version = ANY(workflows)
