@@ -49,3 +49,17 @@ def parse_time(value: str, path: str) -> datetime:
         raise InvalidRequest(f"--{path} must be an ISO 8601 time with its offset, e.g. "
                              "2026-12-01T00:00:00Z", path=path)
     return when
+
+
+def over_default_limits(exc: InvalidRequest, whose: str, action: str) -> InvalidRequest:
+    """``exc`` (an input over a JSON limit, ``PAYLOAD_TOO_LARGE`` too) said again for a
+    command run without ``--app``: the default limits held ``whose`` input, and what to pass
+    to ``action`` under the application's own."""
+    return type(exc)(f"{exc.message}; without --app {whose} input is held to the default JSON "
+                     f"limits: pass --app MODULE:ATTR to {action} under its application's "
+                     "limits", path=exc.path)
+
+
+def is_input_limit(exc: InvalidRequest) -> bool:
+    """Whether ``exc`` refuses a stored input (its path under ``$.input``)."""
+    return (exc.path or "").startswith("$.input")

@@ -10,7 +10,12 @@ from typing import Any
 from orchestrator import admin, replay
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.common import (
+    database_target,
+    is_input_limit,
+    json_option,
+    over_default_limits,
+)
 from orchestrator.cli.tables import cell, clip, render
 from orchestrator.cli.worker import load_app
 from orchestrator.db import runs as runs_db
@@ -301,11 +306,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
             db, run_id, operator=args.operator, evidence=args.evidence,
             from_position=args.from_position, limits=limits, tenants=tenants)))
     except InvalidRequest as exc:  # PAYLOAD_TOO_LARGE too
-        if app is not None or not (exc.path or "").startswith("$.input"):
+        if app is not None or not is_input_limit(exc):
             raise
-        raise type(exc)(f"{exc.message}; without --app the run's input is held to the default "
-                        "JSON limits: pass --app MODULE:ATTR to restart it under its "
-                        "application's limits", path=exc.path) from None
+        raise over_default_limits(exc, "the run's", "restart it") from None
     if args.json:
         records.emit({"run_id": str(done.run_id), "restarted_from": str(done.restarted_from),
                       "from_position": done.from_position, "carried_entries": done.carried})

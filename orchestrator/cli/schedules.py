@@ -15,7 +15,13 @@ from zoneinfo import ZoneInfo
 
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option, parse_time
+from orchestrator.cli.common import (
+    database_target,
+    is_input_limit,
+    json_option,
+    over_default_limits,
+    parse_time,
+)
 from orchestrator.cli.tables import render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
@@ -88,11 +94,9 @@ def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]
     try:
         return asyncio.run(main())
     except InvalidRequest as exc:  # PAYLOAD_TOO_LARGE too
-        if app is not None or not (exc.path or "").startswith("$.input"):
+        if app is not None or not is_input_limit(exc):
             raise
-        raise type(exc)(f"{exc.message}; without --app the schedule's input is held to the "
-                        "default JSON limits: pass --app MODULE:ATTR to fire it under its "
-                        "application's limits", path=exc.path) from None
+        raise over_default_limits(exc, "the schedule's", "fire it") from None
 
 
 def record(info: ScheduleInfo) -> dict[str, Any]:
