@@ -309,7 +309,8 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
             f"""
             UPDATE {S}.runs SET status = 'failed', outcome_code = 'OPERATION_ABANDONED',
                    error = %(error)s::jsonb, revision = revision + %(n)s, finished_at = now(),
-                   updated_at = now(), waiting_for = NULL, available_at = NULL
+                   updated_at = now(), waiting_for = NULL, waiting_tool = NULL,
+                   available_at = NULL
             WHERE id = %(run_id)s AND status = 'needs_reconciliation'
             RETURNING parent_run_id
             """,
@@ -322,7 +323,8 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
         UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now(),
                status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
                available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
-               waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END
+               waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END,
+               waiting_tool = NULL
         FROM (SELECT count(*) AS n FROM {S}.operations o
               WHERE o.run_id = %(run_id)s AND o.state = 'unknown'
                 AND EXISTS (SELECT 1 FROM {S}.reconciliation_items i

@@ -276,7 +276,7 @@ WITH picked AS (
 UPDATE {S}.runs AS r
 SET status = 'running', lease_owner = %(worker)s, lease_token = r.lease_token + 1,
     lease_expires_at = now() + make_interval(secs => %(ttl)s), waiting_for = NULL,
-    available_at = NULL, updated_at = now()
+    waiting_tool = NULL, available_at = NULL, updated_at = now()
 FROM picked JOIN {S}.runs AS before ON before.id = picked.id
 WHERE r.id = picked.id
 RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
@@ -411,7 +411,7 @@ async def run_finish(
         UPDATE {S}.runs SET status = %(status)s, outcome_code = %(outcome)s,
                result = %(result)s::jsonb, error = %(error)s::jsonb, finished_at = now(),
                updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-               available_at = NULL, waiting_for = NULL
+               available_at = NULL, waiting_for = NULL, waiting_tool = NULL
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
           AND NOT EXISTS (
               SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
@@ -459,10 +459,13 @@ async def run_suspend(
     token: int,
     wake_at: datetime | None,
     waiting_for: str,
+    waiting_tool: str | None,
     event_names: Sequence[str],
     child_positions: Sequence[int],
 ) -> None:
     """Park a running run until ``wake_at`` (None: until woken) or its deadline.
+    ``waiting_for`` says in words what it waits for; ``waiting_tool`` names the tool whose turn
+    it waits for, if any (:func:`run_wake_turn` wakes it when a call of that tool ends).
 
     After the fenced update holds the row lock, a second statement (with a fresh snapshot)
     wakes the run at once if an awaited event or child already arrived, so no wake-up is lost.
@@ -470,6 +473,7 @@ async def run_suspend(
     cur = await conn.execute(
         f"""
         UPDATE {S}.runs SET status = 'waiting', waiting_for = %(waiting_for)s,
+               waiting_tool = %(waiting_tool)s,
                available_at = CASE
                    WHEN %(wake_at)s::timestamptz IS NULL THEN deadline_at
                    WHEN deadline_at IS NULL THEN %(wake_at)s::timestamptz
@@ -478,7 +482,8 @@ async def run_suspend(
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
         RETURNING queue
         """,
-        {"run_id": run_id, "token": token, "wake_at": wake_at, "waiting_for": waiting_for},
+        {"run_id": run_id, "token": token, "wake_at": wake_at, "waiting_for": waiting_for,
+         "waiting_tool": waiting_tool},
     )
     parked = await cur.fetchone()
     if parked is None:
@@ -612,7 +617,8 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
         f"""
         UPDATE {S}.runs SET status = 'cancelled', outcome_code = 'CANCELLED',
                error = %(error)s::jsonb, finished_at = now(), updated_at = now(),
-               available_at = NULL, waiting_for = NULL, revision = revision + 1,
+               available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
+               revision = revision + 1,
                cancel_requested_at = COALESCE(cancel_requested_at, now())
         WHERE id = %(run_id)s AND status IN ('queued', 'waiting') AND revision = %(revision)s
           AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = %(run_id)s
@@ -681,7 +687,7 @@ WITH x AS (
 ), fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-           available_at = NULL, waiting_for = NULL,
+           available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
            revision = r.revision + {EVENTS}
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
@@ -742,16 +748,18 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
 
 async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
     """Wake the ``count`` runs parked longest for the turn of ``tool`` (a call of it ended, so
-    its concurrency has room): they claim again and ask for admission (docs/flow.md)."""
+    its concurrency has room): they claim again and ask for admission (docs/flow.md). The
+    tool's exact name, read in ``ix_runs_turn_waiters``: the runs waiting for another tool
+    stay parked, whatever its name."""
     cur = await conn.execute(
         f"""
         UPDATE {S}.runs SET available_at = now()
         WHERE id IN (SELECT id FROM {S}.runs
-                     WHERE status = 'waiting' AND waiting_for LIKE '%%the turn of tool %%'
-                       AND waiting_for LIKE %(pattern)s AND available_at > now()
+                     WHERE status = 'waiting' AND waiting_tool = %(tool)s
+                       AND available_at > now()
                      ORDER BY available_at LIMIT %(count)s
                      FOR UPDATE SKIP LOCKED)
-        """, {"pattern": f"%the turn of tool {tool}%", "count": count})
+        """, {"tool": tool, "count": count})
     if cur.rowcount:
         await conn.execute(_NOTIFY)
     return cur.rowcount

@@ -137,6 +137,10 @@ runs = Table(
     Column("superseded_by", UUID(as_uuid=True)),
     # Continuations (migration 0015): the run this one continues (ctx.continue_as_new).
     Column("continued_from", UUID(as_uuid=True)),
+    # The tool whose turn the run is parked for (migration 0018, docs/flow.md), by its exact
+    # name: what a call of the tool ending wakes. NULL unless the run waits for a turn;
+    # ``waiting_for`` says the same in words.
+    Column("waiting_tool", Text),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(
@@ -167,9 +171,10 @@ runs = Table(
               "queue IS NOT NULL AND started_at IS NOT NULL AND finished_at IS NULL")),
     Index("ix_runs_queue_started", "queue", "started_at",
           postgresql_where=text("queue IS NOT NULL AND started_at IS NOT NULL")),
-    # Runs parked until a call of a tool at its concurrency limit ends (migration 0012).
-    Index("ix_runs_turn_waiters", "available_at",
-          postgresql_where=text("status = 'waiting' AND waiting_for LIKE '%the turn of tool %'")),
+    # Runs parked for the turn of a tool, longest waiting first: a call of the tool ending
+    # wakes them (migration 0018).
+    Index("ix_runs_turn_waiters", "waiting_tool", "available_at",
+          postgresql_where=text("status = 'waiting' AND waiting_tool IS NOT NULL")),
     Index("ix_runs_queue_key_unstarted", "queue", "concurrency_key", "created_at",
           postgresql_where=text("queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
                                 "started_at IS NULL AND status = 'queued'")),

@@ -81,13 +81,17 @@ class Outcome:
         if any(w.kind == "timer" for w in waits):
             parts.append("timer")
         parts += [f"event {n!r}" for n in names]
-        parts += [f"the turn of tool {n}" for n in sorted(
-            {w.name for w in waits if w.kind == "turn" and w.name})]
+        tools = sorted({w.name for w in waits if w.kind == "turn" and w.name})
+        parts += [f"the turn of tool {n}" for n in tools]
         if children:
             parts.append("child run")
+        # The tool a call of which ending wakes the run: of several (branches waiting for the
+        # turns of different tools), the first by name; the others' waits end by their timers.
+        tool = tools[0] if tools else None
         if await self._flush_then(lambda conn: runs_db.run_suspend(
                 conn, run_id=run.run_id, token=run.token, wake_at=wake_at,
-                waiting_for=", ".join(parts), event_names=names, child_positions=children)):
+                waiting_for=", ".join(parts), waiting_tool=tool, event_names=names,
+                child_positions=children)):
             run.metrics.incr("run_parks")
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> bool:

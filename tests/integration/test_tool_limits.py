@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator, RateLimit, RunFailed, ToolError
+from orchestrator.engine import site
 from orchestrator.testing import running_worker
 from tests.integration.conftest import running, wait_for
 
@@ -104,6 +105,77 @@ async def test_a_call_waiting_for_its_turn_parks_its_run_and_frees_the_worker(ma
         assert (await first.result_async(timeout=10))["n"] == 1
         assert (await second.result_async(timeout=10))["n"] == 2
     assert provider.peak == 1
+
+
+async def test_a_call_ending_wakes_the_runs_waiting_for_its_tool_only(make_app, sql,
+                                                                       monkeypatch):
+    """``pay`` and ``payout``: one name begins the other. A call of ``pay`` ending wakes the
+    runs parked for the turn of ``pay``; a run parked for ``payout`` stays parked, untouched
+    (not claimed, its wake time as it was). A claim clears the tool the run waited for, from
+    the default queue and from a queue."""
+    monkeypatch.setattr(site, "FULL_RECHECK", (3600.0, 3600.0))  # no re-asking on their own
+    gates = {n: asyncio.Event() for n in range(1, 6)}
+    live: set[int] = set()
+    app = make_app()
+    app.queue("payouts")
+
+    async def serve(n: int) -> dict[str, int]:
+        live.add(n)
+        try:
+            await gates[n].wait()
+        finally:
+            live.discard(n)
+        return {"n": n}
+
+    @app.tool(effect="idempotent", concurrency=2)
+    async def pay(ctx, n: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        return await serve(n)
+
+    @app.tool(effect="idempotent", concurrency=1)
+    async def payout(ctx, n: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        return await serve(n)
+
+    @app.workflow()
+    async def paying(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.call(pay, n=n)
+
+    @app.workflow(queue="payouts")
+    async def paying_out(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.call(payout, n=n)
+
+    def row(handle: Any) -> dict[str, Any]:
+        return sql("SELECT status, waiting_for, waiting_tool, lease_token, available_at "
+                   "FROM orchestrator.runs WHERE id = %s", (handle.id,))[0]
+
+    async with running(app, concurrency=8):
+        busy = [await app.submit_async(paying, 1), await app.submit_async(paying, 2),
+                await app.submit_async(paying_out, 4)]
+        await wait_for(lambda: live == {1, 2, 4}, what="both tools at their concurrency")
+        payer = await app.submit_async(paying, 3)
+        payee = await app.submit_async(paying_out, 5)
+        await wait_for(lambda: row(payer)["status"] == row(payee)["status"] == "waiting",
+                       what="both runs parked for their tool's turn")
+        assert row(payer)["waiting_tool"] == "pay"
+        assert row(payer)["waiting_for"] == "the turn of tool pay"
+        assert row(payee)["waiting_tool"] == "payout"
+        assert row(payee)["waiting_for"] == "the turn of tool payout"
+        parked = row(payee)
+
+        gates[1].set()
+        gates[2].set()  # two calls of pay end: each wakes up to two runs waiting for pay
+        await wait_for(lambda: 3 in live, what="the run waiting for pay to call it")
+        assert row(payer)["status"] == "running" and row(payer)["waiting_tool"] is None
+        assert row(payee) == parked  # neither woken nor claimed
+
+        gates[4].set()  # the call of payout ends: the run waiting for it goes
+        await wait_for(lambda: 5 in live, what="the run waiting for payout to call it")
+        assert row(payee)["status"] == "running" and row(payee)["waiting_tool"] is None
+        gates[3].set()
+        gates[5].set()
+        got = [(await h.result_async(timeout=10))["n"] for h in (*busy, payer, payee)]
+    assert got == [1, 2, 4, 3, 5]
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs "
+               "WHERE waiting_tool IS NOT NULL") == [{"n": 0}]
 
 
 async def test_the_wait_for_a_turn_counts_against_the_deadline(make_app, sql):

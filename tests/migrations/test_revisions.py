@@ -196,3 +196,40 @@ def test_audit_rows_written_before_0008_take_their_operations_tenant(
         rows = conn.execute("SELECT target_id, tenant FROM orchestrator.operator_audit "
                             "ORDER BY id").fetchall()
     assert rows == [(str(op_id), "acme"), ("999", None)]
+
+
+def test_runs_parked_for_a_turn_before_0018_take_their_tool(empty_database_url: str) -> None:
+    """A run parked for a tool's turn when the database is upgraded is still woken by a call
+    of that tool ending: its ``waiting_tool`` is read from its ``waiting_for``."""
+    target = _target(empty_database_url)
+    migrate.upgrade(target, "0017")
+    parked = {
+        "1": ("waiting", "the turn of tool payout"),
+        "2": ("waiting", "timer, event 'paid', the turn of tool pay.v2-x, child run"),
+        "3": ("waiting", "the turn of tool a, the turn of tool b"),
+        "4": ("waiting", "event 'the turn of tool x'"),  # an event's name, no tool
+        "5": ("waiting", "timer"),
+        "6": ("queued", "a worker that understands its journal's schema version"),
+    }
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        for n, (status, waiting_for) in parked.items():
+            conn.execute("""
+                INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                    workflow_version, input, request_digest, status, waiting_for, available_at)
+                VALUES (%s, 'acme', 'alice', 'wf', '1', '{}', 'd', %s, %s,
+                        now() + interval '1 hour')""",
+                         (f"00000000-0000-0000-0000-00000000000{n}", status, waiting_for))
+    migrate.upgrade(target)
+    with psycopg.connect(empty_database_url) as conn:
+        rows = conn.execute("SELECT right(id::text, 1), waiting_tool FROM orchestrator.runs "
+                            "ORDER BY id").fetchall()
+        assert rows == [("1", "payout"), ("2", "pay.v2-x"), ("3", "a"), ("4", None),
+                        ("5", None), ("6", None)]
+        # The wake's query (orchestrator.db.runs.run_wake_turn) can be answered by the index,
+        # in its order (a table this small is read whole unless told otherwise).
+        conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(line for line, in conn.execute("""
+            EXPLAIN SELECT id FROM orchestrator.runs
+            WHERE status = 'waiting' AND waiting_tool = %s AND available_at > now()
+            ORDER BY available_at LIMIT 2""", ("pay",)))
+    assert "ix_runs_turn_waiters" in plan and "Sort" not in plan, plan
