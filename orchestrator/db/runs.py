@@ -836,6 +836,15 @@ async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
     return cur.rowcount
 
 
+async def run_mark_restarted(conn: Conn, run_id: uuid.UUID, *, restarted_from: uuid.UUID,
+                             revision: int) -> None:
+    """Mark the new run ``run_id``, still at revision 0, as the restart of ``restarted_from``,
+    at ``revision``: the entries carried into its journal (:func:`run_journal_carry`) are its
+    revisions, so that its next write follows them."""
+    await conn.execute(f"UPDATE {S}.runs SET restarted_from = %s, revision = %s "
+                       "WHERE id = %s AND revision = 0", (restarted_from, revision, run_id))
+
+
 async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
     """Where a run went wrong: the first position whose last entry is not a success (a call
     that failed, was denied, cancelled or abandoned; an event that timed out; a child that
