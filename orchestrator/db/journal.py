@@ -22,10 +22,9 @@ from typing import Any
 
 from orchestrator.canonical import canonical_json
 from orchestrator.db.database import Conn
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
 from orchestrator.journal import RUN_ENDS, Entry, EventKind, sql_payload
-
-S = "orchestrator"
 
 JOURNAL_INSERT = (f"INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, "
                   "payload, lease_token)")

@@ -14,11 +14,10 @@ from typing import Any
 
 from orchestrator.db.database import TOOLS_CHANNEL, Conn
 from orchestrator.db.journal import JOURNAL_INSERT, entry_sql, receipt_entry_sql
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
 from orchestrator.errors import LeaseLost
 from orchestrator.journal import EventKind
-
-S = "orchestrator"
 
 _LEASE_HELD = f"""
 o.run_id = %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r

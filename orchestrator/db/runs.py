@@ -29,14 +29,13 @@ from orchestrator.db.operations import (
     riding_row,
     settle_receipt_sql,
 )
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
 from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.models import Owner
-
-S = "orchestrator"
 
 _NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
 

@@ -14,8 +14,7 @@ from typing import Any
 
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-
-S = "orchestrator"
+from orchestrator.db.schema import SCHEMA as S
 
 DEFINITION = ("workflow_name", "workflow_version", "cron", "timezone", "overlap",
               "catchup_seconds", "input", "tenant", "principal")
