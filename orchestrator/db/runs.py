@@ -15,22 +15,8 @@ from typing import Any
 
 from orchestrator.canonical import JsonLimits, request_digest
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
-from orchestrator.db.journal import (
-    JOURNAL_INSERT,
-    entry_sql,
-    journal_insert_held,
-    receipt_entry_sql,
-)
-from orchestrator.db.operations import (
-    EVENTS,
-    RECEIPT_COLUMNS,
-    FastPathMiss,
-    Receipt,
-    riding_row,
-    settle_receipt_sql,
-)
+from orchestrator.db.journal import journal_insert_held
 from orchestrator.db.schema import SCHEMA as S
-from orchestrator.db.writer import RUNNING, Statement, rows_of
 from orchestrator.errors import LeaseLost
 from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
@@ -671,72 +657,6 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
     if cur.rowcount:
         await conn.execute(_NOTIFY)
     return cur.rowcount
-
-
-_FAST_SUCCEED = f"""
-WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, result jsonb, v smallint, "
-             + RECEIPT_COLUMNS)}
-), fence AS (
-    UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
-           updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-           available_at = NULL, waiting_for = NULL,
-           revision = r.revision + {EVENTS}
-    FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
-      AND r.revision = x.expected
-      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
-                      AND o.state IN ('pending', 'submitted', 'unknown')
-                      AND o.id IS DISTINCT FROM x.prev_op)
-    RETURNING x.i, r.id, r.parent_run_id, r.queue
-), done AS ({settle_receipt_sql("x")}
-), ins AS (
-    {JOURNAL_INSERT}
-    {receipt_entry_sql("x")}
-    UNION ALL
-    SELECT {entry_sql(EventKind.RUN_COMPLETED, run_id="x.run_id", seq=f"x.expected + {EVENTS}",
-                      position="NULL", name="NULL", v="x.v", token="x.token",
-                      result="x.result")}
-    FROM x JOIN fence ON fence.id = x.run_id
-    RETURNING run_id
-), n AS (
-    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
-), wake AS (
-    -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
-    -- A parent finishing in this same statement is left out: no row is updated twice.
-    UPDATE {S}.runs p
-    SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
-    FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
-    RETURNING 1
-)
-SELECT x.i,
-       {S}.row_applied(n.events = {EVENTS}, 'run success') AS appended,
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
-                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
-       -- A run of a queue freed its slot: the workers may claim the next.
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
-                              FROM (SELECT DISTINCT queue FROM fence
-                                    WHERE queue IS NOT NULL) AS q) AS n) AS freed
-FROM x LEFT JOIN n ON n.run_id = x.run_id
-"""
-
-
-def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int,
-                     receipt: Receipt | None = None) -> Statement:
-    """The common end of a run as one row of a set-based statement: fenced, guarded against
-    unsettled operations, with its ``run.completed`` event and its parent woken. ``result``
-    is the result's canonical JSON text. With ``receipt``, the run's last call is committed in
-    the same row first (its ``call.completed`` event at ``expected + 1``). Raises
-    ``FastPathMiss`` when it did not apply; the general path then says why."""
-
-    def check(got: dict[str, Any] | None) -> tuple[None, None]:
-        if got is None or not got["appended"]:
-            raise FastPathMiss("succeed")
-        return None, None
-
-    text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
-                      receipt, result=result)
-    return Statement(_FAST_SUCCEED, text, run_id, check)
 
 
 async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
