@@ -107,6 +107,19 @@ async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
     return list(await cur.fetchall())
 
 
+_READ_FOR_REPLAY = f"""
+SELECT seq, kind, position, name, schema_version, payload
+FROM {S}.journal WHERE run_id = %s ORDER BY seq
+"""
+
+
+async def journal_read_for_replay(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
+    """A run's entries, oldest first, as ``orchestrator replay`` checks them and ``runs
+    export`` writes them (without the lease token and time of each)."""
+    cur = await conn.execute(_READ_FOR_REPLAY, (run_id,))
+    return list(await cur.fetchall())
+
+
 _COLUMNS = "seq, kind, position, name, schema_version, payload, lease_token, created_at"
 
 _READ_AFTER = f"""

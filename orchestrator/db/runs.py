@@ -787,3 +787,28 @@ async def run_supersede(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> bool:
         f"UPDATE {S}.runs SET superseded_by = %s, updated_at = now() "
         "WHERE id = %s AND superseded_by IS NULL", (new, old))
     return cur.rowcount == 1
+
+
+_READ_FOR_REPLAY = f"""
+SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at
+FROM {S}.runs
+WHERE (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
+  AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s::text)
+  AND (%(version)s::text IS NULL OR workflow_version = %(version)s::text)
+  AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+  AND (%(all)s OR status NOT IN ('succeeded', 'failed', 'cancelled'))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+async def run_read_for_replay(conn: Conn, *, run_id: uuid.UUID | None, workflow: str | None,
+                              version: str | None, since: datetime | None, last: int,
+                              finished: bool) -> list[dict[str, Any]]:
+    """The newest ``last`` runs the filters select, whatever their owner, for ``orchestrator
+    replay`` (each with its workflow, status, owner and input); ``finished=False``: only those
+    that have not ended."""
+    cur = await conn.execute(_READ_FOR_REPLAY, {
+        "run_id": run_id, "workflow": workflow, "version": version, "since": since,
+        "all": finished, "limit": last})
+    return list(await cur.fetchall())

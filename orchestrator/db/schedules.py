@@ -120,6 +120,15 @@ async def schedule_list(conn: Conn) -> list[dict[str, Any]]:
     return await cur.fetchall()
 
 
+async def schedule_clock(conn: Conn) -> datetime:
+    """The database's clock: one clock for every ticker, whatever their hosts' say."""
+    cur = await conn.execute("SELECT now() AS now")
+    row = await cur.fetchone()
+    assert row is not None
+    now: datetime = row["now"]
+    return now
+
+
 async def schedule_lock_due(conn: Conn, *, now: datetime, limit: int) -> list[dict[str, Any]]:
     """The schedules with something to do at ``now`` (a slot due, or a buffered slot whose
     previous run may have ended), locked; those another ticker holds are skipped."""
