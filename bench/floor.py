@@ -28,8 +28,8 @@ from functools import partial
 from typing import Any
 
 from orchestrator import canonical
-from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db import steps as steps_db
 from orchestrator.db import workers as workers_db
 from orchestrator.db.config import resolve_database
 from orchestrator.db.database import Database
@@ -59,16 +59,16 @@ async def drive(writer: GroupWriter, claim: dict[str, Any], k: int, worker: str)
                "intent_digest": canonical.intent_digest_text(TOOL, VERSION, owner, arguments),
                "arguments": arguments, "idempotency_key": f"{run_text}:{i}:1",
                "worker_id": worker}
-        op_id, _ = await writer.run_statement(ops_db.operation_begin_fast(
+        op_id, _ = await writer.run_statement(steps_db.operation_begin_fast(
             row, expected=expected, v=SCHEMA_VERSION, receipt=receipt))
         expected += 2 if receipt is not None else 1
         value = {"ok": True, "i": i, "t": time.time()}  # what bench.app's tool returns
         text = canonical.canonical_bytes(value).decode()
-        receipt = ops_db.Receipt(op_id=op_id, position=i, name=TOOL, text=text,
+        receipt = steps_db.Receipt(op_id=op_id, position=i, name=TOOL, text=text,
                                  digest=canonical.text_digest(text))
         first_t = value["t"] if i == 0 else first_t
     result = canonical.canonical_bytes({"first_t": first_t, "last": value}).decode()
-    await writer.run_statement(runs_db.run_succeed_fast(
+    await writer.run_statement(steps_db.run_succeed_fast(
         run_id=run_id, token=token, expected=expected, result=result, v=SCHEMA_VERSION,
         receipt=receipt))
 

@@ -344,9 +344,8 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
         new["traceparent"] = None
         await runs_db.run_insert(conn, new)
         carried = await runs_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
-        # The journal's entries are the run's revisions: its next write follows them.
-        await conn.execute(f"UPDATE {runs_db.S}.runs SET restarted_from = %s, revision = %s "
-                           "WHERE id = %s AND revision = 0", (run_id, carried, new["id"]))
+        await runs_db.run_mark_restarted(conn, new["id"], restarted_from=run_id,
+                                         revision=carried)
         if not await runs_db.run_supersede(conn, old=run_id, new=new["id"]):
             raise InvalidRequest(f"run {run_id} was restarted meanwhile", path="run_id")
         await audit_record(

@@ -5,9 +5,9 @@ A run's journal is the ordered list of what happened to it. Every entry has a ``
 :class:`EventKind`), the command ``position`` it belongs to (None for the run's own entries),
 a ``name`` (the tool, event, workflow or value name, or a message's topic), the schema
 version ``v`` and a ``payload`` whose fields :data:`PAYLOAD_FIELDS` defines for each kind.
-Python builds entries with :func:`entry`; the set-based statements that write an entry in SQL
-build its payload with :func:`sql_payload` from the same definition, so a payload's shape is
-written down once.
+Python builds entries with :func:`entry`; the hot steps' set-based statements
+(:mod:`orchestrator.db.steps`) write theirs in SQL, and a unit test holds their kinds and
+payloads to the same definition, so a payload's shape is written down once.
 
 When workflow code issues the command at position *p*, :meth:`JournalIndex.expect` checks that
 what was recorded there is the same kind of command with the same name; anything else is
@@ -127,17 +127,6 @@ def check_payload(kind: EventKind, payload: Mapping[str, Any]) -> None:
     extra = keys - set(required) - set(optional)
     if missing or extra:
         raise ValueError(f"{kind.value}: missing {sorted(missing)}, unexpected {sorted(extra)}")
-
-
-def sql_payload(kind: EventKind, **columns: str) -> str:
-    """The SQL expression that builds ``kind``'s payload from ``columns`` (field → SQL
-    expression), for statements that write an entry in SQL; every field of the kind that is
-    always present must be given, and no field the kind does not define."""
-    check_payload(kind, columns)
-    if not columns:
-        return "'{}'::jsonb"
-    args = ", ".join(f"'{field}', {expr}" for field, expr in columns.items())
-    return f"jsonb_build_object({args})"
 
 
 class Nondeterminism(BaseException):  # noqa: N818

@@ -10,7 +10,7 @@ stops, as a worker's would until the run wakes. So the check answers, per run: w
 running this code replay this history? ``ok``, or the first ``NONDETERMINISM`` with its
 position, the recorded command and the one the code issued.
 
-No I/O here but :func:`load_runs` (a query) and :func:`export_document`: the CLI
+No I/O here but :func:`load_runs` (two reads through the store) and :func:`export_document`: the CLI
 (``orchestrator replay``, ``orchestrator runs export``) and ``orchestrator.testing.replay``
 drive it.
 """
@@ -28,6 +28,8 @@ from typing import Any, NoReturn
 from orchestrator import canonical
 from orchestrator.canonical import canonical_json
 from orchestrator.context import ContinueAsNew, WorkflowContext
+from orchestrator.db import journal as journal_db
+from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.errors import (
     EventTimeout,
@@ -340,38 +342,18 @@ async def check_runs(runs: Iterable[RecordedRun], registry: Registry,
 
 # -- reading runs from the database and from files ----------------------------------------------
 
-S = "orchestrator"
-
-_RUNS = f"""
-SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at
-FROM {S}.runs
-WHERE (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
-  AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s::text)
-  AND (%(version)s::text IS NULL OR workflow_version = %(version)s::text)
-  AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-  AND (%(all)s OR status NOT IN ('succeeded', 'failed', 'cancelled'))
-ORDER BY created_at DESC, id DESC
-LIMIT %(limit)s
-"""
-
-_JOURNAL = f"""
-SELECT seq, kind, position, name, schema_version, payload
-FROM {S}.journal WHERE run_id = %s ORDER BY seq
-"""
-
-
 async def load_runs(conn: Conn, *, run_id: uuid.UUID | None = None,
                     workflow: str | None = None, version: str | None = None,
                     since: datetime | None = None, last: int = 100,
                     finished: bool = True) -> list[RecordedRun]:
     """The newest ``last`` runs the filters select, with their journals (``finished=False``:
     only runs that have not ended, those a deployment's workers will replay)."""
-    cur = await conn.execute(_RUNS, {"run_id": run_id, "workflow": workflow,
-                                     "version": version, "since": since,
-                                     "all": finished or run_id is not None, "limit": last})
+    rows = await runs_db.run_read_for_replay(conn, run_id=run_id, workflow=workflow,
+                                             version=version, since=since, last=last,
+                                             finished=finished or run_id is not None)
     runs = []
-    for row in await cur.fetchall():
-        journal = await (await conn.execute(_JOURNAL, (row["id"],))).fetchall()
+    for row in rows:
+        journal = await journal_db.journal_read_for_replay(conn, row["id"])
         runs.append(RecordedRun(
             run_id=row["id"], workflow=row["workflow_name"], version=row["workflow_version"],
             input=row["input"], status=row["status"], journal=list(journal),

@@ -109,7 +109,8 @@ class Scheduler:
         handled (fired, skipped, buffered, or in a gap)."""
         handled = 0
         async with self.database.connection() as conn, conn.transaction():
-            when = now or (self.clock() if self.clock is not None else await _db_now(conn))
+            when = now or (self.clock() if self.clock is not None
+                           else await sched_db.schedule_clock(conn))
             for row in await sched_db.schedule_lock_due(conn, now=when,
                                                         limit=SCHEDULES_PER_TICK):
                 try:
@@ -125,15 +126,7 @@ class Scheduler:
     async def _now(self) -> datetime:
         if self.clock is not None:
             return self.clock()
-        return await self.database.read(_db_now)
-
-
-async def _db_now(conn: Conn) -> datetime:
-    """The database's clock: one clock for every ticker, whatever the hosts' say."""
-    cur = await conn.execute("SELECT now() AS now")
-    row = await cur.fetchone()
-    assert row is not None
-    return row["now"]  # type: ignore[no-any-return]
+        return await self.database.read(sched_db.schedule_clock)
 
 
 class _Tick:

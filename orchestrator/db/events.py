@@ -6,8 +6,7 @@ import uuid
 from typing import Any
 
 from orchestrator.db.database import Conn
-
-S = "orchestrator"
+from orchestrator.db.schema import SCHEMA as S
 
 
 async def event_insert(

@@ -1,16 +1,15 @@
-"""Statements on ``orchestrator.journal``: every journal row is inserted here.
+"""Statements on ``orchestrator.journal``.
 
 The entries themselves (kinds, payloads, schema version) are defined in
-:mod:`orchestrator.journal`; this module writes and reads them. Three ways in:
+:mod:`orchestrator.journal`; this module writes and reads them. Two ways in (the others that
+insert journal rows are the hot steps' set-based statements in :mod:`orchestrator.db.steps`
+and a restart's copy, :func:`orchestrator.db.runs.run_journal_carry`):
 
 - :func:`journal_append`: the fenced append that moves a run's revision (the general path of
   every worker write);
 - :func:`journal_insert_held`: an append by a caller that already holds the run's row in its
   transaction (a guarded ``UPDATE`` of the run, or its lock), numbered from the revision it
-  read;
-- :data:`JOURNAL_INSERT` with :func:`receipt_entry_sql` and :func:`entry_sql`: the journal part
-  of the set-based fast statements, which build their entries in SQL from the same
-  definitions.
+  read.
 """
 
 from __future__ import annotations
@@ -22,14 +21,13 @@ from typing import Any
 
 from orchestrator.canonical import canonical_json
 from orchestrator.db.database import Conn
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
-from orchestrator.journal import RUN_ENDS, Entry, EventKind, sql_payload
+from orchestrator.journal import RUN_ENDS, Entry, EventKind
 
-S = "orchestrator"
-
-JOURNAL_INSERT = (f"INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, "
-                  "payload, lease_token)")
-"""The head of every journal insert; the rows follow as a SELECT."""
+_INSERT = (f"INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, "
+           "payload, lease_token)")
+"""The head of both inserts; the rows follow as a SELECT."""
 
 _FROM_JSON = """jsonb_to_recordset(%(events)s::jsonb)
          AS e(seq bigint, kind text, position int, name text, v smallint, payload jsonb)"""
@@ -41,7 +39,7 @@ WITH fence AS (
       AND revision = %(expected)s
     RETURNING id, cancel_requested_at
 ), ins AS (
-    {JOURNAL_INSERT}
+    {_INSERT}
     SELECT fence.id, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
     FROM fence, {_FROM_JSON}
     RETURNING 1
@@ -52,7 +50,7 @@ SELECT (SELECT count(*) FROM ins) AS inserted,
 """
 
 _INSERT_HELD = f"""
-{JOURNAL_INSERT}
+{_INSERT}
 SELECT %(run_id)s, e.seq, e.kind, e.position, e.name, e.v, e.payload, %(token)s
 FROM {_FROM_JSON}
 """
@@ -106,6 +104,19 @@ async def journal_read(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
         """,
         (run_id,),
     )
+    return list(await cur.fetchall())
+
+
+_READ_FOR_REPLAY = f"""
+SELECT seq, kind, position, name, schema_version, payload
+FROM {S}.journal WHERE run_id = %s ORDER BY seq
+"""
+
+
+async def journal_read_for_replay(conn: Conn, run_id: uuid.UUID) -> list[Entry]:
+    """A run's entries, oldest first, as ``orchestrator replay`` checks them and ``runs
+    export`` writes them (without the lease token and time of each)."""
+    cur = await conn.execute(_READ_FOR_REPLAY, (run_id,))
     return list(await cur.fetchall())
 
 
@@ -211,22 +222,3 @@ async def journal_read_position(conn: Conn, run_id: uuid.UUID, position: int) ->
         (run_id, position),
     )
     return list(await cur.fetchall())
-
-
-def receipt_entry_sql(rows: str) -> str:
-    """The ``call.completed`` journal rows (at ``expected + 1``) of the riding receipts that CTE
-    ``done`` committed, as a SELECT for :data:`JOURNAL_INSERT`."""
-    payload = sql_payload(EventKind.CALL_COMPLETED, result=f"{rows}.receipt",
-                          op=f"{rows}.prev_op")
-    return f"""
-    SELECT {rows}.run_id, {rows}.expected + 1, '{EventKind.CALL_COMPLETED}',
-           {rows}.prev_position, {rows}.prev_name, {rows}.v, {payload}, {rows}.token
-    FROM {rows} JOIN done ON done.run_id = {rows}.run_id"""
-
-
-def entry_sql(kind: EventKind, *, run_id: str, seq: str, position: str, name: str, v: str,
-              token: str, **payload: str) -> str:
-    """One journal row of ``kind`` built in SQL (each argument an SQL expression), as the
-    select list of a SELECT for :data:`JOURNAL_INSERT`."""
-    return (f"{run_id}, {seq}, '{kind}', {position}, {name}, {v}, "
-            f"{sql_payload(kind, **payload)}, {token}")

@@ -8,17 +8,12 @@ rejects any arrow not in CONTRACT C5, whatever the statement says.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import TOOLS_CHANNEL, Conn
-from orchestrator.db.journal import JOURNAL_INSERT, entry_sql, receipt_entry_sql
-from orchestrator.db.writer import RUNNING, Statement, row_text, rows_of
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
-from orchestrator.journal import EventKind
-
-S = "orchestrator"
 
 _LEASE_HELD = f"""
 o.run_id = %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r
@@ -323,179 +318,6 @@ async def operation_enqueue_unlisted(conn: Conn, *, run_id: uuid.UUID) -> int:
         (run_id,),
     )
     return cur.rowcount
-
-
-class FastPathMiss(Exception):
-    """A single-statement write did not apply (the lease, a cancellation or a conflict);
-    the caller takes the general path, which says which."""
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """A call's receipt that is known in the worker but not yet written: it rides in the
-    transaction of the run's next write (CONTRACT C5 still holds: the operation stays
-    ``submitted`` until that transaction commits, and nothing that depends on the receipt
-    leaves the process before then). ``text`` is its canonical JSON."""
-
-    op_id: int
-    position: int
-    name: str
-    text: str
-    digest: str
-
-    def columns(self) -> dict[str, Any]:
-        """The receipt's fields of a fast statement's row (JSON texts spliced raw)."""
-        return {"prev_op": self.op_id, "prev_position": self.position,
-                "prev_name": self.name, "digest": self.digest}
-
-    def raw(self) -> dict[str, str]:
-        return {"receipt": self.text}
-
-
-RECEIPT_COLUMNS = "prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text"
-"""The columns of a fast statement's row that carry a :class:`Receipt` (all NULL without)."""
-
-EVENTS = "(1 + (x.prev_op IS NOT NULL)::int)"
-"""The journal events a fast row ``x`` appends: its own, after its riding receipt's if it has
-one. The fence moves the revision by as much, the row's own event has that seq above
-``expected``, and ``row_applied`` requires that many appended."""
-
-
-def riding_row(scalars: dict[str, Any], receipt: Receipt | None, **raw: str) -> str:
-    """A fast statement's row (:func:`row_text`) with ``receipt``'s columns when one rides."""
-    if receipt is not None:
-        scalars = {**scalars, **receipt.columns()}
-        raw = {**raw, **receipt.raw()}
-    return row_text(scalars, **raw)
-
-
-def settle_receipt_sql(rows: str) -> str:
-    """A CTE body that commits each row's riding receipt (``submitted`` → ``committed``) once
-    its run's fence (CTE ``fence``, returning ``i``) held; returns the runs it committed for."""
-    return f"""
-    UPDATE {S}.operations o SET state = 'committed', receipt = {rows}.receipt,
-           receipt_digest = {rows}.digest, finished_at = now(), updated_at = now()
-    FROM {rows} JOIN fence ON fence.i = {rows}.i
-    WHERE o.id = {rows}.prev_op AND o.state = 'submitted' AND o.run_id = {rows}.run_id
-    RETURNING o.run_id"""
-
-
-_FAST_BEGIN = f"""
-WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, position int, attempt int, "
-              "tool_name text, tool_version text, effect_class text, tenant text, "
-              "principal text, intent_digest text, arguments jsonb, idempotency_key text, "
-              "worker_id text, v smallint, " + RECEIPT_COLUMNS)}
-), fence AS (
-    UPDATE {S}.runs r SET revision = r.revision + {EVENTS}, updated_at = now()
-    FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
-      AND r.revision = x.expected AND r.cancel_requested_at IS NULL
-    RETURNING x.i
-), done AS ({settle_receipt_sql("x")}
-), op AS (
-    INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
-                                effect_class, tenant, principal, intent_digest, arguments,
-                                idempotency_key, state, worker_id, lease_token, submitted_at)
-    SELECT x.run_id, x.position, x.attempt, x.tool_name, x.tool_version, x.effect_class,
-           x.tenant, x.principal, x.intent_digest, x.arguments, x.idempotency_key,
-           'submitted', x.worker_id, x.token, now()
-    FROM x JOIN fence ON fence.i = x.i
-    ON CONFLICT (run_id, position, attempt) DO NOTHING
-    RETURNING id, run_id
-), ins AS (
-    {JOURNAL_INSERT}
-    {receipt_entry_sql("x")}
-    UNION ALL
-    SELECT {entry_sql(EventKind.CALL_SUBMITTED, run_id="x.run_id", seq=f"x.expected + {EVENTS}",
-                      position="x.position", name="x.tool_name", v="x.v", token="x.token",
-                      tool_version="x.tool_version", intent="x.intent_digest",
-                      attempt="x.attempt", op="op.id", key="x.idempotency_key",
-                      effect="x.effect_class")}
-    FROM x JOIN op ON op.run_id = x.run_id
-    RETURNING run_id
-), n AS (
-    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
-)
-SELECT x.i, op.id AS op_id,
-       {S}.row_applied(n.events = {EVENTS}, 'call begin') AS appended
-FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN n ON n.run_id = x.run_id
-"""
-
-
-def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
-                         receipt: Receipt | None = None) -> Statement:
-    """The common case of :func:`operation_begin` plus its ``call.submitted`` journal event
-    (``tool_version``, ``intent``, ``attempt``, ``op``, ``key``, ``effect``), fenced, as one
-    row of a set-based statement; its value is ``(operation id, None)``. It raises
-    :class:`FastPathMiss` when it did not apply (its transaction must then roll back: the
-    general path decides why). ``row["arguments"]`` is canonical JSON text.
-
-    With ``receipt``, the run's previous call is committed in the same row first (its
-    ``call.completed`` event at ``expected + 1``, this call's ``call.submitted`` after it): one
-    fenced write for two steps of the ledger."""
-
-    def check(got: dict[str, Any] | None) -> tuple[int, None]:
-        if got is None or got["op_id"] is None or not got["appended"]:
-            raise FastPathMiss("begin")
-        return int(got["op_id"]), None
-
-    text = riding_row({
-        "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
-        "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
-        "tool_version": row["tool_version"], "effect_class": row["effect_class"],
-        "tenant": row["tenant"], "principal": row["principal"],
-        "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
-        "worker_id": row["worker_id"], "v": v}, receipt, arguments=row["arguments"])
-    return Statement(_FAST_BEGIN, text, row["run_id"], check)
-
-
-_FAST_COMMIT = f"""
-WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, v smallint, " + RECEIPT_COLUMNS)}
-), fence AS (
-    UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
-    FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
-      AND r.revision = x.expected
-    RETURNING x.i, r.cancel_requested_at
-), done AS ({settle_receipt_sql("x")}
-), ins AS (
-    {JOURNAL_INSERT}
-    {receipt_entry_sql("x")}
-    RETURNING run_id
-)
-SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,
-       fence.cancel_requested_at
-FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
-"""
-
-
-def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expected: int,
-                        v: int) -> Statement:
-    """A :class:`Receipt` written alone: submitted → committed with its ``call.completed``
-    event (``{"result": receipt, "op": op_id}``), fenced, as one row of a set-based statement.
-    Its value is ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not
-    apply."""
-
-    def check(got: dict[str, Any] | None) -> tuple[None, Any]:
-        if got is None or not got["appended"]:
-            raise FastPathMiss("commit")
-        return None, got["cancel_requested_at"]
-
-    text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
-                      receipt)
-    return Statement(_FAST_COMMIT, text, run_id, check)
-
-
-def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
-                          position: int, name: str, receipt: str, digest: str, v: int
-                          ) -> Statement:
-    """:func:`receipt_commit_fast` from the receipt's parts (``receipt`` is its canonical
-    JSON text)."""
-    return receipt_commit_fast(
-        Receipt(op_id=op_id, position=position, name=name, text=receipt, digest=digest),
-        run_id=run_id, token=token, expected=expected, v=v)
 
 
 async def operation_count_unknown(conn: Conn, *, run_id: uuid.UUID) -> int:

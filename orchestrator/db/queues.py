@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.db.database import RUNS_CHANNEL, Conn
-
-S = "orchestrator"
+from orchestrator.db.schema import SCHEMA as S
 
 LIMITS = ("concurrency", "worker_concurrency", "key_concurrency", "rate_limit", "rate_seconds",
           "priority", "priority_aging_seconds", "count_parked")

@@ -13,9 +13,8 @@ from typing import Any
 from orchestrator.db.database import RUNS_CHANNEL, Conn
 from orchestrator.db.journal import journal_insert_held
 from orchestrator.db.runs import run_wake
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import OperationInProgress, ResolutionConflict
-
-S = "orchestrator"
 
 _ITEM_COLUMNS = f"""
 i.id AS item_id, i.operation_id, i.run_id, i.reason, i.state AS item_state, i.lookup_attempts,

@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import Conn
+from orchestrator.db.schema import SCHEMA as S
 
-S = "orchestrator"
 EXPIRE_FUNCTION = f"{S}.expire_evidence(double precision, integer, boolean)"
 
 

@@ -15,28 +15,13 @@ from typing import Any
 
 from orchestrator.canonical import JsonLimits, request_digest
 from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
-from orchestrator.db.journal import (
-    JOURNAL_INSERT,
-    entry_sql,
-    journal_insert_held,
-    receipt_entry_sql,
-)
-from orchestrator.db.operations import (
-    EVENTS,
-    RECEIPT_COLUMNS,
-    FastPathMiss,
-    Receipt,
-    riding_row,
-    settle_receipt_sql,
-)
-from orchestrator.db.writer import RUNNING, Statement, rows_of
+from orchestrator.db.journal import journal_insert_held
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
 from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.models import Owner
-
-S = "orchestrator"
 
 _NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
 
@@ -680,72 +665,6 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
     return cur.rowcount
 
 
-_FAST_SUCCEED = f"""
-WITH x AS (
-    {rows_of("run_id uuid, token bigint, expected bigint, result jsonb, v smallint, "
-             + RECEIPT_COLUMNS)}
-), fence AS (
-    UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
-           updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
-           available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
-           revision = r.revision + {EVENTS}
-    FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = {RUNNING}
-      AND r.revision = x.expected
-      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
-                      AND o.state IN ('pending', 'submitted', 'unknown')
-                      AND o.id IS DISTINCT FROM x.prev_op)
-    RETURNING x.i, r.id, r.parent_run_id, r.queue
-), done AS ({settle_receipt_sql("x")}
-), ins AS (
-    {JOURNAL_INSERT}
-    {receipt_entry_sql("x")}
-    UNION ALL
-    SELECT {entry_sql(EventKind.RUN_COMPLETED, run_id="x.run_id", seq=f"x.expected + {EVENTS}",
-                      position="NULL", name="NULL", v="x.v", token="x.token",
-                      result="x.result")}
-    FROM x JOIN fence ON fence.id = x.run_id
-    RETURNING run_id
-), n AS (
-    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
-), wake AS (
-    -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
-    -- A parent finishing in this same statement is left out: no row is updated twice.
-    UPDATE {S}.runs p
-    SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
-    FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
-    RETURNING 1
-)
-SELECT x.i,
-       {S}.row_applied(n.events = {EVENTS}, 'run success') AS appended,
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
-                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
-       -- A run of a queue freed its slot: the workers may claim the next.
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
-                              FROM (SELECT DISTINCT queue FROM fence
-                                    WHERE queue IS NOT NULL) AS q) AS n) AS freed
-FROM x LEFT JOIN n ON n.run_id = x.run_id
-"""
-
-
-def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int,
-                     receipt: Receipt | None = None) -> Statement:
-    """The common end of a run as one row of a set-based statement: fenced, guarded against
-    unsettled operations, with its ``run.completed`` event and its parent woken. ``result``
-    is the result's canonical JSON text. With ``receipt``, the run's last call is committed in
-    the same row first (its ``call.completed`` event at ``expected + 1``). Raises
-    ``FastPathMiss`` when it did not apply; the general path then says why."""
-
-    def check(got: dict[str, Any] | None) -> tuple[None, None]:
-        if got is None or not got["appended"]:
-            raise FastPathMiss("succeed")
-        return None, None
-
-    text = riding_row({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
-                      receipt, result=result)
-    return Statement(_FAST_SUCCEED, text, run_id, check)
-
-
 async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
     """Wake the ``count`` runs parked longest for the turn of ``tool`` (a call of it ended, so
     its concurrency has room): they claim again and ask for admission (docs/flow.md). The
@@ -844,6 +763,15 @@ async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
     return cur.rowcount
 
 
+async def run_mark_restarted(conn: Conn, run_id: uuid.UUID, *, restarted_from: uuid.UUID,
+                             revision: int) -> None:
+    """Mark the new run ``run_id``, still at revision 0, as the restart of ``restarted_from``,
+    at ``revision``: the entries carried into its journal (:func:`run_journal_carry`) are its
+    revisions, so that its next write follows them."""
+    await conn.execute(f"UPDATE {S}.runs SET restarted_from = %s, revision = %s "
+                       "WHERE id = %s AND revision = 0", (restarted_from, revision, run_id))
+
+
 async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
     """Where a run went wrong: the first position whose last entry is not a success (a call
     that failed, was denied, cancelled or abandoned; an event that timed out; a child that
@@ -867,3 +795,28 @@ async def run_supersede(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> bool:
         f"UPDATE {S}.runs SET superseded_by = %s, updated_at = now() "
         "WHERE id = %s AND superseded_by IS NULL", (new, old))
     return cur.rowcount == 1
+
+
+_READ_FOR_REPLAY = f"""
+SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at
+FROM {S}.runs
+WHERE (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
+  AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s::text)
+  AND (%(version)s::text IS NULL OR workflow_version = %(version)s::text)
+  AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+  AND (%(all)s OR status NOT IN ('succeeded', 'failed', 'cancelled'))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+async def run_read_for_replay(conn: Conn, *, run_id: uuid.UUID | None, workflow: str | None,
+                              version: str | None, since: datetime | None, last: int,
+                              finished: bool) -> list[dict[str, Any]]:
+    """The newest ``last`` runs the filters select, whatever their owner, for ``orchestrator
+    replay`` (each with its workflow, status, owner and input); ``finished=False``: only those
+    that have not ended."""
+    cur = await conn.execute(_READ_FOR_REPLAY, {
+        "run_id": run_id, "workflow": workflow, "version": version, "since": since,
+        "all": finished, "limit": last})
+    return list(await cur.fetchall())

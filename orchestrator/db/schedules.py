@@ -14,8 +14,7 @@ from typing import Any
 
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-
-S = "orchestrator"
+from orchestrator.db.schema import SCHEMA as S
 
 DEFINITION = ("workflow_name", "workflow_version", "cron", "timezone", "overlap",
               "catchup_seconds", "input", "tenant", "principal")
@@ -119,6 +118,15 @@ async def schedule_get(conn: Conn, schedule_id: str, *, lock: bool = False
 async def schedule_list(conn: Conn) -> list[dict[str, Any]]:
     cur = await conn.execute(f"SELECT {_COLUMNS} FROM {S}.schedules ORDER BY id")
     return await cur.fetchall()
+
+
+async def schedule_clock(conn: Conn) -> datetime:
+    """The database's clock: one clock for every ticker, whatever their hosts' say."""
+    cur = await conn.execute("SELECT now() AS now")
+    row = await cur.fetchone()
+    assert row is not None
+    now: datetime = row["now"]
+    return now
 
 
 async def schedule_lock_due(conn: Conn, *, now: datetime, limit: int) -> list[dict[str, Any]]:

@@ -15,9 +15,8 @@ from typing import Any
 
 from orchestrator.db.database import Conn
 from orchestrator.db.runs import _SUMMARY_COLUMNS
+from orchestrator.db.schema import SCHEMA as S
 from orchestrator.db.workers import LOCK_HELD
-
-S = "orchestrator"
 
 _RUN_PAGE = f"""
 SELECT {_SUMMARY_COLUMNS} FROM {S}.runs

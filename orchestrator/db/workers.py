@@ -9,10 +9,9 @@ from typing import Any
 import psycopg
 
 from orchestrator.db.database import Conn
+from orchestrator.db.schema import SCHEMA as S
 
 DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a worker is dead
-
-S = "orchestrator"
 
 
 async def worker_register(

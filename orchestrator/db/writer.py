@@ -10,20 +10,20 @@ transaction holding its write has committed.
 Requests that arrive while a batch is being written form the next batch: under load batches
 grow by themselves; an idle worker commits a lone write at once.
 
-The hot writes (a call's write-ahead ``submitted``, its receipt, a run's success) are
-:class:`Statement` s whose SQL takes a JSON array of rows: the writes of one kind in a batch go
-to the server as *one* statement that fences, writes and appends per row and returns one result
-row per input row (by its position in the array). Each row is still checked on its own, by the
-statement itself (a row that did not apply raises, so the transaction cannot commit); what is
-shared is the round trip and the per-statement work, which is what a busy worker spends its CPU
-on. A batch of statements is one round trip: the statements are pipelined, committed together
-at the pipeline's Sync, and the worker waits once.
+The hot writes (a call's write-ahead ``submitted``, its receipt, a run's success: their
+statements are in :mod:`orchestrator.db.steps`) are :class:`Statement` s whose SQL takes a
+JSON array of rows: the writes of one kind in a batch go to the server as *one* statement that
+fences, writes and appends per row and returns one result row per input row (by its position
+in the array). Each row is still checked on its own, by the statement itself (a row that did
+not apply raises, so the transaction cannot commit); what is shared is the round trip and the
+per-statement work, which is what a busy worker spends its CPU on. A batch of statements is
+one round trip: the statements are pipelined, committed together at the pipeline's Sync, and
+the worker waits once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,35 +58,6 @@ class Statement:
     row: str
     key: object
     check: Callable[[dict[str, Any] | None], Any]
-
-
-def rows_of(columns: str) -> str:
-    """The input of a :class:`Statement`'s SQL: its JSON array as numbered records (``i`` and
-    ``columns``, a column definition list), to use as ``WITH x AS (...)``.
-
-    ``orchestrator.batch_rows`` (migration 0005) is ``jsonb_array_elements`` planned for one
-    row, so that the statement's cached plan probes runs by primary key at any table size."""
-    return f"""SELECT t.i, r.* FROM orchestrator.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
-                     jsonb_to_record(t.j) AS r({columns})"""
-
-
-RUNNING = "(SELECT 'running')"
-"""How a set-based fence spells ``status = 'running'``: ``r.status = {RUNNING}``. Written as
-the literal, the test would let the planner prove the predicate of the partial index
-``ix_runs_lease_expiry`` and scan it instead of probing the primary key: the index holds every
-running run and, until a vacuum, every dead version of one (each claim and lease renewal leaves
-one), so every statement would read the whole working set. A sub-select's value is not known
-when planning, which rules the index out."""
-
-
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-
-
-def row_text(scalars: dict[str, Any], **raw: str) -> str:
-    """One :class:`Statement` row's JSON object text; ``raw`` values are JSON texts already
-    (spliced in, not encoded again)."""
-    text = _COMPACT.encode(scalars)
-    return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
 
 
 class Landing(asyncio.Future[Any]):

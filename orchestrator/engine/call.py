@@ -34,6 +34,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 from orchestrator import canonical, faults
 from orchestrator.context import ToolContext
 from orchestrator.db import operations as ops_db
+from orchestrator.db import steps as steps_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
@@ -246,11 +247,11 @@ class Call(CallSite):
             try:
                 with self.branches.active():
                     op_id: int = await session.write_direct(
-                        lambda expected, receipt: ops_db.operation_begin_fast(
+                        lambda expected, receipt: steps_db.operation_begin_fast(
                             row, expected=expected, v=SCHEMA_VERSION, receipt=receipt),
                         new_work=True, hold=True)
                     return op_id, "submitted"
-            except ops_db.FastPathMiss:
+            except steps_db.FastPathMiss:
                 pass  # cancelled, lease lost or a conflict: the general path tells which
 
         rate = self.tool.rate
@@ -366,7 +367,7 @@ class Call(CallSite):
         run, session = self.run, self.session
         digest = canonical.text_digest(receipt_text)
         resent = key != self.key_for(1) or self.tool.effect == "idempotent"
-        recorded = ops_db.Receipt(op_id=op_id, position=self.position, name=self.tool.name,
+        recorded = steps_db.Receipt(op_id=op_id, position=self.position, name=self.tool.name,
                                   text=receipt_text, digest=digest)
         if not resent and not session.buffered:
             session.rider.defer(recorded, receipt)

@@ -16,6 +16,7 @@ from orchestrator.context import ContinueAsNew
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db import steps as steps_db
 from orchestrator.db.database import Conn
 from orchestrator.db.events import incident_record, incidents_of_operations
 from orchestrator.engine.causes import cause_of, headline, tool_story
@@ -201,14 +202,14 @@ class Outcome:
             return
         if not session.buffered and not run.lost:
             try:
-                await session.write_direct(lambda expected, receipt: runs_db.run_succeed_fast(
+                await session.write_direct(lambda expected, receipt: steps_db.run_succeed_fast(
                     run_id=run.run_id, token=run.token, expected=expected, result=text,
                     v=SCHEMA_VERSION, receipt=receipt))
                 run.metrics.incr("runs_succeeded")
                 run.ended("succeeded")
                 tracing.annotate("orchestrator.outcome", "succeeded")
                 return
-            except (ops_db.FastPathMiss, Stop):
+            except (steps_db.FastPathMiss, Stop):
                 pass  # the general path below finds out why, and acts on it
         await self._terminal("succeeded", None, text, None,
                              entry(EventKind.RUN_COMPLETED, None, None, {"result": result}))

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from orchestrator import canonical, faults
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
+from orchestrator.db import steps as steps_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.writer import GroupWriter, Landing, Statement
 from orchestrator.engine.config import EngineConfig
@@ -37,7 +38,7 @@ from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, entry
 
 T = TypeVar("T")
 Work = Callable[[Conn], Awaitable[tuple[T, list[Entry]]]]
-Riding = Sequence[tuple[ops_db.Receipt, Any]]
+Riding = Sequence[tuple[steps_db.Receipt, Any]]
 log = logging.getLogger("orchestrator.worker")
 
 # Journal room kept free by new work for its outcomes: the call's result and the run's end.
@@ -162,7 +163,7 @@ class Session:
             await held
         return result
 
-    async def write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
+    async def write_direct(self, make: Callable[[int, steps_db.Receipt | None], Statement],
                            *, new_work: bool = False, hold: bool = False) -> Any:
         """A write whose one statement fences the run and appends its own event (the hot path
         of a call): ``make(expected revision, riding receipt)`` builds it under the run's write
@@ -174,14 +175,14 @@ class Session:
         with _Delivering(self, hold):
             return await self._write_direct(make, new_work)
 
-    async def _write_direct(self, make: Callable[[int, ops_db.Receipt | None], Statement],
+    async def _write_direct(self, make: Callable[[int, steps_db.Receipt | None], Statement],
                             new_work: bool) -> Any:
         run, rider = self.run, self.rider
         async with self.locked():
             if run.lost:
                 raise Stop("lease_lost")
             if self.buffered:  # buffered by another branch while this one waited for the lock
-                raise ops_db.FastPathMiss("events are buffered: the general path writes them")
+                raise steps_db.FastPathMiss("events are buffered: the general path writes them")
             if len(rider.receipts) > 1:  # parallel branches: all but one go alone
                 await self.settle_locked(keep=1)
             riding = rider.receipts.pop(0) if rider.receipts else None
@@ -193,7 +194,7 @@ class Session:
             except BaseException as exc:
                 if riding is not None:  # not written: it waits in line again
                     rider.receipts.insert(0, riding)
-                    if isinstance(exc, ops_db.FastPathMiss):
+                    if isinstance(exc, steps_db.FastPathMiss):
                         await self.settle_locked()  # alone, before the general path
                 if isinstance(exc, DatabaseError):
                     run.lose_lease("database unavailable")
@@ -281,12 +282,12 @@ class Session:
             try:
                 try:
                     _, cancel_at = await self.landed(self.writer.enqueue(
-                        ops_db.receipt_commit_fast(receipt, run_id=run.run_id, token=run.token,
+                        steps_db.receipt_commit_fast(receipt, run_id=run.run_id, token=run.token,
                                                    expected=self.revision, v=SCHEMA_VERSION)))
                     self.revision += 1
                     if cancel_at is not None:
                         run.note_cancel()
-                except ops_db.FastPathMiss:
+                except steps_db.FastPathMiss:
                     await self.write_locked(rider.commit_work(receipt, value), with_buffer=False)
             except DatabaseError:
                 run.lose_lease("database unavailable")
@@ -364,7 +365,7 @@ class Rider:
     def __init__(self, run: RunState, database: Database) -> None:
         self.run = run
         self.db = database
-        self.receipts: list[tuple[ops_db.Receipt, Any]] = []
+        self.receipts: list[tuple[steps_db.Receipt, Any]] = []
         self._scheduled = False
         # Whether the run's end or park comes next (and will carry the receipts); how to write
         # them alone now.
@@ -375,7 +376,7 @@ class Rider:
         self.last_write_next = _no
         self.settle_now = _nothing
 
-    def defer(self, receipt: ops_db.Receipt, value: Any) -> None:
+    def defer(self, receipt: steps_db.Receipt, value: Any) -> None:
         """Keep a call's receipt until the run's next write carries it. Whatever else the
         workflow does first, the receipt does not wait for it: when the workflow yields to the
         event loop with the receipt still unwritten, it is written alone at once, unless every
@@ -412,7 +413,7 @@ class Rider:
             held = held or hold
         return held
 
-    def commit_work(self, receipt: ops_db.Receipt, value: Any) -> Work[None]:
+    def commit_work(self, receipt: steps_db.Receipt, value: Any) -> Work[None]:
         """The general path of a receipt's write (``submitted`` → ``committed`` and its
         ``call.completed`` event): the guarded transition says what is wrong."""
         token, run_id = self.run.token, self.run.run_id

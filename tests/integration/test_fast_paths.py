@@ -63,6 +63,7 @@ from orchestrator import Orchestrator, canonical
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db import steps as steps_db
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.control import Stop
@@ -364,14 +365,14 @@ async def build(app: Orchestrator, cases: list[Case]) -> list[tuple[Copy, Copy]]
 
 # -- the two forms ----------------------------------------------------------------------------
 
-def _receipt(copy: Copy) -> tuple[ops_db.Receipt, Any] | None:
+def _receipt(copy: Copy) -> tuple[steps_db.Receipt, Any] | None:
     """The riding receipt of a case (its canonical text, and the value workflow code gets)."""
     if copy.case.receipt == "none":
         return None
     role = "O" if copy.case.receipt == OTHER_RUN else "R"
     value = VALUES[copy.case.value]
     text = LIMITS.text(value, "$.receipt")
-    return (ops_db.Receipt(op_id=copy.ops[(role, RECEIPT_POSITION, 1)],
+    return (steps_db.Receipt(op_id=copy.ops[(role, RECEIPT_POSITION, 1)],
                            position=RECEIPT_POSITION, name=TOOL, text=text,
                            digest=canonical.text_digest(text)), canonical.as_stored(value))
 
@@ -394,13 +395,13 @@ def fast_statement(copy: Copy) -> Any:
     riding = _receipt(copy)
     receipt = None if riding is None else riding[0]
     if copy.case.pair == "begin":
-        return ops_db.operation_begin_fast(_begin_row(copy), expected=copy.expected,
+        return steps_db.operation_begin_fast(_begin_row(copy), expected=copy.expected,
                                            v=SCHEMA_VERSION, receipt=receipt)
     if copy.case.pair == "receipt":
         assert receipt is not None
-        return ops_db.receipt_commit_fast(receipt, run_id=copy.run_id, token=copy.token,
+        return steps_db.receipt_commit_fast(receipt, run_id=copy.run_id, token=copy.token,
                                           expected=copy.expected, v=SCHEMA_VERSION)
-    return runs_db.run_succeed_fast(run_id=copy.run_id, token=copy.token,
+    return steps_db.run_succeed_fast(run_id=copy.run_id, token=copy.token,
                                     expected=copy.expected, result=_result(copy)[0],
                                     v=SCHEMA_VERSION, receipt=receipt)
 
@@ -535,7 +536,7 @@ class Verdict:
 async def apply_fast(writer: GroupWriter, copy: Copy) -> Verdict:
     try:
         value = await writer.run_statement(fast_statement(copy))
-    except ops_db.FastPathMiss:
+    except steps_db.FastPathMiss:
         return Verdict(False, error="FastPathMiss")
     except Exception as exc:  # noqa: BLE001 - any other error is a finding, reported below
         return Verdict(False, error=f"{UNEXPECTED} {type(exc).__name__}: {exc}")

@@ -201,9 +201,9 @@ async def _claimed_runs(app, n):  # type: ignore[no-untyped-def]
 
 def _begin(claim, token=None):  # type: ignore[no-untyped-def]
     """The fast write-ahead ``submitted`` of a call at position 0 of a claimed run."""
-    from orchestrator.db import operations as ops_db
+    from orchestrator.db import steps as steps_db
 
-    return ops_db.operation_begin_fast({
+    return steps_db.operation_begin_fast({
         "run_id": claim["id"], "position": 0, "attempt": 1, "tool_name": "t",
         "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
         "principal": claim["principal"], "intent_digest": "0" * 64, "arguments": "{}",
@@ -216,7 +216,7 @@ async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone
     """CONTRACT C6 through the set-based hot path: two runs' write-ahead ``submitted`` rows go
     to the server together; the one whose lease token is stale must leave no operation, no
     journal event and no revision change, and its neighbour must still commit."""
-    from orchestrator.db import operations as ops_db
+    from orchestrator.db import steps as steps_db
     from orchestrator.db.writer import GroupWriter
 
     good, stale = await _claimed_runs(app, 2)
@@ -226,7 +226,7 @@ async def test_a_fenced_row_of_a_shared_statement_writes_nothing_and_fails_alone
         writer.run_statement(_begin(stale, stale["lease_token"] - 1)),
         return_exceptions=True)
     assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
-    assert isinstance(results[1], ops_db.FastPathMiss)
+    assert isinstance(results[1], steps_db.FastPathMiss)
     rows = {r["id"]: r for r in sql(
         "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.operations o "
         "WHERE o.run_id = r.id) AS ops, (SELECT count(*) FROM orchestrator.journal j "
@@ -245,11 +245,10 @@ def test_the_hot_statements_cached_plans_probe_by_key_on_a_new_database(name, sq
     their generic plan, made while the tables were empty. That plan must look runs and
     operations up by key, never scan a table or the partial index of running runs, or every
     batch would cost more as history grows (migration 0005: batch_rows, the unsettled index)."""
-    from orchestrator.db import operations as ops_db
-    from orchestrator.db import runs as runs_db
+    from orchestrator.db import steps as steps_db
 
-    statement = {"begin": ops_db._FAST_BEGIN, "commit": ops_db._FAST_COMMIT,
-                 "succeed": runs_db._FAST_SUCCEED}[name]
+    statement = {"begin": steps_db.OPERATION_BEGIN, "commit": steps_db.RECEIPT_COMMIT,
+                 "succeed": steps_db.RUN_SUCCEED}[name]
     sql("SET plan_cache_mode = force_generic_plan")
     sql(f"PREPARE hot(jsonb) AS {statement.replace('%s', '$1')}")
     plan = "\n".join(r["QUERY PLAN"] for r in sql("EXPLAIN EXECUTE hot('[]')"))
@@ -265,7 +264,7 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
     write does not apply (its operation exists already, or is no longer ``submitted``) would
     move the revision without an event; the statement refuses it (row_applied), so nothing of
     it is committed, while a good row beside it commits."""
-    from orchestrator.db import operations as ops_db
+    from orchestrator.db import steps as steps_db
     from orchestrator.db.writer import GroupWriter
 
     good, taken, settled = await _claimed_runs(app, 3)
@@ -282,15 +281,15 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
         "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.journal j "
         "WHERE j.run_id = r.id) AS events FROM orchestrator.runs r")}
 
-    receipt = ops_db.operation_commit_fast(
+    receipt = steps_db.operation_commit_fast(
         run_id=settled["id"], token=settled["lease_token"], expected=settled["revision"] + 1,
         op_id=settled_op, position=0, name="t", receipt='{"ok":true}', digest="d", v=1)
     results = await asyncio.gather(writer.run_statement(_begin(good)),
                                    writer.run_statement(_begin(taken)),
                                    writer.run_statement(receipt), return_exceptions=True)
     assert isinstance(results[0], tuple) and isinstance(results[0][0], int)
-    assert isinstance(results[1], ops_db.FastPathMiss)
-    assert isinstance(results[2], ops_db.FastPathMiss)
+    assert isinstance(results[1], steps_db.FastPathMiss)
+    assert isinstance(results[2], steps_db.FastPathMiss)
     after = {r["id"]: r for r in sql(
         "SELECT r.id, r.revision, (SELECT count(*) FROM orchestrator.journal j "
         "WHERE j.run_id = r.id) AS events FROM orchestrator.runs r")}
@@ -302,17 +301,17 @@ async def test_a_half_applied_row_commits_nothing_and_its_neighbour_still_commit
 
 
 def _riding(op_id, position=0):  # type: ignore[no-untyped-def]
-    from orchestrator.db import operations as ops_db
+    from orchestrator.db import steps as steps_db
 
-    return ops_db.Receipt(op_id=op_id, position=position, name="t", text='{"ok":true}',
+    return steps_db.Receipt(op_id=op_id, position=position, name="t", text='{"ok":true}',
                           digest="d")
 
 
 def _next_begin(claim, receipt, expected):  # type: ignore[no-untyped-def]
     """The fast ``submitted`` of a call at position 1 carrying the receipt of position 0."""
-    from orchestrator.db import operations as ops_db
+    from orchestrator.db import steps as steps_db
 
-    return ops_db.operation_begin_fast({
+    return steps_db.operation_begin_fast({
         "run_id": claim["id"], "position": 1, "attempt": 1, "tool_name": "t",
         "tool_version": "1", "effect_class": "consequential", "tenant": claim["tenant"],
         "principal": claim["principal"], "intent_digest": "1" * 64, "arguments": "{}",
@@ -324,7 +323,7 @@ async def test_a_receipt_rides_in_the_next_begin_and_in_the_success(app, sql):
     """One fenced row commits the previous call (its receipt and ``call.completed``) and
     records the next call's ``submitted`` after it; the success row does the same for the
     last call. The journal keeps the order of what happened."""
-    from orchestrator.db import runs as runs_db
+    from orchestrator.db import steps as steps_db
     from orchestrator.db.writer import GroupWriter
 
     (claim,) = await _claimed_runs(app, 1)
@@ -337,7 +336,7 @@ async def test_a_receipt_rides_in_the_next_begin_and_in_the_success(app, sql):
               "ORDER BY id")
     assert [(o["id"], o["state"]) for o in ops] == [(first, "committed"), (second, "submitted")]
     assert (ops[0]["receipt"], ops[0]["receipt_digest"]) == ({"ok": True}, "d")
-    await writer.run_statement(runs_db.run_succeed_fast(
+    await writer.run_statement(steps_db.run_succeed_fast(
         run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 3,
         result='{"done":1}', v=1, receipt=_riding(second, position=1)))
     events = sql("SELECT seq, kind, position, payload FROM orchestrator.journal ORDER BY seq")
@@ -357,8 +356,7 @@ async def test_a_riding_receipt_that_does_not_apply_takes_its_row_down(app, sql)
     """The receipt is part of its row: if its operation is no longer ``submitted`` (settled
     behind the worker's back), neither the next call's ``submitted`` nor the run's success
     may commit, and nothing of the row is left."""
-    from orchestrator.db import operations as ops_db
-    from orchestrator.db import runs as runs_db
+    from orchestrator.db import steps as steps_db
     from orchestrator.db.writer import GroupWriter
 
     (claim,) = await _claimed_runs(app, 1)
@@ -366,12 +364,12 @@ async def test_a_riding_receipt_that_does_not_apply_takes_its_row_down(app, sql)
     first, _ = await writer.run_statement(_begin(claim))
     sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE id = %s", (first,))
     before = sql("SELECT revision, status FROM orchestrator.runs")
-    with pytest.raises(ops_db.FastPathMiss):
+    with pytest.raises(steps_db.FastPathMiss):
         await writer.run_statement(_next_begin(claim, _riding(first), claim["revision"] + 1))
     sql("UPDATE orchestrator.operations SET state = 'committed', receipt = '{}', "
         "receipt_digest = 'x' WHERE id = %s", (first,))  # as a reconciliation would
-    with pytest.raises(ops_db.FastPathMiss):
-        await writer.run_statement(runs_db.run_succeed_fast(
+    with pytest.raises(steps_db.FastPathMiss):
+        await writer.run_statement(steps_db.run_succeed_fast(
             run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 1,
             result="1", v=1, receipt=_riding(first)))
     assert sql("SELECT revision, status FROM orchestrator.runs") == before
@@ -383,8 +381,7 @@ async def test_a_riding_receipt_that_does_not_apply_takes_its_row_down(app, sql)
 async def test_a_success_carrying_one_receipt_still_refuses_another_unsettled_call(app, sql):
     """CONTRACT C5/C8: a run never ends with an operation dispatched and unsettled. The success
     row's check leaves out only the operation whose receipt it carries, never another one."""
-    from orchestrator.db import operations as ops_db
-    from orchestrator.db import runs as runs_db
+    from orchestrator.db import steps as steps_db
     from orchestrator.db.writer import GroupWriter
 
     (claim,) = await _claimed_runs(app, 1)
@@ -392,8 +389,8 @@ async def test_a_success_carrying_one_receipt_still_refuses_another_unsettled_ca
     await writer.run_statement(_begin(claim))  # position 0: submitted, stays so
     second, _ = await writer.run_statement(_next_begin(claim, None, claim["revision"] + 1))
     before = sql("SELECT revision, status FROM orchestrator.runs")
-    with pytest.raises(ops_db.FastPathMiss):
-        await writer.run_statement(runs_db.run_succeed_fast(
+    with pytest.raises(steps_db.FastPathMiss):
+        await writer.run_statement(steps_db.run_succeed_fast(
             run_id=claim["id"], token=claim["lease_token"], expected=claim["revision"] + 2,
             result="1", v=1, receipt=_riding(second, position=1)))
     assert sql("SELECT revision, status FROM orchestrator.runs") == before

@@ -1,0 +1,309 @@
+"""The hot writes of a run's steps: a call's write-ahead begin, a receipt, a run's success.
+
+Each is one set-based SQL statement that the group writer sends
+(:class:`~orchestrator.db.writer.Statement`), written out whole below with a line saying what
+it does, followed by the function that turns one write into a row of it. A miss (the lease, a
+cancellation, a conflict) raises :class:`FastPathMiss` and the engine takes the general path
+(operations.py, runs.py, journal.py), which writes the same rows in Python-driven steps and
+says why. What the three statements have in common:
+
+- **Input.** One parameter: a JSON array of rows, read as records ``x`` numbered ``i`` (the
+  row's 1-based position, by which the result rows answer) through ``orchestrator.batch_rows``
+  (migration 0005: ``jsonb_array_elements`` planned for one row, so that the cached plan probes
+  runs by primary key at any table size).
+- **The fence.** The run is running under the row's lease token at the revision it expects.
+  Running is spelled ``r.status = (SELECT 'running')``: with the literal, the planner could prove
+  the predicate of the partial index ``ix_runs_lease_expiry`` and scan it instead of probing the
+  primary key. That index holds every running run and, until a vacuum, every dead version of
+  one (each claim and lease renewal leaves one), so every statement would read the whole
+  working set; a sub-select's value is not known when planning, which rules the index out.
+- **A riding receipt.** A row may carry the receipt of the run's previous call (the columns
+  ``prev_op`` … ``digest``, all NULL without one; see :class:`Receipt`). CTE ``done`` commits it
+  (``submitted`` → ``committed``) once the fence held, and its ``call.completed`` entry goes in
+  at ``expected + 1``. A row so appends ``(1 + (x.prev_op IS NOT NULL)::int)`` entries, its own
+  last, and its fence moves the revision by as much.
+- **Every row checked.** ``orchestrator.row_applied(applied, what)`` raises (SQLSTATE
+  ``OR001``) for a row that did not apply, so that its batch cannot commit (see
+  :mod:`orchestrator.db.writer`).
+
+Their journal entries are the only ones not inserted by :mod:`orchestrator.db.journal`; the
+kinds and payloads they spell out follow :data:`orchestrator.journal.PAYLOAD_FIELDS` (a unit
+test holds them to it).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.db.database import RUNS_CHANNEL
+from orchestrator.db.schema import SCHEMA as S
+from orchestrator.db.writer import Statement
+
+
+class FastPathMiss(Exception):
+    """A single-statement write did not apply (the lease, a cancellation or a conflict);
+    the caller takes the general path, which says which."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """A call's receipt that is known in the worker but not yet written: it rides in the
+    transaction of the run's next write (CONTRACT C5 still holds: the operation stays
+    ``submitted`` until that transaction commits, and nothing that depends on the receipt
+    leaves the process before then). ``text`` is its canonical JSON."""
+
+    op_id: int
+    position: int
+    name: str
+    text: str
+    digest: str
+
+    def columns(self) -> dict[str, Any]:
+        """The receipt's fields of a statement's row (JSON texts spliced raw)."""
+        return {"prev_op": self.op_id, "prev_position": self.position,
+                "prev_name": self.name, "digest": self.digest}
+
+    def raw(self) -> dict[str, str]:
+        return {"receipt": self.text}
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def row_text(scalars: dict[str, Any], receipt: Receipt | None = None, **raw: str) -> str:
+    """One row's JSON object text, with ``receipt``'s columns when one rides; ``raw`` values
+    are JSON texts already (spliced in, not encoded again)."""
+    if receipt is not None:
+        scalars = {**scalars, **receipt.columns()}
+        raw = {**raw, **receipt.raw()}
+    text = _COMPACT.encode(scalars)
+    return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
+
+
+OPERATION_BEGIN = f"""
+WITH x AS (
+    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
+           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, position int,
+               attempt int, tool_name text, tool_version text, effect_class text, tenant text,
+               principal text, intent_digest text, arguments jsonb, idempotency_key text,
+               worker_id text, v smallint,
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+), fence AS (
+    UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
+           updated_at = now()
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
+      AND r.revision = x.expected AND r.cancel_requested_at IS NULL
+    RETURNING x.i
+), done AS (
+    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
+           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+    FROM x JOIN fence ON fence.i = x.i
+    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
+    RETURNING o.run_id
+), op AS (
+    INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
+                                effect_class, tenant, principal, intent_digest, arguments,
+                                idempotency_key, state, worker_id, lease_token, submitted_at)
+    SELECT x.run_id, x.position, x.attempt, x.tool_name, x.tool_version, x.effect_class,
+           x.tenant, x.principal, x.intent_digest, x.arguments, x.idempotency_key,
+           'submitted', x.worker_id, x.token, now()
+    FROM x JOIN fence ON fence.i = x.i
+    ON CONFLICT (run_id, position, attempt) DO NOTHING
+    RETURNING id, run_id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed',
+           x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id
+    UNION ALL
+    SELECT x.run_id, x.expected + (1 + (x.prev_op IS NOT NULL)::int), 'call.submitted',
+           x.position, x.tool_name, x.v,
+           jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
+                              'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
+                              'effect', x.effect_class), x.token
+    FROM x JOIN op ON op.run_id = x.run_id
+    RETURNING run_id
+), n AS (
+    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
+)
+SELECT x.i, op.id AS op_id,
+       {S}.row_applied(n.events = (1 + (x.prev_op IS NOT NULL)::int), 'call begin') AS appended
+FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN n ON n.run_id = x.run_id
+"""
+"""A call's write-ahead: its operation recorded ``submitted`` with its ``call.submitted`` entry,
+after committing the riding receipt; refused once a cancellation was requested."""
+
+
+def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
+                         receipt: Receipt | None = None) -> Statement:
+    """The common case of :func:`~orchestrator.db.operations.operation_begin` plus its
+    ``call.submitted`` journal entry (``tool_version``, ``intent``, ``attempt``, ``op``,
+    ``key``, ``effect``), fenced, as one row of :data:`OPERATION_BEGIN`; its value is
+    ``(operation id, None)``. It raises :class:`FastPathMiss` when it did not apply (its
+    transaction must then roll back: the general path decides why). ``row["arguments"]`` is
+    canonical JSON text.
+
+    With ``receipt``, the run's previous call is committed in the same row first (its
+    ``call.completed`` entry at ``expected + 1``, this call's ``call.submitted`` after it): one
+    fenced write for two steps of the ledger."""
+
+    def check(got: dict[str, Any] | None) -> tuple[int, None]:
+        if got is None or got["op_id"] is None or not got["appended"]:
+            raise FastPathMiss("begin")
+        return int(got["op_id"]), None
+
+    text = row_text({
+        "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
+        "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
+        "tool_version": row["tool_version"], "effect_class": row["effect_class"],
+        "tenant": row["tenant"], "principal": row["principal"],
+        "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
+        "worker_id": row["worker_id"], "v": v}, receipt, arguments=row["arguments"])
+    return Statement(OPERATION_BEGIN, text, row["run_id"], check)
+
+
+RECEIPT_COMMIT = f"""
+WITH x AS (
+    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
+           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, v smallint,
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+), fence AS (
+    UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
+      AND r.revision = x.expected
+    RETURNING x.i, r.cancel_requested_at
+), done AS (
+    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
+           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+    FROM x JOIN fence ON fence.i = x.i
+    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
+    RETURNING o.run_id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed',
+           x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id
+    RETURNING run_id
+)
+SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,
+       fence.cancel_requested_at
+FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
+"""
+"""A receipt written alone: its operation ``submitted`` → ``committed`` with its
+``call.completed`` entry; returns the run's ``cancel_requested_at``."""
+
+
+def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expected: int,
+                        v: int) -> Statement:
+    """A :class:`Receipt` written alone, fenced, as one row of :data:`RECEIPT_COMMIT` (its
+    ``call.completed`` entry is ``{"result": receipt, "op": op_id}``). Its value is
+    ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not apply."""
+
+    def check(got: dict[str, Any] | None) -> tuple[None, Any]:
+        if got is None or not got["appended"]:
+            raise FastPathMiss("commit")
+        return None, got["cancel_requested_at"]
+
+    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                    receipt)
+    return Statement(RECEIPT_COMMIT, text, run_id, check)
+
+
+def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id: int,
+                          position: int, name: str, receipt: str, digest: str, v: int
+                          ) -> Statement:
+    """:func:`receipt_commit_fast` from the receipt's parts (``receipt`` is its canonical
+    JSON text)."""
+    return receipt_commit_fast(
+        Receipt(op_id=op_id, position=position, name=name, text=receipt, digest=digest),
+        run_id=run_id, token=token, expected=expected, v=v)
+
+
+RUN_SUCCEED = f"""
+WITH x AS (
+    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
+           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, result jsonb,
+               v smallint,
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+), fence AS (
+    UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
+           updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
+           available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
+           revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int)
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
+      AND r.revision = x.expected
+      AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
+                      AND o.state IN ('pending', 'submitted', 'unknown')
+                      AND o.id IS DISTINCT FROM x.prev_op)
+    RETURNING x.i, r.id, r.parent_run_id, r.queue
+), done AS (
+    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
+           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+    FROM x JOIN fence ON fence.i = x.i
+    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
+    RETURNING o.run_id
+), ins AS (
+    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                             lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed',
+           x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id
+    UNION ALL
+    SELECT x.run_id, x.expected + (1 + (x.prev_op IS NOT NULL)::int), 'run.completed',
+           NULL, NULL, x.v,
+           jsonb_build_object('result', x.result), x.token
+    FROM x JOIN fence ON fence.id = x.run_id
+    RETURNING run_id
+), n AS (
+    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
+), wake AS (
+    -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
+    -- A parent finishing in this same statement is left out: no row is updated twice.
+    UPDATE {S}.runs p
+    SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
+    FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
+    RETURNING 1
+)
+SELECT x.i,
+       {S}.row_applied(n.events = (1 + (x.prev_op IS NOT NULL)::int), 'run success')
+           AS appended,
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
+                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
+       -- A run of a queue freed its slot: the workers may claim the next.
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
+                              FROM (SELECT DISTINCT queue FROM fence
+                                    WHERE queue IS NOT NULL) AS q) AS n) AS freed
+FROM x LEFT JOIN n ON n.run_id = x.run_id
+"""
+"""A run's success: ``succeeded`` with its result and ``run.completed`` entry, after committing
+the riding receipt, refused while another operation of the run is unsettled; wakes its parent
+and tells the workers when it frees a queue's slot."""
+
+
+def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int,
+                     receipt: Receipt | None = None) -> Statement:
+    """The common end of a run as one row of :data:`RUN_SUCCEED`: fenced, guarded against
+    unsettled operations, with its ``run.completed`` entry and its parent woken. ``result`` is
+    the result's canonical JSON text. With ``receipt``, the run's last call is committed in the
+    same row first (its ``call.completed`` entry at ``expected + 1``). Raises
+    :class:`FastPathMiss` when it did not apply; the general path then says why."""
+
+    def check(got: dict[str, Any] | None) -> tuple[None, None]:
+        if got is None or not got["appended"]:
+            raise FastPathMiss("succeed")
+        return None, None
+
+    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+                    receipt, result=result)
+    return Statement(RUN_SUCCEED, text, run_id, check)
