@@ -23,8 +23,9 @@ Invariants:
 
 - Patch markers (``patch`` entries) are not commands: a command is matched against the first
   other entry at its position.
-- Nothing recorded at the position is :data:`NEW`, the one shared verdict: the live path of a
-  run (every step of a run that is not replaying) allocates nothing here.
+- Nothing recorded at the position is :data:`NEW`, the one shared verdict (``verdict is
+  NEW``): the live path of a run (every step of a run that is not replaying) allocates nothing
+  here. A recorded command costs one :class:`Verdict` (a named tuple: cheap to make).
 - Another kind of command or another name is :attr:`Outcome.DIFFERS` (:attr:`Mismatch.COMMAND`),
   checked before anything else; a call recorded with another intent digest, or a message with
   another value, is :attr:`Outcome.DIFFERS` too. Its error is a
@@ -42,10 +43,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from orchestrator.canonical import canonical_json
 from orchestrator.errors import EventTimeout, RunFailed, ToolFailed
@@ -54,17 +54,24 @@ from orchestrator.journal import Entry, EventKind, JournalIndex, Nondeterminism
 K = EventKind
 
 FIRST_KIND: Mapping[str, tuple[str, ...]] = {
-    "call": (K.CALL_SUBMITTED, K.CALL_PENDING),
-    "sleep": (K.TIMER,),
-    "event": (K.EVENT_WAIT,),
-    "value": (K.VALUE,),
-    "publish": (K.MESSAGE,),
-    "child": (K.CHILD_STARTED,),
+    "call": (K.CALL_SUBMITTED.value, K.CALL_PENDING.value),
+    "sleep": (K.TIMER.value,),
+    "event": (K.EVENT_WAIT.value,),
+    "value": (K.VALUE.value,),
+    "publish": (K.MESSAGE.value,),
+    "child": (K.CHILD_STARTED.value,),
 }
 """Which kinds a command of each kind may find first at its position."""
 
-_EVENT_ENDS = (K.EVENT_RECEIVED, K.EVENT_TIMEOUT)
-_CHILD_ENDS = (K.CHILD_COMPLETED, K.CHILD_FAILED)
+# The kinds as the plain strings a journal holds, bound once: on Python 3.11 an attribute of
+# an enum class and a comparison with a member each cost more than the rest of a match.
+_PATCH = K.PATCH.value
+_COMPLETED, _FAILED = K.CALL_COMPLETED.value, K.CALL_FAILED.value
+_FAILURES = (K.CALL_FAILED.value, K.CALL_DENIED.value)
+_EVENT_ENDS = (K.EVENT_RECEIVED.value, K.EVENT_TIMEOUT.value)
+_TIMED_OUT = K.EVENT_TIMEOUT.value
+_CHILD_ENDS = (K.CHILD_COMPLETED.value, K.CHILD_FAILED.value)
+_CHILD_COMPLETED = K.CHILD_COMPLETED.value
 
 
 class Outcome(Enum):
@@ -96,8 +103,7 @@ class Mismatch(Enum):
     MESSAGE = "message"  # a message published with another value
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What the journal says for one command at one position.
 
     ``value``: what a settled command returns (:attr:`Outcome.RETURNS`), what a waiting one
@@ -120,8 +126,11 @@ class Verdict:
 
 
 NEW = Verdict(Outcome.NEW)
-"""The verdict for a position with nothing recorded (shared: compare ``outcome``)."""
+"""The verdict for a position with nothing recorded: the only one whose outcome is
+:attr:`Outcome.NEW` (``verdict is NEW`` says it)."""
 _PUBLISHED = Verdict(Outcome.RETURNS)
+_RETURNS, _RAISES, _WAITS = Outcome.RETURNS, Outcome.RAISES, Outcome.WAITS
+_WITHDRAWN, _DIFFERS = Outcome.WITHDRAWN, Outcome.DIFFERS
 
 
 def describe(event: Entry) -> str:
@@ -135,32 +144,38 @@ def describe(event: Entry) -> str:
 
 def match_call(index: JournalIndex, position: int, tool: str, intent: str) -> Verdict:
     """``ctx.call(tool, …)`` with intent digest ``intent`` at ``position``."""
-    found = _commands(index, position, "call", tool)
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "call", tool)
     if isinstance(found, Verdict):
         return found
     if found[0]["payload"]["intent"] != intent:
         words = f"call {tool!r}"
         message = (f"position {position}: tool {tool!r} was recorded with other arguments "
                    "(intent digest differs)")
-        return Verdict(Outcome.DIFFERS, Mismatch.INTENT, Nondeterminism(
+        return Verdict(_DIFFERS, Mismatch.INTENT, Nondeterminism(
             message, position=position, recorded=words, issued=words))
     last = found[-1]
     kind, payload = last["kind"], last["payload"]
-    if kind == K.CALL_COMPLETED:
-        return Verdict(Outcome.RETURNS, payload["result"], recorded=found)
-    if kind == K.CALL_FAILED and payload.get("reason") == "withdrawn":
-        return Verdict(Outcome.WITHDRAWN, recorded=found)
-    if kind in (K.CALL_FAILED, K.CALL_DENIED):
-        return Verdict(Outcome.RAISES, error=tool_failed(tool, payload), recorded=found)
-    return Verdict(Outcome.WAITS, recorded=found)
+    if kind == _COMPLETED:
+        return Verdict(_RETURNS, payload["result"], recorded=found)
+    if kind == _FAILED and payload.get("reason") == "withdrawn":
+        return Verdict(_WITHDRAWN, recorded=found)
+    if kind in _FAILURES:
+        return Verdict(_RAISES, error=tool_failed(tool, payload), recorded=found)
+    return Verdict(_WAITS, recorded=found)
 
 
 def match_value(index: JournalIndex, position: int, name: str) -> Verdict:
     """``ctx.now()`` / ``ctx.uuid()`` / ``ctx.random()`` (``name``) at ``position``."""
-    found = _commands(index, position, "value", name)
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "value", name)
     if isinstance(found, Verdict):
         return found
-    return Verdict(Outcome.RETURNS, decode_value(name, found[0]["payload"]["value"]))
+    return Verdict(_RETURNS, decode_value(name, found[0]["payload"]["value"]))
 
 
 def match_publish(index: JournalIndex, position: int, topic: str, value: Any,
@@ -169,14 +184,17 @@ def match_publish(index: JournalIndex, position: int, topic: str, value: Any,
     when the caller has it already (else it is made here, only if a message is recorded):
     a recorded message with another value differs (compared as canonical JSON, which keeps
     every value's type through the database)."""
-    found = _commands(index, position, "publish", topic)
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "publish", topic)
     if isinstance(found, Verdict):
         return found
     if canonical_json(found[0]["payload"]["value"]) == (
             canonical_json(value) if text is None else text):
         return _PUBLISHED
     words = f"publish {topic!r}"
-    return Verdict(Outcome.DIFFERS, Mismatch.MESSAGE, Nondeterminism(
+    return Verdict(_DIFFERS, Mismatch.MESSAGE, Nondeterminism(
         f"position {position}: the workflow published another value on topic {topic!r} than "
         "the journal recorded", position=position, recorded=words, issued=words,
         report=f"position {position}: the code published another value on topic {topic!r} "
@@ -185,38 +203,47 @@ def match_publish(index: JournalIndex, position: int, topic: str, value: Any,
 
 def match_sleep(index: JournalIndex, position: int) -> Verdict:
     """``ctx.sleep(…)`` at ``position``: a recorded timer waits until its recorded end."""
-    found = _commands(index, position, "sleep", "sleep")
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "sleep", "sleep")
     if isinstance(found, Verdict):
         return found
-    return Verdict(Outcome.WAITS, datetime.fromisoformat(found[0]["payload"]["until"]))
+    return Verdict(_WAITS, datetime.fromisoformat(found[0]["payload"]["until"]))
 
 
 def match_event(index: JournalIndex, position: int, name: str) -> Verdict:
     """``ctx.wait_for_event(name, …)`` at ``position``: the event's payload, its timeout
     (:class:`EventTimeout`), or a wait until its recorded timeout (None: none)."""
-    found = _commands(index, position, "event", name)
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "event", name)
     if isinstance(found, Verdict):
         return found
     raw = found[0]["payload"]["timeout_at"]
     timeout_at = None if raw is None else datetime.fromisoformat(raw)
     ended = index.last(position, _EVENT_ENDS)
     if ended is None:
-        return Verdict(Outcome.WAITS, timeout_at)
-    if ended["kind"] == K.EVENT_TIMEOUT:
-        return Verdict(Outcome.RAISES, error=event_timeout(name, timeout_at))
-    return Verdict(Outcome.RETURNS, ended["payload"]["payload"])
+        return Verdict(_WAITS, timeout_at)
+    if ended["kind"] == _TIMED_OUT:
+        return Verdict(_RAISES, error=event_timeout(name, timeout_at))
+    return Verdict(_RETURNS, ended["payload"]["payload"])
 
 
 def match_child(index: JournalIndex, position: int, workflow: str) -> Verdict:
     """``ctx.run_child(workflow, …)`` at ``position``: the child's result, its failure
     (:class:`RunFailed`), or a wait for the child (whose run id is the value)."""
-    found = _commands(index, position, "child", workflow)
+    events = index.by_position.get(position)
+    if not events:  # the live path: one lookup
+        return NEW
+    found = _commands(events, position, "child", workflow)
     if isinstance(found, Verdict):
         return found
     child_id = uuid.UUID(found[0]["payload"]["run_id"])
     ended = index.last(position, _CHILD_ENDS)
     if ended is None:
-        return Verdict(Outcome.WAITS, child_id)
+        return Verdict(_WAITS, child_id)
     return child_ended(child_id, ended)
 
 
@@ -250,26 +277,24 @@ def child_ended(child_id: uuid.UUID, ended: Entry) -> Verdict:
     ``child.completed`` or ``child.failed`` entry, recorded or just made): return the child's
     result, or raise its failure."""
     payload = ended["payload"]
-    if ended["kind"] == K.CHILD_COMPLETED:
-        return Verdict(Outcome.RETURNS, payload["result"])
-    return Verdict(Outcome.RAISES, error=RunFailed(
+    if ended["kind"] == _CHILD_COMPLETED:
+        return Verdict(_RETURNS, payload["result"])
+    return Verdict(_RAISES, error=RunFailed(
         payload["message"], code=payload["code"], run_id=str(child_id),
         cause=payload.get("cause")))
 
 
 # -- the check every command starts with -------------------------------------------------------
 
-def _commands(index: JournalIndex, position: int, command: str,
+def _commands(events: list[Entry], position: int, command: str,
               name: str) -> list[Entry] | Verdict:
-    """The entries recorded at ``position`` if they begin with ``command`` named ``name``
-    (the journal's list, patch markers left out when they come first); :data:`NEW` if nothing
-    is recorded there; a :attr:`Outcome.DIFFERS` verdict if something else is."""
-    events = index.by_position.get(position)
-    if not events:
-        return NEW
+    """``events`` (what is recorded at ``position``: at least one entry) if they begin with
+    ``command`` named ``name``: the journal's list, patch markers left out when they come
+    first; :data:`NEW` if they are only markers; a :attr:`Outcome.DIFFERS` verdict if
+    something else is recorded there."""
     first = events[0]
-    if first["kind"] == K.PATCH:  # markers are not commands: look past them
-        events = [e for e in events if e["kind"] != K.PATCH]
+    if first["kind"] == _PATCH:  # markers are not commands: look past them
+        events = [e for e in events if e["kind"] != _PATCH]
         if not events:
             return NEW
         first = events[0]
@@ -277,7 +302,7 @@ def _commands(index: JournalIndex, position: int, command: str,
         return events
     recorded = describe(first)
     issued = "sleep" if command == "sleep" else f"{command} {name!r}"
-    return Verdict(Outcome.DIFFERS, Mismatch.COMMAND, Nondeterminism(
+    return Verdict(_DIFFERS, Mismatch.COMMAND, Nondeterminism(
         f"position {position}: the workflow issued {command} {name!r} but the journal "
         f"recorded {first['kind']} {first['name']!r}", position=position, recorded=recorded,
         issued=issued,

@@ -32,6 +32,7 @@ from orchestrator.db.database import Conn
 from orchestrator.errors import InvalidRequest, UnknownWorkflow
 from orchestrator.journal import RUN_ENDS, Entry, EventKind, JournalIndex, Nondeterminism
 from orchestrator.matching import (
+    NEW,
     Mismatch,
     Outcome,
     describe,
@@ -172,14 +173,14 @@ class _Commands:
 
     def value(self, position: int, name: str) -> Any:
         found = self._seen(match_value(self.index, position, name))
-        if found.outcome is Outcome.NEW:
+        if found is NEW:
             raise _HistoryEnds(position)
         return found.settle()
 
     def publish(self, position: int, value: Any, topic: str) -> None:
         check_identifier("topic", topic)
         found = self._seen(match_publish(self.index, position, topic, value))
-        if found.outcome is Outcome.NEW:
+        if found is NEW:
             raise _HistoryEnds(position)
         found.settle()
 
@@ -194,7 +195,7 @@ class _Commands:
 
     async def sleep(self, position: int, duration: timedelta | float) -> None:
         found = self._seen(match_sleep(self.index, position))
-        if found.outcome is Outcome.NEW:
+        if found is NEW:
             await self._wait(position)
         found.settle()
         # A recorded timer is over if the history holds what came after it (a later command,
@@ -219,7 +220,7 @@ class _Commands:
     def _seen(self, found: matching.Verdict) -> matching.Verdict:
         """Count a command the journal held (one it recorded as issued here, even with other
         arguments or another value)."""
-        if found.outcome is not Outcome.NEW and found.value is not Mismatch.COMMAND:
+        if found is not NEW and found.value is not Mismatch.COMMAND:
             self.matched += 1
         return found
 

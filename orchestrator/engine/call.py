@@ -43,7 +43,7 @@ from orchestrator.engine.stages import Stage, Stages, policy_stages
 from orchestrator.errors import InvalidRequest, OrchestratorError
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
-from orchestrator.matching import Outcome, match_call
+from orchestrator.matching import NEW, Outcome, match_call
 from orchestrator.recovery import parse_retry_after
 from orchestrator.tracing import key_digest, record_error
 
@@ -54,7 +54,7 @@ class Call(CallSite):
     async def perform(self) -> Any:
         """The call's receipt: recorded (a replay), or from its attempts now."""
         verdict = match_call(self.run.index, self.position, self.tool.name, self.intent)
-        if verdict.outcome is Outcome.NEW:
+        if verdict is NEW:
             state = Attempt()
         elif verdict.outcome is Outcome.WAITS:
             try:

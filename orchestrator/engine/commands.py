@@ -26,6 +26,7 @@ from orchestrator.engine.session import Session
 from orchestrator.errors import InvalidRequest, ToolFailed, UnknownWorkflow
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.matching import (
+    NEW,
     Outcome,
     child_ended,
     decode_value,
@@ -80,7 +81,7 @@ class Commands:
 
     def value(self, position: int, name: str) -> Any:
         verdict = match_value(self.run.index, position, name)
-        if verdict.outcome is not Outcome.NEW:
+        if verdict is not NEW:
             return verdict.settle()
         raw: Any
         if name == "now":
@@ -100,7 +101,7 @@ class Commands:
         check_identifier("topic", topic)
         text = self.config.json_limits.text(value, "$.value")
         verdict = match_publish(self.run.index, position, topic, value, text)
-        if verdict.outcome is not Outcome.NEW:
+        if verdict is not NEW:
             verdict.settle()
             return
         # A copy, as it is now: workflow code may change the object before the write.
@@ -138,7 +139,7 @@ class Commands:
     async def sleep(self, position: int, duration: timedelta | float) -> None:
         run = self.run
         verdict = match_sleep(run.index, position)
-        if verdict.outcome is not Outcome.NEW:
+        if verdict is not NEW:
             until = verdict.settle()
         else:
             seconds = as_seconds(duration) or 0.0
@@ -164,7 +165,7 @@ class Commands:
         run = self.run
         verdict = match_event(run.index, position, name)
         timeout_at: datetime | None
-        if verdict.outcome is not Outcome.NEW:
+        if verdict is not NEW:
             got = verdict.settle()  # the event's payload, its timeout, or nondeterminism
             if verdict.outcome is Outcome.RETURNS:
                 return got
@@ -197,7 +198,7 @@ class Commands:
         wf = self._workflow(workflow)
         verdict = match_child(run.index, position, wf.name)
         child_id: uuid.UUID
-        if verdict.outcome is not Outcome.NEW:
+        if verdict is not NEW:
             got = verdict.settle()  # the child's result, its failure, or nondeterminism
             if verdict.outcome is Outcome.RETURNS:
                 return got
