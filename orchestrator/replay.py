@@ -218,9 +218,10 @@ class _Commands:
     # -- matching ----------------------------------------------------------------------------
 
     def _seen(self, found: matching.Verdict) -> matching.Verdict:
-        """Count a command the journal held (one it recorded as issued here, even with other
-        arguments or another value)."""
-        if found is not NEW and found.value is not Mismatch.COMMAND:
+        """Count a command the journal held: one it recorded as issued here, even with other
+        arguments or another value (not another command)."""
+        if found is not NEW and not (found.outcome is Outcome.DIFFERS
+                                     and found.value is Mismatch.COMMAND):
             self.matched += 1
         return found
 
