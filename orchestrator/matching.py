@@ -30,13 +30,15 @@ Invariants:
   checked before anything else; a call recorded with another intent digest, or a message with
   another value, is :attr:`Outcome.DIFFERS` too. Its error is a
   :class:`~orchestrator.journal.Nondeterminism` (code ``NONDETERMINISM``), which a worker
-  raises (failing the run) and the check reports.
+  raises (its text is the failed run's message) and the check reports (its ``report``: the
+  check words it from the code's side, as it always has).
 - A call's verdict follows the last entry recorded at its position (a worker resumes the call
   from there): a receipt returns, a failure or a denial raises :class:`ToolFailed`, a
   withdrawal waits for the same cancellation, anything else waits (the engine resumes the
   call's attempts from :attr:`Verdict.recorded`).
-- The journal is read, never copied or changed; payloads are decoded (timestamps, ids) but
-  not re-canonicalised, except a recorded message's value, compared as canonical JSON.
+- The journal is read, never changed, and copied only where a patch marker comes first at a
+  position (the entries after it); payloads are decoded (timestamps, ids) but not
+  re-canonicalised, except a recorded message's value, compared as canonical JSON.
 """
 
 from __future__ import annotations
