@@ -9,9 +9,9 @@ Python builds entries with :func:`entry`; the hot steps' set-based statements
 (:mod:`orchestrator.db.steps`) write theirs in SQL, and a unit test holds their kinds and
 payloads to the same definition, so a payload's shape is written down once.
 
-When workflow code issues the command at position *p*, :meth:`JournalIndex.expect` checks that
-what was recorded there is the same kind of command with the same name; anything else is
-nondeterminism and stops the run.
+When workflow code issues the command at position *p*, :mod:`orchestrator.matching` checks
+through the index that what was recorded there is the same kind of command with the same name;
+anything else is nondeterminism (:class:`Nondeterminism`) and stops the run.
 """
 
 from __future__ import annotations
@@ -100,16 +100,6 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """The payload of each kind: the fields it always has, and those only some entries have."""
 
-# Which kinds a command of each kind may find first at its position.
-FIRST_KIND: Mapping[str, tuple[str, ...]] = {
-    "call": (K.CALL_SUBMITTED, K.CALL_PENDING),
-    "sleep": (K.TIMER,),
-    "event": (K.EVENT_WAIT,),
-    "value": (K.VALUE,),
-    "publish": (K.MESSAGE,),
-    "child": (K.CHILD_STARTED,),
-}
-
 
 def entry(kind: EventKind, position: int | None, name: str | None,
           payload: dict[str, Any]) -> Entry:
@@ -133,7 +123,21 @@ class Nondeterminism(BaseException):  # noqa: N818
     """The workflow issued a command that does not match the journal at that position.
 
     A BaseException, so that ordinary ``except Exception`` in workflow code cannot swallow it
-    and carry on (CONTRACT C4: never silently continued)."""
+    and carry on (CONTRACT C4: never silently continued). Its text is the failed run's message
+    (outcome ``NONDETERMINISM``). One found by replay matching (:mod:`orchestrator.matching`)
+    also says where (``position``), what the journal recorded there and what the code issued,
+    in words (``call 'charge'``, ``sleep``), and ``report``: the offline check's sentence."""
+
+    code = "NONDETERMINISM"
+
+    def __init__(self, message: str, *, position: int | None = None,
+                 recorded: str | None = None, issued: str | None = None,
+                 report: str | None = None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.recorded = recorded
+        self.issued = issued
+        self.report = report or message
 
 
 class JournalIndex:
@@ -155,24 +159,6 @@ class JournalIndex:
                 continue
             self.by_position.setdefault(position, []).append(event)
             self.max_position = max(self.max_position, position)
-
-    def expect(self, position: int, command: str, name: str) -> list[Entry]:
-        """The events recorded at ``position`` (possibly none), checked against the command."""
-        events = self.by_position.get(position)
-        if not events:
-            return []
-        first = events[0]
-        if first["kind"] == K.PATCH:  # markers are not commands: look past them
-            events = [e for e in events if e["kind"] != K.PATCH]
-            if not events:
-                return []
-            first = events[0]
-        if first["kind"] not in FIRST_KIND[command] or first["name"] != name:
-            raise Nondeterminism(
-                f"position {position}: the workflow issued {command} {name!r} but the journal "
-                f"recorded {first['kind']} {first['name']!r}"
-            )
-        return events
 
     def patched(self, position: int, patch_id: str) -> bool:
         """Whether a marker of patch ``patch_id`` is filed at ``position``."""

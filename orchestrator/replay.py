@@ -1,14 +1,14 @@
 """The offline replay check (docs/versioning.md): workflow code run against stored journals,
 with nothing dispatched, written or waited for (CONTRACT C3).
 
-Each command the code issues is matched with what its run's journal recorded at that position,
-exactly as a worker's replay matches it: the same kind of command with the same name, a tool
-call with the same intent digest. A recorded outcome is handed back (a receipt, a tool's
-failure, an event, a child's result); where the journal ends (a command it has nothing for, a
-call without a settled outcome, a timer or an event not yet over), that branch of the code
-stops, as a worker's would until the run wakes. So the check answers, per run: would a worker
-running this code replay this history? ``ok``, or the first ``NONDETERMINISM`` with its
-position, the recorded command and the one the code issued.
+Each command the code issues is matched with what its run's journal recorded at that position
+by :mod:`orchestrator.matching`, the matcher a worker's replay uses: the same kind of command
+with the same name, a tool call with the same intent digest. A recorded outcome is handed back
+(a receipt, a tool's failure, an event, a child's result); where the journal ends (a command it
+has nothing for, a call without a settled outcome, a timer or an event not yet over), that
+branch of the code stops, as a worker's would until the run wakes. So the check answers, per
+run: would a worker running this code replay this history? ``ok``, or the first
+``NONDETERMINISM`` with its position, the recorded command and the one the code issued.
 
 No I/O here but :func:`load_runs` (two reads through the store) and :func:`export_document`: the CLI
 (``orchestrator replay``, ``orchestrator runs export``) and ``orchestrator.testing.replay``
@@ -25,20 +25,26 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
-from orchestrator import canonical
+from orchestrator import canonical, matching
 from orchestrator.canonical import canonical_json
 from orchestrator.context import ContinueAsNew, WorkflowContext
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-from orchestrator.errors import (
-    EventTimeout,
-    InvalidRequest,
-    RunFailed,
-    ToolFailed,
-    UnknownWorkflow,
+from orchestrator.errors import InvalidRequest, UnknownWorkflow
+from orchestrator.journal import RUN_ENDS, Entry, EventKind, JournalIndex, Nondeterminism
+from orchestrator.matching import (
+    NEW,
+    Mismatch,
+    Outcome,
+    describe,
+    match_call,
+    match_child,
+    match_event,
+    match_publish,
+    match_sleep,
+    match_value,
 )
-from orchestrator.journal import FIRST_KIND, RUN_ENDS, Entry, EventKind, JournalIndex
 from orchestrator.models import Owner
 from orchestrator.registry import Registry, Tool, Workflow
 from orchestrator.text import check_identifier
@@ -50,7 +56,6 @@ QUIET_TURNS = 100
 taken to be waiting where its history ends."""
 
 K = EventKind
-_SETTLED = (K.CALL_COMPLETED, K.CALL_FAILED, K.CALL_DENIED)
 
 
 @dataclass(frozen=True)
@@ -113,16 +118,6 @@ class Verdict:
                 "recorded": self.recorded, "issued": self.issued, "message": self.message}
 
 
-class _Differs(BaseException):
-    """The code issued another command than the journal recorded (a BaseException: workflow
-    code's ``except Exception`` cannot swallow it)."""
-
-    def __init__(self, position: int, recorded: str, issued: str, why: str = "") -> None:
-        super().__init__(why or f"position {position}: the journal recorded {recorded}, the "
-                                "code issued " + issued)
-        self.position, self.recorded, self.issued = position, recorded, issued
-
-
 class _HistoryEnds(BaseException):
     """A command the journal has nothing for, issued where the code cannot wait (a recorded
     value, a message): the run would go on live from here."""
@@ -130,13 +125,6 @@ class _HistoryEnds(BaseException):
     def __init__(self, position: int) -> None:
         super().__init__(position)
         self.position = position
-
-
-def describe(event: Entry) -> str:
-    """A recorded command in words: ``call 'charge'``, ``sleep``, ``value 'now'``."""
-    kind = event["kind"]
-    command = next((c for c, kinds in FIRST_KIND.items() if kind in kinds), kind)
-    return "sleep" if command == "sleep" else f"{command} {event['name']!r}"
 
 
 class _Commands:
@@ -186,53 +174,32 @@ class _Commands:
         return self.position > self.index.max_position  # past the history: a live run's yes
 
     def value(self, position: int, name: str) -> Any:
-        recorded = self._expect(position, "value", name)
-        if not recorded:
+        found = self._seen(match_value(self.index, position, name))
+        if found is NEW:
             raise _HistoryEnds(position)
-        raw = recorded[0]["payload"]["value"]
-        if name == "now":
-            return datetime.fromisoformat(raw)
-        if name == "uuid":
-            return uuid.UUID(raw)
-        return float(raw)
+        return found.settle()
 
     def publish(self, position: int, value: Any, topic: str) -> None:
         check_identifier("topic", topic)
-        recorded = self._expect(position, "publish", topic)
-        if not recorded:
+        found = self._seen(match_publish(self.index, position, topic, value))
+        if found is NEW:
             raise _HistoryEnds(position)
-        if canonical_json(recorded[0]["payload"]["value"]) != canonical_json(value):
-            raise _Differs(position, f"publish {topic!r}", f"publish {topic!r}",
-                           f"position {position}: the code published another value on topic "
-                           f"{topic!r} than the journal recorded")
+        found.settle()
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
         name = tool if isinstance(tool, str) else tool.name
         found = self.registry.tools.get(name)
         if found is None:
             raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
-        recorded = self._expect(position, "call", name)
-        if not recorded:
-            return await self._wait(position)
         intent = canonical.intent_digest_text(found.name, found.version, self.owner_text,
                                               self.arguments_text(arguments))
-        if recorded[0]["payload"]["intent"] != intent:
-            raise _Differs(position, f"call {name!r}", f"call {name!r}",
-                           f"position {position}: tool {name!r} was recorded with other "
-                           "arguments (intent digest differs)")
-        outcome = self.index.last(position, _SETTLED)
-        if outcome is None or (outcome["kind"] == K.CALL_FAILED
-                               and outcome["payload"].get("reason") == "withdrawn"):
-            return await self._wait(position)  # not settled in this history
-        payload = outcome["payload"]
-        if outcome["kind"] == K.CALL_COMPLETED:
-            return payload["result"]
-        raise ToolFailed(f"tool {name} failed", tool=name, cause=payload.get("cause"),
-                         reason=payload.get("reason"), incident=payload.get("incident"))
+        return await self._outcome(position, match_call(self.index, position, name, intent))
 
     async def sleep(self, position: int, duration: timedelta | float) -> None:
-        if not self._expect(position, "sleep", "sleep"):
+        found = self._seen(match_sleep(self.index, position))
+        if found is NEW:
             await self._wait(position)
+        found.settle()
         # A recorded timer is over if the history holds what came after it (a later command,
         # or the run's end); else the run waits on it.
         ended = any(e["kind"] in RUN_ENDS for e in self.index.run_events)
@@ -241,43 +208,32 @@ class _Commands:
 
     async def wait_for_event(self, position: int, name: str,
                              timeout: timedelta | float | None) -> Any:
-        recorded = self._expect(position, "event", name)
-        outcome = self.index.last(position, (K.EVENT_RECEIVED, K.EVENT_TIMEOUT))
-        if not recorded or outcome is None:
-            return await self._wait(position)
-        if outcome["kind"] == K.EVENT_TIMEOUT:
-            raw = recorded[0]["payload"]["timeout_at"]
-            raise EventTimeout(f"event {name!r} did not arrive in time", event=name,
-                               timeout_at=None if raw is None else datetime.fromisoformat(raw))
-        return outcome["payload"]["payload"]
+        return await self._outcome(position, match_event(self.index, position, name))
 
     async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
         name = workflow if isinstance(workflow, str) else workflow.name
-        recorded = self._expect(position, "child", name)
-        outcome = self.index.last(position, (K.CHILD_COMPLETED, K.CHILD_FAILED))
-        if not recorded or outcome is None:
-            return await self._wait(position)
-        payload = outcome["payload"]
-        if outcome["kind"] == K.CHILD_COMPLETED:
-            return payload["result"]
-        raise RunFailed(payload["message"], code=payload["code"],
-                        run_id=recorded[0]["payload"]["run_id"], cause=payload.get("cause"))
+        return await self._outcome(position, match_child(self.index, position, name))
 
     def continue_as_new(self, input: Any, version: str | None) -> NoReturn:
         raise ContinueAsNew("", version or self.recorded.version)  # the code ends here
 
     # -- matching ----------------------------------------------------------------------------
 
-    def _expect(self, position: int, command: str, name: str) -> list[Entry]:
-        events = [e for e in self.index.by_position.get(position, ()) if e["kind"] != K.PATCH]
-        issued = "sleep" if command == "sleep" else f"{command} {name!r}"
-        if not events:
-            return []
-        first = events[0]
-        if first["kind"] not in FIRST_KIND[command] or first["name"] != name:
-            raise _Differs(position, describe(first), issued)
-        self.matched += 1
-        return events
+    def _seen(self, found: matching.Verdict) -> matching.Verdict:
+        """Count a command the journal held: one it recorded as issued here, even with other
+        arguments or another value (not another command)."""
+        if found is not NEW and not (found.outcome is Outcome.DIFFERS
+                                     and found.value is Mismatch.COMMAND):
+            self.matched += 1
+        return found
+
+    async def _outcome(self, position: int, found: matching.Verdict) -> Any:
+        """What a command does as the journal says: return, raise, or (where the history has
+        no outcome for it) wait."""
+        self._seen(found)
+        if found.outcome in (Outcome.NEW, Outcome.WAITS, Outcome.WITHDRAWN):
+            return await self._wait(position)
+        return found.settle()
 
     async def _wait(self, position: int) -> Any:
         """Where the history ends for this branch: wait for ever (the check stops the code
@@ -308,9 +264,9 @@ async def check_run(run: RecordedRun, registry: Registry,
         await asyncio.gather(task, return_exceptions=True)
         return _ended(run, key, commands, min(commands.waiting, default=commands.position))
     failure = task.exception() if not task.cancelled() else None
-    if isinstance(failure, _Differs):
+    if isinstance(failure, Nondeterminism):
         return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
-                       failure.recorded, failure.issued, f"NONDETERMINISM: {failure}")
+                       failure.recorded, failure.issued, f"NONDETERMINISM: {failure.report}")
     if isinstance(failure, _HistoryEnds):
         return _ended(run, key, commands, failure.position)
     if isinstance(failure, InvalidRequest | UnknownWorkflow):

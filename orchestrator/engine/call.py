@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -40,9 +41,10 @@ from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite
 from orchestrator.engine.stages import Stage, Stages, policy_stages
-from orchestrator.errors import InvalidRequest, OrchestratorError, ToolFailed
+from orchestrator.errors import InvalidRequest, OrchestratorError
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
+from orchestrator.matching import NEW, Outcome, match_call
 from orchestrator.recovery import parse_retry_after
 from orchestrator.tracing import key_digest, record_error
 
@@ -52,23 +54,29 @@ class Call(CallSite):
 
     async def perform(self) -> Any:
         """The call's receipt: recorded (a replay), or from its attempts now."""
-        recorded = self.run.index.expect(self.position, "call", self.tool.name)
-        try:
-            state = await self.resume(recorded) if recorded else Attempt()
-        except _Done as done:
-            return done.value
+        verdict = match_call(self.run.index, self.position, self.tool.name, self.intent)
+        if verdict is NEW:
+            state = Attempt()
+        elif verdict.outcome is Outcome.WAITS:
+            try:
+                state = await self.resume(verdict.recorded)
+            except _Done as done:
+                return done.value
+        elif verdict.outcome is Outcome.WITHDRAWN:
+            # Workflow code cancelled this call before it was sent: the same code cancels it
+            # again at this point (see withdraw); until then the call does not return.
+            await self.run.until_cancelled()
+        else:
+            return verdict.settle()  # its receipt, its ToolFailed, or nondeterminism
         while True:
             outcome = await self.attempt(state)
             if isinstance(outcome, _Done):
                 return outcome.value
             state = outcome
 
-    async def resume(self, recorded: list[Entry]) -> Attempt:
-        """Continue from what the journal says about this call."""
-        if recorded[0]["payload"]["intent"] != self.intent:
-            raise Nondeterminism(
-                f"position {self.position}: tool {self.tool.name!r} was recorded with other "
-                "arguments (intent digest differs)")
+    async def resume(self, recorded: Sequence[Entry]) -> Attempt:
+        """Continue from what the journal says about this call: recorded with this intent,
+        not settled (:func:`~orchestrator.matching.match_call` says so)."""
         last = recorded[-1]
         kind, payload = last["kind"], last["payload"]
         begun = self.run.index.last(self.position,
@@ -81,16 +89,6 @@ class Call(CallSite):
                     self.resent_lost += 1
                 else:
                     self.resent_by_operator += 1
-        if kind == EventKind.CALL_COMPLETED:
-            raise _Done(payload["result"])
-        if kind == EventKind.CALL_FAILED and payload.get("reason") == "withdrawn":
-            # Workflow code cancelled this call before it was sent: the same code cancels it
-            # again at this point (see withdraw); until then the call does not return.
-            await self.run.until_cancelled()
-        if kind in (EventKind.CALL_FAILED, EventKind.CALL_DENIED):
-            raise ToolFailed(f"tool {self.tool.name} failed", tool=self.tool.name,
-                             cause=payload.get("cause"), reason=payload.get("reason"),
-                             incident=payload.get("incident"))
         if kind == EventKind.CALL_CANCELLED:
             raise Stop("deadline" if payload.get("why") == "deadline" else "cancelled")
         if kind == EventKind.CALL_PENDING:
@@ -418,7 +416,7 @@ class Call(CallSite):
             task.uncancel()
 
 
-def _lost(recorded: list[Entry], op_id: int) -> bool:
+def _lost(recorded: Sequence[Entry], op_id: int) -> bool:
     """Whether the engine lost attempt ``op_id`` (its unknown outcome is ``WORKER_LOST``)."""
     return any(e["kind"] == EventKind.CALL_UNKNOWN and e["payload"]["op"] == op_id
                and e["payload"]["reason"] == LOST for e in recorded)

@@ -13,7 +13,6 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 from orchestrator import tracing
-from orchestrator.canonical import canonical_json
 from orchestrator.context import ContinueAsNew
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
@@ -24,8 +23,20 @@ from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.control import Wait, as_seconds
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
-from orchestrator.errors import EventTimeout, InvalidRequest, RunFailed, ToolFailed, UnknownWorkflow
-from orchestrator.journal import Entry, EventKind, Nondeterminism, entry
+from orchestrator.errors import InvalidRequest, ToolFailed, UnknownWorkflow
+from orchestrator.journal import Entry, EventKind, entry
+from orchestrator.matching import (
+    NEW,
+    Outcome,
+    child_ended,
+    decode_value,
+    event_timeout,
+    match_child,
+    match_event,
+    match_publish,
+    match_sleep,
+    match_value,
+)
 from orchestrator.models import Owner
 from orchestrator.registry import Registry, Tool, Workflow
 from orchestrator.text import check_identifier
@@ -69,22 +80,18 @@ class Commands:
         return self.run.next_position()
 
     def value(self, position: int, name: str) -> Any:
-        recorded = self.run.index.expect(position, "value", name)
-        if recorded:
-            raw = recorded[0]["payload"]["value"]
-        else:
-            if name == "now":
-                raw = self.run.now().isoformat()
-            elif name == "uuid":
-                raw = str(uuid.uuid4())
-            else:
-                raw = random.random()
-            self.session.buffer(entry(EventKind.VALUE, position, name, {"value": raw}))
+        verdict = match_value(self.run.index, position, name)
+        if verdict is not NEW:
+            return verdict.settle()
+        raw: Any
         if name == "now":
-            return datetime.fromisoformat(raw)
-        if name == "uuid":
-            return uuid.UUID(raw)
-        return float(raw)
+            raw = self.run.now().isoformat()
+        elif name == "uuid":
+            raw = str(uuid.uuid4())
+        else:
+            raw = random.random()
+        self.session.buffer(entry(EventKind.VALUE, position, name, {"value": raw}))
+        return decode_value(name, raw)
 
     def publish(self, position: int, value: Any, topic: str) -> None:
         """A ``message`` entry at ``position``, named by its topic, that rides with the run's
@@ -93,12 +100,9 @@ class Commands:
         keeps every value's type through the database) is nondeterminism."""
         check_identifier("topic", topic)
         text = self.config.json_limits.text(value, "$.value")
-        recorded = self.run.index.expect(position, "publish", topic)
-        if recorded:
-            if canonical_json(recorded[0]["payload"]["value"]) != text:
-                raise Nondeterminism(
-                    f"position {position}: the workflow published another value on topic "
-                    f"{topic!r} than the journal recorded")
+        verdict = match_publish(self.run.index, position, topic, value, text)
+        if verdict is not NEW:
+            verdict.settle()
             return
         # A copy, as it is now: workflow code may change the object before the write.
         self.session.buffer(entry(EventKind.MESSAGE, position, topic,
@@ -134,9 +138,9 @@ class Commands:
 
     async def sleep(self, position: int, duration: timedelta | float) -> None:
         run = self.run
-        recorded = run.index.expect(position, "sleep", "sleep")
-        if recorded:
-            until = datetime.fromisoformat(recorded[0]["payload"]["until"])
+        verdict = match_sleep(run.index, position)
+        if verdict is not NEW:
+            until = verdict.settle()
         else:
             seconds = as_seconds(duration) or 0.0
             run.boundary()
@@ -159,16 +163,13 @@ class Commands:
         if not isinstance(name, str) or not name:
             raise InvalidRequest("an event name must be a non-empty string")
         run = self.run
-        recorded = run.index.expect(position, "event", name)
-        if recorded:
-            outcome = run.index.last(position, (EventKind.EVENT_RECEIVED,
-                                                EventKind.EVENT_TIMEOUT))
-            raw = recorded[0]["payload"]["timeout_at"]
-            timeout_at = None if raw is None else datetime.fromisoformat(raw)
-            if outcome is not None:
-                if outcome["kind"] == EventKind.EVENT_TIMEOUT:
-                    raise _timed_out(name, timeout_at)
-                return outcome["payload"]["payload"]
+        verdict = match_event(run.index, position, name)
+        timeout_at: datetime | None
+        if verdict is not NEW:
+            got = verdict.settle()  # the event's payload, its timeout, or nondeterminism
+            if verdict.outcome is Outcome.RETURNS:
+                return got
+            timeout_at = got  # not over yet: it waits until its recorded timeout
         else:
             seconds = as_seconds(timeout)
             run.boundary()
@@ -189,19 +190,19 @@ class Commands:
             return got["payload"]
         if timeout_at is not None and run.now() >= timeout_at:
             await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
-            raise _timed_out(name, timeout_at)
+            raise event_timeout(name, timeout_at)
         await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
 
     async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
         run = self.run
         wf = self._workflow(workflow)
-        recorded = run.index.expect(position, "child", wf.name)
-        if recorded:
-            child_id = uuid.UUID(recorded[0]["payload"]["run_id"])
-            outcome = run.index.last(position, (EventKind.CHILD_COMPLETED,
-                                                EventKind.CHILD_FAILED))
-            if outcome is not None:
-                return _child_outcome(child_id, outcome)
+        verdict = match_child(run.index, position, wf.name)
+        child_id: uuid.UUID
+        if verdict is not NEW:
+            got = verdict.settle()  # the child's result, its failure, or nondeterminism
+            if verdict.outcome is Outcome.RETURNS:
+                return got
+            child_id = got  # not ended yet: its run id
         else:
             run.boundary()
             child_id = uuid.uuid5(run.run_id, f"child:{position}")
@@ -234,7 +235,7 @@ class Commands:
                     failed["cause"] = error["cause"]
                 outcome = entry(EventKind.CHILD_FAILED, position, wf.name, failed)
             await self._append(outcome)
-            return _child_outcome(child_id, outcome)
+            return child_ended(child_id, outcome).settle()
         await self.branches.park(Wait("child", position))
 
     def continue_as_new(self, input: Any, version: str | None) -> NoReturn:
@@ -272,17 +273,3 @@ class Commands:
                 raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
             return chosen
         return workflow
-
-
-def _child_outcome(child_id: uuid.UUID, outcome: Entry) -> Any:
-    if outcome["kind"] == EventKind.CHILD_COMPLETED:
-        return outcome["payload"]["result"]
-    payload = outcome["payload"]
-    raise RunFailed(payload["message"], code=payload["code"], run_id=str(child_id),
-                    cause=payload.get("cause"))
-
-
-def _timed_out(name: str, timeout_at: datetime | None) -> EventTimeout:
-    """What a wait for an event that timed out raises, live and on replay alike."""
-    return EventTimeout(f"event {name!r} did not arrive in time", event=name,
-                        timeout_at=timeout_at)
