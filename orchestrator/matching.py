@@ -69,7 +69,8 @@ FIRST_KIND: Mapping[str, tuple[str, ...]] = {
 # an enum class and a comparison with a member each cost more than the rest of a match.
 _PATCH = K.PATCH.value
 _COMPLETED, _FAILED = K.CALL_COMPLETED.value, K.CALL_FAILED.value
-_FAILURES = (K.CALL_FAILED.value, K.CALL_DENIED.value)
+_DENIED = K.CALL_DENIED.value
+_FAILURES = (_FAILED, _DENIED)
 _EVENT_ENDS = (K.EVENT_RECEIVED.value, K.EVENT_TIMEOUT.value)
 _TIMED_OUT = K.EVENT_TIMEOUT.value
 _CHILD_ENDS = (K.CHILD_COMPLETED.value, K.CHILD_FAILED.value)
@@ -165,7 +166,7 @@ def match_call(index: JournalIndex, position: int, tool: str, intent: str) -> Ve
     if kind == _FAILED and payload.get("reason") == "withdrawn":
         return Verdict(_WITHDRAWN, recorded=found)
     if kind in _FAILURES:
-        return Verdict(_RAISES, error=tool_failed(tool, payload), recorded=found)
+        return Verdict(_RAISES, error=tool_failed(tool, kind, payload), recorded=found)
     return Verdict(_WAITS, recorded=found)
 
 
@@ -261,9 +262,15 @@ def decode_value(name: str, raw: Any) -> Any:
     return float(raw)
 
 
-def tool_failed(tool: str, payload: Mapping[str, Any]) -> ToolFailed:
-    """What a call whose journal ends in ``call.failed`` / ``call.denied`` (``payload``)
-    raises on replay."""
+def tool_failed(tool: str, kind: str, payload: Mapping[str, Any]) -> ToolFailed:
+    """What a call that ended in a ``call.failed`` or ``call.denied`` entry (``kind``, with its
+    ``payload``) raises into workflow code: live, as the entry is written, and on every replay
+    alike (a workflow that branches on the error's ``code`` or ``cause`` takes the same branch
+    again). A denial is ``TOOL_DENIED`` naming the policy stage; a failure ``TOOL_FAILED``."""
+    if kind == _DENIED:
+        return ToolFailed(f"tool {tool} was not allowed ({payload['stage']})", tool=tool,
+                          code="TOOL_DENIED", cause=payload.get("cause"), reason="cause",
+                          incident=payload.get("incident"))
     return ToolFailed(f"tool {tool} failed", tool=tool, cause=payload.get("cause"),
                       reason=payload.get("reason"), incident=payload.get("incident"))
 

@@ -11,9 +11,10 @@ from typing import Any, NoReturn
 from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.site import Attempt, CallSite
-from orchestrator.errors import ToolFailed, operation_error_json
+from orchestrator.errors import operation_error_json
 from orchestrator.failures import Classification
 from orchestrator.journal import Entry, EventKind
+from orchestrator.matching import tool_failed
 from orchestrator.recovery import Decision, decide
 
 NOT_APPLIED = Classification("not_applied", "none", True)
@@ -127,8 +128,8 @@ class Aftermath:
             record_failure)
         if decision.detail == "deadline":
             site.run.stop_deadline()  # the next attempt cannot fit before the run's deadline
-        raise ToolFailed(f"tool {site.tool.name} failed", tool=site.tool.name, cause=cause,
-                         reason=reason, incident=ref)
+        raise tool_failed(site.tool.name, EventKind.CALL_FAILED,
+                          {"cause": cause, "reason": reason, "incident": ref})
 
     async def uncertain(self, op_id: int, number: int, key: str, reason: str,
                         incident: str | None = None) -> Attempt:

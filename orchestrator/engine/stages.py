@@ -13,8 +13,9 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.site import CallSite
-from orchestrator.errors import ToolFailed, operation_error_json
+from orchestrator.errors import operation_error_json
 from orchestrator.journal import Entry, EventKind
+from orchestrator.matching import tool_failed
 from orchestrator.registry import Tool
 
 Stage = tuple[str, Any, float]  # name, hook, budget in seconds
@@ -117,6 +118,5 @@ class Stages:
                                                              "cause": cause, "incident": ref})]
 
         await site.append(work)
-        raise ToolFailed(f"tool {site.tool.name} was not allowed ({stage})",
-                         tool=site.tool.name, code="TOOL_DENIED", cause=cause, reason="cause",
-                         incident=ref)
+        raise tool_failed(site.tool.name, EventKind.CALL_DENIED,
+                          {"stage": stage, "cause": cause, "incident": ref})

@@ -264,6 +264,42 @@ async def test_a_denying_app_wide_stage_and_an_allowing_one(make_app, sql):
     assert calls == [5]
 
 
+async def test_a_denied_call_raises_the_same_error_when_replayed(make_app, sql):
+    """Workflow code that branches on a denial's code takes the same branch on every replay:
+    the error a replay raises is the one the denial raised live (TOOL_DENIED, its stage and
+    cause), not a generic failure."""
+    async def deny_all(pctx):  # type: ignore[no-untyped-def]
+        return False
+
+    app = make_app(authorize=deny_all)
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        raise AssertionError("a denied tool is never called")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.call(charge)
+        except ToolFailed as exc:
+            seen = [exc.code, exc.message, exc.cause, exc.reason]
+        await ctx.wait_for_event("go")  # parks: the next claim replays from the top
+        return seen
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(run), what="the run parked on its event")
+        assert await app.send_event_async(run.id, "go", None)
+        assert await run.result_async(timeout=10) == [
+            "TOOL_DENIED", "tool charge was not allowed (authorize)", "denied", "cause"]
+
+
+def _parked(run):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return await run.status_async() == "waiting"
+    return check
+
+
 async def test_cancel_after_dispatch_leaves_the_operation_unknown(app, sql):
     signalled = asyncio.Event()
     started = asyncio.Event()

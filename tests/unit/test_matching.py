@@ -92,9 +92,10 @@ def test_a_call_that_failed_or_was_denied_raises_tool_failed(kind: EventKind) ->
     assert verdict.outcome is Outcome.RAISES
     error = verdict.error
     assert isinstance(error, ToolFailed)
-    assert (error.code, error.message, error.tool, error.cause, error.reason, error.incident) == (
-        "TOOL_FAILED", "tool charge failed", "charge", payload["cause"],
-        payload.get("reason"), "inc_1")
+    expected = (("TOOL_FAILED", "tool charge failed", "budget") if kind == K.CALL_FAILED else
+                ("TOOL_DENIED", "tool charge was not allowed (authorize)", "cause"))
+    assert (error.code, error.message, error.reason) == expected
+    assert (error.tool, error.cause, error.incident) == ("charge", payload["cause"], "inc_1")
     with pytest.raises(ToolFailed):
         verdict.settle()
 
