@@ -370,6 +370,24 @@ async def test_the_queues_commands(make_app, migrated_database_url, sql):
     assert missing.returncode == 2 and "no queue nowhere" in missing.stderr
 
 
+async def test_app_queues_changes_are_audited_too(make_app, sql):
+    app, _ = _app(make_app, Gauge(), concurrency=2)
+    async with running(app):
+        await _stored(app)
+    await app.queues.pause_async("work")
+    await app.queues.set_async("work", concurrency=3, operator="bob", evidence="more room")
+    with pytest.raises(InvalidRequest) as refused:  # checked before anything is written
+        await app.queues.resume_async("work", operator="bob", evidence="")
+    assert refused.value.path == "evidence"
+    audit = sql("SELECT operator, action, evidence, after->>'concurrency' AS concurrency "
+                "FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"], a["evidence"]) for a in audit] == [
+        ("app", "queue.pause", "changed by the application's code (app.queues)"),
+        ("bob", "queue.set", "more room")]
+    assert audit[1]["concurrency"] == "3"
+    assert (await app.queues.get_async("work")).paused
+
+
 async def test_the_http_api_takes_a_queue_a_priority_and_a_key(make_app, sql):
     app, _ = _app(make_app, Gauge(), key_concurrency=1)
     console = app.console(from_header, GRANTS, authenticate_owner=lambda request: OWNER)
