@@ -7,11 +7,8 @@ implementation.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import signal
-import threading
 import uuid
 from collections.abc import (
     AsyncIterator,
@@ -80,6 +77,8 @@ from orchestrator.scheduler import (
     definition,
 )
 from orchestrator.schedules import DEFAULT_CATCHUP
+from orchestrator.serving import catch_early_sigterm as catch_early_sigterm
+from orchestrator.serving import listen_at, run_until_stopped
 from orchestrator.stream import RunStreams
 from orchestrator.submission import Submission, SubmissionConfig, as_run_id, resolve_owner
 from orchestrator.tracing import (
@@ -101,17 +100,6 @@ P = ParamSpec("P")
 I = TypeVar("I")  # noqa: E741 - a workflow's input
 R = TypeVar("R")
 T = TypeVar("T")
-
-_EARLY_STOP = threading.Event()  # a SIGTERM that came before the loop's own handler (below)
-
-
-def catch_early_sigterm() -> None:
-    """For a process's entry point, before its slow start (imports, the database check): a
-    SIGTERM that arrives before :meth:`Orchestrator.run_worker` or
-    :meth:`Orchestrator.run_reconciler` installs its handler is kept, and the process stops
-    cleanly as soon as it runs, instead of dying of the signal."""
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: _EARLY_STOP.set())
-
 
 class Orchestrator:
     """A durable workflow orchestrator bound to one database.
@@ -787,11 +775,10 @@ class Orchestrator:
                        metrics_host: str = "127.0.0.1") -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
         ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md)."""
-        _run_until_stopped(self, lambda: self.create_reconciler(
+        run_until_stopped(lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
             poll_interval=poll_interval, lookup_timeout=lookup_timeout,
-            prune_interval=prune_interval),
-            _listen(metrics_host, metrics_port))
+            prune_interval=prune_interval), **self._serving(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -816,10 +803,10 @@ class Orchestrator:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
         ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
         drain is over (docs/metrics.md). ``schedules``: tick the schedules too."""
-        _run_until_stopped(self, lambda: self.create_worker(
+        run_until_stopped(lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
-            _listen(metrics_host, metrics_port))
+            **self._serving(metrics_host, metrics_port))
 
     async def prune_async(self, *, dry_run: bool = False, batch: int = 500,
                           evidence: bool = True, duty: float = DUTY) -> PruneReport:
@@ -848,6 +835,11 @@ class Orchestrator:
 
         return telemetry.metrics_registry(self.metrics, self.target)
 
+    def _serving(self, host: str, port: int | None) -> dict[str, Any]:
+        """How :func:`~orchestrator.serving.run_until_stopped` serves this app's metrics."""
+        return {"database": self.database, "listen": listen_at(host, port),
+                "registry": self.metrics_registry, "target": lambda: self.target}
+
     async def _close_pools(self) -> None:
         if self._run_streams is not None:
             await self._run_streams.close()
@@ -861,58 +853,6 @@ class Orchestrator:
 
 def _named(workflow: Workflow) -> tuple[str, str]:
     return workflow.name, workflow.version
-
-
-def _listen(host: str, port: int | None) -> tuple[str, int] | None:
-    return None if port is None else (host, port)
-
-
-def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconciler],
-                       listen: tuple[str, int] | None = None) -> None:
-    """Run a worker or a reconciler on a new event loop in this thread until SIGTERM or
-    SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close the pools.
-    ``listen``: where to serve the metrics meanwhile."""
-
-    async def main() -> None:
-        service = create()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        if _EARLY_STOP.is_set():
-            service.request_stop()
-        stop_exporter = None if listen is None else _start_exporter(app, service, listen)
-        try:
-            await service.run()
-        finally:
-            if stop_exporter is not None:
-                stop_exporter()
-            await app.database.close()
-
-    asyncio.run(main())
-
-
-def _start_exporter(app: Orchestrator, service: Worker | Reconciler,
-                    listen: tuple[str, int]) -> Callable[[], None]:
-    """Serve the metrics (and measure the loop's lag) until the returned function is called."""
-    from orchestrator import telemetry
-
-    worker = service if isinstance(service, Worker) else None
-
-    def slots() -> tuple[int, int]:
-        assert worker is not None
-        return worker.active_runs, worker.concurrency
-
-    exporter = telemetry.Exporter(app.metrics_registry(), app.target,
-                                  slots=slots if worker is not None else None)
-    port = exporter.start(*listen)
-    lag = asyncio.ensure_future(exporter.lag.run())
-    log.info("metrics on http://%s:%d/metrics", listen[0], port)
-
-    def stop() -> None:
-        lag.cancel()
-        exporter.stop()
-
-    return stop
 
 
 def _seconds(value: timedelta | None, default: float) -> float:
