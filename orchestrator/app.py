@@ -80,7 +80,13 @@ from orchestrator.schedules import DEFAULT_CATCHUP
 from orchestrator.serving import catch_early_sigterm as catch_early_sigterm
 from orchestrator.serving import listen_at, run_until_stopped
 from orchestrator.stream import RunStreams
-from orchestrator.submission import Submission, SubmissionConfig, as_run_id, resolve_owner
+from orchestrator.submission import (
+    Submission,
+    SubmissionConfig,
+    as_run_id,
+    resolve_owner,
+    resolve_workflow,
+)
 from orchestrator.tracing import (
     PARENT_MODES,
     ParentMode,
@@ -401,9 +407,7 @@ class Orchestrator:
         return self.json_limits.text(arguments, "$.arguments")
 
     def _resolve_workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
-        if isinstance(workflow, Workflow):
-            return workflow
-        return self._submission.resolve_workflow(workflow, version)
+        return resolve_workflow(self.registry, workflow, version)
 
     def new_run_row(
         self,

@@ -65,6 +65,19 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
     return default
 
 
+def resolve_workflow(registry: Registry, workflow: Workflow | str,
+                     version: str | None = None) -> Workflow:
+    """The workflow a submission names: the one given, else the registered one of that name
+    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none."""
+    if isinstance(workflow, Workflow):
+        return workflow
+    chosen = registry.choose(workflow, version)
+    if chosen is None:
+        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+        raise UnknownWorkflow(f"{named} is not registered")
+    return chosen
+
+
 def as_run_id(value: uuid.UUID | str) -> uuid.UUID | None:
     """A run id given as a UUID or its text; None for text that is not one."""
     if isinstance(value, uuid.UUID):
@@ -102,13 +115,7 @@ class Submission:
 
     def resolve_workflow(self, workflow: Workflow | str, version: str | None = None
                          ) -> Workflow:
-        if isinstance(workflow, Workflow):
-            return workflow
-        chosen = self.registry.choose(workflow, version)
-        if chosen is None:
-            named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-            raise UnknownWorkflow(f"{named} is not registered")
-        return chosen
+        return resolve_workflow(self.registry, workflow, version)
 
     def new_run_row(
         self,
