@@ -395,7 +395,7 @@ class Orchestrator:
         config = SubmissionConfig(json_limits=self.json_limits,
                                   max_pending_events=self.max_pending_events,
                                   tracing=self.tracing, default_owner=self.default_owner)
-        return Submission(config, self.database, self.registry, self.metrics,
+        return Submission(config, lambda: self.database, self.registry, self.metrics,
                           self._declared_queues)
 
     def _owner(self, owner: Owner | None) -> Owner:

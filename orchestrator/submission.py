@@ -3,16 +3,16 @@ against the schema this code understands.
 
 :class:`Submission` is what :class:`~orchestrator.app.Orchestrator` delegates to for
 ``submit``, ``send_event`` and ``journal``. It is handed a frozen :class:`SubmissionConfig`, the
-database, the registry (to find a workflow by name), the metrics and the application's declared
-queues; it knows nothing of the application itself, and answers with run ids, which the
-application wraps in handles. Every run it creates goes through
+database (a function: resolved on first use), the registry (to find a workflow by name), the
+metrics and the application's declared queues; it knows nothing of the application itself,
+and answers with run ids, which the application wraps in handles. Every run it creates goes through
 :func:`orchestrator.admission.new_run`, as a child's, a schedule's and a restart's do.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -102,9 +102,11 @@ def check_journal(events: Sequence[dict[str, Any]]) -> list[JournalEntry]:
 class Submission:
     """Creates runs and delivers events, for one application (see the module's docstring)."""
 
-    def __init__(self, config: SubmissionConfig, database: Database, registry: Registry,
-                 metrics: Metrics, queues: Collection[str]) -> None:
+    def __init__(self, config: SubmissionConfig, database: Callable[[], Database],
+                 registry: Registry, metrics: Metrics, queues: Collection[str]) -> None:
         self.config = config
+        # The application's database, resolved on first use: a request refused by the checks
+        # never resolves (or starts) one.
         self.database = database
         self.registry = registry
         self.metrics = metrics
@@ -201,7 +203,7 @@ class Submission:
         if connection is not None:
             run_id, created, digest = await runs_db.run_insert(connection, row)
         else:
-            run_id, created, digest = await self.database.run_autocommit(
+            run_id, created, digest = await self.database().run_autocommit(
                 lambda conn: runs_db.run_insert(conn, row))
         if not created and digest != row["request_digest"]:
             raise IdempotencyConflict(
@@ -248,11 +250,11 @@ class Submission:
 
         # Keyed, a retry after a lost COMMIT finds the event delivered; unkeyed, it could
         # deliver it twice, so an unknown outcome is reported instead (see Database).
-        return await self.database.run_in_transaction(deliver,
+        return await self.database().run_in_transaction(deliver,
                                                       idempotent=event_key is not None)
 
     async def journal(self, run_id: uuid.UUID) -> list[JournalEntry]:
         """The run's journal, oldest first, checked by :func:`check_journal`. Reading it never
         dispatches anything (C3)."""
-        events = await self.database.read(lambda conn: journal_db.journal_read(conn, run_id))
+        events = await self.database().read(lambda conn: journal_db.journal_read(conn, run_id))
         return check_journal(events)
