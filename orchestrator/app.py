@@ -3,6 +3,13 @@
 Sync callers (scripts, WSGI apps) use the plain methods; async callers use the ``*_async``
 twins. The sync methods run their async twin on a private event loop thread, so both share one
 implementation.
+
+The application holds the settings and the registrations and builds the services it delegates
+to, each handed only what it uses: :mod:`orchestrator.submission` (runs submitted, events
+delivered, journals read), :class:`~orchestrator.queues.QueueAdmin`,
+:class:`~orchestrator.scheduler.ScheduleAdmin`, :class:`~orchestrator.operators.Operators`, the
+worker and the reconciler (a frozen :class:`~orchestrator.engine.config.EngineConfig`), and
+:mod:`orchestrator.serving` (running one of those until a signal).
 """
 
 from __future__ import annotations
