@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from orchestrator.admission import new_run
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
@@ -335,10 +336,12 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
               else from_position)
         input_value = await views_db.run_input(conn, run_id)
         options = row["options"] or {}
-        new = runs_db.run_row(
+        stored = (await queues_db.queue_stored(conn, [row["queue"]])
+                  if row["queue"] is not None else None)
+        new = new_run(
             row["workflow_name"], row["workflow_version"], input_value, limits=limits,
             owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
-            idempotency_key=None, deadline=options.get("deadline_seconds"),
+            queues=stored, deadline=options.get("deadline_seconds"),
             queue=row["queue"], priority=row["priority"] or 0,
             concurrency_key=row["concurrency_key"])
         new["traceparent"] = None

@@ -3,15 +3,19 @@
 Sync callers (scripts, WSGI apps) use the plain methods; async callers use the ``*_async``
 twins. The sync methods run their async twin on a private event loop thread, so both share one
 implementation.
+
+The application holds the settings and the registrations and builds the services it delegates
+to, each handed only what it uses: :mod:`orchestrator.submission` (runs submitted, events
+delivered, journals read), :class:`~orchestrator.queues.QueueAdmin`,
+:class:`~orchestrator.scheduler.ScheduleAdmin`, :class:`~orchestrator.operators.Operators`, the
+worker and the reconciler (a frozen :class:`~orchestrator.engine.config.EngineConfig`), and
+:mod:`orchestrator.serving` (running one of those until a signal).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import signal
-import threading
 import uuid
 from collections.abc import (
     AsyncIterator,
@@ -22,42 +26,34 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, overload
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind
 from typing_extensions import TypeVar
 
 from orchestrator import admin, canonical
 from orchestrator import handle as waiting
 from orchestrator._portal import Portal
+from orchestrator.admission import check_queue_name
 from orchestrator.context import ToolContext, WorkflowContext
-from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.config import DatabaseTarget, resolve_database
 from orchestrator.db.database import Conn, Database
-from orchestrator.db.events import event_insert, event_pending_count, event_seen
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
-    EventBacklogFull,
-    IdempotencyConflict,
     InvalidRequest,
-    SchemaUnsupported,
-    UnknownWorkflow,
 )
-from orchestrator.flow import RateLimit, Start, check_start
-from orchestrator.handle import DENIED, TERMINAL, H, RunHandle
-from orchestrator.journal import SCHEMA_VERSION
+from orchestrator.flow import RateLimit, Start
+from orchestrator.handle import DENIED, H, RunHandle
 from orchestrator.metrics import Metrics
 from orchestrator.models import (
     JournalEntry,
     Owner,
     RunInfo,
     check_run_filters,
-    validate_idempotency_key,
 )
 from orchestrator.operators import Operators, check_readers, check_scopes
 from orchestrator.queues import (
@@ -65,10 +61,7 @@ from orchestrator.queues import (
     Queue,
     QueueAdmin,
     Queues,
-    check_concurrency_key,
     check_limit,
-    check_priority,
-    check_queue_name,
     check_rate,
 )
 from orchestrator.queues import declare as declare_queue
@@ -91,15 +84,20 @@ from orchestrator.scheduler import (
     definition,
 )
 from orchestrator.schedules import DEFAULT_CATCHUP
+from orchestrator.serving import catch_early_sigterm as catch_early_sigterm
+from orchestrator.serving import listen_at, run_until_stopped
 from orchestrator.stream import RunStreams
-from orchestrator.text import check_identifier
+from orchestrator.submission import (
+    Submission,
+    SubmissionConfig,
+    as_run_id,
+    resolve_owner,
+    resolve_workflow,
+)
 from orchestrator.tracing import (
     PARENT_MODES,
     ParentMode,
     Tracing,
-    current_traceparent,
-    format_traceparent,
-    record_error,
 )
 from orchestrator.worker import Worker
 
@@ -115,17 +113,6 @@ P = ParamSpec("P")
 I = TypeVar("I")  # noqa: E741 - a workflow's input
 R = TypeVar("R")
 T = TypeVar("T")
-
-_EARLY_STOP = threading.Event()  # a SIGTERM that came before the loop's own handler (below)
-
-
-def catch_early_sigterm() -> None:
-    """For a process's entry point, before its slow start (imports, the database check): a
-    SIGTERM that arrives before :meth:`Orchestrator.run_worker` or
-    :meth:`Orchestrator.run_reconciler` installs its handler is kept, and the process stops
-    cleanly as soon as it runs, instead of dying of the signal."""
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: _EARLY_STOP.set())
-
 
 class Orchestrator:
     """A durable workflow orchestrator bound to one database.
@@ -243,7 +230,7 @@ class Orchestrator:
                             max_journal_events=self.max_journal_events, lease_ttl=self.lease_ttl,
                             tool_timeout=self.tool_timeout, receipts_ride=self.receipts_ride,
                             authorize=self.authorize, approve=self.approve,
-                            tracing=self.tracing)
+                            tracing=self.tracing, queues=frozenset(self._declared_queues))
 
     @property
     def target(self) -> DatabaseTarget:
@@ -364,15 +351,6 @@ class Orchestrator:
             self._queues = Queues(QueueAdmin(self.database), self._portal.call)
         return self._queues
 
-    def _queue_of(self, wf: Workflow, queue: str | None) -> str | None:
-        """The queue a run of ``wf`` waits in: the submission's, else the workflow's; either
-        must be declared here (``INVALID_REQUEST`` naming ``queue``)."""
-        name = check_queue_name(queue) if queue is not None else wf.queue
-        if name is not None and name not in self._declared_queues:
-            raise InvalidRequest(
-                f"unknown queue {name}: declare it with app.queue({name!r}, ...)", path="queue")
-        return name
-
     def schedule(
         self, id: str, *, cron: str, timezone: str = "UTC", overlap: str = "skip",
         catchup_window: timedelta = DEFAULT_CATCHUP, input: Any = None,
@@ -418,14 +396,17 @@ class Orchestrator:
 
     # -- submission --------------------------------------------------------------------------
 
+    @property
+    def _submission(self) -> Submission:
+        """The submission service, built with the settings as they are now."""
+        config = SubmissionConfig(json_limits=self.json_limits,
+                                  max_pending_events=self.max_pending_events,
+                                  tracing=self.tracing, default_owner=self.default_owner)
+        return Submission(config, lambda: self.database, self.registry, self.metrics,
+                          self._declared_queues)
+
     def _owner(self, owner: Owner | None) -> Owner:
-        if owner is not None:
-            if not isinstance(owner, Owner):
-                raise InvalidRequest("owner must be an orchestrator.Owner")
-            return owner
-        if self.default_owner is None:
-            raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
-        return self.default_owner
+        return resolve_owner(owner, self.default_owner)
 
     def arguments_text(self, arguments: Any) -> str:
         """A tool call's arguments as the ledger's intent digest reads them (canonical JSON,
@@ -433,13 +414,7 @@ class Orchestrator:
         return self.json_limits.text(arguments, "$.arguments")
 
     def _resolve_workflow(self, workflow: Workflow | str, version: str | None = None) -> Workflow:
-        if isinstance(workflow, Workflow):
-            return workflow
-        chosen = self.registry.choose(workflow, version)
-        if chosen is None:
-            named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-            raise UnknownWorkflow(f"{named} is not registered")
-        return chosen
+        return resolve_workflow(self.registry, workflow, version)
 
     def new_run_row(
         self,
@@ -457,13 +432,10 @@ class Orchestrator:
         concurrency_key: str | None = None,
     ) -> dict[str, Any]:
         """Validate a submission and build its row. Raises before anything is written."""
-        return runs_db.run_row(workflow.name, workflow.version, input, limits=self.json_limits,
-                               owner=owner, idempotency_key=idempotency_key, deadline=deadline,
-                               run_id=run_id, parent=parent, start=start,
-                               queue=self._queue_of(workflow, queue),
-                               priority=check_priority(priority),
-                               concurrency_key=(check_concurrency_key(concurrency_key)
-                                                if concurrency_key is not None else None))
+        return self._submission.new_run_row(
+            workflow, input, owner=owner, idempotency_key=idempotency_key, deadline=deadline,
+            run_id=run_id, parent=parent, start=start, queue=queue, priority=priority,
+            concurrency_key=concurrency_key)
 
     @overload
     async def submit_async(
@@ -558,54 +530,10 @@ class Orchestrator:
         an existing run of the same request). ``version`` picks a registered version of a
         workflow given by name (None: the default one, else the highest)."""
         who = self._owner(owner)
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-        if version is not None:
-            check_identifier("version", version)
-        wf = self._resolve_workflow(workflow, version)
-        seconds = None
-        if deadline is not None:
-            if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
-                raise InvalidRequest("deadline must be a positive timedelta", path="deadline")
-            seconds = deadline.total_seconds()
-        start = check_start(start_at, delay, datetime.now(UTC))
-        row = self.new_run_row(wf, input, owner=who, idempotency_key=idempotency_key,
-                               deadline=seconds, start=start, queue=queue, priority=priority,
-                               concurrency_key=concurrency_key)
-        tracer = self.tracing.tracer
-        if tracer is None:  # not tracing here: the caller's own span, if any, is the parent
-            row["traceparent"] = current_traceparent()
-            return await self._insert_run(row, who, connection)
-        with tracer.start_as_current_span(
-                f"submit {wf.name}", kind=SpanKind.PRODUCER, record_exception=False,
-                set_status_on_exception=False, attributes={
-                    "orchestrator.workflow": wf.name,
-                    "orchestrator.workflow_version": wf.version,
-                    "orchestrator.run_id": str(row["id"]),
-                    "orchestrator.keyed": idempotency_key is not None}) as span:
-            row["traceparent"] = format_traceparent(span.get_span_context())
-            try:
-                handle, created = await self._insert_run(row, who, connection)
-            except Exception as exc:
-                record_error(span, getattr(exc, "code", None) or type(exc).__name__)
-                raise
-            span.set_attribute("orchestrator.created", created)
-            if not created:  # an earlier submission's run: that one carries its trace
-                span.set_attribute("orchestrator.run_id", str(handle.id))
-            return handle, created
-
-    async def _insert_run(self, row: dict[str, Any], who: Owner, connection: Conn | None
-                          ) -> tuple[RunHandle[Any], bool]:
-        if connection is not None:
-            run_id, created, digest = await runs_db.run_insert(connection, row)
-        else:
-            run_id, created, digest = await self.database.run_autocommit(
-                lambda conn: runs_db.run_insert(conn, row))
-        if not created and digest != row["request_digest"]:
-            raise IdempotencyConflict(
-                "this idempotency key was already used by this owner for a different request")
-        if created:
-            self.metrics.incr("runs_submitted")
+        run_id, created = await self._submission.submit(
+            workflow, input, owner=who, version=version, idempotency_key=idempotency_key,
+            deadline=deadline, start_at=start_at, delay=delay, queue=queue, priority=priority,
+            concurrency_key=concurrency_key, connection=connection)
         return RunHandle(self, run_id, who), created
 
     @overload
@@ -674,7 +602,7 @@ class Orchestrator:
         """The owner's run (its summary; with ``result``, its result too), else
         ``ACCESS_DENIED``."""
         who = self._owner(owner)
-        rid = _as_uuid(run_id)
+        rid = as_run_id(run_id)
         row = (await self.database.read(lambda conn: runs_db.run_get(
                    conn, rid, owner=(who.tenant, who.principal), result=result))
                if rid is not None else None)
@@ -696,7 +624,7 @@ class Orchestrator:
         (reconcile first), ``OPERATION_IN_PROGRESS`` for a run not finished, ``RUN_PRUNED``
         for a pruned one, ``INVALID_REQUEST`` for one restarted already."""
         who = self._owner(owner)
-        rid = _as_uuid(run_id)
+        rid = as_run_id(run_id)
         if rid is None:
             raise AccessDenied(DENIED)
         done = await admin.restart_run(
@@ -745,43 +673,8 @@ class Orchestrator:
         once the run has finished (a retried send is not an error); a new event to a finished
         run is refused with ``INVALID_REQUEST``.
         """
-        check_identifier("name", name)
-        if event_key is not None:
-            validate_idempotency_key(event_key, "event_key")
-        text = self.json_limits.text(payload, "$.payload")
-        who = self._owner(owner)
-        rid = _as_uuid(run_id)
-
-        async def deliver(conn: Conn) -> bool:
-            row = (await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
-                   if rid is not None else None)
-            if row is None:
-                raise AccessDenied(DENIED)
-            target = row["id"]  # the last run of a chain of continuations
-            if row["status"] in TERMINAL:
-                if event_key is not None and await event_seen(conn, run_id=target,
-                                                              event_key=event_key):
-                    return False  # a retry of an event the run received: delivered once
-                raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
-            if event_key is not None and await event_seen(conn, run_id=target,
-                                                          event_key=event_key):
-                return False  # delivered once, even when the backlog is full now
-            # The run's row is locked: no other sender counts at the same time (C15).
-            cap = self.max_pending_events
-            if await event_pending_count(conn, run_id=target, cap=cap) >= cap:
-                raise EventBacklogFull(
-                    f"the run has {cap} events waiting to be consumed, its cap "
-                    "(max_pending_events); nothing was stored")
-            created = await event_insert(conn, run_id=target, name=name, event_key=event_key,
-                                         payload=text)
-            if created:
-                await runs_db.run_wake(conn, target)
-            return created
-
-        # Keyed, a retry after a lost COMMIT finds the event delivered; unkeyed, it could
-        # deliver it twice, so an unknown outcome is reported instead (see Database).
-        return await self.database.run_in_transaction(deliver,
-                                                      idempotent=event_key is not None)
+        return await self._submission.send_event(run_id, name, payload, owner=owner,
+                                                 event_key=event_key)
 
     def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                    owner: Owner | None = None, event_key: str | None = None) -> bool:
@@ -802,13 +695,7 @@ class Orchestrator:
                             ) -> list[JournalEntry]:
         """The run's journal, oldest first. Reading it never dispatches anything (C3)."""
         row = await self._row(run_id, owner)
-        events = await self.database.read(lambda conn: journal_db.journal_read(conn, row["id"]))
-        newer = [e for e in events if e["schema_version"] > SCHEMA_VERSION]
-        if newer:
-            raise SchemaUnsupported(
-                f"journal event {newer[0]['seq']} has schema version "
-                f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
-        return [JournalEntry.from_row(e) for e in events]
+        return await self._submission.journal(row["id"])
 
     # -- waiting for many runs ---------------------------------------------------------------
 
@@ -899,11 +786,10 @@ class Orchestrator:
                        metrics_host: str = "127.0.0.1") -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
         ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md)."""
-        _run_until_stopped(self, lambda: self.create_reconciler(
+        run_until_stopped(lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
             poll_interval=poll_interval, lookup_timeout=lookup_timeout,
-            prune_interval=prune_interval),
-            _listen(metrics_host, metrics_port))
+            prune_interval=prune_interval), **self._serving(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -928,10 +814,10 @@ class Orchestrator:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
         ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
         drain is over (docs/metrics.md). ``schedules``: tick the schedules too."""
-        _run_until_stopped(self, lambda: self.create_worker(
+        run_until_stopped(lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
-            _listen(metrics_host, metrics_port))
+            **self._serving(metrics_host, metrics_port))
 
     async def prune_async(self, *, dry_run: bool = False, batch: int = 500,
                           evidence: bool = True, duty: float = DUTY) -> PruneReport:
@@ -960,6 +846,11 @@ class Orchestrator:
 
         return telemetry.metrics_registry(self.metrics, self.target)
 
+    def _serving(self, host: str, port: int | None) -> dict[str, Any]:
+        """How :func:`~orchestrator.serving.run_until_stopped` serves this app's metrics."""
+        return {"database": self.database, "listen": listen_at(host, port),
+                "registry": self.metrics_registry, "target": lambda: self.target}
+
     async def _close_pools(self) -> None:
         if self._run_streams is not None:
             await self._run_streams.close()
@@ -975,69 +866,8 @@ def _named(workflow: Workflow) -> tuple[str, str]:
     return workflow.name, workflow.version
 
 
-def _listen(host: str, port: int | None) -> tuple[str, int] | None:
-    return None if port is None else (host, port)
-
-
-def _run_until_stopped(app: Orchestrator, create: Callable[[], Worker | Reconciler],
-                       listen: tuple[str, int] | None = None) -> None:
-    """Run a worker or a reconciler on a new event loop in this thread until SIGTERM or
-    SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close the pools.
-    ``listen``: where to serve the metrics meanwhile."""
-
-    async def main() -> None:
-        service = create()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        if _EARLY_STOP.is_set():
-            service.request_stop()
-        stop_exporter = None if listen is None else _start_exporter(app, service, listen)
-        try:
-            await service.run()
-        finally:
-            if stop_exporter is not None:
-                stop_exporter()
-            await app.database.close()
-
-    asyncio.run(main())
-
-
-def _start_exporter(app: Orchestrator, service: Worker | Reconciler,
-                    listen: tuple[str, int]) -> Callable[[], None]:
-    """Serve the metrics (and measure the loop's lag) until the returned function is called."""
-    from orchestrator import telemetry
-
-    worker = service if isinstance(service, Worker) else None
-
-    def slots() -> tuple[int, int]:
-        assert worker is not None
-        return worker.active_runs, worker.concurrency
-
-    exporter = telemetry.Exporter(app.metrics_registry(), app.target,
-                                  slots=slots if worker is not None else None)
-    port = exporter.start(*listen)
-    lag = asyncio.ensure_future(exporter.lag.run())
-    log.info("metrics on http://%s:%d/metrics", listen[0], port)
-
-    def stop() -> None:
-        lag.cancel()
-        exporter.stop()
-
-    return stop
-
-
 def _seconds(value: timedelta | None, default: float) -> float:
     return default if value is None else value.total_seconds()
-
-
-def _as_uuid(value: uuid.UUID | str) -> uuid.UUID | None:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
 
 
 async def _in_context(ctx: otel_context.Context, coro: Awaitable[T]) -> T:

@@ -17,24 +17,24 @@ declarations until ``queues reset``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Sequence
+import json
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
+from orchestrator.admission import check_queue_name
 from orchestrator.db import queues as queues_db
-from orchestrator.db.database import Database
+from orchestrator.db.database import Conn, Database
+from orchestrator.db.reconciliation import audit_record
 from orchestrator.errors import InvalidRequest
 from orchestrator.flow import MAX_LIMIT, RateLimit
-from orchestrator.models import validate_idempotency_key
-from orchestrator.registry import check_name
+from orchestrator.reconcile import check_evidence
 
 T = TypeVar("T")
 
 DEFAULT_PRIORITY_AGING = timedelta(seconds=60)
 """How long a run waits in a priority queue to gain one level (its starvation bound)."""
-MAX_PRIORITY = 1_000
-"""Priorities run from ``-MAX_PRIORITY`` to ``MAX_PRIORITY``; lower numbers start first."""
 @dataclass(frozen=True)
 class Queue:
     """A queue as the code declares it (``app.queue``)."""
@@ -56,13 +56,6 @@ class Queue:
                 "rate_seconds": self.rate.per.total_seconds() if self.rate else None,
                 "priority": self.priority, "count_parked": self.count_parked,
                 "priority_aging_seconds": self.priority_aging.total_seconds()}
-
-
-def check_queue_name(name: Any, path: str = "queue") -> str:
-    try:
-        return check_name("queue", name)
-    except InvalidRequest as exc:
-        raise InvalidRequest(exc.message, path=path) from None
 
 
 def check_limit(value: Any, path: str) -> int | None:
@@ -99,18 +92,6 @@ def declare(name: str, *, concurrency: int | None = None, worker_concurrency: in
                  check_limit(worker_concurrency, "worker_concurrency"),
                  check_limit(key_concurrency, "key_concurrency"), check_rate(rate), priority,
                  count_parked, priority_aging)
-
-
-def check_priority(value: Any) -> int:
-    if type(value) is not int or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
-        raise InvalidRequest(f"priority must be an integer from {-MAX_PRIORITY} to "
-                             f"{MAX_PRIORITY} (lower starts first)", path="priority")
-    return value
-
-
-def check_concurrency_key(value: Any) -> str:
-    """The idempotency key's rules (1-128 ASCII letters, digits, '.', '_', ':', '-')."""
-    return validate_idempotency_key(value, "concurrency_key")
 
 
 @dataclass(frozen=True)
@@ -196,36 +177,72 @@ class QueueAdmin:
             raise missing(name)
         return QueueInfo.from_row(row, key_rows)
 
-    async def set(self, name: str, **changes: Any) -> QueueInfo:
+    async def set(self, name: str, *, operator: str, evidence: str,
+                  **changes: Any) -> QueueInfo:
         """Change limits at run time: ``concurrency``, ``worker_concurrency``,
         ``key_concurrency`` (an integer, or None for no limit), ``rate`` (a
         :class:`RateLimit`, text such as ``"100/s"``, or None), ``priority``,
-        ``count_parked``. What is not given stays."""
-        check_queue_name(name, "name")
-        row = queue_changes(changes)
-        if not row:
-            raise InvalidRequest("give at least one limit to set", path="limits")
-        got = await self.database.run_autocommit(
-            lambda conn: queues_db.queue_set(conn, name, row))
-        if got is None:
-            raise missing(name)
-        return QueueInfo.from_row(got)
+        ``count_parked``. What is not given stays. Audited as :meth:`change` says."""
+        return await self.change(name, "set", operator=operator, evidence=evidence,
+                                 changes=changes)
 
-    async def reset(self, name: str) -> QueueInfo:
+    async def reset(self, name: str, *, operator: str, evidence: str) -> QueueInfo:
         """Drop every limit set at run time: the code's declaration is in force again."""
-        check_queue_name(name, "name")
-        got = await self.database.run_autocommit(lambda conn: queues_db.queue_reset(conn, name))
-        if got is None:
-            raise missing(name)
-        return QueueInfo.from_row(got)
+        return await self.change(name, "reset", operator=operator, evidence=evidence)
 
-    async def set_paused(self, name: str, paused: bool) -> QueueInfo:
+    async def set_paused(self, name: str, paused: bool, *, operator: str,
+                         evidence: str) -> QueueInfo:
+        return await self.change(name, "pause" if paused else "resume", operator=operator,
+                                 evidence=evidence)
+
+    async def change(self, name: str, action: str, *, operator: str, evidence: str,
+                     changes: Mapping[str, Any] | None = None) -> QueueInfo:
+        """``pause``, ``resume``, ``set`` (``changes``: limits by name) or ``reset`` a queue,
+        and its audit row (``queue.pause`` …, by ``operator`` with ``evidence``, the queue's
+        limits and pause before and after) in the same transaction: the one path of
+        ``orchestrator queues``, the console and ``app.queues``. ``INVALID_REQUEST`` naming
+        the field, before anything is read, for a bad name, action, limit, operator or
+        evidence; for a queue not stored."""
         check_queue_name(name, "name")
-        got = await self.database.run_autocommit(
-            lambda conn: queues_db.queue_pause(conn, name, paused))
-        if got is None:
-            raise missing(name)
-        return QueueInfo.from_row(got)
+        check_evidence(evidence, operator)
+        if action not in QUEUE_ACTIONS:
+            raise InvalidRequest(f"action must be one of {', '.join(QUEUE_ACTIONS)}",
+                                 path="action")
+        row = queue_changes(dict(changes or {})) if action == "set" else {}
+        if action == "set" and not row:
+            raise InvalidRequest("give at least one limit to set", path="limits")
+
+        async def act(conn: Conn) -> dict[str, Any]:
+            before = await queues_db.queue_get(conn, name)
+            if before is None:
+                raise missing(name)
+            if action in ("pause", "resume"):
+                after = await queues_db.queue_pause(conn, name, action == "pause")
+            elif action == "set":
+                after = await queues_db.queue_set(conn, name, row)
+            else:
+                after = await queues_db.queue_reset(conn, name)
+            assert after is not None
+            await audit_record(conn, operator=operator, action=f"queue.{action}",
+                               target_kind="queue", target_id=name, tenant=None,
+                               evidence=evidence, before=limits_json(before),
+                               after=limits_json(after))
+            return after
+
+        return QueueInfo.from_row(await self.database.run_in_transaction(act,
+                                                                        idempotent=False))
+
+
+QUEUE_ACTIONS = ("pause", "resume", "set", "reset")
+"""What an operator may do to a queue (each audited as ``queue.<action>``)."""
+
+
+def limits_json(row: Mapping[str, Any]) -> str:
+    """What a queue's audit row keeps of it: its limits and its pause."""
+    shown = queue_record(QueueInfo.from_row(dict(row)))
+    return json.dumps({k: shown[k] for k in ("concurrency", "worker_concurrency",
+                                            "key_concurrency", "rate", "priority",
+                                            "count_parked", "paused")}, sort_keys=True)
 
 
 _SETTABLE = ("concurrency", "worker_concurrency", "key_concurrency", "rate", "priority",
@@ -254,9 +271,17 @@ def queue_changes(changes: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+CODE_OPERATOR = "app"
+"""Who ``app.queues`` changes a queue as in the audit unless told (``operator=``)."""
+CODE_EVIDENCE = "changed by the application's code (app.queues)"
+"""The evidence its audit row keeps unless told (``evidence=``)."""
+
+
 class Queues:
     """``app.queues``: the stored queues, read and changed at run time. Each method has an
-    ``_async`` twin for code in an event loop."""
+    ``_async`` twin for code in an event loop. A change is audited as the CLI's and the
+    console's are (``queue.pause`` …), by ``operator`` (default ``"app"``) with
+    ``evidence``."""
 
     def __init__(self, admin: QueueAdmin, call: Callable[[Any], Any]) -> None:
         self.admin = admin
@@ -277,28 +302,37 @@ class Queues:
     def get(self, name: str) -> QueueInfo:
         return self._run(self.get_async(name))
 
-    async def set_async(self, name: str, **changes: Any) -> QueueInfo:
-        return await self.admin.set(name, **changes)
+    async def set_async(self, name: str, *, operator: str = CODE_OPERATOR,
+                        evidence: str = CODE_EVIDENCE, **changes: Any) -> QueueInfo:
+        return await self.admin.set(name, operator=operator, evidence=evidence, **changes)
 
-    def set(self, name: str, **changes: Any) -> QueueInfo:
+    def set(self, name: str, *, operator: str = CODE_OPERATOR, evidence: str = CODE_EVIDENCE,
+            **changes: Any) -> QueueInfo:
         """See :meth:`QueueAdmin.set`."""
-        return self._run(self.set_async(name, **changes))
+        return self._run(self.set_async(name, operator=operator, evidence=evidence,
+                                        **changes))
 
-    async def reset_async(self, name: str) -> QueueInfo:
-        return await self.admin.reset(name)
+    async def reset_async(self, name: str, *, operator: str = CODE_OPERATOR,
+                          evidence: str = CODE_EVIDENCE) -> QueueInfo:
+        return await self.admin.reset(name, operator=operator, evidence=evidence)
 
-    def reset(self, name: str) -> QueueInfo:
-        return self._run(self.reset_async(name))
+    def reset(self, name: str, *, operator: str = CODE_OPERATOR,
+              evidence: str = CODE_EVIDENCE) -> QueueInfo:
+        return self._run(self.reset_async(name, operator=operator, evidence=evidence))
 
-    async def pause_async(self, name: str) -> QueueInfo:
-        return await self.admin.set_paused(name, True)
+    async def pause_async(self, name: str, *, operator: str = CODE_OPERATOR,
+                          evidence: str = CODE_EVIDENCE) -> QueueInfo:
+        return await self.admin.set_paused(name, True, operator=operator, evidence=evidence)
 
-    def pause(self, name: str) -> QueueInfo:
+    def pause(self, name: str, *, operator: str = CODE_OPERATOR,
+              evidence: str = CODE_EVIDENCE) -> QueueInfo:
         """Start nothing new from the queue; its running runs go on."""
-        return self._run(self.pause_async(name))
+        return self._run(self.pause_async(name, operator=operator, evidence=evidence))
 
-    async def resume_async(self, name: str) -> QueueInfo:
-        return await self.admin.set_paused(name, False)
+    async def resume_async(self, name: str, *, operator: str = CODE_OPERATOR,
+                           evidence: str = CODE_EVIDENCE) -> QueueInfo:
+        return await self.admin.set_paused(name, False, operator=operator, evidence=evidence)
 
-    def resume(self, name: str) -> QueueInfo:
-        return self._run(self.resume_async(name))
+    def resume(self, name: str, *, operator: str = CODE_OPERATOR,
+               evidence: str = CODE_EVIDENCE) -> QueueInfo:
+        return self._run(self.resume_async(name, operator=operator, evidence=evidence))

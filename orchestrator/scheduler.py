@@ -24,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from orchestrator import admin
+from orchestrator.admission import new_run
 from orchestrator.canonical import JsonLimits
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
@@ -247,11 +248,11 @@ class _Tick:
         """Submit the slot's run in this transaction; its key makes it the slot's only run."""
         row = self.row
         key = slot_key(self.id, slot) if kind != "trigger" else trigger_key(self.id, slot)
-        run_row = runs_db.run_row(
+        run_row = new_run(
             row["workflow_name"], row["workflow_version"], row["input"],
             limits=self.s.json_limits,
             owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
-            idempotency_key=key, deadline=None)
+            queues=None, idempotency_key=key)
         run_id, created, _ = await runs_db.run_insert(self.conn, run_row)
         if created:
             self.s.metrics.incr("runs_submitted")

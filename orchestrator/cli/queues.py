@@ -2,7 +2,9 @@
 
 No application code is needed: a queue is stored once a worker of an app that declares it has
 started, and its limits are enforced by the claim in the database, so a change here is in
-force at the next claim of every worker.
+force at the next claim of every worker. A change (``pause``, ``resume``, ``set``, ``reset``)
+names its ``--operator`` and ``--evidence`` and is audited (``queue.pause`` …) as the
+console's is: both go through :meth:`~orchestrator.queues.QueueAdmin.change`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def register(subparsers: Any) -> None:
                         ("resume", "start runs from the queue again")):
         cmd = commands.add_parser(name, help=about)
         cmd.add_argument("name")
+        _audited(cmd)
         json_option(cmd)
         cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume)
     change = commands.add_parser(
@@ -51,13 +54,22 @@ def register(subparsers: Any) -> None:
                         help="e.g. 100/s, 10/5s, 600/min, 5000/day")
     change.add_argument("--priority", choices=("on", "off"))
     change.add_argument("--count-parked", choices=("on", "off"))
+    _audited(change)
     json_option(change)
     change.set_defaults(func=cmd_set)
     reset = commands.add_parser("reset", help="drop the limits set at run time: the code's "
                                               "declaration is in force again")
     reset.add_argument("name")
+    _audited(reset)
     json_option(reset)
     reset.set_defaults(func=cmd_reset)
+
+
+def _audited(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--operator", required=True, metavar="NAME",
+                     help="who changes the queue (audited)")
+    cmd.add_argument("--evidence", required=True, metavar="TEXT",
+                     help="why (kept in the audit row)")
 
 
 def _admin(args: argparse.Namespace, act: Callable[[QueueAdmin], Awaitable[T]]) -> T:
@@ -72,6 +84,10 @@ def _admin(args: argparse.Namespace, act: Callable[[QueueAdmin], Awaitable[T]]) 
 
 
 record = queue_record
+
+
+def _who(args: argparse.Namespace) -> dict[str, str]:
+    return {"operator": args.operator, "evidence": args.evidence}
 
 
 def _limit(value: int | None) -> str:
@@ -138,12 +154,12 @@ def _changed(info: QueueInfo, what: str, args: argparse.Namespace) -> int:
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    info = _admin(args, lambda admin: admin.set_paused(args.name, True))
+    info = _admin(args, lambda admin: admin.set_paused(args.name, True, **_who(args)))
     return _changed(info, "paused: nothing new starts; its running runs go on", args)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    info = _admin(args, lambda admin: admin.set_paused(args.name, False))
+    info = _admin(args, lambda admin: admin.set_paused(args.name, False, **_who(args)))
     return _changed(info, "resumed", args)
 
 
@@ -167,12 +183,12 @@ def cmd_set(args: argparse.Namespace) -> int:
     for flag in ("priority", "count_parked"):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag) == "on"
-    info = _admin(args, lambda admin: admin.set(args.name, **changes))
+    info = _admin(args, lambda admin: admin.set(args.name, **_who(args), **changes))
     said = ", ".join(f"{k.replace('_', ' ')} {'none' if v is None else v}"
                      for k, v in changes.items())
     return _changed(info, f"set: {said}", args)
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
-    info = _admin(args, lambda admin: admin.reset(args.name))
+    info = _admin(args, lambda admin: admin.reset(args.name, **_who(args)))
     return _changed(info, "reset to the code's declaration", args)

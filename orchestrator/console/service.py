@@ -22,22 +22,19 @@ from typing import Any, Protocol
 
 from orchestrator import admin
 from orchestrator.console.grants import Access
-from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import views
 from orchestrator.db.config import DatabaseTarget
-from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
 from orchestrator.models import check_run_filters, parse_run_id
 from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
-from orchestrator.queues import QueueAdmin, QueueInfo, missing, queue_changes, queue_record
-from orchestrator.reconcile import THEN, check_evidence
+from orchestrator.queues import QueueAdmin, QueueInfo
+from orchestrator.reconcile import THEN
 from orchestrator.stream import TERMINAL, RunStreams
 from orchestrator.text import check_identifier, check_operator
 
 DENIED = "the run does not exist or is not accessible"
-QUEUE_ACTIONS = ("pause", "resume", "set", "reset")
 PAGE_MAX = 200
 INPUT_SHOWN = 64 * 1024
 """Characters of a run's input a page shows (the API gives all of it)."""
@@ -379,39 +376,16 @@ class ConsoleService:
     async def change_queue(self, access: Access, name: str, *, action: str, evidence: str,
                            changes: Mapping[str, Any] | None = None) -> QueueInfo:
         """``pause``, ``resume``, ``set`` (``changes``: limits by name) or ``reset`` a queue,
-        audited (``queue.pause`` …, with the queue before and after). Needs the ``queues``
-        grant and an operator without tenant scopes: a queue is every tenant's."""
+        audited (``queue.pause`` …, with the queue before and after) by
+        :meth:`QueueAdmin.change`, the CLI's path. Needs the ``queues`` grant and an operator
+        without tenant scopes: a queue is every tenant's."""
         tenants = self.tenants(access)
         access.need("queues")
         if tenants is not None:
             raise Forbidden(f"operator {access.operator!r} is limited to some tenants, and a "
                             "queue is shared by every tenant")
-        check_evidence(evidence, access.operator)
-        if action not in QUEUE_ACTIONS:
-            raise InvalidRequest(f"action must be one of {', '.join(QUEUE_ACTIONS)}",
-                                 path="action")
-        row = queue_changes(dict(changes or {})) if action == "set" else {}
-        if action == "set" and not row:
-            raise InvalidRequest("give at least one limit to set", path="limits")
-
-        async def act(conn: Any) -> dict[str, Any]:
-            before = await queues_db.queue_get(conn, name)
-            if before is None:
-                raise missing(name)
-            if action in ("pause", "resume"):
-                after = await queues_db.queue_pause(conn, name, action == "pause")
-            elif action == "set":
-                after = await queues_db.queue_set(conn, name, row)
-            else:
-                after = await queues_db.queue_reset(conn, name)
-            assert after is not None
-            await audit_record(conn, operator=access.operator, action=f"queue.{action}",
-                               target_kind="queue", target_id=name, tenant=None,
-                               evidence=evidence, before=_limits_json(before),
-                               after=_limits_json(after))
-            return after
-
-        return QueueInfo.from_row(await self.db.run_in_transaction(act, idempotent=False))
+        return await QueueAdmin(self.db).change(name, action, operator=access.operator,
+                                                evidence=evidence, changes=changes)
 
     # -- the reconciliation queue ------------------------------------------------------------
 
@@ -546,11 +520,3 @@ def _check_resolution(resolution: str, receipt: Any, then: str | None) -> None:
                              path="then")
     if resolution != "committed" and receipt is not None:
         raise InvalidRequest("a receipt goes only with a committed resolution", path="receipt")
-
-
-def _limits_json(row: Mapping[str, Any]) -> str:
-    """What a queue's audit row keeps of it: its limits and its pause."""
-    shown = queue_record(QueueInfo.from_row(dict(row)))
-    return json.dumps({k: shown[k] for k in ("concurrency", "worker_concurrency",
-                                            "key_concurrency", "rate", "priority",
-                                            "count_parked", "paused")}, sort_keys=True)

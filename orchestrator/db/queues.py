@@ -51,6 +51,12 @@ async def queue_names(conn: Conn) -> list[str]:
     return [row["name"] for row in await cur.fetchall()]
 
 
+async def queue_stored(conn: Conn, names: Sequence[str]) -> set[str]:
+    """Which of ``names`` are stored queues (paused or not): where a new run may wait."""
+    cur = await conn.execute(f"SELECT name FROM {S}.queues WHERE name = ANY(%s)", (list(names),))
+    return {row["name"] for row in await cur.fetchall()}
+
+
 async def queue_claim(conn: Conn, *, queue: str, worker: str, workflows: Sequence[str],
                       limit: int, ttl: float) -> tuple[list[dict[str, Any]], float | None]:
     """Claim up to ``limit`` runs of ``queue`` that its limits admit (one transaction: the

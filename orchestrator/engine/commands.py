@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 from orchestrator import tracing
+from orchestrator.admission import DECLARE_HINT, new_run
 from orchestrator.context import ContinueAsNew
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
@@ -206,10 +207,10 @@ class Commands:
         else:
             run.boundary()
             child_id = uuid.uuid5(run.run_id, f"child:{position}")
-            row = runs_db.run_row(
+            row = new_run(
                 wf.name, wf.version, input, limits=self.config.json_limits, owner=run.owner,
-                idempotency_key=None, deadline=run.remaining(), run_id=child_id,
-                parent=(run.run_id, position), queue=wf.queue)
+                queues=self.config.queues, hint=DECLARE_HINT, deadline=run.remaining(),
+                run_id=child_id, parent=(run.run_id, position), queue=wf.queue)
             row["traceparent"] = tracing.current_traceparent()  # the parent run's span
 
             async def start(conn: Conn) -> tuple[None, list[Entry]]:

@@ -30,6 +30,9 @@ class EngineConfig:
     authorize: Hook | None = None  # app-wide policy stages, run before each tool's own
     approve: Hook | None = None
     tracing: Tracing = field(default_factory=Tracing)  # where spans go (docs/tracing.md)
+    # The queues the application declares: a child run may wait in these (None: any
+    # well-formed name, for an engine built without an application).
+    queues: frozenset[str] | None = None
     # Tools whose dispatch is paused (a provider's back-off, docs/flow.md), and until when:
     # kept current by the worker (NOTIFY), read before each dispatch.
     back_offs: dict[str, datetime] = field(default_factory=dict)

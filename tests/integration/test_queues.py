@@ -321,7 +321,7 @@ def test_a_workflow_in_an_undeclared_queue_cannot_start_a_worker(make_app):
     assert getattr(caught.value, "code", None) == "CONFIGURATION_ERROR"
 
 
-async def test_the_queues_commands(make_app, migrated_database_url):
+async def test_the_queues_commands(make_app, migrated_database_url, sql):
     gauge = Gauge()
     app, job = _app(make_app, gauge, concurrency=2, key_concurrency=1)
     async with running(app):
@@ -336,19 +336,56 @@ async def test_the_queues_commands(make_app, migrated_database_url):
         ("work", 2, 3)]
     table = cli("list").stdout
     assert "QUEUE" in table and "work" in table
+    who = ("--operator", "alice", "--evidence", "the PSP asked for 100/s")
     changed = json.loads(cli("set", "work", "--rate", "100/s", "--concurrency",
-                                 "none", "--json").stdout)
+                                 "none", *who, "--json").stdout)
     assert changed["rate"] == {"limit": 100, "per_seconds": 1.0}
     assert changed["concurrency"] is None
     assert sorted(changed["overridden"]) == ["concurrency", "rate_limit", "rate_seconds"]
     shown = cli("show", "work").stdout
     assert "rate:" in shown and "KEY" in shown and "k" in shown
-    paused = json.loads(cli("pause", "work", "--json").stdout)
+    paused = json.loads(cli("pause", "work", *who, "--json").stdout)
     assert paused["paused"] is True
-    bad = cli("set", "work", "--rate", "10/fortnight")
+    bad = cli("set", "work", "--rate", "10/fortnight", *who)
     assert bad.returncode == 2 and "INVALID_REQUEST" in bad.stderr
+    unnamed = cli("resume", "work")  # a change names who makes it, and why
+    assert unnamed.returncode == 2 and "--operator" in unnamed.stderr
+    blank = cli("resume", "work", "--operator", "alice", "--evidence", " ")
+    assert blank.returncode == 2 and "INVALID_REQUEST" in blank.stderr
+    assert (await app.queues.get_async("work")).paused
+    # Each change wrote its audit row, as the console's do: who, why, before and after.
+    audit = sql("SELECT operator, action, target_kind, target_id, tenant, evidence, "
+                "before->>'paused' AS was, after->>'paused' AS paused, after->'rate' AS rate "
+                "FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"], a["target_kind"], a["target_id"], a["tenant"],
+             a["evidence"]) for a in audit] == [
+        ("alice", "queue.set", "queue", "work", None, "the PSP asked for 100/s"),
+        ("alice", "queue.pause", "queue", "work", None, "the PSP asked for 100/s")]
+    assert audit[0]["rate"] == {"limit": 100, "per_seconds": 1.0}
+    assert (audit[1]["was"], audit[1]["paused"]) == ("false", "true")
+    cli("reset", "work", *who)
+    assert sql("SELECT action FROM orchestrator.operator_audit ORDER BY id DESC LIMIT 1"
+               )[0]["action"] == "queue.reset"
     missing = cli("show", "nowhere")
     assert missing.returncode == 2 and "no queue nowhere" in missing.stderr
+
+
+async def test_app_queues_changes_are_audited_too(make_app, sql):
+    app, _ = _app(make_app, Gauge(), concurrency=2)
+    async with running(app):
+        await _stored(app)
+    await app.queues.pause_async("work")
+    await app.queues.set_async("work", concurrency=3, operator="bob", evidence="more room")
+    with pytest.raises(InvalidRequest) as refused:  # checked before anything is written
+        await app.queues.resume_async("work", operator="bob", evidence="")
+    assert refused.value.path == "evidence"
+    audit = sql("SELECT operator, action, evidence, after->>'concurrency' AS concurrency "
+                "FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"], a["evidence"]) for a in audit] == [
+        ("app", "queue.pause", "changed by the application's code (app.queues)"),
+        ("bob", "queue.set", "more room")]
+    assert audit[1]["concurrency"] == "3"
+    assert (await app.queues.get_async("work")).paused
 
 
 async def test_the_http_api_takes_a_queue_a_priority_and_a_key(make_app, sql):

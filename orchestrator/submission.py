@@ -1,0 +1,260 @@
+"""Submission: creating runs, delivering events to them, and reading their journals checked
+against the schema this code understands.
+
+:class:`Submission` is what :class:`~orchestrator.app.Orchestrator` delegates to for
+``submit``, ``send_event`` and ``journal``. It is handed a frozen :class:`SubmissionConfig`, the
+database (a function: resolved on first use), the registry (to find a workflow by name), the
+metrics and the application's declared queues; it knows nothing of the application itself,
+and answers with run ids, which the application wraps in handles. Every run it creates goes through
+:func:`orchestrator.admission.new_run`, as a child's, a schedule's and a restart's do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from orchestrator.admission import DECLARE_HINT, check_queue_name, new_run
+from orchestrator.canonical import JsonLimits
+from orchestrator.db import journal as journal_db
+from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Conn, Database
+from orchestrator.db.events import event_insert, event_pending_count, event_seen
+from orchestrator.errors import (
+    AccessDenied,
+    EventBacklogFull,
+    IdempotencyConflict,
+    InvalidRequest,
+    SchemaUnsupported,
+    UnknownWorkflow,
+)
+from orchestrator.flow import Start, check_start
+from orchestrator.handle import DENIED, TERMINAL
+from orchestrator.journal import SCHEMA_VERSION
+from orchestrator.metrics import Metrics
+from orchestrator.models import JournalEntry, Owner, validate_idempotency_key
+from orchestrator.registry import Registry, Workflow
+from orchestrator.text import check_identifier
+from orchestrator.tracing import Tracing, current_traceparent, format_traceparent, record_error
+
+
+@dataclass(frozen=True)
+class SubmissionConfig:
+    """The application's settings submission needs, taken when the service is built."""
+
+    json_limits: JsonLimits
+    max_pending_events: int
+    tracing: Tracing
+    default_owner: Owner | None = None
+
+
+def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
+    """The owner a call acts for: the one given, else the application's default;
+    ``INVALID_REQUEST`` when there is neither (or the one given is not an :class:`Owner`)."""
+    if owner is not None:
+        if not isinstance(owner, Owner):
+            raise InvalidRequest("owner must be an orchestrator.Owner")
+        return owner
+    if default is None:
+        raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
+    return default
+
+
+def resolve_workflow(registry: Registry, workflow: Workflow | str,
+                     version: str | None = None) -> Workflow:
+    """The workflow a submission names: the one given, else the registered one of that name
+    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none."""
+    if isinstance(workflow, Workflow):
+        return workflow
+    chosen = registry.choose(workflow, version)
+    if chosen is None:
+        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+        raise UnknownWorkflow(f"{named} is not registered")
+    return chosen
+
+
+def as_run_id(value: uuid.UUID | str) -> uuid.UUID | None:
+    """A run id given as a UUID or its text; None for text that is not one."""
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+def check_journal(events: Sequence[dict[str, Any]]) -> list[JournalEntry]:
+    """A run's journal rows as entries, oldest first; ``SCHEMA_UNSUPPORTED`` for an entry
+    written by newer code than this (its schema version is above :data:`SCHEMA_VERSION`)."""
+    newer = [e for e in events if e["schema_version"] > SCHEMA_VERSION]
+    if newer:
+        raise SchemaUnsupported(
+            f"journal event {newer[0]['seq']} has schema version "
+            f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
+    return [JournalEntry.from_row(e) for e in events]
+
+
+class Submission:
+    """Creates runs and delivers events, for one application (see the module's docstring)."""
+
+    def __init__(self, config: SubmissionConfig, database: Callable[[], Database],
+                 registry: Registry, metrics: Metrics, queues: Collection[str]) -> None:
+        self.config = config
+        # The application's database, resolved on first use: a request refused by the checks
+        # never resolves (or starts) one.
+        self.database = database
+        self.registry = registry
+        self.metrics = metrics
+        self.queues = queues  # the application's declared queues: a run may wait in these
+
+    def owner(self, owner: Owner | None) -> Owner:
+        return resolve_owner(owner, self.config.default_owner)
+
+    def resolve_workflow(self, workflow: Workflow | str, version: str | None = None
+                         ) -> Workflow:
+        return resolve_workflow(self.registry, workflow, version)
+
+    def new_run_row(
+        self,
+        workflow: Workflow,
+        input: Any,
+        *,
+        owner: Owner,
+        idempotency_key: str | None,
+        deadline: float | None,
+        run_id: uuid.UUID | None = None,
+        parent: tuple[uuid.UUID, int] | None = None,
+        start: Start | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Validate a submission and build its row (:func:`~orchestrator.admission.new_run`,
+        the queue one the application declares). Raises before anything is written."""
+        chosen = check_queue_name(queue) if queue is not None else workflow.queue
+        return new_run(workflow.name, workflow.version, input, limits=self.config.json_limits,
+                       owner=owner, queues=self.queues, hint=DECLARE_HINT,
+                       idempotency_key=idempotency_key, deadline=deadline, run_id=run_id,
+                       parent=parent, start=start, queue=chosen, priority=priority,
+                       concurrency_key=concurrency_key)
+
+    async def submit(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        input: Any = None,
+        *,
+        owner: Owner,
+        version: str | None = None,
+        idempotency_key: str | None = None,
+        deadline: timedelta | None = None,
+        start_at: datetime | None = None,
+        delay: timedelta | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        concurrency_key: str | None = None,
+        connection: Conn | None = None,
+    ) -> tuple[uuid.UUID, bool]:
+        """Submit a run for ``owner`` (see ``Orchestrator.submit_async``): its id, and whether
+        this call created it (False: the owner's key named an existing run of the same
+        request)."""
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+        if version is not None:
+            check_identifier("version", version)
+        wf = self.resolve_workflow(workflow, version)
+        seconds = None
+        if deadline is not None:
+            if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
+                raise InvalidRequest("deadline must be a positive timedelta", path="deadline")
+            seconds = deadline.total_seconds()
+        start = check_start(start_at, delay, datetime.now(UTC))
+        row = self.new_run_row(wf, input, owner=owner, idempotency_key=idempotency_key,
+                               deadline=seconds, start=start, queue=queue, priority=priority,
+                               concurrency_key=concurrency_key)
+        tracer = self.config.tracing.tracer
+        if tracer is None:  # not tracing here: the caller's own span, if any, is the parent
+            row["traceparent"] = current_traceparent()
+            return await self._insert_run(row, connection)
+        with tracer.start_as_current_span(
+                f"submit {wf.name}", kind=SpanKind.PRODUCER, record_exception=False,
+                set_status_on_exception=False, attributes={
+                    "orchestrator.workflow": wf.name,
+                    "orchestrator.workflow_version": wf.version,
+                    "orchestrator.run_id": str(row["id"]),
+                    "orchestrator.keyed": idempotency_key is not None}) as span:
+            row["traceparent"] = format_traceparent(span.get_span_context())
+            try:
+                run_id, created = await self._insert_run(row, connection)
+            except Exception as exc:
+                record_error(span, getattr(exc, "code", None) or type(exc).__name__)
+                raise
+            span.set_attribute("orchestrator.created", created)
+            if not created:  # an earlier submission's run: that one carries its trace
+                span.set_attribute("orchestrator.run_id", str(run_id))
+            return run_id, created
+
+    async def _insert_run(self, row: dict[str, Any], connection: Conn | None
+                          ) -> tuple[uuid.UUID, bool]:
+        if connection is not None:
+            run_id, created, digest = await runs_db.run_insert(connection, row)
+        else:
+            run_id, created, digest = await self.database().run_autocommit(
+                lambda conn: runs_db.run_insert(conn, row))
+        if not created and digest != row["request_digest"]:
+            raise IdempotencyConflict(
+                "this idempotency key was already used by this owner for a different request")
+        if created:
+            self.metrics.incr("runs_submitted")
+        return run_id, created
+
+    async def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
+                         owner: Owner | None = None, event_key: str | None = None) -> bool:
+        """See ``Orchestrator.send_event_async``."""
+        check_identifier("name", name)
+        if event_key is not None:
+            validate_idempotency_key(event_key, "event_key")
+        text = self.config.json_limits.text(payload, "$.payload")
+        who = self.owner(owner)
+        rid = as_run_id(run_id)
+        cap = self.config.max_pending_events
+
+        async def deliver(conn: Conn) -> bool:
+            row = (await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
+                   if rid is not None else None)
+            if row is None:
+                raise AccessDenied(DENIED)
+            target = row["id"]  # the last run of a chain of continuations
+            if row["status"] in TERMINAL:
+                if event_key is not None and await event_seen(conn, run_id=target,
+                                                              event_key=event_key):
+                    return False  # a retry of an event the run received: delivered once
+                raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
+            if event_key is not None and await event_seen(conn, run_id=target,
+                                                          event_key=event_key):
+                return False  # delivered once, even when the backlog is full now
+            # The run's row is locked: no other sender counts at the same time (C15).
+            if await event_pending_count(conn, run_id=target, cap=cap) >= cap:
+                raise EventBacklogFull(
+                    f"the run has {cap} events waiting to be consumed, its cap "
+                    "(max_pending_events); nothing was stored")
+            created = await event_insert(conn, run_id=target, name=name, event_key=event_key,
+                                         payload=text)
+            if created:
+                await runs_db.run_wake(conn, target)
+            return created
+
+        # Keyed, a retry after a lost COMMIT finds the event delivered; unkeyed, it could
+        # deliver it twice, so an unknown outcome is reported instead (see Database).
+        return await self.database().run_in_transaction(deliver,
+                                                      idempotent=event_key is not None)
+
+    async def journal(self, run_id: uuid.UUID) -> list[JournalEntry]:
+        """The run's journal, oldest first, checked by :func:`check_journal`. Reading it never
+        dispatches anything (C3)."""
+        events = await self.database().read(lambda conn: journal_db.journal_read(conn, run_id))
+        return check_journal(events)

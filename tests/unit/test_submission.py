@@ -1,0 +1,58 @@
+"""The submission service's pure parts, without a database: the journal's schema check, the
+owner a call acts for, the workflow a submission names."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from orchestrator.errors import InvalidRequest, SchemaUnsupported, UnknownWorkflow
+from orchestrator.journal import SCHEMA_VERSION
+from orchestrator.models import Owner
+from orchestrator.registry import Registry, Workflow
+from orchestrator.submission import check_journal, resolve_owner, resolve_workflow
+
+OWNER = Owner(tenant="acme", principal="alice")
+
+
+def _event(seq: int, schema_version: int = SCHEMA_VERSION) -> dict[str, Any]:
+    return {"seq": seq, "kind": "run.started", "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+            "position": None, "name": None, "payload": {}, "schema_version": schema_version,
+            "lease_token": 1}
+
+
+def test_a_journal_this_code_understands_is_read_oldest_first() -> None:
+    entries = check_journal([_event(1), _event(2)])
+    assert [e.seq for e in entries] == [1, 2]
+
+
+def test_an_entry_from_newer_code_is_refused_naming_it() -> None:
+    with pytest.raises(SchemaUnsupported, match="journal event 2 has schema version") as info:
+        check_journal([_event(1), _event(2, SCHEMA_VERSION + 1)])
+    assert info.value.code == "SCHEMA_UNSUPPORTED"
+
+
+def test_the_owner_is_the_one_given_else_the_default() -> None:
+    other = Owner(tenant="acme", principal="bob")
+    assert resolve_owner(other, OWNER) is other
+    assert resolve_owner(None, OWNER) is OWNER
+    with pytest.raises(InvalidRequest) as missing:
+        resolve_owner(None, None)
+    assert missing.value.path == "owner"
+    with pytest.raises(InvalidRequest, match="orchestrator.Owner"):
+        resolve_owner("alice", OWNER)  # type: ignore[arg-type]
+
+
+def test_a_workflow_by_name_is_the_registered_one() -> None:
+    async def fn(ctx: Any, data: Any) -> Any:
+        return data
+
+    registry = Registry()
+    wf: Workflow[Any, Any] = Workflow(name="wf", version="1", fn=fn)
+    registry.add_workflow(wf)
+    assert resolve_workflow(registry, "wf") is wf
+    assert resolve_workflow(registry, wf) is wf
+    with pytest.raises(UnknownWorkflow, match="workflow 'wf' version '2'"):
+        resolve_workflow(registry, "wf", "2")
