@@ -3,14 +3,17 @@
 No application code is needed: a queue is stored once a worker of an app that declares it has
 started, and its limits are enforced by the claim in the database, so a change here is in
 force at the next claim of every worker. A change (``pause``, ``resume``, ``set``, ``reset``)
-names its ``--operator`` and ``--evidence`` and is audited (``queue.pause`` …) as the
-console's is: both go through :meth:`~orchestrator.queues.QueueAdmin.change`.
+is audited (``queue.pause`` …) as the console's is, naming ``--operator`` (default: the login
+name) and ``--evidence`` (default: a text saying none was given): both go through
+:meth:`~orchestrator.queues.QueueAdmin.change`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -41,7 +44,7 @@ def register(subparsers: Any) -> None:
         cmd.add_argument("name")
         _audited(cmd)
         json_option(cmd)
-        cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume)
+        cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume, queue_action=name)
     change = commands.add_parser(
         "set", help="change limits at run time (kept until `queues reset`)",
         description="Change a queue's limits at run time. A number sets a limit; 'none' "
@@ -56,20 +59,22 @@ def register(subparsers: Any) -> None:
     change.add_argument("--count-parked", choices=("on", "off"))
     _audited(change)
     json_option(change)
-    change.set_defaults(func=cmd_set)
+    change.set_defaults(func=cmd_set, queue_action="set")
     reset = commands.add_parser("reset", help="drop the limits set at run time: the code's "
                                               "declaration is in force again")
     reset.add_argument("name")
     _audited(reset)
     json_option(reset)
-    reset.set_defaults(func=cmd_reset)
+    reset.set_defaults(func=cmd_reset, queue_action="reset")
 
 
 def _audited(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--operator", required=True, metavar="NAME",
-                     help="who changes the queue (audited)")
-    cmd.add_argument("--evidence", required=True, metavar="TEXT",
-                     help="why (kept in the audit row)")
+    # Optional, so that scripts written before the audit keep working: the row then names
+    # the login that ran the command and says that no reason was given.
+    cmd.add_argument("--operator", metavar="NAME",
+                     help="who changes the queue (audited; default: your login name)")
+    cmd.add_argument("--evidence", metavar="TEXT",
+                     help="why (kept in the audit row; default: says none was given)")
 
 
 def _admin(args: argparse.Namespace, act: Callable[[QueueAdmin], Awaitable[T]]) -> T:
@@ -87,7 +92,19 @@ record = queue_record
 
 
 def _who(args: argparse.Namespace) -> dict[str, str]:
-    return {"operator": args.operator, "evidence": args.evidence}
+    """The audit row's operator and evidence: as given, else the login name and a text that
+    says no reason was given (a blank one given is refused, as the console refuses it)."""
+    operator = args.operator if args.operator is not None else _login()
+    evidence = (args.evidence if args.evidence is not None
+                else f"none given (orchestrator queues {args.queue_action})")
+    return {"operator": operator, "evidence": evidence}
+
+
+def _login() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name for this uid (a bare container)
+        return f"uid:{os.getuid()}"
 
 
 def _limit(value: int | None) -> str:
