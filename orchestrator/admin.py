@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.admission import new_run
+from orchestrator.db import chains as chains_db
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
@@ -332,7 +333,7 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
                 known_operations=[{"position": o["position"], "tool": o["tool_name"],
                                    "receipt": o["receipt"]}
                                   for o in operations if o["state"] == "committed"])
-        at = (await runs_db.run_failed_position(conn, run_id) if from_position is None
+        at = (await chains_db.run_failed_position(conn, run_id) if from_position is None
               else from_position)
         input_value = await views_db.run_input(conn, run_id)
         options = row["options"] or {}
@@ -346,10 +347,12 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
             concurrency_key=row["concurrency_key"])
         new["traceparent"] = None
         await runs_db.run_insert(conn, new)
-        carried = await runs_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
-        await runs_db.run_mark_restarted(conn, new["id"], restarted_from=run_id,
-                                         revision=carried)
-        if not await runs_db.run_supersede(conn, old=run_id, new=new["id"]):
+        carried = await chains_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
+        if not await chains_db.run_mark_restarted(conn, new["id"], restarted_from=run_id,
+                                                  revision=carried):
+            raise InvalidRequest(f"run {new['id']} changed before its restart was recorded",
+                                 path="run_id")
+        if not await chains_db.run_supersede(conn, old=run_id, new=new["id"]):
             raise InvalidRequest(f"run {run_id} was restarted meanwhile", path="run_id")
         await audit_record(
             conn, operator=operator, action="run.restart", target_kind="run",

@@ -3,7 +3,7 @@
 The entries themselves (kinds, payloads, schema version) are defined in
 :mod:`orchestrator.journal`; this module writes and reads them. Two ways in (the others that
 insert journal rows are the hot steps' set-based statements in :mod:`orchestrator.db.steps`
-and a restart's copy, :func:`orchestrator.db.runs.run_journal_carry`):
+and a restart's copy, :func:`orchestrator.db.chains.run_journal_carry`):
 
 - :func:`journal_append`: the fenced append that moves a run's revision (the general path of
   every worker write);

@@ -13,6 +13,7 @@ from typing import Any
 
 from orchestrator import tracing
 from orchestrator.context import ContinueAsNew
+from orchestrator.db import chains as chains_db
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
@@ -216,7 +217,7 @@ class Outcome:
 
     async def _continue(self, to: ContinueAsNew) -> None:
         """``ctx.continue_as_new``: end the run ``CONTINUED_AS_NEW`` and queue the new run in
-        the same transaction (``runs_db.run_continue``); while an operation is unsettled it
+        the same transaction (``chains_db.run_continue``); while an operation is unsettled it
         waits for the reconciliation instead, as any end does (and continues on its replay)."""
         run = self.run
         if run.index.max_position >= run.position:
@@ -228,7 +229,7 @@ class Outcome:
                    {"run_id": str(new_id), "version": to.version})
 
         async def end(conn: Conn) -> None:
-            await runs_db.run_continue(conn, run_id=run.run_id, token=run.token, new_id=new_id,
+            await chains_db.run_continue(conn, run_id=run.run_id, token=run.token, new_id=new_id,
                                        version=to.version, input_text=to.input_text)
 
         if await self._terminal("succeeded", runs_db.CONTINUED, None, None, ev, end=end):

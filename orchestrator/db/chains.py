@@ -1,0 +1,128 @@
+"""Runs made from runs: a continuation's next generation (``ctx.continue_as_new``, migration
+0015) and a restart's new run with the old one's journal carried (migration 0014). Each is
+written in the caller's transaction, guarded, its row counts checked.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.db.runs import CONTINUED, run_finish
+from orchestrator.db.schema import SCHEMA as S
+from orchestrator.errors import LeaseLost
+from orchestrator.journal import EventKind
+
+# -- continuations (migration 0015, docs/versioning.md#long-runs) -----------------------------
+
+_CONTINUE_FROM = f"""
+UPDATE {S}.runs AS r SET idempotency_key = NULL, parent_position = NULL,
+       superseded_by = %(new)s
+FROM (SELECT id, idempotency_key, parent_position FROM {S}.runs WHERE id = %(old)s
+      FOR UPDATE) AS before
+WHERE r.id = before.id AND r.superseded_by IS NULL AND r.status = 'succeeded'
+  AND r.outcome_code = '{CONTINUED}'
+RETURNING r.id, before.idempotency_key, before.parent_position
+"""
+
+_CONTINUE_AS = f"""
+INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
+                      request_digest, idempotency_key, parent_run_id, parent_position, status,
+                      available_at, deadline_at, traceparent, queue, priority,
+                      concurrency_key, continued_from, cancel_requested_at)
+SELECT %(new)s, o.tenant, o.principal, o.workflow_name, %(version)s, %(input)s::jsonb,
+       o.options, o.request_digest, %(key)s, o.parent_run_id, %(parent_position)s, 'queued',
+       now(), o.deadline_at, o.traceparent, o.queue, o.priority, o.concurrency_key, o.id,
+       o.cancel_requested_at
+FROM {S}.runs AS o WHERE o.id = %(old)s
+RETURNING (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}',
+                                                  coalesce(queue, ''))) AS n) AS notified
+"""
+
+
+async def run_continue(conn: Conn, *, run_id: uuid.UUID, token: int, new_id: uuid.UUID,
+                       version: str, input_text: str) -> None:
+    """End ``run_id`` under its lease as continued (``succeeded``, ``CONTINUED_AS_NEW``,
+    superseded by ``new_id``) and insert ``new_id``, queued, in its place: same owner,
+    workflow, options, queue, priority, concurrency key, parent's link and deadline, this
+    ``version`` and input; the submission's key and digest move to it (a submission with the
+    key answers with it), and so do the events not consumed yet and a cancellation requested
+    meanwhile. Guarded as :func:`run_finish` is (``LeaseLost``, ``UnsettledOperations``);
+    every step's row count is checked."""
+    await run_finish(conn, run_id=run_id, token=token, status="succeeded",
+                     outcome_code=CONTINUED, result=None, error=None)
+    cur = await conn.execute(_CONTINUE_FROM, {"old": run_id, "new": new_id})
+    moved = await cur.fetchone()
+    if moved is None:  # pragma: no cover - run_finish ended it under our lease just now
+        raise LeaseLost(f"run {run_id} could not be continued: it changed meanwhile")
+    cur = await conn.execute(_CONTINUE_AS, {
+        "old": run_id, "new": new_id, "version": version, "input": input_text,
+        "key": moved["idempotency_key"], "parent_position": moved["parent_position"]})
+    if cur.rowcount != 1:  # pragma: no cover - the row is locked by this transaction
+        raise LeaseLost(f"run {run_id} could not be continued: its row is gone")
+    # Events delivered and not consumed yet are the new run's: nothing accepted is dropped.
+    await conn.execute(f"UPDATE {S}.external_events SET run_id = %s "
+                       "WHERE run_id = %s AND consumed_position IS NULL", (new_id, run_id))
+
+
+# -- restarts (migration 0014, docs/retention.md#restarting-a-run) --------------------------
+
+_COMMITTED_POSITIONS = f"""
+SELECT DISTINCT position FROM {S}.journal
+WHERE run_id = %(old)s AND kind = '{EventKind.CALL_COMPLETED}'
+"""
+
+
+async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
+                            before: int) -> int:
+    """Copy into the new run's journal the old run's entries at positions before ``before``
+    and, at every position, those of a call that committed (never repeated); renumbered
+    from 1, in the old order. Returns how many entries were copied."""
+    cur = await conn.execute(
+        f"""
+        INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+                                 lease_token, created_at)
+        SELECT %(new)s, row_number() OVER (ORDER BY j.seq), j.kind, j.position, j.name,
+               j.schema_version, j.payload, 0, j.created_at
+        FROM {S}.journal j
+        WHERE j.run_id = %(old)s AND j.position IS NOT NULL
+          AND (j.position < %(before)s OR j.position IN ({_COMMITTED_POSITIONS}))
+        ORDER BY j.seq
+        """, {"old": old, "new": new, "before": before})
+    return cur.rowcount
+
+
+async def run_mark_restarted(conn: Conn, run_id: uuid.UUID, *, restarted_from: uuid.UUID,
+                             revision: int) -> bool:
+    """Mark the new run ``run_id``, still at revision 0, as the restart of ``restarted_from``,
+    at ``revision``: the entries carried into its journal (:func:`run_journal_carry`) are its
+    revisions, so that its next write follows them. False if the run was not at revision 0
+    (the row count says)."""
+    cur = await conn.execute(f"UPDATE {S}.runs SET restarted_from = %s, revision = %s "
+                             "WHERE id = %s AND revision = 0", (restarted_from, revision, run_id))
+    return cur.rowcount == 1
+
+
+async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
+    """Where a run went wrong: the first position whose last entry is not a success (a call
+    that failed, was denied, cancelled or abandoned; an event that timed out; a child that
+    failed), else the position after its last one."""
+    cur = await conn.execute(
+        f"""
+        SELECT coalesce(min(position) FILTER (WHERE kind IN (
+                   '{EventKind.CALL_FAILED}', '{EventKind.CALL_DENIED}',
+                   '{EventKind.CALL_CANCELLED}', '{EventKind.CALL_ABANDONED}',
+                   '{EventKind.EVENT_TIMEOUT}', '{EventKind.CHILD_FAILED}')),
+               max(position) + 1, 0) AS at
+        FROM {S}.journal WHERE run_id = %s AND position IS NOT NULL
+        """, (run_id,))
+    row = await cur.fetchone()
+    return int(row["at"]) if row else 0
+
+
+async def run_supersede(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> bool:
+    """Mark ``old`` superseded by ``new`` unless it already is (the row count says)."""
+    cur = await conn.execute(
+        f"UPDATE {S}.runs SET superseded_by = %s, updated_at = now() "
+        "WHERE id = %s AND superseded_by IS NULL", (new, old))
+    return cur.rowcount == 1
