@@ -4,6 +4,7 @@ that lives in a session goes through the pooler, and LISTEN goes to ``listen_url
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from orchestrator.db import workers as workers_db
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.db.database import RUNS_CHANNEL, Conn, Database
+from orchestrator.testing import wait_until_async
 from tests.pgbouncer import POOL_SIZE, PgBouncer
 
 CLIENTS = 3 * POOL_SIZE  # more pooled connections than PgBouncer has server sessions
@@ -54,7 +56,10 @@ async def test_no_statement_is_prepared_behind_a_transaction_pooler(
         await _busy(direct_terms)
 
 
-async def _notified(db: Database, send: Callable[[], Awaitable[None]]) -> list[tuple[str, str]]:
+async def _notified(db: Database, send: Callable[[], Awaitable[None]], *,
+                    expect: int) -> list[tuple[str, str]]:
+    """What ``db.listen`` hands on while ``send`` notifies: once ``expect`` messages came (or
+    10 s passed), anything more that comes within half a second."""
     seen: list[tuple[str, str]] = []
     first = asyncio.Event()
     stop = asyncio.Event()
@@ -66,7 +71,9 @@ async def _notified(db: Database, send: Callable[[], Awaitable[None]]) -> list[t
     listener = asyncio.ensure_future(db.listen([RUNS_CHANNEL], on_message, stop))
     await asyncio.wait_for(first.wait(), 10)  # ("", ""): listening, or nothing to listen to
     await send()
-    await asyncio.sleep(0.5)
+    with contextlib.suppress(AssertionError):
+        await wait_until_async(lambda: len(seen) >= expect, timeout=10)
+    await asyncio.sleep(0.5)  # room for a message that should not come
     stop.set()
     await asyncio.wait_for(listener, 10)
     return seen
@@ -83,9 +90,9 @@ async def test_notifications_go_to_listen_url_and_nowhere_without_it(
         await sender.run_in_transaction(notify)
 
     direct = Database(_target(pooled, pooler="transaction", listen_url=migrated_database_url))
-    assert await _notified(direct, send) == [("", ""), (RUNS_CHANNEL, "default")]
+    assert await _notified(direct, send, expect=2) == [("", ""), (RUNS_CHANNEL, "default")]
     polling = Database(_target(pooled, pooler="transaction"))
-    assert await _notified(polling, send) == [("", "")]
+    assert await _notified(polling, send, expect=1) == [("", "")]
     await sender.close()
 
 
@@ -104,7 +111,7 @@ async def test_the_liveness_lock_lives_on_listen_url_or_is_not_taken(
     assert await lock.ensure() and lock.key == 7_000_123
     assert _lock_held(sql, 7_000_123)
     await lock.close()  # the worker's process ending: its direct session ends with it
-    assert not _lock_held(sql, 7_000_123)
+    await wait_until_async(lambda: not _lock_held(sql, 7_000_123), timeout=10)
     # Through the pooler alone there is nowhere to hold it: a session lock taken there would
     # stay with a server session that outlives the worker. None is taken, none registered.
     none = workers_db.LivenessLock(_target(pooled, pooler="transaction").session_url, 7_000_124)
