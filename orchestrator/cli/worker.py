@@ -167,14 +167,14 @@ def settle_garbage_collector() -> None:
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()
+    if not args.poll_interval > 0:
+        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=False)
     metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
-    if not args.poll_interval > 0:
-        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
     app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay,
                        poll_interval=args.poll_interval, **metrics)
     announce("reconciler stopped")
