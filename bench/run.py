@@ -659,6 +659,11 @@ class Suite:
             f"median of {p.reps}; ÷ direct is the median of each repetition's ratio; PgBouncer "
             f"{p.pool_size} server sessions per database (one worker's pool); the driver "
             "submits directly in every arm")
+        table.notes.append(
+            "polling: nobody hears the release's NOTIFY, so a drain starts at the workers' next "
+            "look (up to 1 s after they started, which a short drain feels), and each latency "
+            "sample, submitted just after the look that ran the one before, waits almost a "
+            "whole interval: the worst case, not the mean of arrivals at random")
         table.print()
         self.record("pooler", {"results": results})
 
