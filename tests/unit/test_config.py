@@ -202,3 +202,24 @@ def test_the_cli_options_reach_an_app_built_without_them(
     _export_pooler_options(args)
     target = Orchestrator(POOLED).target
     assert (target.pooler, target.session_url) == ("transaction", DIRECT)
+
+
+@pytest.mark.parametrize("group", ["worker", "reconciler"])
+def test_a_poll_interval_that_is_not_positive_is_refused_before_anything_starts(
+        group: str) -> None:
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    done = subprocess.run([*command(), group, "--app", "m:a", "--poll-interval", "0"],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be more than 0\n")
+
+
+def test_the_pooler_flag_takes_only_the_modes_that_need_it() -> None:
+    from orchestrator.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--pooler", "session", "worker", "--app", "m:a"])
