@@ -7,7 +7,8 @@ transaction``, a small server pool per database and user (so that the clients' t
 really take turns on a few server sessions) and ``auth_type = trust``: the user and password
 of the server's URL are in its ``auth_file``, the password only for PgBouncer's own login to
 the server. Every database of the server is reachable through it (``* = host=… port=…``).
-PgBouncer refuses to run as root: under root it is started with ``-u nobody``.
+PgBouncer refuses to run as root: under root it is started with ``-u nobody`` (or, for a
+server on a Unix socket, ``-u`` the owner of the socket's directory).
 
 :func:`binary` returns None when the program cannot be had; the fixture then skips, saying why.
 """
@@ -15,6 +16,7 @@ PgBouncer refuses to run as root: under root it is started with ``-u nobody``.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -135,7 +137,8 @@ def _start(program: str, server_url: str, directory: Path, pool_size: int) -> Pg
         ini.write_text(_config(server_url, port, directory, pool_size))
         for path in (ini, directory / "userlist.txt"):
             path.chmod(0o644)
-        command = [program, *(["-u", "nobody"] if os.geteuid() == 0 else []), str(ini)]
+        command = [program, *(["-u", _run_as(server_url)] if os.geteuid() == 0 else []),
+                   str(ini)]
         with open(directory / "pgbouncer.log", "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         bouncer = PgBouncer(port, directory, process)
@@ -144,6 +147,17 @@ def _start(program: str, server_url: str, directory: Path, pool_size: int) -> Pg
         last = bouncer.log()
         stop(bouncer)
     raise RuntimeError(f"pgbouncer did not start: {last[-2000:]}")
+
+
+def _run_as(server_url: str) -> str:
+    """The user PgBouncer switches to under root: ``nobody``, or, for a server reached by a
+    Unix socket (the embedded one), the owner of the socket's directory, who can reach it."""
+    host = str(conninfo_to_dict(server_url).get("host") or "")
+    if host.startswith("/") and os.path.isdir(host):
+        owner = os.stat(host).st_uid
+        if owner != 0:
+            return pwd.getpwuid(owner).pw_name
+    return "nobody"
 
 
 def _ready(bouncer: PgBouncer, server_url: str) -> bool:
