@@ -27,6 +27,8 @@ Sections (``--sections a,b``; default: all):
   retention   `orchestrator prune` over the scale section's history (1,000,000 finished runs),
               timed, with K = 3 drains beside it in the same database: their throughput
               during the prune ÷ before and after
+  pooler      K = 3 throughput and first-step latency through PgBouncer in transaction mode,
+              with listen_url and polling, beside direct, interleaved (bench/pooler.py)
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -57,6 +59,7 @@ from bench import (
     flow,
     ours,
     peers,
+    pooler,
     scale,
 )
 from bench import ceiling as ceiling_mod
@@ -105,7 +108,8 @@ def pct(share: float | None) -> str:
 
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
-            "memory", "profile", "bulk", "console", "telemetry", "queues", "retention")
+            "memory", "profile", "bulk", "console", "telemetry", "queues", "retention",
+            "pooler")
 
 
 @dataclass
@@ -631,6 +635,37 @@ class Suite:
                            "go to reconciliation instead)")
         table.print()
         self.record("recovery", {"reps": reps, "lease_ttl": ttl})
+
+    # -- pooler ------------------------------------------------------------------------------
+
+    async def section_pooler(self) -> None:
+        p = self.plan
+        runs = p.runs[3]
+        results = await pooler.measure(self.server, runs=runs, setup=self.setup(),
+                                       samples=p.latency_samples, reps=p.reps)
+        table = Table(f"pooler: K=3 drains of {runs} runs ({p.workers} × {p.concurrency} "
+                      f"workers) and idle K=1 latency ({p.latency_samples} samples), through "
+                      "PgBouncer (transaction mode) and direct",
+                      ["workers reach the server", "steps/s", "÷ direct", "target",
+                       "first step p50 ms", "p99", "result p50 ms", "p99"])
+        labels = {"direct": "directly", "listen_url": "PgBouncer + listen_url",
+                  "polling": "PgBouncer, polling (1 s)"}
+        for arm, label in labels.items():
+            r = results[arm]
+            table.add(label, r["steps_per_s"], fx(r["ratio_to_direct"]),
+                      "" if arm == "direct" else "≥ 0.8×", ms(r["first_step_p50"]),
+                      ms(r["first_step_p99"]), ms(r["result_p50"]), ms(r["result_p99"]))
+        table.notes.append(
+            f"median of {p.reps}; ÷ direct is the median of each repetition's ratio; PgBouncer "
+            f"{p.pool_size} server sessions per database (one worker's pool); the driver "
+            "submits directly in every arm")
+        table.notes.append(
+            "polling: nobody hears the release's NOTIFY, so a drain starts at the workers' next "
+            "look (up to 1 s after they started, which a short drain feels), and each latency "
+            "sample, submitted just after the look that ran the one before, waits almost a "
+            "whole interval: the worst case, not the mean of arrivals at random")
+        table.print()
+        self.record("pooler", {"results": results})
 
     # -- memory ------------------------------------------------------------------------------
 

@@ -118,6 +118,9 @@ class Orchestrator:
     """A durable workflow orchestrator bound to one database.
 
     ``database_url`` wins; else ``ORCHESTRATOR_DATABASE_URL``; else the embedded PostgreSQL.
+    Behind a transaction pooler such as PgBouncer, pass ``pooler="transaction"`` and, for
+    prompt wake-ups, ``listen_url`` (the database reached directly); else
+    ``ORCHESTRATOR_POOLER`` and ``ORCHESTRATOR_LISTEN_URL`` (docs/operations.md).
     The database is resolved on first use, so defining workflows at import time costs nothing,
     and named then in one INFO line on the ``orchestrator`` logger. Create as many instances as
     you like; nothing is global.
@@ -154,8 +157,14 @@ class Orchestrator:
         trace_parent: ParentMode = "link",
         tracer_provider: TracerProvider | None = None,
         retention: Retention | None = None,
+        pooler: str | None = None,
+        listen_url: str | None = None,
     ) -> None:
         self._database_url = database_url
+        # Behind a transaction pooler (docs/operations.md): no prepared statements, and the
+        # sessions that must last (LISTEN, the liveness lock) on listen_url, direct to the
+        # server, or none (polling; leases). Each else from its environment variable.
+        self._pooler, self._listen_url = pooler, listen_url
         self.metrics = Metrics()
         self._database: Database | None = None
         self.default_owner = default_owner
@@ -236,7 +245,8 @@ class Orchestrator:
     def target(self) -> DatabaseTarget:
         if self._database is not None:
             return self._database.target
-        target = resolve_database(self._database_url)
+        target = resolve_database(self._database_url, pooler=self._pooler,
+                                  listen_url=self._listen_url)
         self._database = Database(target, max_pool_size=self.pool_size)
         self._database.metrics = self.metrics
         return target

@@ -105,7 +105,7 @@ class Worker:
         self.lease_ttl = lease_ttl if lease_ttl is not None else config.lease_ttl
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
-        self._liveness = workers_db.LivenessLock(database.target.url,
+        self._liveness = workers_db.LivenessLock(database.target.session_url,
                                                  secrets.randbits(62) + 1)
         self.writer = GroupWriter(database)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
@@ -159,6 +159,10 @@ class Worker:
         last_sweep = last_claim = last_look = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
+        if self.database.target.session_url is None:
+            log.info("worker %s: no listen_url behind the transaction pooler: it looks for "
+                     "work every %g s, and a dead worker's runs wait for their leases (%g s) "
+                     "to expire", self.worker_id, self.poll_interval, self.lease_ttl)
         companions_stop = asyncio.Event()
         companions = [asyncio.ensure_future(self._companion(run, companions_stop))
                       for run in self.companions]

@@ -13,7 +13,10 @@ Fixtures:
 - ``migrated_database_url`` (function): URL of a fresh clone of the template;
 - ``empty_database_url`` (function): URL of a fresh empty database;
 - ``make_role`` (function): ``make_role(kind)`` creates a login role for the test's migrated
-  database (see :mod:`tests.roles`); every role it made is dropped after the test.
+  database (see :mod:`tests.roles`); every role it made is dropped after the test;
+- ``pgbouncer`` (session): PgBouncer in transaction mode in front of the server (see
+  :mod:`tests.pgbouncer`); ``pgbouncer.url(url)`` is a database's URL through it. Tests that
+  use it skip, saying why, when the ``pgbouncer`` program cannot be had.
 
 Function-scoped databases are dropped after the test, after terminating any connection the
 test left open. Tests under ``tests/<kind>/`` get the ``<kind>`` marker automatically, so
@@ -33,6 +36,7 @@ from psycopg.rows import dict_row
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
 from tests import dbtools
+from tests import pgbouncer as bouncers
 from tests.roles import Role, create_role, drop_role
 
 _DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations", "browser")
@@ -126,3 +130,13 @@ def make_role(migrated_database_url: str) -> Iterator[Any]:
         for role in made:
             drop_role(role)
         admin.close()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_admin_url: str) -> Iterator[bouncers.PgBouncer]:
+    """PgBouncer in transaction mode in front of the test server, for the session."""
+    if bouncers.binary() is None:
+        pytest.skip("pgbouncer is not installed and could not be (apt-get install pgbouncer, "
+                    "as root): the tests through a transaction pooler need it")
+    with bouncers.running(pg_admin_url) as bouncer:
+        yield bouncer

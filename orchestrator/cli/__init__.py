@@ -33,6 +33,7 @@ from orchestrator.cli import (
     schedules,
     worker,
 )
+from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS
 from orchestrator.errors import OrchestratorError
 
 GROUPS: list[ModuleType] = [db, worker, runs, replay, ops, incidents, schedules, queues,
@@ -62,11 +63,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="the PostgreSQL database to use (overrides ORCHESTRATOR_DATABASE_URL; without "
         "either, an embedded PostgreSQL in a per-user directory is used)",
     )
+    parser.add_argument(
+        "--pooler", choices=POOLERS, default=None,
+        help=f"the database URL leads to a pooler in this mode (overrides {ENV_POOLER}; "
+        "docs/operations.md): no prepared statements, no session state between transactions",
+    )
+    parser.add_argument(
+        "--listen-url", metavar="URL", default=None,
+        help=f"the same database reached directly, for notifications and the workers' "
+        f"liveness locks behind a transaction pooler (overrides {ENV_LISTEN_URL}; without "
+        "it, workers poll)",
+    )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for group in GROUPS:
         group.register(subparsers)
     parser.set_defaults(func=None, help_parser=parser)
     return parser
+
+
+def _export_pooler_options(args: argparse.Namespace) -> None:
+    """``--pooler`` and ``--listen-url`` are read where the database is resolved, from the
+    environment (``resolve_database``): an ``--app`` application built without them, and the
+    commands that need no application, see them alike."""
+    for name, value in ((ENV_POOLER, args.pooler), (ENV_LISTEN_URL, args.listen_url)):
+        if value is not None:
+            os.environ[name] = value
 
 
 def _one_line(text: str) -> str:
@@ -85,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.func is None:
         args.help_parser.print_help(sys.stderr)
         return EXIT_ERROR
+    _export_pooler_options(args)
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit

@@ -29,6 +29,10 @@ def register(subparsers: Any) -> None:
                         help="runs held at once (default 10)")
     worker.add_argument("--lease-ttl", type=float, default=None,
                         help="seconds a lease lasts without a heartbeat (default: the app's)")
+    worker.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between looks for work when no notification came "
+                             "(default 1; all there is behind a transaction pooler without "
+                             "--listen-url, docs/operations.md)")
     worker.add_argument("--migrate", action="store_true",
                         help="upgrade the schema first instead of refusing an old one")
     worker.add_argument("--no-schedules", dest="schedules", action="store_false",
@@ -45,6 +49,9 @@ def register(subparsers: Any) -> None:
                             help="inconclusive lookups before an operator decides (default 5)")
     reconciler.add_argument("--base-delay", type=float, default=1.0,
                             help="seconds before the second lookup; doubles after (default 1)")
+    reconciler.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
+                            help="seconds between looks for unknown operations when no "
+                                 "notification came (default 1)")
     add_log_format_argument(reconciler)
     add_metrics_arguments(reconciler)
     reconciler.set_defaults(func=cmd_reconciler)
@@ -123,12 +130,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     catch_early_sigterm()
     if args.concurrency < 1:
         raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
+    if not args.poll_interval > 0:
+        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
     options: dict[str, Any] = {"concurrency": args.concurrency, "schedules": args.schedules,
-                               **metrics_options(args)}
+                               "poll_interval": args.poll_interval, **metrics_options(args)}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
     announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
@@ -158,6 +167,8 @@ def settle_garbage_collector() -> None:
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()
+    if not args.poll_interval > 0:
+        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -165,6 +176,6 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
     app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay,
-                       **metrics)
+                       poll_interval=args.poll_interval, **metrics)
     announce("reconciler stopped")
     return 0

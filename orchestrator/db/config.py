@@ -11,6 +11,12 @@ Order of precedence:
 URLs are checked before anything connects: the scheme must be ``postgresql`` or ``postgres``
 (optionally ``+psycopg``), and the URL must parse. Problems raise
 :class:`~orchestrator.errors.ConfigurationError` with one line that names the problem.
+
+Behind a connection pooler (docs/operations.md), two more settings travel with the URL, each an
+argument, else an environment variable: ``pooler`` (``ORCHESTRATOR_POOLER``; ``"transaction"``
+for a pooler that hands a server connection out per transaction, such as PgBouncer's
+``pool_mode = transaction``) and ``listen_url`` (``ORCHESTRATOR_LISTEN_URL``: the same database,
+reached directly, for the few connections that must keep a session of their own).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -28,6 +34,11 @@ log = logging.getLogger("orchestrator")
 
 ENV_URL = "ORCHESTRATOR_DATABASE_URL"
 ENV_EMBEDDED_DIR = "ORCHESTRATOR_EMBEDDED_DIR"
+ENV_POOLER = "ORCHESTRATOR_POOLER"
+ENV_LISTEN_URL = "ORCHESTRATOR_LISTEN_URL"
+POOLERS = ("transaction",)
+"""The values of ``pooler``: the pooling modes that need this package to behave differently. A
+session pooler needs nothing (docs/operations.md), so it has no value of its own."""
 EMBEDDED_DATABASE = "orchestrator"
 _SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 
@@ -35,11 +46,36 @@ _SCHEMES = {"postgresql", "postgres", "postgresql+psycopg"}
 @dataclass(frozen=True)
 class DatabaseTarget:
     """A validated database location: ``url`` is a libpq URL (``postgresql://…``);
-    ``data_dir`` is the embedded server's data directory when ``source`` is ``embedded``."""
+    ``data_dir`` is the embedded server's data directory when ``source`` is ``embedded``.
+
+    ``pooler`` is ``"transaction"`` when ``url`` leads to a transaction pooler: no statement is
+    then prepared on the server, and nothing that lives in a session (LISTEN, the workers'
+    liveness lock) goes through ``url``. ``listen_url``, when set, is the same database reached
+    directly: those sessions go there instead (see :attr:`session_url`)."""
 
     url: str
     source: str  # "argument", "environment" or "embedded"
     data_dir: Path | None = None
+    pooler: str | None = None
+    listen_url: str | None = None
+
+    @property
+    def prepare_threshold(self) -> int | None:
+        """psycopg's ``prepare_threshold`` for the pooled connections: 0 (every statement is
+        prepared on its first run, and its plan kept by the session) or, behind a transaction
+        pooler, None (never: the next transaction may run on another server session, which
+        has no such statement)."""
+        return None if self.pooler == "transaction" else 0
+
+    @property
+    def session_url(self) -> str | None:
+        """Where a connection that must keep its session goes (LISTEN for notifications, a
+        worker's liveness lock): ``listen_url``, else ``url`` unless that leads to a
+        transaction pooler; None when there is no such place (notifications are then replaced
+        by polling and the liveness lock by lease expiry)."""
+        if self.listen_url is not None:
+            return self.listen_url
+        return None if self.pooler == "transaction" else self.url
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -186,6 +222,13 @@ _SOURCES = {"argument": "given as an argument", "environment": f"from {ENV_URL}"
 
 def describe_choice(target: DatabaseTarget) -> str:
     """One line saying which database is used and why, for a log (no password)."""
+    if target.pooler is not None:
+        direct = ("notifications and liveness locks on "
+                  f"{display_url(target.listen_url)}" if target.listen_url is not None
+                  else "no listen_url: polling, and runs of a dead worker wait for their "
+                  "leases to expire")
+        return (f"using the database {target.display} through a {target.pooler} pooler "
+                f"({_SOURCES.get(target.source, target.source)}; {direct})")
     if target.source == "embedded":
         return (f"using the embedded PostgreSQL in {target.data_dir} (no database URL is "
                 f"configured: pass one or set {ENV_URL} to use another server); it is left "
@@ -193,12 +236,31 @@ def describe_choice(target: DatabaseTarget) -> str:
     return f"using the database {target.display} ({_SOURCES.get(target.source, target.source)})"
 
 
-def resolve_database(url: str | None = None) -> DatabaseTarget:
+def resolve_database(url: str | None = None, *, pooler: str | None = None,
+                     listen_url: str | None = None) -> DatabaseTarget:
     """Decide which database to use, following the precedence in the module docstring, and
-    say which (one INFO line on the ``orchestrator`` logger, password never shown)."""
-    target = _choose(url)
+    say which (one INFO line on the ``orchestrator`` logger, password never shown).
+    ``pooler`` and ``listen_url`` each win over their environment variable."""
+    pooler, listen_url = _pooler(pooler), _listen_url(listen_url)  # checked before a start
+    target = replace(_choose(url), pooler=pooler, listen_url=listen_url)
     log.info("%s", describe_choice(target))
     return target
+
+
+def _pooler(value: str | None) -> str | None:
+    if value is None:
+        value = os.environ.get(ENV_POOLER, "").strip() or None
+    if value is None or value in POOLERS:
+        return value
+    raise ConfigurationError(
+        f"pooler must be one of {', '.join(POOLERS)} (or unset), got {value!r}; a session "
+        "pooler needs no setting (docs/operations.md)")
+
+
+def _listen_url(value: str | None) -> str | None:
+    if value is None:
+        value = os.environ.get(ENV_LISTEN_URL, "").strip() or None
+    return None if value is None else validate_url(value)
 
 
 def _choose(url: str | None) -> DatabaseTarget:

@@ -205,7 +205,8 @@ class Database:
             self.target.url,
             min_size=1,
             max_size=self.max_pool_size,
-            kwargs={"row_factory": dict_row, "autocommit": True, "prepare_threshold": 0,
+            kwargs={"row_factory": dict_row, "autocommit": True,
+                    "prepare_threshold": self.target.prepare_threshold,
                     **connect_options(self.target, self.connect_timeout)},
             open=False,
             timeout=POOL_TIMEOUT,
@@ -380,12 +381,20 @@ class Database:
 
         ``on_message(channel, payload)`` is called for each notification, and once with
         ``("", "")`` after every (re)connection, since anything may have been missed.
+
+        The connection is the target's :attr:`~DatabaseTarget.session_url` (a LISTEN lives in a
+        session, which a transaction pooler does not keep). Without one nothing is listened
+        to: ``on_message("", "")`` is called once and the caller's poll does the rest.
         """
+        url = self.target.session_url
+        if url is None:
+            on_message("", "")
+            await stop.wait()
+            return
         while not stop.is_set():
             try:
                 conn = await psycopg.AsyncConnection.connect(
-                    self.target.url, autocommit=True,
-                    **connect_options(self.target, self.connect_timeout))
+                    url, autocommit=True, **connect_options(self.target, self.connect_timeout))
             except psycopg.OperationalError:
                 await _wait_or_stop(stop, 1.0)
                 continue

@@ -25,6 +25,10 @@ from orchestrator.errors import DatabaseError
 
 STATEMENT_TIMEOUT_MS = 2000
 """Milliseconds one gauge query may take before the server cancels it."""
+_TIMEOUT = f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"
+"""In the transaction of the queries it bounds: behind a transaction pooler (docs/operations.md)
+a plain ``SET`` would stay with a server session that other clients use next, and the queries
+after it could run on another session without it."""
 CONNECT_TIMEOUT = 2.0
 """Seconds to wait for the server when connecting for a scrape (libpq's minimum is 2)."""
 
@@ -65,9 +69,10 @@ def read_gauges(target: DatabaseTarget) -> dict[str, list[dict[str, Any]]]:
     oldest). Raises :class:`DatabaseError` when the database cannot be reached or a query
     fails or times out; the caller reports the database as down."""
     try:
-        with psycopg.connect(target.url, autocommit=True, row_factory=dict_row,
-                             **connect_options(target, CONNECT_TIMEOUT)) as conn:
-            conn.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+        with (psycopg.connect(target.url, autocommit=True, row_factory=dict_row,
+                              **connect_options(target, CONNECT_TIMEOUT)) as conn,
+              conn.transaction()):
+            conn.execute(_TIMEOUT)
             unknown = conn.execute(UNKNOWN_BY_TOOL).fetchall()
             queued = conn.execute(QUEUED_BY_WORKFLOW).fetchall()
     except psycopg.Error as exc:
@@ -79,9 +84,10 @@ def read_gauges(target: DatabaseTarget) -> dict[str, list[dict[str, Any]]]:
 def database_reachable(target: DatabaseTarget) -> bool:
     """Whether ``SELECT 1`` answers within the connect timeout (for ``/healthz``)."""
     try:
-        with psycopg.connect(target.url, autocommit=True,
-                             **connect_options(target, CONNECT_TIMEOUT)) as conn:
-            conn.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+        with (psycopg.connect(target.url, autocommit=True,
+                              **connect_options(target, CONNECT_TIMEOUT)) as conn,
+              conn.transaction()):
+            conn.execute(_TIMEOUT)
             conn.execute("SELECT 1")
     except psycopg.Error:
         return False

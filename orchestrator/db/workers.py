@@ -36,15 +36,25 @@ class LivenessLock:
     process dies: other workers then re-queue its runs at once (:func:`run_release_orphaned`)
     instead of waiting for leases to expire. A paused worker keeps its lock and is handled by
     lease expiry and fencing as usual.
+
+    ``url`` is where the lock's session lives (the target's ``session_url``: the database
+    itself, or its ``listen_url`` behind a transaction pooler). None means there is no such
+    place: a transaction pooler would leave the lock on a server session that outlives the
+    worker (held for ever, or by whichever client runs there next). No lock is taken then
+    (:attr:`key` is None, and the worker registers none): the worker counts as alive for
+    :func:`run_release_orphaned`, so its runs are re-queued only when their leases expire.
     """
 
-    def __init__(self, url: str, key: int) -> None:
+    def __init__(self, url: str | None, key: int) -> None:
         self.url = url
-        self.key = key
+        self.key: int | None = key if url is not None else None
         self._conn: psycopg.AsyncConnection[Any] | None = None
 
     async def ensure(self) -> bool:
-        """Hold the lock, reconnecting if the connection was lost; True when held."""
+        """Hold the lock, reconnecting if the connection was lost; True when held (always,
+        without a place to hold it: there is nothing to hold)."""
+        if self.url is None:
+            return True
         if self._conn is not None and not self._conn.closed:
             try:
                 await self._conn.execute("SELECT 1")
@@ -61,7 +71,7 @@ class LivenessLock:
 
     @property
     def held(self) -> bool:
-        return self._conn is not None and not self._conn.closed
+        return self.url is None or (self._conn is not None and not self._conn.closed)
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -178,3 +178,14 @@ async def reported(ctx: WorkflowContext, data: Any) -> list[Any]:
     second = await ctx.call(record_idempotent, step=2)
     ctx.publish("both steps done", topic="milestones")
     return [first, second]
+
+
+@app.workflow()
+async def sleeps_and_waits(ctx: WorkflowContext, data: Any) -> list[Any]:
+    """A call, a durable sleep, an external event, and a call after it: every way a run parks
+    and is woken again."""
+    first = await ctx.call(record, step=1)
+    await ctx.sleep(float(data.get("sleep", 0.3)))
+    event = await ctx.wait_for_event("go", timeout=60)
+    second = await ctx.call(record_idempotent, step=2)
+    return [first, event, second]

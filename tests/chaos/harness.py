@@ -99,6 +99,10 @@ class Config:
     # them; each must fail alone (RUN_UNREADABLE) and no worker may die of one. The same
     # values are also offered through the API, which must refuse them.
     poison_runs: int = 0
+    # More environment for every worker and reconciler process: e.g. the database through a
+    # pooler (ORCHESTRATOR_DATABASE_URL, ORCHESTRATOR_POOLER, ORCHESTRATOR_LISTEN_URL) while
+    # the harness itself stays on the server.
+    process_env: dict[str, str] = field(default_factory=dict)
 
     def resolved_seed(self) -> int:
         if self.seed is None:
@@ -299,7 +303,7 @@ class Harness:
     # -- processes -----------------------------------------------------------------------
 
     def _spawn(self, slot: Slot) -> None:
-        extra: dict[str, str] = {}
+        extra: dict[str, str] = dict(self.cfg.process_env)
         if self.cfg.unsafe_redispatch:
             extra["ORCHESTRATOR_TEST_UNSAFE_REDISPATCH"] = "1"
         slot.armed = None

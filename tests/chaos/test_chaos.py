@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import dbtools
+from tests import dbtools, pgbouncer
 from tests.chaos.conftest import run_chaos
 from tests.chaos.environment import Environment, migrate_to_head
 from tests.chaos.harness import Config
@@ -35,6 +35,24 @@ def test_short_profile_with_the_fixed_seed(chaos_env: Environment, tmp_path: Pat
 @pytest.mark.timeout(600)
 def test_short_profile_with_a_random_seed(chaos_env: Environment, tmp_path: Path) -> None:
     result = run_chaos(Config(seed=None, **SHORT), chaos_env, tmp_path / "logs")
+    assert result.ok, result.text
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("listen", [True, False], ids=["listen_url", "polling"])
+def test_short_profile_through_pgbouncer(chaos_env: Environment, tmp_path: Path,
+                                         listen: bool) -> None:
+    """The workers and reconcilers reach the database through PgBouncer in transaction mode
+    (docs/operations.md), with notifications and liveness locks on a direct listen_url or with
+    neither; backends are terminated and the server restarted under them as usual."""
+    if pgbouncer.binary() is None:
+        pytest.skip("pgbouncer is not installed and could not be (apt-get install pgbouncer)")
+    with pgbouncer.running(chaos_env.db_url, pool_size=8) as bouncer:
+        through = {"ORCHESTRATOR_DATABASE_URL": bouncer.url(chaos_env.db_url),
+                   "ORCHESTRATOR_POOLER": "transaction",
+                   "ORCHESTRATOR_LISTEN_URL": chaos_env.db_url if listen else ""}
+        result = run_chaos(Config(seed=FIXED_SEED, **SHORT, process_env=through), chaos_env,
+                           tmp_path / "logs")
     assert result.ok, result.text
 
 

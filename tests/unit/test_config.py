@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import Orchestrator
 from orchestrator.db.config import (
     DatabaseTarget,
     display_url,
@@ -137,3 +138,88 @@ def test_a_bad_environment_url_is_reported_not_ignored(monkeypatch: pytest.Monke
     monkeypatch.setenv("ORCHESTRATOR_DATABASE_URL", "mysql://db/x")
     with pytest.raises(ConfigurationError, match="scheme 'mysql'"):
         resolve_database()
+
+
+DIRECT = "postgresql://app@db:5432/orders"
+POOLED = "postgresql://app@bouncer:6432/orders"
+
+
+def test_a_direct_database_prepares_statements_and_keeps_sessions_on_its_url(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ORCHESTRATOR_POOLER", raising=False)
+    monkeypatch.delenv("ORCHESTRATOR_LISTEN_URL", raising=False)
+    target = resolve_database(DIRECT)
+    assert (target.pooler, target.listen_url) == (None, None)
+    assert target.prepare_threshold == 0
+    assert target.session_url == DIRECT
+
+
+def test_a_transaction_pooler_prepares_nothing_and_keeps_no_session_on_its_url(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ORCHESTRATOR_LISTEN_URL", raising=False)
+    target = resolve_database(POOLED, pooler="transaction")
+    assert target.prepare_threshold is None
+    assert target.session_url is None  # polling, and leases for the dead workers' runs
+    with_listen = resolve_database(POOLED, pooler="transaction", listen_url=DIRECT)
+    assert with_listen.prepare_threshold is None
+    assert with_listen.session_url == DIRECT
+
+
+def test_pooler_options_come_from_the_environment_unless_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCHESTRATOR_POOLER", "transaction")
+    monkeypatch.setenv("ORCHESTRATOR_LISTEN_URL", "postgres://app@db/orders")
+    target = resolve_database(POOLED)
+    assert (target.pooler, target.listen_url) == ("transaction", "postgresql://app@db/orders")
+    given = resolve_database(POOLED, listen_url=DIRECT)
+    assert given.listen_url == DIRECT
+    monkeypatch.setenv("ORCHESTRATOR_POOLER", "")
+    assert resolve_database(POOLED).pooler is None
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"pooler": "session"}, "pooler must be one of transaction"),
+    ({"pooler": "statement"}, "got 'statement'"),
+    ({"listen_url": "mysql://db/orders"}, "has scheme 'mysql'"),
+])
+def test_bad_pooler_options_name_the_problem(monkeypatch: pytest.MonkeyPatch,
+                                             options: dict[str, str], fragment: str) -> None:
+    monkeypatch.delenv("ORCHESTRATOR_POOLER", raising=False)
+    monkeypatch.delenv("ORCHESTRATOR_LISTEN_URL", raising=False)
+    with pytest.raises(ConfigurationError) as caught:
+        resolve_database(POOLED, **options)
+    assert fragment in caught.value.message
+
+
+def test_the_cli_options_reach_an_app_built_without_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.cli import _export_pooler_options, build_parser
+
+    monkeypatch.setenv("ORCHESTRATOR_POOLER", "")  # empty is unset; restored after the test
+    monkeypatch.setenv("ORCHESTRATOR_LISTEN_URL", "")
+    args = build_parser().parse_args(
+        ["--pooler", "transaction", "--listen-url", DIRECT, "worker", "--app", "m:a"])
+    _export_pooler_options(args)
+    target = Orchestrator(POOLED).target
+    assert (target.pooler, target.session_url) == ("transaction", DIRECT)
+
+
+@pytest.mark.parametrize("group", ["worker", "reconciler"])
+def test_a_poll_interval_that_is_not_positive_is_refused_before_anything_starts(
+        group: str) -> None:
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    done = subprocess.run([*command(), group, "--app", "m:a", "--poll-interval", "0"],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be more than 0\n")
+
+
+def test_the_pooler_flag_takes_only_the_modes_that_need_it() -> None:
+    from orchestrator.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--pooler", "session", "worker", "--app", "m:a"])

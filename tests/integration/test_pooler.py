@@ -1,0 +1,119 @@
+"""Behind PgBouncer in transaction mode (docs/operations.md): no statement is prepared, nothing
+that lives in a session goes through the pooler, and LISTEN goes to ``listen_url``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from orchestrator.db import workers as workers_db
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.database import RUNS_CHANNEL, Conn, Database
+from orchestrator.testing import wait_until_async
+from tests.pgbouncer import POOL_SIZE, PgBouncer
+
+CLIENTS = 3 * POOL_SIZE  # more pooled connections than PgBouncer has server sessions
+
+
+def _target(url: str, *, pooler: str | None, listen_url: str | None = None) -> DatabaseTarget:
+    return DatabaseTarget(url, "argument", pooler=pooler, listen_url=listen_url)
+
+
+async def _busy(db: Database, rounds: int = 15) -> None:
+    """Every pooled connection runs the same statements again and again, at the same time:
+    a statement prepared on one server session is soon run by a client on another."""
+    async def once(conn: Conn) -> Any:
+        cur = await conn.execute("SELECT count(*) AS n FROM orchestrator.runs WHERE id = %s",
+                                 ("00000000-0000-0000-0000-000000000000",))
+        return await cur.fetchone()
+
+    async def client() -> None:
+        for _ in range(rounds):
+            await db.read(once, attempts=1)
+            await db.run_in_transaction(once, attempts=1)
+
+    outcomes = await asyncio.gather(*(client() for _ in range(CLIENTS)), return_exceptions=True)
+    await db.close()
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def test_no_statement_is_prepared_behind_a_transaction_pooler(
+        pgbouncer: PgBouncer, migrated_database_url: str) -> None:
+    pooled = pgbouncer.url(migrated_database_url)
+    db = Database(_target(pooled, pooler="transaction"), max_pool_size=CLIENTS)
+    await _busy(db)
+    # The same work on a direct connection's terms (every statement prepared) breaks there:
+    # the check above is one PgBouncer could fail.
+    direct_terms = Database(_target(pooled, pooler=None), max_pool_size=CLIENTS)
+    with pytest.raises(psycopg.errors.ProgrammingError, match="prepared statement"):
+        await _busy(direct_terms)
+
+
+async def _notified(db: Database, send: Callable[[], Awaitable[None]], *,
+                    expect: int) -> list[tuple[str, str]]:
+    """What ``db.listen`` hands on while ``send`` notifies: once ``expect`` messages came (or
+    10 s passed), anything more that comes within half a second."""
+    seen: list[tuple[str, str]] = []
+    first = asyncio.Event()
+    stop = asyncio.Event()
+
+    def on_message(channel: str, payload: str) -> None:
+        seen.append((channel, payload))
+        first.set()
+
+    listener = asyncio.ensure_future(db.listen([RUNS_CHANNEL], on_message, stop))
+    await asyncio.wait_for(first.wait(), 10)  # ("", ""): listening, or nothing to listen to
+    await send()
+    with contextlib.suppress(AssertionError):
+        await wait_until_async(lambda: len(seen) >= expect, timeout=10)
+    await asyncio.sleep(0.5)  # room for a message that should not come
+    stop.set()
+    await asyncio.wait_for(listener, 10)
+    return seen
+
+
+async def test_notifications_go_to_listen_url_and_nowhere_without_it(
+        pgbouncer: PgBouncer, migrated_database_url: str) -> None:
+    pooled = pgbouncer.url(migrated_database_url)
+    sender = Database(_target(pooled, pooler="transaction"))
+
+    async def send() -> None:
+        async def notify(conn: Conn) -> None:
+            await conn.execute("SELECT pg_notify(%s, 'default')", (RUNS_CHANNEL,))
+        await sender.run_in_transaction(notify)
+
+    direct = Database(_target(pooled, pooler="transaction", listen_url=migrated_database_url))
+    assert await _notified(direct, send, expect=2) == [("", ""), (RUNS_CHANNEL, "default")]
+    polling = Database(_target(pooled, pooler="transaction"))
+    assert await _notified(polling, send, expect=1) == [("", "")]
+    await sender.close()
+
+
+def _lock_held(sql: Callable[..., list[dict[str, Any]]], key: int) -> bool:
+    return bool(sql("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = %s",
+                    (key,)))
+
+
+async def test_the_liveness_lock_lives_on_listen_url_or_is_not_taken(
+        pgbouncer: PgBouncer, migrated_database_url: str,
+        sql: Callable[..., list[dict[str, Any]]]) -> None:
+    pooled = pgbouncer.url(migrated_database_url)
+    direct = _target(pooled, pooler="transaction", listen_url=migrated_database_url)
+    lock = workers_db.LivenessLock(direct.session_url, 7_000_123)
+    assert await lock.ensure() and lock.key == 7_000_123
+    assert _lock_held(sql, 7_000_123)
+    await lock.close()  # the worker's process ending: its direct session ends with it
+    await wait_until_async(lambda: not _lock_held(sql, 7_000_123), timeout=10)
+    # Through the pooler alone there is nowhere to hold it: a session lock taken there would
+    # stay with a server session that outlives the worker. None is taken, none registered.
+    none = workers_db.LivenessLock(_target(pooled, pooler="transaction").session_url, 7_000_124)
+    assert await none.ensure() and none.held and none.key is None
+    assert not _lock_held(sql, 7_000_124)
