@@ -158,13 +158,14 @@ class ReplicatedPair:
         pid = self.primary.pid
         if pid is None:
             raise RuntimeError("the primary is not running")
-        self.killed_at = time.time()
         if how == "immediate":
+            self.killed_at = time.time()
             self.primary.stop("immediate")
             return self.killed_at
         if how != "sigkill":
             raise ValueError(f"unknown kill {how!r}")
         children = _children(pid)
+        self.killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         for child in children:
             with contextlib.suppress(ProcessLookupError):

@@ -150,18 +150,29 @@ def effects_by_key(sink_url: str) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def timings(scenario: Scenario, killed_at: float, in_flight: list[uuid.UUID]
-            ) -> dict[str, float | None]:
+def last_replicated(pair: ReplicatedPair) -> float:
+    """The newest journal entry the promoted standby holds (wall clock, epoch seconds): what
+    it received from the old primary. Read right after the promotion."""
+    rows = ReplicatedPair.query(pair.standby, "SELECT extract(epoch FROM max(created_at))"
+                                "::float8 AS t FROM orchestrator.journal", database=DATABASE)
+    return float(rows[0]["t"] or 0.0)
+
+
+def timings(scenario: Scenario, killed_at: float, in_flight: list[uuid.UUID],
+            replicated: float) -> dict[str, float | None]:
     """Seconds from the primary's death to the first journal entry committed on the new
-    primary, and to the first entry of every run that was in flight (each one running
-    again); from the server's clock (the same machine's)."""
+    primary, and to the first entry there of every run that was in flight (each one running
+    again); from the server's clock (the same machine's). An entry is the new primary's when
+    it is newer than the kill and than everything the standby held at its promotion
+    (``replicated``, from :func:`last_replicated`)."""
+    since = max(killed_at, replicated)
     first = scenario.sql("SELECT extract(epoch FROM min(created_at))::float8 AS t FROM "
                          "orchestrator.journal WHERE created_at > to_timestamp(%s)",
-                         (killed_at,))[0]["t"]
+                         (since,))[0]["t"]
     again = scenario.sql(
         "SELECT run_id, extract(epoch FROM min(created_at))::float8 AS t FROM "
         "orchestrator.journal WHERE created_at > to_timestamp(%s) AND run_id = ANY(%s) "
-        "GROUP BY run_id", (killed_at, in_flight))
+        "GROUP BY run_id", (since, in_flight))
     every = (max(r["t"] for r in again) - killed_at
              if in_flight and len(again) == len(in_flight) else None)
     return {"first_step": None if first is None else first - killed_at,

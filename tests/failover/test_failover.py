@@ -28,7 +28,13 @@ import pytest
 from tests.chaos import sink
 from tests.failover import app as failover_app
 from tests.failover.pair import ReplicatedPair, unavailable_reason
-from tests.failover.scenario import Scenario, effects_by_key, environment, timings
+from tests.failover.scenario import (
+    Scenario,
+    effects_by_key,
+    environment,
+    last_replicated,
+    timings,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +77,7 @@ def test_synchronous_standby_failover_finishes_every_run_once_with_the_same_work
             before_kill = dict(acked)
             killed_at = pair.kill_primary()
             pair.promote()
+            replicated = last_replicated(pair)
             in_flight = [r["id"] for r in ReplicatedPair.query(
                 pair.standby, "SELECT id FROM orchestrator.runs WHERE status = 'running'",
                 database="orchestrator")]
@@ -78,7 +85,7 @@ def test_synchronous_standby_failover_finishes_every_run_once_with_the_same_work
             assert not errors, errors
             ids = list(acked.values())
             scenario.wait_finished(ids)
-            measured = timings(scenario, killed_at, in_flight)
+            measured = timings(scenario, killed_at, in_flight, replicated)
             print(f"synchronous failover: {len(before_kill)} runs acknowledged before the kill, "
                   f"{len(ids)} in all; {measured}")
 
