@@ -12,7 +12,10 @@ every process, ``pg_ctl promote``, and the effects counted in a sink on another 
   then is pinned down: a lost ``submitted`` means the call is sent again with the same
   idempotency key (a deduplicating provider answers with the first receipt); a ``submitted``
   that survived without its receipt is reconciled by a lookup, never sent again; a lost
-  submission is gone, its effect with it at the provider under a key the ledger no longer knows.
+  submission is gone, its effect with it at the provider under a key the ledger no longer knows;
+  a run whose claim was lost while its worker was in the call is claimed again under the same
+  lease token (tokens go back with the lost history), its call sent again under the same key,
+  and one of the two executors is refused at its first conflicting write.
 """
 
 from __future__ import annotations
@@ -138,15 +141,19 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             held = scenario.submit(failover_app.billing, {"step": "held", "gate": True}, "held")
             # Asleep: its call not yet made.
             later = scenario.submit(failover_app.billing, {"step": "later", "sleep": 4}, "later")
+            # Asleep too; its call will be made, and held, after the standby stops receiving.
+            zombie = scenario.submit(failover_app.billing,
+                                     {"step": "zombie", "sleep": 4, "gate": True}, "zombie")
             scenario.wait(lambda: _effects_of(sink_url, held), "the held call")
-            scenario.wait(lambda: scenario.statuses([later])[later] == "waiting", "the sleep")
+            scenario.wait(lambda: set(scenario.statuses([later, zombie]).values()) == {"waiting"},
+                          "the sleeps")
             pair.wait_replayed()
             pair.detach_standby()
             standby_ops = {r["run_id"]: r["state"] for r in ReplicatedPair.query(
                 pair.standby, "SELECT run_id, state FROM orchestrator.operations",
                 database="orchestrator")}
             assert standby_ops == {held: "submitted"}, "the standby should hold the held call's "\
-                "submitted, and nothing of the sleeping run's call"
+                "submitted, and nothing of the sleeping runs' calls"
 
             # Acknowledged by the primary alone from here on.
             failover_app.open_gate(sink_url, "held")
@@ -154,8 +161,12 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             scenario.wait_finished([held, later, lost], timeout=60)
             assert set(scenario.statuses([held, later, lost]).values()) == {"succeeded"}
             first = {key: effects[0]["id"] for key, effects in effects_by_key(sink_url).items()}
-            held_key, later_key, lost_key = (_effects_of(sink_url, run)[0]["key"]
-                                             for run in (held, later, lost))
+            scenario.wait(lambda: _effects_of(sink_url, zombie), "the zombie's call")
+            first = {key: effects[0]["id"] for key, effects in effects_by_key(sink_url).items()}
+            held_key, later_key, lost_key, zombie_key = (
+                _effects_of(sink_url, run)[0]["key"] for run in (held, later, lost, zombie))
+            zombie_token = scenario.sql("SELECT lease_token FROM orchestrator.runs WHERE id = %s",
+                                        (zombie,))[0]["lease_token"]
 
             pair.kill_primary()
             pair.promote()
@@ -165,10 +176,16 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             assert scenario.sql("SELECT id FROM orchestrator.runs WHERE id = %s", (lost,)) == []
             assert lost_key in first
             # The other two finish again on the new primary, each with its first receipt.
-            scenario.wait_finished([held, later], timeout=90)
+            # The zombie's worker is still in its call, under a lease the new primary has lost;
+            # the gate opens once the call was sent a second time (below).
+            scenario.wait(lambda: sum(1 for c in sink.load(sink_url)["calls"]
+                                      if c["key"] == zombie_key) == 2,
+                          "the zombie's call to be sent again")
+            failover_app.open_gate(sink_url, "zombie")
+            scenario.wait_finished([held, later, zombie], timeout=90)
             runs = {r["id"]: r for r in scenario.sql(
                 "SELECT id, status, result FROM orchestrator.runs WHERE id = ANY(%s)",
-                ([held, later],))}
+                ([held, later, zombie],))}
             assert {r["status"] for r in runs.values()} == {"succeeded"}
             found = sink.load(sink_url)
             calls = Counter(c["key"] for c in found["calls"])
@@ -189,6 +206,20 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             # nothing the second time and answered with the first receipt.
             assert calls[later_key] == 2 and len(effects[later_key]) == 1
             assert runs[later]["result"]["effect"] == first[later_key]
+            # The zombie's claim was lost too, while its worker was still in the call: the run is
+            # claimed again on the new primary under the same lease token (tokens went back with
+            # the lost history, so the fence cannot tell the two executors apart) and the call
+            # is sent again under the same key while the first executor still waits for its
+            # answer. The provider deduplicates, whichever executor writes second is refused,
+            # and the run finishes once with the first receipt.
+            assert calls[zombie_key] == 2 and len(effects[zombie_key]) == 1
+            tokens = scenario.sql("SELECT max(lease_token) AS t FROM orchestrator.journal WHERE "
+                                  "run_id = %s", (zombie,))
+            assert tokens[0]["t"] == zombie_token  # the token the lost history had handed out
+            assert runs[zombie]["result"]["effect"] == first[zombie_key]
+            ops = scenario.sql("SELECT state FROM orchestrator.operations WHERE run_id = %s",
+                               (zombie,))
+            assert [o["state"] for o in ops] == ["committed"]
             assert scenario.alive() == dict.fromkeys(scenario.procs, True), scenario.logs()
         finally:
             scenario.stop()
