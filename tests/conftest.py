@@ -35,7 +35,7 @@ from orchestrator.db.config import DatabaseTarget, validate_url
 from tests import dbtools
 from tests.roles import Role, create_role, drop_role
 
-_DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations", "browser")
+_DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations", "browser", "failover")
 _TESTS_DIR = Path(__file__).parent
 
 
