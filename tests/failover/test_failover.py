@@ -139,11 +139,11 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             scenario.start(workers=1)
             # In flight: its call applied at the provider, then held at the gate.
             held = scenario.submit(failover_app.billing, {"step": "held", "gate": True}, "held")
-            # Asleep: its call not yet made.
-            later = scenario.submit(failover_app.billing, {"step": "later", "sleep": 4}, "later")
+            # Asleep: its call not yet made (6 s: time enough to stop the standby receiving).
+            later = scenario.submit(failover_app.billing, {"step": "later", "sleep": 6}, "later")
             # Asleep too; its call will be made, and held, after the standby stops receiving.
             zombie = scenario.submit(failover_app.billing,
-                                     {"step": "zombie", "sleep": 4, "gate": True}, "zombie")
+                                     {"step": "zombie", "sleep": 6, "gate": True}, "zombie")
             scenario.wait(lambda: _effects_of(sink_url, held), "the held call")
             scenario.wait(lambda: set(scenario.statuses([later, zombie]).values()) == {"waiting"},
                           "the sleeps")
@@ -160,7 +160,6 @@ def test_asynchronous_standby_loses_the_unreplicated_commits_and_the_ledger_says
             lost = scenario.submit(failover_app.billing, {"step": "lost"}, "lost")
             scenario.wait_finished([held, later, lost], timeout=60)
             assert set(scenario.statuses([held, later, lost]).values()) == {"succeeded"}
-            first = {key: effects[0]["id"] for key, effects in effects_by_key(sink_url).items()}
             scenario.wait(lambda: _effects_of(sink_url, zombie), "the zombie's call")
             first = {key: effects[0]["id"] for key, effects in effects_by_key(sink_url).items()}
             held_key, later_key, lost_key, zombie_key = (
