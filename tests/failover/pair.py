@@ -25,6 +25,7 @@ import contextlib
 import os
 import secrets
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,35 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _segment_id(data: Path) -> int | None:
+    """The id of the small System V shared memory segment a running postmaster keeps (the last
+    line of its pid file: key and id). A postmaster killed with SIGKILL cannot remove it."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = (data / "postmaster.pid").read_text().splitlines()
+        return int(lines[6].split()[1])
+    return None
+
+
+def _remove_segment(shmid: int, timeout: float = 5.0) -> None:
+    """Remove segment ``shmid`` once nothing is attached to it any more (the killed primary's
+    processes are gone)."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        attached = None
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1]) == shmid:
+                    attached = int(fields[6])
+        if attached is None:
+            return  # gone already
+        if attached == 0:
+            subprocess.run(["ipcrm", "-m", str(shmid)], capture_output=True, check=False,
+                           timeout=10)
+            return
+        time.sleep(0.05)
+
+
 class ReplicatedPair:
     """See the module docstring. ``synchronous``: the primary waits for the standby's flush
     before a commit returns."""
@@ -65,6 +95,7 @@ class ReplicatedPair:
         self.killed_at: float | None = None  # wall clock, when kill_primary ran
         self.promoted_at: float | None = None
         self._leftovers: list[int] = []
+        self._orphaned_segment: int | None = None  # the killed primary's System V segment
 
     # -- setting up ---------------------------------------------------------------------
 
@@ -165,6 +196,7 @@ class ReplicatedPair:
         if how != "sigkill":
             raise ValueError(f"unknown kill {how!r}")
         children = _children(pid)
+        self._orphaned_segment = _segment_id(self.primary.data)
         self.killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         for child in children:
@@ -194,6 +226,8 @@ class ReplicatedPair:
         for pid in self._leftovers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if self._orphaned_segment is not None:
+            _remove_segment(self._orphaned_segment)
 
     def logs(self) -> str:
         return (f"--- primary log\n{self.primary.tail(30)}\n"
