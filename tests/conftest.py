@@ -39,7 +39,7 @@ from tests import dbtools
 from tests import pgbouncer as bouncers
 from tests.roles import Role, create_role, drop_role
 
-_DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations", "browser")
+_DIRECTORY_MARKERS = ("unit", "integration", "acceptance", "migrations", "browser", "failover")
 _TESTS_DIR = Path(__file__).parent
 
 

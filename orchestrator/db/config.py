@@ -79,8 +79,18 @@ class DatabaseTarget:
 
     @property
     def sqlalchemy_url(self) -> str:
-        """The same URL for SQLAlchemy's psycopg 3 dialect."""
-        return "postgresql+psycopg://" + self.url.split("://", 1)[1]
+        """The same URL for SQLAlchemy's psycopg 3 dialect. A multi-host URL
+        (``…@h1:5432,h2:5432/db``, the hosts tried in turn, e.g. a primary and its standby
+        with ``target_session_attrs=read-write``) is spelt the way that dialect reads several
+        hosts: one ``host=h:port`` query parameter each."""
+        parts = urlsplit(self.url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if "," not in hosts:
+            return "postgresql+psycopg://" + self.url.split("://", 1)[1]
+        query = "&".join([*(f"host={h}" for h in hosts.split(",")),
+                          *([parts.query] if parts.query else [])])
+        netloc = f"{userinfo}@" if userinfo else ""
+        return urlunsplit(("postgresql+psycopg", netloc, parts.path, query, parts.fragment))
 
     @property
     def display(self) -> str:
@@ -141,7 +151,8 @@ def validate_url(url: str) -> str:
         )
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        for host in parts.netloc.rpartition("@")[2].split(","):  # libpq's multi-host form
+            urlsplit(f"//{host}").port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
         raise ConfigurationError(f"the database URL is malformed: {exc}") from None
     if parts.scheme not in _SCHEMES:

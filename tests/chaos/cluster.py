@@ -79,10 +79,11 @@ def _run_as() -> str | None:
 class PrivateCluster:
     """One initdb'ed cluster in a temporary directory; see the module docstring."""
 
-    def __init__(self, bindir: Path, base: Path | None = None) -> None:
+    def __init__(self, bindir: Path, base: Path | None = None, prefix: str = "chaos-pg-"
+                 ) -> None:
         self.bindir = bindir
         self.user = _run_as()
-        self.root = Path(tempfile.mkdtemp(prefix="chaos-pg-", dir=base or "/tmp"))
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=base or "/tmp"))
         self.data = self.root / "data"
         self.log = self.root / "server.log"
         self.port = _free_port()
@@ -95,6 +96,14 @@ class PrivateCluster:
     @property
     def admin_url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's process id, from its pid file (None when none is running)."""
+        try:
+            return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
 
     def _cmd(self, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
@@ -117,10 +126,20 @@ class PrivateCluster:
             "log_min_messages": "warning",
             "logging_collector": "off",
         }
-        with open(self.data / "postgresql.conf", "a") as conf:
-            conf.write("\n# chaos harness\n")
+        self.configure(settings)
+
+    def configure(self, settings: dict[str, str], file: str = "postgresql.conf") -> None:
+        """Append settings (values already quoted as the file wants them); the last
+        occurrence of a setting wins, ``postgresql.auto.conf`` over ``postgresql.conf``."""
+        with open(self.data / file, "a") as conf:
+            conf.write("\n# test harness\n")
             for key, value in settings.items():
                 conf.write(f"{key} = {value}\n")
+
+    def reload(self) -> None:
+        done = self._cmd([str(self.bindir / "pg_ctl"), "-D", str(self.data), "reload"])
+        if done.returncode != 0:
+            raise RuntimeError(f"pg_ctl reload failed: {done.stderr.strip()}")
 
     def start(self) -> None:
         done = self._cmd([str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",

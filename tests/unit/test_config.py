@@ -29,6 +29,11 @@ from orchestrator.errors import ConfigurationError
             "postgresql://postgres:@/orchestrator?host=/tmp/pg",
         ),
         ("postgresql://[::1]:5433/orders", "postgresql://[::1]:5433/orders"),
+        (  # libpq's multi-host form: a primary and its standby, the writable one chosen
+            "postgresql://app@10.0.0.1:5432,10.0.0.2:5433/orders?target_session_attrs=read-write",
+            "postgresql://app@10.0.0.1:5432,10.0.0.2:5433/orders?target_session_attrs=read-write",
+        ),
+        ("postgres://app@h1,[::1]:5433/orders", "postgresql://app@h1,[::1]:5433/orders"),
     ],
 )
 def test_valid_urls_are_normalised_to_libpq_form(url: str, expected: str) -> None:
@@ -46,6 +51,8 @@ def test_valid_urls_are_normalised_to_libpq_form(url: str, expected: str) -> Non
         ("db:5432/orders", "is malformed: expected postgresql://"),
         ("postgresql://u@h:notaport/db", "is malformed"),
         ("postgresql://u@h:99999/db", "is malformed"),
+        ("postgresql://u@h1:5432,h2:nope/db", "is malformed"),
+        ("postgresql://u@h1:5432,h2:99999/db", "is malformed"),
         ("postgresql://app@db:5432", "names no database"),
         ("postgresql://app@db:5432/", "names no database"),
     ],
@@ -98,6 +105,20 @@ def test_target_offers_display_and_sqlalchemy_forms() -> None:
     target = DatabaseTarget("postgresql://app:s3cret@db:5432/x", "argument")
     assert target.display == target.masked == "postgresql://app@db:5432/x"
     assert target.sqlalchemy_url == "postgresql+psycopg://app:s3cret@db:5432/x"
+
+
+def test_a_multi_host_target_reaches_sqlalchemy_as_one_host_parameter_each() -> None:
+    from sqlalchemy import create_engine
+
+    target = DatabaseTarget(validate_url(
+        "postgresql://app:s3cret@h1:5432,h2:5433/x?target_session_attrs=read-write"),
+        "argument")
+    assert target.display == "postgresql://app@h1:5432,h2:5433/x"
+    engine = create_engine(target.sqlalchemy_url)
+    _, options = engine.dialect.create_connect_args(engine.url)
+    assert (options["host"], options["port"]) == ("h1,h2", "5432,5433")
+    assert options["target_session_attrs"] == "read-write"
+    assert (options["user"], options["password"], options["dbname"]) == ("app", "s3cret", "x")
 
 
 @pytest.mark.parametrize(
