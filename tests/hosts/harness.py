@@ -49,10 +49,11 @@ def on_host(url: str, address: str) -> str:
 
 
 @contextlib.contextmanager
-def environment(hosts: Hosts) -> Iterator[Environment]:
+def environment(hosts: Hosts, *, idle_transaction_timeout: str = "2s"
+                ) -> Iterator[Environment]:
     """A private cluster reachable from every host, with a migrated orchestrator database
     and a sink database on it (the harness itself connects on 127.0.0.1)."""
-    with cluster_for(hosts) as cluster:
+    with cluster_for(hosts, idle_transaction_timeout=idle_transaction_timeout) as cluster:
         db_url = dbtools.create_database(cluster.admin_url, dbtools.unique_name("hosts"))
         migrate_to_head(db_url)
         sink_url = dbtools.create_database(cluster.admin_url, dbtools.unique_name("hostssink"))
@@ -68,24 +69,34 @@ class PartitionReport:
     held: dict[str, int] = field(default_factory=dict)  # run -> lease token at the cut
     cut_at: float = 0.0
     healed_at: float = 0.0
-    resumed_after: dict[str, float] = field(default_factory=dict)  # run -> s from the cut
+    # run -> s from the cut until its lease ended (put back in the queue, or claimed at once)
+    released_after: dict[str, float] = field(default_factory=dict)
+    resumed_after: dict[str, float] = field(default_factory=dict)  # claimed: a higher token
     finished_meanwhile: list[str] = field(default_factory=list)  # ended before the cut bit
     late_writes: list[str] = field(default_factory=list)  # old-token writes after takeover
+    # the most transactions of the cut host the server still held open at once, and the last
+    # moment (s from the cut) it held one
+    open_transactions: int = 0
+    open_transactions_until: float = 0.0
     back_to_work_after: float | None = None  # s from the heal to its first new claim
     lease_losses_logged: int = 0
     worker_restarted: bool = False
 
     def describe(self) -> str:
         worst = max(self.resumed_after.values(), default=0.0)
+        freed = max(self.released_after.values(), default=0.0)
         back = ("never" if self.back_to_work_after is None
                 else f"after {self.back_to_work_after:.1f} s")
         return (f"host {self.host} ({self.worker_id}) cut for "
                 f"{self.healed_at - self.cut_at:.1f} s holding {len(self.held)} runs; "
+                f"{len(self.released_after)} released, the last after {freed:.2f} s; "
                 f"{len(self.resumed_after)} resumed elsewhere, the last after {worst:.2f} s "
                 f"({', '.join(f'{v:.2f}' for v in sorted(self.resumed_after.values()))}); "
                 f"{len(self.finished_meanwhile)} ended before the cut bit; "
                 f"late writes of the old holder: {len(self.late_writes)}; back to work "
-                f"{back} from the heal; lease losses it logged: {self.lease_losses_logged}")
+                f"{back} from the heal; lease losses it logged: {self.lease_losses_logged}; "
+                f"its transactions the server held open: {self.open_transactions}, the last "
+                f"until {self.open_transactions_until:.1f} s after the cut")
 
 
 class HostsHarness(Harness):
@@ -177,13 +188,22 @@ class HostsHarness(Harness):
                 "SELECT id::text AS id, lease_token, status FROM orchestrator.runs "
                 "WHERE id::text = ANY(%s)", (list(rep.held),))
             for row in rows:
-                if row["id"] in rep.resumed_after or row["id"] in rep.finished_meanwhile:
+                run_id, after = row["id"], time.time() - rep.cut_at
+                if run_id in rep.resumed_after or run_id in rep.finished_meanwhile:
                     continue
-                if row["lease_token"] > rep.held[row["id"]]:
-                    rep.resumed_after[row["id"]] = time.time() - rep.cut_at
+                if row["lease_token"] > rep.held[run_id]:
+                    rep.resumed_after[run_id] = after
+                    rep.released_after.setdefault(run_id, after)
+                elif row["status"] == "queued":  # released at its lease's end, not claimed yet
+                    rep.released_after.setdefault(run_id, after)
                 elif row["status"] in _LEFT_BEFORE_THE_CUT:  # its last write landed first
-                    rep.finished_meanwhile.append(row["id"])
-                # 'queued' with the same token: released at its lease's end, not claimed yet
+                    rep.finished_meanwhile.append(run_id)
+            opened = await self.sql(
+                "SELECT count(*) AS n FROM pg_stat_activity WHERE client_addr = %s::inet "
+                "AND xact_start IS NOT NULL", (host.address,))
+            if opened[0]["n"]:
+                rep.open_transactions = max(rep.open_transactions, int(opened[0]["n"]))
+                rep.open_transactions_until = time.time() - rep.cut_at
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self.hosts.heal, host)
         rep.healed_at = time.time()

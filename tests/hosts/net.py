@@ -173,9 +173,11 @@ def host_url(url: str, address: str) -> str:
 
 
 @contextlib.contextmanager
-def cluster_for(hosts: Hosts) -> Iterator[PrivateCluster]:
+def cluster_for(hosts: Hosts, *, idle_transaction_timeout: str = "2s"
+                ) -> Iterator[PrivateCluster]:
     """A private cluster listening on 127.0.0.1 and on the root side of every host link,
-    accepting the hosts' connections; destroyed on exit."""
+    accepting the hosts' connections; destroyed on exit. ``idle_transaction_timeout``: the
+    server's ``idle_in_transaction_session_timeout`` ("0": none)."""
     bindir = find_bindir()
     if bindir is None:
         raise RuntimeError("no PostgreSQL binaries")
@@ -189,6 +191,10 @@ def cluster_for(hosts: Hosts) -> Iterator[PrivateCluster]:
             # the kernel's 15 minutes of retransmissions; the host's own side does the same.
             conf.write("tcp_keepalives_idle = 2\ntcp_keepalives_interval = 1\n"
                        "tcp_keepalives_count = 5\ntcp_user_timeout = 10000\n")
+            # A cut host's open transaction holds its row locks until the server ends it; the
+            # sweep that releases expired leases skips locked rows, so that transaction must
+            # end before a lease has run out (docs/operations.md).
+            conf.write(f"idle_in_transaction_session_timeout = '{idle_transaction_timeout}'\n")
         with open(cluster.data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {NETWORK} trust\n")
         cluster.start()

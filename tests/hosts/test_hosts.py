@@ -29,8 +29,9 @@ pytestmark = pytest.mark.chaos
 
 LEASE = 3.0
 WORKLOAD = {"checkout": 40, "fanout": 30, "parent": 15, "retrying": 15}
-# A run held by the cut host is claimed elsewhere once its lease has expired (at most one TTL
-# after its last renewal, sent before the cut) and a worker's sweep found it (every TTL / 2).
+# A run held by the cut host is released (and claimed elsewhere, given a free slot) once its
+# lease has expired (at most one TTL after its last renewal, sent before the cut) and a
+# worker's sweep found it (every TTL / 2).
 RESUME_BOUND = LEASE * 1.5 + 1.0
 
 
@@ -90,12 +91,16 @@ def test_a_host_cut_past_its_lease_lets_go_and_comes_back(hosts: net.Hosts, env:
     rep: PartitionReport = harness.report_partition
     assert result.ok, result.text
     assert rep.held, "the cut host held runs in flight: " + rep.describe()
-    # Every run it held resumed elsewhere (or had ended before the cut bit), within the bound.
+    # Every run it held was released within the bound and resumed on another host while the
+    # cut lasted (or had ended before the cut bit); none before its lease could have lapsed
+    # (the last renewal, every third of the TTL, was sent before the cut).
     assert set(rep.resumed_after) | set(rep.finished_meanwhile) == set(rep.held), rep.describe()
     assert rep.resumed_after, rep.describe()
-    assert max(rep.resumed_after.values()) <= RESUME_BOUND, rep.describe()
-    assert min(rep.resumed_after.values()) >= LEASE * 0.5, (
-        "no run was taken before its lease could have lapsed: " + rep.describe())
+    assert max(rep.released_after.values()) <= RESUME_BOUND, rep.describe()
+    assert min(rep.released_after.values()) >= LEASE * 0.5, rep.describe()
+    # A transaction the cut host left open (its row locks keep the sweep off those runs) was
+    # ended by the server's idle_in_transaction_session_timeout (2 s) before the lease ran out.
+    assert rep.open_transactions_until <= LEASE, rep.describe()
     # Fenced: nothing the old holder wrote landed after the new holder's first write.
     assert rep.late_writes == [], rep.describe() + "\n" + "\n".join(rep.late_writes)
     # It let go, and went back to work in the same process.
@@ -121,9 +126,11 @@ def test_hosts_with_skewed_clocks_keep_the_invariants_through_a_cut(
     result = _run(harness)
     rep = harness.report_partition
     assert result.ok, result.text
-    # The server's clock decides when a lease has run out, whatever the host's says.
-    assert rep.resumed_after, rep.describe()
-    assert max(rep.resumed_after.values()) <= RESUME_BOUND, rep.describe()
+    # The server's clock decides when a lease has run out, whatever the host's says. (With
+    # this heavier load a released run may wait in the queue behind others before a claim.)
+    assert rep.released_after, rep.describe()
+    assert max(rep.released_after.values()) <= RESUME_BOUND, rep.describe()
+    assert min(rep.released_after.values()) >= LEASE * 0.5, rep.describe()
     assert rep.late_writes == [], rep.describe() + "\n" + "\n".join(rep.late_writes)
     assert rep.back_to_work_after is not None, rep.describe()
     owners = asyncio.run(_workers_that_dispatched(harness))
