@@ -29,6 +29,8 @@ Sections (``--sections a,b``; default: all):
               during the prune ÷ before and after
   pooler      K = 3 throughput and first-step latency through PgBouncer in transaction mode,
               with listen_url and polling, beside direct, interleaved (bench/pooler.py)
+  hosts       K = 3 throughput with one worker in each of 1, 2 and 4 network namespaces (hosts)
+              against one server, and the server's CPU per step (needs root; bench/hosts.py)
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -109,7 +111,7 @@ def pct(share: float | None) -> str:
 
 SECTIONS = ("ceiling", "throughput", "floor", "batches", "peers", "latency", "scale", "recovery",
             "memory", "profile", "bulk", "console", "telemetry", "queues", "retention",
-            "pooler")
+            "pooler", "hosts")
 
 
 @dataclass
@@ -159,6 +161,8 @@ class Plan:
     queue_rate: int = 100  # starts per second of the rated drain
     queue_rate_runs: int = 800  # 8 s at the rate
     retention_runs: int = 6_000  # K=3 runs of each drain beside the prune
+    hosts_runs: int = 3_000  # K=3 runs of each hosts drain
+    hosts_counts: tuple[int, ...] = (1, 2, 4)  # namespaces, one worker in each
     quick: bool = False
 
 
@@ -173,7 +177,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     console_rows=20_000, console_page_requests=10, console_sse_clients=20,
                     console_sse_runs=500, console_sse_rounds=1, telemetry_runs=300,
                     queue_runs=300, queue_cap_runs=80, queue_rate_runs=300,
-                    retention_runs=300, quick=True)
+                    retention_runs=300, hosts_runs=300, quick=True)
     else:
         plan = Plan(reps=3, ceiling_seconds=10, clients=(1, 4, 16),
                     runs={1: 1_500, 3: 1_000, 10: 400}, workers=2, concurrency=32, pool_size=16,
@@ -1077,6 +1081,50 @@ class Suite:
             table.print()
         self.record("console_sse", {"rounds": rounds, "ratio": loaded / base,
                                     "paired_ratio": paired, "profiled": profiled})
+
+    # -- hosts -------------------------------------------------------------------------------
+
+    async def section_hosts(self) -> None:
+        """K=3 drains with one worker in each of 1, 2 and 4 network namespaces against one
+        private cluster, beside one worker in the root namespace over loopback; the repetitions
+        interleave the arms."""
+        from bench import hosts as hosts_mod
+
+        p = self.plan
+        why = hosts_mod.unavailable()
+        if why is not None:
+            log(f"hosts: skipped: {why}")
+            return
+        arms = (0, *p.hosts_counts)
+        results: dict[int, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        with hosts_mod.HostsBench(max(p.hosts_counts)) as bench_hosts:
+            for rep in range(p.reps):
+                for arm in arms:
+                    log(f"hosts: {arm or 'root'} namespaces, repetition {rep + 1}/{p.reps}")
+                    setup = ours.Setup(max(arm, 1), p.concurrency, p.pool_size)
+                    results[arm].append(await bench_hosts.drain_once(
+                        k=3, n=p.hosts_runs, namespaces=arm, setup=setup))
+        table = Table(f"hosts: K=3 throughput ({p.hosts_runs:,} runs per drain), one worker "
+                      f"× concurrency {p.concurrency} per host, one server",
+                      ["hosts", "workers", "steps/s", "min–max", "÷ 1 host",
+                       "CPU µs/step: server", "workers", "machine busy"])
+        one = median([r["steps_per_s"] for r in results[arms[1]]])
+        for arm in arms:
+            reps = results[arm]
+            steps = [r["steps_per_s"] for r in reps]
+            table.add("root, loopback" if arm == 0 else str(arm), str(max(arm, 1)),
+                      median(steps), f"{min(steps):,.0f}–{max(steps):,.0f}",
+                      fx(ratio(median(steps), one)),
+                      median_of(reps, "server_cpu_us_per_step"),
+                      median_of(reps, "worker_cpu_us_per_step"),
+                      pct(median_of(reps, "machine_busy")))
+        table.notes.append(f"median of {p.reps}, arms interleaved; each host a network "
+                           "namespace reaching the server over its own veth pair; a private "
+                           "cluster (fsync off, synchronous_commit on) on this machine's "
+                           f"{os.cpu_count()} cores, shared by the server, the workers and "
+                           "the driver")
+        table.print()
+        self.record("hosts", {"results": {str(k): v for k, v in results.items()}})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
