@@ -95,32 +95,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failover: skipped: {reason}")
         return 0
     server = Server.find()
-    admin_url = server.admin_url
+    table, results = measure(server.admin_url, modes=args.modes, reps=args.reps,
+                             rate=args.rate, duration=args.duration)
+    table.print()
+    append_result("failover", {"results": results, "rate": args.rate,
+                               "duration": args.duration}, {"machine": machine_info(server)})
+    return 0
+
+
+def measure(admin_url: str, *, modes: str = "sync,async", reps: int = 3, rate: float = 20.0,
+            duration: float = 5.0) -> tuple[Table, dict[str, list[dict[str, Any]]]]:
+    """The failover table (``modes``: ``sync``, ``async`` or both, each repeated ``reps``
+    times) and every repetition's figures; blocking. ``bench.run --sections hosts`` prints it
+    too, after the hosts' scaling and the pooler's comparison."""
     table = Table(f"failover: primary SIGKILLed {KILL_AFTER:g} s into a load of "
-                  f"{args.rate:g} runs/s (K = 3), standby promoted at once; seconds from the kill",
+                  f"{rate:g} runs/s (K = 3), standby promoted at once; seconds from the kill",
                   ["standby", "promote", "first step", "in flight again", "in flight",
                    "lost", "repeated", "workers restarted"])
     results: dict[str, list[dict[str, Any]]] = {}
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        reps = [once(admin_url, synchronous=mode == "sync", rate=args.rate,
-                     duration=args.duration) for _ in range(args.reps)]
-        results[mode] = reps
+    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+        done = [once(admin_url, synchronous=mode == "sync", rate=rate, duration=duration)
+                for _ in range(reps)]
+        results[mode] = done
 
-        def med(key: str, reps: list[dict[str, Any]] = reps) -> float | None:
-            values = [r[key] for r in reps if r[key] is not None]
+        def med(key: str, done: list[dict[str, Any]] = done) -> float | None:
+            values = [r[key] for r in done if r[key] is not None]
             return median(values) if values else None
 
         table.add("synchronous" if mode == "sync" else "asynchronous",
                   f"{med('promote'):.2f}", f"{med('first_step'):.2f}",
                   f"{med('all_in_flight_again'):.2f}", f"{med('in_flight'):.0f}",
-                  str(sum(r["lost"] for r in reps)), str(sum(r["repeated"] for r in reps)),
-                  str(sum(r["workers_restarted"] for r in reps)))
-    table.notes.append(f"median of {args.reps}; lost, repeated and restarted are totals over "
+                  str(sum(r["lost"] for r in done)), str(sum(r["repeated"] for r in done)),
+                  str(sum(r["workers_restarted"] for r in done)))
+    table.notes.append(f"median of {reps}; lost, repeated and restarted are totals over "
                        "the repetitions; the lease is 3 s")
-    table.print()
-    append_result("failover", {"results": results, "rate": args.rate,
-                               "duration": args.duration}, {"machine": machine_info(server)})
-    return 0
+    return table, results
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ Sections (``--sections a,b``; default: all):
   pooler      K = 3 throughput and first-step latency through PgBouncer in transaction mode,
               with listen_url and polling, beside direct, interleaved (bench/pooler.py)
   hosts       K = 3 throughput with one worker in each of 1, 2 and 4 network namespaces (hosts)
-              against one server, and the server's CPU per step (needs root; bench/hosts.py)
+              against one server, and the server's CPU per step (needs root; bench/hosts.py);
+              then the pooler section's comparison (unless it runs too) and a failover: seconds
+              from a primary's death to the first step on the promoted standby and to every
+              in-flight run running again (bench/failover.py)
 
 Every figure is the median of ``--reps`` repetitions. Every rate is also printed as a ratio to
 the 16-client pgbench ceiling measured in the same run (measured briefly even when the ceiling
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -214,6 +218,7 @@ class Suite:
     commit_latency: float | None = None  # seconds, 1-client pgbench
     ours_tp: dict[int, dict[str, Any]] = field(default_factory=dict)
     ours_lat: dict[str, float] | None = None
+    sections: tuple[str, ...] = ()  # the sections this run measures
 
     def record(self, section: str, payload: dict[str, Any]) -> None:
         append_result(section, {"plan": self.plan.__dict__, **payload}, self.context)
@@ -1125,6 +1130,29 @@ class Suite:
                            "the driver")
         table.print()
         self.record("hosts", {"results": {str(k): v for k, v in results.items()}})
+        # The issue's other two measurements beyond one host, in the same section: through
+        # PgBouncer against direct (unless the pooler section runs on its own), and a failover.
+        if "pooler" not in self.sections:
+            await self.section_pooler()
+        await self.failover_timings()
+
+    async def failover_timings(self) -> None:
+        """A primary SIGKILLed under load and its standby promoted (bench/failover.py): seconds
+        to the promotion, the first step on the new primary, every in-flight run again."""
+        from bench import failover
+        from tests.failover.pair import unavailable_reason
+
+        why = unavailable_reason()
+        if why is not None:
+            log(f"hosts: failover skipped: {why}")
+            return
+        log("hosts: failover, synchronous and asynchronous standby")
+        logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)  # the outage, as expected
+        logging.getLogger("psycopg").setLevel(logging.CRITICAL)
+        table, results = await asyncio.to_thread(
+            failover.measure, self.server.admin_url, reps=self.plan.reps)
+        table.print()
+        self.record("failover", {"results": results})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1200,7 +1228,7 @@ async def main(argv: list[str] | None = None) -> int:
     engine["engine_path"] = str(Path(orchestrator.__file__).parent)
     context = {"git": git, "engine": engine, "machine": machine_info(server), "argv": sys.argv[1:],
                "quick": plan.quick}
-    suite = Suite(server, plan, context)
+    suite = Suite(server, plan, context, sections=tuple(sections))
     if args.no_record:
         suite.record = lambda section, payload: None  # type: ignore[method-assign]
     print(f"bench: {', '.join(sections)} on {server.source} "
