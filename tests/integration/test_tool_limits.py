@@ -218,6 +218,10 @@ async def test_a_429_with_retry_after_pauses_the_tool_for_every_run(make_app, sq
         first = await app.submit_async(calls, 0)
         await wait_for(refused.is_set)
         paused_at = time.monotonic()
+        # The back-off is recorded after the tool's answer: the others come once it is (a
+        # run submitted in between could be called before it, which is not what this tests).
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.tool_limits WHERE name = 'api' "
+                                   "AND backoff_until > now()"), what="the back-off recorded")
         others = [await app.submit_async(calls, n) for n in range(1, 6)]
         for h in (first, *others):
             await h.result_async(timeout=20)
