@@ -80,7 +80,7 @@ async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
     from 1, in the old order. Returns how many entries were copied."""
     cur = await conn.execute(
         f"""
-        INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+        INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version, payload,
                                  lease_token, created_at)
         SELECT %(new)s, row_number() OVER (ORDER BY j.seq), j.kind, j.position, j.name,
                j.schema_version, j.payload, 0, j.created_at

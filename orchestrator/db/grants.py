@@ -67,7 +67,8 @@ exception and its traceback) is read only by ``orchestrator incidents show``."""
 
 _TABLES = (
     _table("runs", "SELECT", "INSERT", "UPDATE"),
-    _table("journal", "SELECT", "INSERT"),
+    _table("journal_entries", "SELECT", "INSERT"),
+    _table("journal", "SELECT"),  # the view (migration 0019)
     _table("operations", "SELECT", "INSERT", "UPDATE"),
     _table("reconciliation_items", "SELECT", "INSERT", "UPDATE"),
     _table("reconciliation_lookups", "SELECT", "INSERT"),
@@ -132,7 +133,7 @@ REQUIRED = runtime_grants(incident_details=False) + BUILTINS
 """What a worker or a reconciler checks when it starts: every privilege the engine's own
 statements use (``incidents show`` alone reads more)."""
 
-APPEND_ONLY = (f"{SCHEMA}.journal", f"{SCHEMA}.operator_audit")
+APPEND_ONLY = (f"{SCHEMA}.journal_entries", f"{SCHEMA}.operator_audit")
 FORBIDDEN = ("UPDATE", "DELETE", "TRUNCATE")
 """What the runtime role must not hold on the :data:`APPEND_ONLY` tables, by any route."""
 

@@ -25,7 +25,7 @@ from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
 from orchestrator.journal import RUN_ENDS, Entry, EventKind
 
-_INSERT = (f"INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, "
+_INSERT = (f"INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version, "
            "payload, lease_token)")
 """The head of both inserts; the rows follow as a SELECT."""
 

@@ -45,6 +45,10 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(schema=SCHEMA, naming_convention=NAMING_CONVENTION)
 
+VIEWS = ("journal",)
+"""The schema's views, made by the migrations and not declared here: ``journal``, a run's
+entries in one sequence, stored and on its operations (migration 0019)."""
+
 RUN_STATUSES = (
     "queued",  # ready to be claimed at available_at
     "running",  # claimed: a worker holds the lease
@@ -189,8 +193,12 @@ runs = Table(
     Index("ix_runs_pruned", "finished_at", postgresql_where=text("pruned_at IS NOT NULL")),
 )
 
-journal = Table(
-    "journal",
+# The journal's stored entries: every kind but a call's ``call.submitted`` and
+# ``call.completed`` entries written by the engine's step statements, which are the operation
+# row itself (``operations.seq``, ``completed_seq``; migration 0019). The view
+# ``orchestrator.journal`` (the migration's, not declared here) reads both as one sequence.
+journal_entries = Table(
+    "journal_entries",
     metadata,
     Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
            primary_key=True),
@@ -232,7 +240,17 @@ operations = Table(
     _ts("submitted_at"),
     _ts("finished_at"),
     _ts("updated_at", nullable=False, default_now=True),
+    # The call's journal entries on this row (migration 0019): its ``call.submitted`` entry at
+    # ``seq``, its ``call.completed`` entry at ``completed_seq``, both of schema version
+    # ``entry_version``; NULL where the entry is a stored row of ``journal_entries`` instead.
+    Column("seq", BigInteger),
+    Column("completed_seq", BigInteger),
+    Column("entry_version", SmallInteger),
     CheckConstraint(_in("state", OPERATION_STATES), name="state"),
+    CheckConstraint("(seq IS NULL OR (seq >= 1 AND entry_version IS NOT NULL)) "
+                    "AND (completed_seq IS NULL OR (state = 'committed' "
+                    "AND entry_version IS NOT NULL AND completed_seq > coalesce(seq, 0)))",
+                    name="entry"),
     CheckConstraint(_in("effect_class", EFFECT_CLASSES), name="effect_class"),
     CheckConstraint("attempt >= 1 AND position >= 0", name="identity"),
     CheckConstraint("state <> 'committed' OR receipt_digest IS NOT NULL", name="committed_receipt"),

@@ -17,18 +17,27 @@ says why. What the three statements have in common:
   primary key. That index holds every running run and, until a vacuum, every dead version of
   one (each claim and lease renewal leaves one), so every statement would read the whole
   working set; a sub-select's value is not known when planning, which rules the index out.
+- **A call's entries are its operation row** (migration 0019). The write-ahead inserts the
+  operation with ``seq``, the position of its ``call.submitted`` entry in the run's journal;
+  committing it writes ``completed_seq``, that of its ``call.completed`` entry. The view
+  ``orchestrator.journal`` reads them among the stored entries (``journal_entries``) as one
+  sequence, with the payloads of :data:`orchestrator.journal.PAYLOAD_FIELDS`. So a step writes
+  the operation and the fence, not two journal rows besides (docs/architecture.md, "The write
+  path").
 - **A riding receipt.** A row may carry the receipt of the run's previous call (the columns
-  ``prev_op`` … ``digest``, all NULL without one; see :class:`Receipt`). CTE ``done`` commits it
-  (``submitted`` → ``committed``) once the fence held, and its ``call.completed`` entry goes in
-  at ``expected + 1``. A row so appends ``(1 + (x.prev_op IS NOT NULL)::int)`` entries, its own
-  last, and its fence moves the revision by as much.
+  ``prev_op``, ``receipt``, ``digest``, all NULL without one; see :class:`Receipt`). CTE
+  ``done`` commits it (``submitted`` → ``committed``) once the fence held, its
+  ``call.completed`` entry at ``expected + 1``. A row so appends
+  ``(1 + (x.prev_op IS NOT NULL)::int)`` entries, its own last, and its fence moves the
+  revision by as much.
 - **Every row checked.** ``orchestrator.row_applied(applied, what)`` raises (SQLSTATE
   ``OR001``) for a row that did not apply, so that its batch cannot commit (see
   :mod:`orchestrator.db.writer`).
 
-Their journal entries are the only ones not inserted by :mod:`orchestrator.db.journal`; the
-kinds and payloads they spell out follow :data:`orchestrator.journal.PAYLOAD_FIELDS` (a unit
-test holds them to it).
+Theirs are the only journal entries not inserted by :mod:`orchestrator.db.journal`: the
+operations' entries, and the ``run.completed`` entry of :data:`RUN_SUCCEED`, whose payload
+follows :data:`orchestrator.journal.PAYLOAD_FIELDS` (a unit test holds it and the view's to
+it).
 """
 
 from __future__ import annotations
@@ -63,8 +72,7 @@ class Receipt:
 
     def columns(self) -> dict[str, Any]:
         """The receipt's fields of a statement's row (JSON texts spliced raw)."""
-        return {"prev_op": self.op_id, "prev_position": self.position,
-                "prev_name": self.name, "digest": self.digest}
+        return {"prev_op": self.op_id, "digest": self.digest}
 
     def raw(self) -> dict[str, str]:
         return {"receipt": self.text}
@@ -90,7 +98,7 @@ WITH x AS (
                attempt int, tool_name text, tool_version text, effect_class text, tenant text,
                principal text, intent_digest text, arguments jsonb, idempotency_key text,
                worker_id text, v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+               prev_op bigint, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
            updated_at = now()
@@ -100,41 +108,28 @@ WITH x AS (
     RETURNING x.i
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
+           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
     RETURNING o.run_id
 ), op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
-                                idempotency_key, state, worker_id, lease_token, submitted_at)
+                                idempotency_key, state, worker_id, lease_token, submitted_at,
+                                seq, entry_version)
     SELECT x.run_id, x.position, x.attempt, x.tool_name, x.tool_version, x.effect_class,
            x.tenant, x.principal, x.intent_digest, x.arguments, x.idempotency_key,
-           'submitted', x.worker_id, x.token, now()
+           'submitted', x.worker_id, x.token, now(),
+           x.expected + (1 + (x.prev_op IS NOT NULL)::int), x.v
     FROM x JOIN fence ON fence.i = x.i
     ON CONFLICT (run_id, position, attempt) DO NOTHING
     RETURNING id, run_id
-), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed',
-           x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id
-    UNION ALL
-    SELECT x.run_id, x.expected + (1 + (x.prev_op IS NOT NULL)::int), 'call.submitted',
-           x.position, x.tool_name, x.v,
-           jsonb_build_object('tool_version', x.tool_version, 'intent', x.intent_digest,
-                              'attempt', x.attempt, 'op', op.id, 'key', x.idempotency_key,
-                              'effect', x.effect_class), x.token
-    FROM x JOIN op ON op.run_id = x.run_id
-    RETURNING run_id
-), n AS (
-    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
 )
 SELECT x.i, op.id AS op_id,
-       {S}.row_applied(n.events = (1 + (x.prev_op IS NOT NULL)::int), 'call begin') AS appended
-FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN n ON n.run_id = x.run_id
+       {S}.row_applied(op.id IS NOT NULL AND (x.prev_op IS NULL OR done.run_id IS NOT NULL),
+                       'call begin') AS appended
+FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
 """
 """A call's write-ahead: its operation recorded ``submitted`` with its ``call.submitted`` entry,
 after committing the riding receipt; refused once a cancellation was requested."""
@@ -172,7 +167,7 @@ RECEIPT_COMMIT = f"""
 WITH x AS (
     SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
            jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+               prev_op bigint, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
@@ -181,22 +176,15 @@ WITH x AS (
     RETURNING x.i, r.cancel_requested_at
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
+           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
     RETURNING o.run_id
-), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed',
-           x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id
-    RETURNING run_id
 )
-SELECT x.i, {S}.row_applied(ins.run_id IS NOT NULL, 'receipt') AS appended,
+SELECT x.i, {S}.row_applied(done.run_id IS NOT NULL, 'receipt') AS appended,
        fence.cancel_requested_at
-FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN ins ON ins.run_id = x.run_id
+FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN done ON done.run_id = x.run_id
 """
 """A receipt written alone: its operation ``submitted`` → ``committed`` with its
 ``call.completed`` entry; returns the run's ``cancel_requested_at``."""
@@ -233,7 +221,7 @@ WITH x AS (
     SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
            jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, result jsonb,
                v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+               prev_op bigint, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
@@ -248,25 +236,19 @@ WITH x AS (
     RETURNING x.i, r.id, r.parent_run_id, r.queue
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now()
+           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
+           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
     RETURNING o.run_id
 ), ins AS (
-    INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
-                             lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed',
-           x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id
-    UNION ALL
+    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
+                                     payload, lease_token)
     SELECT x.run_id, x.expected + (1 + (x.prev_op IS NOT NULL)::int), 'run.completed',
            NULL, NULL, x.v,
            jsonb_build_object('result', x.result), x.token
     FROM x JOIN fence ON fence.id = x.run_id
     RETURNING run_id
-), n AS (
-    SELECT run_id, count(*) AS events FROM ins GROUP BY run_id
 ), wake AS (
     -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
     -- A parent finishing in this same statement is left out: no row is updated twice.
@@ -276,7 +258,8 @@ WITH x AS (
     RETURNING 1
 )
 SELECT x.i,
-       {S}.row_applied(n.events = (1 + (x.prev_op IS NOT NULL)::int), 'run success')
+       {S}.row_applied(ins.run_id IS NOT NULL
+                       AND (x.prev_op IS NULL OR done.run_id IS NOT NULL), 'run success')
            AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
                               FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
@@ -284,7 +267,7 @@ SELECT x.i,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
                               FROM (SELECT DISTINCT queue FROM fence
                                     WHERE queue IS NOT NULL) AS q) AS n) AS freed
-FROM x LEFT JOIN n ON n.run_id = x.run_id
+FROM x LEFT JOIN ins ON ins.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
 """
 """A run's success: ``succeeded`` with its result and ``run.completed`` entry, after committing
 the riding receipt, refused while another operation of the run is unsettled; wakes its parent

@@ -83,11 +83,13 @@ def test_a_stored_poison_run_fails_alone_and_the_worker_goes_on_claiming(
 
     replayed = probe.submit(hostile.round_trip, {"texts": ["1"]})
     workers.wait(lambda: replayed.status() == "waiting", "the run to park")
-    workers.sql("ALTER TABLE orchestrator.journal DISABLE TRIGGER USER")
-    workers.sql("UPDATE orchestrator.journal SET payload = %s::jsonb "
-                "WHERE run_id = %s AND kind = 'call.completed'",
-                ('{"result": ' + _deep(3000) + "}", replayed.id))
-    workers.sql("ALTER TABLE orchestrator.journal ENABLE TRIGGER USER")
+    # The call's call.completed entry is its operation row: its receipt is the entry's result.
+    workers.sql("ALTER TABLE orchestrator.operations DISABLE TRIGGER USER")
+    changed = workers.sql("UPDATE orchestrator.operations SET receipt = %s::jsonb "
+                          "WHERE run_id = %s AND completed_seq IS NOT NULL RETURNING id",
+                          (_deep(3000), replayed.id))
+    workers.sql("ALTER TABLE orchestrator.operations ENABLE TRIGGER USER")
+    assert changed, "no call.completed entry on an operation row"
     probe.send_event(replayed.id, "go", {})
     with pytest.raises(RunFailed) as caught:
         replayed.result(timeout=30)
@@ -114,10 +116,19 @@ def test_an_unreadable_run_with_an_operation_in_flight_waits_for_its_reconciliat
                  "the call to be sent", proc=first)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    workers.sql("ALTER TABLE orchestrator.journal DISABLE TRIGGER USER")
-    workers.sql("UPDATE orchestrator.journal SET payload = %s::jsonb WHERE run_id = %s",
-                ('{"x": ' + _deep(3000) + "}", run.id))
-    workers.sql("ALTER TABLE orchestrator.journal ENABLE TRIGGER USER")
+    # The call's call.submitted entry is its operation row, made of columns that cannot be
+    # too deep: it is stored as a row instead (as an older engine wrote it), then spoiled.
+    workers.sql("ALTER TABLE orchestrator.operations DISABLE TRIGGER USER")
+    [moved] = workers.sql("UPDATE orchestrator.operations o SET seq = NULL FROM "
+                          "(SELECT id, seq FROM orchestrator.operations WHERE run_id = %s) s "
+                          "WHERE o.id = s.id RETURNING s.seq, o.entry_version, o.lease_token",
+                          (run.id,))
+    workers.sql("ALTER TABLE orchestrator.operations ENABLE TRIGGER USER")
+    workers.sql("INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name, "
+                "schema_version, payload, lease_token) "
+                "VALUES (%s, %s, 'call.submitted', 0, 'x', %s, %s::jsonb, %s)",
+                (run.id, moved["seq"], moved["entry_version"], '{"x": ' + _deep(3000) + "}",
+                 moved["lease_token"]))
     second = workers.start("second", app=HOSTILE_APP)
     workers.wait(lambda: run.status() == "needs_reconciliation", "the run to wait", proc=second)
     [op] = workers.sql("SELECT id, state FROM orchestrator.operations WHERE run_id = %s",

@@ -155,7 +155,7 @@ def test_the_journal_and_the_audit_are_append_only_by_grant(migrated_database_ur
     _grant(migrated_database_url, role)
     with psycopg.connect(role.url, autocommit=True) as conn:
         run_id = _insert_run(conn)
-        conn.execute("""INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version,
+        conn.execute("""INSERT INTO orchestrator.journal_entries (run_id, seq, kind, schema_version,
                                                           lease_token)
                         VALUES (%s, 1, 'run.note', 1, 0)""", (run_id,))
         conn.execute("""INSERT INTO orchestrator.operator_audit (operator, action, target_kind,
@@ -163,9 +163,9 @@ def test_the_journal_and_the_audit_are_append_only_by_grant(migrated_database_ur
                         VALUES ('alice', 'note', 'run', %s, 'a test')""", (run_id,))
         assert conn.execute("SELECT count(*) FROM orchestrator.journal").fetchone() == (1,)
         assert conn.execute("SELECT count(*) FROM orchestrator.operator_audit").fetchone() == (1,)
-        for statement in ("UPDATE orchestrator.journal SET kind = 'x'",
-                          "DELETE FROM orchestrator.journal",
-                          "TRUNCATE orchestrator.journal",
+        for statement in ("UPDATE orchestrator.journal_entries SET kind = 'x'",
+                          "DELETE FROM orchestrator.journal_entries",
+                          "TRUNCATE orchestrator.journal_entries",
                           "UPDATE orchestrator.operator_audit SET evidence = 'x'",
                           "DELETE FROM orchestrator.operator_audit",
                           "TRUNCATE orchestrator.operator_audit",
@@ -241,9 +241,11 @@ def test_db_grant_is_idempotent_and_refuses_what_it_cannot_do(migrated_database_
     role = make_role()
     _grant(migrated_database_url, role)
     first = _privileges(role)
-    assert {"object": "journal", "privilege": "INSERT"} in first
+    assert {"object": "journal_entries", "privilege": "INSERT"} in first
+    assert {"object": "journal", "privilege": "SELECT"} in first  # the view
+    assert {"object": "journal", "privilege": "INSERT"} not in first
     assert {"object": "workers", "privilege": "DELETE"} in first
-    assert not [p for p in first if p["object"] in ("journal", "operator_audit")
+    assert not [p for p in first if p["object"] in ("journal_entries", "operator_audit")
                 and p["privilege"] in ("UPDATE", "DELETE", "TRUNCATE")]
     _grant(migrated_database_url, role)
     assert _privileges(role) == first
@@ -263,13 +265,13 @@ def test_db_grant_is_idempotent_and_refuses_what_it_cannot_do(migrated_database_
     assert _privileges(other) == []
 
     # A member of a role that may delete the journal would keep that through the membership.
-    role.sql("GRANT DELETE ON orchestrator.journal TO {role}")
+    role.sql("GRANT DELETE ON orchestrator.journal_entries TO {role}")
     role.sql(sql.SQL("GRANT {} TO {}").format(sql.Identifier(role.name),
                                               sql.Identifier(other.name)))
     inherited = run_cli(["db", "grant", "--role", other.name], database_url=migrated_database_url)
     assert inherited.returncode == 2
-    assert "orchestrator.journal: DELETE through PUBLIC or a role it is a member of" in (
-        inherited.stderr)
+    assert ("orchestrator.journal_entries: DELETE through PUBLIC or a role it is a member of"
+            in inherited.stderr)
     assert _privileges(other) == []  # rolled back
 
     # A role that passed a privilege on (it had the grant option) cannot be reset silently.

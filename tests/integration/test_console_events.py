@@ -173,7 +173,7 @@ async def test_an_entry_newer_than_this_code_ends_the_stream_with_a_public_error
             async with http.stream("GET", f"/api/runs/{run_id}/events") as answer:
                 stream = events_of(answer)
                 got = [await asyncio.wait_for(anext(stream), 10) for _ in known]
-                sql("""INSERT INTO orchestrator.journal (run_id, seq, kind, position, name,
+                sql("""INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name,
                                                          schema_version, payload, lease_token)
                        SELECT id, revision + 1, 'from.the.future', 9, 'x', 99, '{}',
                               lease_token FROM orchestrator.runs WHERE id = %s""", (run_id,))

@@ -278,7 +278,8 @@ WHERE run_id = %(run_id)s AND position = %(position)s AND state = 'submitted'
 """
 
 _INSERT_ENTRY = """
-INSERT INTO orchestrator.journal (run_id, seq, kind, position, name, schema_version, payload,
+INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name, schema_version,
+                                          payload,
                                   lease_token)
 VALUES (%(run_id)s, %(seq)s, %(kind)s, %(position)s, %(name)s, 1, %(payload)s::jsonb,
         %(token)s)

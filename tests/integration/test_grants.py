@@ -51,7 +51,8 @@ async def test_a_missing_privilege_is_a_configuration_error_naming_it(make_role)
             who, missing = await grants.privileges_missing(conn)
         assert who == role.name
         assert "DELETE on orchestrator.workers" in missing
-        assert "INSERT on orchestrator.journal" in missing
+        assert "INSERT on orchestrator.journal_entries" in missing
+        assert "SELECT on orchestrator.journal" in missing  # the view
         assert "EXECUTE on function orchestrator.runs_ready(text[], integer)" in missing
         assert "SELECT (ref) on orchestrator.incidents" in missing
         assert "SELECT on orchestrator.workers" not in missing

@@ -173,7 +173,8 @@ async def test_journal_events_from_a_newer_schema_are_refused(app, sql):
         run = await app.submit_async(wf, {})
         await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
                        == "waiting")
-    sql("""INSERT INTO orchestrator.journal (run_id, seq, kind, position, name, schema_version,
+    sql("""INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name,
+                                                     schema_version,
                                              payload, lease_token)
            SELECT id, revision + 1, 'from.the.future', 1, 'x', 99, '{}', lease_token
            FROM orchestrator.runs""")

@@ -208,7 +208,7 @@ async def test_the_engine_and_the_check_reach_the_same_verdict_at_every_position
         handle = await app.submit_async("every", data)
         journal = [{**e, "seq": seq} for seq, e in enumerate(entries, 1)]
         for e in journal:
-            sql("INSERT INTO orchestrator.journal (run_id, seq, kind, position, name, "
+            sql("INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name, "
                 "schema_version, payload, lease_token) VALUES (%s, %s, %s, %s, %s, %s, %s, 0)",
                 (handle.id, e["seq"], e["kind"], e["position"], e["name"], e["schema_version"],
                  Jsonb(e["payload"])))

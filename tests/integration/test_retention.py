@@ -222,7 +222,7 @@ async def test_the_runtime_role_prunes_journals_and_may_not_expire_evidence(
         assert count(sql, "SELECT count(*) AS n FROM orchestrator.operations") == 1  # kept
         with pytest.raises(ConfigurationError, match="permission denied for table journal"):
             async with db.connection() as conn:  # and no DELETE on the journal by grant
-                await conn.execute("DELETE FROM orchestrator.journal")
+                await conn.execute("DELETE FROM orchestrator.journal_entries")
     finally:
         await db.close()
 

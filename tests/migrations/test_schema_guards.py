@@ -186,7 +186,7 @@ def test_journal_rows_can_be_appended_but_never_updated(
     run_id = _insert_run(conn)
     for seq in (1, 2):
         conn.execute(
-            """INSERT INTO orchestrator.journal
+            """INSERT INTO orchestrator.journal_entries
                    (run_id, seq, kind, schema_version, lease_token, payload)
                VALUES (%s, %s, 'started', 1, 1, %s)""",
             (run_id, seq, Jsonb({"n": seq})),
@@ -194,7 +194,7 @@ def test_journal_rows_can_be_appended_but_never_updated(
 
     with pytest.raises(psycopg.errors.CheckViolation):
         conn.execute(
-            "UPDATE orchestrator.journal SET payload = %s WHERE run_id = %s AND seq = 1",
+            "UPDATE orchestrator.journal_entries SET payload = %s WHERE run_id = %s AND seq = 1",
             (Jsonb({"n": 99}), run_id),
         )
 
@@ -209,9 +209,45 @@ def test_journal_sequence_numbers_are_unique_per_run(
     conn: psycopg.Connection[tuple[object, ...]],
 ) -> None:
     run_id = _insert_run(conn)
-    insert = """INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, lease_token)
+    insert = """INSERT INTO orchestrator.journal_entries
+                    (run_id, seq, kind, schema_version, lease_token)
                 VALUES (%s, 1, 'started', 1, 1)"""
     conn.execute(insert, (run_id,))
 
     with pytest.raises(psycopg.errors.UniqueViolation):
         conn.execute(insert, (run_id,))
+
+
+def test_a_calls_entries_on_its_operation_row_are_append_only(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """A call's ``call.submitted`` and ``call.completed`` entries are its operation row
+    (migration 0019): the view shows them in the run's sequence, and once written neither its
+    position in the journal nor what the entry says can change (C3: append-only)."""
+    run_id = _insert_run(conn)
+    op_id = _insert_operation(conn, run_id, state="submitted")
+    conn.execute("UPDATE orchestrator.operations SET seq = 1, entry_version = 1, lease_token = 7 "
+                 "WHERE id = %s", (op_id,))  # written with the row by the engine; allowed here
+    conn.execute("UPDATE orchestrator.operations SET state = 'committed', receipt = %s, "
+                 "receipt_digest = 'd', finished_at = now(), completed_seq = 2 WHERE id = %s",
+                 (Jsonb({"ok": True}), op_id))
+    journal = conn.execute(
+        "SELECT seq, kind, payload, lease_token FROM orchestrator.journal WHERE run_id = %s "
+        "ORDER BY seq", (run_id,)).fetchall()
+    assert [(seq, kind) for seq, kind, _, _ in journal] == [
+        (1, "call.submitted"), (2, "call.completed")]
+    assert journal[1][2] == {"result": {"ok": True}, "op": op_id}
+    assert {token for *_, token in journal} == {7}
+
+    for change in ("seq = 3", "completed_seq = 5", "completed_seq = NULL", "intent_digest = 'x'",
+                   "attempt = 2", "tool_version = '2'", "lease_token = 8", "entry_version = 2",
+                   "finished_at = now() + interval '1 day'", "position = 9"):
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s", (op_id,))
+    with pytest.raises(psycopg.errors.CheckViolation):  # a receipt's entry needs its receipt
+        other = _insert_operation(conn, run_id, state="submitted")
+        conn.execute("UPDATE orchestrator.operations SET completed_seq = 3, entry_version = 1 "
+                     "WHERE id = %s", (other,))
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):  # the view is read-only
+        conn.execute("INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, "
+                     "lease_token) VALUES (%s, 9, 'timer', 1, 1)", (run_id,))

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.db import grants
-from orchestrator.db.schema import SCHEMA, metadata
+from orchestrator.db.schema import SCHEMA, VIEWS, metadata
 from orchestrator.errors import InvalidRequest
 
 
@@ -23,7 +23,8 @@ def _tables(grant_list: tuple[grants.Grant, ...]) -> dict[str, set[str]]:
 
 def test_every_table_of_the_schema_has_its_grant():
     """A new table is a decision about who may change it: listed, or this fails."""
-    tables = {f"{SCHEMA}.{table.name}" for table in metadata.tables.values()}
+    tables = {f"{SCHEMA}.{table.name}" for table in metadata.tables.values()} | {
+        f"{SCHEMA}.{view}" for view in VIEWS}
     granted = set(_tables(grants.RUNTIME)) - {f"{SCHEMA}.alembic_version"}
     assert granted == tables
     assert set(_tables(grants.REQUIRED)) - {"pg_catalog.pg_locks"} == granted | {
@@ -58,8 +59,11 @@ def test_the_statements_revoke_first_and_quote_the_role():
     who = '"we""ird Role"'
     assert lines[0] == f'REVOKE ALL ON SCHEMA "orchestrator" FROM {who};'
     assert lines[1] == f'GRANT USAGE ON SCHEMA "orchestrator" TO {who};'
-    journal = lines.index(f'REVOKE ALL ON TABLE "orchestrator"."journal" FROM {who};')
-    assert lines[journal + 1] == f'GRANT SELECT, INSERT ON TABLE "orchestrator"."journal" TO {who};'
+    journal = lines.index(f'REVOKE ALL ON TABLE "orchestrator"."journal_entries" FROM {who};')
+    assert lines[journal + 1] == (
+        f'GRANT SELECT, INSERT ON TABLE "orchestrator"."journal_entries" TO {who};')
+    view = lines.index(f'REVOKE ALL ON TABLE "orchestrator"."journal" FROM {who};')
+    assert lines[view + 1] == f'GRANT SELECT ON TABLE "orchestrator"."journal" TO {who};'
     assert f"GRANT EXECUTE ON FUNCTION orchestrator.batch_rows(jsonb) TO {who};" in lines
     assert all(line.endswith(f"{who};") for line in lines)
 
