@@ -3,7 +3,11 @@
 Rows are generated in SQL (``INSERT … SELECT … generate_series``), shaped exactly like what the
 engine writes for a succeeded run of K ``noop`` steps: the run row (``succeeded``, revision
 2K+1, lease token 1), per step an operation (``committed`` with receipt and digest) and two
-journal events (``call.submitted``, ``call.completed``), then ``run.completed``. Foreign keys and
+journal events (``call.submitted``, ``call.completed``), then ``run.completed``. On a schema
+where a call's entries are its operation row (migration 0019: ``journal_entries`` exists), the
+two call entries are the operation's ``seq`` and ``completed_seq`` and only ``run.completed``
+is a stored row; on an older one (``bench --engine`` of an older commit), all are rows of
+``journal``. Foreign keys and
 triggers are skipped while loading (``session_replication_role = replica``, this session only):
 the rows are consistent by construction, and the operation trigger would refuse to *create* an
 operation in its final state, which is the point of it. Then VACUUM ANALYZE, as autovacuum
@@ -46,18 +50,21 @@ _OPERATIONS = f"""
 INSERT INTO {S}.operations (id, run_id, position, attempt, tool_name, tool_version,
                             effect_class, tenant, principal, intent_digest, arguments,
                             idempotency_key, state, receipt, receipt_digest, worker_id,
-                            lease_token, created_at, submitted_at, finished_at, updated_at)
+                            lease_token, created_at, submitted_at, finished_at, updated_at
+                            {{entry_columns}})
 SELECT (f.i - 1) * %(k)s + p + 1, f.id, p, 1, 'noop', '1', 'consequential', 'bench', 'bench',
        md5('intent' || p), jsonb_build_object('i', p), f.id::text || ':' || p || ':1',
        'committed', jsonb_build_object('ok', true, 'i', p, 't', extract(epoch FROM f.t)),
        md5('receipt' || f.i || ':' || p), 'filler:1:000000', 1,
        f.t + p * interval '5 ms', f.t + p * interval '5 ms', f.t + p * interval '5 ms',
-       f.t + p * interval '5 ms'
+       f.t + p * interval '5 ms' {{entry_values}}
 FROM public.bench_filler f CROSS JOIN generate_series(0, %(k)s - 1) AS p
 """
+_ENTRY_COLUMNS = ", seq, completed_seq, entry_version"
+_ENTRY_VALUES = ", 2 * p + 1, 2 * p + 2, 1"
 
 _JOURNAL = f"""
-INSERT INTO {S}.journal (run_id, seq, kind, position, name, schema_version, payload,
+INSERT INTO {S}.{{journal}} (run_id, seq, kind, position, name, schema_version, payload,
                          lease_token, created_at)
 SELECT f.id, s,
        CASE WHEN s = 2 * %(k)s + 1 THEN 'run.completed'
@@ -76,6 +83,7 @@ SELECT f.id, s,
                                     'op', (f.i - 1) * %(k)s + (s - 1) / 2 + 1) END,
        1, f.t + s * interval '2 ms'
 FROM public.bench_filler f CROSS JOIN generate_series(1, 2 * %(k)s + 1) AS s
+{{only_end}}
 """
 
 
@@ -96,10 +104,22 @@ async def fill(url: str, *, runs: int, k: int = 3) -> dict[str, Any]:
     params = {"n": runs, "k": k}
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await conn.execute(_FILLER, params)
+        entries_on_operations = (await fetch_one(
+            conn, f"SELECT to_regclass('{S}.journal_entries') IS NOT NULL"))[0]
+    if entries_on_operations:
+        operations = _OPERATIONS.format(entry_columns=_ENTRY_COLUMNS, entry_values=_ENTRY_VALUES)
+        journal = _JOURNAL.format(journal="journal_entries",
+                                  only_end="WHERE s = 2 * %(k)s + 1")
+        stored = runs
+    else:
+        operations = _OPERATIONS.format(entry_columns="", entry_values="")
+        journal = _JOURNAL.format(journal="journal", only_end="")
+        stored = runs * (2 * k + 1)
+    table = "journal_entries" if entries_on_operations else "journal"
     await asyncio.gather(
         _load(url, _RUNS, params, f"{runs:,} runs"),
-        _load(url, _OPERATIONS, params, f"{runs * k:,} operations"),
-        _load(url, _JOURNAL, params, f"{runs * (2 * k + 1):,} journal events"))
+        _load(url, operations, params, f"{runs * k:,} operations"),
+        _load(url, journal, params, f"{stored:,} stored journal entries"))
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await conn.execute("DROP TABLE public.bench_filler")
         await conn.execute(
@@ -107,10 +127,10 @@ async def fill(url: str, *, runs: int, k: int = 3) -> dict[str, Any]:
             (runs * k + 1,))
         await conn.execute(f"VACUUM ANALYZE {S}.runs")
         await conn.execute(f"VACUUM ANALYZE {S}.operations")
-        await conn.execute(f"VACUUM ANALYZE {S}.journal")
+        await conn.execute(f"VACUUM ANALYZE {S}.{table}")
         row = await fetch_one(
             conn, "SELECT pg_total_relation_size(%s) + pg_total_relation_size(%s) "
-            "+ pg_total_relation_size(%s)", (f"{S}.runs", f"{S}.operations", f"{S}.journal"))
+            "+ pg_total_relation_size(%s)", (f"{S}.runs", f"{S}.operations", f"{S}.{table}"))
         size = int(row[0])
     seconds = time.monotonic() - started
     log(f"scale: {runs:,} finished runs ready in {seconds:.0f}s ({size / 2**30:.1f} GiB)")
