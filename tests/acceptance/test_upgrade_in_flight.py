@@ -307,6 +307,16 @@ def test_runs_in_flight_across_an_upgrade_finish_on_the_new_engine(
             assert [e["kind"] for e in entries].count("run.completed") == 1
             assert entries[-1]["kind"] == "run.completed"
             assert [_entry(e) for e in journal_rows(run_id)] == [_entry(e) for e in entries]
+        # Where the entries live (migration 0019): the old engine's call entries stay stored
+        # rows; the calls the new engine began write theirs on the operation row.
+        for run_id in runs:
+            stored = {e["seq"] for e in sql(
+                "SELECT seq FROM orchestrator.journal_entries WHERE run_id = %s", (run_id,))}
+            old_calls = {e["seq"] for e in before[run_id] if e["kind"].startswith("call.")}
+            assert old_calls <= stored, run_id
+            on_rows = sql("SELECT o.seq FROM orchestrator.operations o WHERE o.run_id = %s "
+                          "AND o.seq IS NOT NULL", (run_id,))
+            assert on_rows and all(r["seq"] not in stored for r in on_rows), run_id
         kinds = {r: [e["kind"] for e in after[r]] for r in runs}
         assert "event.received" in kinds[waiting]
         assert kinds[retrying].count("call.retrying") == 1
