@@ -164,6 +164,39 @@ async def test_public_failures_show_their_message_and_others_only_an_incident(ap
     assert record == [{"code": "WORKFLOW_FAILED", "detail": {"message": "the order was empty"}}]
 
 
+async def test_a_call_entry_of_a_newer_schema_on_its_operation_row_is_refused(app, sql):
+    """A call's entries are its operation row (migration 0019); their schema version is the
+    row's ``entry_version``, refused like a stored entry's when newer than the code (C3)."""
+    @app.tool()
+    async def t(ctx):  # type: ignore[no-untyped-def]
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(t)
+        await ctx.sleep(30)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "waiting")
+    assert [e.kind for e in await run.journal_async()][:2] == [
+        "call.submitted", "call.completed"]
+    sql("ALTER TABLE orchestrator.operations DISABLE TRIGGER USER")
+    assert sql("UPDATE orchestrator.operations SET entry_version = 99 "
+               "WHERE seq IS NOT NULL RETURNING id")
+    sql("ALTER TABLE orchestrator.operations ENABLE TRIGGER USER")
+    sql("UPDATE orchestrator.runs SET available_at = now()")
+    with pytest.raises(SchemaUnsupported) as info:
+        await run.journal_async()
+    assert info.value.code == "SCHEMA_UNSUPPORTED"
+    async with running(app) as worker:
+        await wait_for(lambda: worker.claimed >= 1)
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "queued")
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
+
+
 async def test_journal_events_from_a_newer_schema_are_refused(app, sql):
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -174,8 +207,7 @@ async def test_journal_events_from_a_newer_schema_are_refused(app, sql):
         await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
                        == "waiting")
     sql("""INSERT INTO orchestrator.journal_entries (run_id, seq, kind, position, name,
-                                                     schema_version,
-                                             payload, lease_token)
+                                                     schema_version, payload, lease_token)
            SELECT id, revision + 1, 'from.the.future', 1, 'x', 99, '{}', lease_token
            FROM orchestrator.runs""")
     sql("UPDATE orchestrator.runs SET revision = revision + 1, available_at = now()")
