@@ -18,7 +18,7 @@ The entries on an operation row are append-only like the table's: ``seq`` and th
 once, with the ``committed`` state, and neither moves to another run, position or tool
 (``operations_entry_append_only``; the receipt was already
 immutable once final, ``operations_guard_update``). ``prune_runs`` deletes from
-``journal_entries``.
+``journal_entries``. The roles that could read the journal may read the view.
 
 Revision ID: 0019
 Revises: 0018
@@ -104,6 +104,26 @@ ENTRY_CHECK = ("(seq IS NULL OR (seq >= 1 AND entry_version IS NOT NULL)) "
                "AND completed_seq > coalesce(seq, 0)))")
 
 
+# Whoever could read the journal table (its grants went with it to journal_entries) may read
+# the view: a runtime role granted before the upgrade keeps working without a new grant.
+VIEW_GRANTS = """
+DO $$
+DECLARE
+    who text;
+BEGIN
+    FOR who IN
+        SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END
+        FROM pg_class c, aclexplode(c.relacl) AS a
+        WHERE c.oid = 'orchestrator.journal_entries'::regclass AND a.privilege_type = 'SELECT'
+          AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE 'GRANT SELECT ON orchestrator.journal TO ' || who;
+    END LOOP;
+END
+$$;
+"""
+
+
 def _prune_0013() -> str:
     """``prune_runs`` as migration 0013 wrote it (its text is that revision's, for ever)."""
     path = Path(__file__).with_name("0013_retention.py")
@@ -152,6 +172,7 @@ def upgrade() -> None:
     op.execute(f"ALTER TABLE {S}.operations VALIDATE CONSTRAINT ck_operations_entry")
     op.execute(ENTRY_GUARD)
     op.execute(JOURNAL_VIEW)
+    op.execute(VIEW_GRANTS)
     op.execute(_prune(ENTRIES))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import psycopg
@@ -233,3 +234,44 @@ def test_runs_parked_for_a_turn_before_0018_take_their_tool(empty_database_url: 
             WHERE status = 'waiting' AND waiting_tool = %s AND available_at > now()
             ORDER BY available_at LIMIT 2""", ("pay",)))
     assert "ix_runs_turn_waiters" in plan and "Sort" not in plan, plan
+
+
+def test_runs_and_grants_from_before_0019_keep_their_journal(empty_database_url: str) -> None:
+    """Migration 0019 moves the stored entries to ``journal_entries`` and makes ``journal`` a
+    view: a run's entries from before read the same through it, and a role that could read
+    and append to the journal still can, without a new grant."""
+    target = _target(empty_database_url)
+    migrate.upgrade(target, "0018")
+    role = f"rt_{uuid.uuid4().hex[:8]}"
+    run_id = uuid.uuid4()
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}"')
+        conn.execute(f'GRANT USAGE ON SCHEMA orchestrator TO "{role}"')
+        conn.execute(f'GRANT SELECT, INSERT ON orchestrator.journal TO "{role}"')
+        conn.execute("""
+            INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                workflow_version, input, request_digest, status, revision)
+            VALUES (%s, 'acme', 'alice', 'wf', '1', '{}', 'd', 'waiting', 2)""", (run_id,))
+        conn.execute("""
+            INSERT INTO orchestrator.journal (run_id, seq, kind, position, name,
+                schema_version, payload, lease_token)
+            VALUES (%s, 1, 'call.submitted', 0, 't', 1, '{"op": 1}', 1),
+                   (%s, 2, 'call.completed', 0, 't', 1, '{"op": 1, "result": 5}', 1)""",
+                     (run_id, run_id))
+    try:
+        migrate.upgrade(target)
+        with psycopg.connect(empty_database_url, autocommit=True) as conn:
+            rows = conn.execute("SELECT seq, kind, payload FROM orchestrator.journal "
+                                "WHERE run_id = %s ORDER BY seq", (run_id,)).fetchall()
+            assert rows == [(1, "call.submitted", {"op": 1}),
+                            (2, "call.completed", {"op": 1, "result": 5})]
+            held = conn.execute(
+                "SELECT has_table_privilege(%s, 'orchestrator.journal', 'SELECT'), "
+                "has_table_privilege(%s, 'orchestrator.journal_entries', 'INSERT'), "
+                "has_table_privilege(%s, 'orchestrator.journal_entries', 'UPDATE')",
+                (role, role, role)).fetchone()
+            assert held == (True, True, False)
+    finally:
+        with psycopg.connect(empty_database_url, autocommit=True) as conn:
+            conn.execute(f'DROP OWNED BY "{role}"')
+            conn.execute(f'DROP ROLE "{role}"')
