@@ -97,11 +97,11 @@ CREATE TRIGGER operations_entry_append_only
 """
 
 # The call's entries: its call.submitted entry written with the row, its call.completed entry
-# once, with the state that has a receipt, after it (a call begun by the general path has its
-# call.submitted entry stored, and may still have its call.completed entry on the row).
+# once, with the state that has a receipt, after it. Both carry the row's lease token, so the
+# engine writes the second on the row only under that token (else it is a stored row).
 ENTRY_CHECK = ("(seq IS NULL OR (seq >= 1 AND entry_version IS NOT NULL)) "
-               "AND (completed_seq IS NULL OR (state = 'committed' AND entry_version IS NOT NULL "
-               "AND completed_seq > coalesce(seq, 0)))")
+               "AND (completed_seq IS NULL OR (state = 'committed' AND seq IS NOT NULL "
+               "AND completed_seq > seq))")
 
 
 # Whoever could read the journal table (its grants went with it to journal_entries) may read

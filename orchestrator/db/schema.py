@@ -248,9 +248,8 @@ operations = Table(
     Column("entry_version", SmallInteger),
     CheckConstraint(_in("state", OPERATION_STATES), name="state"),
     CheckConstraint("(seq IS NULL OR (seq >= 1 AND entry_version IS NOT NULL)) "
-                    "AND (completed_seq IS NULL OR (state = 'committed' "
-                    "AND entry_version IS NOT NULL AND completed_seq > coalesce(seq, 0)))",
-                    name="entry"),
+                    "AND (completed_seq IS NULL OR (state = 'committed' AND seq IS NOT NULL "
+                    "AND completed_seq > seq))", name="entry"),
     CheckConstraint(_in("effect_class", EFFECT_CLASSES), name="effect_class"),
     CheckConstraint("attempt >= 1 AND position >= 0", name="identity"),
     CheckConstraint("state <> 'committed' OR receipt_digest IS NOT NULL", name="committed_receipt"),

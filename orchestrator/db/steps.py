@@ -25,9 +25,12 @@ says why. What the three statements have in common:
   the operation and the fence, not two journal rows besides (docs/architecture.md, "The write
   path").
 - **A riding receipt.** A row may carry the receipt of the run's previous call (the columns
-  ``prev_op``, ``receipt``, ``digest``, all NULL without one; see :class:`Receipt`). CTE
-  ``done`` commits it (``submitted`` → ``committed``) once the fence held, its
-  ``call.completed`` entry at ``expected + 1``. A row so appends
+  ``prev_op`` … ``digest``, all NULL without one; see :class:`Receipt`). CTE ``done`` commits
+  it (``submitted`` → ``committed``) once the fence held, its ``call.completed`` entry at
+  ``expected + 1``: on the operation row when the row holds the call's ``call.submitted``
+  entry under this same lease token (the entries of a row carry the row's token), else as a
+  stored row (CTE ``kept``: a call begun by the general path, or begun under an earlier lease
+  and sent under this one), so that along ``seq`` the tokens never go down. A row so appends
   ``(1 + (x.prev_op IS NOT NULL)::int)`` entries, its own last, and its fence moves the
   revision by as much.
 - **Every row checked.** ``orchestrator.row_applied(applied, what)`` raises (SQLSTATE
@@ -72,7 +75,8 @@ class Receipt:
 
     def columns(self) -> dict[str, Any]:
         """The receipt's fields of a statement's row (JSON texts spliced raw)."""
-        return {"prev_op": self.op_id, "digest": self.digest}
+        return {"prev_op": self.op_id, "prev_position": self.position,
+                "prev_name": self.name, "digest": self.digest}
 
     def raw(self) -> dict[str, str]:
         return {"receipt": self.text}
@@ -98,7 +102,7 @@ WITH x AS (
                attempt int, tool_name text, tool_version text, effect_class text, tenant text,
                principal text, intent_digest text, arguments jsonb, idempotency_key text,
                worker_id text, v smallint,
-               prev_op bigint, receipt jsonb, digest text)
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
            updated_at = now()
@@ -109,10 +113,18 @@ WITH x AS (
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
            receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
+                                THEN x.expected + 1 END
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id
+    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+), kept AS (
+    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
+                                     payload, lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    RETURNING run_id
 ), op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
@@ -127,9 +139,12 @@ WITH x AS (
     RETURNING id, run_id
 )
 SELECT x.i, op.id AS op_id,
-       {S}.row_applied(op.id IS NOT NULL AND (x.prev_op IS NULL OR done.run_id IS NOT NULL),
+       {S}.row_applied(op.id IS NOT NULL AND (x.prev_op IS NULL OR (
+                           done.run_id IS NOT NULL
+                           AND (NOT done.stored OR kept.run_id IS NOT NULL))),
                        'call begin') AS appended
 FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
+       LEFT JOIN kept ON kept.run_id = x.run_id
 """
 """A call's write-ahead: its operation recorded ``submitted`` with its ``call.submitted`` entry,
 after committing the riding receipt; refused once a cancellation was requested."""
@@ -167,7 +182,7 @@ RECEIPT_COMMIT = f"""
 WITH x AS (
     SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
            jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, v smallint,
-               prev_op bigint, receipt jsonb, digest text)
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
@@ -177,14 +192,25 @@ WITH x AS (
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
            receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
+                                THEN x.expected + 1 END
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id
+    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+), kept AS (
+    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
+                                     payload, lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    RETURNING run_id
 )
-SELECT x.i, {S}.row_applied(done.run_id IS NOT NULL, 'receipt') AS appended,
+SELECT x.i, {S}.row_applied(done.run_id IS NOT NULL
+                            AND (NOT done.stored OR kept.run_id IS NOT NULL), 'receipt')
+           AS appended,
        fence.cancel_requested_at
 FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN done ON done.run_id = x.run_id
+       LEFT JOIN kept ON kept.run_id = x.run_id
 """
 """A receipt written alone: its operation ``submitted`` → ``committed`` with its
 ``call.completed`` entry; returns the run's ``cancel_requested_at``."""
@@ -221,7 +247,7 @@ WITH x AS (
     SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
            jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, result jsonb,
                v smallint,
-               prev_op bigint, receipt jsonb, digest text)
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
 ), fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
@@ -237,10 +263,18 @@ WITH x AS (
 ), done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
            receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = x.expected + 1, entry_version = coalesce(o.entry_version, x.v)
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
+                                THEN x.expected + 1 END
     FROM x JOIN fence ON fence.i = x.i
     WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id
+    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+), kept AS (
+    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
+                                     payload, lease_token)
+    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
+           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
+    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    RETURNING run_id
 ), ins AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
@@ -259,7 +293,9 @@ WITH x AS (
 )
 SELECT x.i,
        {S}.row_applied(ins.run_id IS NOT NULL
-                       AND (x.prev_op IS NULL OR done.run_id IS NOT NULL), 'run success')
+                       AND (x.prev_op IS NULL OR (
+                           done.run_id IS NOT NULL
+                           AND (NOT done.stored OR kept.run_id IS NOT NULL))), 'run success')
            AS appended,
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
                               FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
@@ -268,6 +304,7 @@ SELECT x.i,
                               FROM (SELECT DISTINCT queue FROM fence
                                     WHERE queue IS NOT NULL) AS q) AS n) AS freed
 FROM x LEFT JOIN ins ON ins.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
+       LEFT JOIN kept ON kept.run_id = x.run_id
 """
 """A run's success: ``succeeded`` with its result and ``run.completed`` entry, after committing
 the riding receipt, refused while another operation of the run is unsettled; wakes its parent

@@ -464,3 +464,47 @@ async def test_statements_are_committed_by_the_pipeline_sync_only_in_autocommit(
     assert await writer.run_statement(_mark_statement("y")) == "y"  # the pool's: autocommit
     assert sql("SELECT name FROM public.marks") == [{"name": "y"}]
     await app.database.close()  # this loop's pool, before the loop ends
+
+
+async def test_a_receipt_is_an_entry_of_its_operation_row_only_under_the_rows_lease(app, sql):
+    """CONTRACT C3, C6: a call's entries are its operation row, both carrying the row's lease
+    token. A receipt written under that token goes on the row (``completed_seq``); one written
+    under a later lease (the call begun, the run claimed again, the call sent by the new
+    holder) is a stored entry with the writer's token, so that along ``seq`` the tokens never
+    go down."""
+    from orchestrator.db import steps as steps_db
+    from orchestrator.db.writer import GroupWriter
+
+    same, later = await _claimed_runs(app, 2)
+    writer = GroupWriter(app.database)
+    ops = {}
+    for claim in (same, later):
+        (ops[claim["id"]], _) = await writer.run_statement(_begin(claim))
+    # `later` is claimed again: a newer token, the same revision.
+    sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s",
+        (later["id"],))
+    for claim, token in ((same, same["lease_token"]), (later, later["lease_token"] + 1)):
+        await writer.run_statement(steps_db.operation_commit_fast(
+            run_id=claim["id"], token=token, expected=claim["revision"] + 1,
+            op_id=ops[claim["id"]], position=0, name="t", receipt='{"ok":true}', digest="d",
+            v=1))
+
+    def journal(claim):  # type: ignore[no-untyped-def]
+        return sql("SELECT seq, kind, lease_token FROM orchestrator.journal WHERE run_id = %s "
+                   "ORDER BY seq", (claim["id"],))
+
+    def stored(claim):  # type: ignore[no-untyped-def]
+        return sql("SELECT seq, kind, lease_token FROM orchestrator.journal_entries "
+                   "WHERE run_id = %s", (claim["id"],))
+
+    token = same["lease_token"]
+    assert journal(same) == [{"seq": 1, "kind": "call.submitted", "lease_token": token},
+                             {"seq": 2, "kind": "call.completed", "lease_token": token}]
+    assert stored(same) == []
+    token = later["lease_token"]
+    assert journal(later) == [{"seq": 1, "kind": "call.submitted", "lease_token": token},
+                              {"seq": 2, "kind": "call.completed", "lease_token": token + 1}]
+    assert stored(later) == [{"seq": 2, "kind": "call.completed", "lease_token": token + 1}]
+    assert sql("SELECT completed_seq FROM orchestrator.operations WHERE id = %s",
+               (ops[later["id"]],)) == [{"completed_seq": None}]
+    await app.database.close()

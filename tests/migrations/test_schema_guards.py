@@ -248,6 +248,11 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
         other = _insert_operation(conn, run_id, state="submitted")
         conn.execute("UPDATE orchestrator.operations SET completed_seq = 3, entry_version = 1 "
                      "WHERE id = %s", (other,))
+    with pytest.raises(psycopg.errors.CheckViolation):  # no call.completed without its call
+        stored = _insert_operation(conn, run_id, state="submitted")
+        conn.execute("UPDATE orchestrator.operations SET state = 'committed', receipt = '1', "
+                     "receipt_digest = 'd', completed_seq = 4, entry_version = 1 "
+                     "WHERE id = %s", (stored,))
     with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):  # the view is read-only
         conn.execute("INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, "
                      "lease_token) VALUES (%s, 9, 'timer', 1, 1)", (run_id,))

@@ -1,5 +1,6 @@
 """The journal entries that the hot steps write in SQL follow the entry definitions of
-``orchestrator.journal``: the ``run.completed`` entry of a run's success
+``orchestrator.journal``: the stored ``call.completed`` entry of a receipt that cannot go on
+its operation row and the ``run.completed`` entry of a run's success
 (``orchestrator/db/steps.py``), and the ``call.submitted`` and ``call.completed`` entries that
 the view ``orchestrator.journal`` makes of an operation row (migration 0019). Each has the kinds
 it should, and each payload exactly the fields its kind defines (the Python path builds the
@@ -42,9 +43,9 @@ def _entries(sql: str) -> list[tuple[EventKind, list[str]]]:
 
 
 @pytest.mark.parametrize(("sql", "kinds"), [
-    (steps.OPERATION_BEGIN, []),
-    (steps.RECEIPT_COMMIT, []),
-    (steps.RUN_SUCCEED, [EventKind.RUN_COMPLETED]),
+    (steps.OPERATION_BEGIN, [EventKind.CALL_COMPLETED]),  # a receipt's stored entry (kept)
+    (steps.RECEIPT_COMMIT, [EventKind.CALL_COMPLETED]),
+    (steps.RUN_SUCCEED, [EventKind.CALL_COMPLETED, EventKind.RUN_COMPLETED]),
     (_view(), [EventKind.CALL_SUBMITTED, EventKind.CALL_COMPLETED]),
 ], ids=["begin", "commit", "succeed", "view"])
 def test_each_statement_writes_its_entries_as_defined(sql: str, kinds: list[EventKind]) -> None:
