@@ -13,11 +13,13 @@ grants kept). ``journal`` is now a view with the table's columns: the stored ent
 operations' entries in one ordered sequence per run (CONTRACT C3), what every reader reads.
 The entries of a pruned run are gone from it (its operations stay, as evidence).
 
-The entries on an operation row are append-only like the table's: ``seq`` and the columns the
-``call.submitted`` payload is made of never change once written, ``completed_seq`` is written
-once, with the ``committed`` state, and neither moves to another run, position or tool
-(``operations_entry_append_only``; the receipt was already
-immutable once final, ``operations_guard_update``). ``prune_runs`` deletes from
+The entries on an operation row are append-only like the table's: ``seq`` is written with the
+row and never changes, nor do the columns its ``call.submitted`` payload is made of;
+``completed_seq`` is written once, in the update that moves the operation from ``submitted``
+to ``committed`` (``operations_entry_append_only``; the receipt was already immutable once
+final, ``operations_guard_update``). The positions are kept unique by the run's fence, which
+moves ``revision`` by the entries each write appends (the stored entries' primary key no
+longer sees every entry). ``prune_runs`` deletes from
 ``journal_entries``. The roles that could read the journal may read the view.
 
 Revision ID: 0019
@@ -72,27 +74,28 @@ BEGIN
 END
 $$;
 CREATE TRIGGER operations_entry_append_only
-    BEFORE UPDATE OF seq, completed_seq, entry_version, run_id, position, attempt, tool_name,
-                     tool_version, intent_digest, idempotency_key, effect_class, lease_token,
-                     submitted_at, finished_at
+    BEFORE UPDATE OF id, seq, completed_seq, entry_version, run_id, position, attempt,
+                     tool_name, tool_version, intent_digest, idempotency_key, effect_class,
+                     lease_token, submitted_at, finished_at
     ON orchestrator.operations FOR EACH ROW
-    WHEN ((OLD.seq IS NOT NULL AND (
-               OLD.seq IS DISTINCT FROM NEW.seq
+    WHEN (OLD.seq IS DISTINCT FROM NEW.seq
+          OR (OLD.completed_seq IS DISTINCT FROM NEW.completed_seq
+              AND NOT (OLD.completed_seq IS NULL AND OLD.state = 'submitted'
+                       AND NEW.state = 'committed'))
+          OR (OLD.seq IS NOT NULL AND (
+               OLD.id <> NEW.id
                OR OLD.tool_version IS DISTINCT FROM NEW.tool_version
                OR OLD.intent_digest IS DISTINCT FROM NEW.intent_digest
                OR OLD.attempt IS DISTINCT FROM NEW.attempt
                OR OLD.idempotency_key IS DISTINCT FROM NEW.idempotency_key
                OR OLD.effect_class IS DISTINCT FROM NEW.effect_class
-               OR OLD.submitted_at IS DISTINCT FROM NEW.submitted_at))
-          OR (OLD.completed_seq IS NOT NULL AND (
-               OLD.completed_seq IS DISTINCT FROM NEW.completed_seq
-               OR OLD.finished_at IS DISTINCT FROM NEW.finished_at))
-          OR ((OLD.seq IS NOT NULL OR OLD.completed_seq IS NOT NULL) AND (
-               OLD.entry_version IS DISTINCT FROM NEW.entry_version
+               OR OLD.submitted_at IS DISTINCT FROM NEW.submitted_at
+               OR OLD.entry_version IS DISTINCT FROM NEW.entry_version
                OR OLD.run_id IS DISTINCT FROM NEW.run_id
                OR OLD.position IS DISTINCT FROM NEW.position
                OR OLD.tool_name IS DISTINCT FROM NEW.tool_name
-               OR OLD.lease_token IS DISTINCT FROM NEW.lease_token)))
+               OR OLD.lease_token IS DISTINCT FROM NEW.lease_token))
+          OR (OLD.completed_seq IS NOT NULL AND OLD.finished_at IS DISTINCT FROM NEW.finished_at))
     EXECUTE FUNCTION orchestrator.operations_entry_append_only();
 """
 
@@ -183,9 +186,13 @@ def downgrade() -> None:
                                          payload, lease_token, created_at)
         SELECT run_id, seq, kind, position, name, schema_version, payload, lease_token,
                created_at
-        FROM {S}.journal WHERE kind IN ('call.submitted', 'call.completed')
-          AND (run_id, seq) NOT IN (SELECT run_id, seq FROM {S}.journal_entries)
-    """)
+        FROM {S}.journal
+        WHERE (kind = 'call.submitted' AND (run_id, seq) IN (
+                   SELECT run_id, seq FROM {S}.operations WHERE seq IS NOT NULL))
+           OR (kind = 'call.completed' AND (run_id, seq) IN (
+                   SELECT run_id, completed_seq FROM {S}.operations
+                   WHERE completed_seq IS NOT NULL))
+    """)  # a position taken twice fails here, on the primary key, rather than being skipped
     op.execute(f"DROP VIEW {S}.journal")
     op.execute(_prune(JOURNAL_0013))
     op.execute(f"DROP TRIGGER operations_entry_append_only ON {S}.operations")

@@ -225,9 +225,14 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
     (migration 0019): the view shows them in the run's sequence, and once written neither its
     position in the journal nor what the entry says can change (C3: append-only)."""
     run_id = _insert_run(conn)
-    op_id = _insert_operation(conn, run_id, state="submitted")
-    conn.execute("UPDATE orchestrator.operations SET seq = 1, entry_version = 1, lease_token = 7 "
-                 "WHERE id = %s", (op_id,))  # written with the row by the engine; allowed here
+    (op_id,) = conn.execute(  # as the engine's write-ahead writes it
+        """INSERT INTO orchestrator.operations
+               (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+                principal, intent_digest, arguments, idempotency_key, state, lease_token,
+                submitted_at, seq, entry_version)
+           VALUES (%s, 0, 1, 'charge', '1', 'consequential', 't', 'p', 'intent', '{}', 'key',
+                   'submitted', 7, now(), 1, 1)
+           RETURNING id""", (run_id,)).fetchone()
     conn.execute("UPDATE orchestrator.operations SET state = 'committed', receipt = %s, "
                  "receipt_digest = 'd', finished_at = now(), completed_seq = 2 WHERE id = %s",
                  (Jsonb({"ok": True}), op_id))
@@ -241,7 +246,8 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
 
     for change in ("seq = 3", "completed_seq = 5", "completed_seq = NULL", "intent_digest = 'x'",
                    "attempt = 2", "tool_version = '2'", "lease_token = 8", "entry_version = 2",
-                   "finished_at = now() + interval '1 day'", "position = 9"):
+                   "finished_at = now() + interval '1 day'", "position = 9",
+                   "id = id + 1000"):
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s", (op_id,))
     with pytest.raises(psycopg.errors.CheckViolation):  # a receipt's entry needs its receipt
@@ -253,6 +259,15 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
         conn.execute("UPDATE orchestrator.operations SET state = 'committed', receipt = '1', "
                      "receipt_digest = 'd', completed_seq = 4, entry_version = 1 "
                      "WHERE id = %s", (stored,))
+    # An operation whose entries are stored rows never gets them on the row later: not its
+    # call.submitted, and not its call.completed once it is final.
+    stored = _insert_operation(conn, run_id, state="submitted")
+    conn.execute("UPDATE orchestrator.operations SET state = 'committed', receipt = '1', "
+                 "receipt_digest = 'd' WHERE id = %s", (stored,))
+    for change in ("seq = 5, entry_version = 1", "completed_seq = 6"):
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s",
+                         (stored,))
     with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):  # the view is read-only
         conn.execute("INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, "
                      "lease_token) VALUES (%s, 9, 'timer', 1, 1)", (run_id,))
