@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator, RateLimit
@@ -492,3 +493,33 @@ async def test_a_run_holding_the_only_slot_is_claimed_again_behind_a_backlog(mak
     async with _workers([app], concurrency=2):  # claims read 2 candidates at a time
         assert sorted([await h.result_async(timeout=30) for h in handles]) == list(range(12))
     assert gauge.peak[None] == 1
+
+
+def _claim_one(url: str, worker: str = "probe") -> list[Any]:
+    """One claim of the queue ``work`` by ``worker``, giving up on a lock after 0.3 s."""
+    with psycopg.connect(url) as conn:  # one transaction, committed on leaving
+        conn.execute("SET LOCAL lock_timeout = '300ms'")
+        return conn.execute("SELECT id FROM orchestrator.queue_claim("
+                            "'work', ARRAY['job@1'], %s, 1, 30)", (worker,)).fetchall()
+
+
+async def test_a_claim_of_a_queue_with_nothing_ready_takes_no_lock(make_app,
+                                                                   migrated_database_url):
+    """Workers claim from every queue on news of any run; a queue with no run ready answers
+    at once instead of queueing the claim behind the queue's lock (migration 0020). A claim
+    that may admit a run still takes the lock: the queue's counts are read under it."""
+    app, job = _app(make_app, Gauge())
+    async with app.database.connection() as conn:
+        await queues_db.queue_declare(conn, [app._declared_queues["work"].row()])
+    url = migrated_database_url
+    holder = psycopg.connect(url)  # an open transaction holding the queue's row lock
+    try:
+        holder.execute("SELECT 1 FROM orchestrator.queues WHERE name = 'work' FOR UPDATE")
+        assert _claim_one(url) == []  # nothing ready: no wait for the lock
+        handle = await app.submit_async(job, {"n": 1})
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            _claim_one(url)  # a run is ready: the claim waits for the lock
+    finally:
+        holder.rollback()
+        holder.close()
+    assert [row[0] for row in _claim_one(url)] == [handle.id]
