@@ -36,7 +36,14 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
-from orchestrator.db.database import CANCEL_CHANNEL, RUNS_CHANNEL, TOOLS_CHANNEL, Conn, Database
+from orchestrator.db.database import (
+    CANCEL_CHANNEL,
+    DEFAULT_QUEUE_NEWS,
+    RUNS_CHANNEL,
+    TOOLS_CHANNEL,
+    Conn,
+    Database,
+)
 from orchestrator.db.events import incident_record
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
@@ -232,7 +239,9 @@ class Worker:
                 if ex is not None and str(rid) == payload:
                     ex.run.note_cancel()
             return
-        if payload:  # news of one queue (a submission, a slot freed, a limit changed)
+        if payload == DEFAULT_QUEUE_NEWS:  # a run outside every queue: the default queue only
+            self._dirty.add(None)
+        elif payload:  # news of one queue (a submission, a slot freed, a limit changed)
             self._queues.add(payload)
             self._dirty.add(payload)
         else:  # news of any run: look everywhere

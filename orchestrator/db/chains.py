@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL, Conn
 from orchestrator.db.runs import CONTINUED, run_finish
 from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
@@ -35,8 +35,9 @@ SELECT %(new)s, o.tenant, o.principal, o.workflow_name, %(version)s, %(input)s::
        now(), o.deadline_at, o.traceparent, o.queue, o.priority, o.concurrency_key, o.id,
        o.cancel_requested_at
 FROM {S}.runs AS o WHERE o.id = %(old)s
-RETURNING (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}',
-                                                  coalesce(queue, ''))) AS n) AS notified
+RETURNING (SELECT count(*) FROM (
+              SELECT pg_notify('{RUNS_CHANNEL}', coalesce(queue, '{DEFAULT_QUEUE_NEWS}'))
+          ) AS n) AS notified
 """
 
 

@@ -42,7 +42,13 @@ T = TypeVar("T")
 Conn = psycopg.AsyncConnection[dict[str, Any]]
 
 RUNS_CHANNEL = "orchestrator_runs"
-"""NOTIFY channel: new or woken work. The payload is unused; any message means 'look again'."""
+"""NOTIFY channel: new or woken work. The payload says where to look: a queue's name (news of
+that queue), :data:`DEFAULT_QUEUE_NEWS` (a run outside every queue), or empty (news of any
+run: look everywhere)."""
+DEFAULT_QUEUE_NEWS = "."
+"""The payload on :data:`RUNS_CHANNEL` of news of the default queue alone (a run submitted
+outside every queue): no queue's name can be it (names never start with '.'), and workers look
+in the default queue only, not in every queue they know."""
 RECONCILE_CHANNEL = "orchestrator_reconcile"
 """NOTIFY channel: a run was parked on an unknown operation."""
 CANCEL_CHANNEL = "orchestrator_cancel"

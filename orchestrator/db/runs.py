@@ -14,7 +14,13 @@ from datetime import datetime
 from typing import Any
 
 from orchestrator.canonical import JsonLimits, request_digest
-from orchestrator.db.database import CANCEL_CHANNEL, RECONCILE_CHANNEL, RUNS_CHANNEL, Conn
+from orchestrator.db.database import (
+    CANCEL_CHANNEL,
+    DEFAULT_QUEUE_NEWS,
+    RECONCILE_CHANNEL,
+    RUNS_CHANNEL,
+    Conn,
+)
 from orchestrator.db.journal import journal_insert_held
 from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost
@@ -110,8 +116,9 @@ the first one committed instead of creating a second."""
 
 _SUBMIT = f"""
 WITH ins AS ({_INSERT})
-SELECT id, (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}',
-                                                   coalesce(%(queue)s, ''))) AS n) AS notified
+SELECT id, (SELECT count(*) FROM (
+               SELECT pg_notify('{RUNS_CHANNEL}', coalesce(%(queue)s, '{DEFAULT_QUEUE_NEWS}'))
+           ) AS n) AS notified
 FROM ins
 """
 

@@ -19,6 +19,7 @@ from orchestrator import InvalidRequest, Orchestrator, RateLimit
 from orchestrator.admin import list_runs, show_run
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL
 from orchestrator.testing import running_worker
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, Served, from_header
@@ -523,3 +524,41 @@ async def test_a_claim_of_a_queue_with_nothing_ready_takes_no_lock(make_app,
         holder.rollback()
         holder.close()
     assert [row[0] for row in _claim_one(url)] == [handle.id]
+
+
+async def test_news_of_a_run_outside_every_queue_sends_workers_to_the_default_queue_alone(
+        make_app, migrated_database_url):
+    """A submission outside every queue notifies with the default queue's payload ('.', never a
+    queue's name), one in a queue with the queue's name; a worker looks in the default queue
+    alone on the first, in that queue alone on the second, and everywhere on news of any run
+    (an empty payload: a release, a resolution, a parent woken). Before, a submission outside
+    every queue sent every worker to claim from every queue it knew, one locked claim each."""
+    app, job = _app(make_app, Gauge())
+
+    @app.workflow()
+    async def plain(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    listener = await psycopg.AsyncConnection.connect(migrated_database_url, autocommit=True)
+    try:
+        await listener.execute(f"LISTEN {RUNS_CHANNEL}")
+        await app.submit_async(plain, {"n": 1})
+        await app.submit_async(job, {"n": 2})
+        payloads = []
+        async for note in listener.notifies(timeout=5, stop_after=2):
+            payloads.append(note.payload)
+    finally:
+        await listener.close()
+    assert payloads == [DEFAULT_QUEUE_NEWS, "work"]
+
+    worker = app.create_worker()
+    worker._queues = {"work", "other"}
+    worker._dirty.clear()
+    worker._on_notify(RUNS_CHANNEL, DEFAULT_QUEUE_NEWS)
+    assert worker._dirty == {None}
+    worker._dirty.clear()
+    worker._on_notify(RUNS_CHANNEL, "work")
+    assert worker._dirty == {"work"}
+    worker._dirty.clear()
+    worker._on_notify(RUNS_CHANNEL, "")
+    assert worker._dirty == {None, "work", "other"}
