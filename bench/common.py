@@ -457,8 +457,14 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU a live process has used so far."""
+    split = cpu_split(pid)
+    return None if split is None else split[0] + split[1]
+
+
+def cpu_split(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds a live process has used so far."""
     fields = _stat_fields(pid)
-    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS
+    return None if fields is None else (int(fields[11]) / _TICKS, int(fields[12]) / _TICKS)
 
 
 def children_of(parent: int) -> list[int]:
@@ -496,26 +502,30 @@ class CpuMeter:
     processes (a server on another machine) is not measured: it is absent from ``used``."""
 
     def __init__(self) -> None:
-        self._first: dict[int, float] = {}
+        self._first: dict[int, tuple[float, float]] = {}
         self._machine: tuple[int, int] | None = None
         self.used: dict[str, float] = {}
+        self.system: dict[str, float] = {}  # the part of ``used`` spent in the kernel
         self.busy: float | None = None  # share of the machine's CPU time that was busy
 
     def start(self, pids: dict[str, list[int]]) -> None:
-        self._first = {pid: cpu for group in pids.values() for pid in group
-                       if (cpu := cpu_seconds(pid)) is not None}
+        self._first = {pid: split for group in pids.values() for pid in group
+                       if (split := cpu_split(pid)) is not None}
         self._machine = machine_ticks()
 
     def stop(self, pids: dict[str, list[int]]) -> None:
         for kind, group in pids.items():
             if not group:
                 continue
-            total = 0.0
+            user = system = 0.0
             for pid in group:
-                cpu = cpu_seconds(pid)
-                if cpu is not None:
-                    total += cpu - self._first.get(pid, 0.0)
-            self.used[kind] = total
+                split = cpu_split(pid)
+                if split is not None:
+                    first = self._first.get(pid, (0.0, 0.0))
+                    user += split[0] - first[0]
+                    system += split[1] - first[1]
+            self.used[kind] = user + system
+            self.system[kind] = system
         end = machine_ticks()
         if self._machine is not None and end is not None and end[1] > self._machine[1]:
             self.busy = (end[0] - self._machine[0]) / (end[1] - self._machine[1])

@@ -329,14 +329,18 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
 
 
 def cpu_per_step(meter: CpuMeter, steps: int) -> dict[str, float | None]:
-    """CPU microseconds per step, worker processes and server, and the machine's busy share
-    (None where it could not be measured: no /proc, or a server on another machine)."""
-    def per_step(kind: str) -> float | None:
-        used = meter.used.get(kind)
+    """CPU microseconds per step, worker processes and server, the part of each spent in the
+    kernel (system time: on loopback TCP a ``send()`` does the receiving side's work too), and
+    the machine's busy share (None where it could not be measured: no /proc, or a server on
+    another machine)."""
+    def per_step(used: float | None) -> float | None:
         return None if used is None else used / steps * 1e6
 
-    return {"worker_cpu_us_per_step": per_step("worker"),
-            "server_cpu_us_per_step": per_step("server"), "machine_busy": meter.busy}
+    return {"worker_cpu_us_per_step": per_step(meter.used.get("worker")),
+            "server_cpu_us_per_step": per_step(meter.used.get("server")),
+            "worker_sys_us_per_step": per_step(meter.system.get("worker")),
+            "server_sys_us_per_step": per_step(meter.system.get("server")),
+            "machine_busy": meter.busy}
 
 
 async def latency_once(server: Server, *, samples: int, warmup: int = 10,

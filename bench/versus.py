@@ -52,7 +52,8 @@ async def _one(args: argparse.Namespace) -> None:
     r = await ours.throughput_once(Server.find(None), k=args.k, n=args.runs, setup=setup,
                                    workflow=args.one)
     print(json.dumps({key: r.get(key) for key in (
-        "steps_per_s", "worker_cpu_us_per_step", "server_cpu_us_per_step", "machine_busy")}))
+        "steps_per_s", "worker_cpu_us_per_step", "server_cpu_us_per_step",
+        "worker_sys_us_per_step", "server_sys_us_per_step", "machine_busy")}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(f"versus: K={args.k} drains of {args.runs:,} runs, {args.workers} workers × "
                   f"concurrency {args.concurrency}, {args.rounds} rounds interleaved",
                   ["engine", "commit", "steps/s", "min–max", "÷ first (paired median)",
-                   "paired ratios", "worker µs/step", "server µs/step"])
+                   "paired ratios", "worker µs/step", "of it system", "server µs/step",
+                   "of it system"])
     base = [d["steps_per_s"] for d in drains[0]]
     for (ref, workflow), found in zip(arms, drains, strict=True):
         steps = [d["steps_per_s"] for d in found]
@@ -96,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                   "—" if found is drains[0] else fx(median(ratios)),
                   "" if found is drains[0] else ", ".join(f"{r:.2f}" for r in ratios),
                   median([d["worker_cpu_us_per_step"] or 0 for d in found]),
-                  median([d["server_cpu_us_per_step"] or 0 for d in found]))
+                  median([d.get("worker_sys_us_per_step") or 0 for d in found]),
+                  median([d["server_cpu_us_per_step"] or 0 for d in found]),
+                  median([d.get("server_sys_us_per_step") or 0 for d in found]))
     table.notes.append("each drain on a fresh database, the engines' order alternating by "
                        "round; CPU per step: user + system time of the workers and of the "
-                       "server's processes during the drain")
+                       "server's processes during the drain, and the system (kernel) part of "
+                       "it (on loopback TCP a send() does the receiving side's work as well)")
     table.print()
     return 0
 
