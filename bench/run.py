@@ -707,8 +707,8 @@ class Suite:
                                             setup=self.setup(), profile=True)
         prof = result["profile"]
         table = Table(f"profile: py-spy on one of {p.workers} workers during a K=3 drain "
-                      f"({result['steps_per_s']:,.0f} steps/s, {prof['samples']} samples, "
-                      "idle excluded)", ["where the worker spends its own time", "share"])
+                      f"({result['steps_per_s']:,.0f} steps/s, {prof['samples']} samples "
+                      "holding the GIL)", ["where the worker spends its own time", "share"])
         for name, share in prof["self"]:
             table.add(name, f"{share:.1%}")
         table.rows.append(["", ""])
@@ -1075,7 +1075,7 @@ class Suite:
             prof = profiled["profile"]
             table = Table(f"console streams: where the console process spends its time with "
                           f"{p.console_sse_clients} clients during a drain ({prof['samples']} "
-                          "samples, idle excluded; not counted above)", ["function", "share"])
+                          "samples holding the GIL; not counted above)", ["function", "share"])
             for name, share in prof["self"][:12]:
                 table.add(name, f"{share:.1%}")
             table.rows.append(["", ""])
