@@ -11,6 +11,9 @@ its slot for ``BENCH_QUEUE_HOLD`` seconds in the queue ``capped`` (``BENCH_QUEUE
 once: how close to the limit the workers keep it); ``rated`` is ``k1`` in the queue ``rated``
 (``BENCH_QUEUE_RATE`` starts per second: how close to the rate they start).
 
+``k1c`` runs ``k1`` as its child and returns its result: the child's end wakes the parent
+(with the three queues above declared, what a wake costs the workers' claims).
+
 ``hold`` parks its run inside a ``read`` tool that never returns: the recovery section kills
 the worker holding such runs (a ``read`` tool may be repeated as a new attempt, so the run
 really runs again elsewhere rather than waiting for reconciliation).
@@ -82,6 +85,11 @@ def _register(orch: Orchestrator) -> None:
 
     if RateLimit is not None:
         _queues(orch, steps)
+
+    @orch.workflow(version="1", name="k1c")
+    async def k1_child(ctx: WorkflowContext, data: Any) -> dict[str, Any]:
+        result: dict[str, Any] = await ctx.run_child("k1", data)
+        return result
 
     @orch.workflow(version="1", name="hold")
     async def hold_run(ctx: WorkflowContext, data: Any) -> dict[str, Any]:

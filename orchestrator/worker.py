@@ -3,9 +3,9 @@
 One worker process holds up to ``concurrency`` runs at once. It wakes on NOTIFY (new work,
 events, finished children, expired leases) and polls only as a fallback. It claims from the
 default queue and from every queue (docs/flow.md) it has news of: a NOTIFY names the queue
-whose runs it concerns (empty: any), and a source is claimed from again only after such news,
-after a claim that filled every free slot (more may wait), when a queue's rate window has room
-again, or at the poll. Stopping (SIGTERM)
+whose runs it concerns (``.``: the default queue; empty, from an older sender: any), and a
+source is claimed from again only after such news, after a claim that filled every free slot
+(more may wait), when a queue's rate window has room again, or at the poll. Stopping (SIGTERM)
 drains: no new claims; in-flight runs go on to their next durable point, then their leases are
 released so another worker picks them up at once.
 """

@@ -44,7 +44,8 @@ Conn = psycopg.AsyncConnection[dict[str, Any]]
 RUNS_CHANNEL = "orchestrator_runs"
 """NOTIFY channel: new or woken work. The payload says where to look: a queue's name (news of
 that queue), :data:`DEFAULT_QUEUE_NEWS` (a run outside every queue), or empty (news of any
-run: look everywhere)."""
+run: look everywhere; every sender of the engine names the queues now, see
+``db.runs.NEWS_OF``, and workers still read an empty payload from an older one)."""
 DEFAULT_QUEUE_NEWS = "."
 """The payload on :data:`RUNS_CHANNEL` of news of the default queue alone (a run submitted
 outside every queue): no queue's name can be it (names never start with '.'), and workers look

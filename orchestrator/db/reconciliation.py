@@ -10,9 +10,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from orchestrator.db.database import RUNS_CHANNEL, Conn
+from orchestrator.db.database import DEFAULT_QUEUE_NEWS, Conn
 from orchestrator.db.journal import journal_insert_held
-from orchestrator.db.runs import run_wake
+from orchestrator.db.runs import run_news, run_wake
 from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import OperationInProgress, ResolutionConflict
 
@@ -259,7 +259,7 @@ async def recon_settle(
     is driving right now is not touched (``OPERATION_IN_PROGRESS``: try again in a moment).
     """
     run = await (await conn.execute(
-        f"SELECT revision, lease_token, status FROM {S}.runs WHERE id = %s FOR UPDATE",
+        f"SELECT revision, lease_token, status, queue FROM {S}.runs WHERE id = %s FOR UPDATE",
         (item["run_id"],))).fetchone()
     assert run is not None
     if run["status"] == "running":
@@ -294,7 +294,7 @@ async def recon_settle(
     )
     if run["status"] == "needs_reconciliation":
         await _resume_parked(conn, item, run, events, fail_run)
-    await conn.execute(f"SELECT pg_notify('{RUNS_CHANNEL}', '')")
+    await run_news(conn, [run["queue"] or DEFAULT_QUEUE_NEWS])
 
 
 async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],

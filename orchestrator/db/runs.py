@@ -29,7 +29,32 @@ from orchestrator.ids import new_run_id
 from orchestrator.journal import EventKind, entry
 from orchestrator.models import Owner
 
-_NOTIFY = f"SELECT pg_notify('{RUNS_CHANNEL}', '')"
+NEWS_OF = f"coalesce(queue, '{DEFAULT_QUEUE_NEWS}')"
+"""The payload on RUNS_CHANNEL that names a run's queue (a row of ``runs``): the queue's name,
+or DEFAULT_QUEUE_NEWS for a run outside every queue. Every sender names the queues of the runs
+it made claimable, so a worker claims from those alone (docs/flow.md)."""
+
+
+async def run_news(conn: Conn, queues: Sequence[str]) -> None:
+    """News on RUNS_CHANNEL of each of ``queues`` (payloads of :data:`NEWS_OF`), one NOTIFY
+    each, in one statement; nothing for none."""
+    if queues:
+        await conn.execute(f"SELECT pg_notify('{RUNS_CHANNEL}', q) FROM unnest(%s::text[]) q",
+                           (sorted(set(queues)),))
+
+
+def _moved(update: str) -> str:
+    """``update`` (an UPDATE of runs ending in ``RETURNING queue``) as the runs it moved per
+    queue: one row per queue's news, with how many (a sweep may move thousands)."""
+    return f"WITH moved AS ({update}) SELECT {NEWS_OF} AS news, count(*) AS n FROM moved GROUP BY 1"
+
+
+async def _moved_news(conn: Conn, update: str, params: Any = None) -> int:
+    """Run :func:`_moved` ``update``, tell the workers of each queue it touched; how many
+    runs it moved."""
+    rows = await (await conn.execute(_moved(update), params)).fetchall()
+    await run_news(conn, [row["news"] for row in rows])
+    return sum(int(row["n"]) for row in rows)
 
 CONTINUED = "CONTINUED_AS_NEW"
 """The outcome code of a run that ended by continuing as a new run (``ctx.continue_as_new``,
@@ -298,18 +323,17 @@ async def run_claim_ready(
 
 async def run_release_expired(conn: Conn) -> int:
     """Put runs whose lease expired back in the queue; the next claim raises the token."""
-    cur = await conn.execute(
+    return await _moved_news(
+        conn,
         f"""
         UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
                lease_expires_at = NULL, updated_at = now()
         WHERE id IN (SELECT id FROM {S}.runs
                      WHERE status = 'running' AND lease_expires_at < now()
                      FOR UPDATE SKIP LOCKED)
+        RETURNING queue
         """
     )
-    if cur.rowcount:
-        await conn.execute(_NOTIFY)
-    return cur.rowcount
 
 
 _HELD = "r.lease_token = h.token AND r.status = 'running' AND r.lease_owner = %(worker)s"
@@ -432,16 +456,19 @@ async def run_finish(
 
 
 async def run_wake(conn: Conn, run_id: uuid.UUID) -> None:
-    """Make a waiting run claimable now; lock its row whatever its status (see run_finish)."""
-    await conn.execute(
+    """Make a waiting run claimable now; lock its row whatever its status (see run_finish);
+    news of its queue."""
+    row = await (await conn.execute(
         f"""
         UPDATE {S}.runs
         SET available_at = CASE WHEN status = 'waiting' THEN now() ELSE available_at END
         WHERE id = %s
+        RETURNING {NEWS_OF} AS news
         """,
         (run_id,),
-    )
-    await conn.execute(_NOTIFY)
+    )).fetchone()
+    if row is not None:
+        await run_news(conn, [row["news"]])
 
 
 async def run_suspend(
@@ -482,7 +509,7 @@ async def run_suspend(
         raise LeaseLost(f"run {run_id} is no longer held under lease {token}")
     if parked["queue"] is not None:  # its slot may be free now (count_parked=False)
         await conn.execute("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, parked["queue"]))
-    cur = await conn.execute(
+    woken = await (await conn.execute(
         f"""
         UPDATE {S}.runs SET available_at = now()
         WHERE id = %(run_id)s AND (
@@ -494,11 +521,12 @@ async def run_suspend(
                        WHERE c.parent_run_id = %(run_id)s
                          AND c.parent_position = ANY(%(positions)s)
                          AND c.status IN ('succeeded', 'failed', 'cancelled')))
+        RETURNING {NEWS_OF} AS news
         """,
         {"run_id": run_id, "names": list(event_names), "positions": list(child_positions)},
-    )
-    if cur.rowcount:
-        await conn.execute(_NOTIFY)
+    )).fetchone()
+    if woken is not None:
+        await run_news(conn, [woken["news"]])
 
 
 async def run_block_for_reconciliation(
@@ -523,18 +551,19 @@ async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int, delay: float
                       waiting_for: str | None = None) -> bool:
     """Give a run back to the queue, claimable after ``delay`` seconds (a draining worker
     uses 0); False if the lease was already gone."""
-    cur = await conn.execute(
+    released = await (await conn.execute(
         f"""
         UPDATE {S}.runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,
                available_at = now() + make_interval(secs => %(delay)s),
                waiting_for = %(waiting_for)s, updated_at = now()
         WHERE id = %(run_id)s AND lease_token = %(token)s AND status = 'running'
+        RETURNING {NEWS_OF} AS news
         """,
         {"run_id": run_id, "token": token, "delay": delay, "waiting_for": waiting_for},
-    )
-    if cur.rowcount:
-        await conn.execute(_NOTIFY)
-    return cur.rowcount == 1
+    )).fetchone()
+    if released is not None:
+        await run_news(conn, [released["news"]])
+    return released is not None
 
 
 async def run_lock(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None
@@ -584,16 +613,20 @@ async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
 
 
 async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:
-    await conn.execute(
+    """Ask a run to cancel: a waiting run is claimable now (news of its queue), a running
+    one's worker hears it on CANCEL_CHANNEL."""
+    row = await (await conn.execute(
         f"""
         UPDATE {S}.runs SET cancel_requested_at = COALESCE(cancel_requested_at, now()),
                available_at = CASE WHEN status = 'waiting' THEN now() ELSE available_at END,
                updated_at = now()
         WHERE id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
+        RETURNING {NEWS_OF} AS news
         """,
         (run_id,),
-    )
-    await conn.execute(_NOTIFY)
+    )).fetchone()
+    if row is not None:
+        await run_news(conn, [row["news"]])
     await conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, str(run_id)))
 
 
@@ -648,7 +681,8 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
     """Re-queue runs held by workers that died: their liveness lock is gone *and* their
     heartbeat is older than ``stale`` seconds. (A live worker whose lock connection merely
     blipped keeps heartbeating and re-takes its lock; its runs stay with it.)"""
-    cur = await conn.execute(
+    return await _moved_news(
+        conn,
         f"""
         UPDATE {S}.runs SET status = 'queued', available_at = now(), lease_owner = NULL,
                lease_expires_at = NULL, updated_at = now()
@@ -664,12 +698,10 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
                     AND l.classid::bigint = ((w.lock_key >> 32) & 4294967295)
                     AND l.objid::bigint = (w.lock_key & 4294967295))
             FOR UPDATE OF r SKIP LOCKED)
+        RETURNING queue
         """,
         {"stale": stale},
     )
-    if cur.rowcount:
-        await conn.execute(_NOTIFY)
-    return cur.rowcount
 
 
 async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
@@ -677,7 +709,8 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
     its concurrency has room): they claim again and ask for admission (docs/flow.md). The
     tool's exact name, read in ``ix_runs_turn_waiters``: the runs waiting for another tool
     stay parked, whatever its name."""
-    cur = await conn.execute(
+    return await _moved_news(
+        conn,
         f"""
         UPDATE {S}.runs SET available_at = now()
         WHERE id IN (SELECT id FROM {S}.runs
@@ -685,10 +718,8 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
                        AND available_at > now()
                      ORDER BY available_at LIMIT %(count)s
                      FOR UPDATE SKIP LOCKED)
+        RETURNING queue
         """, {"tool": tool, "count": count})
-    if cur.rowcount:
-        await conn.execute(_NOTIFY)
-    return cur.rowcount
 
 
 _READ_FOR_REPLAY = f"""

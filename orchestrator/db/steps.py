@@ -50,7 +50,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.db.database import RUNS_CHANNEL
+from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL
 from orchestrator.db.schema import SCHEMA as S
 from orchestrator.db.writer import Statement
 
@@ -289,7 +289,7 @@ WITH x AS (
     UPDATE {S}.runs p
     SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
     FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
-    RETURNING 1
+    RETURNING coalesce(p.queue, '{DEFAULT_QUEUE_NEWS}') AS news
 )
 SELECT x.i,
        {S}.row_applied(ins.run_id IS NOT NULL
@@ -297,8 +297,9 @@ SELECT x.i,
                            done.run_id IS NOT NULL
                            AND (NOT done.stored OR kept.run_id IS NOT NULL))), 'run success')
            AS appended,
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', '')
-                              FROM (SELECT 1 FROM wake LIMIT 1) AS w) AS n) AS woke,
+       -- News of each woken parent's queue.
+       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', w.news)
+                              FROM (SELECT DISTINCT news FROM wake) AS w) AS n) AS woke,
        -- A run of a queue freed its slot: the workers may claim the next.
        (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
                               FROM (SELECT DISTINCT queue FROM fence

@@ -531,7 +531,7 @@ async def test_news_of_a_run_outside_every_queue_sends_workers_to_the_default_qu
     """A submission outside every queue notifies with the default queue's payload ('.', never a
     queue's name), one in a queue with the queue's name; a worker looks in the default queue
     alone on the first, in that queue alone on the second, and everywhere on news of any run
-    (an empty payload: a release, a resolution, a parent woken). Before, a submission outside
+    (an empty payload, which only an older sender sends). Before, a submission outside
     every queue sent every worker to claim from every queue it knew, one locked claim each."""
     app, job = _app(make_app, Gauge())
 
@@ -562,3 +562,105 @@ async def test_news_of_a_run_outside_every_queue_sends_workers_to_the_default_qu
     worker._dirty.clear()
     worker._on_notify(RUNS_CHANNEL, "")
     assert worker._dirty == {None, "work", "other"}
+
+
+async def _news_after(url: str, act: Callable[[], Any]) -> list[str]:
+    """The payloads on RUNS_CHANNEL while ``act`` runs (and a moment after)."""
+    listener = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    try:
+        await listener.execute(f"LISTEN {RUNS_CHANNEL}")
+        await act()
+        return [note.payload async for note in listener.notifies(timeout=0.5)]
+    finally:
+        await listener.close()
+
+
+async def test_every_wake_names_the_queues_of_the_runs_it_made_claimable(
+        make_app, migrated_database_url, sql):
+    """A run released, swept back from an expired or orphaned lease, woken (an event, a
+    finished child, a cancellation, a resolution, a tool's turn) is news of its own queue
+    alone: the payload names the queue, or '.' for a run outside every queue. An empty payload
+    used to send every idle worker to claim from every queue it knew at each wake."""
+    app, job = _app(make_app, Gauge())
+
+    @app.workflow()
+    async def plain(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    url = migrated_database_url
+    in_queue = await app.submit_async(job, {"n": 1})
+    outside = await app.submit_async(plain, {"n": 2})
+
+    async def put(run_id: Any, sets: str) -> None:
+        sql(f"UPDATE orchestrator.runs SET {sets} WHERE id = %s", (run_id,))
+
+    async def each(fn: Callable[..., Any], **kw: Any) -> Callable[[], Any]:
+        async def act() -> None:
+            async with await psycopg.AsyncConnection.connect(
+                    url, autocommit=True, row_factory=psycopg.rows.dict_row) as conn:
+                await fn(conn, **kw)
+        return act
+
+    # A waiting run woken (an event arrived, a child finished, an operator acted).
+    for handle, news in ((in_queue, "work"), (outside, DEFAULT_QUEUE_NEWS)):
+        await put(handle.id, "status = 'waiting', available_at = now() + interval '1 hour'")
+        assert await _news_after(url, await each(runs_db.run_wake, run_id=handle.id)) == [news]
+        assert await _news_after(
+            url, await each(runs_db.run_request_cancel, run_id=handle.id)) == [news]
+        await put(handle.id, "cancel_requested_at = NULL")
+    # Runs held under a lease that expired, swept back together: one payload per queue.
+    await put(in_queue.id, "status = 'running', lease_owner = 'gone', "
+                           "lease_expires_at = now() - interval '1 second'")
+    await put(outside.id, "status = 'running', lease_owner = 'gone', "
+                          "lease_expires_at = now() - interval '1 second'")
+    moved: list[int] = []
+
+    async def sweep(conn: Any) -> None:
+        moved.append(await runs_db.run_release_expired(conn))
+
+    assert sorted(await _news_after(url, await each(sweep))) == [DEFAULT_QUEUE_NEWS, "work"]
+    assert moved == [2]
+    # A run given back by its worker (draining, or a provider's back-off).
+    token = sql("UPDATE orchestrator.runs SET status = 'running', lease_owner = 'w', "
+                "lease_expires_at = now() + interval '1 minute', lease_token = lease_token + 1 "
+                "WHERE id = %s RETURNING lease_token",
+                (in_queue.id,))[0]["lease_token"]
+    assert await _news_after(url, await each(runs_db.run_release, run_id=in_queue.id,
+                                             token=token)) == ["work"]
+    # The runs parked for a tool's turn.
+    await put(in_queue.id, "status = 'waiting', waiting_tool = 'slow', "
+                           "available_at = now() + interval '1 hour'")
+    await put(outside.id, "status = 'waiting', waiting_tool = 'slow', "
+                          "available_at = now() + interval '1 hour'")
+    assert sorted(await _news_after(url, await each(
+        runs_db.run_wake_turn, tool="slow", count=5))) == [DEFAULT_QUEUE_NEWS, "work"]
+
+
+async def test_a_child_finishing_wakes_its_parent_with_news_of_the_parents_queue(
+        make_app, migrated_database_url):
+    """The hot run success wakes the parent in the same statement: its news names the
+    parent's queue ('work'), not every queue; nothing on the channel is an empty payload."""
+    app, _ = _app(make_app, Gauge())
+
+    @app.workflow()
+    async def child(ctx, data):  # type: ignore[no-untyped-def]
+        return data * 2
+
+    @app.workflow(queue="work")
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(child, data)
+
+    payloads: list[str] = []
+    listener = await psycopg.AsyncConnection.connect(migrated_database_url, autocommit=True)
+    try:
+        await listener.execute(f"LISTEN {RUNS_CHANNEL}")
+        async with running_worker(app, poll_interval=0.2):
+            handle = await app.submit_async(parent, 21)
+            assert await handle.result_async(timeout=30) == 42
+        payloads = [note.payload async for note in listener.notifies(timeout=0.5)]
+    finally:
+        await listener.close()
+    assert "" not in payloads
+    # Submitted in 'work', the child outside it, the child's end wakes the parent ('work'),
+    # the parent's end frees its slot ('work').
+    assert payloads.count(DEFAULT_QUEUE_NEWS) >= 1 and payloads.count("work") >= 3
