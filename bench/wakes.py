@@ -1,0 +1,136 @@
+"""What a wake costs the workers' claims: a steady stream of ``k1c`` runs (each runs ``k1`` as
+its child, whose end wakes the parent) with the bench app's three queues declared, on each
+committed revision named, interleaved, each on a fresh database.
+
+    python -m bench.wakes 8ef8a27 HEAD --rate 100 --seconds 15 --rounds 2
+
+For each engine: the CPU of the workers and of the server in cores, and the claims per parent
+run, of the default queue (``runs_ready``) and of the declared queues (``queue_claim``), from
+``pg_stat_user_functions`` (``track_functions = 'all'`` on the drain's database). A wake that
+does not name its queue sends every idle worker to claim from every queue it knows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from bench.common import Table, log, median, snapshot_engine
+
+
+async def _one(args: argparse.Namespace) -> None:
+    import psycopg  # noqa: TID251 - its own database and the function statistics
+
+    from bench import ours
+    from bench.common import CpuMeter, Server, migrate, spawn
+
+    server = Server.find(None)
+    url = server.create_database("wakes")
+    name = url.rsplit("/", 1)[1].split("?")[0]
+    with psycopg.connect(server.admin_url, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {name} SET track_functions = 'all'")
+    migrate(url)
+    try:
+        setup = ours.Setup(workers=args.workers, concurrency=args.concurrency, pool_size=16)
+        procs = await ours.start_workers(url, setup, k=1)
+        try:
+            await ours.wait_registered(url, [p.pid for p in procs], procs)
+            load = await spawn([sys.executable, "-m", "bench.load", "--url", url, "--rate",
+                                str(args.rate), "--workflow", "k1c"], name="load")
+            await load.expect("@ready", 60)
+            await asyncio.sleep(2.0)  # a steady state first
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                pids = {"worker": [p.pid for p in procs],
+                        "server": await ours.server_processes(conn)}
+                await conn.execute("SELECT pg_stat_reset()")
+                before = (await (await conn.execute(
+                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = 'k1c'"
+                )).fetchone() or [0])[0]
+            meter = CpuMeter()
+            meter.start(pids)
+            await asyncio.sleep(args.seconds)
+            meter.stop(pids)
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                calls = dict(await (await conn.execute(
+                    "SELECT funcname, calls FROM pg_stat_user_functions "
+                    "WHERE schemaname = 'orchestrator'")).fetchall())
+                after = (await (await conn.execute(
+                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = 'k1c'"
+                )).fetchone() or [0])[0]
+            await load.stop()
+        finally:
+            await asyncio.gather(*(p.stop() for p in procs))
+    finally:
+        server.drop_database(url)
+    parents = max(after - before, 1)
+    print(json.dumps({
+        "parents_per_s": parents / args.seconds,
+        "worker_cores": meter.used.get("worker", 0.0) / args.seconds,
+        "server_cores": meter.used.get("server", 0.0) / args.seconds,
+        "default_claims_per_run": calls.get("runs_ready", 0) / parents,
+        "queue_claims_per_run": calls.get("queue_claim", 0) / parents}))
+
+
+def _in(folder: str, sha: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**os.environ, "BENCH_ENGINE_DIR": folder, "BENCH_ENGINE_COMMIT": sha,
+           "PYTHONPATH": os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.wakes", "--one", "--rate", str(args.rate),
+         "--seconds", str(args.seconds), "--workers", str(args.workers),
+         "--concurrency", str(args.concurrency)],
+        cwd=folder, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"a stream failed: {done.stderr.strip()[-500:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.wakes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("engines", nargs="*", metavar="REF",
+                        help="the first is the baseline (default: HEAD~1 HEAD)")
+    parser.add_argument("--rate", type=float, default=100.0, help="k1c runs submitted per s")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured per stream")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        asyncio.run(_one(args))
+        return 0
+    refs = args.engines or ["HEAD~1", "HEAD"]
+    snapshots = {ref: snapshot_engine(ref) for ref in refs}
+    found: dict[str, list[dict[str, Any]]] = {ref: [] for ref in refs}
+    for i in range(args.rounds):
+        for ref in refs if i % 2 == 0 else list(reversed(refs)):
+            folder, sha = snapshots[ref]
+            log(f"round {i + 1}/{args.rounds}: {ref} ({sha[:10]})")
+            found[ref].append(_in(str(folder), sha, args))
+    table = Table(f"wakes: a stream of {args.rate:g} k1c runs/s (a parent and its child), "
+                  f"{args.workers} workers × concurrency {args.concurrency}, three queues "
+                  f"declared, {args.rounds} rounds interleaved",
+                  ["engine", "commit", "parents/s", "worker cores", "server cores",
+                   "default-queue claims per parent", "queue claims per parent"])
+    for ref in refs:
+        rs = found[ref]
+        table.add(ref, snapshots[ref][1][:10], median([r["parents_per_s"] for r in rs]),
+                  f"{median([r['worker_cores'] for r in rs]):.2f}",
+                  f"{median([r['server_cores'] for r in rs]):.2f}",
+                  f"{median([r['default_claims_per_run'] for r in rs]):.1f}",
+                  f"{median([r['queue_claims_per_run'] for r in rs]):.2f}")
+    table.notes.append(f"median of {args.rounds}; {args.seconds:g} s measured per stream after "
+                       "2 s of warm-up; cores = CPU seconds per second (/proc), claims from "
+                       "pg_stat_user_functions")
+    table.print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
