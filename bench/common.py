@@ -325,6 +325,20 @@ def snapshot_engine(ref: str) -> tuple[Path, str]:
     return folder, sha
 
 
+def run_in_snapshot(folder: str, sha: str, module: str, args: Sequence[str],
+                    what: str = "a measurement") -> dict[str, Any]:
+    """``python -m module args`` on the engine snapshot in ``folder`` (:func:`snapshot_engine`),
+    in its own process; returns the JSON object its last line of output prints."""
+    env = {**os.environ, "BENCH_ENGINE_DIR": folder, "BENCH_ENGINE_COMMIT": sha,
+           "PYTHONPATH": os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=folder, env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed: {done.stderr.strip()[-500:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(engine_dir()), str(ROOT)] if engine_dir() != ROOT else [str(ROOT)]

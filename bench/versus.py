@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
-from bench.common import Table, fx, log, median, snapshot_engine
+from bench.common import Table, fx, log, median, run_in_snapshot, snapshot_engine
 
 
 def _arm(text: str, k: int) -> tuple[str, str]:
@@ -31,17 +29,9 @@ def _arm(text: str, k: int) -> tuple[str, str]:
 
 
 def _drain_in(folder: str, sha: str, args: argparse.Namespace, workflow: str) -> dict[str, Any]:
-    env = {**os.environ, "BENCH_ENGINE_DIR": folder, "BENCH_ENGINE_COMMIT": sha,
-           "PYTHONPATH": os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.versus", "--one", workflow, "--k", str(args.k),
-         "--runs", str(args.runs), "--workers", str(args.workers),
-         "--concurrency", str(args.concurrency)],
-        cwd=folder, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"a drain failed: {done.stderr.strip()[-500:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_in_snapshot(folder, sha, "bench.versus", [
+        "--one", workflow, "--k", str(args.k), "--runs", str(args.runs),
+        "--workers", str(args.workers), "--concurrency", str(args.concurrency)], "a drain")
 
 
 async def _one(args: argparse.Namespace) -> None:

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
-from bench.common import Table, log, median, snapshot_engine
+from bench.common import Table, log, median, run_in_snapshot, snapshot_engine
 
 
 async def _one(args: argparse.Namespace) -> None:
@@ -77,17 +75,9 @@ async def _one(args: argparse.Namespace) -> None:
 
 
 def _in(folder: str, sha: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "BENCH_ENGINE_DIR": folder, "BENCH_ENGINE_COMMIT": sha,
-           "PYTHONPATH": os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.wakes", "--one", "--rate", str(args.rate),
-         "--seconds", str(args.seconds), "--workers", str(args.workers),
-         "--concurrency", str(args.concurrency)],
-        cwd=folder, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"a stream failed: {done.stderr.strip()[-500:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_in_snapshot(folder, sha, "bench.wakes", [
+        "--one", "--rate", str(args.rate), "--seconds", str(args.seconds),
+        "--workers", str(args.workers), "--concurrency", str(args.concurrency)], "a stream")
 
 
 def main(argv: list[str] | None = None) -> int:

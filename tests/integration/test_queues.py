@@ -539,17 +539,11 @@ async def test_news_of_a_run_outside_every_queue_sends_workers_to_the_default_qu
     async def plain(ctx, data):  # type: ignore[no-untyped-def]
         return data
 
-    listener = await psycopg.AsyncConnection.connect(migrated_database_url, autocommit=True)
-    try:
-        await listener.execute(f"LISTEN {RUNS_CHANNEL}")
+    async def submit_both() -> None:
         await app.submit_async(plain, {"n": 1})
         await app.submit_async(job, {"n": 2})
-        payloads = []
-        async for note in listener.notifies(timeout=5, stop_after=2):
-            payloads.append(note.payload)
-    finally:
-        await listener.close()
-    assert payloads == [DEFAULT_QUEUE_NEWS, "work"]
+
+    assert await _news_after(migrated_database_url, submit_both) == [DEFAULT_QUEUE_NEWS, "work"]
 
     worker = app.create_worker()
     worker._queues = {"work", "other"}
@@ -577,10 +571,10 @@ async def _news_after(url: str, act: Callable[[], Any]) -> list[str]:
 
 async def test_every_wake_names_the_queues_of_the_runs_it_made_claimable(
         make_app, migrated_database_url, sql):
-    """A run released, swept back from an expired or orphaned lease, woken (an event, a
-    finished child, a cancellation, a resolution, a tool's turn) is news of its own queue
-    alone: the payload names the queue, or '.' for a run outside every queue. An empty payload
-    used to send every idle worker to claim from every queue it knew at each wake."""
+    """A run released, swept back from an expired lease, woken (``run_wake``: an event, a
+    finished child; a cancellation; a tool's turn) is news of its own queue alone: the payload
+    names the queue, or '.' for a run outside every queue. An empty payload used to send every
+    idle worker to claim from every queue it knew at each wake."""
     app, job = _app(make_app, Gauge())
 
     @app.workflow()
