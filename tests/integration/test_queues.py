@@ -571,10 +571,10 @@ async def _news_after(url: str, act: Callable[[], Any]) -> list[str]:
 
 async def test_every_wake_names_the_queues_of_the_runs_it_made_claimable(
         make_app, migrated_database_url, sql):
-    """A run released, swept back from an expired lease, woken (``run_wake``: an event, a
-    finished child; a cancellation; a tool's turn) is news of its own queue alone: the payload
-    names the queue, or '.' for a run outside every queue. An empty payload used to send every
-    idle worker to claim from every queue it knew at each wake."""
+    """A run released, swept back from an expired lease or from a dead worker, woken
+    (``run_wake``: an event, a finished child; a cancellation; a tool's turn) is news of its
+    own queue alone: the payload names the queue, or '.' for a run outside every queue. An
+    empty payload used to send every idle worker to claim from every queue it knew."""
     app, job = _app(make_app, Gauge())
 
     @app.workflow()
@@ -614,6 +614,18 @@ async def test_every_wake_names_the_queues_of_the_runs_it_made_claimable(
 
     assert sorted(await _news_after(url, await each(sweep))) == [DEFAULT_QUEUE_NEWS, "work"]
     assert moved == [2]
+    # Runs held by a worker that died (its liveness lock gone, its heartbeat stale).
+    sql("INSERT INTO orchestrator.workers (id, hostname, pid, workflows, concurrency, lock_key,"
+        " heartbeat_at) VALUES ('dead', 'h', 1, '{}', 1, 987654321, now() - interval '1 hour')")
+    for handle in (in_queue, outside):
+        await put(handle.id, "status = 'running', lease_owner = 'dead', "
+                             "lease_expires_at = now() + interval '1 hour'")
+
+    async def orphans(conn: Any) -> None:
+        moved.append(await runs_db.run_release_orphaned(conn, stale=1.0))
+
+    assert sorted(await _news_after(url, await each(orphans))) == [DEFAULT_QUEUE_NEWS, "work"]
+    assert moved == [2, 2]
     # A run given back by its worker (draining, or a provider's back-off).
     token = sql("UPDATE orchestrator.runs SET status = 'running', lease_owner = 'w', "
                 "lease_expires_at = now() + interval '1 minute', lease_token = lease_token + 1 "
