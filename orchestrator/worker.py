@@ -420,7 +420,8 @@ class Worker:
     async def _executor_for(self, claim: dict[str, Any]) -> RunExecutor | None:
         """Decode one claimed run (its input, its journal) and build its executor. A run whose
         stored values this code cannot read fails alone (``RUN_UNREADABLE``, with an incident)
-        or, for a journal from newer code, goes back to the queue; None then. The worker goes
+        or, for a journal from newer code, goes back to the queue; a run whose journal the
+        database did not give is let go (its lease lapses); None then. The worker goes
         on claiming either way: no run's content can stop it."""
         run_id = claim["id"]
         try:
@@ -438,8 +439,14 @@ class Worker:
                     conn, run_id=run_id, token=claim["lease_token"], delay=60.0,
                     waiting_for="a worker that understands its journal's schema version")
             return None
-        except DatabaseError:
-            raise  # infrastructure, not the run: its lease lapses and it is claimed again
+        except DatabaseError as exc:
+            # Infrastructure, not the run: this worker lets it go as it would any run whose
+            # writes the database stopped taking; its lease lapses and it is claimed again.
+            self.metrics.incr("lease_losses")
+            log.warning("run %s: lease %d lost (%s before it started); this worker stops "
+                        "working on it", run_id, claim["lease_token"], exc.code,
+                        extra=fields(run_id=run_id, workflow=_workflow(claim)))
+            return None
         except Exception as exc:  # noqa: BLE001 - whatever the stored rows hold
             await fail_unreadable(self.database, self.metrics, claim, exc)
             return None

@@ -98,7 +98,7 @@ class Outcome:
 
     async def _flush_then(self, final: Callable[[Conn], Awaitable[Any]]) -> bool:
         """The run's last write: what is buffered, then ``final``. False if the lease was
-        lost (nothing written)."""
+        lost (nothing written) or the database kept failing the write (the run is let go)."""
         run, session = self.run, self.session
 
         async def last(conn: Conn, events: list[Entry]) -> None:
@@ -111,6 +111,11 @@ class Outcome:
             return await session.last_write(last)
         except LeaseLost:
             run.lose_lease("parking rejected")
+            return False
+        except DatabaseError:
+            # The database keeps failing the write: as for any other write, the run is let
+            # go here and replayed from its journal once its lease lapses.
+            run.lose_lease("database unavailable")
             return False
 
     def _log_blocked(self, blocked: list[tuple[int | None, int]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import psycopg
@@ -13,6 +14,9 @@ import pytest
 from orchestrator import admin
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.database import Database
+from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
 from tests.integration.conftest import listening, running, wait_for, watch_claims
@@ -228,6 +232,54 @@ async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, s
     assert await worker._renew_leases()
     assert not ending.run.lost
     assert working.run.lost and worker.metrics.snapshot()["lease_losses"] == 1
+    await app.database.close()
+
+
+async def test_a_run_whose_journal_cannot_be_read_is_let_go_as_lost(app, caplog):
+    """The database stops answering between a run's claim and the read of its journal (a host
+    cut off just after its claim landed): the worker lets the run go as lost, as it would a
+    run whose writes stopped landing (a warning naming the run and its lease, the lease-loss
+    count), instead of failing the task; the lease lapses and another claim replays it."""
+    job = _wf(app)
+    await app.submit_async(job, {})
+    worker = app.create_worker()
+    (claim,) = await _claim(app, worker.worker_id)
+    claim = {**claim, "revision": 1}  # as if it had history to replay
+    worker.database = Database(DatabaseTarget("postgresql://127.0.0.1:1/nothing", "argument"),
+                               connect_timeout=1.0)  # refused: nothing listens there
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    assert await worker._executor_for(claim) is None
+    said = f"run {claim['id']}: lease {claim['lease_token']} lost (DATABASE_UNAVAILABLE before"
+    assert said in caplog.text
+    assert worker.metrics.snapshot()["lease_losses"] == 1
+    await worker.database.close()
+    await app.database.close()
+
+
+async def test_a_run_whose_parking_the_database_does_not_take_is_let_go_as_lost(app, caplog):
+    """A run that parks (a durable sleep) while its database is unreachable: the worker lets
+    it go as lost, as for any other write the database keeps failing, instead of failing the
+    run's task (the lease renewals skip a parking run: this is the one place it is said)."""
+    @app.workflow(version="1", name="nap")
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(3600)
+
+    await app.submit_async(nap, {})
+    worker = app.create_worker()
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
+                                                 workflows=["nap@1"], limit=1, ttl=5.0)
+    worker.database = Database(DatabaseTarget("postgresql://127.0.0.1:1/nothing", "argument"),
+                               connect_timeout=1.0)  # refused: nothing listens there
+    worker.writer = GroupWriter(worker.database)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    ex = worker.new_executor(claim, [])
+    await ex.drive(app.registry.workflows["nap@1"])
+    assert ex.run.lost
+    said = f"run {claim['id']}: lease {claim['lease_token']} lost (database unavailable)"
+    assert said in caplog.text
+    assert worker.metrics.snapshot()["lease_losses"] == 1
+    await worker.database.close()
     await app.database.close()
 
 
