@@ -80,6 +80,10 @@ class PartitionReport:
     open_transactions_until: float = 0.0
     back_to_work_after: float | None = None  # s from the heal to its first new claim
     lease_losses_logged: int = 0
+    said_lost: list[str] = field(default_factory=list)  # held runs its log names as lost
+    # held runs its log never names and nothing of which was written under the held lease:
+    # the worker never started them (the reply to their claim was lost in the cut)
+    never_started: list[str] = field(default_factory=list)
     worker_restarted: bool = False
 
     def describe(self) -> str:
@@ -94,7 +98,9 @@ class PartitionReport:
                 f"({', '.join(f'{v:.2f}' for v in sorted(self.resumed_after.values()))}); "
                 f"{len(self.finished_meanwhile)} ended before the cut bit; "
                 f"late writes of the old holder: {len(self.late_writes)}; back to work "
-                f"{back} from the heal; lease losses it logged: {self.lease_losses_logged}; "
+                f"{back} from the heal; lease losses it logged: {self.lease_losses_logged} "
+                f"({len(self.said_lost)} of the runs it held; {len(self.never_started)} it "
+                f"never started); "
                 f"its transactions the server held open: {self.open_transactions}, the last "
                 f"until {self.open_transactions_until:.1f} s after the cut")
 
@@ -248,9 +254,22 @@ class HostsHarness(Harness):
                 "run_id = %s::uuid AND lease_token > %s)",
                 (run_id, token, run_id, token, run_id, token, run_id, token))
             rep.late_writes += [f"run {run_id}: {r['what']}" for r in rows]
+        said = ""
         for log in self.logs.get(f"worker{self.placement.index(rep.host)}", []):
             with contextlib.suppress(OSError):
-                rep.lease_losses_logged += log.read_text(errors="replace").count(" lost (")
+                said += log.read_text(errors="replace")
+        rep.lease_losses_logged = said.count(" lost (")
+        for run_id, token in rep.held.items():
+            if f"run {run_id}: lease {token} lost (" in said:
+                rep.said_lost.append(run_id)
+                continue
+            wrote = await self.sql(
+                "SELECT EXISTS (SELECT 1 FROM orchestrator.journal WHERE run_id = %s::uuid AND "
+                "lease_token = %s) OR EXISTS (SELECT 1 FROM orchestrator.operations WHERE "
+                "run_id = %s::uuid AND lease_token = %s) AS wrote",
+                (run_id, token, run_id, token))
+            if run_id not in said and not wrote[0]["wrote"]:
+                rep.never_started.append(run_id)
 
     async def run(self) -> Result:
         result = await super().run()

@@ -104,10 +104,13 @@ def test_a_host_cut_past_its_lease_lets_go_and_comes_back(hosts: net.Hosts, env:
     assert rep.open_transactions_until <= LEASE, rep.describe()
     # Fenced: nothing the old holder wrote landed after the new holder's first write.
     assert rep.late_writes == [], rep.describe() + "\n" + "\n".join(rep.late_writes)
-    # It let go of every run it held, in the same process (when it claims again after the
-    # heal is reported, not asserted: with the workload drained meanwhile it has nothing to
-    # claim, and 1 cut in about 15 ended that way).
-    assert rep.lease_losses_logged >= len(rep.resumed_after), rep.describe()
+    # It let go of every run it held, in the same process, and said so for each by name
+    # (unless it never started the run: the reply to its claim was lost in the cut, so its
+    # log never names the run and nothing was written under that lease). When it claims
+    # again after the heal is reported, not asserted: with the workload drained meanwhile it
+    # has nothing to claim, and 1 cut in about 15 ended that way.
+    assert set(rep.resumed_after) <= set(rep.said_lost) | set(rep.never_started), \
+        rep.describe()
     assert not rep.worker_restarted, rep.describe()
 
 
