@@ -670,3 +670,41 @@ async def test_a_child_finishing_wakes_its_parent_with_news_of_the_parents_queue
     # Submitted in 'work', the child outside it, the child's end wakes the parent ('work'),
     # the parent's end frees its slot ('work').
     assert payloads.count(DEFAULT_QUEUE_NEWS) >= 1 and payloads.count("work") >= 3
+
+
+async def test_a_resolution_names_the_queue_of_the_run_it_settles(make_app,
+                                                                  migrated_database_url, sql):
+    """An operator settling an unknown operation resumes its run with news of the run's own
+    queue: the queue's name, or '.' for a run outside every queue."""
+    app = make_app()
+    app.queue("work")
+
+    @app.tool(max_attempts=1)
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")  # the outcome is unknown
+
+    @app.workflow(queue="work")
+    async def queued(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    @app.workflow()
+    async def plain(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        runs = {"work": await app.submit_async(queued, "a"),
+                DEFAULT_QUEUE_NEWS: await app.submit_async(plain, "b")}
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs WHERE status = "
+                                       "'needs_reconciliation'")) == 2, timeout=30)
+    for news, handle in runs.items():
+        (op,) = sql("SELECT id FROM orchestrator.operations WHERE run_id = %s", (handle.id,))
+
+        async def resolve(op_id: int = op["id"]) -> None:
+            await app.operators.resolve_committed(op_id, receipt={"charged": True},
+                                                  evidence="the provider's dashboard shows it",
+                                                  operator="ops")
+
+        assert await _news_after(migrated_database_url, resolve) == [news]
+        assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                   (handle.id,))[0]["status"] == "queued"
+    await app.database.close()
