@@ -18,6 +18,7 @@ TERMINAL_EVENTS = ("run.completed", "run.failed", "run.cancelled", "run.continue
 SETTLING_EVENTS = ("call.completed", "call.failed", "call.abandoned")
 UNCERTAIN_FAULTS = ("hang", "late", "error_after", "error_before")
 GRACE = 1.0  # seconds around a dispatch window when matching faults to it
+TRACEBACK_LINES = 30  # of a failed run's incident, printed under it in the report
 # A connection dropped while idle in a pool fails only when it is next used, which can be a
 # while later: a database fault explains what goes wrong this long after it.
 DB_FAULT_REACH = 10.0
@@ -450,8 +451,12 @@ def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
                 run["status"] == "cancelled" and first(run) not in expected_cancel
                 and run["parent_run_id"] not in expected_cancel):
             error = run["error"] or {}
-            details.append(f"run {run['id']} ({run['workflow_name']}) {run['status']}: "
-                           f"{run['outcome_code']} {error.get('message', '')}")
+            said = (f"run {run['id']} ({run['workflow_name']}) {run['status']}: "
+                    f"{run['outcome_code']} {error.get('message', '')}")
+            if run.get("traceback"):  # its incident's, the last lines: where it was raised
+                said += "".join("\n      " + line for line in
+                                run["traceback"].rstrip().splitlines()[-TRACEBACK_LINES:])
+            details.append(said)
     return Row("runs failed without a workflow reason", len(details), 0, details)
 
 

@@ -671,7 +671,11 @@ class Harness:
         # continued_from (migration 0015) read so that an older schema (--engine) answers too
         runs = await self.sql("SELECT id, workflow_name, status, outcome_code, error, revision, "
                               "parent_run_id, available_at, waiting_for, idempotency_key, "
-                              "(to_jsonb(r) ->> 'continued_from')::uuid AS continued_from "
+                              "(to_jsonb(r) ->> 'continued_from')::uuid AS continued_from, "
+                              # what a failure's incident kept: the traceback, in the report
+                              "CASE WHEN status = 'failed' THEN (SELECT i.detail ->> "
+                              "'traceback' FROM orchestrator.incidents i WHERE i.ref = "
+                              "r.error ->> 'incident') END AS traceback "
                               "FROM orchestrator.runs r")
         journal = await self.sql("SELECT run_id, seq, kind, position, name, payload, "
                                  "lease_token, created_at FROM orchestrator.journal")

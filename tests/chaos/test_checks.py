@@ -233,3 +233,18 @@ def test_a_call_started_after_another_worker_wrote_the_run_counts_as_late() -> N
                        _at(100).timestamp())
     assert checks.late_dispatches(on_time) == 0
     assert checks.late_dispatches(late) == 1
+
+
+def test_a_run_failed_without_a_workflow_reason_is_reported_with_its_traceback() -> None:
+    """The report names the run and shows the end of its incident's traceback (where the
+    exception that failed it was raised), so a failure in CI can be read from its log."""
+    trace = "Traceback (most recent call last):\n" + "".join(
+        f'  File "f{i}.py", line {i}, in g\n' for i in range(40)) + "psycopg.InternalError: x"
+    failed = _run(status="failed", outcome_code="WORKFLOW_FAILED",
+                  error={"message": "the workflow raised an exception"}, traceback=trace)
+    row = checks.failed_runs(checks.Data([failed], [], [], [], [], [], 0.0), set())
+    assert row.value == 1 and len(row.details) == 1
+    lines = row.details[0].splitlines()
+    assert "WORKFLOW_FAILED the workflow raised an exception" in lines[0]
+    assert lines[-1].strip() == "psycopg.InternalError: x"
+    assert len(lines) == 1 + checks.TRACEBACK_LINES  # the last lines only
