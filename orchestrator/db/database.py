@@ -59,13 +59,36 @@ TOOLS_CHANNEL = "orchestrator_tools"
 tool's name, a tab, and the end of the pause in seconds since the epoch."""
 
 
+def out_of_step(exc: BaseException) -> bool:
+    """The driver found the connection's protocol out of step (psycopg's ``InternalError``
+    raised by the client, with no SQLSTATE from a server: "received 2 results from command
+    'COMMIT'", "got no result from the query"). Seen through a transaction pooler whose server
+    session was terminated under a transaction. Like a lost connection it says nothing of the
+    statement, and the connection cannot be trusted with another: :func:`discard` it."""
+    return isinstance(exc, psycopg.InternalError) and exc.sqlstate is None
+
+
+def connection_failed(exc: BaseException) -> bool:
+    """A failure of the connection rather than of the statement: lost (psycopg's
+    ``OperationalError``) or :func:`out_of_step`."""
+    return isinstance(exc, psycopg.OperationalError) or out_of_step(exc)
+
+
+async def discard(conn: psycopg.AsyncConnection[Any], exc: BaseException) -> None:
+    """Close a connection that :func:`out_of_step` ``exc`` came from, so that the pool
+    replaces it instead of lending it again (a lost one is closed already)."""
+    if out_of_step(exc) and not conn.closed:
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+
 def _transient(exc: BaseException) -> bool:
     """Database-level failures that are safe to retry inside the storage layer (C7). (A
     connection that cannot be had is not one: :meth:`Database.checkout` has already waited
     and raised the reason.)"""
     if isinstance(exc, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected):
         return True
-    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+    return connection_failed(exc) and not isinstance(
         exc, psycopg.errors.QueryCanceled | PoolTimeout
     )
 
@@ -85,6 +108,11 @@ def translate_errors(target: DatabaseTarget) -> Any:
         raise DatabaseError(
             f"the database at {target.display} is unavailable ({type(exc).__name__})"
         ) from exc
+    except psycopg.InternalError as exc:
+        if not out_of_step(exc):
+            raise
+        raise DatabaseError(
+            f"the connection to {target.display} went out of step ({exc})") from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise privilege_denied(target, exc) from exc
     except _SCHEMA_MISSING as exc:
@@ -373,8 +401,11 @@ class Database:
                 result = await work(conn)
                 committing = True
             return result
-        except psycopg.OperationalError as exc:
-            if committing and not idempotent and conn.broken:
+        except psycopg.Error as exc:
+            if not connection_failed(exc):
+                raise
+            await discard(conn, exc)
+            if committing and not idempotent and (conn.broken or out_of_step(exc)):
                 raise DatabaseError(
                     f"the connection to {self.target.display} was lost while a change was "
                     "being committed: it may or may not have been applied, and it is not "

@@ -32,7 +32,14 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 
-from orchestrator.db.database import Conn, Database, privilege_denied, translate_errors
+from orchestrator.db.database import (
+    Conn,
+    Database,
+    connection_failed,
+    discard,
+    privilege_denied,
+    translate_errors,
+)
 from orchestrator.errors import DatabaseError, LeaseLost
 
 T = TypeVar("T")
@@ -199,9 +206,10 @@ class GroupWriter:
                         for work, future, _ in batch:
                             if not isinstance(work, Statement):
                                 values.append((future, await work(conn), None))
-            except psycopg.OperationalError:
-                raise
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
+                if connection_failed(exc):  # not the writes': the batch goes again
+                    await discard(conn, exc)
+                    raise
                 await _roll_back(conn)
                 if len(batch) == 1:
                     return [_miss(batch[0][0], batch[0][1], exc)]
@@ -251,9 +259,10 @@ class GroupWriter:
                     return values[0]
                 async with conn.transaction():
                     return future, await work(conn), None
-            except psycopg.OperationalError:
-                raise
             except Exception as exc:  # noqa: BLE001 - belongs to that write alone
+                if connection_failed(exc):  # unless the connection failed under it
+                    await discard(conn, exc)
+                    raise
                 await _roll_back(conn)
                 return _miss(work, future, exc)
 

@@ -508,3 +508,38 @@ async def test_a_receipt_is_an_entry_of_its_operation_row_only_under_the_rows_le
     assert sql("SELECT completed_seq FROM orchestrator.operations WHERE id = %s",
                (ops[later["id"]],)) == [{"completed_seq": None}]
     await app.database.close()
+
+
+async def test_a_connection_out_of_step_is_the_connections_failure_not_the_writes(app, sql):
+    """psycopg's own InternalError (no SQLSTATE: "received 2 results from command 'COMMIT'",
+    seen through a transaction pooler whose server session was terminated under a
+    transaction) says nothing of the write: the writer does not hand it to the write as its
+    outcome (a workflow would have seen it and failed, WORKFLOW_FAILED), it closes that
+    connection and writes the batch again on another. A server's InternalError (it has a
+    SQLSTATE) still belongs to the write."""
+    import psycopg
+
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    writer = GroupWriter(app.database)
+    used: list[psycopg.AsyncConnection] = []  # type: ignore[type-arg]
+
+    async def once_out_of_step(conn):  # type: ignore[no-untyped-def]
+        used.append(conn)
+        await conn.execute("INSERT INTO public.marks VALUES ('a')")
+        if len(used) == 1:
+            raise psycopg.InternalError("received 2 results from command 'COMMIT'")
+        return "a"
+
+    assert await writer.run_in_transaction(once_out_of_step) == "a"
+    assert len(used) == 2 and used[0].closed and used[1] is not used[0]
+    assert [r["name"] for r in sql("SELECT name FROM public.marks")] == ["a"]
+
+    async def server_says_internal(conn):  # type: ignore[no-untyped-def]
+        await conn.execute("DO $$ BEGIN RAISE EXCEPTION 'broken' USING ERRCODE = 'XX000'; "
+                           "END $$")
+
+    with pytest.raises(psycopg.errors.InternalError_):
+        await writer.run_in_transaction(server_says_internal)
+    await app.database.close()

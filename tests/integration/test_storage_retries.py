@@ -29,3 +29,51 @@ async def test_serialisation_failures_are_retried_and_others_are_not(migrated_da
         await db.run_in_transaction(broken)
     assert calls["bug"] == 1  # not transient: never retried
     await db.close()
+
+
+async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrated_database_url):
+    """psycopg's own InternalError (no SQLSTATE) means the connection's protocol went out of
+    step, not that the work is wrong: retried like a lost connection, on another connection
+    (the pool is not lent the suspect one again); translated when it persists. Work that is
+    not idempotent is not repeated: its outcome is unknown. A server's InternalError (with a
+    SQLSTATE) is not retried."""
+    from orchestrator.errors import DatabaseError
+
+    db = Database(DatabaseTarget(migrated_database_url, "argument"))
+    used: list[psycopg.AsyncConnection] = []  # type: ignore[type-arg]
+
+    async def once_out_of_step(conn):  # type: ignore[no-untyped-def]
+        used.append(conn)
+        if len(used) == 1:
+            raise psycopg.InternalError("got no result from the query")
+        return "done"
+
+    assert await db.run_in_transaction(once_out_of_step) == "done"
+    assert len(used) == 2 and used[0].closed and not used[1].closed
+
+    async def always(conn):  # type: ignore[no-untyped-def]
+        raise psycopg.InternalError("received 2 results from command 'COMMIT'")
+
+    with pytest.raises(DatabaseError) as info:
+        await db.run_in_transaction(always)
+    assert info.value.code == "DATABASE_UNAVAILABLE" and "out of step" in info.value.message
+
+    calls = 0
+
+    async def not_idempotent(conn):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        raise psycopg.InternalError("received 2 results from command 'COMMIT'")
+
+    with pytest.raises(DatabaseError) as info:
+        await db.run_autocommit(not_idempotent, idempotent=False)
+    assert calls == 1 and not info.value.retryable
+    assert "may or may not have been applied" in info.value.message
+
+    async def server_internal(conn):  # type: ignore[no-untyped-def]
+        await conn.execute("DO $$ BEGIN RAISE EXCEPTION 'broken' USING ERRCODE = 'XX000'; "
+                           "END $$")
+
+    with pytest.raises(psycopg.errors.InternalError_):
+        await db.run_in_transaction(server_internal)
+    await db.close()
