@@ -339,7 +339,11 @@ class Database:
         :meth:`read`."""
         with translate_errors(self.target):
             async with self.checkout() as conn:
-                yield conn
+                try:
+                    yield conn
+                except psycopg.InternalError as exc:
+                    await discard(conn, exc)  # out of step: not lent again
+                    raise
 
     async def read(self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4) -> T:
         """Run ``work(conn)``, which only reads, without a transaction block; a connection

@@ -76,4 +76,11 @@ async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrate
 
     with pytest.raises(psycopg.errors.InternalError_):
         await db.run_in_transaction(server_internal)
+
+    # A block on a connection of its own (no retries): translated, and the connection closed.
+    with pytest.raises(DatabaseError):
+        async with db.connection() as conn:
+            held = conn
+            raise psycopg.InternalError("got no result from the query")
+    assert held.closed
     await db.close()
