@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import select
 import time
 import weakref
@@ -39,6 +40,7 @@ from orchestrator.errors import (
 from orchestrator.metrics import Metrics
 
 T = TypeVar("T")
+log = logging.getLogger("orchestrator")
 Conn = psycopg.AsyncConnection[dict[str, Any]]
 
 RUNS_CHANNEL = "orchestrator_runs"
@@ -78,6 +80,8 @@ async def discard(conn: psycopg.AsyncConnection[Any], exc: BaseException) -> Non
     """Close a connection that :func:`out_of_step` ``exc`` came from, so that the pool
     replaces it instead of lending it again (a lost one is closed already)."""
     if out_of_step(exc) and not conn.closed:
+        log.warning("a database connection went out of step (%s); it is closed and the "
+                    "work goes on another", exc)
         with contextlib.suppress(Exception):
             await conn.close()
 

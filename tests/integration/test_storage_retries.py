@@ -31,7 +31,8 @@ async def test_serialisation_failures_are_retried_and_others_are_not(migrated_da
     await db.close()
 
 
-async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrated_database_url):
+async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrated_database_url,
+                                                                        caplog):
     """psycopg's own InternalError (no SQLSTATE) means the connection's protocol went out of
     step, not that the work is wrong: retried like a lost connection, on another connection
     (the pool is not lent the suspect one again); translated when it persists. Work that is
@@ -50,6 +51,7 @@ async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrate
 
     assert await db.run_in_transaction(once_out_of_step) == "done"
     assert len(used) == 2 and used[0].closed and not used[1].closed
+    assert "went out of step (got no result from the query)" in caplog.text  # said, once
 
     async def always(conn):  # type: ignore[no-untyped-def]
         raise psycopg.InternalError("received 2 results from command 'COMMIT'")
