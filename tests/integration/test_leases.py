@@ -235,6 +235,22 @@ async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, s
     await app.database.close()
 
 
+def _cut_off(worker):  # type: ignore[no-untyped-def]
+    """Point ``worker`` at an address where nothing listens: its connections are refused (a
+    real failure, not a stand-in)."""
+    worker.database = Database(DatabaseTarget("postgresql://127.0.0.1:1/nothing", "argument"),
+                               connect_timeout=1.0)
+    worker.writer = GroupWriter(worker.database)
+
+
+async def _said_lost(caplog, app, worker, claim, why):  # type: ignore[no-untyped-def]
+    """The worker logged the run's lease lost for ``why`` and counted one lease loss."""
+    assert f"run {claim['id']}: lease {claim['lease_token']} lost ({why})" in caplog.text
+    assert worker.metrics.snapshot()["lease_losses"] == 1
+    await worker.database.close()
+    await app.database.close()
+
+
 async def test_a_run_whose_journal_cannot_be_read_is_let_go_as_lost(app, caplog):
     """The database stops answering between a run's claim and the read of its journal (a host
     cut off just after its claim landed): the worker lets the run go as lost, as it would a
@@ -245,15 +261,10 @@ async def test_a_run_whose_journal_cannot_be_read_is_let_go_as_lost(app, caplog)
     worker = app.create_worker()
     (claim,) = await _claim(app, worker.worker_id)
     claim = {**claim, "revision": 1}  # as if it had history to replay
-    worker.database = Database(DatabaseTarget("postgresql://127.0.0.1:1/nothing", "argument"),
-                               connect_timeout=1.0)  # refused: nothing listens there
+    _cut_off(worker)
     caplog.set_level(logging.WARNING, logger="orchestrator")
     assert await worker._executor_for(claim) is None
-    said = f"run {claim['id']}: lease {claim['lease_token']} lost (DATABASE_UNAVAILABLE before"
-    assert said in caplog.text
-    assert worker.metrics.snapshot()["lease_losses"] == 1
-    await worker.database.close()
-    await app.database.close()
+    await _said_lost(caplog, app, worker, claim, "DATABASE_UNAVAILABLE before it started")
 
 
 async def test_a_run_whose_parking_the_database_does_not_take_is_let_go_as_lost(app, caplog):
@@ -269,18 +280,12 @@ async def test_a_run_whose_parking_the_database_does_not_take_is_let_go_as_lost(
     async with app.database.connection() as conn:
         (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
                                                  workflows=["nap@1"], limit=1, ttl=5.0)
-    worker.database = Database(DatabaseTarget("postgresql://127.0.0.1:1/nothing", "argument"),
-                               connect_timeout=1.0)  # refused: nothing listens there
-    worker.writer = GroupWriter(worker.database)
+    _cut_off(worker)
     caplog.set_level(logging.WARNING, logger="orchestrator")
     ex = worker.new_executor(claim, [])
     await ex.drive(app.registry.workflows["nap@1"])
     assert ex.run.lost
-    said = f"run {claim['id']}: lease {claim['lease_token']} lost (database unavailable)"
-    assert said in caplog.text
-    assert worker.metrics.snapshot()["lease_losses"] == 1
-    await worker.database.close()
-    await app.database.close()
+    await _said_lost(caplog, app, worker, claim, "database unavailable")
 
 
 async def test_a_claim_takes_the_oldest_ready_runs_reading_only_the_claimable_index(app, sql):
