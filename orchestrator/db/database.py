@@ -66,7 +66,8 @@ def out_of_step(exc: BaseException) -> bool:
     raised by the client, with no SQLSTATE from a server: "received 2 results from command
     'COMMIT'", "got no result from the query"). Seen through a transaction pooler whose server
     session was terminated under a transaction. Like a lost connection it says nothing of the
-    statement, and the connection cannot be trusted with another: :func:`discard` it."""
+    statement, and the connection cannot be trusted with another: :meth:`Database.checkout`
+    closes it (:func:`discard`)."""
     return isinstance(exc, psycopg.InternalError) and exc.sqlstate is None
 
 
@@ -283,12 +284,19 @@ class Database:
         for :data:`PROBE_TTL`): if not, ``DATABASE_UNAVAILABLE`` with the reason, within about
         the connect timeout; if so, the pool is busy and the call keeps waiting, up to
         :data:`POOL_TIMEOUT`.
+
+        A connection the block's error shows :func:`out_of_step` is closed before it goes
+        back, so the pool replaces it (:func:`discard`).
         """
         state = await self._loop_pool()
         conn = await self._live_connection(state)
         try:
             async with conn:
-                yield cast(Conn, conn)
+                try:
+                    yield cast(Conn, conn)
+                except psycopg.InternalError as exc:
+                    await discard(conn, exc)  # closed first: no ROLLBACK sent on it
+                    raise
         finally:
             await state.pool.putconn(conn)
 
@@ -343,11 +351,7 @@ class Database:
         :meth:`read`."""
         with translate_errors(self.target):
             async with self.checkout() as conn:
-                try:
-                    yield conn
-                except psycopg.InternalError as exc:
-                    await discard(conn, exc)  # out of step: not lent again
-                    raise
+                yield conn
 
     async def read(self, work: Callable[[Conn], Awaitable[T]], *, attempts: int = 4) -> T:
         """Run ``work(conn)``, which only reads, without a transaction block; a connection
@@ -412,7 +416,6 @@ class Database:
         except psycopg.Error as exc:
             if not connection_failed(exc):
                 raise
-            await discard(conn, exc)
             if committing and not idempotent and (conn.broken or out_of_step(exc)):
                 raise DatabaseError(
                     f"the connection to {self.target.display} was lost while a change was "

@@ -36,7 +36,6 @@ from orchestrator.db.database import (
     Conn,
     Database,
     connection_failed,
-    discard,
     privilege_denied,
     translate_errors,
 )
@@ -208,7 +207,6 @@ class GroupWriter:
                                 values.append((future, await work(conn), None))
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
                 if connection_failed(exc):  # not the writes': the batch goes again
-                    await discard(conn, exc)
                     raise
                 await _roll_back(conn)
                 if len(batch) == 1:
@@ -261,7 +259,6 @@ class GroupWriter:
                     return future, await work(conn), None
             except Exception as exc:  # noqa: BLE001 - belongs to that write alone
                 if connection_failed(exc):  # unless the connection failed under it
-                    await discard(conn, exc)
                     raise
                 await _roll_back(conn)
                 return _miss(work, future, exc)
