@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
@@ -193,12 +194,66 @@ class RunState:
                                 signal: asyncio.Event) -> Verdict:
         """Await ``coro`` for at most ``timeout`` seconds unless the run is cancelled first.
 
-        When it does not finish, ``signal`` is set (the callee's cancellation signal) before it
-        is cancelled; the timer and the listener are cleaned up on every path. (One task and
-        one future per call: this is on every step's path.)
+        When it does not finish, ``signal`` is set (the callee's cancellation signal) and the
+        callee is cancelled; the timer and the listener are cleaned up on every path. A
+        coroutine (a tool's call, a policy stage) is driven in the calling task, in a context
+        of its own (:func:`_drive`); any other awaitable is raced as a task of its own.
         """
+        if not asyncio.iscoroutine(coro):
+            return await self._race_task(coro, timeout, signal)
+        task = asyncio.current_task(self.loop)
+        assert task is not None
+        if self.cancel_requested:  # never started, as a cancelled task's coroutine would be
+            signal.set()
+            coro.close()
+            return Verdict(cancelled=True)
+        requested = task.cancelling()  # cancellations asked of the calling task so far
+        fired = False
+
+        def wake(_: object = None) -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                signal.set()
+                task.cancel()  # the callee sees it at the await it is suspended at
+
+        self._cancel_waiters.add(wake)
+        timer = self.loop.call_later(timeout, wake) if timeout is not None else None
+        verdict: Verdict
+        try:
+            verdict = Verdict(value=await _drive(coro))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except asyncio.CancelledError:
+            if fired or task.cancelling() > requested:
+                verdict = Verdict()  # ours or the caller's: sorted out below
+            else:  # nobody asked: the callee raised it itself
+                verdict = Verdict(error=asyncio.CancelledError("the call cancelled itself"))
+        except BaseException as exc:
+            verdict = Verdict(error=exc)
+        finally:
+            self._cancel_waiters.discard(wake)
+            if timer is not None:
+                timer.cancel()
+        if fired:
+            task.uncancel()  # ours is answered here, whatever the callee made of it
+        if task.cancelling() > requested:
+            # The caller was cancelled meanwhile (workflow code's own timeout around the call,
+            # the executor letting the run go): that cancellation goes on, even when the
+            # callee swallowed it and returned.
+            signal.set()
+            raise asyncio.CancelledError()
+        if fired:
+            cancelled = self.cancel_requested
+            return Verdict(cancelled=cancelled, timed_out=not cancelled)
+        return verdict
+
+    async def _race_task(self, awaitable: Awaitable[Any], timeout: float | None,
+                         signal: asyncio.Event) -> Verdict:
+        """:meth:`race_cancellation` of an awaitable that is not a coroutine: raced as a task
+        (or future) of its own, which the caller waits on through one future."""
         loop = self.loop
-        task = loop.create_task(coro) if asyncio.iscoroutine(coro) else asyncio.ensure_future(coro)
+        task = asyncio.ensure_future(awaitable)
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake(_: object = None) -> None:
@@ -238,3 +293,40 @@ class RunState:
         (``Stop``): for the replay of a call that workflow code withdrew."""
         await self.race_cancellation(self.loop.create_future(), None, asyncio.Event())
         self.stop_cancelled()
+
+
+async def _drive(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` to its end in the calling task, as a task of its own would run it, but
+    without one: every step of it runs in a copy of the caller's context (context variables
+    it sets stay its own), each future it waits on is waited on here, and what that future
+    ends with (its result, its exception, a cancellation of the calling task) is handed back
+    to it. A task of its own cost a task, a future and two turns of the event loop; a tool's
+    call is on every step's path.
+
+    Unlike in a task of its own, ``asyncio.current_task()`` inside ``coro`` is the caller's.
+    """
+    context = contextvars.copy_context()
+    send, throw = coro.send, coro.throw
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                yielded = context.run(send, None) if error is None else context.run(throw, error)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                if yielded is None:  # a bare yield: one turn of the event loop
+                    await asyncio.sleep(0)
+                elif getattr(yielded, "_asyncio_future_blocking", False):
+                    yielded._asyncio_future_blocking = False
+                    await yielded  # its outcome is read by the coroutine, or thrown into it
+                else:
+                    error = RuntimeError(f"a coroutine yielded {yielded!r}, which is not an "
+                                         "asyncio future (yield used instead of await?)")
+            except GeneratorExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the coroutine, as a task would
+                error = exc
+    finally:
+        coro.close()  # a no-op once it has ended; otherwise it must not outlive this
