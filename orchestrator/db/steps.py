@@ -151,13 +151,14 @@ after committing the riding receipt; refused once a cancellation was requested."
 
 
 def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
-                         receipt: Receipt | None = None) -> Statement:
+                         receipt: Receipt | None = None, run_text: str | None = None) -> Statement:
     """The common case of :func:`~orchestrator.db.operations.operation_begin` plus its
     ``call.submitted`` journal entry (``tool_version``, ``intent``, ``attempt``, ``op``,
     ``key``, ``effect``), fenced, as one row of :data:`OPERATION_BEGIN`; its value is
     ``(operation id, None)``. It raises :class:`FastPathMiss` when it did not apply (its
     transaction must then roll back: the general path decides why). ``row["arguments"]`` is
-    canonical JSON text.
+    canonical JSON text; ``run_text``, when given, is ``str(row["run_id"])`` (kept by the
+    caller: ``UUID.__str__`` is slow Python).
 
     With ``receipt``, the run's previous call is committed in the same row first (its
     ``call.completed`` entry at ``expected + 1``, this call's ``call.submitted`` after it): one
@@ -169,7 +170,7 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
         return int(got["op_id"]), None
 
     text = row_text({
-        "run_id": str(row["run_id"]), "token": row["token"], "expected": expected,
+        "run_id": run_text or str(row["run_id"]), "token": row["token"], "expected": expected,
         "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
         "tool_version": row["tool_version"], "effect_class": row["effect_class"],
         "tenant": row["tenant"], "principal": row["principal"],
@@ -217,7 +218,7 @@ FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN done ON done.run_id = x.run_id
 
 
 def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expected: int,
-                        v: int) -> Statement:
+                        v: int, run_text: str | None = None) -> Statement:
     """A :class:`Receipt` written alone, fenced, as one row of :data:`RECEIPT_COMMIT` (its
     ``call.completed`` entry is ``{"result": receipt, "op": op_id}``). Its value is
     ``(None, the run's cancel_requested_at)``; :class:`FastPathMiss` if it did not apply."""
@@ -227,7 +228,8 @@ def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expe
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+    text = row_text({"run_id": run_text or str(run_id), "token": token, "expected": expected,
+                     "v": v},
                     receipt)
     return Statement(RECEIPT_COMMIT, text, run_id, check)
 
@@ -313,7 +315,7 @@ and tells the workers when it frees a queue's slot."""
 
 
 def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: str, v: int,
-                     receipt: Receipt | None = None) -> Statement:
+                     receipt: Receipt | None = None, run_text: str | None = None) -> Statement:
     """The common end of a run as one row of :data:`RUN_SUCCEED`: fenced, guarded against
     unsettled operations, with its ``run.completed`` entry and its parent woken. ``result`` is
     the result's canonical JSON text. With ``receipt``, the run's last call is committed in the
@@ -325,6 +327,7 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
             raise FastPathMiss("succeed")
         return None, None
 
-    text = row_text({"run_id": str(run_id), "token": token, "expected": expected, "v": v},
+    text = row_text({"run_id": run_text or str(run_id), "token": token, "expected": expected,
+                     "v": v},
                     receipt, result=result)
     return Statement(RUN_SUCCEED, text, run_id, check)

@@ -246,7 +246,8 @@ class Call(CallSite):
                 with self.branches.active():
                     op_id: int = await session.write_direct(
                         lambda expected, receipt: steps_db.operation_begin_fast(
-                            row, expected=expected, v=SCHEMA_VERSION, receipt=receipt),
+                            row, expected=expected, v=SCHEMA_VERSION, receipt=receipt,
+                            run_text=run.run_text),
                         new_work=True, hold=True)
                     return op_id, "submitted"
             except steps_db.FastPathMiss:

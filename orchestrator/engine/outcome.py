@@ -210,7 +210,7 @@ class Outcome:
             try:
                 await session.write_direct(lambda expected, receipt: steps_db.run_succeed_fast(
                     run_id=run.run_id, token=run.token, expected=expected, result=text,
-                    v=SCHEMA_VERSION, receipt=receipt))
+                    v=SCHEMA_VERSION, receipt=receipt, run_text=run.run_text))
                 run.metrics.incr("runs_succeeded")
                 run.ended("succeeded")
                 tracing.annotate("orchestrator.outcome", "succeeded")

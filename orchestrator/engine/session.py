@@ -283,7 +283,8 @@ class Session:
                 try:
                     _, cancel_at = await self.landed(self.writer.enqueue(
                         steps_db.receipt_commit_fast(receipt, run_id=run.run_id, token=run.token,
-                                                   expected=self.revision, v=SCHEMA_VERSION)))
+                                                   expected=self.revision, v=SCHEMA_VERSION,
+                                                   run_text=run.run_text)))
                     self.revision += 1
                     if cancel_at is not None:
                         run.note_cancel()
