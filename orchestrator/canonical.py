@@ -317,9 +317,16 @@ class JsonLimits:
     def text(self, value: Any, path: str) -> str:
         """The canonical text of ``value``, or ``INVALID_REQUEST`` / ``PAYLOAD_TOO_LARGE``
         naming the path of what breaks a cap; nothing is written before this passes."""
-        return canonical_bytes(value, path=path, max_bytes=self.max_bytes,
-                               max_depth=self.max_depth,
-                               max_int_digits=self.max_int_digits).decode()
+        validate_json(value, path, max_depth=self.max_depth,
+                      max_int_digits=self.max_int_digits)
+        text = canonical_json(value)
+        # Its UTF-8 size without encoding it (the common text is ASCII): a tool's arguments
+        # and its receipt pass here on every step.
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
+        if size > self.max_bytes:
+            raise PayloadTooLarge(
+                f"{path} is {size} bytes serialised; the limit is {self.max_bytes}", path=path)
+        return text
 
     def check(self, value: Any, path: str) -> None:
         """Validate ``value`` against the caps (the size cap too) without keeping its text."""

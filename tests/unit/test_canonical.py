@@ -315,11 +315,27 @@ def test_the_size_cap_is_inclusive(value: Any) -> None:
     assert caught.value.path == "$"
 
 
+@given(value=json_values)
+def test_limits_text_is_the_canonical_text_under_the_same_size_cap(value: Any) -> None:
+    from orchestrator.canonical import JsonLimits
+
+    data = canonical_bytes(value)
+    assert JsonLimits(max_bytes=len(data)).text(value, "$") == data.decode()
+    with pytest.raises(PayloadTooLarge) as caught:
+        JsonLimits(max_bytes=len(data) - 1 or 1).text(["x" * len(data), value], "$")
+    assert str(len(canonical_bytes(["x" * len(data), value]))) in caught.value.message
+
+
 def test_the_size_cap_counts_utf8_bytes_not_characters() -> None:
     value = "é" * 10  # 10 characters, 20 bytes, plus two quotes
     assert len(canonical_bytes(value, max_bytes=22)) == 22
     with pytest.raises(PayloadTooLarge):
         canonical_bytes(value, max_bytes=21)
+    from orchestrator.canonical import JsonLimits
+
+    assert JsonLimits(max_bytes=22).text(value, "$") == '"' + value + '"'
+    with pytest.raises(PayloadTooLarge, match="22 bytes"):
+        JsonLimits(max_bytes=21).text(value, "$")
 
 
 def test_a_record_over_the_default_cap_names_its_size() -> None:
