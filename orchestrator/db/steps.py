@@ -50,6 +50,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.canonical import one_shot
 from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL
 from orchestrator.db.schema import SCHEMA as S
 from orchestrator.db.writer import Statement
@@ -82,7 +83,7 @@ class Receipt:
         return {"receipt": self.text}
 
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_COMPACT = one_shot(json.JSONEncoder(separators=(",", ":")))
 
 
 def row_text(scalars: dict[str, Any], receipt: Receipt | None = None, **raw: str) -> str:
@@ -91,7 +92,7 @@ def row_text(scalars: dict[str, Any], receipt: Receipt | None = None, **raw: str
     if receipt is not None:
         scalars = {**scalars, **receipt.columns()}
         raw = {**raw, **receipt.raw()}
-    text = _COMPACT.encode(scalars)
+    text = _COMPACT(scalars)
     return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
 
 

@@ -485,3 +485,28 @@ def _jsonb_ordered(value: Any) -> Any:
     if isinstance(value, list):
         return [_jsonb_ordered(v) for v in value]
     return 0.0 if type(value) is float and value == 0.0 else value
+
+
+# --- the encoder made once ------------------------------------------------------------------
+
+
+@given(value=json_values)
+def test_one_shot_writes_what_the_encoder_writes(value: Any) -> None:
+    from orchestrator.canonical import one_shot
+
+    for encoder in (json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                     allow_nan=False),
+                    json.JSONEncoder(separators=(",", ":"))):
+        encode = one_shot(encoder)
+        assert encode(value) == encoder.encode(value)
+        assert encode(value) == encode(value)  # nothing kept from one call to the next
+
+
+def test_one_shot_refuses_what_the_encoder_refuses_and_goes_on() -> None:
+    from orchestrator.canonical import one_shot
+
+    encode = one_shot(json.JSONEncoder(allow_nan=False))
+    for bad, error in ((float("nan"), ValueError), ({"a": {1, 2}}, TypeError)):
+        with pytest.raises(error):
+            encode({"x": [1, bad]})
+        assert encode({"x": [1, 2]}) == '{"x": [1, 2]}'
