@@ -46,6 +46,12 @@ async def _one(args: argparse.Namespace) -> None:
         "worker_sys_us_per_step", "server_sys_us_per_step", "machine_busy")}))
 
 
+def _paired(found: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> str:
+    """The median over rounds of ``key`` ÷ the baseline's in the same round."""
+    ratios = [d[key] / b[key] for d, b in zip(found, base, strict=True) if d[key] and b[key]]
+    return fx(median(ratios)) if ratios else "—"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,24 +83,29 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(f"versus: K={args.k} drains of {args.runs:,} runs, {args.workers} workers × "
                   f"concurrency {args.concurrency}, {args.rounds} rounds interleaved",
                   ["engine", "commit", "steps/s", "min–max", "÷ first (paired median)",
-                   "paired ratios", "worker µs/step", "of it system", "server µs/step",
-                   "of it system"])
+                   "paired ratios", "worker µs/step", "of it system", "÷ first",
+                   "server µs/step", "of it system", "÷ first"])
     base = [d["steps_per_s"] for d in drains[0]]
     for (ref, workflow), found in zip(arms, drains, strict=True):
         steps = [d["steps_per_s"] for d in found]
         ratios = [s / b for s, b in zip(steps, base, strict=True)]
+        first = found is drains[0]
         table.add(f"{ref}:{workflow}", snapshots[ref][1][:10], median(steps),
                   f"{min(steps):,.0f}–{max(steps):,.0f}",
-                  "—" if found is drains[0] else fx(median(ratios)),
-                  "" if found is drains[0] else ", ".join(f"{r:.2f}" for r in ratios),
+                  "—" if first else fx(median(ratios)),
+                  "" if first else ", ".join(f"{r:.2f}" for r in ratios),
                   median([d["worker_cpu_us_per_step"] or 0 for d in found]),
                   median([d.get("worker_sys_us_per_step") or 0 for d in found]),
+                  "—" if first else _paired(found, drains[0], "worker_cpu_us_per_step"),
                   median([d["server_cpu_us_per_step"] or 0 for d in found]),
-                  median([d.get("server_sys_us_per_step") or 0 for d in found]))
+                  median([d.get("server_sys_us_per_step") or 0 for d in found]),
+                  "—" if first else _paired(found, drains[0], "server_cpu_us_per_step"))
     table.notes.append("each drain on a fresh database, the engines' order alternating by "
                        "round; CPU per step: user + system time of the workers and of the "
                        "server's processes during the drain, and the system (kernel) part of "
-                       "it (on loopback TCP a send() does the receiving side's work as well)")
+                       "it (on loopback TCP a send() does the receiving side's work as well); "
+                       "÷ first: the median over rounds of the CPU per step ÷ the first "
+                       "engine's in the same round")
     table.print()
     return 0
 
