@@ -367,7 +367,7 @@ class Worker:
             if self._stop.is_set():
                 executor.run.request_drain()
             workflow = self.registry.workflows[executor.workflow_key]
-            tracer = self.config.tracing.tracer
+            tracer = executor.run.tracer
             if tracer is None:
                 await executor.drive(workflow)
             else:

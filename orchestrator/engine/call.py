@@ -148,7 +148,7 @@ class Call(CallSite):
         """Run one attempt: its receipt (:class:`_Done`), or the attempt to run next."""
         stages = policy_stages(self.config, self.tool)
         op_id, key = await self._intent(state, pending=bool(stages))
-        tracer = self.config.tracing.tracer
+        tracer = self.run.tracer
         if tracer is None:
             outcome = await self._send(state, op_id, key, stages)
         else:

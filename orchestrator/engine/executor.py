@@ -38,6 +38,9 @@ class RunExecutor:
                  registry: Registry, database: Database, writer: GroupWriter,
                  metrics: Metrics, worker_id: str) -> None:
         self.run = RunState(claim, journal, worker_id=worker_id, metrics=metrics)
+        # Whether this execution is traced is decided once, here: the tracer provider is
+        # looked up per run, not per call (the lookup costs two microseconds).
+        self.run.tracer = config.tracing.tracer
         self.session = Session(self.run, claim["revision"], config=config, database=database,
                                writer=writer)
         self.outcome = Outcome(self.run, self.session)

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from orchestrator import canonical
 from orchestrator.db.database import load_json
@@ -20,6 +20,9 @@ from orchestrator.journal import Entry, JournalIndex
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("orchestrator.worker")
 
@@ -65,6 +68,7 @@ class RunState:
         self.lease_until = self.claimed_at + self.lease_ttl
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
+        self.tracer: Tracer | None = None  # this execution's, when it is traced (the executor)
 
     # -- lease and phase ---------------------------------------------------------------------
 
