@@ -49,6 +49,7 @@ from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.executor import RunExecutor
+from orchestrator.engine.run import lease_lost
 from orchestrator.errors import (
     DatabaseError,
     LeaseLost,
@@ -442,10 +443,8 @@ class Worker:
         except DatabaseError as exc:
             # Infrastructure, not the run: this worker lets it go as it would any run whose
             # writes the database stopped taking; its lease lapses and it is claimed again.
-            self.metrics.incr("lease_losses")
-            log.warning("run %s: lease %d lost (%s before it started); this worker stops "
-                        "working on it", run_id, claim["lease_token"], exc.code,
-                        extra=fields(run_id=run_id, workflow=_workflow(claim)))
+            lease_lost(self.metrics, run_id, claim["lease_token"],
+                       f"{exc.code} before it started", _workflow(claim))
             return None
         except Exception as exc:  # noqa: BLE001 - whatever the stored rows hold
             await fail_unreadable(self.database, self.metrics, claim, exc)

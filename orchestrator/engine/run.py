@@ -29,6 +29,16 @@ log = logging.getLogger("orchestrator.worker")
 _LETTING_GO = frozenset({Phase.DRAIN_STOPPED, Phase.PARKING, Phase.GONE})
 
 
+def lease_lost(metrics: Metrics, run_id: uuid.UUID, token: int, where: str,
+               workflow: str) -> None:
+    """Say that this worker let go of a run it held under lease ``token`` (counted in
+    ``lease_losses``): the one wording operators and the tests read, also for a run let go
+    before its executor was built."""
+    metrics.incr("lease_losses")
+    log.warning("run %s: lease %d lost (%s); this worker stops working on it",
+                run_id, token, where, extra=fields(run_id=run_id, workflow=workflow))
+
+
 class RunState:
     """A claimed run as this process holds it. Built from the claim's row and the journal."""
 
@@ -76,10 +86,7 @@ class RunState:
         """The fence rejected us (or a heartbeat did): stop writing for this run."""
         if not self.lost:
             self.lost = True
-            self.metrics.incr("lease_losses")
-            log.warning("run %s: lease %d lost (%s); this worker stops working on it",
-                        self.run_id, self.token, where,
-                        extra=fields(run_id=self.run_id, workflow=self.workflow_key))
+            lease_lost(self.metrics, self.run_id, self.token, where, self.workflow_key)
 
     def lease_renewed(self, sent: float) -> None:
         """The lease was extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
