@@ -230,24 +230,28 @@ class RunState:
 
         self._cancel_waiters.add(wake)
         timer = self.loop.call_later(timeout, wake) if timeout is not None else None
-        verdict: Verdict
+        # The callee's error is kept in a list emptied on the way out: a local holding it would
+        # tie this frame (the run, its task), which its traceback holds, into a reference
+        # cycle, and keep the executor until the cycle collector runs.
+        value: Any = None
+        error: list[BaseException] = []
         try:
-            verdict = Verdict(value=await _drive(coro))
+            value = await _drive(coro)
         except (KeyboardInterrupt, SystemExit):
             raise
         except asyncio.CancelledError:
-            if fired or task.cancelling() > requested:
-                verdict = Verdict()  # ours or the caller's: sorted out below
-            else:  # nobody asked: the callee raised it itself
-                verdict = Verdict(error=asyncio.CancelledError("the call cancelled itself"))
+            if not fired and task.cancelling() <= requested:  # nobody asked: the callee did
+                error.append(asyncio.CancelledError("the call cancelled itself"))
         except BaseException as exc:
-            verdict = Verdict(error=exc)
+            error.append(_without_our_frames(exc))
         finally:
             self._cancel_waiters.discard(wake)
             if timer is not None:
                 timer.cancel()
         if fired:
             task.uncancel()  # ours is answered here, whatever the callee made of it
+        if fired or task.cancelling() > requested:
+            error.clear()
         if task.cancelling() > requested:
             # The caller was cancelled meanwhile (workflow code's own timeout around the call,
             # the executor letting the run go): that cancellation goes on, even when the
@@ -257,7 +261,7 @@ class RunState:
         if fired:
             cancelled = self.cancel_requested
             return Verdict(cancelled=cancelled, timed_out=not cancelled)
-        return verdict
+        return Verdict(error=error.pop()) if error else Verdict(value=value)
 
     async def _race_task(self, awaitable: Awaitable[Any], timeout: float | None,
                          signal: asyncio.Event) -> Verdict:
@@ -318,14 +322,15 @@ async def _drive(coro: Coroutine[Any, Any, Any]) -> Any:
     """
     context = contextvars.copy_context()
     send, throw = coro.send, coro.throw
-    error: BaseException | None = None
+    # What to throw into it next (nothing: send None). A list emptied as it is thrown, not a
+    # local: the exception's traceback holds this frame, which must not hold it back.
+    thrown: list[BaseException] = []
     try:
         while True:
             try:
-                yielded = context.run(send, None) if error is None else context.run(throw, error)
+                yielded = context.run(throw, thrown.pop()) if thrown else context.run(send, None)
             except StopIteration as stop:
                 return stop.value
-            error = None
             try:
                 if yielded is None:  # a bare yield: one turn of the event loop
                     await asyncio.sleep(0)
@@ -333,11 +338,35 @@ async def _drive(coro: Coroutine[Any, Any, Any]) -> Any:
                     yielded._asyncio_future_blocking = False
                     await yielded  # its outcome is read by the coroutine, or thrown into it
                 else:
-                    error = RuntimeError(f"a coroutine yielded {yielded!r}, which is not an "
-                                         "asyncio future (yield used instead of await?)")
+                    thrown.append(RuntimeError(f"a coroutine yielded {yielded!r}, which is not "
+                                               "an asyncio future (yield used instead of await?)"))
             except GeneratorExit:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the coroutine, as a task would
-                error = exc
+                thrown.append(exc)
+            yielded = None
     finally:
         coro.close()  # a no-op once it has ended; otherwise it must not outlive this
+
+
+def _without_our_frames(exc: BaseException) -> BaseException:
+    """``exc`` with the frames of :meth:`RunState.race_cancellation` and :func:`_drive` taken
+    out of its traceback, which keeps the callee's. A callee that keeps the exception in a
+    reference cycle of its own (a future it awaited, held by its frame) would otherwise pull
+    the run and its task into that cycle."""
+    ours = _OUR_CODE
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code in ours:
+        tb = tb.tb_next
+    head = tb
+    while tb is not None:
+        after = tb.tb_next
+        while after is not None and after.tb_frame.f_code in ours:
+            after = after.tb_next
+        tb.tb_next = after
+        tb = after
+    exc.__traceback__ = head
+    return exc
+
+
+_OUR_CODE = frozenset({RunState.race_cancellation.__code__, _drive.__code__})

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -239,3 +241,34 @@ def test_an_awaitable_that_is_not_a_coroutine_is_raced_as_a_future() -> None:
         assert never.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_failed_call_leaves_no_cycle_that_holds_the_run() -> None:
+    """The callee's exception holds the race's frames in its traceback: they must not hold the
+    exception back (the run and its task would be kept until the cycle collector runs)."""
+    async def raises() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("declined")
+
+    async def rethrows_a_failed_future() -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        loop.call_soon(future.set_exception, ConnectionError("dropped"))
+        await future
+
+    async def main() -> None:
+        for callee in (raises, rethrows_a_failed_future):
+            state = run_state()
+            kept = weakref.ref(state)
+            verdict = await race(state, callee())
+            failed = verdict.error is not None  # not in an assert: its temporaries would hold it
+            del state, verdict
+            assert failed
+            assert kept() is None, f"{callee.__name__}: the run is held by a reference cycle"
+
+    gc.collect()
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
