@@ -359,6 +359,7 @@ class Worker:
 
     async def _execute(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
+        executor: RunExecutor | None = None
         try:
             executor = await self._executor_for(claim)
             if executor is None:
@@ -375,6 +376,12 @@ class Worker:
                 await self._drive_traced(tracer, executor, workflow, claim)
         except asyncio.CancelledError:
             raise
+        except DatabaseError:
+            # The database stopped answering on a path with nothing more to write for the run
+            # (a drain's release of it, say): it is let go as in any outage, said lost once,
+            # and its lease lapses.
+            if executor is not None:  # (_executor_for lets go of its own failures)
+                executor.run.lose_lease("database unavailable")
         except Exception:
             with self._in_span(run_id):
                 log.exception("run %s: the worker failed while driving it; its lease will "

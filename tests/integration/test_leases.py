@@ -371,3 +371,27 @@ async def test_a_run_whose_final_write_is_slow_keeps_its_lease(make_app, sql, mo
         assert await run.result_async(timeout=15) == {"slow": True}
     assert worker.claimed == 1
     assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
+
+
+async def test_a_run_released_for_a_drain_while_the_database_is_down_is_let_go_as_lost(
+        app, caplog):  # type: ignore[no-untyped-def]
+    """A worker draining lets go of a run by releasing it; with its database unreachable that
+    release fails: the run is said lost like any other run let go in an outage (its lease
+    lapses and another worker takes it), not logged as a failure of the worker. The chaos
+    suite saw this when a PostgreSQL restart met a worker's drain."""
+    @app.workflow(version="1", name="nap")
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(3600)
+
+    await app.submit_async(nap, {})
+    worker = app.create_worker()
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
+                                                 workflows=["nap@1"], limit=1, ttl=5.0)
+    _cut_off(worker)
+    worker._stop.set()  # draining: the run is released at its first boundary
+    worker._running[claim["id"]] = (asyncio.get_running_loop().create_future(), None)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    await worker._execute(claim)
+    assert "the worker failed while driving it" not in caplog.text
+    await _said_lost(caplog, app, worker, claim, "database unavailable")
