@@ -190,15 +190,18 @@ def one_shot(encoder: json.JSONEncoder) -> Callable[[Any], str]:
     check for circular references, which would need a fresh set of them per call: the
     values given to it are validated first, which bounds their depth, or are flat rows the
     engine builds; a cycle would end in ``RecursionError`` instead of ``ValueError``. Without
-    the C accelerator it is ``encoder.encode``."""
+    the C accelerator (or with one that takes other arguments) it is ``encoder.encode``."""
     make: Any = getattr(json.encoder, "c_make_encoder", None)  # not in the type stubs
-    if make is None or getattr(encoder, "indent", None) is not None:  # pragma: no cover
+    if make is None or getattr(encoder, "indent", None) is not None:
         return encoder.encode
-    made = make(
-        None, encoder.default,
-        encode_basestring_ascii if encoder.ensure_ascii else encode_basestring, None,
-        encoder.key_separator, encoder.item_separator, encoder.sort_keys, encoder.skipkeys,
-        encoder.allow_nan)
+    try:
+        made = make(
+            None, encoder.default,
+            encode_basestring_ascii if encoder.ensure_ascii else encode_basestring, None,
+            encoder.key_separator, encoder.item_separator, encoder.sort_keys,
+            encoder.skipkeys, encoder.allow_nan)
+    except TypeError:  # a Python whose C encoder takes other arguments
+        return encoder.encode
     join = "".join
 
     def encode(value: Any) -> str:

@@ -510,3 +510,21 @@ def test_one_shot_refuses_what_the_encoder_refuses_and_goes_on() -> None:
         with pytest.raises(error):
             encode({"x": [1, bad]})
         assert encode({"x": [1, 2]}) == '{"x": [1, 2]}'
+
+
+def test_one_shot_falls_back_to_the_encoder_without_a_usable_c_encoder(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import json.encoder
+
+    from orchestrator.canonical import one_shot
+
+    def other_arguments(*args: Any) -> None:
+        raise TypeError("make_encoder() takes other arguments")
+
+    encoder = json.JSONEncoder(sort_keys=True)
+    for stand_in in (None, other_arguments):
+        with monkeypatch.context() as patched:
+            patched.setattr(json.encoder, "c_make_encoder", stand_in)
+            encode = one_shot(encoder)
+        assert encode == encoder.encode  # (which reads the module's C encoder when called)
+        assert encode({"b": 1, "a": [1.5]}) == '{"a": [1.5], "b": 1}'
