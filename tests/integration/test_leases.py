@@ -243,6 +243,22 @@ def _cut_off(worker):  # type: ignore[no-untyped-def]
     worker.writer = GroupWriter(worker.database)
 
 
+async def _napping_claimed_then_cut_off(app):  # type: ignore[no-untyped-def]
+    """A worker holding the claim of one run that sleeps durably, then cut off from its
+    database (:func:`_cut_off`): ``(worker, claim)``."""
+    @app.workflow(version="1", name="nap")
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(3600)
+
+    await app.submit_async(nap, {})
+    worker = app.create_worker()
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
+                                                 workflows=["nap@1"], limit=1, ttl=5.0)
+    _cut_off(worker)
+    return worker, claim
+
+
 async def _said_lost(caplog, app, worker, claim, why):  # type: ignore[no-untyped-def]
     """The worker logged the run's lease lost for ``why`` and counted one lease loss."""
     assert f"run {claim['id']}: lease {claim['lease_token']} lost ({why})" in caplog.text
@@ -271,16 +287,7 @@ async def test_a_run_whose_parking_the_database_does_not_take_is_let_go_as_lost(
     """A run that parks (a durable sleep) while its database is unreachable: the worker lets
     it go as lost, as for any other write the database keeps failing, instead of failing the
     run's task (the lease renewals skip a parking run: this is the one place it is said)."""
-    @app.workflow(version="1", name="nap")
-    async def nap(ctx, data):  # type: ignore[no-untyped-def]
-        await ctx.sleep(3600)
-
-    await app.submit_async(nap, {})
-    worker = app.create_worker()
-    async with app.database.connection() as conn:
-        (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
-                                                 workflows=["nap@1"], limit=1, ttl=5.0)
-    _cut_off(worker)
+    worker, claim = await _napping_claimed_then_cut_off(app)
     caplog.set_level(logging.WARNING, logger="orchestrator")
     ex = worker.new_executor(claim, [])
     await ex.drive(app.registry.workflows["nap@1"])
@@ -379,16 +386,7 @@ async def test_a_run_released_for_a_drain_while_the_database_is_down_is_let_go_a
     release fails: the run is said lost like any other run let go in an outage (its lease
     lapses and another worker takes it), not logged as a failure of the worker. The chaos
     suite saw this when a PostgreSQL restart met a worker's drain."""
-    @app.workflow(version="1", name="nap")
-    async def nap(ctx, data):  # type: ignore[no-untyped-def]
-        await ctx.sleep(3600)
-
-    await app.submit_async(nap, {})
-    worker = app.create_worker()
-    async with app.database.connection() as conn:
-        (claim,) = await runs_db.run_claim_ready(conn, worker=worker.worker_id,
-                                                 workflows=["nap@1"], limit=1, ttl=5.0)
-    _cut_off(worker)
+    worker, claim = await _napping_claimed_then_cut_off(app)
     worker._stop.set()  # draining: the run is released at its first boundary
     worker._running[claim["id"]] = (asyncio.get_running_loop().create_future(), None)
     caplog.set_level(logging.WARNING, logger="orchestrator")
