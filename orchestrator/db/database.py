@@ -417,6 +417,7 @@ class Database:
             if not connection_failed(exc):
                 raise
             if committing and not idempotent and (conn.broken or out_of_step(exc)):
+                await discard(conn, exc)  # what goes up is not the driver's error any more
                 raise DatabaseError(
                     f"the connection to {self.target.display} was lost while a change was "
                     "being committed: it may or may not have been applied, and it is not "

@@ -86,3 +86,51 @@ async def test_a_connection_out_of_step_is_retried_on_another_and_closed(migrate
             raise psycopg.InternalError("got no result from the query")
     assert held.closed
     await db.close()
+
+
+async def test_a_commit_gone_out_of_step_is_repeated_only_for_idempotent_work(
+        migrated_database_url, sql):
+    """The driver going out of step on a transaction's COMMIT (the statement was sent; whether
+    it applied is not known) is the lost-connection case of :meth:`run_in_transaction`: work
+    that is not idempotent runs once and its caller hears that the outcome is unknown, work
+    that is fenced or keyed is run again on another connection. Here the COMMIT does apply,
+    so the count of rows says how often the work ran to its commit."""
+    from orchestrator.errors import DatabaseError
+
+    sql("CREATE TABLE commit_probe (note text)")
+    db = Database(DatabaseTarget(migrated_database_url, "argument"))
+    used: list[psycopg.AsyncConnection] = []  # type: ignore[type-arg]
+
+    def out_of_step_after_the_commit(conn):  # type: ignore[no-untyped-def]
+        """The next wait on ``conn`` (the COMMIT, as the work returns next) runs, then the
+        driver says it lost step."""
+        real = conn.wait
+
+        async def wait(gen, *args, **kwargs):  # type: ignore[no-untyped-def]
+            del conn.wait
+            await real(gen, *args, **kwargs)
+            raise psycopg.InternalError("received 2 results from command 'COMMIT'")
+
+        conn.wait = wait
+
+    def work(note: str):  # type: ignore[no-untyped-def]
+        async def insert(conn):  # type: ignore[no-untyped-def]
+            used.append(conn)
+            await conn.execute("INSERT INTO commit_probe VALUES (%s)", (note,))
+            if len(used) == 1:
+                out_of_step_after_the_commit(conn)
+            return note
+        return insert
+
+    with pytest.raises(DatabaseError) as info:
+        await db.run_in_transaction(work("once"), idempotent=False)
+    assert len(used) == 1 and used[0].closed  # not run again; the connection not lent again
+    assert not info.value.retryable and "may or may not have been applied" in info.value.message
+    assert sql("SELECT note FROM commit_probe") == [{"note": "once"}]
+
+    used.clear()
+    assert await db.run_in_transaction(work("again"), idempotent=True) == "again"
+    assert len(used) == 2 and used[0].closed and not used[1].closed
+    assert sorted(row["note"] for row in sql("SELECT note FROM commit_probe")) == [
+        "again", "again", "once"]
+    await db.close()
