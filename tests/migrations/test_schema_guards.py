@@ -244,10 +244,13 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
     assert journal[1][2] == {"result": {"ok": True}, "op": op_id}
     assert {token for *_, token in journal} == {7}
 
+    other_run = _insert_run(conn)
     for change in ("seq = 3", "completed_seq = 5", "completed_seq = NULL", "intent_digest = 'x'",
                    "attempt = 2", "tool_version = '2'", "lease_token = 8", "entry_version = 2",
-                   "finished_at = now() + interval '1 day'", "position = 9",
-                   "id = id + 1000"):
+                   "finished_at = now() + interval '1 day'", "finished_at = NULL",
+                   "position = 9", "id = id + 1000", "idempotency_key = 'k2'",
+                   "effect_class = 'read'", "submitted_at = now() + interval '1 day'",
+                   f"run_id = '{other_run}'", "tool_name = 'refund'"):
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s", (op_id,))
     with pytest.raises(psycopg.errors.CheckViolation):  # a receipt's entry needs its receipt
@@ -271,3 +274,25 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
     with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):  # the view is read-only
         conn.execute("INSERT INTO orchestrator.journal (run_id, seq, kind, schema_version, "
                      "lease_token) VALUES (%s, 9, 'timer', 1, 1)", (run_id,))
+
+
+def test_a_receipts_commit_fires_only_the_guards_of_what_it_sets(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """PostgreSQL compiles the WHEN condition of every trigger a statement fires, once per
+    statement (migration 0022): the commit of a receipt, which the engine writes in a
+    statement of one row under a stream, sets no column of a call's identity, so the guard of
+    those columns is not among them, and what it does fire is small."""
+    fired = conn.execute("""
+        SELECT t.tgname, length(t.tgqual)
+        FROM pg_trigger t
+        WHERE t.tgrelid = 'orchestrator.operations'::regclass AND NOT t.tgisinternal
+          AND t.tgtype & 16 = 16  -- an UPDATE trigger
+          AND EXISTS (SELECT 1 FROM unnest(t.tgattr) AS a(n)
+                      JOIN pg_attribute c ON c.attrelid = t.tgrelid AND c.attnum = a.n
+                      WHERE c.attname IN ('state', 'receipt', 'receipt_digest', 'finished_at',
+                                          'updated_at', 'completed_seq'))
+        ORDER BY 1""").fetchall()
+    assert [name for name, _ in fired] == ["operations_entry_completed_once",
+                                          "operations_guard_update"]
+    assert sum(size for _, size in fired) < 6_000  # 17 KB before migration 0022
