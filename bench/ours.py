@@ -276,10 +276,12 @@ async def drain(url: str, ids: Sequence[uuid.UUID], procs: Sequence[Proc], *,
 
 async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: str | None = None,
                           timeout: float = 600.0, profile: bool = False,
-                          workflow: str | None = None) -> dict[str, Any]:
+                          workflow: str | None = None,
+                          stacks: Path | None = None) -> dict[str, Any]:
     """One drain of ``n`` runs of K steps on a fresh database (or ``url``, already migrated).
 
-    With ``profile``, the first worker process is sampled by py-spy during the drain.
+    With ``profile``, the first worker process is sampled by py-spy during the drain (its
+    collapsed stacks copied to ``stacks`` if given).
     ``workflow``: another workflow of K steps than ``k{K}`` (``k3q``: in a queue).
     """
     own = url is None
@@ -297,7 +299,7 @@ async def throughput_once(server: Server, *, k: int, n: int, setup: Setup, url: 
             if profile:
                 from bench.profile import Recorder
 
-                async with Recorder(procs[0].pid) as recorder:
+                async with Recorder(procs[0].pid, keep=stacks) as recorder:
                     seconds, statuses = await drain(url, ids, procs, timeout=timeout,
                                                     meter=meter)
                 extra = {"profile": recorder.summary()}

@@ -36,9 +36,10 @@ def py_spy() -> str | None:
 class Recorder:
     """``async with Recorder(pid) as rec: …``; then ``rec.summary()``."""
 
-    def __init__(self, pid: int, rate: int = 250) -> None:
+    def __init__(self, pid: int, rate: int = 250, keep: Path | None = None) -> None:
         self.pid = pid
         self.rate = rate
+        self.keep = keep  # where to copy py-spy's collapsed stacks (a flame graph's input)
         self.output = Path(tempfile.mkdtemp(prefix="bench-pyspy-")) / "stacks.txt"
         self.proc: asyncio.subprocess.Process | None = None
         self.stderr = ""
@@ -89,6 +90,8 @@ class Recorder:
             for name in set(frames):
                 if "orchestrator/" in name or "bench/" in name:
                     inclusive[name] += count
+        if self.keep is not None:
+            shutil.copyfile(self.output, self.keep)
         shutil.rmtree(self.output.parent, ignore_errors=True)
         return {"samples": total,
                 "packages": [(n, c / total) for n, c in packages.most_common(top)]

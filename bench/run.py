@@ -168,6 +168,7 @@ class Plan:
     retention_runs: int = 6_000  # K=3 runs of each drain beside the prune
     hosts_runs: int = 3_000  # K=3 runs of each hosts drain
     hosts_counts: tuple[int, ...] = (1, 2, 4)  # namespaces, one worker in each
+    profile_stacks: str | None = None  # where the profile section copies py-spy's stacks
     quick: bool = False
 
 
@@ -200,6 +201,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         plan.runs = {k: args.runs for k in plan.runs}
     if args.lease_ttl is not None:
         plan.recovery_lease_ttl = args.lease_ttl
+    plan.profile_stacks = args.profile_stacks
     if args.console_parts is not None:
         plan.console_parts = tuple(x.strip() for x in args.console_parts.split(",") if x.strip())
     return plan
@@ -703,8 +705,9 @@ class Suite:
 
     async def section_profile(self) -> None:
         p = self.plan
+        stacks = Path(p.profile_stacks) if p.profile_stacks else None
         result = await ours.throughput_once(self.server, k=3, n=p.runs[3] * 2,
-                                            setup=self.setup(), profile=True)
+                                            setup=self.setup(), profile=True, stacks=stacks)
         prof = result["profile"]
         table = Table(f"profile: py-spy on one of {p.workers} workers during a K=3 drain "
                       f"({result['steps_per_s']:,.0f} steps/s, {prof['samples']} samples "
@@ -1201,6 +1204,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", metavar="REF",
                         help="measure a committed revision of the engine (e.g. HEAD) from a "
                         "snapshot, not the work tree that others may be editing")
+    parser.add_argument("--profile-stacks", metavar="FILE",
+                        help="profile section: also write py-spy's collapsed stacks to FILE "
+                        "(one line per stack and its count: the input of a flame graph)")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append to bench/results/results.jsonl")
     return parser.parse_args(argv)

@@ -1,13 +1,17 @@
-"""What a wake costs the workers' claims: a steady stream of ``k1c`` runs (each runs ``k1`` as
-its child, whose end wakes the parent) with the bench app's three queues declared, on each
-committed revision named, interleaved, each on a fresh database.
+"""What a stream costs, commit against commit: a steady stream of submissions (by default
+``k1c`` runs, each running ``k1`` as its child, whose end wakes the parent) with the bench
+app's three queues declared, on each committed revision named, interleaved, each on a fresh
+database.
 
     python -m bench.wakes 8ef8a27 HEAD --rate 100 --seconds 15 --rounds 2
+    python -m bench.wakes 8ef8a27 HEAD --workflow k3 --rate 300     # a stream of K=3 runs
 
-For each engine: the CPU of the workers and of the server in cores, and the claims per parent
-run, of the default queue (``runs_ready``) and of the declared queues (``queue_claim``), from
-``pg_stat_user_functions`` (``track_functions = 'all'`` on the drain's database). A wake that
-does not name its queue sends every idle worker to claim from every queue it knows.
+For each engine: the CPU of the workers and of the server in cores and per submitted run, and
+the claims per submitted run, of the default queue (``runs_ready``) and of the declared
+queues (``queue_claim``), from ``pg_stat_user_functions`` (``track_functions = 'all'`` on the
+drain's database). A wake that does not name its queue sends every idle worker to claim from
+every queue it knows. A stream's writes go in batches of one or two, so its CPU per step is
+what a drain's is not: mostly the cost of a transaction (docs/architecture.md, "Streams").
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ async def _one(args: argparse.Namespace) -> None:
         try:
             await ours.wait_registered(url, [p.pid for p in procs], procs)
             load = await spawn([sys.executable, "-m", "bench.load", "--url", url, "--rate",
-                                str(args.rate), "--workflow", "k1c"], name="load")
+                                str(args.rate), "--workflow", args.workflow], name="load")
             await load.expect("@ready", 60)
             await asyncio.sleep(2.0)  # a steady state first
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -47,8 +51,8 @@ async def _one(args: argparse.Namespace) -> None:
                         "server": await ours.server_processes(conn)}
                 await conn.execute("SELECT pg_stat_reset()")
                 before = (await (await conn.execute(
-                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = 'k1c'"
-                )).fetchone() or [0])[0]
+                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = %s",
+                    (args.workflow,))).fetchone() or [0])[0]
             meter = CpuMeter()
             meter.start(pids)
             await asyncio.sleep(args.seconds)
@@ -58,8 +62,8 @@ async def _one(args: argparse.Namespace) -> None:
                     "SELECT funcname, calls FROM pg_stat_user_functions "
                     "WHERE schemaname = 'orchestrator'")).fetchall())
                 after = (await (await conn.execute(
-                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = 'k1c'"
-                )).fetchone() or [0])[0]
+                    "SELECT count(*) FROM orchestrator.runs WHERE workflow_name = %s",
+                    (args.workflow,))).fetchone() or [0])[0]
             await load.stop()
         finally:
             await asyncio.gather(*(p.stop() for p in procs))
@@ -70,6 +74,8 @@ async def _one(args: argparse.Namespace) -> None:
         "parents_per_s": parents / args.seconds,
         "worker_cores": meter.used.get("worker", 0.0) / args.seconds,
         "server_cores": meter.used.get("server", 0.0) / args.seconds,
+        "worker_us_per_run": meter.used.get("worker", 0.0) / parents * 1e6,
+        "server_us_per_run": meter.used.get("server", 0.0) / parents * 1e6,
         "default_claims_per_run": calls.get("runs_ready", 0) / parents,
         "queue_claims_per_run": calls.get("queue_claim", 0) / parents}))
 
@@ -77,6 +83,7 @@ async def _one(args: argparse.Namespace) -> None:
 def _in(folder: str, sha: str, args: argparse.Namespace) -> dict[str, Any]:
     return run_in_snapshot(folder, sha, "bench.wakes", [
         "--one", "--rate", str(args.rate), "--seconds", str(args.seconds),
+        "--workflow", args.workflow,
         "--workers", str(args.workers), "--concurrency", str(args.concurrency)], "a stream")
 
 
@@ -85,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engines", nargs="*", metavar="REF",
                         help="the first is the baseline (default: HEAD~1 HEAD)")
-    parser.add_argument("--rate", type=float, default=100.0, help="k1c runs submitted per s")
+    parser.add_argument("--rate", type=float, default=100.0, help="runs submitted per s")
+    parser.add_argument("--workflow", default="k1c",
+                        help="the bench app's workflow streamed (default k1c; k3: three steps)")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured per stream")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
@@ -103,21 +112,33 @@ def main(argv: list[str] | None = None) -> int:
             folder, sha = snapshots[ref]
             log(f"round {i + 1}/{args.rounds}: {ref} ({sha[:10]})")
             found[ref].append(_in(str(folder), sha, args))
-    table = Table(f"wakes: a stream of {args.rate:g} k1c runs/s (a parent and its child), "
+    what = ("k1c runs/s (a parent and its child)" if args.workflow == "k1c"
+            else f"{args.workflow} runs/s")
+    table = Table(f"wakes: a stream of {args.rate:g} {what}, "
                   f"{args.workers} workers × concurrency {args.concurrency}, three queues "
                   f"declared, {args.rounds} rounds interleaved",
-                  ["engine", "commit", "parents/s", "worker cores", "server cores",
-                   "default-queue claims per parent", "queue claims per parent"])
+                  ["engine", "commit", "runs/s", "worker cores", "server cores",
+                   "worker µs/run", "÷ first", "server µs/run", "÷ first",
+                   "default-queue claims per run", "queue claims per run"])
+    base = found[refs[0]]
     for ref in refs:
         rs = found[ref]
+        ratios = {kind: median([r[f"{kind}_us_per_run"] / b[f"{kind}_us_per_run"]
+                                for r, b in zip(rs, base, strict=True)])
+                  for kind in ("worker", "server")}
         table.add(ref, snapshots[ref][1][:10], median([r["parents_per_s"] for r in rs]),
                   f"{median([r['worker_cores'] for r in rs]):.2f}",
                   f"{median([r['server_cores'] for r in rs]):.2f}",
+                  f"{median([r['worker_us_per_run'] for r in rs]):,.0f}",
+                  "—" if ref == refs[0] else f"{ratios['worker']:.3f}×",
+                  f"{median([r['server_us_per_run'] for r in rs]):,.0f}",
+                  "—" if ref == refs[0] else f"{ratios['server']:.3f}×",
                   f"{median([r['default_claims_per_run'] for r in rs]):.1f}",
                   f"{median([r['queue_claims_per_run'] for r in rs]):.2f}")
     table.notes.append(f"median of {args.rounds}; {args.seconds:g} s measured per stream after "
-                       "2 s of warm-up; cores = CPU seconds per second (/proc), claims from "
-                       "pg_stat_user_functions")
+                       "2 s of warm-up; cores = CPU seconds per second (/proc), µs per run "
+                       "submitted and its ÷ first the median of each round's ratio; claims "
+                       "from pg_stat_user_functions")
     table.print()
     return 0
 
