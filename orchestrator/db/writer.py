@@ -160,21 +160,34 @@ class GroupWriter:
         and each write runs again in a transaction of its own, so a failure stays with the
         write that caused it (rejected writes are rare: a lost lease, a bug)."""
         began = time.monotonic()
+        outcomes: list[Outcome] | None = None
         try:
             with translate_errors(self.db.target):
                 outcomes = await self._together(batch)
                 if outcomes is None:
-                    outcomes = [await self._alone(work, future) for work, future, _ in batch]
+                    outcomes = []
+                    for work, future, _ in batch:
+                        outcomes.append(await self._alone(work, future))
         except (DatabaseError, psycopg.Error) as exc:
             # Not committed, or we cannot know: try those writes again in a later batch. They
-            # are fenced, so a write that did commit is rejected the next time.
-            self._retry(batch, exc)
+            # are fenced, so a write that did commit is rejected the next time. The writes
+            # that already ran alone have ended (committed or refused): they keep their
+            # outcome and are not written again.
+            if outcomes:
+                self._settle(outcomes)
+            self._retry(batch[len(outcomes or ()):], exc)
             return False
         self.batches += 1
         self.writes += len(batch)
         metrics = self.db.metrics
         metrics.observe("commit_latency_seconds", time.monotonic() - began)
         metrics.observe("commit_batch_size", len(batch))
+        self._settle(outcomes)
+        return True
+
+    def _settle(self, outcomes: list[Outcome]) -> None:
+        """Answer each write of ``outcomes`` with its value or its error."""
+        metrics = self.db.metrics
         for future, value, error in outcomes:
             if future.done():
                 continue
@@ -187,7 +200,6 @@ class GroupWriter:
                 future.set_exception(error)
             else:
                 future.set_result(value)
-        return True
 
     async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], int]]
                         ) -> list[Outcome] | None:

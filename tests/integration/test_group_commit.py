@@ -543,3 +543,39 @@ async def test_a_connection_out_of_step_is_the_connections_failure_not_the_write
     with pytest.raises(psycopg.errors.InternalError_):
         await writer.run_in_transaction(server_says_internal)
     await app.database.close()
+
+
+async def test_writes_committed_alone_are_not_written_again_when_a_later_one_loses_its_connection(
+        app, sql):
+    """After a rejected write the batch's writes run one by one, each committing on its own.
+    When the connection is lost under a later one, only the writes not yet committed go to
+    the next batch: one that committed alone is answered with its own outcome, never run a
+    second time (a fenced write would then be rejected, as if its lease were gone)."""
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    writer = GroupWriter(app.database)
+    runs = {"a": 0, "b": 0, "c": 0}
+
+    def mark(name, fail=False):  # type: ignore[no-untyped-def]
+        async def work(conn):  # type: ignore[no-untyped-def]
+            runs[name] += 1
+            if name == "c" and runs[name] == 1:  # its first run (alone): the server goes away
+                await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+            await conn.execute("INSERT INTO public.marks VALUES (%s)", (name,))
+            if fail:
+                raise LeaseLost("fenced")
+            return name
+
+        return work
+
+    results = await asyncio.gather(
+        writer.run_in_transaction(mark("a")),
+        writer.run_in_transaction(mark("b", fail=True)),
+        writer.run_in_transaction(mark("c")),
+        return_exceptions=True)
+    assert results[0] == "a" and isinstance(results[1], LeaseLost) and results[2] == "c"
+    # a and b in the batch (b is rejected: c never runs there), then alone; c alone, twice
+    assert runs == {"a": 2, "b": 2, "c": 2}
+    assert sorted(r["name"] for r in sql("SELECT name FROM public.marks")) == ["a", "c"]
+    await app.database.close()
