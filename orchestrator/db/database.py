@@ -311,6 +311,9 @@ class Database:
             except psycopg.Error:
                 await state.pool.putconn(conn)  # the pool sees it broken and replaces it
                 await state.pool.drain()  # the idle ones, without a round trip each
+            except BaseException:  # cancelled under the check: the connection is not lost
+                await state.pool.putconn(conn)  # (one left mid-query is closed by the pool)
+                raise
             conn = await self._getconn(state)
         return conn  # a statement on it fails and is retried like any lost connection
 

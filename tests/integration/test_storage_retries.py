@@ -134,3 +134,44 @@ async def test_a_commit_gone_out_of_step_is_repeated_only_for_idempotent_work(
     assert sorted(row["note"] for row in sql("SELECT note FROM commit_probe")) == [
         "again", "again", "once"]
     await db.close()
+
+
+async def test_a_call_cancelled_while_its_connection_is_checked_gives_the_connection_back(
+        migrated_database_url, sql, monkeypatch):
+    """A pooled connection that may have been ended by the server is checked (one round trip)
+    before it is lent. A call cancelled during that check (its task cancelled, a worker
+    stopping) must still give the connection back to the pool: with one connection, the next
+    call gets it at once instead of waiting for the pool timeout."""
+    import asyncio
+
+    from psycopg_pool import AsyncConnectionPool
+
+    from orchestrator.db.database import _may_be_dead
+    from orchestrator.testing import wait_until_async
+
+    db = Database(DatabaseTarget(migrated_database_url, "argument"), max_pool_size=1)
+    async with db.checkout() as conn:
+        await conn.execute("LISTEN pool_probe")
+    sql("NOTIFY pool_probe")  # the idle connection's socket has something to read
+    await wait_until_async(lambda: _may_be_dead(conn), timeout=5)
+
+    checking, real = asyncio.Event(), AsyncConnectionPool.check_connection
+
+    async def slow_check(conn):  # type: ignore[no-untyped-def]
+        checking.set()
+        await asyncio.sleep(3600)  # the server is slow to answer
+        await real(conn)
+
+    monkeypatch.setattr(AsyncConnectionPool, "check_connection", staticmethod(slow_check))
+
+    async def one(conn):  # type: ignore[no-untyped-def]
+        return (await (await conn.execute("SELECT 1 AS one")).fetchone())["one"]
+
+    call = asyncio.ensure_future(db.read(one))
+    await asyncio.wait_for(checking.wait(), 5)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    monkeypatch.setattr(AsyncConnectionPool, "check_connection", real)
+    assert await asyncio.wait_for(db.read(one), 5) == 1
+    await db.close()
