@@ -61,13 +61,23 @@ class LivenessLock:
                 return True
             except psycopg.Error:
                 await self.close()
+        # Not pg_advisory_lock: the session this one replaces may outlive its connection on
+        # the server (until its keepalives give up) and keep the lock meanwhile; waiting for
+        # it would stop the worker's heartbeat and lease renewals. Tried again next beat.
+        conn: psycopg.AsyncConnection[Any] | None = None
         try:
             conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
-            await conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+            cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                self._conn = conn
+                return True
         except psycopg.Error:
-            return False
-        self._conn = conn
-        return True
+            pass
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+        return False
 
     @property
     def held(self) -> bool:

@@ -310,3 +310,62 @@ async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make
             release.set()
             assert await run.result_async(timeout=15) == {"ok": True}
     assert [o["state"] for o in operations(sql)] == ["committed"]
+
+
+async def test_a_lock_still_held_by_the_lost_session_does_not_stop_the_heartbeat(
+        make_app, sql, migrated_database_url):
+    """The liveness lock's connection can fail on the worker's side while the server keeps its
+    session, and the lock, a while longer (a dropped network path: the server notices only
+    when its keepalives give up). Taking the lock again must not wait for that session: the
+    worker goes on beating and renewing its runs' leases meanwhile, and holds its lock again
+    once the old session is gone."""
+    import psycopg
+
+    app = make_app(lease_ttl=2.0)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await release.wait()
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    def lock_holders(key):  # type: ignore[no-untyped-def]
+        return [r["pid"] for r in sql(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid::bigint = %s AND objid::bigint = %s",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))]
+
+    def beat() -> Any:
+        return sql("SELECT heartbeat_at FROM orchestrator.workers WHERE id = 'A'")[0][
+            "heartbeat_at"]
+
+    async with running(app, worker_id="A") as a:
+        run = await app.submit_async(wf, {})
+        await asyncio.wait_for(started.wait(), 10)
+        key = a._liveness.key
+        (lost,) = lock_holders(key)
+        # The session left behind: it waits for the lock first, so it has it as soon as the
+        # worker's connection to it is gone.
+        async with await psycopg.AsyncConnection.connect(migrated_database_url,
+                                                         autocommit=True) as behind:
+            waiting = asyncio.ensure_future(
+                behind.execute("SELECT pg_advisory_lock(%s)", (key,)))
+            await wait_for(lambda: sql("SELECT 1 FROM pg_stat_activity WHERE wait_event_type "
+                                       "= 'Lock' AND query LIKE '%%pg_advisory_lock%%'"))
+            sql("SELECT pg_terminate_backend(%s)", (lost,))
+            await asyncio.wait_for(waiting, 10)
+            since, (lease,) = beat(), sql("SELECT lease_expires_at + interval '2 s' AS t "
+                                          "FROM orchestrator.runs WHERE id = %s", (run.id,))
+            await wait_for(lambda: beat() > since, timeout=5, what="a heartbeat")
+            await wait_for(lambda: sql(  # renewed past the lease it had then
+                "SELECT 1 FROM orchestrator.runs WHERE id = %s AND lease_owner = 'A' "
+                "AND lease_expires_at > %s", (run.id, lease["t"])), timeout=5)
+        await wait_for(lambda: lock_holders(key) not in ([], [lost]), timeout=10)
+        release.set()
+        assert await run.result_async(timeout=15) == {"ok": True}
+    assert [o["state"] for o in operations(sql)] == ["committed"]
