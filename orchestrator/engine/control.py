@@ -21,7 +21,7 @@ class Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
-        self.reason = reason  # cancelled | deadline | abandoned | lease_lost | drain
+        self.reason = reason  # cancelled | deadline | abandoned | lease_lost | drain | let_go
         self.detail = detail
 
 

@@ -176,6 +176,10 @@ class RunState:
         """Checks made before any new durable step: lease, drain, cancellation, deadline."""
         if self.lost:
             raise Stop("lease_lost")
+        if self.phase is Phase.PARKING or self.phase is Phase.GONE:
+            # The executor parks the run or has let go of it (workflow code that caught the
+            # cancellation it was given goes no further): the next claim replays it.
+            raise Stop("let_go")
         if self.cancel_requested:
             raise Stop("cancelled")
         if self.deadline_at is not None and self.now() >= self.deadline_at:

@@ -40,3 +40,33 @@ async def test_caught_nondeterminism_still_stops_the_run(app, sql):
         with pytest.raises(RunFailed) as info:
             await run.result_async(timeout=20)
     assert info.value.code == "NONDETERMINISM" and calls == ["a"]
+
+
+async def test_a_workflow_that_catches_its_parking_takes_no_new_step(app, sql):
+    """Parking a run cancels its workflow in this process; the next claim replays it. Workflow
+    code that catches that cancellation (cleanup in ``except CancelledError``) must not take a
+    new step meanwhile: no intent is written and no tool is called while the run is being
+    parked. The replay goes the ordinary way (the timer fired) and the run completes."""
+    import asyncio
+
+    calls: list[str] = []
+
+    @app.tool()
+    async def cleanup(ctx):  # type: ignore[no-untyped-def]
+        calls.append("cleanup")
+        return {"cleaned": True}
+
+    @app.workflow()
+    async def napping(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.sleep(1.2)
+        except asyncio.CancelledError:
+            await ctx.call(cleanup)
+            raise
+        return "rested"
+
+    async with running(app):
+        run = await app.submit_async(napping, {})
+        assert await run.result_async(timeout=20) == "rested"
+    assert calls == []
+    assert sql("SELECT count(*) AS n FROM orchestrator.operations")[0]["n"] == 0
