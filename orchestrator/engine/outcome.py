@@ -171,7 +171,16 @@ class Outcome:
 
     async def finish(self, task: asyncio.Task[Any], waits: Collection[Wait]) -> None:
         """The workflow's task is done: write what it came to."""
-        exc = task.exception()
+        exc: BaseException | None
+        if task.cancelled():
+            # A cancellation escaped the workflow (workflow code awaited a task of its own
+            # that it cancelled): the workflow raised it, unless the executor is letting go
+            # of the run, whose cancellation it then is.
+            run = self.run
+            exc = (Stop("lease_lost" if run.lost else "drain") if run.letting_go
+                   else asyncio.CancelledError("the workflow's task was cancelled"))
+        else:
+            exc = task.exception()
         if isinstance(exc, BaseExceptionGroup):  # asyncio.TaskGroup in workflow code
             exc = engine_error_in(exc) or exc  # as it would end without the group
         if isinstance(exc, Stop) and exc.reason in ("lease_lost", "drain", "deadline"):

@@ -316,3 +316,28 @@ async def test_a_role_without_incident_details_still_shows_the_lookups(
     finally:
         await db.close()
         await app.database.close()
+
+
+async def test_a_cancellation_escaping_workflow_code_fails_the_run_once(app, sql):
+    """Workflow code that cancels a task of its own and awaits it lets ``CancelledError``
+    escape: the workflow raised, so the run fails ``WORKFLOW_FAILED`` with an incident naming
+    the exception, on its first claim (it is not left running, to be claimed again and again
+    as its lease lapses)."""
+    import asyncio
+
+    @app.workflow()
+    async def impatient(ctx, data):  # type: ignore[no-untyped-def]
+        helper = asyncio.ensure_future(asyncio.sleep(3600))
+        await asyncio.sleep(0)
+        helper.cancel()
+        await helper
+        return "done"
+
+    async with running(app, lease_ttl=0.5) as worker:
+        run = await app.submit_async(impatient, {})
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+    assert info.value.code == "WORKFLOW_FAILED" and worker.claimed == 1
+    row = _row(sql, run)
+    assert row["status"] == "failed"
+    assert _incidents(sql)[row["error"]["incident"]]["cause"] == "CancelledError"
