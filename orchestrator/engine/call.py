@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -41,7 +41,7 @@ from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite
 from orchestrator.engine.stages import Stage, Stages, policy_stages
-from orchestrator.errors import InvalidRequest, OrchestratorError
+from orchestrator.errors import InvalidRequest, OrchestratorError, operation_error_json
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
 from orchestrator.matching import NEW, Outcome, match_call
@@ -287,6 +287,8 @@ class Call(CallSite):
         if remaining is not None:
             timeout = min(timeout, remaining)
         await self.lease_for_dispatch(op_id)  # nothing awaited after it before the call
+        if run.cancel_requested:  # immediately before dispatch (C7): the tool is not called
+            await self.cancel_unsent(op_id)
         began = time.monotonic()
         try:
             verdict = await run.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
@@ -330,6 +332,23 @@ class Call(CallSite):
                 held := faults.reach("after_receipt", tool.name)) is not None:
             await held
         return _Done(receipt)
+
+    async def cancel_unsent(self, op_id: int) -> NoReturn:
+        """The run was cancelled after the attempt's ``submitted`` landed, before its tool was
+        called; it will not be. Nothing was applied: ``submitted → failed``, the journal says
+        the call was cancelled (a replay stops there too), and the run stops cancelled."""
+        self.said = "cancelled"
+        error = operation_error_json("CALL_CANCELLED", cause="cancelled",
+                                     message="the run was cancelled before the call was sent")
+        token, run_id = self.run.token, self.run.run_id
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
+                                        error=error)
+            return None, [self.event(EventKind.CALL_CANCELLED, {"op": op_id, "why": "cancelled"})]
+
+        await self.append(work)
+        self.run.stop_cancelled()
 
     async def failed(self, op_id: int, number: int, key: str, exc: BaseException) -> Attempt:
         """The tool raised: a :class:`ToolError` that proves nothing was applied is retried

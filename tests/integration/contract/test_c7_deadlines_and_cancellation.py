@@ -181,3 +181,37 @@ async def test_a_cancelled_run_replaying_a_withdrawn_call_ends_cancelled(app, sq
         await run.cancel_async()
         await wait_for(lambda: run_status(sql, run)["status"] == "cancelled", timeout=15)
     assert len(hooks) == 1 and len(executions) == 2
+
+
+async def test_a_cancellation_between_submitted_and_dispatch_leaves_the_tool_uncalled(
+        app, sql):
+    """The run is cancelled after its call's write-ahead ``submitted`` landed and before the
+    tool was called (the worker heard of it in between). The tool is not called, so nothing
+    is uncertain: the operation settles as not dispatched, nothing goes to reconciliation,
+    and the run ends ``CANCELLED``."""
+    from orchestrator.testing import fault_gate
+
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    with fault_gate("after_submitted", tool="charge") as gate:
+        async with running(app) as worker:
+            run = await app.submit_async(wf, {})
+            await gate.arrived()
+            await run.cancel_async()
+            await wait_for(lambda: executor_of(worker, run.id).run.cancel_requested)
+            gate.release()
+            with pytest.raises(RunFailed) as info:
+                await run.result_async(timeout=10)
+    assert info.value.code == "CANCELLED"
+    assert called == []
+    assert [o["state"] for o in operations(sql)] == ["failed"]
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
