@@ -45,6 +45,7 @@ from orchestrator.db.database import (
     Database,
 )
 from orchestrator.db.events import incident_record
+from orchestrator.db.probe import connect_options
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
@@ -113,8 +114,9 @@ class Worker:
         self.lease_ttl = lease_ttl if lease_ttl is not None else config.lease_ttl
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
-        self._liveness = workers_db.LivenessLock(database.target.session_url,
-                                                 secrets.randbits(62) + 1)
+        self._liveness = workers_db.LivenessLock(
+            database.target.session_url, secrets.randbits(62) + 1,
+            options=connect_options(database.target, database.connect_timeout))
         self.writer = GroupWriter(database)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
         self._wake = asyncio.Event()
@@ -469,18 +471,34 @@ class Worker:
         interval = max(min(self.lease_ttl / 3, HEARTBEAT_INTERVAL), 0.05)
         renew_every = max(self.lease_ttl / 3, interval)
         renewed = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            locked = await self._liveness.ensure()
-            try:
-                async with self.database.connection() as conn:
-                    await workers_db.worker_heartbeat(
-                        conn, self.worker_id, lock_key=self._liveness.key if locked else None)
-            except OrchestratorError as exc:
-                log.warning("heartbeat failed: %s", exc.code)
-                continue
-            if time.monotonic() - renewed >= renew_every and await self._renew_leases():
-                renewed = time.monotonic()
+        checking: asyncio.Future[bool] | None = None
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                # The lock's connection is checked beside the beat, not before it: one whose
+                # network path dropped answers nothing until the kernel gives up (minutes),
+                # and the beat and the lease renewals go through the pool meanwhile.
+                if checking is None or checking.done():
+                    checking = asyncio.ensure_future(self._liveness.ensure())
+                locked = self._liveness.held
+                try:
+                    async with self.database.connection() as conn:
+                        await workers_db.worker_heartbeat(
+                            conn, self.worker_id,
+                            lock_key=self._liveness.key if locked else None)
+                except OrchestratorError as exc:
+                    log.warning("heartbeat failed: %s", exc.code)
+                    continue
+                if time.monotonic() - renewed >= renew_every and await self._renew_leases():
+                    renewed = time.monotonic()
+        finally:
+            if checking is not None and not checking.done():
+                # Closed first, a check waiting on a dropped path ends at once (cancelled
+                # mid-query, psycopg would try to cancel the query over that path).
+                await self._liveness.close()
+                checking.cancel()
+                with contextlib.suppress(BaseException):
+                    await checking
 
     async def _renew_leases(self) -> bool:
         """Extend the leases of the runs this worker is working on; a run whose lease was not

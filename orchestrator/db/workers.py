@@ -45,10 +45,13 @@ class LivenessLock:
     :func:`run_release_orphaned`, so its runs are re-queued only when their leases expire.
     """
 
-    def __init__(self, url: str | None, key: int) -> None:
+    def __init__(self, url: str | None, key: int, *,
+                 options: dict[str, Any] | None = None) -> None:
         self.url = url
+        self._options = options or {}  # the connection's own (its connect timeout)
         self.key: int | None = key if url is not None else None
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._closed = False  # for good: the worker stopped
 
     async def ensure(self) -> bool:
         """Hold the lock, reconnecting if the connection was lost; True when held (always,
@@ -60,16 +63,19 @@ class LivenessLock:
                 await self._conn.execute("SELECT 1")
                 return True
             except psycopg.Error:
-                await self.close()
+                await self._drop()
+        if self._closed:
+            return False
         # Not pg_advisory_lock: the session this one replaces may outlive its connection on
         # the server (until its keepalives give up) and keep the lock meanwhile; waiting for
         # it would stop the worker's heartbeat and lease renewals. Tried again next beat.
         conn: psycopg.AsyncConnection[Any] | None = None
         try:
-            conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+            conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True,
+                                                         **self._options)
             cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
             row = await cur.fetchone()
-            if row is not None and row[0]:
+            if row is not None and row[0] and not self._closed:
                 self._conn = conn
                 return True
         except psycopg.Error:
@@ -84,6 +90,12 @@ class LivenessLock:
         return self.url is None or (self._conn is not None and not self._conn.closed)
 
     async def close(self) -> None:
+        """Let the lock go, for good. A check still waiting on the connection (a dropped
+        network path) then fails at once instead of waiting for the kernel."""
+        self._closed = True
+        await self._drop()
+
+    async def _drop(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(psycopg.Error):
                 await self._conn.close()

@@ -369,3 +369,87 @@ async def test_a_lock_still_held_by_the_lost_session_does_not_stop_the_heartbeat
         release.set()
         assert await run.result_async(timeout=15) == {"ok": True}
     assert [o["state"] for o in operations(sql)] == ["committed"]
+
+
+class _Relay:
+    """A TCP relay to the test's PostgreSQL that can stop relaying while keeping every socket
+    open: a dropped network path as both ends see it (what is sent is never answered, and
+    nothing says the connection is gone)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> _Relay:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            self._pumps.add(asyncio.ensure_future(self._pump(source, sink)))
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                await self.flowing.wait()
+                sink.write(data)
+                await sink.drain()
+        finally:
+            sink.close()
+
+
+async def test_a_liveness_lock_whose_path_dropped_does_not_stop_the_heartbeat(
+        make_app, sql, migrated_database_url):
+    """The liveness lock lives on a connection of its own (``listen_url`` behind a pooler). When
+    that connection's network path drops, its check waits for an answer that never comes
+    (until the kernel gives up, minutes later): the worker's heartbeat and its runs' lease
+    renewals, which go through the pool, must not wait with it."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(migrated_database_url)
+    async with _Relay(parts.hostname or "127.0.0.1", parts.port or 5432) as relay:
+        netloc = parts.netloc.rsplit("@", 1)
+        host = f"127.0.0.1:{relay.port}"
+        relayed = urlunsplit(parts._replace(
+            netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
+        app = make_app(pooler="transaction", listen_url=relayed, lease_ttl=3.0)
+        started, release = asyncio.Event(), asyncio.Event()
+
+        @app.tool()
+        async def charge(ctx):  # type: ignore[no-untyped-def]
+            started.set()
+            await release.wait()
+            return {"ok": True}
+
+        @app.workflow()
+        async def wf(ctx, data):  # type: ignore[no-untyped-def]
+            return await ctx.call(charge)
+
+        def beat() -> Any:
+            return sql("SELECT heartbeat_at FROM orchestrator.workers WHERE id = 'A'")[0][
+                "heartbeat_at"]
+
+        def lease(run_id: Any) -> Any:
+            return sql("SELECT lease_expires_at FROM orchestrator.runs WHERE id = %s",
+                       (run_id,))[0]["lease_expires_at"]
+
+        async with running(app, worker_id="A"):
+            run = await app.submit_async(wf, {})
+            await asyncio.wait_for(started.wait(), 10)
+            relay.flowing.clear()  # the path to the lock's (and the listener's) session drops
+            dropped, until = beat(), lease(run.id)
+            await wait_for(lambda: beat() > dropped, timeout=5, what="a heartbeat")
+            await wait_for(lambda: lease(run.id) > until, timeout=5, what="a lease renewal")
+            release.set()
+            assert await run.result_async(timeout=15) == {"ok": True}
+    assert [o["state"] for o in operations(sql)] == ["committed"]
