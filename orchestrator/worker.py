@@ -354,7 +354,9 @@ class Worker:
         self._running[run_id] = (task, None)
 
         def done(_: asyncio.Task[None]) -> None:
-            self._running.pop(run_id, None)
+            held = self._running.get(run_id)
+            if held is not None and held[0] is task:  # not a newer claim of the same run
+                del self._running[run_id]
             self._wake.set()
 
         task.add_done_callback(done)
@@ -366,8 +368,14 @@ class Worker:
             executor = await self._executor_for(claim)
             if executor is None:
                 return
-            task, _ = self._running[run_id]
-            self._running[run_id] = (task, executor)
+            task = asyncio.current_task()
+            held = self._running.get(run_id)
+            if held is None or held[0] is not task:
+                # Its lease lapsed while its journal was read, and this worker claimed the run
+                # again meanwhile: the newer claim drives it, this one's token is superseded.
+                executor.run.lose_lease("claimed again")
+                return
+            self._running[run_id] = (held[0], executor)
             if self._stop.is_set():
                 executor.run.request_drain()
             workflow = self.registry.workflows[executor.workflow_key]

@@ -388,8 +388,44 @@ async def test_a_run_released_for_a_drain_while_the_database_is_down_is_let_go_a
     suite saw this when a PostgreSQL restart met a worker's drain."""
     worker, claim = await _napping_claimed_then_cut_off(app)
     worker._stop.set()  # draining: the run is released at its first boundary
-    worker._running[claim["id"]] = (asyncio.get_running_loop().create_future(), None)
     caplog.set_level(logging.WARNING, logger="orchestrator")
-    await worker._execute(claim)
+    worker._start(claim)
+    task, _ = worker._running[claim["id"]]
+    await task
     assert "the worker failed while driving it" not in caplog.text
     await _said_lost(caplog, app, worker, claim, "database unavailable")
+
+
+async def test_a_run_claimed_again_while_its_journal_was_read_is_driven_by_the_newer_claim(
+        make_app, sql, caplog, monkeypatch):
+    """A worker reading a run's journal slowly (a database in trouble) can see the run's lease
+    lapse meanwhile and claim it again itself. The newer claim drives the run; the older one,
+    once its read returns, lets go as a lease lost (its token is superseded), and neither
+    takes the other's place in the worker's book of running runs."""
+    app = make_app(lease_ttl=1.0)
+
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    read, slowed = journal_db.journal_read, []
+
+    async def slow_read(conn, run_id):  # type: ignore[no-untyped-def]
+        if not slowed:  # the first read after the event: longer than the lease
+            slowed.append(run_id)
+            await asyncio.sleep(2.5)
+            slowed.append("read")
+        return await read(conn, run_id)
+
+    monkeypatch.setattr(journal_db, "journal_read", slow_read)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    async with running(app) as worker:
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (run.id,)), timeout=10)
+        await app.send_event_async(run.id, "go", "rested")
+        assert await run.result_async(timeout=15) == "rested"
+        await wait_for(lambda: len(slowed) == 2, timeout=5)  # the older read returned
+        await wait_for(lambda: not worker._running, timeout=5)
+    assert "failed while driving" not in caplog.text
+    assert f"run {run.id}: lease 2 lost (claimed again)" in caplog.text
