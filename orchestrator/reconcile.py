@@ -127,7 +127,9 @@ async def resolve(
             raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
             same = item["resolution"] == resolution and (
-                resolution != "committed" or item["receipt_digest"] == digest)
+                resolution != "committed" or item["receipt_digest"] == digest) and (
+                resolution != "not_applied"
+                or await recon_db.operation_then(conn, operation_id) == then)
             if not same:
                 raise ResolutionConflict(
                     f"operation {operation_id} was already resolved as {item['resolution']}")
@@ -355,7 +357,7 @@ class Reconciler:
             await self._answered(item, tool, answer, raised)
 
     async def _answered(self, item: dict[str, Any], tool: Tool, answer: Any,
-                        raised: Exception | None) -> None:
+                        raised: BaseException | None) -> None:
         """Record a lookup's answer: resolve the operation, or try again later, or hand it to
         operators."""
         self.metrics.incr("lookups", tool=tool.name,
@@ -390,14 +392,20 @@ class Reconciler:
                      extra=_said(item, incident=ref))
 
     async def _lookup(self, tool: Tool, ctx: ToolContext, arguments: dict[str, Any]
-                      ) -> tuple[Any, Exception | None]:
+                      ) -> tuple[Any, BaseException | None]:
         """The tool's lookup's answer (a raised or malformed one is still unknown), and what
         it raised, if anything."""
         assert tool.lookup_fn is not None
-        raised: Exception | None = None
+        raised: BaseException | None = None
         try:
             answer = await asyncio.wait_for(tool.lookup_fn(ctx, **arguments),
                                             self.lookup_timeout)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the reconciler itself is being cancelled
+            # The lookup's own CancelledError: as inconclusive as any other exception.
+            answer, raised = StillUnknown("the lookup raised CancelledError"), exc
         except Exception as exc:  # noqa: BLE001 - an inconclusive lookup, recorded as such
             answer, raised = StillUnknown(f"the lookup raised {type(exc).__name__}"), exc
         if isinstance(answer, Committed):
@@ -414,7 +422,7 @@ class Reconciler:
         return random.uniform(window / 2, window)
 
     async def _record(self, item: dict[str, Any], answer: str, said: Any,
-                      raised: Exception | None, retry_in: float | None
+                      raised: BaseException | None, retry_in: float | None
                       ) -> tuple[str, str | None]:
         """Keep one lookup in the item's history; return the item's new state and the incident
         that keeps what the lookup said. That text (a ``NotApplied``'s or ``StillUnknown``'s

@@ -219,18 +219,31 @@ async def operation_settle_resent(
     receipt_digest: str
 ) -> int:
     """Earlier unknown attempts re-sent with the same key share the receipt that settled them:
-    the provider deduplicated them into one effect."""
+    the provider deduplicated them into one effect. A queue item one of them has (a late
+    receipt kept as evidence queues its attempt) is resolved with it: nothing is left to
+    reconcile."""
     cur = await conn.execute(
         f"""
-        UPDATE {S}.operations SET state = 'committed', receipt = %(receipt)s::jsonb,
-               receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
-        WHERE run_id = %(run_id)s AND position = %(position)s AND idempotency_key = %(key)s
-          AND state = 'unknown'
+        WITH settled AS (
+            UPDATE {S}.operations SET state = 'committed', receipt = %(receipt)s::jsonb,
+                   receipt_digest = %(digest)s, finished_at = now(), updated_at = now()
+            WHERE run_id = %(run_id)s AND position = %(position)s
+              AND idempotency_key = %(key)s AND state = 'unknown'
+            RETURNING id
+        ), resolved AS (
+            UPDATE {S}.reconciliation_items i
+            SET state = 'resolved', resolution = 'committed', resolved_at = now(),
+                claimed_by = NULL, claimed_until = NULL
+            FROM settled WHERE i.operation_id = settled.id AND i.state <> 'resolved'
+            RETURNING 1
+        )
+        SELECT (SELECT count(*) FROM settled) AS n
         """,
         {"run_id": run_id, "position": position, "key": key, "receipt": receipt,
          "digest": receipt_digest},
     )
-    return cur.rowcount
+    row = await cur.fetchone()
+    return int(row["n"]) if row else 0
 
 
 async def operation_attach_evidence(conn: Conn, *, op_id: int, evidence: str) -> None:

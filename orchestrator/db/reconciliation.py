@@ -210,6 +210,15 @@ async def operation_outside_queue(conn: Conn, operation_id: int) -> dict[str, An
     return await cur.fetchone()
 
 
+async def operation_then(conn: Conn, operation_id: int) -> str | None:
+    """What was chosen to follow a ``not_applied`` resolution of an operation (``resend`` or
+    ``fail``; None: a lookup's answer, which leaves it to the retry policy)."""
+    cur = await conn.execute(
+        f"SELECT error->>'then' AS then FROM {S}.operations WHERE id = %s", (operation_id,))
+    row = await cur.fetchone()
+    return None if row is None else row["then"]
+
+
 async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
     """An item's lookup history as operators see it: the answer, its attempt number, its time
     and the incident that keeps what the lookup said (``incident``, None if it said nothing).

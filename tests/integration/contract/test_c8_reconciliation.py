@@ -12,6 +12,7 @@ from orchestrator import (
     AccessDenied,
     InvalidRequest,
     NotApplied,
+    ResolutionConflict,
     ResultTimeout,
     RunFailed,
     ToolError,
@@ -259,3 +260,92 @@ async def test_a_run_blocked_by_one_branch_wakes_while_another_waits_to_resend_i
         assert await run.result_async(timeout=15) == [{"upserted": True}, {"charged": 1}]
     assert len(set(sent)) == 1  # every attempt of upsert with the key of the unknown one
     assert "unknown" not in [o["state"] for o in operations(sql)]
+
+
+async def test_a_second_not_applied_that_chose_otherwise_is_a_conflict(app, sql):
+    """One operator fails the call; a second one's `not applied` that would re-send it is
+    not the same resolution: a conflict, not a no-op, and nothing changes."""
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+    [op] = operations(sql)
+    assert await app.operators.resolve_not_applied(
+        op["id"], evidence="the customer cancelled", operator="al", then="fail") == "resolved"
+    with pytest.raises(ResolutionConflict):  # then="resend", the default
+        await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
+                                                operator="bo")
+    assert await app.operators.resolve_not_applied(
+        op["id"], evidence="same again", operator="bo", then="fail") == "noop"
+    audit = sql("SELECT operator, action FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"]) for a in audit] == [
+        ("al", "resolve.not_applied"), ("bo", "resolve.not_applied.noop")]
+    journal = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.not_applied'")
+    assert [j["payload"]["then"] for j in journal] == ["fail"]
+
+
+async def test_a_late_receipt_item_is_settled_with_the_resend_that_commits(app, sql):
+    """A worker that lost its lease keeps its late receipt as evidence, which queues the
+    attempt; the idempotent re-send with the same key then commits and settles that attempt:
+    its queue item is resolved with it, not left waiting for an operator."""
+    from orchestrator.db import operations as ops_db
+
+    sent: list[str] = []
+
+    @app.tool(effect="idempotent")
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        sent.append(ctx.idempotency_key)
+        if len(sent) == 1:  # as a worker that lost its lease would keep its late receipt
+            async with app.database.connection() as conn:
+                await ops_db.operation_attach_evidence(
+                    conn, op_id=ctx.operation_id,
+                    evidence='{"kind": "late_receipt", "receipt": {"upserted": true}}')
+            raise ConnectionResetError("sent, then the connection dropped")
+        return {"upserted": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=15) == {"upserted": True}
+    assert len(sent) == 2 and len(set(sent)) == 1
+    assert [o["state"] for o in operations(sql)] == ["committed", "committed"]
+    items = sql("SELECT state, resolution FROM orchestrator.reconciliation_items")
+    assert items == [{"state": "resolved", "resolution": "committed"}]
+    assert await app.operators.list_items(operator="al", state="unresolved") == []
+
+
+async def test_a_lookup_that_raises_cancelled_error_is_an_inconclusive_answer(app, sql):
+    """A lookup's own CancelledError (not a cancellation of the reconciler) is recorded as
+    still unknown like any other exception; the reconciler goes on with the next item."""
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx):  # type: ignore[no-untyped-def]
+        raise asyncio.CancelledError
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        runs = [await app.submit_async(wf, {}) for _ in range(2)]
+        for run in runs:
+            await wait_for(parked(sql, run))
+    reconciler = app.create_reconciler(max_lookups=1)
+    assert await reconciler.run_once() == 2
+    lookups = sql("SELECT answer FROM orchestrator.reconciliation_lookups")
+    assert [x["answer"] for x in lookups] == ["still_unknown"] * 2
+    items = sql("SELECT state, claimed_by FROM orchestrator.reconciliation_items")
+    assert items == [{"state": "operator", "claimed_by": None}] * 2
