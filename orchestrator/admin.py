@@ -348,6 +348,7 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
         new["traceparent"] = None
         await runs_db.run_insert(conn, new)
         carried = await chains_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
+        await chains_db.run_children_adopt(conn, old=run_id, new=new["id"], before=at)
         if not await chains_db.run_mark_restarted(conn, new["id"], restarted_from=run_id,
                                                   revision=carried):
             raise InvalidRequest(f"run {new['id']} changed before its restart was recorded",

@@ -93,6 +93,24 @@ async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
     return cur.rowcount
 
 
+async def run_children_adopt(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
+                             before: int) -> int:
+    """Make the new run the parent of the old run's children whose start its journal carries
+    (positions before ``before``) and whose end the old run never recorded: the new run
+    replays those starts, waits for those children and is woken when they end. Returns how
+    many children it adopted."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.runs AS c SET parent_run_id = %(new)s, updated_at = now()
+        WHERE c.parent_run_id = %(old)s AND c.parent_position < %(before)s
+          AND NOT EXISTS (
+              SELECT 1 FROM {S}.journal j
+              WHERE j.run_id = %(old)s AND j.position = c.parent_position
+                AND j.kind IN ('{EventKind.CHILD_COMPLETED}', '{EventKind.CHILD_FAILED}'))
+        """, {"old": old, "new": new, "before": before})
+    return cur.rowcount
+
+
 async def run_mark_restarted(conn: Conn, run_id: uuid.UUID, *, restarted_from: uuid.UUID,
                              revision: int) -> bool:
     """Mark the new run ``run_id``, still at revision 0, as the restart of ``restarted_from``,

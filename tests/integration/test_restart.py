@@ -172,3 +172,44 @@ def test_the_restart_command_takes_the_applications_limits_and_scopes(
                    database_url=migrated_database_url)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["restarted_from"] == str(old.id)
+
+
+async def test_a_restarted_parent_gets_the_result_of_the_child_its_journal_carries(
+        make_app: Any, sql: Any) -> None:
+    """A parent cancelled while its child runs, restarted: the new run's journal carries the
+    child's start, so it waits for that child (not a new one) and gets its result, whether
+    the child ended before the restart or after it."""
+    app = make_app()
+
+    @app.workflow()
+    async def gate(ctx, n):  # type: ignore[no-untyped-def]
+        return [n, await ctx.wait_for_event("go")]
+
+    @app.workflow()
+    async def delegating(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(gate, n)
+
+    def child_of(parent: Any) -> Any:
+        rows = sql("SELECT id FROM orchestrator.runs WHERE parent_run_id = %s", (parent.id,))
+        return rows[0]["id"] if rows else None
+
+    async with running(app):
+        for n, ends_first in ((1, True), (2, False)):
+            old = await app.submit_async("delegating", n)
+            await wait_for(lambda old=old: child_of(old), timeout=20)
+            await wait_for(lambda old=old: sql(
+                "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = 'waiting'",
+                (old.id,)), timeout=20)
+            assert await old.cancel_async() == "cancelled"
+            child = child_of(old)
+            if ends_first:
+                await app.send_event_async(child, "go", "open")
+                await wait_for(lambda child=child: sql(
+                    "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = 'succeeded'",
+                    (child,)), timeout=20)
+            new = await old.restart_async(reason="the child is still wanted")
+            if not ends_first:
+                await app.send_event_async(child, "go", "open")
+            assert await new.result_async(timeout=20) == [n, "open"]
+            assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = "
+                       "'gate' AND input = %s::jsonb", (json.dumps(n),))[0]["n"] == 1
