@@ -161,8 +161,10 @@ class Commands:
 
     async def wait_for_event(self, position: int, name: str,
                              timeout: timedelta | float | None) -> Any:
-        if not isinstance(name, str) or not name:
-            raise InvalidRequest("an event name must be a non-empty string")
+        # The rules send_event holds the name to: a wait for a name no sender may use could
+        # never receive its event (and one that the database cannot store could not be
+        # journaled at all).
+        check_identifier("name", name)
         run = self.run
         verdict = match_event(run.index, position, name)
         timeout_at: datetime | None

@@ -264,3 +264,28 @@ async def test_a_full_journal_rejects_new_work(make_app, sql, gated):
     # began (two; one when each also records its `pending` intent) have their receipts, and
     # the run's end is recorded; nothing was evicted.
     assert count == (4 if gated else 5) and count <= 6
+
+
+async def test_an_event_name_that_no_sender_may_use_is_refused_where_the_run_waits(app, sql):
+    """A wait for an event that ``send_event`` would refuse to deliver could only end by its
+    timeout: it is refused as ``send_event`` refuses the name, and nothing is journaled."""
+    @app.workflow()
+    async def picky(ctx, data):  # type: ignore[no-untyped-def]
+        refused = []
+        for name in (" go", "go\n", "a\x00b", "x" * 201, 7):
+            try:
+                await ctx.wait_for_event(name, timeout=timedelta(seconds=0.2))
+            except Exception as exc:  # noqa: BLE001 - the test records what each one raised
+                refused.append([getattr(exc, "code", type(exc).__name__),
+                                getattr(exc, "path", None)])
+        return [refused, await ctx.wait_for_event("go")]
+
+    async with running(app):
+        run = await app.submit_async(picky, {})
+        with pytest.raises(InvalidRequest):
+            await app.send_event_async(run.id, " go", "never")
+        await app.send_event_async(run.id, "go", "yes")
+        refused, got = await run.result_async(timeout=15)
+        waits = [e.name for e in await run.journal_async() if e.kind == "event.wait"]
+    assert refused == [["INVALID_REQUEST", "name"]] * 5
+    assert got == "yes" and waits == ["go"]
