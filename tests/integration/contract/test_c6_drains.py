@@ -278,23 +278,10 @@ async def test_a_lock_connection_blip_does_not_take_runs_from_a_live_worker(make
     from orchestrator.worker import DEAD_AFTER
 
     app = make_app(lease_ttl=30.0)
-    started, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        started.set()
-        await release.wait()
-        return {"ok": True}
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        return await ctx.call(charge)
+    wf, started, release = _held_call(app)
 
     def lock_holders(key):  # type: ignore[no-untyped-def]
-        return [r["pid"] for r in sql(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND classid::bigint = %s AND objid::bigint = %s",
-            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))]
+        return _lock_holders(sql, key)
 
     async with running(app, worker_id="A") as a:
         run = await app.submit_async(wf, {})
@@ -322,27 +309,13 @@ async def test_a_lock_still_held_by_the_lost_session_does_not_stop_the_heartbeat
     import psycopg
 
     app = make_app(lease_ttl=2.0)
-    started, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        started.set()
-        await release.wait()
-        return {"ok": True}
-
-    @app.workflow()
-    async def wf(ctx, data):  # type: ignore[no-untyped-def]
-        return await ctx.call(charge)
+    wf, started, release = _held_call(app)
 
     def lock_holders(key):  # type: ignore[no-untyped-def]
-        return [r["pid"] for r in sql(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND classid::bigint = %s AND objid::bigint = %s",
-            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))]
+        return _lock_holders(sql, key)
 
     def beat() -> Any:
-        return sql("SELECT heartbeat_at FROM orchestrator.workers WHERE id = 'A'")[0][
-            "heartbeat_at"]
+        return _heartbeat_at(sql, "A")
 
     async with running(app, worker_id="A") as a:
         run = await app.submit_async(wf, {})
@@ -423,21 +396,10 @@ async def test_a_liveness_lock_whose_path_dropped_does_not_stop_the_heartbeat(
         relayed = urlunsplit(parts._replace(
             netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
         app = make_app(pooler="transaction", listen_url=relayed, lease_ttl=3.0)
-        started, release = asyncio.Event(), asyncio.Event()
-
-        @app.tool()
-        async def charge(ctx):  # type: ignore[no-untyped-def]
-            started.set()
-            await release.wait()
-            return {"ok": True}
-
-        @app.workflow()
-        async def wf(ctx, data):  # type: ignore[no-untyped-def]
-            return await ctx.call(charge)
+        wf, started, release = _held_call(app)
 
         def beat() -> Any:
-            return sql("SELECT heartbeat_at FROM orchestrator.workers WHERE id = 'A'")[0][
-                "heartbeat_at"]
+            return _heartbeat_at(sql, "A")
 
         def lease(run_id: Any) -> Any:
             return sql("SELECT lease_expires_at FROM orchestrator.runs WHERE id = %s",
@@ -453,3 +415,33 @@ async def test_a_liveness_lock_whose_path_dropped_does_not_stop_the_heartbeat(
             release.set()
             assert await run.result_async(timeout=15) == {"ok": True}
     assert [o["state"] for o in operations(sql)] == ["committed"]
+
+
+def _held_call(app):  # type: ignore[no-untyped-def]
+    """A workflow whose one call runs until released: ``(workflow, started, release)``."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await release.wait()
+        return {"ok": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    return wf, started, release
+
+
+def _lock_holders(sql, key):  # type: ignore[no-untyped-def]
+    """The server processes holding advisory lock ``key``."""
+    return [r["pid"] for r in sql(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND classid::bigint = %s AND objid::bigint = %s",
+        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))]
+
+
+def _heartbeat_at(sql, worker_id):  # type: ignore[no-untyped-def]
+    return sql("SELECT heartbeat_at FROM orchestrator.workers WHERE id = %s",
+               (worker_id,))[0]["heartbeat_at"]
