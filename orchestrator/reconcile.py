@@ -366,11 +366,13 @@ class Reconciler:
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""
             await self._record(item, kind, said, None, retry_in=self.base_delay)
-            await resolve(
+            outcome = await resolve(
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
                 evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
                 limits=self.config.json_limits)
+            if outcome != "resolved":  # settled the same way meanwhile (an operator): no-op
+                return
             self.metrics.incr(f"reconciliation_auto_{kind}")
             log.info("run %s: operation %s resolved by lookup: %s", item["run_id"],
                      item["operation_id"], kind, extra=_said(item))

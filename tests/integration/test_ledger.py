@@ -345,3 +345,33 @@ async def test_outcome_now_says_in_progress_then_replays_the_stored_result(app):
         await run.result_async(timeout=10)
     again = await app.submit_async(wf, 1, idempotency_key="once")
     assert again.id == run.id and await again.outcome_async() == {"done": 1}
+
+
+async def test_a_lookup_that_finds_the_item_settled_by_an_operator_counts_nothing(
+        make_app, sql):
+    app = make_app()
+
+    @app.tool(max_attempts=1)
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @charge.lookup
+    async def find(ctx, *, cents):  # type: ignore[no-untyped-def]
+        # An operator settles the item the same way while the lookup is under way.
+        op = sql("SELECT id FROM orchestrator.operations")[0]["id"]
+        await app.operators.resolve_committed(op, receipt={"charge": "original"},
+                                              evidence="PSP dashboard", operator="alice")
+        return Committed({"charge": "original"})
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, cents=7)
+
+    async with running(app):
+        run = await app.submit_async(pay, {})
+        await wait_for(_parked(sql))
+        await app.create_reconciler().run_once()
+        assert await run.result_async(timeout=10) == {"charge": "original"}
+    counts = app.metrics.snapshot()
+    assert counts["reconciliation_operator"] == 1
+    assert counts["reconciliation_auto_committed"] == 0
