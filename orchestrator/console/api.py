@@ -58,11 +58,17 @@ def text_param(request: Request, name: str) -> str | None:
     return value if value else None
 
 
+def is_number(text: str) -> bool:
+    """Whether ``text`` is a number ``int()`` reads as written: 1 to 18 ASCII digits (not
+    ``²`` or another script's digits, which ``str.isdigit`` also accepts)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def int_param(request: Request, name: str) -> int | None:
     value = text_param(request, name)
     if value is None:
         return None
-    if not value.isdigit() or len(value) > 18:
+    if not is_number(value):
         raise InvalidRequest(f"{name} must be a positive integer", path=name)
     return int(value)
 
@@ -127,13 +133,22 @@ def _text(body: dict[str, Any], name: str, *, required: bool = False) -> Any:
     return value
 
 
+def _need_receipt(body: dict[str, Any], resolution: str | None) -> None:
+    """A committed resolution records what the tool returned: the body must give it
+    (``"receipt": null`` for a tool that returned nothing), as the page's form and
+    ``ops resolve --committed --receipt`` require."""
+    if resolution == "committed" and "receipt" not in body:
+        raise InvalidRequest("a committed resolution needs the receipt (what the tool "
+                             "returned)", path="receipt")
+
+
 def event_cursor(request: Request) -> int:
     """Where a run's event stream starts: after the ``Last-Event-ID`` header (an
     ``EventSource`` reconnecting sends the last ``id`` it received), else after ``?after=``,
     else from the beginning."""
     resumed = request.headers.get("last-event-id", "").strip()
     if resumed:
-        if not resumed.isdigit() or len(resumed) > 18:
+        if not is_number(resumed):
             raise InvalidRequest("Last-Event-ID must be the id (seq) of an event of this "
                                  "stream", path="Last-Event-ID")
         return int(resumed)
@@ -368,6 +383,7 @@ class Api:
         resolution = _text(body, "resolution", required=True)
         if resolution == "abandoned":
             raise InvalidRequest("abandon with POST .../abandon", path="resolution")
+        _need_receipt(body, resolution)
         op = request.path_params["operation_id"]
         outcome = await self.service.resolve(
             access, op, resolution=resolution, evidence=_text(body, "evidence", required=True),
@@ -386,6 +402,7 @@ class Api:
         resolution = _text(body, "resolution", required=True)
         if resolution == "abandoned":
             raise InvalidRequest("abandon many with POST .../abandon-many", path="resolution")
+        _need_receipt(body, resolution)
         return await self._bulk(access, body, resolution)
 
     async def abandon_many(self, request: Request, access: Access) -> Any:

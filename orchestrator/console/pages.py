@@ -27,7 +27,14 @@ from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
-from orchestrator.console.api import RUN_FILTERS, id_list, int_param, queue_filter, text_param
+from orchestrator.console.api import (
+    RUN_FILTERS,
+    id_list,
+    int_param,
+    is_number,
+    queue_filter,
+    text_param,
+)
 from orchestrator.console.grants import Access
 from orchestrator.console.service import INPUT_SHOWN, ConsoleService
 from orchestrator.console.web import (
@@ -316,7 +323,7 @@ class Pages:
                 access, resolution=resolution, evidence=context["evidence"],
                 receipt=_receipt(receipt_text) if resolution == "committed" else None,
                 then=context["then"] if resolution == "not_applied" else None,
-                confirmed=int(confirmed) if confirmed and confirmed.isdigit() else None,
+                confirmed=int(confirmed) if confirmed and is_number(confirmed) else None,
                 state=where["state"] if where["state"] in ("open", "operator") else UNRESOLVED,
                 ids=id_list(ticked) if by_ids else None,
                 **queue_filter(lambda name: where.get(name) or None))
@@ -377,7 +384,7 @@ class Pages:
             given = (_field(form, limit) or "").strip()
             if given:
                 changes[limit] = None if given.lower() == "none" else (
-                    int(given) if limit == "concurrency" and given.isdigit() else given)
+                    int(given) if limit == "concurrency" and is_number(given) else given)
         try:
             await self.service.change_queue(access, name, action=action,
                                             evidence=_field(form, "evidence") or "",

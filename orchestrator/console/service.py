@@ -65,8 +65,8 @@ def run_cursor(row: Mapping[str, Any]) -> str:
 
 def _cursor(text: str, what: str) -> tuple[datetime, str]:
     """A keyset cursor ``<ISO time with zone>_<key>``, split (``INVALID_REQUEST`` naming
-    ``what`` otherwise)."""
-    at, _, key = text.rpartition("_")
+    ``what`` otherwise). The time holds no ``_``; the key may (an incident's ref)."""
+    at, _, key = text.partition("_")
     try:
         when = datetime.fromisoformat(at)
         if when.tzinfo is None:
@@ -346,9 +346,15 @@ class ConsoleService:
                topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The stream of a run already found (``row``, its summary) and checked to be the
-        caller's: None when it had ended at or before the cursor."""
+        caller's: None when it had ended at or before the cursor; ``INVALID_REQUEST`` for a
+        cursor past the last entry of a run still going (no entry of it was ever sent, and
+        the stream would wait for that seq instead of the run's end)."""
         if row["status"] in TERMINAL and after >= row["revision"]:
             return None
+        if after > row["revision"]:
+            raise InvalidRequest(f"the cursor {after} is past the run's last entry "
+                                 f"({row['revision']}): give the id (seq) of an event of "
+                                 "this stream", path="after")
         return self.streams.pages(row["id"], after=after, follow=True, topics=topics,
                                   heartbeat=heartbeat)
 
@@ -499,7 +505,8 @@ class ConsoleService:
             check_identifier("target", target)
         after = None
         if before is not None:
-            if not before.isdigit() or not 0 < int(before) < 2**63:
+            if (not (before.isascii() and before.isdigit()) or len(before) > 19
+                    or not 0 < int(before) < 2**63):
                 raise InvalidRequest("before must be the next cursor of a page of the audit "
                                      "log", path="before")
             after = int(before)

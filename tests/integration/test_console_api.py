@@ -504,3 +504,69 @@ async def test_an_unexpected_failure_answers_internal_without_its_text(
     assert answer.status_code == 500 and answer.json()["code"] == "INTERNAL"
     assert answer.json()["incident"] in caplog.text and "RuntimeError" in caplog.text
     assert SECRET not in answer.text and SECRET not in caplog.text
+
+
+async def test_incidents_are_paged_by_the_next_cursor_each_once(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    await park(app, sql, {"a": OWNER, "b": OWNER, "c": OWNER, "g": OTHER})
+    expected = [r["ref"] for r in sql(
+        "SELECT i.ref FROM orchestrator.incidents i JOIN orchestrator.runs r "
+        "ON r.id = i.run_id WHERE r.tenant = 'acme' ORDER BY i.created_at DESC, i.ref DESC")]
+    assert len(expected) >= 3
+    async with Client(console_of(app), "reader") as reader:
+        seen, cursor = [], None
+        while True:
+            answer = await reader.get("/api/incidents", limit=1, before=cursor)
+            assert answer.status_code == 200, answer.text
+            seen += [x["ref"] for x in answer.json()["incidents"]]
+            cursor = answer.json()["next"]
+            if cursor is None:
+                break
+        assert seen == expected
+        page = await reader.get("/incidents", limit=1, before=cursor or "")
+        assert page.status_code == 200
+    await app.database.close()
+
+
+async def test_a_committed_resolution_without_a_receipt_is_refused(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    op = ops["a"]
+    async with Client(console_of(app), "alice") as alice:
+        one = await alice.post(f"/api/operations/{op}/resolve",
+                               {"resolution": "committed", "evidence": "PSP shows it"})
+        assert one.status_code == 400 and one.json()["code"] == "INVALID_REQUEST"
+        assert "receipt" in one.json()["message"]
+        many = await alice.post("/api/operations/resolve-many", {
+            "resolution": "committed", "ids": [str(op)], "evidence": "PSP shows it",
+            "confirmed": 1})
+        assert many.status_code == 400 and many.json()["code"] == "INVALID_REQUEST"
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    assert audit(sql) == []
+    await app.database.close()
+
+
+async def test_a_number_in_other_digits_is_a_bad_request_not_a_failure(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    run_id = run_of(sql, ops["a"])["id"]
+    async with Client(console_of(app), "alice") as alice:
+        for path, params in (("/api/runs", {"limit": "²"}), ("/api/operations", {"limit": "²"}),
+                             ("/api/audit", {"before": "²"}),
+                             ("/api/audit", {"before": "9" * 5000}),
+                             (f"/api/runs/{run_id}/events", {"after": "²"}),
+                             ("/audit", {"limit": "²"})):
+            answer = await alice.get(path, **params)
+            assert answer.status_code == 400, (path, answer.text)
+            if path.startswith("/api/"):
+                assert answer.json()["code"] == "INVALID_REQUEST"
+        bulk = await alice.form("/operations/bulk", {
+            "resolution": "abandoned", "evidence": "written off", "tool": "charge",
+            "confirmed": "¹"})
+        assert bulk.status_code == 200, bulk.text  # not a count: nothing confirmed, nothing done
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    assert audit(sql) == []
+    await app.database.close()

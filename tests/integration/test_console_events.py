@@ -184,3 +184,26 @@ async def test_an_entry_newer_than_this_code_ends_the_stream_with_a_public_error
     assert len(rest) == 1 and rest[0]["event"] == "stream.error" and "id" not in rest[0]
     assert rest[0]["data"]["code"] == "SCHEMA_UNSUPPORTED"
     assert set(rest[0]["data"]) == {"code", "message", "retryable", "incident"}
+
+
+async def test_a_cursor_past_a_running_runs_last_entry_is_a_bad_request(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = story_app(make_app)
+    console = app.console(from_header, grants=GRANTS, heartbeat=0.2)
+    async with running(app):
+        run_id = await waiting(app, sql, steps=1)
+        last = recorded(sql, run_id)[-1]["seq"]
+        with Served(console) as server:
+            async with client(server) as http:
+                url = f"/api/runs/{run_id}/events"
+                for past in ({"params": {"after": last + 5}},
+                             {"headers": {"Last-Event-ID": str(last + 5)}}):
+                    answer = await asyncio.wait_for(http.get(url, **past), 10)
+                    assert answer.status_code == 400
+                    assert answer.json()["code"] == "INVALID_REQUEST"
+                await app.send_event_async(run_id, "go", None)
+                await wait_for(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = "
+                                           "%s", (run_id,)) == [{"status": "succeeded"}],
+                               timeout=60)
+                ended = await asyncio.wait_for(http.get(url, params={"after": last + 50}), 10)
+                assert ended.status_code == 204
