@@ -23,6 +23,9 @@ run at once). Further back is a mistake, not a schedule: ``INVALID_REQUEST``."""
 
 MAX_HOLD = timedelta(days=3660)
 """The furthest a submission may hold its run back (about ten years)."""
+MAX_DEADLINE = timedelta(days=36600)
+"""The longest deadline a submission may give (about a hundred years): its expiry, counted
+from a start held back up to :data:`MAX_HOLD`, must be a time the database can store."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from orchestrator.errors import (
     SchemaUnsupported,
     UnknownWorkflow,
 )
-from orchestrator.flow import Start, check_start
+from orchestrator.flow import MAX_DEADLINE, Start, check_start
 from orchestrator.handle import DENIED, TERMINAL
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
@@ -169,8 +169,9 @@ class Submission:
         wf = self.resolve_workflow(workflow, version)
         seconds = None
         if deadline is not None:
-            if not isinstance(deadline, timedelta) or deadline <= timedelta(0):
-                raise InvalidRequest("deadline must be a positive timedelta", path="deadline")
+            if not isinstance(deadline, timedelta) or not timedelta(0) < deadline <= MAX_DEADLINE:
+                raise InvalidRequest(f"deadline must be a positive timedelta of at most "
+                                     f"{MAX_DEADLINE.days} days", path="deadline")
             seconds = deadline.total_seconds()
         start = check_start(start_at, delay, datetime.now(UTC))
         row = self.new_run_row(wf, input, owner=owner, idempotency_key=idempotency_key,

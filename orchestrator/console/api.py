@@ -116,11 +116,20 @@ async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
-        value = json.loads(body or b"{}")
+        value = json.loads(body or b"{}", object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError):
         raise InvalidRequest("the request body is not valid JSON") from None
     if not isinstance(value, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of the body; one that names a key twice is refused, not read as its
+    last value (the other would be dropped without a word)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise InvalidRequest("the request body has an object that names a key twice")
     return value
 
 

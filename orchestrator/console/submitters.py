@@ -51,7 +51,7 @@ from orchestrator.errors import (
     RunFailed,
     Unauthenticated,
 )
-from orchestrator.flow import MAX_HOLD
+from orchestrator.flow import MAX_DEADLINE, MAX_HOLD
 from orchestrator.handle import RunHandle
 from orchestrator.models import Owner, RunInfo, parse_run_id
 from orchestrator.records import error_record, ident, iso
@@ -144,9 +144,9 @@ def _deadline(value: Any) -> timedelta | None:
     if value is None:
         return None
     if (type(value) not in (int, float) or not math.isfinite(value) or value <= 0
-            or value > timedelta.max.total_seconds() / 2):
-        raise InvalidRequest("deadline must be a positive number of seconds",
-                             path="deadline")
+            or value > MAX_DEADLINE.total_seconds()):
+        raise InvalidRequest(f"deadline must be a positive number of seconds up to "
+                             f"{MAX_DEADLINE.total_seconds():.0f}", path="deadline")
     return timedelta(seconds=value)
 
 

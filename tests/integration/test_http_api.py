@@ -328,3 +328,35 @@ async def test_an_owner_hook_that_answers_something_else_is_the_hosts_error(make
     assert answer.json()["code"] == "CONFIGURATION_ERROR"
     assert "acme/alice" not in answer.text
     await app.database.close()
+
+
+async def test_a_body_that_names_a_field_twice_is_refused_and_stores_nothing(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    headers = {"Content-Type": "application/json"}
+    with Served(console) as server:
+        async with client(server) as http:
+            twice = {
+                "input key": b'{"workflow": "approve", "version": "1", '
+                             b'"input": {"customer": "c1", "customer": "c2"}}',
+                "body field": b'{"workflow": "approve", "workflow": "fails", "input": 1}',
+            }
+            for what, body in twice.items():
+                answer = await http.post("/api/runs", content=body, headers=headers)
+                assert answer.status_code == 400, (what, answer.text)
+                assert answer.json()["code"] == "INVALID_REQUEST", what
+            assert run_count(sql) == 0
+
+
+async def test_a_deadline_the_database_cannot_store_is_400_and_stores_nothing(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as http:
+            answer = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                        "input": 1, "deadline": 1e13})
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["code"] == "INVALID_REQUEST"
+            assert run_count(sql) == 0

@@ -164,3 +164,13 @@ def test_submit_by_name_takes_the_highest_version_in_natural_order(make_app):
     assert run.info().version == "10"
     assert sorted(["1.10", "1.9", "10", "9", "2a", "2"], key=version_order) == [
         "1.9", "1.10", "2", "2a", "9", "10"]
+
+
+@pytest.mark.parametrize("deadline", [timedelta(days=999_999_999), timedelta(days=400_000 * 365)])
+def test_a_deadline_the_database_cannot_store_is_refused_before_anything_is_written(
+        make_app, sql, deadline):
+    app, greet, _ = _app(make_app)
+    with pytest.raises(InvalidRequest) as info:
+        app.submit(greet, {"x": 1}, deadline=deadline)
+    assert info.value.code == "INVALID_REQUEST" and info.value.path == "deadline"
+    assert _count(sql) == 0
