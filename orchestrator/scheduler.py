@@ -436,8 +436,12 @@ class ScheduleAdmin:
             if row is None:
                 raise _missing(sid)
             cron = Cron(row["cron"], row["timezone"])
-            slots = cron.between(first - timedelta(microseconds=1), last,
-                                 limit=BACKFILL_MAX + 1)
+            try:
+                slots = cron.between(first - timedelta(microseconds=1), last,
+                                     limit=BACKFILL_MAX + 1)
+            except OverflowError as exc:  # within hours of the calendar's first day
+                raise InvalidRequest("backfill --from is earlier than the calendar allows",
+                                     path="from") from exc
             if len(slots) > BACKFILL_MAX:
                 raise InvalidRequest(f"that range holds more than {BACKFILL_MAX} slots; "
                                      "backfill a shorter one at a time", path="to")

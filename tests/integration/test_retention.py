@@ -274,3 +274,25 @@ def test_retention_settings_are_checked() -> None:
         Retention(finished_runs=timedelta(days=-1))
     with pytest.raises(ConfigurationError):
         Orchestrator(retention="30d")  # type: ignore[arg-type]
+
+
+async def test_a_dry_run_counts_the_evidence_that_a_prune_expires(
+        make_app: Any, sql: Any) -> None:
+    """A parent's evidence goes only once its child's is gone: the dry run counts what the
+    prune would expire now, not the parent held back by its child."""
+    app = shop(make_app())
+    async with running(app):
+        family = await app.submit_async("parent", 3)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (family.id,)), timeout=20)
+        await app.send_event_async(family.id, "go")
+        assert await family.result_async(timeout=20) == 3
+    rules = Retention(finished_runs=timedelta(0), evidence=timedelta(0))
+    assert (await Pruner(app.database, rules).prune(evidence=False)).runs == 2
+    dry = await Pruner(app.database, rules).prune(dry_run=True)
+    report = await Pruner(app.database, rules).prune()
+    assert report.evidence_runs == 1  # the child; its parent at the next prune
+    assert (dry.evidence_runs, dry.evidence_incidents) == (
+        report.evidence_runs, report.evidence_incidents)
+    assert (await Pruner(app.database, rules).prune()).evidence_runs == 1
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 0

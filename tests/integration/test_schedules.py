@@ -411,3 +411,16 @@ async def test_retention_prunes_slot_records_with_their_runs(make_app, sql):
     assert len(pruned) == 3
     assert {s["run_id"] for s in said} == {r["id"] for r in made}
     await app.database.close()
+
+
+async def test_a_backfill_from_before_the_calendar_is_refused_and_fires_nothing(make_app, sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *",
+                                     timezone="America/New_York", overlap="allow_all")
+    start = datetime(1, 1, 1, 5, tzinfo=UTC)
+    with pytest.raises(InvalidRequest) as info:
+        await app.schedules.backfill_async("s", start, start + timedelta(days=1))
+    assert info.value.code == "INVALID_REQUEST" and info.value.path == "from"
+    assert slots(sql) == [] and runs_of(sql) == []
+    await app.database.close()
