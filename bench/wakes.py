@@ -69,15 +69,15 @@ async def _one(args: argparse.Namespace) -> None:
             await asyncio.gather(*(p.stop() for p in procs))
     finally:
         server.drop_database(url)
-    parents = max(after - before, 1)
+    runs = max(after - before, 1)
     print(json.dumps({
-        "parents_per_s": parents / args.seconds,
+        "runs_per_s": runs / args.seconds,
         "worker_cores": meter.used.get("worker", 0.0) / args.seconds,
         "server_cores": meter.used.get("server", 0.0) / args.seconds,
-        "worker_us_per_run": meter.used.get("worker", 0.0) / parents * 1e6,
-        "server_us_per_run": meter.used.get("server", 0.0) / parents * 1e6,
-        "default_claims_per_run": calls.get("runs_ready", 0) / parents,
-        "queue_claims_per_run": calls.get("queue_claim", 0) / parents}))
+        "worker_us_per_run": meter.used.get("worker", 0.0) / runs * 1e6,
+        "server_us_per_run": meter.used.get("server", 0.0) / runs * 1e6,
+        "default_claims_per_run": calls.get("runs_ready", 0) / runs,
+        "queue_claims_per_run": calls.get("queue_claim", 0) / runs}))
 
 
 def _in(folder: str, sha: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = {kind: median([r[f"{kind}_us_per_run"] / b[f"{kind}_us_per_run"]
                                 for r, b in zip(rs, base, strict=True)])
                   for kind in ("worker", "server")}
-        table.add(ref, snapshots[ref][1][:10], median([r["parents_per_s"] for r in rs]),
+        table.add(ref, snapshots[ref][1][:10], median([r["runs_per_s"] for r in rs]),
                   f"{median([r['worker_cores'] for r in rs]):.2f}",
                   f"{median([r['server_cores'] for r in rs]):.2f}",
                   f"{median([r['worker_us_per_run'] for r in rs]):,.0f}",
