@@ -101,3 +101,10 @@ def storable(value: str) -> str:
     byte as ``\\x00``, a lone surrogate as ``\\udXXX``. For diagnostics taken from a tool (a
     lookup's reason, an exception's message), which are kept as they came, not refused."""
     return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def is_number(text: str, most: int = 18) -> bool:
+    """Whether ``text`` is a whole number ``int()`` reads as written: 1 to ``most`` ASCII
+    digits (not ``²`` or another script's digits, which ``str.isdigit`` also accepts, nor
+    more digits than ``int()`` takes)."""
+    return text.isascii() and text.isdigit() and len(text) <= most

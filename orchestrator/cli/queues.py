@@ -23,6 +23,7 @@ from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.queues import QueueAdmin, QueueInfo, queue_record
+from orchestrator.text import is_number
 
 T = TypeVar("T")
 
@@ -183,7 +184,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _number(option: str, value: str) -> int | None:
     if value.lower() == "none":
         return None
-    if not value.isdigit():
+    if not is_number(value):
         raise InvalidRequest(f"--{option} must be a whole number from 1, or none",
                              path=option.replace("-", "_"))
     return int(value)

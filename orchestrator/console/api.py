@@ -35,6 +35,7 @@ from orchestrator.errors import (
 )
 from orchestrator.operators import MAX_IDS, UNRESOLVED
 from orchestrator.stream import check_topics
+from orchestrator.text import is_number
 
 MAX_BODY = 4 * 1024 * 1024
 """Bytes an action's body may have (a receipt is held to the application's own cap after)."""
@@ -56,12 +57,6 @@ def text_param(request: Request, name: str) -> str | None:
     """A query parameter, None when absent or empty (an empty filter is no filter)."""
     value = request.query_params.get(name)
     return value if value else None
-
-
-def is_number(text: str) -> bool:
-    """Whether ``text`` is a number ``int()`` reads as written: 1 to 18 ASCII digits (not
-    ``²`` or another script's digits, which ``str.isdigit`` also accepts)."""
-    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def int_param(request: Request, name: str) -> int | None:
@@ -97,15 +92,14 @@ def id_list(value: Any) -> list[int]:
     if not isinstance(value, list) or len(value) > MAX_IDS:
         raise InvalidRequest(f"ids must be a list of at most {MAX_IDS} operation ids",
                              path="ids")
-    return [int(v) if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 19
-            else v for v in value]
+    return [int(v) if isinstance(v, str) and is_number(v, 19) else v for v in value]
 
 
 async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any]:
     """An action's body: a JSON object (``INVALID_REQUEST`` otherwise; ``PAYLOAD_TOO_LARGE``
     past ``limit`` bytes, read no further)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if is_number(declared) and int(declared) > limit:
         raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
     chunks: list[bytes] = []
     size = 0

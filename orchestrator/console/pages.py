@@ -27,14 +27,7 @@ from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
-from orchestrator.console.api import (
-    RUN_FILTERS,
-    id_list,
-    int_param,
-    is_number,
-    queue_filter,
-    text_param,
-)
+from orchestrator.console.api import RUN_FILTERS, id_list, int_param, queue_filter, text_param
 from orchestrator.console.grants import Access
 from orchestrator.console.service import INPUT_SHOWN, ConsoleService
 from orchestrator.console.web import (
@@ -50,6 +43,7 @@ from orchestrator.errors import Forbidden, InvalidRequest, OrchestratorError, Re
 from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
 from orchestrator.operators import ITEM_STATES, UNRESOLVED
+from orchestrator.text import is_number
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 

@@ -32,7 +32,7 @@ from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_ope
 from orchestrator.queues import QueueAdmin, QueueInfo
 from orchestrator.reconcile import THEN
 from orchestrator.stream import TERMINAL, RunStreams
-from orchestrator.text import check_identifier, check_operator
+from orchestrator.text import check_identifier, check_operator, is_number
 
 DENIED = "the run does not exist or is not accessible"
 PAGE_MAX = 200
@@ -505,8 +505,7 @@ class ConsoleService:
             check_identifier("target", target)
         after = None
         if before is not None:
-            if (not (before.isascii() and before.isdigit()) or len(before) > 19
-                    or not 0 < int(before) < 2**63):
+            if not is_number(before) or int(before) == 0:
                 raise InvalidRequest("before must be the next cursor of a page of the audit "
                                      "log", path="before")
             after = int(before)

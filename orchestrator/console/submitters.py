@@ -55,7 +55,7 @@ from orchestrator.flow import MAX_DEADLINE, MAX_HOLD
 from orchestrator.handle import RunHandle
 from orchestrator.models import Owner, RunInfo, parse_run_id
 from orchestrator.records import error_record, ident, iso
-from orchestrator.text import check_identifier
+from orchestrator.text import check_identifier, is_number
 
 AuthenticateOwner = Callable[[Request], "Owner | None | Awaitable[Owner | None]"]
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -281,7 +281,7 @@ class Submitters:
         """``GET /api/runs``: the owner's runs, newest first (``status``, ``workflow``,
         ``limit`` 1 to 1000, default 50), as ``app.list_runs``."""
         limit = request.query_params.get("limit") or "50"
-        if not (limit.isascii() and limit.isdigit()) or len(limit) > 4:
+        if not is_number(limit) or len(limit) > 4:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
         shown = await self.app.list_runs_async(
             owner=owner, status=request.query_params.get("status") or None,
