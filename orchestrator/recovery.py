@@ -32,10 +32,15 @@ from orchestrator.failures import (  # noqa: F401 - re-exported: recovery speaks
     classify_status,
     classify_transport,
 )
+from orchestrator.text import is_number
 
 StopReason = Literal["cause", "visible", "effects", "budget"]
 MAX_ATTEMPTS_LIMIT = 10
 MAX_ENGINE_RESENDS_LIMIT = 100
+# The longest pause a Retry-After may ask for: 36,600 days (about a century, the longest
+# deadline a run may have). A longer one cannot be kept as a pause of the tool and is treated
+# as a hint that does not parse.
+MAX_RETRY_AFTER_MS = 36_600 * 86_400_000
 
 
 def _int(name: str, value: object, *, low: int = 0) -> int:
@@ -169,7 +174,9 @@ def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[i
     """Parse a Retry-After hint: delay-seconds or an HTTP-date.
 
     Returns ``(milliseconds, invalid)``: ``(None, False)`` when there is no hint,
-    ``(None, True)`` when there is one that does not parse (or is negative).
+    ``(None, True)`` when there is one that does not parse, is negative, or asks for a pause
+    longer than :data:`MAX_RETRY_AFTER_MS` (digits of another script or more than 18 of
+    them, a date out of range, a number of seconds no pause could keep).
     """
     if value is None:
         return None, False
@@ -178,14 +185,18 @@ def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[i
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
             return None, True
-        return math.ceil(value * 1000), False
+        return _kept(math.ceil(value * 1000))
     text = value.strip()
-    if text.isdigit():
-        return int(text) * 1000, False
+    if text.isdigit():  # any script's digits: only ASCII ones are delay-seconds
+        return _kept(int(text) * 1000) if is_number(text) else (None, True)
     try:
         when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None, True
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return max(0, math.ceil((when - now).total_seconds() * 1000)), False
+    return _kept(max(0, math.ceil((when - now).total_seconds() * 1000)))
+
+
+def _kept(ms: int) -> tuple[int | None, bool]:
+    return (ms, False) if ms <= MAX_RETRY_AFTER_MS else (None, True)

@@ -77,6 +77,32 @@ async def test_a_rate_limit_hint_is_honoured_and_an_invalid_one_stops(app, sql):
         assert await bad.result_async(timeout=30) == ["rate_limited", "budget"]
 
 
+async def test_a_rate_limit_hint_that_does_not_parse_or_is_out_of_range_stops_the_call(app, sql):
+    """Digits ``int()`` refuses or reads otherwise (another script's, too many), a date out of
+    range and a pause longer than any interval are a hint that does not parse or cannot be
+    kept: the call fails ``budget``, and the tool's dispatch is not paused for ever."""
+    hints = ["\u00b2", "\u0663", "9" * 5000, "Fri, 31 Dec 99999 23:59:59 GMT",
+             "Mon, 01 Jan 2000 00:00:00 +9999999999999999999", "9" * 19]
+
+    @app.tool(effect="idempotent", retry=FAST)
+    async def limited(ctx, *, hint):  # type: ignore[no-untyped-def]
+        raise ToolError.from_status(429, proves_not_applied=True, retry_after=hint)
+
+    @app.workflow()
+    async def wf(ctx, hint):  # type: ignore[no-untyped-def]
+        try:
+            return await ctx.call(limited, hint=hint)
+        except ToolFailed as exc:
+            return [exc.cause, exc.reason]
+
+    async with running(app):
+        for hint in hints:
+            run = await app.submit_async(wf, hint)
+            assert await run.result_async(timeout=30) == ["rate_limited", "budget"], hint
+    assert sql("SELECT backoff_until FROM orchestrator.tool_limits "
+               "WHERE backoff_until > now() + interval '1 day'") == []
+
+
 async def test_definitive_failures_are_not_retried(app, sql):
     calls = 0
 

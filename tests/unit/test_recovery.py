@@ -116,6 +116,15 @@ NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
         (-1, (None, True)),
         (float("inf"), (None, True)),
         (True, (None, True)),
+        ("\u00b2", (None, True)),  # a digit to str.isdigit, not to int()
+        ("\u0663", (None, True)),  # an Arabic-Indic three
+        ("9" * 19, (None, True)),
+        ("9" * 5000, (None, True)),
+        (1e300, (None, True)),
+        ("3162240000", (3_162_240_000_000, False)),  # 36,600 days: the longest kept
+        ("3162240001", (None, True)),
+        ("Fri, 31 Dec 99999 23:59:59 GMT", (None, True)),
+        ("Mon, 01 Jan 2000 00:00:00 +9999999999999999999", (None, True)),
     ],
 )
 def test_retry_after(value, expected):  # type: ignore[no-untyped-def]
