@@ -80,7 +80,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CALL_CANCELLED: (("op",), ("why",)),
     K.CALL_RETRYING: (("op", "attempt", "cause", "incident", "delay_ms", "not_before", "key"),
                       ("resend",)),
-    K.CALL_UNKNOWN: (("op", "reason", "next"), ("incident",)),
+    K.CALL_UNKNOWN: (("op", "reason", "next"), ("incident", "delay_ms", "not_before")),
     K.CALL_NOT_APPLIED: (("op", "resolved_by"), ("then",)),
     K.CALL_ABANDONED: (("op", "resolved_by"), ()),
     K.TIMER: (("until",), ()),

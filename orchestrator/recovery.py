@@ -161,13 +161,35 @@ def decide(
     if upstream_invalid or (upstream_wait_ms is not None
                             and upstream_wait_ms > policy.max_delay_ms):
         return Decision.stop("budget", "upstream")
-    window = min(policy.max_delay_ms, policy.base_delay_ms * 2 ** (attempts - 1))
-    delay = math.floor(jitter * window)
+    delay = backoff_ms(policy, attempts, jitter)
     if upstream_wait_ms is not None:
         delay = max(delay, upstream_wait_ms)
     if remaining_ms is not None and delay + policy.min_attempt_ms > remaining_ms:
         return Decision.stop("budget", "deadline")
     return Decision.retry(delay)
+
+
+def backoff_ms(policy: RetryPolicy, attempts: int, jitter: float) -> int:
+    """The policy's jittered delay after ``attempts`` attempts: full jitter over a window that
+    doubles from ``base_delay_ms`` up to ``max_delay_ms``."""
+    window = min(policy.max_delay_ms, policy.base_delay_ms << min(attempts - 1, 62))
+    return math.floor(jitter * window)
+
+
+def resend_delay_ms(policy: RetryPolicy, attempts: int, jitter: float,
+                    remaining_ms: int | None = None) -> int:
+    """How long to wait before repeating an attempt whose outcome the tool left unknown (an
+    idempotent tool's re-send with the same key, a read's new attempt): the policy's backoff
+    after ``attempts``, as for a retry, shortened so that ``min_attempt_ms`` still fits
+    before the deadline (the repetition is not given up for it: that is the reconciliation's
+    or the attempt's own deadline check's to decide)."""
+    _int("attempts", attempts, low=1)
+    if type(jitter) not in (float, int) or not 0 <= jitter < 1 or math.isnan(jitter):
+        raise InvalidRequest(f"jitter must be in [0, 1), got {jitter!r}", path="jitter")
+    delay = backoff_ms(policy, attempts, jitter)
+    if remaining_ms is not None:
+        delay = min(delay, max(0, remaining_ms - policy.min_attempt_ms))
+    return delay
 
 
 def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[int | None, bool]:

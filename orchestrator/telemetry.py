@@ -103,7 +103,7 @@ _HISTOGRAMS: dict[str, str] = {
     "tool_call_duration_seconds": "Seconds a tool call took, per attempt, by tool and outcome "
                                   "(returned, raised, timed_out, cancelled).",
     "replay_duration_seconds": "Seconds from claiming a run with history to its first command "
-                               "past the journal, by workflow.",
+                               "past the journal or a call's first new attempt, by workflow.",
     "retry_delay_seconds": "Delays before retries, by class: backoff (the policy's), "
                            "retry_after (the tool's hint), deadline_capped (no retry: the "
                            "delay would outlast the deadline; the time that was left).",

@@ -143,7 +143,8 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
         verb = "sent" if kind == "call.submitted" else "intent recorded"
         return f"attempt {p['attempt']} {verb} (operation {p['op']}, key {p['key']})"
     if kind == "call.unknown":
-        return f"operation {p['op']}: outcome unknown ({p['reason']}); next: {p['next']}"
+        wait = f" in {p['delay_ms']} ms" if p.get("delay_ms") else ""
+        return f"operation {p['op']}: outcome unknown ({p['reason']}); next: {p['next']}{wait}"
     if kind == "call.not_applied":
         then = f"; then {p['then']}" if p.get("then") else ""
         return f"operation {p['op']} proven not applied{by}{then}"

@@ -15,7 +15,7 @@ from orchestrator.errors import operation_error_json
 from orchestrator.failures import Classification
 from orchestrator.journal import Entry, EventKind
 from orchestrator.matching import tool_failed
-from orchestrator.recovery import Decision, decide
+from orchestrator.recovery import Decision, decide, resend_delay_ms
 
 NOT_APPLIED = Classification("not_applied", "none", True)
 """A reconciliation's answer that the attempt was not applied: retried under the policy."""
@@ -100,8 +100,9 @@ class Aftermath:
         delay: ``backoff`` or ``retry_after``) label the metrics."""
         site = self.site
         metrics = site.run.metrics
-        metrics.incr("tool_failures", tool=site.tool.name, phase=phase, cause=cause)
-        if decision.action == "retry":
+        if resend != "lost":  # an attempt the engine lost is not the tool's failure
+            metrics.incr("tool_failures", tool=site.tool.name, phase=phase, cause=cause)
+        if decision.action == "retry" and resend is None:  # a re-send goes at once
             metrics.observe("retry_delay_seconds", decision.delay_ms / 1000, delay_class)
         elif decision.detail == "deadline":  # no retry: its delay would outlast the deadline
             metrics.observe("retry_delay_seconds", site.run.remaining() or 0.0,
@@ -135,10 +136,21 @@ class Aftermath:
                         incident: str | None = None) -> Attempt:
         """The effect may or may not have happened: never guess (C5, C8). ``incident`` is the
         reference of the diagnostics kept for it, if any (its event names it for operators).
-        Returns the next attempt where the effect class allows one."""
+        Returns the next attempt where the effect class allows one, after the policy's
+        backoff as for a retry (a provider that timed out is not asked again at once); the
+        wait is durable and counts against the run's deadline."""
         site, run = self.site, self.site.run
         step = site.uncertain_step(number)
-        await site.record_unknown(op_id, reason, step, incident)
+        delay_ms, not_before = 0, None
+        if step != "reconcile" and not run.cancel_requested:
+            remaining = run.remaining()
+            delay_ms = resend_delay_ms(site.tool.policy, site.charged(number), random.random(),
+                                       None if remaining is None else int(remaining * 1000))
+            if delay_ms:
+                not_before = run.now() + timedelta(milliseconds=delay_ms)
+                run.metrics.observe("retry_delay_seconds", delay_ms / 1000, "backoff")
+        await site.record_unknown(op_id, reason, step, incident, delay_ms=delay_ms,
+                                  not_before=not_before)
         if run.remaining() == 0:
             run.stop_deadline()  # the effect stays unknown and listed; the run is out of time
         if run.cancel_requested and step != "reconcile":
@@ -146,6 +158,8 @@ class Aftermath:
             run.stop_cancelled()  # an uncertain read settles as not applied; nothing is unknown
         if step == "reconcile":
             await site.park_blocked(op_id)
+        if not_before is not None:
+            await site.wait_until(not_before)
         return Attempt(number + 1, key if step == "resend" else None)
 
     async def _unknown_attempts(self, current: int) -> list[dict[str, Any]]:

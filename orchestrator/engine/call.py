@@ -104,6 +104,8 @@ class Call(CallSite):
             if step == "reconcile":
                 return await self.after_reconciliation(payload["op"], number,
                                                        lost=payload["reason"] == LOST)
+            if "not_before" in payload:  # the repetition's backoff (Aftermath.uncertain)
+                await self.wait_until(datetime.fromisoformat(payload["not_before"]))
             return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
         # call.submitted without an outcome: the worker that sent it is gone
         step = self.uncertain_step(number)
@@ -206,6 +208,7 @@ class Call(CallSite):
         key = state.key or self.key_for(state.number)
         op_id = state.pending_op
         if op_id is None:
+            run.new_attempt()
             if self.config.back_offs:
                 await self.before_dispatch()
             op_id, status = await self.begin(state.number, key, pending=pending)

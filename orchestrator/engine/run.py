@@ -165,9 +165,15 @@ class RunState:
             self._replayed()
         return position
 
+    def new_attempt(self) -> None:
+        """A call begins an attempt in this execution: whatever came before was replay, even
+        at a recorded position (a call found uncertain, re-sent now)."""
+        if self._replayed_at != -1:
+            self._replayed()
+
     def _replayed(self) -> None:
-        """The replay of the journal is over (the first command past it, or the run's end):
-        its duration from the claim, once."""
+        """The replay of the journal is over (the first command past it, a call's first new
+        attempt, or the run's end): its duration from the claim, once."""
         self._replayed_at = -1
         self.metrics.observe("replay_duration_seconds", time.monotonic() - self.claimed_at,
                              self.workflow_name)

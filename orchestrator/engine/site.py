@@ -231,10 +231,16 @@ class CallSite:
         return step
 
     async def record_unknown(self, op_id: int, reason: str, step: str,
-                             incident: str | None = None) -> None:
+                             incident: str | None = None, *, delay_ms: int = 0,
+                             not_before: datetime | None = None) -> None:
+        """submitted → unknown, and what comes next (``step``); a repetition that waits
+        first has its ``delay_ms`` and ``not_before`` in the entry, so that a replay waits for
+        the same moment."""
         payload: dict[str, Any] = {"op": op_id, "reason": reason, "next": step}
         if incident is not None:
             payload["incident"] = incident
+        if not_before is not None:
+            payload["delay_ms"], payload["not_before"] = delay_ms, not_before.isoformat()
         token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -101,6 +102,48 @@ async def test_a_rate_limit_hint_that_does_not_parse_or_is_out_of_range_stops_th
             assert await run.result_async(timeout=30) == ["rate_limited", "budget"], hint
     assert sql("SELECT backoff_until FROM orchestrator.tool_limits "
                "WHERE backoff_until > now() + interval '1 day'") == []
+
+
+async def test_an_uncertain_attempt_is_repeated_after_the_policys_backoff(app, sql):
+    """An idempotent tool that timed out after sending is re-sent with the same key, and a
+    read repeated, only after the policy's backoff, as for a retry: a provider that just
+    timed out is not asked again at once. The wait is durable: the entry keeps when."""
+    sent: list[tuple[str, str, float]] = []
+
+    @app.tool(effect="idempotent", retry=FAST)
+    async def reserve(ctx):  # type: ignore[no-untyped-def]
+        sent.append(("reserve", ctx.idempotency_key, time.monotonic()))
+        if len(sent) < 3:
+            raise ToolError.after_send("timeout", "the provider did not answer")
+        return "reserved"
+
+    @app.tool(effect="read", retry=FAST)
+    async def look(ctx):  # type: ignore[no-untyped-def]
+        sent.append(("look", ctx.idempotency_key, time.monotonic()))
+        if sum(1 for s in sent if s[0] == "look") < 2:
+            raise RuntimeError("the read broke off")
+        return "seen"
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return [await ctx.call(reserve), await ctx.call(look)]
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=30) == ["reserved", "seen"]
+    reserves = [s for s in sent if s[0] == "reserve"]
+    assert len({key for _, key, _ in reserves}) == 1  # re-sent with the same key
+    unknown = [e.payload for e in await run.journal_async() if e.kind == "call.unknown"]
+    assert [u["next"] for u in unknown] == ["resend", "resend", "new_attempt"]
+    windows = [1200, 2400, 1200]  # the window after attempt 1, 2 of reserve; 1 of look
+    for payload, window in zip(unknown, windows, strict=True):
+        assert 0 <= payload.get("delay_ms", 0) < window
+    delays = [u.get("delay_ms", 0) for u in unknown]
+    assert delays[0] or delays[1] or delays[2], "no backoff at all (three draws of zero)"
+    gaps = [reserves[1][2] - reserves[0][2], reserves[2][2] - reserves[1][2],
+            sent[-1][2] - sent[-2][2]]
+    for gap, delay in zip(gaps, delays, strict=True):
+        assert gap >= delay / 1000 - 0.05  # the clock's resolution
 
 
 async def test_definitive_failures_are_not_retried(app, sql):

@@ -378,3 +378,40 @@ async def test_a_general_write_that_fails_with_its_receipt_writes_the_receipt_al
         ("call.submitted", 0), ("call.completed", 0), ("event.wait", 1),
         ("event.received", 1), ("run.completed", None)]
     assert [o["state"] for o in _ops(sql)] == ["committed"]
+
+
+async def test_an_attempt_the_engine_lost_is_not_counted_as_the_tools_failure(app, sql):
+    """The lease moved on while the call was out (as when its worker dies): the next claim
+    finds the attempt uncertain (``WORKER_LOST``); proven not applied, it is re-sent outside
+    the budget. That is counted as a re-send, not as a failure of the tool nor as a retry's
+    backoff; and the next claim's replay ends when it re-sends, not after the call."""
+    calls = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        calls.append(ctx.attempt)
+        if len(calls) == 1:  # the run's lease moves on behind the worker's back, and lapses
+            sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1, "
+                "lease_expires_at = now() - interval '1 second' WHERE id = %s", (ctx.run_id,))
+        else:
+            await asyncio.sleep(0.5)  # a call that takes a while: not part of the replay
+        return {"attempt": ctx.attempt}
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app) as worker:
+        run = await app.submit_async(pay, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.operations "
+                                   "WHERE state = 'unknown'"))
+        op = sql("SELECT id FROM orchestrator.operations")[0]["id"]
+        await app.operators.resolve_not_applied(op, evidence="no such charge at the provider",
+                                                operator="al")
+        assert await run.result_async(timeout=10) == {"attempt": 2}
+        counts = worker.metrics.snapshot()
+        assert counts.get("operations_resent") == 1
+        assert worker.metrics.labelled("tool_failures") == {}
+        assert worker.metrics.histogram("retry_delay_seconds") == {}
+        [(_, total, n)] = worker.metrics.histogram("replay_duration_seconds").values()
+        assert n == 1 and total < 0.5, total

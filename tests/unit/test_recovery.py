@@ -16,6 +16,7 @@ from orchestrator.recovery import (
     classify_transport,
     decide,
     parse_retry_after,
+    resend_delay_ms,
 )
 
 P = RetryPolicy(max_attempts=5, base_delay_ms=100, max_delay_ms=1000, min_attempt_ms=0)
@@ -183,3 +184,35 @@ def test_engine_resends_are_capped_and_checked() -> None:
         with pytest.raises(InvalidRequest) as info:
             RetryPolicy(max_engine_resends=bad)  # type: ignore[arg-type]
         assert info.value.path == "max_engine_resends"
+
+
+@pytest.mark.parametrize(
+    ("attempts", "jitter", "remaining_ms", "expected"),
+    [
+        (1, 0.5, None, 50),  # the window after one attempt is the base
+        (2, 0.5, None, 100),
+        (4, 0.999, None, 799),
+        (5, 0.5, None, 500),  # capped by max_delay_ms
+        (60, 0.5, None, 500),
+        (10**6, 0.5, None, 500),  # no window is computed past the cap
+        (2, 0.0, None, 0),
+        (4, 0.5, 150, 150),  # shortened to what the deadline leaves
+        (4, 0.5, 0, 0),
+    ],
+)
+def test_a_repetition_after_an_uncertain_outcome_waits_the_policys_backoff(
+        attempts, jitter, remaining_ms, expected):  # type: ignore[no-untyped-def]
+    assert resend_delay_ms(P, attempts, jitter, remaining_ms) == expected
+    # the same window a retry after as many attempts draws from
+    if remaining_ms is None and attempts < P.max_attempts:
+        assert d(attempts=attempts, jitter=jitter) == Decision.retry(expected)
+
+
+def test_a_repetition_leaves_room_for_the_minimum_attempt() -> None:
+    roomy = RetryPolicy(max_attempts=3, base_delay_ms=1000, max_delay_ms=1000,
+                        min_attempt_ms=300)
+    assert resend_delay_ms(roomy, 1, 0.9, 1000) == 700
+    assert resend_delay_ms(roomy, 1, 0.9, 200) == 0
+    for bad in ({"attempts": 0}, {"jitter": 1.0}, {"jitter": float("nan")}):
+        with pytest.raises(InvalidRequest):
+            resend_delay_ms(roomy, **{"attempts": 1, "jitter": 0.5, **bad})  # type: ignore[arg-type]
