@@ -171,6 +171,14 @@ class Registry:
     def add_workflow(self, wf: Workflow) -> None:
         if wf.key in self.workflows:
             raise InvalidRequest(f"workflow {wf.name} version {wf.version} is registered twice")
+        # Two versions in the same place of the natural order ("1.0" and "1.00") would make
+        # the highest, which a submission by name starts, the one registered first.
+        same = next((w for w in self.workflows.values() if w.name == wf.name
+                     and version_order(w.version) == version_order(wf.version)), None)
+        if same is not None:
+            raise InvalidRequest(f"workflow {wf.name}: version {wf.version} orders the same as "
+                                 f"version {same.version}, registered already; give versions "
+                                 "that differ in number or text", path="version")
         if wf.default:
             other = next((w for w in self.workflows.values()
                           if w.name == wf.name and w.default), None)

@@ -68,8 +68,15 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
 def resolve_workflow(registry: Registry, workflow: Workflow | str,
                      version: str | None = None) -> Workflow:
     """The workflow a submission names: the one given, else the registered one of that name
-    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none."""
+    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none.
+    A workflow given as an object is its own version: another ``version`` with it is
+    ``INVALID_REQUEST``, not quietly ignored."""
     if isinstance(workflow, Workflow):
+        if version is not None and version != workflow.version:
+            raise InvalidRequest(
+                f"workflow {workflow.name} is given as its version {workflow.version}, and "
+                f"version {version!r} as well: pass that version's workflow, or its name "
+                f"({workflow.name!r}, version={version!r})", path="version")
         return workflow
     chosen = registry.choose(workflow, version)
     if chosen is None:

@@ -56,3 +56,37 @@ def test_a_workflow_by_name_is_the_registered_one() -> None:
     assert resolve_workflow(registry, wf) is wf
     with pytest.raises(UnknownWorkflow, match="workflow 'wf' version '2'"):
         resolve_workflow(registry, "wf", "2")
+
+
+async def _echo(ctx: Any, data: Any) -> Any:
+    return data
+
+
+def test_a_workflow_given_as_an_object_is_not_started_at_another_version() -> None:
+    """``submit(report_v1, input, version="2")`` names two versions at once: starting the
+    object's would quietly ignore the one asked for, so a version that is not the object's
+    own is refused."""
+    registry = Registry()
+    v1: Workflow[Any, Any] = Workflow(name="report", version="1", fn=_echo)
+    v2: Workflow[Any, Any] = Workflow(name="report", version="2", fn=_echo)
+    registry.add_workflow(v1)
+    registry.add_workflow(v2)
+    assert resolve_workflow(registry, v1, "1") is v1
+    for other in ("2", "3"):
+        with pytest.raises(InvalidRequest, match="version 1") as refused:
+            resolve_workflow(registry, v1, other)
+        assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "version"
+
+
+def test_versions_that_order_the_same_are_not_registered_side_by_side() -> None:
+    """"1.0" and "1.00" (or "7" and "07") are the same place in the natural order: with both
+    registered, the version a submission by name starts would depend on which was registered
+    first. The second is refused, naming the first."""
+    for first, second in (("1.0", "1.00"), ("7", "07"), ("v2", "v002")):
+        registry = Registry()
+        registry.add_workflow(Workflow(name="report", version=first, fn=_echo))
+        with pytest.raises(InvalidRequest, match=f"{second}.*{first}") as refused:
+            registry.add_workflow(Workflow(name="report", version=second, fn=_echo))
+        assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "version"
+        registry.add_workflow(Workflow(name="other", version=second, fn=_echo))  # another name
+        assert registry.choose("report") is registry.workflow("report", first)
