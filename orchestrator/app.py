@@ -2,7 +2,9 @@
 
 Sync callers (scripts, WSGI apps) use the plain methods; async callers use the ``*_async``
 twins. The sync methods run their async twin on a private event loop thread, so both share one
-implementation.
+implementation; called on an event loop where a worker or a reconciler of this process runs
+(tool code, a program running its worker in its own loop), where waiting would stop them, they
+are refused with ``INVALID_REQUEST`` naming the twin to await.
 
 The application holds the settings and the registrations and builds the services it delegates
 to, each handed only what it uses: :mod:`orchestrator.submission` (runs submitted, events
@@ -27,6 +29,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, overload
 
 from opentelemetry import context as otel_context
@@ -599,11 +602,13 @@ class Orchestrator:
     ) -> RunHandle[Any]:
         """Sync twin of :meth:`submit_async`. The caller's current span (its thread's
         OpenTelemetry context) is the submission's parent, as in the async method."""
-        submitted = self._submit_async(
-            workflow, input, version=version, owner=owner, idempotency_key=idempotency_key,
-            deadline=deadline, start_at=start_at, delay=delay, queue=queue, priority=priority,
-            concurrency_key=concurrency_key, connection=connection)
-        return self._portal.call(_in_context(otel_context.get_current(), submitted))[0]
+        submitted = partial(
+            self._submit_async, workflow, input, version=version, owner=owner,
+            idempotency_key=idempotency_key, deadline=deadline, start_at=start_at, delay=delay,
+            queue=queue, priority=priority, concurrency_key=concurrency_key,
+            connection=connection)
+        return self._portal.call(_in_context(otel_context.get_current(), submitted),
+                                 instead="await Orchestrator.submit_async()")[0]
 
     # -- reading and acting on runs ----------------------------------------------------------
 
@@ -880,11 +885,12 @@ def _seconds(value: timedelta | None, default: float) -> float:
     return default if value is None else value.total_seconds()
 
 
-async def _in_context(ctx: otel_context.Context, coro: Awaitable[T]) -> T:
-    """Await ``coro`` with ``ctx`` as the current OpenTelemetry context: a sync method's
-    coroutine runs on the portal's thread, whose context is not the caller's."""
+async def _in_context(ctx: otel_context.Context, start: Callable[[], Awaitable[T]]) -> T:
+    """Await ``start()`` with ``ctx`` as the current OpenTelemetry context: a sync method's
+    coroutine runs on the portal's thread, whose context is not the caller's. (Started only
+    here, so that a call the portal refuses leaves no coroutine behind.)"""
     token = otel_context.attach(ctx)
     try:
-        return await coro
+        return await start()
     finally:
         otel_context.detach(token)

@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from typing_extensions import TypeVar as DefaultTypeVar
 
+from orchestrator._portal import check_sync_caller
 from orchestrator.db import operations as ops_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn, Database
@@ -40,7 +41,7 @@ DENIED = "the run does not exist or is not accessible to this owner"
 
 
 class _Portal(Protocol):
-    def call(self, coro: Coroutine[Any, Any, T]) -> T: ...
+    def call(self, coro: Coroutine[Any, Any, T], *, instead: str | None = None) -> T: ...
 
 
 class Client(Protocol):
@@ -230,7 +231,8 @@ class RunHandle(Generic[R_co]):
         """:meth:`events` for synchronous code: each page of entries is read on the private
         loop; the caller's thread waits between them."""
         return _portal_iterate(self.app, self._pages(check_cursor(after), follow,
-                                                     check_topics(topics)))
+                                                     check_topics(topics)),
+                               "async for entry in RunHandle.events()")
 
     async def _pages(self, after: int, follow: bool, topics: tuple[str, ...] | None
                      ) -> AsyncGenerator[list[JournalEntry], None]:
@@ -321,7 +323,8 @@ def completing_sync(app: Client, handles: Iterable[H], timeout: float | timedelt
                     ) -> Iterator[H]:
     """``Orchestrator.as_completed``: :func:`completing` driven from a sync caller."""
     pending, give_up = _wait_plan(app, handles, timeout)
-    return _portal_iterate(app, _finishing(app, pending, give_up, len(pending)))
+    return _portal_iterate(app, _finishing(app, pending, give_up, len(pending)),
+                           "async for handle in Orchestrator.as_completed_async()")
 
 
 def _wait_plan(app: Client, handles: Iterable[H], timeout: float | timedelta | None
@@ -364,9 +367,16 @@ async def _finishing(app: Client, pending: list[H], give_up: float | None, total
         await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
         delay = min(delay * 2, 0.25)
 
-def _portal_iterate(app: Client, batches: AsyncGenerator[list[T], None]) -> Iterator[T]:
-    """Drive ``batches`` on the private loop, one batch per call, from a sync caller."""
+def _portal_iterate(app: Client, batches: AsyncGenerator[list[T], None], instead: str
+                    ) -> Iterator[T]:
+    """Drive ``batches`` on the private loop, one batch per call, from a sync caller; refused
+    at once in async code, saying to write ``instead`` (see ``Portal.call``)."""
+    check_sync_caller(instead)
+    return _driven(app, batches, instead)
 
+
+def _driven(app: Client, batches: AsyncGenerator[list[T], None], instead: str
+            ) -> Iterator[T]:
     async def step() -> list[T] | None:
         return await anext(batches, None)
 
@@ -374,7 +384,7 @@ def _portal_iterate(app: Client, batches: AsyncGenerator[list[T], None]) -> Iter
         await batches.aclose()
 
     try:
-        while (batch := app._portal.call(step())) is not None:
+        while (batch := app._portal.call(step(), instead=instead)) is not None:
             yield from batch
     finally:
-        app._portal.call(close())
+        app._portal.call(close(), instead=instead)

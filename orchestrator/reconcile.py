@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from orchestrator import canonical
+from orchestrator._portal import serving
 from orchestrator.context import ToolContext
 from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
@@ -239,6 +240,12 @@ class Reconciler:
             self.pruner.stop()
 
     async def run(self) -> None:
+        """Reconcile until stopped; the app's sync methods are refused on this loop meanwhile
+        (they would stop the reconciler to wait)."""
+        with serving():
+            await self._run()
+
+    async def _run(self) -> None:
         async with self.db.connection() as conn:
             await grants_db.require_privileges(conn, "reconciler")
         listen_stop = asyncio.Event()

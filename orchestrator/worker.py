@@ -30,6 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
 
+from orchestrator._portal import serving
 from orchestrator.db import grants as grants_db
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
@@ -145,7 +146,12 @@ class Worker:
         return len(self._running)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Work until ``stop`` is set (or :meth:`request_stop`), then drain."""
+        """Work until ``stop`` is set (or :meth:`request_stop`), then drain. Meanwhile the
+        app's sync methods are refused on this loop (they would stop the worker to wait)."""
+        with serving():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event | None) -> None:
         async with self.database.connection() as conn:  # before anything else starts
             await grants_db.require_privileges(conn, "worker")
         if stop is not None:
@@ -232,7 +238,9 @@ class Worker:
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too
             name, _, until = payload.partition("\t")
-            with contextlib.suppress(ValueError):
+            # Anyone connected may NOTIFY: an end that is no number, or no time a datetime
+            # holds (inf, 1e300), is skipped; raised here, it would end the listener.
+            with contextlib.suppress(ValueError, OverflowError):
                 when = datetime.fromtimestamp(float(until), UTC)
                 if when > self.config.back_offs.get(name, when - timedelta(seconds=1)):
                     self.config.back_offs[name] = when

@@ -29,7 +29,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.config import DatabaseTarget, display_url
 from orchestrator.db.probe import DEFAULT_CONNECT_TIMEOUT, connect_options, ping_async
 from orchestrator.errors import (
     ConfigurationError,
@@ -430,7 +430,8 @@ class Database:
 
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],
                      stop: asyncio.Event) -> None:
-        """LISTEN on ``channels`` until ``stop`` is set; reconnect after a dropped connection.
+        """LISTEN on ``channels`` until ``stop`` is set; reconnect after a dropped connection,
+        and try again after a refused LISTEN (a server in recovery), saying so once.
 
         ``on_message(channel, payload)`` is called for each notification, and once with
         ``("", "")`` after every (re)connection, since anything may have been missed.
@@ -444,6 +445,7 @@ class Database:
             on_message("", "")
             await stop.wait()
             return
+        refused = False  # LISTEN was refused since it last succeeded (said once)
         while not stop.is_set():
             try:
                 conn = await psycopg.AsyncConnection.connect(
@@ -455,6 +457,7 @@ class Database:
                 async with conn:
                     for channel in channels:
                         await conn.execute(f"LISTEN {channel}")
+                    refused = False
                     on_message("", "")
                     while not stop.is_set():
                         async for note in conn.notifies(timeout=0.5):
@@ -463,6 +466,16 @@ class Database:
                                 break
             except psycopg.OperationalError:
                 await _wait_or_stop(stop, 0.5)
+            except psycopg.Error as exc:
+                # Refused, not lost: a server in recovery (a standby not promoted yet) refuses
+                # LISTEN with an error of its own. Ending here would leave the caller deaf for
+                # good; it polls meanwhile, and the server may be promoted.
+                if not refused:
+                    log.warning("LISTEN on %s was refused (%s): until it is accepted, news is "
+                                "found by polling only; trying again every second",
+                                display_url(url), exc.diag.message_primary or type(exc).__name__)
+                refused = True
+                await _wait_or_stop(stop, 1.0)
 
 
 def _may_be_dead(conn: psycopg.AsyncConnection[Any]) -> bool:

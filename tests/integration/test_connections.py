@@ -1,9 +1,10 @@
 """Connections from the Python API: a database that cannot be reached fails fast and says why,
 the way the CLI does; connections that died (terminated backends, a restarted server) never
-fail a call."""
+fail a call; a listener refused by a server in recovery listens once it is promoted."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -17,7 +18,9 @@ import pytest
 from orchestrator import DatabaseError, Orchestrator, Owner
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
+from orchestrator.db.database import Database
 from orchestrator.db.probe import ping
+from orchestrator.testing import wait_until_async
 from tests import dbtools
 from tests.private_server import PrivateServer, private_server
 
@@ -208,3 +211,40 @@ def test_the_app_says_once_which_database_it_uses(
     assert said == [f"using the database postgresql://postgres@127.0.0.1:{server.port}/postgres "
                     "(given as an argument)"]
     assert server.password not in caplog.text
+
+
+async def test_a_listener_refused_by_a_server_in_recovery_listens_once_it_is_promoted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LISTEN on a server in recovery (a standby, or an old primary back as one, reached by
+    ``listen_url`` or a multi-host URL) is refused with an error of its own, not a lost
+    connection. The listener says so once, tries again, and listens once the server is
+    promoted. Before, it ended at the first refusal, and its worker heard no NOTIFY again."""
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+
+    def refusals() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "orchestrator" and "LISTEN" in r.getMessage()]
+
+    with private_server() as standby:
+        (standby.data_dir / "standby.signal").touch()
+        standby.restart()  # in recovery with no primary to follow: read-only until promoted
+        db = Database(DatabaseTarget(validate_url(standby.url()), "argument"))
+        seen: list[tuple[str, str]] = []
+        stop = asyncio.Event()
+        listener = asyncio.ensure_future(
+            db.listen(["news"], lambda channel, payload: seen.append((channel, payload)), stop))
+        try:
+            await wait_until_async(lambda: listener.done() or refusals(), timeout=15)
+            assert not listener.done()
+            assert seen == []
+            standby.pg_ctl("-w", "promote")
+            await wait_until_async(lambda: seen, timeout=15)  # ("", ""): it listens
+            with psycopg.connect(standby.url(), autocommit=True) as conn:
+                conn.execute("NOTIFY news, 'promoted'")
+            await wait_until_async(lambda: ("news", "promoted") in seen, timeout=10)
+            assert len(refusals()) == 1, refusals()  # said once, not at every attempt
+            assert "during recovery" in refusals()[0]
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)

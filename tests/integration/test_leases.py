@@ -159,6 +159,26 @@ async def test_notify_wakes_an_idle_worker_without_polling(app, sql):
         assert time.monotonic() - started < 5  # a 60 s poll would not have made it
 
 
+async def test_a_tool_pause_the_worker_cannot_read_does_not_end_its_wake_ups(app, sql):
+    """Anyone connected may NOTIFY: a tool pause whose end is no time a date can hold
+    (infinite, or far past year 9999) is skipped as an unreadable one is, and the worker goes
+    on hearing NOTIFY. Before, it ended the worker's listener, and the worker woke only at its
+    poll interval from then on, until it restarted."""
+    job = _wf(app)
+    async with running(app, poll_interval=60.0) as worker:
+        await _idle_on_listen(worker, watch_claims(worker), sql)
+        await wait_for(lambda: sql(  # the last of the listener's channels is listened to
+            "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state = 'idle' AND query = 'LISTEN orchestrator_tools'"))
+        for until in ("inf", "1e300", "-1e300", "nan", "soon"):
+            sql("SELECT pg_notify('orchestrator_tools', %s)", (f"charge\t{until}",))
+        started = time.monotonic()
+        run = await app.submit_async(job, {"fast": True})
+        assert await run.result_async(timeout=10) == {"fast": True}
+        assert time.monotonic() - started < 5  # a 60 s poll would not have made it
+        assert "charge" not in worker.config.back_offs
+
+
 async def test_notify_wakes_a_busy_worker_with_free_slots_without_polling(app, sql):
     """A worker that holds a run still claims new work on NOTIFY (its claims are spaced by
     ``CLAIM_GAP``, milliseconds), not at its poll interval."""

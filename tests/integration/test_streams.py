@@ -107,7 +107,8 @@ async def test_following_ends_after_the_terminal_entry_and_follow_false_does_not
         now = [e async for e in run.events(follow=False)]  # what exists, without waiting
         assert [e.kind for e in now] == ["message", "call.submitted", "call.completed",
                                          "event.wait"]
-        assert [e.kind for e in run.events_sync(after=2, follow=False)] == [
+        assert [e.kind for e in await asyncio.to_thread(
+            lambda: list(run.events_sync(after=2, follow=False)))] == [
             "call.completed", "event.wait"]
         following = asyncio.ensure_future(_all(run.events(after=4)))
         await asyncio.sleep(0.3)
@@ -223,9 +224,14 @@ async def test_events_sync_follows_a_run_live_from_a_thread(app, sql):
         assert not reading.done()
         await app.send_event_async(run.id, "go")
         got = await asyncio.wait_for(reading, 15)
-        stopped = run.events_sync(after=1)  # a sync reader that stops early
-        assert next(stopped).seq == 2
-        stopped.close()  # type: ignore[attr-defined]
+
+        def first_then_close() -> int:  # a sync reader that stops early
+            stopped = run.events_sync(after=1)
+            first = next(stopped).seq
+            stopped.close()  # type: ignore[attr-defined]
+            return first
+
+        assert await asyncio.to_thread(first_then_close) == 2
         journal = await run.journal_async()
     assert [e.seq for e in got] == list(range(1, len(journal) + 1))
     assert got[-1].kind == "run.completed"

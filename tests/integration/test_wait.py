@@ -181,3 +181,28 @@ async def test_handles_and_timeouts_are_checked_before_anything_is_read(app, mak
     other = type(run)(app, run.id, OTHER)
     with pytest.raises(AccessDenied):
         await app.wait_async([run, other], timeout=0)
+
+
+async def test_a_sync_method_in_async_code_is_refused_naming_its_async_twin(app):
+    """A sync method waits in its caller's thread. Called in async code, it would block that
+    thread's loop, and with it the worker running there: ``run.result()`` would wait for a run
+    that could never finish. It is refused at once instead, naming what to await."""
+    _, quick, _ = _register(app)
+    async with running(app):
+        run = await app.submit_async(quick, 1)
+        refusals = [
+            (lambda: run.result(timeout=5), r"await RunHandle\.result_async\(\)"),
+            (lambda: app.submit(quick, 2), r"await Orchestrator\.submit_async\(\)"),
+            (lambda: app.wait([run], timeout=5), r"await Orchestrator\.wait_async\(\)"),
+            (lambda: app.as_completed([run], timeout=5),
+             r"async for handle in Orchestrator\.as_completed_async\(\)"),
+            (lambda: run.events_sync(), r"async for entry in RunHandle\.events\(\)"),
+        ]
+        for call, instead in refusals:
+            with pytest.raises(InvalidRequest, match=f"{instead} instead") as refused:
+                call()
+            assert refused.value.code == "INVALID_REQUEST"
+        assert await run.result_async(timeout=10) == 2
+        assert len(await app.list_runs_async()) == 1  # the refused submission wrote nothing
+        # from a thread of its own (no loop runs there) the same call waits as it should
+        assert await asyncio.to_thread(run.result, 10) == 2
