@@ -395,7 +395,8 @@ class Orchestrator:
         ``resume``, ``trigger``, ``backfill``, ``list``, ``show`` (each with an ``_async``
         twin); docs/schedules.md."""
         if self._schedules is None:
-            admin = ScheduleAdmin(self.database, self.json_limits, self.metrics)
+            admin = ScheduleAdmin(self.database, self.json_limits, self.metrics,
+                                  workflows=self.registry.workflows)
             self._schedules = Schedules(
                 admin, json_limits=self.json_limits,
                 resolve=lambda wf, version: _named(self._resolve_workflow(wf, version)),
@@ -405,7 +406,8 @@ class Orchestrator:
     def create_scheduler(self, *, interval: float = 1.0) -> Scheduler:
         """The schedules' ticker a worker of this app runs (for a host with its own loop)."""
         return Scheduler(self.database, self.json_limits, self.metrics,
-                         declared=tuple(self._declared_schedules.values()), interval=interval)
+                         declared=tuple(self._declared_schedules.values()), interval=interval,
+                         workflows=self.registry.workflows)
 
     # -- submission --------------------------------------------------------------------------
 

@@ -117,6 +117,8 @@ class RateLimit:
         seconds = float(match.group(2) or 1) * _UNITS[match.group(3)]
         if seconds <= 0:
             raise InvalidRequest(f"rate {text!r} has an empty window", path="rate")
+        if seconds > MAX_WINDOW.total_seconds():  # before timedelta(), which may overflow
+            raise InvalidRequest(f"rate {text!r} has a window longer than a day", path="rate")
         return cls(int(match.group(1)), timedelta(seconds=seconds))
 
     def __str__(self) -> str:

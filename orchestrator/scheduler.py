@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,6 +33,7 @@ from orchestrator.errors import InvalidRequest, OrchestratorError
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner
+from orchestrator.registry import Workflow
 from orchestrator.schedules import (
     DEFAULT_CATCHUP,
     Cron,
@@ -65,11 +66,15 @@ class Scheduler:
 
     def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics, *,
                  declared: Sequence[Declared] = (), interval: float = 1.0,
-                 clock: Callable[[], datetime] | None = None) -> None:
+                 clock: Callable[[], datetime] | None = None,
+                 workflows: Mapping[str, Workflow[Any, Any]] | None = None) -> None:
         self.database = database
         self.json_limits = json_limits
         self.metrics = metrics
         self.declared = declared
+        # The application's workflows by ``name@version`` (empty: not known here, as for the
+        # CLI without --app): a run fired waits in its workflow's queue, as its other runs do.
+        self.workflows = workflows if workflows is not None else {}
         self.interval = interval
         self.clock = clock  # None: the database's clock (one clock for every ticker)
 
@@ -244,6 +249,13 @@ class _Tick:
         self.handled += 1
         self.s.metrics.incr("schedule_slots", outcome="fired")
 
+    def _queue(self) -> str | None:
+        """The queue the schedule's workflow waits in (docs/flow.md: a workflow's queue is the
+        default for its runs), when the application is known here."""
+        workflow = self.s.workflows.get(
+            f"{self.row['workflow_name']}@{self.row['workflow_version']}")
+        return workflow.queue if workflow is not None else None
+
     async def _submit(self, slot: datetime, kind: str) -> uuid.UUID:
         """Submit the slot's run in this transaction; its key makes it the slot's only run."""
         row = self.row
@@ -252,7 +264,7 @@ class _Tick:
             row["workflow_name"], row["workflow_version"], row["input"],
             limits=self.s.json_limits,
             owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
-            queues=None, idempotency_key=key)
+            queues=None, idempotency_key=key, queue=self._queue())
         run_id, created, _ = await runs_db.run_insert(self.conn, run_row)
         if created:
             self.s.metrics.incr("runs_submitted")
@@ -344,9 +356,10 @@ class ScheduleDetail:
 class ScheduleAdmin:
     """What is done to stored schedules (no application code needed: the CLI uses it as is)."""
 
-    def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics) -> None:
+    def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics, *,
+                 workflows: Mapping[str, Workflow[Any, Any]] | None = None) -> None:
         self.database = database
-        self.ticker = Scheduler(database, json_limits, metrics)
+        self.ticker = Scheduler(database, json_limits, metrics, workflows=workflows)
 
     async def list(self) -> builtins.list[ScheduleInfo]:
         rows = await self.database.read(sched_db.schedule_list)
@@ -536,12 +549,16 @@ class Schedules:
             raise InvalidRequest(f"schedule {old.id} is declared in code (@app.schedule): "
                                  "change it there", path="id")
         target = ((old.workflow, old.version) if workflow is None and version is None
-                  else self._resolve(workflow or old.workflow, version))
+                  else self._resolve(old.workflow if workflow is None else workflow, version))
+        # What is given is checked as given (an empty cron, a zero window is refused), never
+        # taken for "not given".
         row, when = definition(
-            old.id, target, cron=cron or old.cron, timezone=timezone or old.timezone,
-            overlap=overlap or old.overlap, catchup_window=catchup_window or old.catchup_window,
-            input=old.input if input is ... else input, owner=owner or old.owner,
-            json_limits=self._limits)
+            old.id, target, cron=old.cron if cron is None else cron,
+            timezone=old.timezone if timezone is None else timezone,
+            overlap=old.overlap if overlap is None else overlap,
+            catchup_window=old.catchup_window if catchup_window is None else catchup_window,
+            input=old.input if input is ... else input,
+            owner=old.owner if owner is None else owner, json_limits=self._limits)
         now = await self.admin.ticker._now()
         timing = (row["cron"], row["timezone"]) != (old.cron, old.timezone)
         changed = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_update(

@@ -56,6 +56,9 @@ _MARGIN = timedelta(hours=3)  # wider than any daylight-saving change
 
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RANDOM = re.compile(r"r(\(\d+-\d+\))?(/\d+)?", re.IGNORECASE)
+"""A field croniter fills with a random value (``R``, ``R(0-29)``, ``R/15``), drawn again by
+every reading of the expression: each tick and each worker would see other slots."""
 
 
 def check_schedule_id(value: Any) -> str:
@@ -106,7 +109,7 @@ class Cron:
             raise InvalidRequest("timezone must be an IANA time zone name", path="timezone")
         try:
             zone = ZoneInfo(self.timezone)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a region ("Europe")
             raise InvalidRequest(f"timezone {self.timezone!r} is not a known IANA time zone",
                                  path="timezone") from exc
         seconds = len(expression.split()) == 6
@@ -119,6 +122,10 @@ class Cron:
             raise InvalidRequest(
                 f"cron {expression!r} is not a valid expression (five fields, or six with "
                 "seconds first)", path="cron") from exc
+        if any(_RANDOM.fullmatch(part) for part in expression.split()):
+            raise InvalidRequest(
+                f"cron {expression!r} asks for a random value (R), which every worker and "
+                "every tick would draw again: write the value", path="cron")
         object.__setattr__(self, "zone", zone)
         object.__setattr__(self, "seconds", seconds)
         object.__setattr__(self, "every_hour", fields[1] == ["*"])

@@ -87,7 +87,8 @@ def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]
         db = Database(database_target(args))
         try:
             limits = app.json_limits if app is not None else JsonLimits()
-            return await act(ScheduleAdmin(db, limits, Metrics()))
+            workflows = app.registry.workflows if app is not None else None
+            return await act(ScheduleAdmin(db, limits, Metrics(), workflows=workflows))
         finally:
             await db.close()
 

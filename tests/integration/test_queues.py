@@ -293,6 +293,8 @@ def test_bad_submissions_name_the_field_and_write_nothing(make_app, sql, field, 
     ("rate", {"rate": "10/fortnight"}),
     ("rate", {"rate": "ten/s"}),
     ("rate", {"rate": 10}),
+    ("rate", {"rate": "1/1000000000day"}),  # longer than timedelta holds
+    ("rate", {"rate": "1/" + "9" * 400 + "s"}),  # an infinite float
     ("name", {"name": "-x"}),
 ])
 def test_bad_queue_declarations_name_the_field(make_app, field, options):
@@ -494,6 +496,52 @@ async def test_a_run_holding_the_only_slot_is_claimed_again_behind_a_backlog(mak
     async with _workers([app], concurrency=2):  # claims read 2 candidates at a time
         assert sorted([await h.result_async(timeout=30) for h in handles]) == list(range(12))
     assert gauge.peak[None] == 1
+
+
+def _claim(sql: Callable[..., list[dict[str, Any]]], n: int) -> list[Any]:
+    """The ids of one claim of up to ``n`` runs of the queue ``work``."""
+    return [row["id"] for row in sql(
+        "SELECT id FROM orchestrator.queue_claim('work', ARRAY['job@1'], 'probe', %s, 30)",
+        (n,))]
+
+
+def _copies(sql: Callable[..., list[dict[str, Any]]], run_id: Any, count: int) -> None:
+    """``count`` more ready runs like ``run_id`` (its key, its priority), submitted now."""
+    sql("""INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+               workflow_version, input, options, request_digest, available_at, queue,
+               priority, concurrency_key)
+           SELECT gen_random_uuid(), tenant, principal, workflow_name, workflow_version,
+                  input, options, request_digest, now(), queue, priority, concurrency_key
+           FROM orchestrator.runs, generate_series(1, %s) WHERE id = %s""", (count, run_id))
+
+
+async def test_a_busy_keys_backlog_holds_no_other_key_back(make_app, sql):
+    """One key's slots all held and more of its runs waiting than a claim reads at once (a
+    customer's bulk import): another key's run, submitted after them, starts at once."""
+    app, job = _app(make_app, Gauge(), key_concurrency=1)
+    first = await app.submit_async(job, {"n": 0}, concurrency_key="bulk")
+    async with app.database.connection() as conn:
+        await queues_db.queue_declare(conn, [app._declared_queues["work"].row()])
+    assert _claim(sql, 1) == [first.id]  # the key's only slot is held now
+    _copies(sql, first.id, 600)
+    other = await app.submit_async(job, {"n": 1}, concurrency_key="another")
+    assert _claim(sql, 5) == [other.id]
+
+
+async def test_a_run_past_its_aging_bound_starts_before_newer_better_priorities(make_app,
+                                                                                 sql):
+    """A run of priority 1 is at most one ``priority_aging`` behind runs of priority 0
+    submitted after it, also when an older run of a far worse priority heads the line (it is
+    then neither the longest waiting run nor the best by its stored priority)."""
+    app, job = _app(make_app, Gauge(), priority=True, priority_aging=timedelta(seconds=1))
+    await app.submit_async(job, {"n": 0}, priority=1000)
+    aged = await app.submit_async(job, {"n": 1}, priority=1)
+    async with app.database.connection() as conn:
+        await queues_db.queue_declare(conn, [app._declared_queues["work"].row()])
+    # Both have waited ten seconds (ten agings): the one of priority 1 now ranks as -9.
+    sql("UPDATE orchestrator.runs SET available_at = available_at - interval '10 seconds'")
+    await app.submit_async(job, {"n": 2}, priority=0)
+    assert _claim(sql, 1) == [aged.id]
 
 
 def _claim_one(url: str, worker: str = "probe") -> list[Any]:

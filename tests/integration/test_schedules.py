@@ -247,10 +247,38 @@ async def test_a_schedule_declared_in_code_is_written_by_the_ticker_and_changed_
     await app.database.close()
 
 
+async def test_the_runs_a_schedule_fires_wait_in_their_workflows_queue(make_app, sql):
+    """A workflow's queue is the default for its runs, those its schedule fires too: they
+    are bound by the queue's limits, whether the ticker, a trigger or a backfill fires them."""
+    clock = [T0]
+    app = make_app()
+    app.queue("reports", concurrency=1)
+
+    @app.schedule("nightly", cron="* * * * *", overlap="allow_all")
+    @app.workflow(queue="reports")
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    app.schedules.admin.ticker.clock = lambda: clock[0]
+    ticker = app.create_scheduler()
+    ticker.clock = lambda: clock[0]
+    await ticker.declare()
+    clock[0] = minute(2, 0.5)
+    assert await ticker.tick() == 2
+    await app.schedules.trigger_async("nightly")
+    await app.schedules.backfill_async("nightly", T0 - timedelta(minutes=1), T0)
+    made = sql("SELECT queue FROM orchestrator.runs")
+    assert [r["queue"] for r in made] == ["reports"] * 5
+    await app.database.close()
+
+
 @pytest.mark.parametrize(("options", "path"), [
     ({"cron": "0 25 * * *"}, "cron"),
     ({"cron": "0 0 30 2 *"}, "cron"),  # never fires
     ({"cron": "0 3 * * *", "timezone": "Europe/Atlantis"}, "timezone"),
+    ({"cron": "0 3 * * *", "timezone": "Europe"}, "timezone"),  # a region, not a zone
+    ({"cron": "R 3 * * *"}, "cron"),  # croniter's random minute, drawn again at every tick
+    ({"cron": "0 R(0-5) * * *"}, "cron"),
     ({"cron": "0 3 * * *", "overlap": "queue_them"}, "overlap"),
     ({"cron": "0 3 * * *", "catchup_window": timedelta(seconds=-5)}, "catchup_window"),
     ({"cron": "0 3 * * *", "input": {"x": float("nan")}}, "$.input.x"),
@@ -265,6 +293,26 @@ async def test_bad_schedules_are_rejected_naming_the_field_and_nothing_is_writte
         await app.schedules.create_async("no spaces", "report", cron="0 3 * * *")
     assert bad_id.value.path == "id"
     assert sql("SELECT count(*) AS n FROM orchestrator.schedules")[0]["n"] == 0
+    await app.database.close()
+
+
+@pytest.mark.parametrize(("options", "path"), [
+    ({"cron": ""}, "cron"),
+    ({"timezone": ""}, "timezone"),
+    ({"overlap": ""}, "overlap"),
+    ({"catchup_window": timedelta(0)}, "catchup_window"),
+])
+async def test_a_bad_update_is_rejected_naming_the_field_and_changes_nothing(
+        make_app, sql, options: dict[str, Any], path: str):
+    """A value given to ``update`` is checked as ``create`` checks it: an empty or zero one
+    is bad input, not a value left out."""
+    app = _app(make_app, [T0])
+    await app.schedules.create_async("s", "report", cron="0 3 * * *")
+    before = sql("SELECT * FROM orchestrator.schedules")
+    with pytest.raises(InvalidRequest) as info:
+        await app.schedules.update_async("s", **options)
+    assert info.value.code == "INVALID_REQUEST" and info.value.path == path
+    assert sql("SELECT * FROM orchestrator.schedules") == before
     await app.database.close()
 
 
