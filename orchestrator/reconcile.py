@@ -298,7 +298,7 @@ class Reconciler:
         try:
             async with self.db.connection() as conn:
                 items = await recon_db.recon_claim_due(
-                    conn, claimer=self.id, limit=self.batch, ttl=self.lookup_timeout + 30)
+                    conn, claimer=self.id, limit=self.batch, ttl=self.claim_ttl)
         except OrchestratorError as exc:
             log.warning("claiming reconciliation items failed: %s", exc.code)
             return 0
@@ -311,6 +311,11 @@ class Reconciler:
                             extra=_said(item, code=exc.code))
         return len(items)
 
+    @property
+    def claim_ttl(self) -> float:
+        """Seconds a claim on an item lasts: one lookup and the recording of its answer."""
+        return self.lookup_timeout + 30
+
     async def _handle(self, item: dict[str, Any]) -> None:
         tool = self.registry.tools.get(item["tool_name"])
         if tool is None or tool.lookup_fn is None:
@@ -320,6 +325,16 @@ class Reconciler:
                     note=f"tool {item['tool_name']} has no lookup here; an operator decides")
             log.info("run %s: operation %s handed to operators: tool %s has no lookup here",
                      item["run_id"], item["operation_id"], item["tool_name"],
+                     extra=_said(item))
+            return
+        # The items of a batch are looked up one after another: each claim is renewed as its
+        # lookup begins, and an item whose claim lapsed meanwhile is another's now.
+        async with self.db.connection() as conn:
+            held = await recon_db.recon_claim_renew(conn, item_id=item["item_id"],
+                                                    claimer=self.id, ttl=self.claim_ttl)
+        if not held:
+            log.info("run %s: operation %s not looked up: its claim lapsed (another reconciler "
+                     "holds it, or it was settled)", item["run_id"], item["operation_id"],
                      extra=_said(item))
             return
         try:
@@ -372,7 +387,11 @@ class Reconciler:
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""
-            await self._record(item, kind, said, None, retry_in=self.base_delay)
+            state, _ = await self._record(item, kind, said, None, retry_in=self.base_delay)
+            if state == "lost":
+                await self._late(item, kind,
+                                 answer.receipt if isinstance(answer, Committed) else None)
+                return
             outcome = await resolve(
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
@@ -388,6 +407,9 @@ class Reconciler:
         attempts = item["lookup_attempts"] + 1
         retry_in = None if attempts >= self.max_lookups else self.backoff(attempts)
         state, ref = await self._record(item, "still_unknown", said, raised, retry_in)
+        if state == "lost":
+            _lost(item, "still_unknown")
+            return
         # What the lookup said is tool text (it may hold a URL with a key in it): the log
         # names the incident that keeps it, never the text.
         kept = f", its reason in incident {ref}" if ref else ""
@@ -399,6 +421,24 @@ class Reconciler:
             log.info("run %s: operation %s still unknown after lookup %d%s; next lookup in "
                      "%.1f s", item["run_id"], item["operation_id"], attempts, kept, retry_in,
                      extra=_said(item, incident=ref))
+
+    async def _late(self, item: dict[str, Any], kind: str, receipt: Any) -> None:
+        """A conclusive answer that came after the claim on its item lapsed: the item is
+        another reconciler's now, or settled, so it is kept in the history but not acted on.
+        One that contradicts how the item was settled meanwhile is logged as the conflict it
+        is."""
+        async with self.db.connection() as conn:
+            now = await recon_db.recon_get(conn, item["operation_id"])
+        digest = None if receipt is None else canonical.text_digest(
+            self.config.json_limits.text(receipt, "$.receipt"))
+        if now is None or now["item_state"] != "resolved" or (
+                now["resolution"] == kind and now["receipt_digest"] == digest):
+            _lost(item, kind)
+            return
+        log.warning("run %s: operation %s was resolved as %s, but its lookup answered %s after "
+                    "the claim on it lapsed (RESOLUTION_CONFLICT)", item["run_id"],
+                    item["operation_id"], now["resolution"], kind,
+                    extra=_said(item, code="RESOLUTION_CONFLICT"))
 
     async def _lookup(self, tool: Tool, ctx: ToolContext, arguments: dict[str, Any]
                       ) -> tuple[Any, BaseException | None]:
@@ -437,7 +477,8 @@ class Reconciler:
         that keeps what the lookup said. That text (a ``NotApplied``'s or ``StillUnknown``'s
         reason, the exception a lookup raised) is the tool's and may hold secrets, so it goes
         to the operation's protected diagnostics, in the same transaction; the history keeps
-        only the answer and the incident's reference."""
+        only the answer and the incident's reference. The state is ``lost`` when the claim on
+        the item lapsed meanwhile: the lookup is kept, its answer is not to be acted on."""
         text = "" if said is None else str(said)
         ref = new_incident_ref() if text or raised is not None else None
         detail: dict[str, Any] = {"tool": item["tool_name"],
@@ -468,6 +509,14 @@ async def _quietly(check: Any) -> bool:
         return bool(await check)
     except OrchestratorError:
         return False
+
+
+def _lost(item: dict[str, Any], answer: str) -> None:
+    """A lookup answered after this reconciler's claim on its item had lapsed: the item is
+    another reconciler's now (or settled), so the answer is kept but not acted on."""
+    log.info("run %s: operation %s: its lookup answered %s after the claim on it lapsed; kept "
+             "in its history, not acted on (another reconciler holds it, or it was settled)",
+             item["run_id"], item["operation_id"], answer, extra=_said(item))
 
 
 def _said(item: dict[str, Any], **more: Any) -> dict[str, Any]:

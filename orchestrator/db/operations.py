@@ -172,7 +172,9 @@ async def operation_mark_unknown(
 
     ``enqueue`` puts it in the reconciliation queue; it is False only when the effect class
     allows a re-send that will settle it. ``settle_read`` moves an uncertain read on to
-    ``not_applied`` at once: a read changes nothing, and its repetition is a new attempt.
+    ``not_applied`` at once: a read changes nothing, and its repetition is a new attempt. A
+    queue item the read already has (a late receipt kept as evidence queues its attempt) is
+    resolved with it: nothing is left to reconcile.
     """
     await _transition(
         conn,
@@ -185,10 +187,25 @@ async def operation_mark_unknown(
         "marking unknown",
     )
     if settle_read:
-        await conn.execute(
-            f"""UPDATE {S}.operations SET state = 'not_applied', finished_at = now(),
-                       updated_at = now() WHERE id = %s AND state = 'unknown'""",
-            (op_id,),
+        await _transition(
+            conn,
+            f"""
+            WITH settled AS (
+                UPDATE {S}.operations SET state = 'not_applied', finished_at = now(),
+                       updated_at = now()
+                WHERE id = %(op_id)s AND state = 'unknown'
+                RETURNING id
+            ), resolved AS (
+                UPDATE {S}.reconciliation_items i
+                SET state = 'resolved', resolution = 'not_applied', resolved_at = now(),
+                    claimed_by = NULL, claimed_until = NULL
+                FROM settled WHERE i.operation_id = settled.id AND i.state <> 'resolved'
+                RETURNING 1
+            )
+            SELECT id FROM settled
+            """,
+            {"op_id": op_id},
+            "settling a read",
         )
     if enqueue:
         await conn.execute(

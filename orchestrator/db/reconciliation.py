@@ -62,20 +62,30 @@ async def recon_claim_due(
     return await cur.fetchall()
 
 
+async def recon_claim_renew(conn: Conn, *, item_id: int, claimer: str, ttl: float) -> bool:
+    """Extend ``claimer``'s claim on an open item by ``ttl`` seconds from now, just before its
+    lookup; False when the claim is gone (it lapsed and another reconciler claimed the item,
+    or the item was settled meanwhile): the lookup is not made then."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items
+        SET claimed_until = now() + make_interval(secs => %(ttl)s)
+        WHERE id = %(item_id)s AND state = 'open' AND claimed_by = %(claimer)s
+        """,
+        {"item_id": item_id, "claimer": claimer, "ttl": ttl},
+    )
+    return cur.rowcount == 1
+
+
 async def recon_record_lookup(
     conn: Conn, *, item_id: int, claimer: str, answer: str, detail: str,
     retry_in: float | None
 ) -> str:
     """Keep one lookup attempt in the item's history; schedule the next one or hand the item
-    to operators (``retry_in`` None). Returns the item's new state."""
-    await conn.execute(
-        f"""
-        INSERT INTO {S}.reconciliation_lookups (item_id, attempt, answer, detail)
-        SELECT id, lookup_attempts + 1, %(answer)s, %(detail)s::jsonb
-        FROM {S}.reconciliation_items WHERE id = %(item_id)s
-        """,
-        {"item_id": item_id, "answer": answer, "detail": detail},
-    )
+    to operators (``retry_in`` None). Returns the item's new state, or ``lost`` when
+    ``claimer`` no longer holds the open item (its claim lapsed and another reconciler took
+    it, or it was settled): the lookup is kept in the history all the same, under its own
+    attempt number, and the item is left as it is, its answer not to be acted on."""
     cur = await conn.execute(
         f"""
         UPDATE {S}.reconciliation_items
@@ -83,12 +93,27 @@ async def recon_record_lookup(
             state = CASE WHEN %(retry_in)s::float8 IS NULL THEN 'operator' ELSE state END,
             next_attempt_at = now() + make_interval(secs => COALESCE(%(retry_in)s::float8, 0))
         WHERE id = %(item_id)s AND state = 'open' AND claimed_by = %(claimer)s
-        RETURNING state
+        RETURNING state, lookup_attempts
         """,
         {"item_id": item_id, "claimer": claimer, "retry_in": retry_in},
     )
     row = await cur.fetchone()
-    return "lost" if row is None else str(row["state"])
+    state = "lost" if row is None else str(row["state"])
+    if row is None:  # a late answer: numbered in turn, the item otherwise left as it is
+        cur = await conn.execute(
+            f"""UPDATE {S}.reconciliation_items SET lookup_attempts = lookup_attempts + 1
+                WHERE id = %s RETURNING state, lookup_attempts""", (item_id,))
+        row = await cur.fetchone()
+    if row is not None:
+        await conn.execute(
+            f"""
+            INSERT INTO {S}.reconciliation_lookups (item_id, attempt, answer, detail)
+            VALUES (%(item_id)s, %(attempt)s, %(answer)s, %(detail)s::jsonb)
+            """,
+            {"item_id": item_id, "attempt": row["lookup_attempts"], "answer": answer,
+             "detail": detail},
+        )
+    return state
 
 
 async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:

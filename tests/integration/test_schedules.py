@@ -472,3 +472,48 @@ async def test_a_backfill_from_before_the_calendar_is_refused_and_fires_nothing(
     assert info.value.code == "INVALID_REQUEST" and info.value.path == "from"
     assert slots(sql) == [] and runs_of(sql) == []
     await app.database.close()
+
+
+async def test_expiring_evidence_keeps_the_chain_a_schedule_follows(make_app, sql):
+    """The run a schedule fired continued as new and its newest generation is unfinished: the
+    first generation, finished, is pruned and its evidence period ends, but its row and those
+    of the chain stay while the chain runs (the overlap policy follows them to the running
+    generation), so the next slot is still skipped, never fired beside the running one. Once
+    the chain ends they go with the rest."""
+    clock = [T0]
+    app = make_app()
+
+    @app.workflow()
+    async def poll(ctx, state):  # type: ignore[no-untyped-def]
+        if state["generation"] < 2:
+            ctx.continue_as_new({"generation": state["generation"] + 1})
+        await ctx.wait_for_event("stop")
+        return state
+
+    app.schedules.admin.ticker.clock = lambda: clock[0]
+    await app.schedules.create_async("s", "poll", cron="* * * * *", overlap="skip",
+                                     input={"generation": 0})
+    ticker = _ticker(app, clock)
+    clock[0] = minute(1, 0.5)
+    await ticker.tick()
+    (first,) = runs_of(sql)
+    chain = "SELECT id, status FROM orchestrator.runs WHERE workflow_name = 'poll'"
+    async with running(app, schedules=False):  # ticked here alone
+        await wait_for(lambda: [r["status"] for r in sql(chain)].count("waiting") == 1,
+                       timeout=20)
+    rules = Retention(finished_runs=timedelta(0), evidence=timedelta(0))
+    report = await Pruner(app.database, rules).prune()
+    clock[0] = minute(2, 0.5)
+    await ticker.tick()
+    assert len(runs_of(sql)) == 1  # nothing fired beside the running generation
+    assert slots(sql) == [(minute(2), "skipped", "overlap")]  # minute 1's went with its run
+    assert (report.runs, report.evidence_runs) == (2, 0)  # pruned, their rows kept
+    assert first["id"] in {r["id"] for r in sql(chain)}
+
+    (last,) = [r for r in sql(chain) if r["status"] == "waiting"]
+    async with running(app, schedules=False):  # ticked here alone
+        await app.send_event_async(last["id"], "stop")
+        await wait_for(lambda: sql(chain + " AND status = 'waiting'") == [], timeout=20)
+    report = await Pruner(app.database, rules).prune()
+    assert (report.runs, report.evidence_runs) == (1, 3)  # the chain ended: its rows go
+    await app.database.close()

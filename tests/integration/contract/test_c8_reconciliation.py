@@ -349,3 +349,138 @@ async def test_a_lookup_that_raises_cancelled_error_is_an_inconclusive_answer(ap
     assert [x["answer"] for x in lookups] == ["still_unknown"] * 2
     items = sql("SELECT state, claimed_by FROM orchestrator.reconciliation_items")
     assert items == [{"state": "operator", "claimed_by": None}] * 2
+
+
+async def test_a_late_receipt_item_of_a_read_is_settled_with_the_read(app, sql):
+    """A read whose worker lost its lease keeps its late receipt as evidence, which queues the
+    attempt; the read is then settled as not applied and read again as a new attempt: its
+    queue item is resolved with it, not left open for ever (nothing would look it up, no
+    operator could resolve it, and its run could never be pruned)."""
+    from orchestrator.db import operations as ops_db
+    from orchestrator.retention import Pruner, Retention
+
+    sent: list[str] = []
+
+    @app.tool(effect="read")
+    async def balance(ctx):  # type: ignore[no-untyped-def]
+        sent.append(ctx.idempotency_key)
+        if len(sent) == 1:  # as a worker that lost its lease would keep its late receipt
+            async with app.database.connection() as conn:
+                await ops_db.operation_attach_evidence(
+                    conn, op_id=ctx.operation_id,
+                    evidence='{"kind": "late_receipt", "receipt": {"cents": 5}}')
+            raise ConnectionResetError("sent, then the connection dropped")
+        return {"cents": 5}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(balance)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=15) == {"cents": 5}
+    assert len(sent) == 2 and sent[0] != sent[1]  # a new attempt, with its own key
+    assert [o["state"] for o in operations(sql)] == ["not_applied", "committed"]
+    items = sql("SELECT state, resolution FROM orchestrator.reconciliation_items")
+    assert items == [{"state": "resolved", "resolution": "not_applied"}]
+    assert await app.operators.list_items(operator="al", state="unresolved") == []
+    pruned = await Pruner(app.database, Retention(finished_runs=timedelta(0),
+                                                  evidence=None)).prune()
+    assert pruned.runs == 1  # a finished run with nothing unsettled
+
+
+async def test_a_reconciler_whose_claims_lapsed_in_a_slow_lookup_leaves_them_alone(app, sql):
+    """A lookup that outlasts its claim (the items claimed after it in the same batch wait
+    for it too) lets a second reconciler claim those items, look them up and settle them. The
+    first then leaves them be: it looks up no item it no longer holds, and its late answer is
+    kept in the item's history under a number of its own but not acted on (no second
+    settlement, audit row, journal entry or count)."""
+    from orchestrator import Committed
+
+    started, release = asyncio.Event(), asyncio.Event()
+    looked: list[int] = []
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        looked.append(ctx.operation_id)
+        if len(looked) == 1:  # the first lookup is slow
+            started.set()
+            await release.wait()
+        return Committed({"order": order})
+
+    @app.workflow()
+    async def wf(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        runs = [await app.submit_async(wf, order) for order in ("o-1", "o-2")]
+        for run in runs:
+            await wait_for(parked(sql, run))
+        slow = asyncio.ensure_future(app.create_reconciler(batch=2).run_once())
+        await asyncio.wait_for(started.wait(), 10)
+        # Both claims lapse while the first lookup runs, as they would in a longer one.
+        sql("UPDATE orchestrator.reconciliation_items "
+            "SET claimed_until = now() - interval '1 second'")
+        assert await app.create_reconciler().run_once() == 2  # taken over, both settled
+        release.set()
+        await asyncio.wait_for(slow, 10)
+        assert [await run.result_async(timeout=10) for run in runs] == [
+            {"order": "o-1"}, {"order": "o-2"}]
+    assert len(looked) == 3 and len(set(looked)) == 2  # the held-up item alone twice
+    history: dict[int, list[int]] = {}
+    for row in sql("SELECT i.operation_id, l.attempt FROM orchestrator.reconciliation_lookups l "
+                   "JOIN orchestrator.reconciliation_items i ON i.id = l.item_id ORDER BY l.id"):
+        history.setdefault(row["operation_id"], []).append(row["attempt"])
+    assert sorted(history.values()) == [[1], [1, 2]]  # every lookup kept, numbered in turn
+    audit = sql("SELECT operator, action FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"]) for a in audit] == [
+        ("reconciler", "resolve.committed")] * 2
+    completed = sql("SELECT count(*) AS n FROM orchestrator.journal "
+                    "WHERE kind = 'call.completed'")
+    assert completed == [{"n": 2}]
+    assert app.metrics.snapshot()["reconciliation_auto_committed"] == 2
+
+
+async def test_a_lookup_answer_come_after_an_operators_other_resolution_is_a_conflict(
+        app, sql, caplog):
+    """An operator settles an item while its lookup is out: the lookup's answer is kept in the
+    history but not acted on, and as it contradicts the settlement it is logged as a
+    conflict."""
+    from orchestrator import Committed
+
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await release.wait()
+        return Committed({"id": "ch_1"})
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+    [op] = operations(sql)
+    looking = asyncio.ensure_future(app.create_reconciler().run_once())
+    await asyncio.wait_for(started.wait(), 10)
+    await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
+                                            operator="al", then="fail")
+    release.set()
+    assert await asyncio.wait_for(looking, 10) == 1
+    assert sql("SELECT attempt, answer FROM orchestrator.reconciliation_lookups") == [
+        {"attempt": 1, "answer": "committed"}]
+    audit = sql("SELECT operator, action FROM orchestrator.operator_audit")
+    assert [(a["operator"], a["action"]) for a in audit] == [("al", "resolve.not_applied")]
+    conflicts = [r for r in caplog.records if getattr(r, "code", None) == "RESOLUTION_CONFLICT"]
+    assert [r.levelname for r in conflicts] == ["WARNING"]
