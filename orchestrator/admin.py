@@ -294,11 +294,12 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
     "Restarting a run"), audited as ``run.restart``. The new run's journal holds the old one's
     entries before ``from_position`` (default: where the old run went wrong) and, at every
     position, the calls that committed, whose receipts it replays; the rest runs anew, a call
-    as a new operation with a new key. Refused while an operation of the old run has no outcome
-    (``OPERATION_UNCERTAIN``: reconcile first), for a run not finished
-    (``OPERATION_IN_PROGRESS``), pruned (``RUN_PRUNED``) or already restarted
-    (``INVALID_REQUEST`` naming the run that superseded it). ``tenants``: the operator's scope;
-    ``owner``: only that owner's run (the owner's API); either way another's is ACCESS_DENIED."""
+    as a new operation with a new key; the events the old run never consumed are its. Refused
+    while an operation of the old run has no outcome (``OPERATION_UNCERTAIN``: reconcile
+    first), for a run not finished (``OPERATION_IN_PROGRESS``), pruned (``RUN_PRUNED``) or
+    already restarted (``INVALID_REQUEST`` naming the run that superseded it). ``tenants``:
+    the operator's scope; ``owner``: only that owner's run (the owner's API); either way
+    another's is ACCESS_DENIED."""
     check_evidence(evidence, operator)
     if from_position is not None and (type(from_position) is not int or from_position < 0):
         raise InvalidRequest("from_position must be a position (0 or more)",
@@ -349,6 +350,7 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
         await runs_db.run_insert(conn, new)
         carried = await chains_db.run_journal_carry(conn, old=run_id, new=new["id"], before=at)
         await chains_db.run_children_adopt(conn, old=run_id, new=new["id"], before=at)
+        await chains_db.run_events_hand_on(conn, old=run_id, new=new["id"])
         if not await chains_db.run_mark_restarted(conn, new["id"], restarted_from=run_id,
                                                   revision=carried):
             raise InvalidRequest(f"run {new['id']} changed before its restart was recorded",

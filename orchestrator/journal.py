@@ -91,7 +91,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.MESSAGE: (("value",), ()),  # its name is the topic
     K.CHILD_STARTED: (("run_id", "version"), ()),
     K.CHILD_COMPLETED: (("result",), ()),
-    K.CHILD_FAILED: (("code", "message"), ("cause",)),
+    K.CHILD_FAILED: (("code", "message"), ("cause", "incident")),
     K.PATCH: ((), ()),  # its name is the patch's id
     K.RUN_COMPLETED: (("result",), ()),
     K.RUN_FAILED: (("code", "message", "incident"), ("cause",)),

@@ -284,13 +284,14 @@ def event_timeout(name: str, timeout_at: datetime | None) -> EventTimeout:
 def child_ended(child_id: uuid.UUID, ended: Entry) -> Verdict:
     """What ``run_child`` does once child ``child_id`` ended (``ended`` is its
     ``child.completed`` or ``child.failed`` entry, recorded or just made): return the child's
-    result, or raise its failure."""
+    result, or raise its failure, whose ``incident`` is the child's own (recorded with it, so
+    the same on every replay; a fresh reference only where the child's error named none)."""
     payload = ended["payload"]
     if ended["kind"] == _CHILD_COMPLETED:
         return Verdict(_RETURNS, payload["result"])
     return Verdict(_RAISES, error=RunFailed(
         payload["message"], code=payload["code"], run_id=str(child_id),
-        cause=payload.get("cause")))
+        cause=payload.get("cause"), incident=payload.get("incident")))
 
 
 # -- the check every command starts with -------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
@@ -263,7 +263,7 @@ async def check_run(run: RecordedRun, registry: Registry,
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return _ended(run, key, commands, min(commands.waiting, default=commands.position))
-    failure = task.exception() if not task.cancelled() else None
+    failure = _deciding(task.exception() if not task.cancelled() else None)
     if isinstance(failure, Nondeterminism):
         return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
                        failure.recorded, failure.issued, f"NONDETERMINISM: {failure.report}")
@@ -283,6 +283,28 @@ async def check_run(run: RecordedRun, registry: Registry,
                        f"NONDETERMINISM: position {beyond[0]}: the journal recorded "
                        f"{describe(first)}, the code ended")
     return _ended(run, key, commands, None)
+
+
+def _deciding(failure: BaseException | None) -> BaseException | None:
+    """What the code's failure comes to when a task group (``asyncio.TaskGroup``) collected
+    it: a ``NONDETERMINISM`` among its exceptions (nested groups included) first, as a
+    worker's end takes it from the group, else where the history ends; else ``failure``."""
+    if not isinstance(failure, BaseExceptionGroup):
+        return failure
+    leaves = list(_leaves(failure))
+    for kind in (Nondeterminism, _HistoryEnds):
+        found = next((exc for exc in leaves if isinstance(exc, kind)), None)
+        if found is not None:
+            return found
+    return failure
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 def _ended(run: RecordedRun, key: str, commands: _Commands, at: int | None) -> Verdict:

@@ -61,9 +61,15 @@ async def run_continue(conn: Conn, *, run_id: uuid.UUID, token: int, new_id: uui
         "key": moved["idempotency_key"], "parent_position": moved["parent_position"]})
     if cur.rowcount != 1:  # pragma: no cover - the row is locked by this transaction
         raise LeaseLost(f"run {run_id} could not be continued: its row is gone")
-    # Events delivered and not consumed yet are the new run's: nothing accepted is dropped.
-    await conn.execute(f"UPDATE {S}.external_events SET run_id = %s "
-                       "WHERE run_id = %s AND consumed_position IS NULL", (new_id, run_id))
+    await run_events_hand_on(conn, old=run_id, new=new_id)
+
+
+async def run_events_hand_on(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> int:
+    """Make the events delivered to ``old`` and not consumed yet ``new``'s (a continuation's
+    next run, a restart's new run): nothing accepted is dropped. Returns how many moved."""
+    cur = await conn.execute(f"UPDATE {S}.external_events SET run_id = %s "
+                             "WHERE run_id = %s AND consumed_position IS NULL", (new, old))
+    return cur.rowcount
 
 
 # -- restarts (migration 0014, docs/retention.md#restarting-a-run) --------------------------
@@ -77,8 +83,11 @@ WHERE run_id = %(old)s AND kind = '{EventKind.CALL_COMPLETED}'
 async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
                             before: int) -> int:
     """Copy into the new run's journal the old run's entries at positions before ``before``
-    and, at every position, those of a call that committed (never repeated); renumbered
-    from 1, in the old order. Returns how many entries were copied."""
+    and, at every position, those of a call that committed (never repeated) and the patch
+    markers (the path of each ``ctx.patched`` the run took: without its marker where a
+    carried call comes later, the new run would take the old path, and its commands would
+    take other positions than the journal's); renumbered from 1, in the old order. Returns
+    how many entries were copied."""
     cur = await conn.execute(
         f"""
         INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version, payload,
@@ -87,7 +96,8 @@ async def run_journal_carry(conn: Conn, *, old: uuid.UUID, new: uuid.UUID,
                j.schema_version, j.payload, 0, j.created_at
         FROM {S}.journal j
         WHERE j.run_id = %(old)s AND j.position IS NOT NULL
-          AND (j.position < %(before)s OR j.position IN ({_COMMITTED_POSITIONS}))
+          AND (j.position < %(before)s OR j.kind = '{EventKind.PATCH}'
+               OR j.position IN ({_COMMITTED_POSITIONS}))
         ORDER BY j.seq
         """, {"old": old, "new": new, "before": before})
     return cur.rowcount

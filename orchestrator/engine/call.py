@@ -67,7 +67,7 @@ class Call(CallSite):
             # again at this point (see withdraw); until then the call does not return.
             await self.run.until_cancelled()
         else:
-            return verdict.settle()  # its receipt, its ToolFailed, or nondeterminism
+            return self.run.settle(verdict)  # its receipt, its ToolFailed, or nondeterminism
         while True:
             outcome = await self.attempt(state)
             if isinstance(outcome, _Done):

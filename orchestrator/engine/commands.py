@@ -24,7 +24,7 @@ from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.control import Wait, as_seconds
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
-from orchestrator.errors import InvalidRequest, ToolFailed, UnknownWorkflow
+from orchestrator.errors import ToolFailed, UnknownWorkflow
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.matching import (
     NEW,
@@ -83,7 +83,7 @@ class Commands:
     def value(self, position: int, name: str) -> Any:
         verdict = match_value(self.run.index, position, name)
         if verdict is not NEW:
-            return verdict.settle()
+            return self.run.settle(verdict)
         raw: Any
         if name == "now":
             raw = self.run.now().isoformat()
@@ -103,7 +103,7 @@ class Commands:
         text = self.config.json_limits.text(value, "$.value")
         verdict = match_publish(self.run.index, position, topic, value, text)
         if verdict is not NEW:
-            verdict.settle()
+            self.run.settle(verdict)
             return
         # A copy, as it is now: workflow code may change the object before the write.
         self.session.buffer(entry(EventKind.MESSAGE, position, topic,
@@ -141,7 +141,7 @@ class Commands:
         run = self.run
         verdict = match_sleep(run.index, position)
         if verdict is not NEW:
-            until = verdict.settle()
+            until = run.settle(verdict)
         else:
             seconds = as_seconds(duration) or 0.0
             run.boundary()
@@ -169,7 +169,7 @@ class Commands:
         verdict = match_event(run.index, position, name)
         timeout_at: datetime | None
         if verdict is not NEW:
-            got = verdict.settle()  # the event's payload, its timeout, or nondeterminism
+            got = run.settle(verdict)  # the event's payload, its timeout, or nondeterminism
             if verdict.outcome is Outcome.RETURNS:
                 return got
             timeout_at = got  # not over yet: it waits until its recorded timeout
@@ -202,7 +202,7 @@ class Commands:
         verdict = match_child(run.index, position, wf.name)
         child_id: uuid.UUID
         if verdict is not NEW:
-            got = verdict.settle()  # the child's result, its failure, or nondeterminism
+            got = run.settle(verdict)  # the child's result, its failure, or nondeterminism
             if verdict.outcome is Outcome.RETURNS:
                 return got
             child_id = got  # not ended yet: its run id
@@ -236,6 +236,8 @@ class Commands:
                           "message": error.get("message", "the child run failed")}
                 if error.get("cause") is not None:
                     failed["cause"] = error["cause"]
+                if error.get("incident") is not None:  # where the child's diagnostics are
+                    failed["incident"] = error["incident"]
                 outcome = entry(EventKind.CHILD_FAILED, position, wf.name, failed)
             await self._append(outcome)
             return child_ended(child_id, outcome).settle()
@@ -250,9 +252,8 @@ class Commands:
         if version is None:
             chosen = self.registry.choose(run.workflow_name)
             version = chosen.version if chosen is not None else run.workflow_key.partition("@")[2]
-        elif not isinstance(version, str) or not version or len(version) > 200:
-            raise InvalidRequest("version must be a workflow version (a non-empty string)",
-                                 path="version")
+        else:  # the rules a submission's version is held to: the row must be storable
+            check_identifier("version", version)
         raise ContinueAsNew(self.config.json_limits.text(input, "$.input"), version)
 
     async def _append(self, ev: Entry) -> None:

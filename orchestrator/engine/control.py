@@ -12,6 +12,7 @@ from typing import Any
 
 from orchestrator.context import ContinueAsNew
 from orchestrator.errors import ConfigurationError, DatabaseError, InvalidRequest
+from orchestrator.flow import MAX_DEADLINE
 from orchestrator.journal import Nondeterminism
 
 
@@ -61,12 +62,19 @@ class Phase(enum.Enum):
 
 
 def as_seconds(value: timedelta | float | None) -> float | None:
-    """A duration given as a timedelta or a number of seconds, checked."""
+    """A duration given as a timedelta or a number of seconds, checked: from 0 to
+    :data:`~orchestrator.flow.MAX_DEADLINE`, so that the time it ends at is one a timer's entry
+    and the database can hold (anything else is ``INVALID_REQUEST``, never a ``ValueError`` or
+    an ``OverflowError`` from the arithmetic)."""
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if seconds != seconds or seconds < 0:
-        raise InvalidRequest(f"a duration must be a non-negative number, got {value!r}")
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 <= seconds <= MAX_DEADLINE.total_seconds():
+        raise InvalidRequest(f"a duration must be a number of seconds from 0 to "
+                             f"{MAX_DEADLINE.days} days, got {value!r}")
     return seconds
 
 

@@ -194,6 +194,10 @@ class Outcome:
         if isinstance(exc, Stop):
             await self._stop(exc)
             return
+        if self.run.diverged is not None:
+            # A branch's command differed from the journal, whether or not the code waited
+            # for that branch: never an outcome of the code that went on (C4).
+            exc = self.run.diverged
         if exc is None:
             await self._succeed(task.result())
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import logging
 import time
 import uuid
@@ -13,7 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from orchestrator import canonical
+from orchestrator import canonical, matching
 from orchestrator.db.database import load_json
 from orchestrator.engine.control import Phase, Stop, Verdict
 from orchestrator.journal import Entry, JournalIndex
@@ -78,6 +79,8 @@ class RunState:
         self.lease_until = self.claimed_at + self.lease_ttl
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
+        # The NONDETERMINISM a command met (see settle); None while the code matches.
+        self.diverged: BaseException | None = None
         self.tracer: Tracer | None = None  # this execution's, when it is traced (the executor)
 
     # -- lease and phase ---------------------------------------------------------------------
@@ -179,13 +182,16 @@ class RunState:
                              self.workflow_name)
 
     def boundary(self) -> None:
-        """Checks made before any new durable step: lease, drain, cancellation, deadline."""
+        """Checks made before any new durable step: lease, drain, a command that differed from
+        the journal, cancellation, deadline."""
         if self.lost:
             raise Stop("lease_lost")
         if self.phase is Phase.PARKING or self.phase is Phase.GONE:
             # The executor parks the run or has let go of it (workflow code that caught the
             # cancellation it was given goes no further): the next claim replays it.
             raise Stop("let_go")
+        if self.diverged is not None:  # a branch's command differs from the journal (C4)
+            raise copy.copy(self.diverged)  # a fresh one: the kept one holds no frames
         if self.cancel_requested:
             raise Stop("cancelled")
         if self.deadline_at is not None and self.now() >= self.deadline_at:
@@ -193,6 +199,15 @@ class RunState:
         if self.phase is Phase.DRAINING or self.phase is Phase.DRAIN_STOPPED:
             self.phase = Phase.DRAIN_STOPPED  # branches a task group now cancels are ours
             raise Stop("drain")
+
+    def settle(self, verdict: matching.Verdict) -> Any:
+        """What the journal says for a command at its position (``verdict.settle()``). A
+        command that differs from it is remembered first, so that no branch of the run takes
+        a new step after that (:meth:`boundary`), whichever branch issued it and whether or
+        not workflow code waits for that branch."""
+        if verdict.outcome is matching.Outcome.DIFFERS and self.diverged is None:
+            self.diverged = copy.copy(verdict.error)  # before it is raised (no traceback)
+        return verdict.settle()
 
     def stop_cancelled(self) -> NoReturn:
         raise Stop("cancelled")

@@ -339,3 +339,28 @@ async def test_over_http_a_continued_run_names_its_successor_and_its_result_is_t
         latest = await handle.latest_async()
         assert latest.id != handle.id and latest.status == "succeeded"
         assert latest.continued_from is not None and latest.outcome is None
+
+
+async def test_a_version_that_is_not_a_name_is_refused_where_the_code_continues(
+        make_app: Any, sql: Any) -> None:
+    """``version`` is held to the rules a submission's version is held to, at
+    ``ctx.continue_as_new``, before anything ends: a NUL character the database cannot store
+    is ``INVALID_REQUEST`` there, not a write that fails the run's end on every claim, and a
+    version with a space at its end does not queue a run that no worker can ever claim."""
+    app = make_app()
+
+    @app.workflow()
+    async def careful(ctx, _):  # type: ignore[no-untyped-def]
+        refused = []
+        for version in ("1\x00", "1 ", "\u200b1", "9" * 201, "", 1):
+            try:
+                ctx.continue_as_new(None, version=version)
+            except InvalidRequest as exc:
+                refused.append([exc.code, exc.path])
+        return refused
+
+    async with running(app):
+        run = await app.submit_async("careful", None)
+        assert await run.result_async(timeout=30) == [["INVALID_REQUEST", "version"]] * 6
+    rows = sql("SELECT status, outcome_code FROM orchestrator.runs")
+    assert [(r["status"], r["outcome_code"]) for r in rows] == [("succeeded", None)]

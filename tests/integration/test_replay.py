@@ -3,6 +3,7 @@ a mismatch stops the run with NONDETERMINISM, and a run held in memory is not re
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -82,6 +83,63 @@ async def test_a_different_command_at_a_recorded_position_is_nondeterminism(app)
             await run.result_async(timeout=20)
     assert info.value.code == "NONDETERMINISM"
     assert calls == ["a"]  # b was never dispatched
+
+
+async def test_no_branch_takes_a_new_step_once_another_differs_from_the_journal(app, sql):
+    """Branches issue their first commands up front, as the README asks; after a change, one
+    branch's command differs from the journal. The run fails ``NONDETERMINISM`` and the other
+    branch, which goes on after its event, sends nothing new, whether ``gather`` waits for
+    the branch that differs or workflow code never awaits it; and a run whose code ends
+    without another step does not succeed."""
+    calls: list[str] = []
+    flip = {"changed": False}
+
+    @app.tool()
+    async def reserve(ctx, *, via):  # type: ignore[no-untyped-def]
+        calls.append(f"reserve {via}")
+        return via
+
+    @app.tool()
+    async def charge(ctx, *, via):  # type: ignore[no-untyped-def]
+        calls.append(f"charge {via}")
+        return via
+
+    @app.workflow()
+    async def gathered(ctx, data):  # type: ignore[no-untyped-def]
+        async def first():  # type: ignore[no-untyped-def]
+            return await ctx.call(reserve, via="b" if flip["changed"] else "a")
+
+        async def second():  # type: ignore[no-untyped-def]
+            await ctx.wait_for_event("go")
+            return await ctx.call(charge, via=data)
+
+        return await ctx.gather(first(), second())
+
+    @app.workflow()
+    async def unawaited(ctx, data):  # type: ignore[no-untyped-def]
+        asyncio.ensure_future(ctx.call(reserve, via="b" if flip["changed"] else "a"))
+        await ctx.wait_for_event("go")
+        return await ctx.call(charge, via=data)
+
+    @app.workflow()
+    async def quiet(ctx, data):  # type: ignore[no-untyped-def]
+        asyncio.ensure_future(ctx.call(reserve, via="b" if flip["changed"] else "a"))
+        return await ctx.wait_for_event("go")  # no new step after it: it just ends
+
+    async with running(app):
+        runs = [await app.submit_async(gathered, "gathered"),
+                await app.submit_async(unawaited, "unawaited"),
+                await app.submit_async(quiet, "quiet")]
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'waiting'")) == 3,
+                       timeout=20, what="the runs parked on their events")
+        flip["changed"] = True  # the code changes before the replays
+        for run in runs:
+            await app.send_event_async(run.id, "go")
+            with pytest.raises(RunFailed) as info:
+                await run.result_async(timeout=20)
+            assert info.value.code == "NONDETERMINISM"
+    assert calls == ["reserve a"] * 3  # no charge was sent
 
 
 async def test_changed_arguments_at_a_recorded_position_are_nondeterminism(app):

@@ -213,3 +213,64 @@ async def test_a_restarted_parent_gets_the_result_of_the_child_its_journal_carri
             assert await new.result_async(timeout=20) == [n, "open"]
             assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = "
                        "'gate' AND input = %s::jsonb", (json.dumps(n),))[0]["n"] == 1
+
+
+async def test_a_restart_from_before_a_patch_takes_the_path_the_old_run_took(
+        make_app: Any, sql: Any) -> None:
+    """The old run took a patch's new code, whose first command (a recorded value) is taken
+    again after a restart from position 0; a charge that committed comes after it. The new
+    run takes the same path, so its charge is the carried one, replayed from its receipt, not
+    a new operation at the position the old path would give it."""
+    CHARGES.clear()
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+
+    @app.workflow()
+    async def stamped(ctx, n):  # type: ignore[no-untyped-def]
+        stamp = ctx.now().isoformat() if ctx.patched("stamp-first") else None
+        charged = await ctx.call("charge", card="c")
+        label = await ctx.call("ship", order=n)
+        return [stamp is not None, charged, label]
+
+    async with running(app):
+        old = await app.submit_async("stamped", 3)
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+        assert CHARGES == {"c": 1}
+        broken["ship"] = False
+        new = await old.restart_async(reason="the carrier is back", from_position=0)
+        assert await new.result_async(timeout=20) == [True, {"charged": "c"}, {"shipped": 3}]
+    assert CHARGES == {"c": 1}  # not charged again
+    assert [(e.kind, e.position) for e in await new.journal_async()
+            if e.position == 0] == [("patch", 0), ("value", 0)]
+
+
+async def test_events_the_old_run_accepted_and_never_took_are_the_new_runs(
+        make_app: Any, sql: Any) -> None:
+    """An event delivered to a run (``send_event`` answered True) that the run failed before
+    waiting for goes to the run that restarts it, as it would go to the next run of a
+    continuation: the new run waits for it and gets it; nothing accepted is left behind."""
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+
+    @app.workflow()
+    async def gated(ctx, n):  # type: ignore[no-untyped-def]
+        opened = await ctx.wait_for_event("open")
+        await ctx.call("ship", order=n)
+        return [opened, await ctx.wait_for_event("close")]
+
+    async with running(app):
+        old = await app.submit_async("gated", 5)
+        assert await app.send_event_async(old.id, "close", "late", event_key="close-5")
+        assert await app.send_event_async(old.id, "open", "early")
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+        broken["ship"] = False
+        new = await old.restart_async(reason="the carrier is back")
+        assert await new.result_async(timeout=20) == ["early", "late"]
+        # A sender's retry of the keyed event is recognised on the run it went to.
+        assert not await app.send_event_async(new.id, "close", "late", event_key="close-5")
+    events = sql("SELECT name, run_id, consumed_position FROM orchestrator.external_events "
+                 "ORDER BY id")
+    assert [(e["name"], e["run_id"]) for e in events] == [("close", new.id), ("open", old.id)]
+    assert all(e["consumed_position"] is not None for e in events)

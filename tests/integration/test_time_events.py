@@ -155,6 +155,40 @@ async def test_child_runs_return_results_and_failures(app, sql):
     assert {(c["tenant"], c["principal"]) for c in children} == {("acme", "alice")}
 
 
+async def test_a_childs_failure_names_the_childs_incident_live_and_on_replay(app, sql):
+    """The ``RunFailed`` a parent gets for a failed child names the child's incident, where
+    its diagnostics are, and names the same one on every replay: a parent that records the
+    reference (here, in a call's arguments) replays its history instead of meeting another
+    reference (another intent digest: ``NONDETERMINISM``)."""
+    noted = []
+
+    @app.tool()
+    async def note(ctx, *, ref):  # type: ignore[no-untyped-def]
+        noted.append(ref)
+        return ref
+
+    @app.workflow()
+    async def child(ctx, n):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the child's own words stay in its incident")
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.run_child(child, 1)
+        except RunFailed as exc:
+            ref = await ctx.call(note, ref=exc.incident)
+        await ctx.sleep(1.2)  # parks: the next claim replays the child's failure
+        return ref
+
+    async with running(app):
+        run = await app.submit_async(parent, {})
+        ref = await run.result_async(timeout=20)
+    (kid,) = sql("SELECT error FROM orchestrator.runs WHERE parent_run_id = %s", (run.id,))
+    assert ref == kid["error"]["incident"] and noted == [ref]
+    assert sql("SELECT code FROM orchestrator.incidents WHERE ref = %s",
+               (ref,)) == [{"code": "WORKFLOW_FAILED"}]
+
+
 async def test_result_timeout_reports_the_status_and_changes_nothing(app, sql):
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -289,3 +323,26 @@ async def test_an_event_name_that_no_sender_may_use_is_refused_where_the_run_wai
         waits = [e.name for e in await run.journal_async() if e.kind == "event.wait"]
     assert refused == [["INVALID_REQUEST", "name"]] * 5
     assert got == "yes" and waits == ["go"]
+
+
+async def test_a_duration_that_is_not_a_time_is_refused_where_the_run_sleeps_or_waits(app, sql):
+    """A sleep or an event's timeout that is not a number of seconds, is not finite or ends
+    past any time a timer can hold is ``INVALID_REQUEST`` where workflow code asks for it (the
+    code may catch it), as a negative one is, and nothing is journaled for it."""
+    @app.workflow()
+    async def careless(ctx, data):  # type: ignore[no-untyped-def]
+        refused = []
+        for duration in (float("inf"), timedelta.max, 1e15, "soon", -1):
+            for wait in (lambda d: ctx.sleep(d),
+                         lambda d: ctx.wait_for_event("go", timeout=d)):
+                try:
+                    await wait(duration)
+                except Exception as exc:  # noqa: BLE001 - the test records what each raised
+                    refused.append(getattr(exc, "code", type(exc).__name__))
+        return refused
+
+    async with running(app):
+        run = await app.submit_async(careless, {})
+        assert await run.result_async(timeout=15) == ["INVALID_REQUEST"] * 10
+        kinds = [e.kind for e in await run.journal_async()]
+    assert kinds == ["run.completed"]

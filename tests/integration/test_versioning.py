@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import Orchestrator
+from orchestrator import Orchestrator, RunFailed
 from orchestrator.errors import InvalidRequest
 from orchestrator.testing import replay_async
 from tests.clitools import run_cli
@@ -226,3 +226,46 @@ async def test_a_run_whose_version_no_live_worker_has_waits_and_says_so(make_app
     register(both, "1", "2")
     async with running(both):
         assert await old.result_async(timeout=20) == "1"
+
+
+async def test_the_check_finds_a_changed_command_inside_a_task_group_as_a_worker_does(
+        make_app: Any) -> None:
+    """Workflow code that issues its commands in an ``asyncio.TaskGroup`` gets a
+    ``NONDETERMINISM`` wrapped in the group's exception: a worker takes it out of the group
+    and fails the run; the check reports the same difference at the same position (not
+    ``ok``, nor the end of the code where the journal holds more)."""
+
+    def build_code(tool: str) -> Orchestrator:
+        app = make_app()
+
+        @app.tool(name="reserve")
+        async def reserve(ctx):  # type: ignore[no-untyped-def]
+            return "reserved"
+
+        @app.tool(name="hold")
+        async def hold(ctx):  # type: ignore[no-untyped-def]
+            return "held"
+
+        @app.workflow(name="grouped")
+        async def grouped(ctx, _):  # type: ignore[no-untyped-def]
+            async with asyncio.TaskGroup() as group:
+                first = group.create_task(ctx.call(tool))
+            return [first.result(), await ctx.wait_for_event("go")]
+
+        return app
+
+    old, new = build_code("reserve"), build_code("hold")
+    async with running(old):
+        run = await old.submit_async("grouped", None)
+        await wait_for(lambda: _status(old, run.id), timeout=20, what="the run parked")
+
+    (verdict,) = await replay_async(new, [run.id])
+    assert (verdict.verdict, verdict.position, verdict.recorded, verdict.issued) == (
+        "nondeterminism", 0, "call 'reserve'", "call 'hold'")
+    assert (await replay_async(old, [run.id]))[0].ok  # the code that wrote it replays it
+
+    await new.send_event_async(run.id, "go", "now")
+    async with running(new):  # a worker with the new code agrees
+        with pytest.raises(RunFailed) as failed:
+            await run.result_async(timeout=20)
+    assert failed.value.code == "NONDETERMINISM"
