@@ -1,4 +1,5 @@
-"""Operator views of runs across owners, for the CLI and for consoles a host builds.
+"""Operator views of runs across owners, and of the workers, for the CLI and for consoles a
+host builds.
 
 These functions do not check ownership: they are for operators, whom the host authorises
 (:func:`operator_cancel` takes the operator's tenant scope, as the console passes it). The
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -99,6 +101,35 @@ class LeaseHolder:
     reclaim: str | None
     checked_at: datetime
     """The database's time when this was judged."""
+
+
+@dataclass
+class Worker:
+    """A registered worker and how it looks: ``live`` (it heartbeats), ``silent`` (no recent
+    heartbeat, its liveness lock held or never taken) or ``dead`` (neither). ``row`` is
+    :func:`~orchestrator.db.views.worker_list_all`'s."""
+
+    row: dict[str, Any]
+    state: str
+
+
+def worker_state(row: Mapping[str, Any]) -> str:
+    """A registered worker's state by :func:`lease_holder`'s rule: dead after
+    :data:`DEAD_AFTER` seconds without a heartbeat and without its liveness lock."""
+    age = row["heartbeat_age"]
+    if age is not None and age > DEAD_AFTER and row["lock_held"] is False:
+        return "dead"
+    if age is not None and age > DEAD_AFTER:
+        return "silent"
+    return "live"
+
+
+async def list_workers(db: Database) -> list[Worker]:
+    """Every registered worker, newest first, with its state: what ``orchestrator workers
+    list`` and the console's workers page show. It reads ``pg_locks``, so it must run on the
+    primary (on a replica every liveness lock looks released)."""
+    async with db.connection() as conn:
+        return [Worker(w, worker_state(w)) for w in await views_db.worker_list_all(conn)]
 
 
 @dataclass

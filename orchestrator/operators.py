@@ -52,6 +52,9 @@ from orchestrator.text import check_identifier, check_operator
 ITEM_STATES = ("open", "operator", "resolved")
 UNRESOLVED = "unresolved"
 """``list_items(state=UNRESOLVED)``: the items still waiting (``open`` or ``operator``)."""
+ALL_STATES = "all"
+"""``list_items(state=ALL_STATES)``: every item, as ``state=None`` (``ops list --state all``,
+the API's ``state=all``)."""
 
 _NO_INCIDENT = "the incident does not exist or is not accessible"
 
@@ -147,7 +150,7 @@ def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run
                  workflow: Any, bulk: bool = False) -> dict[str, Any]:
     """A queue filter checked (``INVALID_REQUEST`` naming the bad one) and turned into
     :func:`~orchestrator.db.reconciliation.recon_list`'s keywords."""
-    allowed = BULK_STATES if bulk else (*ITEM_STATES, UNRESOLVED)
+    allowed = BULK_STATES if bulk else (*ITEM_STATES, UNRESOLVED, ALL_STATES)
     if state is not None and state not in allowed:
         raise InvalidRequest(f"state must be one of {', '.join(allowed)}", path="state")
     if bulk and state is None:
@@ -162,8 +165,8 @@ def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run
         validate_idempotency_key(key, "key")
     if workflow is not None:
         check_identifier("workflow", workflow)
-    states = (None if state is None else ["open", "operator"] if state == UNRESOLVED
-              else [state])
+    states = (None if state in (None, ALL_STATES) else ["open", "operator"]
+              if state == UNRESOLVED else [state])
     return {"states": states, "tool": tool, "older_than": older_than, "key": key,
             "run_id": None if run_id is None else parse_run_id(run_id),
             "workflow": workflow}
@@ -276,9 +279,10 @@ class Operators:
                          key: str | None = None, run_id: uuid.UUID | str | None = None,
                          workflow: str | None = None) -> list[dict[str, Any]]:
         """Queue items (one per unknown operation), oldest first; ``state`` one of
-        :data:`ITEM_STATES` or :data:`UNRESOLVED` (None: every item). ``key`` is the
-        operation's idempotency key, ``run_id`` its run, ``workflow`` its run's workflow
-        name; every filter is checked (``INVALID_REQUEST`` naming it) and applied in SQL."""
+        :data:`ITEM_STATES`, :data:`UNRESOLVED` or :data:`ALL_STATES` (None: every item, as
+        ``all``). ``key`` is the operation's idempotency key, ``run_id`` its run,
+        ``workflow`` its run's workflow name; every filter is checked (``INVALID_REQUEST``
+        naming it) and applied in SQL."""
         tenants = self.tenants_of(operator)
         if type(limit) is not int or not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")

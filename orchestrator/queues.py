@@ -149,7 +149,22 @@ def queue_record(info: QueueInfo) -> dict[str, Any]:
             "keys": [dict(k) for k in info.keys]}
 
 
+DEFAULT_QUEUE_WORD = "default"
+"""What people call the queue of runs submitted to no queue. It has no row (unless an app
+declares a queue by that name), so :func:`missing` explains it instead of reporting it
+missing."""
+
+
 def missing(name: str) -> InvalidRequest:
+    """``INVALID_REQUEST`` for a queue that is not stored; for ``default``, what the default
+    queue is (runs submitted to no queue: no row, no limits) and how to bound such runs."""
+    if name == DEFAULT_QUEUE_WORD:
+        return InvalidRequest(
+            "no queue is named default: runs submitted to no queue are in the default queue, "
+            "which has no stored settings and no limits (its runs start as soon as a worker "
+            "has a free slot) and cannot be paused or given any. To bound such runs, declare "
+            "a queue with limits (app.queue(NAME, concurrency=...), docs/flow.md) and submit "
+            "them to it; `orchestrator queues list` shows the stored queues", path="name")
     return InvalidRequest(f"no queue {name}: a queue is stored once a worker of an app that "
                           "declares it (app.queue) has started; `orchestrator queues list` "
                           "shows them", path="name")

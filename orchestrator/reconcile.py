@@ -127,13 +127,9 @@ async def resolve(
         if expect is not None and item["item_state"] != expect:
             raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
-            same = item["resolution"] == resolution and (
-                resolution != "committed" or item["receipt_digest"] == digest) and (
-                resolution != "not_applied"
-                or await recon_db.operation_then(conn, operation_id) == then)
-            if not same:
-                raise ResolutionConflict(
-                    f"operation {operation_id} was already resolved as {item['resolution']}")
+            differs = await _differs(conn, item, resolution, digest, then)
+            if differs is not None:
+                raise ResolutionConflict(differs)
             await _audit(conn, operator, f"resolve.{resolution}.noop", item, evidence,
                          before, before)
             return "noop"
@@ -155,6 +151,30 @@ async def resolve(
         return "resolved"
 
     return await db.run_in_transaction(tx)
+
+
+async def _differs(conn: Conn, item: dict[str, Any], resolution: str, digest: str | None,
+                   then: str | None) -> str | None:
+    """How a resolution differs from the one an item already has, in the words of its
+    ``RESOLUTION_CONFLICT`` (None: it is the same one, a no-op): another resolution, the same
+    one with another receipt (by digest), or ``not_applied`` followed by another choice."""
+    op, done = item["operation_id"], item["resolution"]
+    if done != resolution:
+        return f"operation {op} was already resolved as {done}, not {resolution}"
+    if resolution == "committed" and item["receipt_digest"] != digest:
+        return (f"operation {op} was already resolved as committed with a different receipt "
+                f"(the stored one's digest is {item['receipt_digest']}; `orchestrator ops show "
+                f"{op}` shows it); a resolution is kept as first given")
+    if resolution == "not_applied":
+        chosen = await recon_db.operation_then(conn, op)
+        if chosen != then:
+            return (f"operation {op} was already resolved as not_applied {_then(chosen)}, not "
+                    f"{_then(then)}")
+    return None
+
+
+def _then(then: str | None) -> str:
+    return f"then {then}" if then else "with what follows left to the retry policy"
 
 
 def _changed(operation_id: int, expect: str, item: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from orchestrator.admin import LeaseHolder, RunDetail
+from orchestrator.admin import LeaseHolder, RunDetail, Worker
 from orchestrator.errors import AccessDenied
 from orchestrator.operators import NOT_WAITING, BulkItem, BulkSummary
 
@@ -85,6 +85,16 @@ def lease_record(holder: LeaseHolder | None) -> dict[str, Any] | None:
     return {"worker_id": holder.worker_id, "holder_state": holder.state,
             "expires_at": iso(holder.lease_expires_at), "heartbeat_at": iso(holder.heartbeat_at),
             "heartbeat_age_seconds": holder.heartbeat_age, "reclaim": holder.reclaim}
+
+
+def worker_record(w: Worker) -> dict[str, Any]:
+    """A registered worker (``workers list --json``, ``GET /api/workers``)."""
+    row = w.row
+    return {"id": row["id"], "state": w.state, "hostname": row["hostname"], "pid": row["pid"],
+            "workflows": list(row["workflows"]), "concurrency": row["concurrency"],
+            "runs_held": int(row["runs_held"]), "started_at": iso(row["started_at"]),
+            "heartbeat_at": iso(row["heartbeat_at"]),
+            "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"]}
 
 
 def run_operation(o: Mapping[str, Any]) -> dict[str, Any]:

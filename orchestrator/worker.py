@@ -543,6 +543,9 @@ class Worker:
         return True
 
     async def _drain(self) -> None:
+        busy = len(self._running)
+        log.info("worker %s draining: %d run%s in flight, up to %g s to reach a durable point",
+                 self.worker_id, busy, "" if busy == 1 else "s", self.drain_timeout)
         for _, ex in self._running.values():
             if ex is not None:
                 ex.run.request_drain()

@@ -32,12 +32,13 @@ from orchestrator.cli import (
     runs,
     schedules,
     worker,
+    workers,
 )
 from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS
 from orchestrator.errors import OrchestratorError
 
-GROUPS: list[ModuleType] = [db, worker, runs, replay, ops, incidents, schedules, queues,
-                            retention, console, demo]
+GROUPS: list[ModuleType] = [db, worker, workers, runs, replay, ops, incidents, schedules,
+                            queues, retention, console, demo]
 """Command group modules, in the order ``--help`` lists them."""
 
 EXIT_OK = 0

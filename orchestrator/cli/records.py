@@ -25,11 +25,12 @@ from orchestrator.records import (
     run_summary,
     watch_entry,
     watch_outcome,
+    worker_record,
 )
 
 __all__ = ["bulk_item", "bulk_summary", "emit", "error_record", "ident", "incident",
            "item_detail", "iso", "journal_entry", "lease_record", "queue_item", "run_detail",
-           "run_operation", "run_summary", "watch_entry", "watch_outcome"]
+           "run_operation", "run_summary", "watch_entry", "watch_outcome", "worker_record"]
 
 
 def emit(document: Mapping[str, Any]) -> None:

@@ -135,10 +135,29 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _story(kind: str, p: dict[str, Any]) -> str | None:
+BEFORE_SEND = "_before_send"
+"""The end of the cause words (``connection_before_send``, ``timeout_before_send``) of a
+failure that proves the request never left (``ToolError.before_send``)."""
+
+
+def never_sent(journal: list[dict[str, Any]]) -> frozenset[int]:
+    """The operations whose attempt failed before it was sent, as their later ``call.retrying``
+    or ``call.failed`` entry says (its cause word, :data:`BEFORE_SEND`): their
+    ``call.submitted`` entry was written ahead of a request that never left."""
+    return frozenset(
+        e["payload"]["op"] for e in journal
+        if e["kind"] in ("call.retrying", "call.failed") and isinstance(e["payload"], dict)
+        and str(e["payload"].get("cause", "")).endswith(BEFORE_SEND))
+
+
+def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -> str | None:
     """What a tool call's entry, a message or a run's end says, in words (None: the payload
-    says it best)."""
+    says it best). ``unsent``: the operations known to have failed before they were sent
+    (:func:`never_sent`)."""
     by = f" by {p['resolved_by']}" if p.get("resolved_by") else ""
+    if kind == "call.submitted" and p["op"] in unsent:
+        return (f"attempt {p['attempt']} handed to the tool, which failed before sending it "
+                f"(operation {p['op']}, key {p['key']})")
     if kind in ("call.submitted", "call.pending"):
         verb = "sent" if kind == "call.submitted" else "intent recorded"
         return f"attempt {p['attempt']} {verb} (operation {p['op']}, key {p['key']})"
@@ -155,12 +174,16 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
                     "and proven not applied")
         if p.get("resend") == "operator":
             return f"re-sent as attempt {nxt}, as an operator chose"
-        return (f"attempt {p['attempt']} failed ({p['cause']}); attempt {nxt} after "
+        failed = ("was never sent" if p["cause"].endswith(BEFORE_SEND) else "failed")
+        return (f"attempt {p['attempt']} {failed} ({p['cause']}); attempt {nxt} after "
                 f"{p['delay_ms']} ms")
     if kind == "call.completed":
         return f"operation {p['op']} committed{by}"
     if kind == "call.failed":
-        return f"operation {p['op']} failed: {p['cause']} ({p['reason']})"
+        failed = "failed before it was sent" if p["cause"].endswith(BEFORE_SEND) else "failed"
+        return f"operation {p['op']} {failed}: {p['cause']} ({p['reason']})"
+    if kind == "call.abandoned":
+        return f"operation {p['op']} abandoned{by}: the run fails"
     if kind == "patch":
         return "took the patch's new code (ctx.patched)"
     if kind == "message":
@@ -176,12 +199,12 @@ def _story(kind: str, p: dict[str, Any]) -> str | None:
     return None
 
 
-def _summary(payload: Any, kind: str = "") -> str:
+def _summary(payload: Any, kind: str = "", unsent: frozenset[int] = frozenset()) -> str:
     """An event's payload in a line; its incident reference first, so that no clipping hides
     what an operator needs for `orchestrator incidents show`."""
     if isinstance(payload, dict):
         try:
-            told = _story(kind, payload)
+            told = _story(kind, payload, unsent)
         except (KeyError, TypeError):  # an older entry: show its fields
             told = None
         incident = payload.get("incident")
@@ -266,10 +289,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     elif not detail.journal:
         print("(no events yet)")
     else:
+        unsent = never_sent(detail.journal)
         print(render(["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"],
                      [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"],
-                       _summary(e["payload"], e["kind"])] for e in detail.journal],
-                     max_width=100))
+                       _summary(e["payload"], e["kind"], unsent)] for e in detail.journal],
+                     max_width=100, clip_last=False))
     return 0
 
 
@@ -346,10 +370,16 @@ async def _watch(db: Database, run_id: Any, after: int, as_json: bool) -> int:
     return 0 if run["status"] == "succeeded" else EXIT_NOT_SUCCEEDED
 
 
+WATCH_NAME_WIDTH = 16
+"""The width ``runs watch`` pads an entry's name to, so that the details of consecutive lines
+start in one column (a longer name pushes its own line's detail along)."""
+
+
 def entry_line(e: dict[str, Any]) -> str:
     """One journal entry in a line, with the words of ``runs show``'s timeline."""
     return (f"{e['seq']:>5}  {cell(e['created_at'])}  {cell(e['position']):>4}  "
-            f"{e['kind']:<17} {cell(e['name'])}  {_summary(e['payload'], e['kind'])}")
+            f"{e['kind']:<17} {cell(e['name']):<{WATCH_NAME_WIDTH}}  "
+            f"{_summary(e['payload'], e['kind'])}")
 
 
 def outcome_line(run: dict[str, Any]) -> str:

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator import records
+from orchestrator.admin import Worker
 from orchestrator.console.grants import Access
-from orchestrator.console.service import Overview, Page, RunView, Worker
+from orchestrator.console.service import Overview, Page, RunView
 from orchestrator.queues import QueueInfo, queue_record
 from orchestrator.records import ident, iso
 
@@ -21,12 +22,8 @@ def session(access: Access, csrf_token: str) -> dict[str, Any]:
 
 
 def worker(w: Worker) -> dict[str, Any]:
-    row = w.row
-    return {"id": row["id"], "state": w.state, "hostname": row["hostname"], "pid": row["pid"],
-            "workflows": list(row["workflows"]), "concurrency": row["concurrency"],
-            "runs_held": int(row["runs_held"]), "started_at": iso(row["started_at"]),
-            "heartbeat_at": iso(row["heartbeat_at"]),
-            "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"]}
+    """A worker (``workers list --json``'s ``WORKER``)."""
+    return records.worker_record(w)
 
 
 def queue_doc(info: QueueInfo) -> dict[str, Any]:

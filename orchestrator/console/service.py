@@ -21,11 +21,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from orchestrator import admin
+from orchestrator.admin import Worker, worker_state
 from orchestrator.console.grants import Access
 from orchestrator.db import runs as runs_db
 from orchestrator.db import views
 from orchestrator.db.config import DatabaseTarget
-from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
 from orchestrator.models import check_run_filters, parse_run_id
 from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
@@ -173,15 +173,6 @@ class RunView:
     """The run's incidents (summaries), for an incident reader; None for anyone else."""
 
 
-@dataclass
-class Worker:
-    """A registered worker and how it looks: ``live`` (it heartbeats), ``silent`` (no recent
-    heartbeat, its liveness lock held or never taken) or ``dead`` (neither)."""
-
-    row: dict[str, Any]
-    state: str
-
-
 THROUGHPUT_MINUTES = 60
 """The minutes the overview's throughput chart covers, the current one last."""
 ENDED = ("succeeded", "failed", "cancelled")
@@ -228,16 +219,6 @@ class Overview:
     @property
     def workers_alive(self) -> int:
         return sum(1 for w in self.workers if w.state == "live")
-
-
-def worker_state(row: Mapping[str, Any]) -> str:
-    """The worker's state by :func:`orchestrator.admin.lease_holder`'s rule."""
-    age = row["heartbeat_age"]
-    if age is not None and age > DEAD_AFTER and row["lock_held"] is False:
-        return "dead"
-    if age is not None and age > DEAD_AFTER:
-        return "silent"
-    return "live"
 
 
 class ConsoleService:
@@ -368,8 +349,7 @@ class ConsoleService:
 
     async def workers(self, access: Access) -> list[Worker]:
         self.tenants(access)
-        async with self.db.connection() as conn:
-            return [Worker(w, worker_state(w)) for w in await views.worker_list_all(conn)]
+        return await admin.list_workers(self.db)
 
     # -- queues (docs/flow.md) ---------------------------------------------------------------
 

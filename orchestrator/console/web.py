@@ -63,6 +63,9 @@ SESSION_COOKIE = "orchestrator_console_session"
 NONCE_COOKIE = "orchestrator_console_nonce"
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "X-CSRF-Token"
+SCRIPT_CSRF = ("take csrf_token from GET /api/session (sent with the same bearer token) and "
+               f"send it in the {CSRF_HEADER} header of every POST")
+"""What a script with a bearer token is told to do when its POST lacks the right CSRF token."""
 SESSION_TTL = 12 * 3600.0
 """Seconds a login lasts."""
 LOGIN = "\x00login"
@@ -212,12 +215,15 @@ class Guard:
         browser = access is None or access.via != "bearer"
         if browser and request.cookies.get(NONCE_COOKIE) is None:
             binding = None  # a nonce made for this request is no browser's
+        # A browser reloads the page for a fresh token; a script with a bearer token has no
+        # page: it is told where its token comes from.
+        again = SCRIPT_CSRF if not browser else "reload the page and try again"
         if not given or binding is None:
-            raise Forbidden("the request carries no CSRF token: reload the page and try again")
+            raise Forbidden(f"the request carries no CSRF token: {again}")
         expected = self.csrf_token(access.operator if access else LOGIN, binding)
         if not hmac.compare_digest(expected.encode(), given.encode()):
-            raise Forbidden("the request's CSRF token is not valid for this operator and "
-                            "browser: reload the page and try again")
+            whose = "bearer token" if not browser else "operator and browser"
+            raise Forbidden(f"the request's CSRF token is not valid for this {whose}: {again}")
 
 
 async def ask_host(hook: Callable[[Request], Any], request: Request, kind: type[T],

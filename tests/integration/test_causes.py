@@ -166,6 +166,40 @@ async def test_a_tool_error_not_retried_fails_the_run_without_its_text(
     await app.database.close()
 
 
+async def test_attempts_that_failed_before_sending_are_not_said_to_be_sent(
+        make_app, sql, migrated_database_url):  # type: ignore[no-untyped-def]
+    """``ToolError.before_send`` proves the request never left: ``runs show`` says so on the
+    attempt's own line, on its retry and on the call's failure, not "attempt 1 sent"."""
+    from orchestrator.recovery import RetryPolicy
+
+    app = make_app()
+
+    @app.tool(retry=RetryPolicy(max_attempts=2, base_delay_ms=0))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ToolError.before_send("connection", "no route to the PSP")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async(pay, "o-1")
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=15)
+
+    text, shown = await _runs_show(migrated_database_url, run)
+    ops = {o["attempt"]: o["id"] for o in shown["operations"]}
+    timeline = text.split("\ntimeline\n", 1)[1]
+    assert " sent (operation" not in timeline
+    for attempt in (1, 2):
+        assert (f"attempt {attempt} handed to the tool, which failed before sending it "
+                f"(operation {ops[attempt]}, key ") in timeline
+    assert "attempt 1 was never sent (connection_before_send); attempt 2 after 0 ms" in timeline
+    assert (f"operation {ops[2]} failed before it was sent: connection_before_send (budget)"
+            in timeline)
+    await app.database.close()
+
+
 async def test_a_call_failed_and_caught_leaves_no_cause(app, sql):
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]

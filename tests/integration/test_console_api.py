@@ -570,3 +570,21 @@ async def test_a_number_in_other_digits_is_a_bad_request_not_a_failure(
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
     assert audit(sql) == []
     await app.database.close()
+
+
+async def test_a_bad_state_filter_names_every_state_the_queue_takes(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """``state=all`` is accepted (and documented), so the error for a bad state names it."""
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    async with Client(console_of(app), "alice") as alice:
+        bad = await alice.get("/api/operations", state="everything")
+        assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
+        assert bad.json()["message"] == ("state must be one of open, operator, resolved, "
+                                         "unresolved, all")
+        every = await alice.get("/api/operations", state="all")
+        assert every.status_code == 200, every.text
+        assert [i["operation_id"] for i in every.json()["items"]] == [str(ops["a"])]
+    listed = await app.operators.list_items(operator="alice", state="all")  # Python, alike
+    assert [i["operation_id"] for i in listed] == [ops["a"]]
+    await app.database.close()

@@ -4,6 +4,7 @@ silent while a workflow replays."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from datetime import timedelta
@@ -167,3 +168,34 @@ async def test_a_run_that_cannot_end_for_an_unrecorded_outcome_is_logged(app, sq
     assert [(p["message"], p["operation_id"], p["tool"]) for p in parked] == [
         (f"run {run.id} (waits@1) needs reconciliation: it waits for the outcome of operation "
          f"{op} (ghost)", op, "ghost")]
+
+
+async def test_a_stopping_worker_says_once_that_it_drains_and_what_is_in_flight(
+        app, caplog):  # type: ignore[no-untyped-def]
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(effect="read")
+    async def wait(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return 1
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(wait)
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "orchestrator.worker" and text in r.getMessage()]
+
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app, drain_timeout=7) as worker:
+        await app.submit_async(pay, {})
+        await asyncio.wait_for(entered.wait(), 10)
+        worker.request_stop()  # what SIGTERM does
+        await wait_for(lambda: said(" draining: "))  # said at once, before the run lets go
+        assert said(" stopped") == []
+        release.set()
+    assert said(" draining: ") == [f"worker {worker.worker_id} draining: 1 run in flight, up "
+                                   "to 7 s to reach a durable point"]
+    assert said(" stopped") == [f"worker {worker.worker_id} stopped"]

@@ -46,6 +46,8 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
         except ToolFailed:
             return "gave up"
 
+    # operation ids of four digits, as a database in use has (a timeline's detail is longer)
+    sql("SELECT setval(pg_get_serial_sequence('orchestrator.operations', 'id'), 1000)")
     async with running(app):
         runs = {name: await app.submit_async(pay, name) for name in ("one", "two", "three")}
         await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
@@ -110,6 +112,18 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
         failed = [e for e in await runs["three"].journal_async() if e.kind == "run.failed"]
         assert [(e.payload["incident"], e.payload["message"]) for e in failed] == [
             (info.value.incident, info.value.message)]  # the journal says what the error says
+        # Its timeline in words: the abandonment in prose like its neighbours, and no detail
+        # cut short (the next step after an unknown outcome is there in full).
+        code, shown, err = await cli(url, "runs", "show", str(runs["three"].id))
+        assert code == 0, err
+        lines = shown.split("\ntimeline\n", 1)[1].splitlines()
+        (abandoned,) = [line for line in lines if " call.abandoned " in line]
+        assert abandoned.endswith(f"operation {ops['three']} abandoned by alice: the run fails")
+        (unknown,) = [line for line in lines if " call.unknown " in line]
+        assert unknown.endswith(f"operation {ops['three']}: outcome unknown "
+                                "(TOOL_OUTCOME_UNCERTAIN); next: reconcile")
+        assert len(unknown.split("  ")[-1]) > 100  # longer than the other columns' cap
+        assert "…" not in shown.split("\ntimeline\n")[1]
 
         code, _, err = await cli(url, "ops", "resolve", str(ops["three"]), "--committed",
                                  "--evidence", "x", "--operator", "alice")

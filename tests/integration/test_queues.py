@@ -756,3 +756,18 @@ async def test_a_resolution_names_the_queue_of_the_run_it_settles(make_app,
         assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
                    (handle.id,))[0]["status"] == "queued"
     await app.database.close()
+
+
+def test_the_default_queue_is_explained_not_reported_missing(migrated_database_url):
+    """Runs submitted to no queue are in "the default queue", which has no row: asking for
+    it by that name says what it is and how to bound such runs, not just "no queue"."""
+    for args in (["show", "default"], ["set", "default", "--concurrency", "3"],
+                 ["pause", "default"]):
+        answer = run_cli(["queues", *args], database_url=migrated_database_url)
+        assert answer.returncode == 2 and answer.stdout == ""
+        assert answer.stderr.startswith(
+            "orchestrator: error: INVALID_REQUEST: no queue is named default: runs submitted "
+            "to no queue are in the default queue, which has no stored settings and no limits")
+        assert "declare a queue with limits (app.queue(NAME, concurrency=...)" in answer.stderr
+    other = run_cli(["queues", "show", "nowhere"], database_url=migrated_database_url)
+    assert other.returncode == 2 and "no queue nowhere: a queue is stored once" in other.stderr

@@ -64,6 +64,10 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
     assert [line.split()[0] for line in lines[:-1]] == ["1", "2", "3", "4", "5", "6"]
     assert '{"stage": "charging"}' in lines[0] and "message" in lines[0]
     assert "attempt 1 sent (operation" in lines[1]
+    # the names ("-", "charge", "go", …) are padded: every detail starts in one column
+    starts = {lines[0].index('{"stage"'), lines[1].index("attempt 1 sent"),
+              lines[2].index("operation "), lines[5].index("the run succeeded")}
+    assert len(starts) == 1, lines
     assert "committed" in lines[2] and "event.wait" in lines[3]
     assert "run.completed" in lines[5] and "the run succeeded" in lines[5]
     assert lines[-1] == f'run {good.id} succeeded; result {{"charged": 5}}'

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
 from orchestrator.cli.console import loopback, read_tokens
 from orchestrator.console.grants import GRANTS, Access, check_grants, parse_grant_option
-from orchestrator.console.web import SESSION_TTL, Guard
+from orchestrator.console.web import CSRF_HEADER, NONCE_COOKIE, NONCE_STATE, SESSION_TTL, Guard
 from orchestrator.errors import ConfigurationError, Forbidden
 
 TOKEN = "t" * 32
@@ -80,6 +81,34 @@ def test_csrf_tokens_are_per_operator_and_per_binding() -> None:
     one = g.csrf_token("alice", "nonce:n1")
     assert one == g.csrf_token("alice", "nonce:n1")
     assert len({one, g.csrf_token("bob", "nonce:n1"), g.csrf_token("alice", "nonce:n2")}) == 3
+
+
+def _post(headers: dict[str, str], cookies: str = "") -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    if cookies:
+        raw.append((b"cookie", cookies.encode()))
+    return Request({"type": "http", "method": "POST", "path": "/api/operations/1/abandon",
+                    "headers": raw, "state": {NONCE_STATE: "n" * 43}})
+
+
+def test_a_script_without_its_csrf_token_is_told_where_to_get_it() -> None:
+    """A bearer client has no page to reload: FORBIDDEN says to take ``csrf_token`` from
+    ``GET /api/session`` and send it as ``X-CSRF-Token``; a browser is told to reload."""
+    g = guard()
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    script = Access("alice", frozenset({"read", "resolve"}), "bearer")
+    for given in (None, "not-the-token"):
+        with pytest.raises(Forbidden) as refused:
+            g.check_csrf(_post(bearer), script, given)
+        assert refused.value.code == "FORBIDDEN"
+        message = str(refused.value)
+        assert "csrf_token from GET /api/session" in message and CSRF_HEADER in message
+        assert "reload the page" not in message
+    g.check_csrf(_post(bearer), script, g.token_for(_post(bearer), script))  # accepted
+
+    browser = Access("alice", frozenset({"read", "resolve"}), "session")
+    with pytest.raises(Forbidden, match="no CSRF token: reload the page and try again"):
+        g.check_csrf(_post({}, cookies=f"{NONCE_COOKIE}={'n' * 43}"), browser, None)
 
 
 def test_a_token_is_found_in_constant_time_comparisons_only_when_equal() -> None:

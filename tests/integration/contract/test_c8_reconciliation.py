@@ -279,9 +279,11 @@ async def test_a_second_not_applied_that_chose_otherwise_is_a_conflict(app, sql)
     [op] = operations(sql)
     assert await app.operators.resolve_not_applied(
         op["id"], evidence="the customer cancelled", operator="al", then="fail") == "resolved"
-    with pytest.raises(ResolutionConflict):  # then="resend", the default
+    with pytest.raises(ResolutionConflict) as refused:  # then="resend", the default
         await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
                                                 operator="bo")
+    assert refused.value.message == (f"operation {op['id']} was already resolved as not_applied "
+                                  "then fail, not then resend")
     assert await app.operators.resolve_not_applied(
         op["id"], evidence="same again", operator="bo", then="fail") == "noop"
     audit = sql("SELECT operator, action FROM orchestrator.operator_audit ORDER BY id")
@@ -289,6 +291,45 @@ async def test_a_second_not_applied_that_chose_otherwise_is_a_conflict(app, sql)
         ("al", "resolve.not_applied"), ("bo", "resolve.not_applied.noop")]
     journal = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.not_applied'")
     assert [j["payload"]["then"] for j in journal] == ["fail"]
+
+
+async def test_committed_again_with_another_receipt_is_a_conflict_that_says_so(app, sql):
+    """The same resolution with the same receipt is a no-op; with another receipt it is a
+    conflict whose message says the receipt differs, gives the stored one's digest and how
+    to see it, and nothing changes."""
+    from orchestrator.canonical import digest
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+        [op] = operations(sql)
+        assert await app.operators.resolve_committed(
+            op["id"], receipt={"charge": "ch_1"}, evidence="PSP shows ch_1",
+            operator="al") == "resolved"
+        assert await run.result_async(timeout=10) == {"charge": "ch_1"}
+    assert await app.operators.resolve_committed(
+        op["id"], receipt={"charge": "ch_1"}, evidence="same again", operator="bo") == "noop"
+    with pytest.raises(ResolutionConflict) as refused:
+        await app.operators.resolve_committed(op["id"], receipt={"charge": "ch_2"},
+                                              evidence="PSP shows ch_2", operator="bo")
+    assert refused.value.code == "RESOLUTION_CONFLICT"
+    assert refused.value.message == (
+        f"operation {op['id']} was already resolved as committed with a different receipt "
+        f"(the stored one's digest is {digest({'charge': 'ch_1'})}; `orchestrator ops show "
+        f"{op['id']}` shows it); a resolution is kept as first given")
+    with pytest.raises(ResolutionConflict, match="already resolved as committed, not "
+                                                 "not_applied$"):
+        await app.operators.resolve_not_applied(op["id"], evidence="x", operator="bo")
+    [stored] = sql("SELECT receipt FROM orchestrator.operations")
+    assert stored["receipt"] == {"charge": "ch_1"}
 
 
 async def test_a_late_receipt_item_is_settled_with_the_resend_that_commits(app, sql):

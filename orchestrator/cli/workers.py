@@ -1,0 +1,72 @@
+"""``orchestrator workers list``: the fleet as the database sees it, for operators.
+
+Every registered worker with its state (``live``, ``silent``, ``dead``: the rule that decides
+when a dead worker's runs are re-queued, :func:`orchestrator.admin.worker_state`), host, pid,
+the runs it holds, its slots, its last heartbeat and the workflows it serves; the console's
+Workers page and ``GET /api/workers`` read the same rows (:func:`orchestrator.admin.
+list_workers`). A worker that stopped cleanly unregisters and is not listed. The liveness test
+reads ``pg_locks``: point the command at the primary, not at a replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from orchestrator import admin
+from orchestrator.cli import records
+from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.tables import duration, render
+from orchestrator.db.database import Database
+
+STATES_NOTE = ("live: it heartbeats; silent: no heartbeat for over a second, its liveness "
+               "lock held or never taken (paused or overloaded: its runs wait for their "
+               "leases to expire); dead: neither (a live worker's next sweep re-queues its "
+               "runs)")
+
+
+def register(subparsers: Any) -> None:
+    group = subparsers.add_parser("workers", help="the workers registered in the database")
+    commands = group.add_subparsers(title="workers commands", metavar="COMMAND")
+    group.set_defaults(func=None, help_parser=group)
+    ls = commands.add_parser(
+        "list", help="every registered worker: state, host, runs held, last heartbeat",
+        description="Every registered worker, newest first: its state (live, silent or dead), "
+        "host and pid, the runs whose lease it holds, its slots, the age of its last "
+        "heartbeat, when it started and the workflows it serves. A worker that stopped "
+        "cleanly is not listed. The console's Workers page shows the same.")
+    json_option(ls)
+    ls.set_defaults(func=cmd_list)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    async def main() -> list[admin.Worker]:
+        db = Database(database_target(args), max_pool_size=1)
+        try:
+            return await admin.list_workers(db)
+        finally:
+            await db.close()
+
+    shown = asyncio.run(main())
+    if args.json:
+        records.emit({"workers": [records.worker_record(w) for w in shown],
+                      "count": len(shown)})
+        return 0
+    if not shown:
+        print("no workers registered (a worker registers when it starts and unregisters when "
+              "it stops; start one with `orchestrator worker --app MODULE:ATTR`)")
+        return 0
+    print(render(
+        ["WORKER", "STATE", "HOST", "PID", "RUNS HELD", "SLOTS", "LAST HEARTBEAT", "STARTED",
+         "WORKFLOWS"],
+        [[w.row["id"], w.state, w.row["hostname"], w.row["pid"], w.row["runs_held"],
+          w.row["concurrency"], _ago(w.row["heartbeat_age"]), w.row["started_at"],
+          ", ".join(w.row["workflows"]) or "-"] for w in shown]))
+    if any(w.state != "live" for w in shown):
+        print(f"\n({STATES_NOTE})")
+    return 0
+
+
+def _ago(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{duration(max(seconds, 0.0))} ago"

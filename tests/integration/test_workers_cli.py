@@ -1,0 +1,92 @@
+"""``orchestrator workers list``: the fleet as the database sees it, a table and ``--json``,
+from the rows workers write when they start (the console's Workers page reads the same)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+
+from orchestrator import Orchestrator
+from orchestrator.db import workers as workers_db
+from tests.integration.conftest import running, wait_for
+from tests.integration.test_cli_json import ISO_UTC
+from tests.integration.test_ops_bulk import cli
+
+
+async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
+        app: Orchestrator, sql, migrated_database_url):
+    url = migrated_database_url
+    code, out, err = await cli(url, "workers", "list")
+    assert (code, err) == (0, "")
+    assert out.startswith("no workers registered")
+
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(effect="read")
+    async def wait(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return 1
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(wait)
+
+    # A worker that died 30 s ago: registered as every worker registers, with a liveness lock
+    # nobody holds any more, and a heartbeat that stopped.
+    async with app.database.connection() as conn:
+        await workers_db.worker_register(conn, worker_id="w-dead", hostname="gone-host",
+                                         pid=4242, workflows=["pay@1"], concurrency=3,
+                                         lock_key=7_000_002)
+    sql("UPDATE orchestrator.workers SET heartbeat_at = now() - interval '30 seconds', "
+        "started_at = now() - interval '1 hour' WHERE id = 'w-dead'")
+
+    async with running(app, concurrency=4) as worker:
+        run = await app.submit_async(pay, "one")
+        await asyncio.wait_for(entered.wait(), 10)
+        await wait_for(lambda: sql("SELECT lock_key FROM orchestrator.workers WHERE id = %s",
+                                   (worker.worker_id,)))
+        code, out, err = await cli(url, "workers", "list")
+        assert code == 0, err
+        code, doc, err = await cli(url, "workers", "list", "--json")
+        assert code == 0, err
+        release.set()
+        assert await run.result_async(timeout=10) == 1
+
+    lines = out.splitlines()
+    assert lines[0].split() == ["WORKER", "STATE", "HOST", "PID", "RUNS", "HELD", "SLOTS",
+                                "LAST", "HEARTBEAT", "STARTED", "WORKFLOWS"]
+    live = next(line for line in lines if line.startswith(worker.worker_id))
+    dead = next(line for line in lines if line.startswith("w-dead"))
+    # newest first, each column where its header is
+    assert lines.index(live) < lines.index(dead)
+    assert live.split()[:6] == [worker.worker_id, "live", socket.gethostname(),
+                                str(os.getpid()), "1", "4"]
+    assert dead.split()[:6] == ["w-dead", "dead", "gone-host", "4242", "0", "3"]
+    held = lines[0].index("RUNS HELD")
+    assert live[held] == "1" and dead[held] == "0"
+    assert " s ago" in live and dead.rstrip().endswith("pay@1")
+    assert lines[lines.index(live) - 1].startswith("------")  # the header's rule
+    assert "dead: neither" in out  # the states are explained when one is not live
+
+    listed = json.loads(doc)
+    assert listed["count"] == 2
+    by_id = {w["id"]: w for w in listed["workers"]}
+    mine = by_id[worker.worker_id]
+    assert set(mine) == {"id", "state", "hostname", "pid", "workflows", "concurrency",
+                         "runs_held", "started_at", "heartbeat_at", "heartbeat_age_seconds",
+                         "liveness_lock"}
+    assert (mine["state"], mine["hostname"], mine["pid"], mine["runs_held"],
+            mine["concurrency"], mine["liveness_lock"]) == (
+        "live", socket.gethostname(), os.getpid(), 1, 4, True)
+    assert mine["workflows"] == sorted(app.registry.workflows)
+    assert ISO_UTC.fullmatch(mine["started_at"]) and ISO_UTC.fullmatch(mine["heartbeat_at"])
+    gone = by_id["w-dead"]
+    assert (gone["state"], gone["runs_held"], gone["liveness_lock"]) == ("dead", 0, False)
+    assert gone["heartbeat_age_seconds"] > 29
+
+    # the worker unregistered when it stopped: only the dead one is left
+    code, out, _ = await cli(url, "workers", "list")
+    assert code == 0 and worker.worker_id not in out and "w-dead" in out
