@@ -151,7 +151,8 @@ def check_role_name(role: str) -> str:
 def grant_statements(role: str, grants: tuple[Grant, ...] = RUNTIME) -> list[sql.Composed]:
     """The statements that leave ``role`` with exactly ``grants`` on the orchestrator's
     objects: each object's privileges are revoked first, so running them twice changes
-    nothing and a role that was given ALL keeps only what it needs."""
+    nothing and a role that was given ALL keeps only what it needs, and nothing at all on
+    the :data:`OWNER_ONLY` functions."""
     who = sql.Identifier(check_role_name(role))
     out: list[sql.Composed] = []
     revoked: set[tuple[str, str]] = set()
@@ -166,6 +167,8 @@ def grant_statements(role: str, grants: tuple[Grant, ...] = RUNTIME) -> list[sql
             columns = sql.SQL(", ").join(sql.Identifier(c) for c in grant.columns)
             privileges = sql.SQL("{} ({})").format(privileges, columns)
         out.append(sql.SQL("GRANT {} ON {} {} TO {}").format(privileges, kind, target, who))
+    for name in OWNER_ONLY:  # ``GRANT ... ON ALL FUNCTIONS IN SCHEMA`` reaches them too
+        out.append(sql.SQL("REVOKE ALL ON FUNCTION {} FROM {}").format(sql.SQL(name), who))
     return out
 
 
@@ -185,8 +188,9 @@ def grant_runtime(target: DatabaseTarget, role: str, *, incident_details: bool =
     Refused (``CONFIGURATION_ERROR``, nothing changed) when the role does not exist, owns the
     schema or is a superuser, when the user running it may not grant (it must own the
     schema's objects: the migration role, or a superuser), and when the role would still
-    hold UPDATE, DELETE or TRUNCATE on the journal or the audit through PUBLIC or a role it
-    belongs to. Run it after every ``orchestrator db upgrade``: a new table needs its grant.
+    hold UPDATE (on any column), DELETE or TRUNCATE on the journal or the audit, or EXECUTE
+    on ``expire_evidence``, through PUBLIC or a role it belongs to. Run it after every
+    ``orchestrator db upgrade``: a new table needs its grant.
     """
     grants = runtime_grants(incident_details=incident_details)
     statements = grant_statements(role, grants)
@@ -239,11 +243,25 @@ def _check_grantee(conn: psycopg.Connection[Any], role: str) -> None:
 
 
 def _check_append_only(conn: psycopg.Connection[Any], role: str) -> None:
+    """What ``role`` holds through PUBLIC or a membership that would let it rewrite or
+    delete the journal or the audit: a forbidden privilege on an :data:`APPEND_ONLY` table
+    (UPDATE of a single column is enough), or EXECUTE on an :data:`OWNER_ONLY` function
+    (``expire_evidence`` deletes audit rows)."""
     cur = conn.execute(
-        """SELECT t.name || ': ' || string_agg(p.privilege, ', ' ORDER BY p.privilege)
-           FROM unnest(%s::text[]) AS t(name), unnest(%s::text[]) AS p(privilege)
-           WHERE has_table_privilege(%s, t.name, p.privilege)
-           GROUP BY t.name ORDER BY t.name""", (list(APPEND_ONLY), list(FORBIDDEN), role))
+        """SELECT name FROM (
+               SELECT t.name || ': ' || string_agg(p.privilege, ', ' ORDER BY p.privilege)
+               FROM unnest(%(tables)s::text[]) AS t(name),
+                    unnest(%(forbidden)s::text[]) AS p(privilege)
+               WHERE CASE WHEN p.privilege = 'UPDATE'
+                          THEN has_any_column_privilege(%(role)s, t.name, 'UPDATE')
+                          ELSE has_table_privilege(%(role)s, t.name, p.privilege) END
+               GROUP BY t.name
+               UNION ALL
+               SELECT f.name || ': EXECUTE' FROM unnest(%(functions)s::text[]) AS f(name)
+               WHERE has_function_privilege(%(role)s, f.name, 'EXECUTE')) AS held(name)
+           ORDER BY name""",
+        {"tables": list(APPEND_ONLY), "forbidden": list(FORBIDDEN),
+         "functions": list(OWNER_ONLY), "role": role})
     held = [str(row[0]) for row in cur.fetchall()]
     if held:
         raise ConfigurationError(

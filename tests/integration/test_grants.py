@@ -3,7 +3,9 @@ a missing privilege (docs/security.md)."""
 
 from __future__ import annotations
 
+import psycopg
 import pytest
+from psycopg import sql as pg_sql
 
 from orchestrator.db import events as events_db
 from orchestrator.db import grants
@@ -100,3 +102,44 @@ async def test_without_incident_details_the_engine_runs_and_only_details_are_ref
                 await events_db.incident_get(conn, "inc_1")
     finally:
         await db.close()
+
+
+def _admin(url: str) -> DatabaseTarget:
+    return DatabaseTarget(validate_url(url), "argument")
+
+
+def test_db_grant_takes_expire_evidence_back_from_a_role_given_every_function(
+        make_role, migrated_database_url):
+    """A deployment that once gave its role every function of the schema: after `db grant`
+    it keeps none of the owner's, so it cannot delete the audit it may only append to."""
+    role = make_role()
+    role.sql("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA orchestrator TO {role}")
+    grants.grant_runtime(_admin(migrated_database_url), role.name)
+    role.sql("""INSERT INTO orchestrator.operator_audit (operator, action, target_kind,
+                                                        target_id, evidence)
+                VALUES ('alice', 'note', 'run', 'r1', 'a test')""")
+    with psycopg.connect(role.url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT * FROM orchestrator.expire_evidence(0, 1000, false)")
+    assert role.sql("SELECT count(*) AS n FROM orchestrator.operator_audit") == [{"n": 1}]
+
+
+@pytest.mark.parametrize(("privilege", "held"), [
+    ("UPDATE (evidence) ON orchestrator.operator_audit", "operator_audit: UPDATE"),
+    ("EXECUTE ON FUNCTION orchestrator.expire_evidence(float8, integer, boolean)",
+     "expire_evidence(double precision, integer, boolean): EXECUTE"),
+])
+def test_db_grant_refuses_a_role_that_could_rewrite_the_audit_through_a_membership(
+        make_role, migrated_database_url, privilege, held):
+    """A grant on one column of the audit, or on the function that deletes it, held by a
+    role the runtime role is a member of, would outlive `db grant`: it is refused."""
+    group, role = make_role("grp"), make_role()
+    group.sql(f"GRANT {privilege} TO {{role}}")
+    role.sql(pg_sql.SQL("GRANT {} TO {}").format(pg_sql.Identifier(group.name),
+                                                 pg_sql.Identifier(role.name)))
+    with pytest.raises(ConfigurationError) as refused:
+        grants.grant_runtime(_admin(migrated_database_url), role.name)
+    assert held in refused.value.message
+    assert "through PUBLIC or a role it is a member of" in refused.value.message
+    assert role.sql("SELECT has_table_privilege(%s, 'orchestrator.runs', 'INSERT') AS granted",
+                    (role.name,)) == [{"granted": False}]  # rolled back
