@@ -26,6 +26,7 @@ Who sees what:
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -41,6 +42,7 @@ from orchestrator.db.events import incident_get, incident_reasons, incidents_of_
 from orchestrator.errors import (
     AccessDenied,
     ConfigurationError,
+    DatabaseError,
     InvalidRequest,
     OperationInProgress,
     ResolutionConflict,
@@ -227,6 +229,14 @@ class BulkSummary:
     missing: list[int] = field(default_factory=list)
     """Ids the action was given that it did not select (:data:`NOT_WAITING`): left alone."""
 
+    @property
+    def selection(self) -> str:
+        """A digest of the operations selected: a confirmation names it beside the count, so
+        that a selection that kept its count but not its operations (one settled meanwhile,
+        another matching since) is not acted on unseen."""
+        ids = ",".join(str(op) for op in sorted(i.operation_id for i in self.matched))
+        return hashlib.sha256(ids.encode()).hexdigest()[:32]
+
 
 Confirm = Callable[[BulkSummary], bool]
 """Asked with a bulk action's selection before it acts; False: act on nothing."""
@@ -395,11 +405,13 @@ class Operators:
         :meth:`resolve_committed` / :meth:`resolve_not_applied` would; an item whose state
         changed after the selection (resolved by someone else, the queue item moved on, its
         run picked up by a worker) is skipped and listed with the error it met, and the rest
-        go on. ``dry_run`` selects and acts on nothing. ``confirm(summary)`` is asked with
-        the selection before anything is done: False leaves everything as it is
-        (``declined``). ``progress(done, total)`` is called after each item. Bad input (a
-        filter, the evidence, the receipt) is an ``INVALID_REQUEST`` before anything is read
-        or written.
+        go on. The database failing (``DATABASE_UNAVAILABLE``) stops the action: that item and
+        the ones not tried yet are skipped with its code, the ones resolved stay so, and the
+        same action again selects those still waiting. ``dry_run`` selects and acts on
+        nothing. ``confirm(summary)`` is asked with the selection before anything is done:
+        False leaves everything as it is (``declined``). ``progress(done, total)`` is called
+        after each item. Bad input (a filter, the evidence, the receipt) is an
+        ``INVALID_REQUEST`` before anything is read or written.
 
         ``ids`` (instead of a filter: both are ``INVALID_REQUEST``) selects those operations
         (:func:`check_ids`) among the items still waiting in the operator's tenants; an id it
@@ -471,6 +483,16 @@ class Operators:
                     limits=self.json_limits, expect=item.item_state, then=then)
             except (ResolutionConflict, OperationInProgress, AccessDenied) as exc:
                 summary.skipped.append(Skipped(item, code=exc.code, reason=exc.message))
+            except DatabaseError as exc:
+                # The database failed, not the item: the rest are not tried. Those resolved
+                # stay resolved, and the same action again selects the ones still waiting.
+                summary.skipped.append(Skipped(item, code=exc.code, reason=(
+                    f"{exc.message}; whether operation {item.operation_id} was resolved is "
+                    "not known: `orchestrator ops show` says")))
+                summary.skipped += [Skipped(rest, code=exc.code, reason=(
+                    f"not tried: the database failed at operation {item.operation_id}; "
+                    "run the same action again")) for rest in items[done:]]
+                break
             else:
                 assert outcome == "resolved"  # expect= turns a no-op into a conflict
                 self.metrics.incr("reconciliation_operator", answer=resolution)

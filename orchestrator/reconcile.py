@@ -118,7 +118,19 @@ async def resolve(
         error = json.dumps({"code": "NOT_APPLIED", "resolved_by": operator}
                            | ({"then": then} if then else {}))
 
+    last: dict[str, Any] = {}  # the attempt before this one: its transaction and outcome
+
     async def tx(conn: Conn) -> str:
+        # A connection lost during the COMMIT makes the storage layer run this again; if that
+        # COMMIT did apply, the resolution is this call's own: say so, and audit it once.
+        if last and await recon_db.xact_committed(conn, last["xid"]):
+            return str(last["outcome"])
+        last.clear()
+        last["xid"] = await recon_db.xact_current(conn)
+        last["outcome"] = outcome = await settle(conn)
+        return outcome
+
+    async def settle(conn: Conn) -> str:
         item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
         if item is None:
             raise await not_queued(conn, operation_id, tenants)

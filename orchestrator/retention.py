@@ -40,6 +40,9 @@ DUTY = 0.25
 rests t × (1 - duty) / duty, so that the database keeps most of its capacity for the runs
 (measured in bench/: the 1,000,000-run history pruned in minutes either way)."""
 EXPORT_PAGE = 1000
+MAX_PERIOD = timedelta(days=36600)
+"""The longest period (about a hundred years, as a submission's deadline): a prune counts back
+from now by each period, to a time the database must be able to hold."""
 
 _PERIOD = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d|w)")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -51,12 +54,17 @@ def parse_period(text: str, path: str) -> timedelta:
     if found is None:
         raise InvalidRequest(f"--{path.replace('_', '-')} must be a period such as 30d, 12h, "
                              f"90m or 45s, not {text!r}", path=path)
-    return timedelta(seconds=float(found.group(1)) * _UNITS[found.group(2)])
+    seconds = float(found.group(1)) * _UNITS[found.group(2)]
+    if seconds > MAX_PERIOD.total_seconds():
+        raise InvalidRequest(f"--{path.replace('_', '-')} must be at most {MAX_PERIOD.days} "
+                             f"days, not {text!r}", path=path)
+    return timedelta(seconds=seconds)
 
 
 def _period(value: Any, path: str) -> timedelta:
-    if not isinstance(value, timedelta) or value < timedelta(0):
-        raise InvalidRequest(f"{path} must be a timedelta of zero or more", path=path)
+    if not isinstance(value, timedelta) or not timedelta(0) <= value <= MAX_PERIOD:
+        raise InvalidRequest(f"{path} must be a timedelta from zero to {MAX_PERIOD.days} days",
+                             path=path)
     return value
 
 
@@ -250,8 +258,10 @@ def _add(report: PruneReport, done: retention_db.Expired) -> None:
 async def export_evidence(db: Database, out: TextIO, *, since: datetime,
                           until: datetime | None = None,
                           progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
-    """Write the evidence created in ``[since, until)`` to ``out`` as JSON lines (one object
-    per row, its kind in ``type``), page by page; return how many rows of each kind."""
+    """Write the evidence created or last changed in ``[since, until)`` to ``out`` as JSON
+    lines (one object per row, its kind in ``type``), page by page; return how many rows of
+    each kind. An operation or an item that changed after an earlier period's export is
+    written again in the period of its change, as it is now."""
     until = until or datetime.now(UTC) + timedelta(seconds=1)
     if since.tzinfo is None or until.tzinfo is None:
         raise InvalidRequest("since and until need a time zone", path="since")

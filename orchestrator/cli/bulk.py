@@ -5,8 +5,10 @@ They act through :meth:`~orchestrator.operators.Operators.resolve_many` and
 :meth:`~orchestrator.operators.Operators.abandon_many`: one selection (oldest first, at most
 ``--limit``), a confirmation showing the count (unless ``--yes``), then one transaction and one
 audit row per item. An item whose state changed after the selection is skipped and listed with
-the error it met. Exit status: 0 when every selected item was resolved (or none matched), 1
-when any was skipped or the confirmation was declined, 2 for bad input (nothing changed).
+the error it met; the database failing stops the command, and the items not tried are listed
+as skipped too (the same command again resolves those still waiting). Exit status: 0 when
+every selected item was resolved (or none matched), 1 when any was skipped or the
+confirmation was declined, 2 for bad input (nothing changed).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
           f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}{follows}"
           + more)
     if summary.skipped:
-        print("\nskipped (each left as it was)")
+        print("\nskipped (each left as it was, unless its reason says that is not known)")
         print(render(["OP", "CODE", "REASON"],
                      [[s.item.operation_id, s.code, s.reason] for s in summary.skipped],
                      max_width=100))

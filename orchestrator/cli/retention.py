@@ -60,11 +60,13 @@ def register(subparsers: Any) -> None:
     commands = evidence.add_subparsers(title="evidence commands", metavar="COMMAND")
     evidence.set_defaults(func=None, help_parser=evidence)
     export = commands.add_parser(
-        "export", help="write the evidence created in a period as JSON lines",
+        "export", help="write the evidence created or changed in a period as JSON lines",
         description="Write every operation (with its run's workflow and submission key, its "
         "intent digest, arguments, idempotency key, state and receipt), reconciliation item, "
         "lookup, operator audit row and incident summary created in [--since, --until) as "
-        "JSON lines, one object per row with its kind in `type`. Incident details (upstream "
+        "JSON lines, one object per row with its kind in `type`; an operation or a "
+        "reconciliation item by its last change instead, so that one settled after an "
+        "earlier period's export is written again, as it ended. Incident details (upstream "
         "text) are not exported: `orchestrator incidents show` reads them.")
     export.add_argument("--since", required=True, metavar="T",
                         help="ISO 8601 time with its offset, e.g. 2026-01-01T00:00:00Z")

@@ -433,10 +433,12 @@ class Api:
             access, resolution=resolution, evidence=_text(body, "evidence", required=True),
             receipt=body.get("receipt"), then=_text(body, "then"), confirmed=confirmed,
             state=field("state") or UNRESOLVED, limit=body.get("limit"), ids=ids,
-            **queue_filter(field))
+            confirmed_selection=_text(body, "confirmed_selection"), **queue_filter(field))
         if summary.declined:
+            now = (f"{len(summary.matched)} operations now" if len(summary.matched) != confirmed
+                   else "other operations now")
             raise ResolutionConflict(
-                f"the {'ids select' if ids else 'filter selects'} {len(summary.matched)} "
-                f"operations now, not the {confirmed} confirmed; nothing was changed (ask "
-                "again without confirmed for the new count)")
+                f"the {'ids select' if ids else 'filter selects'} {now}, not the {confirmed} "
+                "confirmed; nothing was changed (ask again without confirmed for the new "
+                "selection)")
         return documents.bulk(summary)

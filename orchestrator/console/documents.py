@@ -74,7 +74,8 @@ def queue(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bulk(summary: Any) -> dict[str, Any]:
-    return {**records.bulk_summary(summary), "declined": summary.declined}
+    return {**records.bulk_summary(summary), "declined": summary.declined,
+            "selection": summary.selection}
 
 
 def audit_row(a: Mapping[str, Any]) -> dict[str, Any]:

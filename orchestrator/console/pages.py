@@ -320,6 +320,7 @@ class Pages:
                 confirmed=int(confirmed) if confirmed and is_number(confirmed) else None,
                 state=where["state"] if where["state"] in ("open", "operator") else UNRESOLVED,
                 ids=id_list(ticked) if by_ids else None,
+                confirmed_selection=_field(form, "confirmed_selection") or None,
                 **queue_filter(lambda name: where.get(name) or None))
         except (InvalidRequest, ResolutionConflict) as exc:
             return self.render(request, "bulk.html", access, status=status_of(exc),
@@ -327,9 +328,11 @@ class Pages:
         shown = documents.bulk(summary)
         if summary.declined:
             what = "selection holds" if by_ids else "filter selects"
+            now = (f"{len(summary.matched)} operations now" if str(len(summary.matched))
+                   != confirmed else "other operations now (below)")
             failure = {"code": "RESOLUTION_CONFLICT",
-                       "message": f"the {what} {len(summary.matched)} operations now, "
-                                  f"not the {confirmed} confirmed; nothing was changed"}
+                       "message": f"the {what} {now}, not the {confirmed} confirmed; nothing "
+                                  "was changed"}
             return self.render(request, "bulk.html", access, status=409, failure=failure,
                                summary=shown, **context)
         return self.render(request, "bulk.html", access, failure=None, summary=shown,

@@ -417,14 +417,16 @@ class ConsoleService:
                    state: str = UNRESOLVED, tool: str | None = None,
                    older_than: float | None = None, key: str | None = None,
                    run_id: str | None = None, workflow: str | None = None,
-                   limit: int | None = None, ids: list[int] | None = None) -> BulkSummary:
+                   limit: int | None = None, ids: list[int] | None = None,
+                   confirmed_selection: str | None = None) -> BulkSummary:
         """Resolve or abandon every unresolved item the filter selects (or those of the
         operations ``ids`` names, in the operator's tenants, instead of a filter), each on its
         own and audited, as ``ops resolve-many`` / ``abandon-many``.
 
         A count first: ``confirmed`` None selects and acts on nothing (a dry run); an action
         names the count the operator confirmed, and if the selection has another number now
-        nothing is done (``declined``)."""
+        nothing is done (``declined``). ``confirmed_selection``, the dry run's ``selection``,
+        declines as well a selection of that number whose operations are not those shown."""
         self.tenants(access)
         access.need("resolve", "bulk")
         _check_resolution(resolution, receipt, then)
@@ -435,7 +437,8 @@ class ConsoleService:
             "evidence": evidence, "operator": access.operator, "state": state, "tool": tool,
             "older_than": older_than, "key": key, "run_id": run_id, "workflow": workflow,
             "dry_run": confirmed is None, "ids": ids,
-            "confirm": lambda selected: len(selected.matched) == confirmed}
+            "confirm": lambda selected: len(selected.matched) == confirmed and (
+                confirmed_selection is None or selected.selection == confirmed_selection)}
         if limit is not None:
             options["limit"] = limit
         if resolution == "abandoned":

@@ -77,6 +77,11 @@ async def may_expire(conn: Conn) -> bool:
 
 
 # -- the evidence, for an archive ----------------------------------------------------------
+# An operation or a reconciliation item changes after it is created (a call's outcome, an
+# operator's resolution, days later): each is read in the period of its last change
+# (``updated_at``; ``resolved_at``, else ``created_at``), so that the exports of consecutive
+# periods hold every row as it ended, the ones that changed since an earlier export again.
+# Lookups, audit rows and incidents never change: they are read by ``created_at``.
 
 _OPERATIONS = f"""
 SELECT o.id, o.run_id, r.workflow_name, r.workflow_version, r.idempotency_key AS submission_key,
@@ -84,7 +89,7 @@ SELECT o.id, o.run_id, r.workflow_name, r.workflow_version, r.idempotency_key AS
        o.principal, o.intent_digest, o.arguments, o.idempotency_key, o.state, o.receipt,
        o.receipt_digest, o.error, o.created_at, o.submitted_at, o.finished_at, o.updated_at
 FROM {S}.operations o JOIN {S}.runs r ON r.id = o.run_id
-WHERE o.id > %(after)s AND o.created_at >= %(since)s AND o.created_at < %(until)s
+WHERE o.id > %(after)s AND o.updated_at >= %(since)s AND o.updated_at < %(until)s
 ORDER BY o.id LIMIT %(limit)s
 """
 
@@ -92,7 +97,8 @@ _ITEMS = f"""
 SELECT id, operation_id, run_id, reason, state, lookup_attempts, resolution, evidence,
        created_at, resolved_at
 FROM {S}.reconciliation_items
-WHERE id > %(after)s AND created_at >= %(since)s AND created_at < %(until)s
+WHERE id > %(after)s AND COALESCE(resolved_at, created_at) >= %(since)s
+  AND COALESCE(resolved_at, created_at) < %(until)s
 ORDER BY id LIMIT %(limit)s
 """
 

@@ -5,7 +5,9 @@ audit of every action, the queue's bulk actions, no upstream text without the in
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -284,6 +286,40 @@ async def test_the_bulk_pages_show_the_count_and_ask_before_acting(
         done = await alice.form("/operations/bulk", {**fields, "confirmed": "3"})
         assert done.status_code == 200 and "Abandoned 3 of 3 operations" in done.text
     assert [r["status"] for r in sql("SELECT status FROM orchestrator.runs")] == ["failed"] * 3
+    await app.database.close()
+
+
+async def test_a_bulk_confirmation_acts_only_on_the_operations_it_listed(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """Between the count and the confirmation one of the listed operations is settled by hand
+    and a new one starts to match the filter: the count is the same, the operations are not.
+    Nothing is done and the page says so; the new operation, never listed, still waits."""
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"o0": OWNER, "o1": OWNER})
+    fields = {"state": "", "tool": "charge", "older_than": "", "key": "", "run": "",
+              "workflow": "", "resolution": "abandoned", "evidence": "written off"}
+    async with Client(console_of(app), "alice") as alice:
+        preview = await alice.form("/operations/bulk", fields)
+        assert "This filter selects <strong>2</strong> unresolved operations" in preview.text
+        form = preview.text[preview.text.index('id="bulk-confirm"'):]
+        confirm = {name: html.unescape(value) for name, value in re.findall(
+            r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form[:form.index(
+                "</form>")]) if name != "csrf_token"}
+        assert confirm["confirmed"] == "2"
+        by_hand = await alice.post(f"/api/operations/{ops['o0']}/abandon",
+                                   {"evidence": "refunded"})
+        assert by_hand.status_code == 200, by_hand.text
+        async with running(app):
+            await app.submit_async("pay", "o2", owner=OWNER, idempotency_key="k-o2")
+            await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs WHERE status = "
+                                           "'needs_reconciliation'")) == 2, timeout=60)
+        done = await alice.form("/operations/bulk", confirm)
+        assert done.status_code == 409, done.text
+        assert "the filter selects other operations now" in html.unescape(done.text)
+    assert [(r["target_id"], r["evidence"]) for r in audit(sql)] == [(str(ops["o0"]),
+                                                                      "refunded")]
+    assert len(sql("SELECT 1 FROM orchestrator.runs WHERE status = "
+                   "'needs_reconciliation'")) == 2  # o1, and o2 that was never listed
     await app.database.close()
 
 

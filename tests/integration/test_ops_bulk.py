@@ -16,10 +16,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from orchestrator import Orchestrator, RunFailed, RunHandle
-from orchestrator.errors import InvalidRequest
+from orchestrator.db.config import DatabaseTarget
+from orchestrator.db.database import Database
+from orchestrator.errors import DatabaseError, InvalidRequest
 from orchestrator.operators import BulkSummary, Operators
 from tests.integration.conftest import OTHER, OWNER, running, wait_for
 
@@ -342,3 +345,96 @@ async def test_ids_select_those_operations_among_the_waiting_ones_of_the_scope(m
                 await operators.abandon_many(**options)
             assert caught.value.path == path
     assert sorted(int(a[1]) for a in audit_rows(sql)) == sorted([ops["a0"], ops["a2"]])
+
+
+def lose_the_next_commit(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
+    """The next transaction of ``db`` commits, then its driver loses step on the COMMIT (as
+    when the connection drops while the COMMIT is under way): the storage layer cannot know
+    that it applied and runs the work again on another connection."""
+    real = db.run_in_transaction
+    lost: list[Any] = []
+
+    async def run_in_transaction(work, **options):  # type: ignore[no-untyped-def]
+        async def once(conn):  # type: ignore[no-untyped-def]
+            result = await work(conn)
+            if not lost:
+                lost.append(conn)
+                wait = conn.wait
+
+                async def lose_step(gen, *args, **kwargs):  # type: ignore[no-untyped-def]
+                    del conn.wait
+                    await wait(gen, *args, **kwargs)
+                    raise psycopg.InternalError("received 2 results from command 'COMMIT'")
+
+                conn.wait = lose_step
+            return result
+
+        return await real(once, **options)
+
+    monkeypatch.setattr(db, "run_in_transaction", run_in_transaction)
+
+
+async def test_a_resolution_whose_commit_was_lost_is_reported_as_made_and_audited_once(
+        make_app, sql, migrated_database_url, monkeypatch):
+    """The connection goes while a resolution's COMMIT is under way, and the COMMIT applied:
+    run again, the resolution finds its own work done. It is reported as resolved (not as an
+    item someone else resolved meanwhile, nor as a no-op) and audited once."""
+    app = stuck_app(make_app)
+    async with parked(app, sql, {f"c{i}": ("pay", None) for i in range(3)}) as (runs, ops):
+        db = Database(DatabaseTarget(migrated_database_url, "argument"))
+        try:
+            operators = Operators(db)
+            lose_the_next_commit(monkeypatch, db)
+            summary = await operators.resolve_many(
+                resolution="committed", receipt={"charge": "seen"}, evidence="dashboard",
+                operator="alice", ids=[ops["c0"], ops["c1"]])
+            assert [(s.item.operation_id, s.code) for s in summary.skipped] == []
+            assert sorted(i.operation_id for i in summary.resolved) == sorted(
+                [ops["c0"], ops["c1"]])
+            assert operators.metrics.snapshot()["reconciliation_operator"] == 2
+
+            lose_the_next_commit(monkeypatch, db)  # and one resolved on its own
+            assert await operators.resolve_committed(
+                ops["c2"], receipt={"charge": "seen"}, evidence="dashboard",
+                operator="alice") == "resolved"
+        finally:
+            await db.close()
+        for run in runs.values():
+            assert await run.result_async(timeout=20) == {"charge": "seen"}
+    assert sorted(audit_rows(sql)) == sorted(
+        ("resolve.committed", str(op), "dashboard") for op in ops.values())
+
+
+async def test_the_database_failing_midway_stops_the_action_and_the_report_says_what_was_done(
+        make_app, sql, migrated_database_url, monkeypatch):
+    """The database fails at the second of three items: the first stays resolved and is
+    reported so, the second and third are listed as skipped with the database's code (the
+    third not tried), and the same action again resolves the two still waiting."""
+    app = stuck_app(make_app)
+    async with parked(app, sql, {f"c{i}": ("pay", None) for i in range(3)}) as (runs, ops):
+        db = Database(DatabaseTarget(migrated_database_url, "argument"))
+        try:
+            operators = Operators(db)
+            real = db.run_in_transaction
+            calls = {"n": 0}
+
+            async def failing_second(work, **options):  # type: ignore[no-untyped-def]
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise DatabaseError("the database at test is unavailable (OperationalError)")
+                return await real(work, **options)
+
+            monkeypatch.setattr(db, "run_in_transaction", failing_second)
+            summary = await operators.abandon_many(evidence="written off", operator="alice")
+            order = [i.operation_id for i in summary.matched]  # oldest first
+            assert sorted(order) == sorted(ops.values())
+            assert [i.operation_id for i in summary.resolved] == order[:1]
+            assert [(s.item.operation_id, s.code) for s in summary.skipped] == [
+                (op, "DATABASE_UNAVAILABLE") for op in order[1:]]
+            assert "not tried" in summary.skipped[1].reason
+
+            again = await operators.abandon_many(evidence="written off", operator="alice")
+            assert [i.operation_id for i in again.resolved] == order[1:]
+        finally:
+            await db.close()
+    assert [a[1] for a in audit_rows(sql)] == [str(op) for op in order]

@@ -5,6 +5,7 @@ first, the background prune of the reconciler, the runtime role's narrow right, 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,6 +18,7 @@ from orchestrator.db import grants
 from orchestrator.db.config import DatabaseTarget, validate_url
 from orchestrator.db.database import Database
 from orchestrator.errors import ConfigurationError, InvalidRequest
+from orchestrator.operators import Operators
 from orchestrator.retention import Pruner, export_evidence, parse_period
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, from_header
@@ -296,3 +298,114 @@ async def test_a_dry_run_counts_the_evidence_that_a_prune_expires(
         report.evidence_runs, report.evidence_incidents)
     assert (await Pruner(app.database, rules).prune()).evidence_runs == 1
     assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 0
+
+
+async def test_the_audit_of_a_run_that_waits_for_a_resolution_is_not_expired(
+        make_app: Any, sql: Any) -> None:
+    """An operator settled a call's first attempt (not applied: sent again) and the second was
+    lost as well: the run waits for a resolution again, so it is kept, and so is the audit of
+    what was done to it, however old. Once the run has finished, been pruned and its evidence
+    period has passed, the audit goes with it."""
+    app = make_app()
+    sent = {"n": 0}
+
+    @app.tool()
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        sent["n"] += 1
+        if sent["n"] <= 2:
+            raise ConnectionResetError("lost after sending")
+        return {"charged": cents}
+
+    @app.workflow()
+    async def pay(ctx, cents):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, cents=cents)
+
+    def waiting(attempts: int) -> bool:
+        parked = sql("SELECT 1 FROM orchestrator.runs WHERE status = 'needs_reconciliation'")
+        return bool(parked) and count(sql, "SELECT count(*) AS n FROM orchestrator."
+                                           "reconciliation_items") == attempts
+
+    rules = Retention(finished_runs=timedelta(0), evidence=timedelta(0))
+    operators = Operators(app.database)
+    async with running(app):
+        run = await app.submit_async("pay", 5)
+        await wait_for(lambda: waiting(1), timeout=20, what="the first attempt is queued")
+        (first,) = sql("SELECT id FROM orchestrator.operations")
+        await operators.resolve_not_applied(first["id"], evidence="the PSP has none",
+                                            operator="alice")
+        await wait_for(lambda: waiting(2), timeout=20, what="the second attempt is queued")
+        dry = await Pruner(app.database, rules).prune(dry_run=True)
+        report = await Pruner(app.database, rules).prune()
+        assert (report.runs, report.evidence_audit, dry.evidence_audit) == (0, 0, 0)
+        assert [(a["action"], a["target_id"]) for a in sql(
+            "SELECT action, target_id FROM orchestrator.operator_audit")] == [
+            ("resolve.not_applied", str(first["id"]))]
+
+        (second,) = sql("SELECT id FROM orchestrator.operations WHERE state = 'unknown'")
+        await operators.resolve_committed(second["id"], receipt={"charged": 5},
+                                          evidence="found it", operator="alice")
+        assert await run.result_async(timeout=20) == {"charged": 5}
+    report = await Pruner(app.database, rules).prune()
+    assert (report.runs, report.evidence_runs, report.evidence_audit) == (1, 1, 2)
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.operator_audit") == 0
+
+
+async def test_the_exports_of_consecutive_periods_hold_each_operation_as_it_ended(
+        make_app: Any, sql: Any) -> None:
+    """A call's outcome is unknown when one period is exported, and an operator settles it in
+    the next: the next period's export holds the operation with its receipt and its item
+    resolved, so the archive has what the evidence period will delete."""
+    app = make_app()
+
+    @app.tool()
+    async def charge(ctx, *, cents):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, cents):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, cents=cents)
+
+    async def export(since: datetime, until: datetime) -> list[dict[str, Any]]:
+        out = io.StringIO()
+        await export_evidence(app.database, out, since=since, until=until)
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    start = datetime.now(UTC)
+    async with running(app):
+        run = await app.submit_async("pay", 9)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs "
+                                   "WHERE status = 'needs_reconciliation'"), timeout=20)
+        middle = datetime.now(UTC)
+        first = await export(start, middle)
+        (op,) = [x for x in first if x["type"] == "operation"]
+        assert op["state"] == "unknown" and op["receipt"] is None
+        await Operators(app.database).resolve_committed(
+            op["id"], receipt={"charged": 9}, evidence="the PSP shows it", operator="alice")
+        assert await run.result_async(timeout=20) == {"charged": 9}
+        second = await export(middle, datetime.now(UTC))
+    archive = first + second
+    last = {(x["type"], x["id"]): x for x in archive}  # the last line of each row
+    assert last[("operation", op["id"])]["state"] == "committed"
+    assert last[("operation", op["id"])]["receipt"] == {"charged": 9}
+    (item,) = [x for key, x in last.items() if key[0] == "reconciliation_item"]
+    assert (item["state"], item["resolution"]) == ("resolved", "committed")
+    assert [x["action"] for x in archive if x["type"] == "audit"] == ["resolve.committed"]
+
+
+async def test_a_period_too_long_to_count_back_from_now_is_refused(
+        make_app: Any, migrated_database_url: str) -> None:
+    """A period that reaches back before any time the database holds (or past what Python
+    counts) is refused as bad input naming the longest one, not failed as an internal error."""
+    app = shop(make_app())
+    async with running(app):
+        await (await app.submit_async("pay", 1)).result_async(timeout=20)
+    for option in ("--older-than", "--evidence-older-than"):
+        for period in ("100000000d", "99999999999999w"):
+            args = ["prune", "--dry-run"] + (["--older-than", "30d"]
+                                             if option != "--older-than" else [])
+            done = run_cli([*args, option, period], database_url=migrated_database_url)
+            assert done.returncode == 2, (option, period, done.returncode, done.stderr)
+            assert f"INVALID_REQUEST: {option} must be at most 36600 days" in done.stderr
+    with pytest.raises(InvalidRequest) as long:
+        Retention(finished_runs=timedelta(days=1), evidence=timedelta(days=36601))
+    assert long.value.path == "evidence"
