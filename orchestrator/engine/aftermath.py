@@ -119,7 +119,7 @@ class Aftermath:
                 site.run.metrics.incr("operations_resent", tool=site.tool.name)
             await self._fail(op_id, EventKind.CALL_RETRYING, payload, record_failure)
             if decision.delay_ms:
-                await site.wait_until(not_before)
+                await site.wait_until(not_before, op_id, number)
             return Attempt(number + 1, key, resend=resend is not None)
         if earlier:
             await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
@@ -159,7 +159,7 @@ class Aftermath:
         if step == "reconcile":
             await site.park_blocked(op_id)
         if not_before is not None:
-            await site.wait_until(not_before)
+            await site.wait_until(not_before, op_id, number)
         return Attempt(number + 1, key if step == "resend" else None)
 
     async def _unknown_attempts(self, current: int) -> list[dict[str, Any]]:

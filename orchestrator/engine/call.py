@@ -94,7 +94,7 @@ class Call(CallSite):
         if kind == EventKind.CALL_PENDING:
             return Attempt(number, begun["payload"]["key"], pending_op=op_id)
         if kind == EventKind.CALL_RETRYING:
-            await self.wait_until(datetime.fromisoformat(payload["not_before"]))
+            await self.wait_until(datetime.fromisoformat(payload["not_before"]), op_id, number)
             return Attempt(number + 1, payload.get("key"), resend="resend" in payload)
         if kind == EventKind.CALL_NOT_APPLIED:  # reconciled: re-send, retry or fail (C8)
             return await Aftermath(self).not_applied(op_id, number, lost=_lost(recorded, op_id),
@@ -105,7 +105,8 @@ class Call(CallSite):
                 return await self.after_reconciliation(payload["op"], number,
                                                        lost=payload["reason"] == LOST)
             if "not_before" in payload:  # the repetition's backoff (Aftermath.uncertain)
-                await self.wait_until(datetime.fromisoformat(payload["not_before"]))
+                await self.wait_until(datetime.fromisoformat(payload["not_before"]), op_id,
+                                      number)
             return Attempt(number + 1, begun["payload"]["key"] if step == "resend" else None)
         # call.submitted without an outcome: the worker that sent it is gone
         step = self.uncertain_step(number)
@@ -286,12 +287,14 @@ class Call(CallSite):
                            attempt=number, operation_id=op_id, owner=run.owner,
                            deadline=run.deadline_at)
         timeout = (tool.timeout or self.config.tool_timeout).total_seconds()
-        remaining = run.remaining()
-        if remaining is not None:
-            timeout = min(timeout, remaining)
         await self.lease_for_dispatch(op_id)  # nothing awaited after it before the call
         if run.cancel_requested:  # immediately before dispatch (C7): the tool is not called
             await self.cancel_unsent(op_id)
+        remaining = run.remaining()
+        if remaining is not None:
+            if remaining * 1000 <= tool.policy.min_attempt_ms:  # nor with no time left for it
+                await self.cancel_unsent(op_id, why="deadline")
+            timeout = min(timeout, remaining)
         began = time.monotonic()
         try:
             verdict = await run.race_cancellation(tool.fn(tctx, **self.arguments), timeout,
@@ -336,21 +339,25 @@ class Call(CallSite):
             await held
         return _Done(receipt)
 
-    async def cancel_unsent(self, op_id: int) -> NoReturn:
-        """The run was cancelled after the attempt's ``submitted`` landed, before its tool was
-        called; it will not be. Nothing was applied: ``submitted → failed``, the journal says
-        the call was cancelled (a replay stops there too), and the run stops cancelled."""
+    async def cancel_unsent(self, op_id: int, why: str = "cancelled") -> NoReturn:
+        """The run was cancelled (``why``: or ran out of time) after the attempt's
+        ``submitted`` landed, before its tool was called; it will not be. Nothing was applied:
+        ``submitted → failed``, the journal says the call was cancelled (a replay stops there
+        too), and the run stops cancelled (or out of time)."""
         self.said = "cancelled"
-        error = operation_error_json("CALL_CANCELLED", cause="cancelled",
-                                     message="the run was cancelled before the call was sent")
+        message = ("the run's deadline passed" if why == "deadline"
+                   else "the run was cancelled") + " before the call was sent"
+        error = operation_error_json("CALL_CANCELLED", cause=why, message=message)
         token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
             await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
                                         error=error)
-            return None, [self.event(EventKind.CALL_CANCELLED, {"op": op_id, "why": "cancelled"})]
+            return None, [self.event(EventKind.CALL_CANCELLED, {"op": op_id, "why": why})]
 
         await self.append(work)
+        if why == "deadline":
+            self.run.stop_deadline()
         self.run.stop_cancelled()
 
     async def failed(self, op_id: int, number: int, key: str, exc: BaseException) -> Attempt:

@@ -84,6 +84,7 @@ class Commands:
         verdict = match_value(self.run.index, position, name)
         if verdict is not NEW:
             return self.run.settle(verdict)
+        self._recording()
         raw: Any
         if name == "now":
             raw = self.run.now().isoformat()
@@ -105,6 +106,7 @@ class Commands:
         if verdict is not NEW:
             self.run.settle(verdict)
             return
+        self._recording()
         # A copy, as it is now: workflow code may change the object before the write.
         self.session.buffer(entry(EventKind.MESSAGE, position, topic,
                                   {"value": json.loads(text)}))
@@ -255,6 +257,15 @@ class Commands:
         else:  # the rules a submission's version is held to: the row must be storable
             check_identifier("version", version)
         raise ContinueAsNew(self.config.json_limits.text(input, "$.input"), version)
+
+    def _recording(self) -> None:
+        """Before a value or a message is buffered: nothing is recorded while the executor
+        lets go of the run (workflow code that caught the cancellation of its parking, or a
+        ``finally`` that cancellation runs). The park would journal it at a position that the
+        next claim's replay, which goes on where the wait really ends, gives to another
+        command; the executor's :class:`Stop` is raised instead, as for any other command."""
+        if self.run.letting_go:
+            self.run.boundary()
 
     async def _append(self, ev: Entry) -> None:
         async def work(conn: Conn) -> tuple[None, list[Entry]]:

@@ -153,7 +153,8 @@ class CallSite:
         if withdrawn:
             await self.withdraw(op_id, number, pending=pending)
 
-    async def withdraw(self, op_id: int, number: int, *, pending: bool) -> NoReturn:
+    async def withdraw(self, op_id: int, number: int, *, pending: bool,
+                       settled: bool = False) -> NoReturn:
         """The calling task was cancelled after the call's intent was written (while that write
         was in flight or a policy stage ran), before the tool was called; the tool will not be.
 
@@ -161,7 +162,9 @@ class CallSite:
         The operation is settled as never dispatched (``submitted → failed``, or ``pending →
         cancelled``: nothing was applied), the journal records the withdrawal, and the
         cancellation reaches the workflow. A replay finds the withdrawal and waits, at that
-        point, for the same cancellation.
+        point, for the same cancellation. ``settled``: the call is given up between two
+        attempts (during the backoff before the next one); attempt ``number`` keeps the
+        outcome it has, and only the journal records the withdrawal.
 
         By the executor letting go of the run (parking, a lost lease, a draining worker, whose
         stop can cancel a task group's other branches): nothing more is recorded, the journal
@@ -178,7 +181,7 @@ class CallSite:
             if pending:
                 await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token,
                                               error=error)
-            else:
+            elif not settled:
                 await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
                                             error=error)
             return None, [self.event(EventKind.CALL_FAILED, {
@@ -235,7 +238,11 @@ class CallSite:
                              not_before: datetime | None = None) -> None:
         """submitted → unknown, and what comes next (``step``); a repetition that waits
         first has its ``delay_ms`` and ``not_before`` in the entry, so that a replay waits for
-        the same moment."""
+        the same moment. Workflow code that cancels the call while this is written (a timeout
+        around ``ctx.call``) does not take the branch past the unknown outcome: the
+        cancellation is held (:meth:`Session.take_held_cancel`) and the call's next step
+        decides, as a replay would: a park until the reconciliation, or the next attempt,
+        withdrawn before it is sent (:meth:`written`)."""
         payload: dict[str, Any] = {"op": op_id, "reason": reason, "next": step}
         if incident is not None:
             payload["incident"] = incident
@@ -249,7 +256,8 @@ class CallSite:
                 enqueue=step == "reconcile", settle_read=step == "new_attempt")
             return None, [self.event(EventKind.CALL_UNKNOWN, payload)]
 
-        await self.append(work)
+        with self.branches.active():
+            await self.session.write(work, hold=True)
         self.run.metrics.incr("unknown_outcomes", tool=self.tool.name,
                               cause=reason if reason in UNKNOWN_CAUSES else "other")
         log.warning("run %s: the outcome of operation %s (%s) is unknown (%s); next: %s%s",
@@ -263,10 +271,16 @@ class CallSite:
         await self.branches.park(Wait("blocked", self.position, operation_id=op_id))
         raise AssertionError("unreachable")  # pragma: no cover - park never returns
 
-    async def wait_until(self, when: datetime) -> None:
-        """A durable wait before the next attempt: the run is parked, not a process asleep."""
+    async def wait_until(self, when: datetime, op_id: int, number: int) -> None:
+        """A durable wait before the next attempt: the run is parked, not a process asleep.
+        Workflow code that gives up on the call meanwhile (another branch keeps the run in
+        this process) withdraws it before that attempt is begun (:meth:`withdraw`; attempt
+        ``number``, operation ``op_id``, keeps the outcome it has)."""
         if when > self.run.now():
-            await self.branches.park(Wait("timer", self.position, wake_at=when))
+            try:
+                await self.branches.park(Wait("timer", self.position, wake_at=when))
+            except asyncio.CancelledError:
+                await self.withdraw(op_id, number, pending=False, settled=True)
 
     # -- the tool's limits (docs/flow.md) ------------------------------------------------------
 
@@ -355,11 +369,18 @@ class CallSite:
                   "tool": self.tool.name,
                   "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}
         status = getattr(exc, "status", None)
-        with contextlib.suppress(Exception):
-            async with self.session.db.connection() as conn:
-                await incident_record(conn, {
-                    "ref": ref, "code": "TOOL_ERROR", "run_id": self.run.run_id,
-                    "operation_id": op_id, "phase": phase, "cause": type(exc).__name__,
-                    "upstream_status": status if isinstance(status, int) else None,
-                    "detail": json.dumps(detail)})
+        try:
+            with contextlib.suppress(Exception):
+                async with self.session.db.connection() as conn:
+                    await incident_record(conn, {
+                        "ref": ref, "code": "TOOL_ERROR", "run_id": self.run.run_id,
+                        "operation_id": op_id, "phase": phase, "cause": type(exc).__name__,
+                        "upstream_status": status if isinstance(status, int) else None,
+                        "detail": json.dumps(detail)})
+        except asyncio.CancelledError:
+            if self.run.letting_go:
+                raise
+            # Workflow code gave up on the call meanwhile: held, as during a write, for what
+            # the call records next (an unknown outcome must still block the branch).
+            self.session.hold_cancel()
         return ref

@@ -221,3 +221,50 @@ async def test_a_call_cancelled_while_it_waits_for_the_write_lock_is_withdrawn(
     ops = sql("SELECT position, state, error FROM orchestrator.operations ORDER BY position")
     assert [(o["position"], o["state"]) for o in ops] == [(0, "committed"), (1, "failed")]
     assert ops[1]["error"]["code"] == "CALL_WITHDRAWN"
+
+
+async def test_a_call_given_up_on_during_its_retry_backoff_is_not_sent_on_replay(app, sql):
+    """Workflow code gives up on a call while it waits, durably, for its next attempt (its
+    first one failed without effect; another branch keeps the run in this process). The call
+    is withdrawn there: the replay, which finds the backoff over, waits at that call for the
+    same cancellation instead of sending the next attempt behind the workflow's back. (The
+    replay sent it, and the workflow, which had given up, got its receipt.)"""
+    from orchestrator import ToolError
+    from orchestrator.recovery import RetryPolicy
+
+    called: list[str] = []
+    gave_up = asyncio.Event()
+
+    @app.tool(retry=RetryPolicy(max_attempts=2, base_delay_ms=1000, max_delay_ms=1000))
+    async def quote(ctx):  # type: ignore[no-untyped-def]
+        called.append("quote")
+        if len(called) == 1:
+            raise ToolError.before_send("connection", retry_after="1")
+        return {"price": 3}
+
+    @app.tool()
+    async def stock(ctx):  # type: ignore[no-untyped-def]
+        await gave_up.wait()  # keeps the run in this process while the quote's backoff runs
+        return {"stock": 7}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        async def impatient():  # type: ignore[no-untyped-def]
+            try:
+                return await asyncio.wait_for(ctx.call(quote), 0.3)
+            except TimeoutError:
+                gave_up.set()
+                return "gave up"
+
+        got = await ctx.gather(impatient(), ctx.call(stock))
+        await ctx.sleep(1.5)  # long enough to park: the result comes from a replay
+        return got
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        assert await run.result_async(timeout=20) == ["gave up", {"stock": 7}]
+    assert called == ["quote"]
+    states = {o["tool_name"]: o["state"] for o in operations(sql)}
+    assert states == {"stock": "committed", "quote": "failed"}
+    failed = sql("SELECT payload FROM orchestrator.journal WHERE kind = 'call.failed'")
+    assert [e["payload"]["reason"] for e in failed] == ["withdrawn"]

@@ -215,3 +215,38 @@ async def test_a_cancellation_between_submitted_and_dispatch_leaves_the_tool_unc
     assert called == []
     assert [o["state"] for o in operations(sql)] == ["failed"]
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+
+
+async def test_a_deadline_that_passes_between_submitted_and_dispatch_leaves_the_tool_uncalled(
+        app, sql):
+    """The same for the run's deadline: it passes after the call's write-ahead ``submitted``
+    landed (the write, a tool's turn or the lease's renewal took the rest of the run's time)
+    and before the tool was called. The tool is not called with no time left, only to be
+    cut off at once and leave an unknown outcome for reconciliation: the operation settles as
+    not dispatched and the run ends ``DEADLINE_EXCEEDED`` with nothing unknown."""
+    from orchestrator.testing import fault_gate
+
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        await asyncio.sleep(0.05)  # the provider's answer
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    with fault_gate("after_submitted", tool="charge") as gate:
+        async with running(app) as worker:
+            run = await app.submit_async(wf, {}, deadline=timedelta(seconds=1))
+            await gate.arrived()
+            await wait_for(lambda: executor_of(worker, run.id).run.remaining() == 0)
+            gate.release()
+            with pytest.raises(RunFailed) as info:
+                await run.result_async(timeout=10)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    assert called == []
+    assert [o["state"] for o in operations(sql)] == ["failed"]
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0

@@ -104,6 +104,50 @@ async def test_a_timeout_around_a_call_in_workflow_code_blocks_the_run(app, sql)
     assert [o["state"] for o in operations(sql)] == ["unknown"]
 
 
+@pytest.mark.parametrize("slow", ["its incident", "its unknown outcome"])
+async def test_a_timeout_while_an_unknown_outcome_is_recorded_blocks_the_run(
+        app, sql, monkeypatch, slow):
+    """The tool failed without proving anything (its effect is unknown) and workflow code's
+    timeout around the call fires while the engine keeps the failure's incident or records
+    the unknown outcome: the run waits for the reconciliation of that call, as for a timeout
+    while the tool runs; the workflow does not go on past an effect whose outcome is unknown.
+    (It got the timeout there and charged the other card.)"""
+    from orchestrator.engine import site
+    from tests.integration.contract.helpers import slow_write
+
+    if slow == "its incident":
+        async def stuck(conn, row):  # type: ignore[no-untyped-def]
+            await never_answers()  # until the workflow's timeout cancels the call
+
+        monkeypatch.setattr(site, "incident_record", stuck)
+    else:
+        slow_write(monkeypatch, nth=2)  # the run's second write: the call's unknown outcome
+    called: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge")
+        raise ConnectionResetError("sent, then the connection dropped")
+
+    @app.tool()
+    async def charge_other_card(ctx):  # type: ignore[no-untyped-def]
+        called.append("charge_other_card")
+        return {"charged": True}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            return await asyncio.wait_for(ctx.call(charge), 0.3)
+        except TimeoutError:
+            return await ctx.call(charge_other_card)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+    assert called == ["charge"]
+    assert [(o["tool_name"], o["state"]) for o in operations(sql)] == [("charge", "unknown")]
+
+
 @pytest.mark.parametrize("attempts", [3, 2])
 async def test_a_resend_answered_not_applied_keeps_the_uncertain_key(make_app, sql, attempts):
     from orchestrator.recovery import RetryPolicy
