@@ -30,6 +30,7 @@ import psycopg  # noqa: TID251 - the benchmark builds and inspects its own datab
 
 from bench.common import Server, Table, log
 from orchestrator import Orchestrator, Owner
+from orchestrator.admission import MAX_PRIORITY
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget
 
@@ -56,7 +57,9 @@ async def _fill(url: str, runs: int, keys: int, levels: int, seed: int) -> None:
 
         await queues_db.queue_declare(conn, worker.declared_queues)
     rng = random.Random(seed)
-    plan = [(f"k{rng.randrange(keys)}", rng.randrange(levels)) for _ in range(runs)]
+    span = MAX_PRIORITY * 2 // max(levels - 1, 1)  # the levels spread over the whole range
+    plan = [(f"k{rng.randrange(keys)}", -MAX_PRIORITY + rng.randrange(levels) * span)
+            for _ in range(runs)]
     for start in range(0, runs, 200):
         await asyncio.gather(*(app.submit_async(job, i, concurrency_key=key, priority=level)
                                for i, (key, level) in enumerate(plan[start:start + 200],
@@ -99,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20_000)
     parser.add_argument("--keys", type=int, default=200)
-    parser.add_argument("--levels", type=int, default=20)
+    parser.add_argument("--levels", type=int, default=20, help="at most 2,001")
     parser.add_argument("--claims", type=int, default=300)
     parser.add_argument("--revisions", default="0023,head")
     args = parser.parse_args()

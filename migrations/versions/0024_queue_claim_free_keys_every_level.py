@@ -18,9 +18,11 @@ ready runs of the queue and, with priorities, the ``scan`` best by stored priori
 The function now reads, before its candidates, the keys whose slots are all held (from
 ``ix_runs_queue_held``: the runs started and not finished) and passes over their runs that
 would need a slot; and, with priorities, in place of the best by stored priority, the
-``take`` longest waiting ready runs of each priority level that a waiting run has (the levels
-found by a skip scan of ``ix_runs_queue_priority``, one probe each). Within a level the longest
-waiting run ranks first, so the best ranked runs are among these. How a claim chooses among
+``take`` longest waiting ready runs of each priority level that a waiting run has, the 64
+lowest at most (the levels found by a skip scan of ``ix_runs_queue_priority``, one probe each;
+with 2,001 levels in use, all of them made a claim ten times slower: ``python -m
+bench.claim_cost --levels 2001``). Within a level the longest waiting run ranks first, so the
+best ranked runs are among these while no more than 64 levels wait. How a claim chooses among
 its candidates, and every limit, are unchanged.
 
 Revision ID: 0024
@@ -61,7 +63,8 @@ BUSY = """
             HAVING count(*) >= cfg.key_concurrency);
     END IF;
     -- With priorities: each priority level a waiting run has, lowest first (a skip scan of
-    -- ix_runs_queue_priority, one probe per level).
+    -- ix_runs_queue_priority, one probe per level), the 64 lowest at most: each costs the
+    -- claim a probe and a window (2,001 levels in use made a claim ten times slower).
     IF cfg.priority THEN
         levels := ARRAY(
             WITH RECURSIVE found (level) AS (
@@ -73,7 +76,7 @@ BUSY = """
                         WHERE r.queue = q AND r.status IN ('queued', 'waiting')
                           AND r.available_at IS NOT NULL AND r.priority > f.level)
                 FROM found AS f WHERE f.level IS NOT NULL)
-            SELECT found.level FROM found WHERE found.level IS NOT NULL);
+            SELECT found.level FROM found WHERE found.level IS NOT NULL LIMIT 64);
     END IF;
 """
 
