@@ -98,8 +98,19 @@ def register(subparsers: Any) -> None:
     json_option(restart)
     restart.set_defaults(func=cmd_restart)
 
-    cancel = commands.add_parser("cancel", help="request cancellation of a run")
+    cancel = commands.add_parser(
+        "cancel", help="request cancellation of a run",
+        description="Request the run's cancellation: it stops at its next step (a run whose "
+        "operations wait for reconciliation, once they are settled). With --operator and "
+        "--evidence the cancellation is audited (`run.cancel`, as the console's is) and, "
+        "with --app, held to the operator's scopes.")
     cancel.add_argument("run_id")
+    cancel.add_argument("--operator", default=None, metavar="NAME",
+                        help="who cancels it (audited; give --evidence too)")
+    cancel.add_argument("--evidence", default=None, metavar="TEXT",
+                        help="why (audited), e.g. 'the customer withdrew the order'")
+    cancel.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                        help="the application: its operator scopes hold the operator")
     cancel.set_defaults(func=cmd_cancel)
 
 
@@ -400,7 +411,21 @@ def outcome_line(run: dict[str, Any]) -> str:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     run_id = parse_run_id(args.run_id)
-    status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+    if (args.operator is None) != (args.evidence is None):
+        raise InvalidRequest("--operator and --evidence go together: give both to audit the "
+                             "cancellation, or neither", path="operator"
+                             if args.operator is None else "evidence")
+    if args.operator is None:
+        if args.app is not None:
+            raise InvalidRequest("--app holds an operator to their scopes: give --operator "
+                                 "and --evidence with it", path="app")
+        status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+    else:
+        app = load_app(args.app, args.database_url) if args.app else None
+        tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)
+                   if app is not None else None)
+        _, status = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
+            db, run_id, operator=args.operator, evidence=args.evidence, tenants=tenants)))
     if status == "cancelled":
         print(f"run {run_id} is cancelled")
     elif status in ("succeeded", "failed"):

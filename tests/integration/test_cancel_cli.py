@@ -1,0 +1,37 @@
+"""``orchestrator runs cancel``: a cancellation as before, or, with ``--operator`` and
+``--evidence``, an operator's action audited as the console's (``run.cancel``, C17)."""
+
+from __future__ import annotations
+
+from orchestrator import Orchestrator
+from tests.integration.test_ops_bulk import cli
+
+
+async def test_an_operators_cancellation_from_the_cli_is_audited(
+        app: Orchestrator, sql, migrated_database_url):
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return order
+
+    plain, audited, halfway = [await app.submit_async(pay, n) for n in range(3)]
+    url = migrated_database_url
+
+    code, out, err = await cli(url, "runs", "cancel", str(plain.id))
+    assert (code, err) == (0, "") and "is cancelled" in out
+    code, out, err = await cli(url, "runs", "cancel", str(audited.id), "--operator", "ann",
+                               "--evidence", "the customer withdrew the order")
+    assert (code, err) == (0, "") and "is cancelled" in out
+    audit = sql("SELECT operator, action, target_id, evidence, before, after "
+                "FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["operator"], a["action"], a["target_id"], a["evidence"]) for a in audit] == [
+        ("ann", "run.cancel", str(audited.id), "the customer withdrew the order")]
+    assert audit[0]["before"]["status"] == "queued"
+    assert audit[0]["after"] == {"status": "cancelled", "cancel_requested": True}
+
+    # One without the other is refused, and nothing changes.
+    for half in (["--operator", "ann"], ["--evidence", "why not"]):
+        code, out, err = await cli(url, "runs", "cancel", str(halfway.id), *half)
+        assert code != 0 and "INVALID_REQUEST" in err and "go together" in err
+    assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+               (halfway.id,))[0]["status"] == "queued"
+    assert len(sql("SELECT 1 FROM orchestrator.operator_audit")) == 1
