@@ -158,6 +158,18 @@ async def operation_fail(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: in
     )
 
 
+def _items_resolved_with(resolution: str) -> str:
+    """A CTE ``resolved`` that closes the queue item, if any, of each operation in the CTE
+    ``settled``: the engine settled it itself, so nothing is left to reconcile."""
+    return f"""resolved AS (
+        UPDATE {S}.reconciliation_items i
+        SET state = 'resolved', resolution = '{resolution}', resolved_at = now(),
+            claimed_by = NULL, claimed_until = NULL
+        FROM settled WHERE i.operation_id = settled.id AND i.state <> 'resolved'
+        RETURNING 1
+    )"""
+
+
 async def operation_mark_unknown(
     conn: Conn,
     *,
@@ -195,13 +207,7 @@ async def operation_mark_unknown(
                        updated_at = now()
                 WHERE id = %(op_id)s AND state = 'unknown'
                 RETURNING id
-            ), resolved AS (
-                UPDATE {S}.reconciliation_items i
-                SET state = 'resolved', resolution = 'not_applied', resolved_at = now(),
-                    claimed_by = NULL, claimed_until = NULL
-                FROM settled WHERE i.operation_id = settled.id AND i.state <> 'resolved'
-                RETURNING 1
-            )
+            ), {_items_resolved_with("not_applied")}
             SELECT id FROM settled
             """,
             {"op_id": op_id},
@@ -247,13 +253,7 @@ async def operation_settle_resent(
             WHERE run_id = %(run_id)s AND position = %(position)s
               AND idempotency_key = %(key)s AND state = 'unknown'
             RETURNING id
-        ), resolved AS (
-            UPDATE {S}.reconciliation_items i
-            SET state = 'resolved', resolution = 'committed', resolved_at = now(),
-                claimed_by = NULL, claimed_until = NULL
-            FROM settled WHERE i.operation_id = settled.id AND i.state <> 'resolved'
-            RETURNING 1
-        )
+        ), {_items_resolved_with("committed")}
         SELECT (SELECT count(*) FROM settled) AS n
         """,
         {"run_id": run_id, "position": position, "key": key, "receipt": receipt,
