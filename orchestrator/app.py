@@ -381,7 +381,8 @@ class Orchestrator:
                                      "a registered workflow", path="workflow")
             row, when = definition(id, (wf.name, wf.version), cron=cron, timezone=timezone,
                                    overlap=overlap, catchup_window=catchup_window, input=input,
-                                   owner=self._owner(owner), json_limits=self.json_limits)
+                                   owner=self._owner(owner), queue=wf.queue,
+                                   json_limits=self.json_limits)
             if row["id"] in self._declared_schedules:
                 raise InvalidRequest(f"schedule {row['id']} is declared twice", path="id")
             self._declared_schedules[row["id"]] = Declared(row, when)
@@ -396,10 +397,10 @@ class Orchestrator:
         twin); docs/schedules.md."""
         if self._schedules is None:
             admin = ScheduleAdmin(self.database, self.json_limits, self.metrics,
-                                  workflows=self.registry.workflows)
+                                  workflows=self.registry.workflows,
+                                  declared_here=self._declared_schedules)
             self._schedules = Schedules(
-                admin, json_limits=self.json_limits,
-                resolve=lambda wf, version: _named(self._resolve_workflow(wf, version)),
+                admin, json_limits=self.json_limits, resolve=self._resolve_workflow,
                 default_owner=self._owner, call=self._portal.call)
         return self._schedules
 
@@ -877,10 +878,6 @@ class Orchestrator:
     def close(self) -> None:
         """Release the connections held for sync calls (also done at interpreter exit)."""
         self._portal.close()
-
-
-def _named(workflow: Workflow) -> tuple[str, str]:
-    return workflow.name, workflow.version
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

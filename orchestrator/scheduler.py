@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,10 +30,10 @@ from orchestrator.canonical import JsonLimits
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
 from orchestrator.db.database import Conn, Database
-from orchestrator.errors import InvalidRequest, OrchestratorError
+from orchestrator.errors import IdempotencyConflict, InvalidRequest, OrchestratorError
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
-from orchestrator.models import Owner
+from orchestrator.models import Owner, validate_idempotency_key
 from orchestrator.registry import Workflow
 from orchestrator.schedules import (
     DEFAULT_CATCHUP,
@@ -73,7 +74,8 @@ class Scheduler:
         self.metrics = metrics
         self.declared = declared
         # The application's workflows by ``name@version`` (empty: not known here, as for the
-        # CLI without --app): a run fired waits in its workflow's queue, as its other runs do.
+        # CLI without --app): a run fired waits in its workflow's queue, as its other runs do;
+        # where the workflow is not known, in the queue stored with the schedule.
         self.workflows = workflows if workflows is not None else {}
         self.interval = interval
         self.clock = clock  # None: the database's clock (one clock for every ticker)
@@ -134,6 +136,19 @@ class Scheduler:
             return self.clock()
         return await self.database.read(sched_db.schedule_clock)
 
+    async def now_in(self, conn: Conn) -> datetime:
+        """The time in ``conn``'s transaction (the database's clock unless one is injected)."""
+        if self.clock is not None:
+            return self.clock()
+        return await sched_db.schedule_clock(conn)
+
+    def queue_of(self, name: str, version: str, stored: str | None) -> str | None:
+        """The queue the runs of a schedule of workflow ``name@version`` wait in: the
+        workflow's (docs/flow.md: a workflow's queue is the default for its runs) when it is
+        registered here, else ``stored``, the queue stored with the schedule where it was."""
+        workflow = self.workflows.get(f"{name}@{version}")
+        return workflow.queue if workflow is not None else stored
+
 
 class _Tick:
     """One schedule, locked, at one moment."""
@@ -150,6 +165,8 @@ class _Tick:
         self.buffered: int = row["buffered"]
         self.running = False
         self.handled = 0
+        self.queue = scheduler.queue_of(row["workflow_name"], row["workflow_version"],
+                                        row["queue"])
 
     async def handle(self) -> int:
         try:
@@ -167,10 +184,11 @@ class _Tick:
         if next_slot is not None and next_slot <= self.now:
             next_slot = await self._due(cron, next_slot)
         if self.handled or next_slot != self.row["next_slot"] \
-                or self.buffered != self.row["buffered"]:  # else nothing moved: no write
+                or self.buffered != self.row["buffered"] \
+                or self.queue != self.row["queue"]:  # else nothing moved: no write
             await sched_db.schedule_set_place(
                 self.conn, self.id, next_slot=next_slot, last_slot=self.last_slot,
-                last_run_id=self.last_run, buffered=self.buffered)
+                last_run_id=self.last_run, buffered=self.buffered, queue=self.queue)
         return self.handled
 
     async def _due(self, cron: Cron, first: datetime) -> datetime | None:
@@ -196,9 +214,11 @@ class _Tick:
             return cron.after(after)  # in the past: the next tick goes on
         return cron.after(max(after, self.now))
 
-    async def slot(self, slot: datetime, kind: str, overlap: str) -> str:
+    async def slot(self, slot: datetime, kind: str, overlap: str,
+                   trigger_key: str | None = None) -> str:
         """Handle one slot under ``overlap``; what became of it (``fired``, ``skipped``,
-        ``buffered``, or ``known`` when it was recorded before)."""
+        ``buffered``, or ``known`` when it was recorded before). ``trigger_key``: the key a
+        trigger was sent with, recorded with its slot."""
         decision = "fire"
         if self.running:
             decision = {"allow_all": "fire", "skip": "skip", "cancel_other": "cancel",
@@ -208,12 +228,14 @@ class _Tick:
         if decision in ("skip", "skip_full"):
             reason = "overlap" if decision == "skip" else "buffer_full"
             if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind,
-                                              state="skipped", overlap=overlap, reason=reason):
+                                              state="skipped", overlap=overlap, reason=reason,
+                                              trigger_key=trigger_key):
                 return "known"
             return self._count(slot, "skipped")
         if decision == "buffer":
             if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind,
-                                              state="buffered", overlap=overlap):
+                                              state="buffered", overlap=overlap,
+                                              trigger_key=trigger_key):
                 return "known"
             self.buffered += 1
             return self._count(slot, "buffered")
@@ -222,9 +244,10 @@ class _Tick:
             if locked is not None:
                 await admin.cancel_locked(self.conn, locked)
                 self.s.metrics.incr("cancellations", stage="requested")
-        run_id = await self._submit(slot, kind)
+        run_id = await self._submit(slot, kind, trigger_key)
         if not await sched_db.slot_record(self.conn, self.id, slot, kind=kind, state="fired",
-                                          overlap=overlap, run_id=run_id):
+                                          overlap=overlap, run_id=run_id,
+                                          trigger_key=trigger_key):
             return "known"
         self.last_run, self.running = run_id, True
         return self._count(slot, "fired")
@@ -241,7 +264,7 @@ class _Tick:
         if kept is None:  # the count says more than the rows: trust the rows
             self.buffered = 0
             return
-        run_id = await self._submit(kept["slot"], kept["kind"])
+        run_id = await self._submit(kept["slot"], kept["kind"], kept["trigger_key"])
         await sched_db.slot_fire_buffered(self.conn, self.id, kept["slot"], kept["kind"],
                                           run_id)
         self.buffered -= 1
@@ -249,22 +272,16 @@ class _Tick:
         self.handled += 1
         self.s.metrics.incr("schedule_slots", outcome="fired")
 
-    def _queue(self) -> str | None:
-        """The queue the schedule's workflow waits in (docs/flow.md: a workflow's queue is the
-        default for its runs), when the application is known here."""
-        workflow = self.s.workflows.get(
-            f"{self.row['workflow_name']}@{self.row['workflow_version']}")
-        return workflow.queue if workflow is not None else None
-
-    async def _submit(self, slot: datetime, kind: str) -> uuid.UUID:
+    async def _submit(self, slot: datetime, kind: str, trigger_key: str | None) -> uuid.UUID:
         """Submit the slot's run in this transaction; its key makes it the slot's only run."""
         row = self.row
-        key = slot_key(self.id, slot) if kind != "trigger" else trigger_key(self.id, slot)
+        key = (slot_key(self.id, slot) if kind != "trigger"
+               else trigger_run_key(self.id, slot, trigger_key))
         run_row = new_run(
             row["workflow_name"], row["workflow_version"], row["input"],
             limits=self.s.json_limits,
             owner=Owner.model_construct(tenant=row["tenant"], principal=row["principal"]),
-            queues=None, idempotency_key=key, queue=self._queue())
+            queues=None, idempotency_key=key, queue=self.queue)
         run_id, created, _ = await runs_db.run_insert(self.conn, run_row)
         if created:
             self.s.metrics.incr("runs_submitted")
@@ -273,18 +290,24 @@ class _Tick:
         return run_id
 
 
-def trigger_key(schedule_id: str, at: datetime) -> str:
-    """The key of a run fired by hand at ``at`` (to the microsecond: two triggers are two
-    runs; a retry of one call is the same run)."""
+def trigger_run_key(schedule_id: str, at: datetime, key: str | None = None) -> str:
+    """The submission key of a run fired by hand at ``at``: from the trigger's idempotency
+    key when it was sent with one (a digest: any key fits), so that the trigger sent again
+    finds that run even once its slot record is pruned; else from ``at`` (to the microsecond:
+    two triggers are two runs)."""
+    if key is not None:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return f"schedule:{schedule_id}:trigger:{digest}"
     return f"schedule:{schedule_id}:trigger:{at.astimezone(UTC):%Y%m%dT%H%M%S%f}Z"
 
 
 async def by_hand(scheduler: Scheduler, conn: Conn, row: dict[str, Any], at: datetime,
-                  slots: builtins.list[datetime], kind: str, overlap: str
-                  ) -> builtins.list[dict[str, Any]]:
+                  slots: builtins.list[datetime], kind: str, overlap: str, *,
+                  trigger_key: str | None = None) -> builtins.list[dict[str, Any]]:
     """Handle ``slots`` of a schedule whose row ``conn`` holds locked (a trigger, a backfill),
     oldest first, each under ``overlap``, and write the schedule's place once. What became of
-    each (``known``: the cron or an earlier backfill handled it, left as it was)."""
+    each (``known``: the cron or an earlier backfill handled it, left as it was).
+    ``trigger_key``: the key the trigger was sent with."""
     tick = _Tick(scheduler, conn, row, at)
     if tick.last_run is not None:
         status = await sched_db.run_status(conn, tick.last_run)
@@ -294,12 +317,13 @@ async def by_hand(scheduler: Scheduler, conn: Conn, row: dict[str, Any], at: dat
                if slots else set())
     said: builtins.list[dict[str, Any]] = []
     for slot in slots:
-        state = "known" if slot in handled else await tick.slot(slot, kind, overlap)
+        state = ("known" if slot in handled
+                 else await tick.slot(slot, kind, overlap, trigger_key))
         said.append({"slot": slot, "state": state,
                      "run_id": tick.last_run if state == "fired" else None})
     await sched_db.schedule_set_place(conn, tick.id, next_slot=row["next_slot"],
                                       last_slot=tick.last_slot, last_run_id=tick.last_run,
-                                      buffered=tick.buffered)
+                                      buffered=tick.buffered, queue=tick.queue)
     return said
 
 
@@ -328,6 +352,7 @@ class ScheduleInfo:
     last_slot: datetime | None
     last_run_id: uuid.UUID | None
     buffered: int
+    queue: str | None  # the queue its runs wait in (None: the default queue)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> ScheduleInfo:
@@ -339,7 +364,8 @@ class ScheduleInfo:
                                                principal=row["principal"]),
                    declared=row["declared"], paused=row["paused"],
                    next_slot=row["next_slot"], last_slot=row["last_slot"],
-                   last_run_id=row["last_run_id"], buffered=row["buffered"])
+                   last_run_id=row["last_run_id"], buffered=row["buffered"],
+                   queue=row["queue"])
 
 
 @dataclass(frozen=True)
@@ -354,12 +380,16 @@ class ScheduleDetail:
 
 
 class ScheduleAdmin:
-    """What is done to stored schedules (no application code needed: the CLI uses it as is)."""
+    """What is done to stored schedules (no application code needed: the CLI uses it as is).
+    ``declared_here``: the ids of the schedules the application's code declares (its
+    ``@app.schedule``), which only that code changes and deletes."""
 
     def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics, *,
-                 workflows: Mapping[str, Workflow[Any, Any]] | None = None) -> None:
+                 workflows: Mapping[str, Workflow[Any, Any]] | None = None,
+                 declared_here: Container[str] = ()) -> None:
         self.database = database
         self.ticker = Scheduler(database, json_limits, metrics, workflows=workflows)
+        self.declared_here = declared_here
 
     async def list(self) -> builtins.list[ScheduleInfo]:
         rows = await self.database.read(sched_db.schedule_list)
@@ -395,6 +425,38 @@ class ScheduleAdmin:
                                          limit=upcoming - 1)]
         return ScheduleDetail(ScheduleInfo.from_row(row), nexts, slots, gaps)
 
+    async def update(self, schedule_id: str,
+                     change: Callable[[ScheduleInfo], tuple[dict[str, Any], Cron]]
+                     ) -> ScheduleInfo:
+        """Change a schedule made at run time (one declared in code is changed in the code):
+        ``change`` is given the schedule as it stands, read under its row's lock, and returns
+        its new definition and cron, written in the same transaction. An update that waited
+        for another (or for a firing) starts from what that one wrote, so neither's change is
+        lost, and a new cron or time zone starts from the first slot after now."""
+        sid = check_schedule_id(schedule_id)
+
+        async def write(conn: Conn) -> dict[str, Any]:
+            row = await sched_db.schedule_get(conn, sid, lock=True)
+            if row is None:
+                raise _missing(sid)
+            if row["declared"]:
+                raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): "
+                                     "change it there", path="id")
+            old = ScheduleInfo.from_row(row)
+            new, when = change(old)
+            timing = (new["cron"], new["timezone"]) != (old.cron, old.timezone)
+            next_slot = when.after(await self.now_in(conn)) if timing else old.next_slot
+            changed = await sched_db.schedule_update(conn, sid, {**new, "next_slot": next_slot},
+                                                     timing_changed=timing)
+            if changed is None:  # pragma: no cover - the row is locked by this transaction
+                raise RuntimeError(f"schedule {sid} changed under its lock")
+            return changed
+
+        return ScheduleInfo.from_row(await self.database.run_in_transaction(write))
+
+    async def now_in(self, conn: Conn) -> datetime:
+        return await self.ticker.now_in(conn)
+
     async def set_paused(self, schedule_id: str, paused: bool) -> ScheduleInfo:
         """Pause (no slot fires; buffered ones wait) or resume (the slots passed meanwhile are
         recorded as one gap; the next slot is the first after now)."""
@@ -415,20 +477,38 @@ class ScheduleAdmin:
         log.info("schedule %s %s", sid, "paused" if paused else "resumed")
         return ScheduleInfo.from_row(changed)
 
-    async def trigger(self, schedule_id: str, *, overlap: str | None = None
-                      ) -> dict[str, Any]:
+    async def trigger(self, schedule_id: str, *, overlap: str | None = None,
+                      idempotency_key: str | None = None) -> dict[str, Any]:
         """Fire the schedule now, under its overlap policy (or ``overlap``): what became of it
-        (``state``) and its run."""
+        (``state``) and its run. With ``idempotency_key`` (the rules of a submission's key),
+        a trigger sent again with that key answers with what became of the first (its slot,
+        its state, its run) and fires nothing; with another ``overlap`` than the first's,
+        ``IDEMPOTENCY_CONFLICT``."""
         sid = check_schedule_id(schedule_id)
         policy = None if overlap is None else check_overlap(overlap)
-        now = await self.ticker._now()
-        async with self.database.connection() as conn, conn.transaction():
+        key = None if idempotency_key is None else validate_idempotency_key(idempotency_key)
+
+        async def fire(conn: Conn) -> dict[str, Any]:
             row = await sched_db.schedule_get(conn, sid, lock=True)
             if row is None:
                 raise _missing(sid)
+            known = None if key is None else await sched_db.slot_by_trigger_key(conn, sid, key)
+            if known is not None:
+                if policy is not None and policy != known["overlap"]:
+                    raise IdempotencyConflict(
+                        f"schedule {sid} was triggered with this idempotency key under "
+                        f"overlap {known['overlap']}, not {policy}")
+                return {"schedule": sid, "slot": known["slot"], "state": known["state"],
+                        "run_id": known["run_id"]}
+            now = await self.now_in(conn)
             (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
-                                    policy or row["overlap"])
-        return {"schedule": sid, "slot": now, "state": said["state"], "run_id": said["run_id"]}
+                                    policy or row["overlap"], trigger_key=key)
+            return {"schedule": sid, "slot": now, "state": said["state"],
+                    "run_id": said["run_id"]}
+
+        # Sent again after a COMMIT whose answer was lost, a keyed trigger answers with what
+        # it did; an unkeyed one would fire a second run.
+        return await self.database.run_in_transaction(fire, idempotent=key is not None)
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                        overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:
@@ -464,20 +544,27 @@ class ScheduleAdmin:
         return said
 
     async def delete(self, schedule_id: str) -> None:
+        """Delete a schedule made at run time, or one declared in code that this code no
+        longer declares (a worker still running code that declares it writes it again when
+        it starts)."""
         sid = check_schedule_id(schedule_id)
 
         async def delete(conn: Conn) -> dict[str, Any] | None:
             row = await sched_db.schedule_get(conn, sid, lock=True)
-            if row is not None and not row["declared"]:
-                await sched_db.schedule_delete(conn, sid)
+            if row is not None and not self._kept_by_code(row):
+                if not await sched_db.schedule_delete(conn, sid):  # pragma: no cover
+                    raise RuntimeError(f"schedule {sid} vanished under its lock")
             return row
 
         row = await self.database.run_in_transaction(delete)
         if row is None:
             raise _missing(sid)
-        if row["declared"]:
+        if self._kept_by_code(row):
             raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): remove "
                                  "it there; pause it meanwhile", path="id")
+
+    def _kept_by_code(self, row: dict[str, Any]) -> bool:
+        return bool(row["declared"]) and row["id"] in self.declared_here
 
 
 def _missing(schedule_id: str) -> InvalidRequest:
@@ -487,9 +574,10 @@ def _missing(schedule_id: str) -> InvalidRequest:
 
 def definition(schedule_id: str, workflow: tuple[str, str], *, cron: str, timezone: str,
                overlap: str, catchup_window: timedelta, input: Any, owner: Owner,
-               json_limits: JsonLimits) -> tuple[dict[str, Any], Cron]:
+               queue: str | None, json_limits: JsonLimits) -> tuple[dict[str, Any], Cron]:
     """A schedule's definition row, every field checked (``INVALID_REQUEST`` naming the
-    first bad one, before anything is written), and its cron."""
+    first bad one, before anything is written), and its cron. ``queue``: the one its
+    workflow's runs wait in (stored: whoever fires the schedule fires into it)."""
     sid = check_schedule_id(schedule_id)
     when = Cron(cron, timezone)
     if when.after(datetime.now(UTC)) is None:
@@ -499,7 +587,7 @@ def definition(schedule_id: str, workflow: tuple[str, str], *, cron: str, timezo
         "cron": cron, "timezone": timezone, "overlap": check_overlap(overlap),
         "catchup_seconds": check_catchup(catchup_window).total_seconds(),
         "input": json.loads(json_limits.text(input, "$.input")),
-        "tenant": owner.tenant, "principal": owner.principal,
+        "tenant": owner.tenant, "principal": owner.principal, "queue": queue,
     }
     return row, when
 
@@ -509,7 +597,7 @@ class Schedules:
     (docs/schedules.md). Each method has an ``_async`` twin for code in an event loop."""
 
     def __init__(self, admin: ScheduleAdmin, *, json_limits: JsonLimits,
-                 resolve: Callable[[Any, str | None], tuple[str, str]],
+                 resolve: Callable[[Any, str | None], Workflow[Any, Any]],
                  default_owner: Callable[[Owner | None], Owner],
                  call: Callable[[Any], Any]) -> None:
         self.admin = admin
@@ -525,10 +613,11 @@ class Schedules:
                            paused: bool = False) -> ScheduleInfo:
         """Create a schedule of ``workflow`` (a workflow or its name; ``version``: the
         newest registered here if not given). ``INVALID_REQUEST`` for an id already taken."""
+        target = self._resolve(workflow, version)
         row, when = definition(
-            schedule_id, self._resolve(workflow, version), cron=cron, timezone=timezone,
+            schedule_id, (target.name, target.version), cron=cron, timezone=timezone,
             overlap=overlap, catchup_window=catchup_window, input=input,
-            owner=self._owner(owner), json_limits=self._limits)
+            owner=self._owner(owner), queue=target.queue, json_limits=self._limits)
         now = await self.admin.ticker._now()
         created = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_create(
             conn, {**row, "paused": bool(paused), "next_slot": when.after(now)}))
@@ -543,29 +632,30 @@ class Schedules:
                            catchup_window: timedelta | None = None, input: Any = ...,
                            owner: Owner | None = None) -> ScheduleInfo:
         """Change what is given of a schedule made at run time (one declared in code is
-        changed in the code). A new cron or time zone starts from the first slot after now."""
-        old = await self.get_async(schedule_id)
-        if old.declared:
-            raise InvalidRequest(f"schedule {old.id} is declared in code (@app.schedule): "
-                                 "change it there", path="id")
-        target = ((old.workflow, old.version) if workflow is None and version is None
-                  else self._resolve(old.workflow if workflow is None else workflow, version))
-        # What is given is checked as given (an empty cron, a zero window is refused), never
-        # taken for "not given".
-        row, when = definition(
-            old.id, target, cron=old.cron if cron is None else cron,
-            timezone=old.timezone if timezone is None else timezone,
-            overlap=old.overlap if overlap is None else overlap,
-            catchup_window=old.catchup_window if catchup_window is None else catchup_window,
-            input=old.input if input is ... else input,
-            owner=old.owner if owner is None else owner, json_limits=self._limits)
-        now = await self.admin.ticker._now()
-        timing = (row["cron"], row["timezone"]) != (old.cron, old.timezone)
-        changed = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_update(
-            conn, old.id, {**row, "next_slot": when.after(now)}, timing_changed=timing))
-        if not changed:
-            raise _missing(old.id)
-        return await self.get_async(old.id)
+        changed in the code), keeping the rest as it stands when the change is written (two
+        updates at once both land). A new cron or time zone starts from the first slot after
+        now. The queue is the workflow's, when it is registered here."""
+
+        def change(old: ScheduleInfo) -> tuple[dict[str, Any], Cron]:
+            if workflow is None and version is None:
+                target = (old.workflow, old.version)
+                queue = self.admin.ticker.queue_of(old.workflow, old.version, old.queue)
+            else:
+                chosen = self._resolve(old.workflow if workflow is None else workflow, version)
+                target, queue = (chosen.name, chosen.version), chosen.queue
+            # What is given is checked as given (an empty cron, a zero window is refused),
+            # never taken for "not given".
+            return definition(
+                old.id, target, cron=old.cron if cron is None else cron,
+                timezone=old.timezone if timezone is None else timezone,
+                overlap=old.overlap if overlap is None else overlap,
+                catchup_window=old.catchup_window if catchup_window is None
+                else catchup_window,
+                input=old.input if input is ... else input,
+                owner=old.owner if owner is None else owner, queue=queue,
+                json_limits=self._limits)
+
+        return await self.admin.update(schedule_id, change)
 
     async def get_async(self, schedule_id: str) -> ScheduleInfo:
         return await self.admin.get(schedule_id)
@@ -585,9 +675,10 @@ class Schedules:
     async def resume_async(self, schedule_id: str) -> ScheduleInfo:
         return await self.admin.set_paused(schedule_id, False)
 
-    async def trigger_async(self, schedule_id: str, *, overlap: str | None = None
-                            ) -> dict[str, Any]:
-        return await self.admin.trigger(schedule_id, overlap=overlap)
+    async def trigger_async(self, schedule_id: str, *, overlap: str | None = None,
+                            idempotency_key: str | None = None) -> dict[str, Any]:
+        return await self.admin.trigger(schedule_id, overlap=overlap,
+                                        idempotency_key=idempotency_key)
 
     async def backfill_async(self, schedule_id: str, start: datetime, end: datetime, *,
                              overlap: str = "allow_all") -> list[dict[str, Any]]:
@@ -618,8 +709,10 @@ class Schedules:
     def resume(self, schedule_id: str) -> ScheduleInfo:
         return self._call(self.resume_async(schedule_id))  # type: ignore[no-any-return]
 
-    def trigger(self, schedule_id: str, *, overlap: str | None = None) -> dict[str, Any]:
-        return self._call(self.trigger_async(schedule_id, overlap=overlap))  # type: ignore[no-any-return]
+    def trigger(self, schedule_id: str, *, overlap: str | None = None,
+                idempotency_key: str | None = None) -> dict[str, Any]:
+        return self._call(self.trigger_async(  # type: ignore[no-any-return]
+            schedule_id, overlap=overlap, idempotency_key=idempotency_key))
 
     def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                  overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:

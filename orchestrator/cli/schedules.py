@@ -49,7 +49,7 @@ def register(subparsers: Any) -> None:
     show.set_defaults(func=cmd_show)
     for name, about in (("pause", "fire nothing until resumed (buffered slots wait)"),
                         ("resume", "fire again from the next slot; what passed meanwhile is "
-                                   "recorded as skipped")):
+                                   "recorded as one gap")):
         cmd = commands.add_parser(name, help=about)
         cmd.add_argument("id")
         json_option(cmd)
@@ -58,6 +58,9 @@ def register(subparsers: Any) -> None:
     trigger.add_argument("id")
     trigger.add_argument("--overlap", choices=OVERLAP_POLICIES, default=None,
                          help="instead of the schedule's own policy")
+    trigger.add_argument("--idempotency-key", metavar="KEY", default=None,
+                         help="sent again with this key, the trigger answers with what became "
+                              "of the first and fires nothing")
     _app_option(trigger)
     json_option(trigger)
     trigger.set_defaults(func=cmd_trigger)
@@ -108,7 +111,7 @@ def record(info: ScheduleInfo) -> dict[str, Any]:
             "principal": info.owner.principal, "declared": info.declared,
             "paused": info.paused, "next_slot": iso(info.next_slot),
             "last_slot": iso(info.last_slot), "last_run_id": ident(info.last_run_id),
-            "buffered": info.buffered}
+            "buffered": info.buffered, "queue": info.queue}
 
 
 def _state(info: ScheduleInfo) -> str:
@@ -150,8 +153,9 @@ def cmd_show(args: argparse.Namespace) -> int:
           f"{info.timezone}, overlap {info.overlap}, catch-up "
           f"{info.catchup_window.total_seconds():.0f} s, {_state(info)}"
           + (" (declared in code)" if info.declared else ""))
-    print(f"runs as {info.owner.tenant}/{info.owner.principal}; buffered slots: "
-          f"{info.buffered}")
+    print(f"runs as {info.owner.tenant}/{info.owner.principal} in "
+          + (f"queue {info.queue}" if info.queue is not None else "the default queue")
+          + f"; buffered slots: {info.buffered}")
     if detail.upcoming:
         print("next slots: " + ", ".join(
             f"{iso(t)} ({t.astimezone(zone):%Y-%m-%d %H:%M:%S %Z})" for t in detail.upcoming))
@@ -190,7 +194,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_trigger(args: argparse.Namespace) -> int:
-    said = _admin(args, lambda admin: admin.trigger(args.id, overlap=args.overlap))
+    said = _admin(args, lambda admin: admin.trigger(args.id, overlap=args.overlap,
+                                                    idempotency_key=args.idempotency_key))
     if args.json:
         records.emit({**said, "slot": iso(said["slot"]), "run_id": ident(said["run_id"])})
     elif said["state"] == "fired":

@@ -17,12 +17,12 @@ from orchestrator.db.database import Conn
 from orchestrator.db.schema import SCHEMA as S
 
 DEFINITION = ("workflow_name", "workflow_version", "cron", "timezone", "overlap",
-              "catchup_seconds", "input", "tenant", "principal")
+              "catchup_seconds", "input", "tenant", "principal", "queue")
 """What a schedule is, as opposed to where it is (its slots, its pause)."""
 
 _COLUMNS = """id, workflow_name, workflow_version, cron, timezone, overlap, catchup_seconds,
 input, tenant, principal, declared, paused, paused_at, next_slot, last_slot, last_run_id,
-buffered, created_at, updated_at"""
+buffered, created_at, updated_at, queue"""
 
 
 def _params(row: dict[str, Any]) -> dict[str, Any]:
@@ -36,24 +36,25 @@ async def schedule_declare(conn: Conn, row: dict[str, Any]) -> str:
     cur = await conn.execute(
         f"""
         INSERT INTO {S}.schedules AS s (id, workflow_name, workflow_version, cron, timezone,
-            overlap, catchup_seconds, input, tenant, principal, declared, next_slot)
+            overlap, catchup_seconds, input, tenant, principal, queue, declared, next_slot)
         VALUES (%(id)s, %(workflow_name)s, %(workflow_version)s, %(cron)s, %(timezone)s,
-            %(overlap)s, %(catchup_seconds)s, %(input)s::jsonb, %(tenant)s, %(principal)s, true,
-            %(next_slot)s)
+            %(overlap)s, %(catchup_seconds)s, %(input)s::jsonb, %(tenant)s, %(principal)s,
+            %(queue)s, true, %(next_slot)s)
         ON CONFLICT (id) DO UPDATE SET
             workflow_name = EXCLUDED.workflow_name, workflow_version = EXCLUDED.workflow_version,
             cron = EXCLUDED.cron, timezone = EXCLUDED.timezone, overlap = EXCLUDED.overlap,
             catchup_seconds = EXCLUDED.catchup_seconds, input = EXCLUDED.input,
-            tenant = EXCLUDED.tenant, principal = EXCLUDED.principal, declared = true,
+            tenant = EXCLUDED.tenant, principal = EXCLUDED.principal, queue = EXCLUDED.queue,
+            declared = true,
             next_slot = CASE WHEN (s.cron, s.timezone) = (EXCLUDED.cron, EXCLUDED.timezone)
                              THEN s.next_slot ELSE EXCLUDED.next_slot END,
             updated_at = now()
         WHERE (s.workflow_name, s.workflow_version, s.cron, s.timezone, s.overlap,
-               s.catchup_seconds, s.input, s.tenant, s.principal, s.declared)
+               s.catchup_seconds, s.input, s.tenant, s.principal, s.queue, s.declared)
               IS DISTINCT FROM
               (EXCLUDED.workflow_name, EXCLUDED.workflow_version, EXCLUDED.cron,
                EXCLUDED.timezone, EXCLUDED.overlap, EXCLUDED.catchup_seconds, EXCLUDED.input,
-               EXCLUDED.tenant, EXCLUDED.principal, true)
+               EXCLUDED.tenant, EXCLUDED.principal, EXCLUDED.queue, true)
         RETURNING (xmax = 0) AS created
         """,
         _params(row),
@@ -69,11 +70,11 @@ async def schedule_create(conn: Conn, row: dict[str, Any]) -> bool:
     cur = await conn.execute(
         f"""
         INSERT INTO {S}.schedules (id, workflow_name, workflow_version, cron, timezone,
-            overlap, catchup_seconds, input, tenant, principal, declared, paused, paused_at,
-            next_slot)
+            overlap, catchup_seconds, input, tenant, principal, queue, declared, paused,
+            paused_at, next_slot)
         VALUES (%(id)s, %(workflow_name)s, %(workflow_version)s, %(cron)s, %(timezone)s,
             %(overlap)s, %(catchup_seconds)s, %(input)s::jsonb, %(tenant)s, %(principal)s,
-            false, %(paused)s, CASE WHEN %(paused)s THEN now() END, %(next_slot)s)
+            %(queue)s, false, %(paused)s, CASE WHEN %(paused)s THEN now() END, %(next_slot)s)
         ON CONFLICT (id) DO NOTHING
         RETURNING id
         """,
@@ -83,22 +84,26 @@ async def schedule_create(conn: Conn, row: dict[str, Any]) -> bool:
 
 
 async def schedule_update(conn: Conn, schedule_id: str, row: dict[str, Any],
-                          *, timing_changed: bool) -> bool:
-    """Replace the definition of a schedule created at run time (never one declared in code:
-    False then, as for a missing one)."""
+                          *, timing_changed: bool) -> dict[str, Any] | None:
+    """Replace the definition of a schedule created at run time, whose row ``conn`` holds
+    locked (read with :func:`schedule_get`, ``lock=True``, in this transaction: what the new
+    definition keeps of the old one was read there). The row afterwards; None for one
+    declared in code, which is never changed here, or a missing one."""
     cur = await conn.execute(
         f"""
         UPDATE {S}.schedules SET workflow_name = %(workflow_name)s,
             workflow_version = %(workflow_version)s, cron = %(cron)s, timezone = %(timezone)s,
             overlap = %(overlap)s, catchup_seconds = %(catchup_seconds)s,
             input = %(input)s::jsonb, tenant = %(tenant)s, principal = %(principal)s,
+            queue = %(queue)s,
             next_slot = CASE WHEN %(timing_changed)s THEN %(next_slot)s ELSE next_slot END,
             updated_at = now()
         WHERE id = %(id)s AND NOT declared
+        RETURNING {_COLUMNS}
         """,
         {**_params(row), "id": schedule_id, "timing_changed": timing_changed},
     )
-    return cur.rowcount == 1
+    return await cur.fetchone()
 
 
 async def schedule_delete(conn: Conn, schedule_id: str) -> bool:
@@ -146,17 +151,19 @@ async def schedule_lock_due(conn: Conn, *, now: datetime, limit: int) -> list[di
 
 
 async def schedule_set_place(conn: Conn, schedule_id: str, *, next_slot: datetime | None,
-                             last_slot: datetime | None, last_run_id: Any,
-                             buffered: int) -> None:
-    """Where a locked schedule stands after its slots were handled."""
+                             last_slot: datetime | None, last_run_id: Any, buffered: int,
+                             queue: str | None) -> None:
+    """Where a locked schedule stands after its slots were handled, and the queue its runs
+    wait in (as the ticker that handled them knows it)."""
     cur = await conn.execute(
         f"""
         UPDATE {S}.schedules SET next_slot = %(next_slot)s, last_slot = %(last_slot)s,
-            last_run_id = %(last_run_id)s, buffered = %(buffered)s, updated_at = now()
+            last_run_id = %(last_run_id)s, buffered = %(buffered)s, queue = %(queue)s,
+            updated_at = now()
         WHERE id = %(id)s
         """,
         {"id": schedule_id, "next_slot": next_slot, "last_slot": last_slot,
-         "last_run_id": last_run_id, "buffered": buffered},
+         "last_run_id": last_run_id, "buffered": buffered, "queue": queue},
     )
     if cur.rowcount != 1:  # pragma: no cover - the row is locked by this transaction
         raise RuntimeError(f"schedule {schedule_id} vanished under its lock")
@@ -185,20 +192,36 @@ async def schedule_set_paused(conn: Conn, schedule_id: str, paused: bool, *,
 
 
 async def slot_record(conn: Conn, schedule_id: str, slot: datetime, *, kind: str, state: str,
-                      overlap: str, reason: str | None = None, run_id: Any = None) -> bool:
+                      overlap: str, reason: str | None = None, run_id: Any = None,
+                      trigger_key: str | None = None) -> bool:
     """Record what became of one slot; False if that slot (of that kind) was recorded
     before, which then keeps its record (a backfill over slots already handled)."""
     cur = await conn.execute(
         f"""
         INSERT INTO {S}.schedule_slots (schedule_id, slot, kind, state, reason, overlap,
-                                        run_id)
-        VALUES (%(id)s, %(slot)s, %(kind)s, %(state)s, %(reason)s, %(overlap)s, %(run_id)s)
+                                        run_id, trigger_key)
+        VALUES (%(id)s, %(slot)s, %(kind)s, %(state)s, %(reason)s, %(overlap)s, %(run_id)s,
+                %(trigger_key)s)
         ON CONFLICT DO NOTHING
         """,
         {"id": schedule_id, "slot": slot, "kind": kind, "state": state, "reason": reason,
-         "overlap": overlap, "run_id": run_id},
+         "overlap": overlap, "run_id": run_id, "trigger_key": trigger_key},
     )
     return cur.rowcount == 1
+
+
+async def slot_by_trigger_key(conn: Conn, schedule_id: str, trigger_key: str
+                              ) -> dict[str, Any] | None:
+    """The slot a trigger sent with ``trigger_key`` recorded, if one did (read under the
+    schedule's lock: a trigger with that key that holds it now has committed or not)."""
+    cur = await conn.execute(
+        f"""
+        SELECT slot, state, overlap, run_id FROM {S}.schedule_slots
+        WHERE schedule_id = %s AND trigger_key = %s
+        """,
+        (schedule_id, trigger_key),
+    )
+    return await cur.fetchone()
 
 
 async def slots_handled(conn: Conn, schedule_id: str, first: datetime,
@@ -234,7 +257,7 @@ async def slot_fire_buffered(conn: Conn, schedule_id: str, slot: datetime, kind:
 async def slot_oldest_buffered(conn: Conn, schedule_id: str) -> dict[str, Any] | None:
     cur = await conn.execute(
         f"""
-        SELECT slot, kind, overlap FROM {S}.schedule_slots
+        SELECT slot, kind, overlap, trigger_key FROM {S}.schedule_slots
         WHERE schedule_id = %s AND state = 'buffered'
         ORDER BY slot, kind LIMIT 1
         """,

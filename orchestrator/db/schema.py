@@ -395,6 +395,8 @@ schedules = Table(
     Column("buffered", Integer, nullable=False, server_default=text("0")),
     _ts("created_at", nullable=False, default_now=True),
     _ts("updated_at", nullable=False, default_now=True),
+    # The queue its runs wait in, NULL: the default queue (migration 0027).
+    Column("queue", Text),
     CheckConstraint(_in("overlap", OVERLAP_POLICIES), name="overlap"),
     CheckConstraint("buffered >= 0 AND catchup_seconds > 0", name="counters"),
     Index("ix_schedules_next_slot", "next_slot", postgresql_where=text("NOT paused")),
@@ -412,14 +414,19 @@ schedule_slots = Table(
     Column("overlap", Text, nullable=False),
     Column("run_id", UUID(as_uuid=True)),
     _ts("recorded_at", nullable=False, default_now=True),
+    # The idempotency key a trigger was sent with (migration 0027).
+    Column("trigger_key", Text),
     CheckConstraint("kind IN ('cron', 'backfill', 'trigger')", name="kind"),
     CheckConstraint("state IN ('fired', 'skipped', 'buffered')", name="state"),
     CheckConstraint("(state = 'fired') = (run_id IS NOT NULL)", name="fired_has_run"),
+    CheckConstraint("trigger_key IS NULL OR kind = 'trigger'", name="trigger_key"),
     Index("ix_schedule_slots_buffered", "schedule_id", "slot",
           postgresql_where=text("state = 'buffered'")),
     # What prune_schedule_slots walks, oldest first (migration 0016).
     Index("ix_schedule_slots_recorded", "recorded_at",
           postgresql_where=text("state <> 'buffered'")),
+    Index("ux_schedule_slots_trigger_key", "schedule_id", "trigger_key", unique=True,
+          postgresql_where=text("trigger_key IS NOT NULL")),
 )
 
 schedule_gaps = Table(

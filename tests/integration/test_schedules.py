@@ -11,10 +11,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 from orchestrator import InvalidRequest, Orchestrator
-from orchestrator.errors import DatabaseError
+from orchestrator.errors import DatabaseError, IdempotencyConflict
 from orchestrator.retention import Pruner, Retention
 from orchestrator.scheduler import Scheduler
 from tests.clitools import run_cli
@@ -516,4 +517,163 @@ async def test_expiring_evidence_keeps_the_chain_a_schedule_follows(make_app, sq
         await wait_for(lambda: sql(chain + " AND status = 'waiting'") == [], timeout=20)
     report = await Pruner(app.database, rules).prune()
     assert (report.runs, report.evidence_runs) == (1, 3)  # the chain ended: its rows go
+    await app.database.close()
+
+
+def _waiting_on_locks(sql: Sql) -> int:
+    """How many sessions of this database wait for a lock (a test signal, not a sleep)."""
+    return int(sql("SELECT count(*) AS n FROM pg_stat_activity WHERE datname = "
+                   "current_database() AND wait_event_type = 'Lock'")[0]["n"])
+
+
+async def test_two_updates_of_one_schedule_both_land(make_app, sql, migrated_database_url):
+    """Two updates of one schedule at once, each changing one field (as a firing holds the
+    row): each reads the schedule under its lock and changes what it was given, so neither
+    writes back the other's field as it was before."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", input={"x": 1})
+    async with await psycopg.AsyncConnection.connect(migrated_database_url) as firing:
+        async with firing.transaction():
+            await firing.execute("SELECT 1 FROM orchestrator.schedules WHERE id = 's' "
+                                 "FOR UPDATE")
+            first = asyncio.ensure_future(app.schedules.update_async("s", input={"x": 2}))
+            await wait_for(lambda: _waiting_on_locks(sql) == 1)
+            second = asyncio.ensure_future(app.schedules.update_async("s", cron="*/5 * * * *"))
+            await wait_for(lambda: _waiting_on_locks(sql) == 2)
+        await asyncio.gather(first, second)
+    info = await app.schedules.get_async("s")
+    assert (info.cron, info.input) == ("*/5 * * * *", {"x": 2})
+    assert info.next_slot == T0 + timedelta(minutes=5)
+    await app.database.close()
+
+
+
+async def test_a_trigger_with_a_key_fires_once_however_often_it_is_sent(make_app, sql):
+    """A trigger sent again with its idempotency key (a retry after a lost answer, two
+    operators at once) answers with what became of the first: its slot and its run, never a
+    second run; even when the first was skipped, or its run has since finished."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", overlap="skip")
+    clock[0] = minute(5)
+    first = await app.schedules.trigger_async("s", idempotency_key="deploy-42")
+    assert first["state"] == "fired"
+    clock[0] = minute(6)
+    (made,) = runs_of(sql)
+    await app.cancel_async(made["id"])  # finished: a new trigger would fire
+    again = await app.schedules.trigger_async("s", idempotency_key="deploy-42")
+    assert again == first
+    moments = iter([minute(7, n) for n in range(10)])  # each call reads its own moment
+    app.schedules.admin.ticker.clock = lambda: next(moments)
+    both = await asyncio.gather(*(app.schedules.trigger_async("s", idempotency_key="k2")
+                                  for _ in range(2)))
+    assert both[0] == both[1] and both[0]["state"] == "fired"
+    assert len(runs_of(sql)) == 2
+    skipped = await app.schedules.trigger_async("s", idempotency_key="k3")  # k2's runs
+    assert skipped["state"] == "skipped"
+    await app.cancel_async(both[0]["run_id"])
+    assert await app.schedules.trigger_async("s", idempotency_key="k3") == skipped
+    with pytest.raises(IdempotencyConflict):  # the same key, another policy
+        await app.schedules.trigger_async("s", idempotency_key="k3", overlap="allow_all")
+    with pytest.raises(InvalidRequest) as bad:
+        await app.schedules.trigger_async("s", idempotency_key="no spaces")
+    assert bad.value.path == "idempotency_key"
+    assert len(runs_of(sql)) == 2 and len(slots(sql)) == 3
+    await app.database.close()
+
+
+async def test_the_cli_fires_into_the_workflows_queue_without_the_app(make_app, sql,
+                                                                     migrated_database_url):
+    """The queue a schedule's runs wait in is stored with the schedule: the CLI, which has no
+    application code without ``--app``, fires a trigger and a backfill into it too (and a
+    trigger sent again with its key fires nothing)."""
+    app = make_app()
+    app.queue("reports", concurrency=1)
+
+    @app.workflow(queue="reports")
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await app.schedules.create_async("s", "report", cron="0 3 * * *", overlap="allow_all")
+    await app.database.close()
+    answers = []
+    for _ in range(2):  # sent again with its key: the same run, nothing fired
+        fired = run_cli(["schedules", "trigger", "s", "--idempotency-key", "release-7",
+                         "--json"], database_url=migrated_database_url)
+        assert fired.returncode == 0, fired.stderr
+        answers.append(json.loads(fired.stdout))
+    assert answers[0] == answers[1] and answers[0]["state"] == "fired"
+    now = datetime.now(UTC)
+    filled = run_cli(["schedules", "backfill", "s", "--from",
+                      f"{now - timedelta(days=2):%Y-%m-%dT%H:%M:%SZ}", "--to",
+                      f"{now:%Y-%m-%dT%H:%M:%SZ}"], database_url=migrated_database_url)
+    assert filled.returncode == 0, filled.stderr
+    made = sql("SELECT queue FROM orchestrator.runs")
+    assert len(made) == 3 and {r["queue"] for r in made} == {"reports"}
+
+
+async def test_a_ticker_that_knows_the_workflow_keeps_the_stored_queue_true(make_app, sql):
+    """A schedule stored before its queue was (or whose workflow's queue the code changed)
+    fires into the queue the firing worker's code names, and the schedule stores it for
+    whoever fires it next without the code."""
+    clock = [T0]
+    app = make_app()
+    app.queue("reports", concurrency=1)
+
+    @app.workflow(queue="reports")
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    app.schedules.admin.ticker.clock = lambda: clock[0]
+    await app.schedules.create_async("s", "report", cron="* * * * *", overlap="allow_all")
+    sql("UPDATE orchestrator.schedules SET queue = NULL")  # as stored before 0027
+    ticker = app.create_scheduler()
+    ticker.clock = lambda: clock[0]
+    clock[0] = minute(1, 0.5)
+    assert await ticker.tick() == 1
+    assert sql("SELECT queue FROM orchestrator.runs") == [{"queue": "reports"}]
+    assert sql("SELECT queue FROM orchestrator.schedules") == [{"queue": "reports"}]
+    await app.database.close()
+
+
+async def test_a_schedule_removed_from_the_code_can_be_deleted(make_app, sql):
+    """A schedule declared in code stays stored, and fires, when the code no longer declares
+    it: the code that declares it still refuses to delete it, the code that does not deletes
+    it (before, nothing could, and it fired for ever)."""
+    old = make_app()
+
+    @old.schedule("nightly", cron="0 3 * * *")
+    @old.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await old.create_scheduler().declare()
+    new = make_app()  # the next deploy: the workflow without its schedule
+    new.workflow(name="report")(report.fn)
+    with pytest.raises(InvalidRequest) as refused:
+        await old.schedules.delete_async("nightly")
+    assert refused.value.path == "id"
+    await new.schedules.delete_async("nightly")
+    assert sql("SELECT id FROM orchestrator.schedules") == []
+    await old.database.close()
+    await new.database.close()
+
+
+async def test_a_keyed_trigger_kept_by_a_buffer_answers_with_its_run_once_it_fired(make_app,
+                                                                                   sql):
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", overlap="buffer_one")
+    clock[0] = minute(5)
+    first = await app.schedules.trigger_async("s")
+    clock[0] = minute(6)
+    kept = await app.schedules.trigger_async("s", idempotency_key="kept-1")
+    assert kept["state"] == "buffered" and kept["run_id"] is None
+    await app.cancel_async(first["run_id"])
+    clock[0] = minute(7)
+    await _ticker(app, clock).tick()  # the previous run ended: the kept trigger fires
+    again = await app.schedules.trigger_async("s", idempotency_key="kept-1")
+    assert again["state"] == "fired" and again["slot"] == minute(6)
+    assert again["run_id"] in {r["id"] for r in runs_of(sql)} and len(runs_of(sql)) == 2
     await app.database.close()
