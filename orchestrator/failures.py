@@ -151,11 +151,28 @@ def public_cause(cause: str | None) -> str | None:
     return cause if cause in ENGINE_CAUSES else TOOL_DEFINED
 
 
-def unknown_cause(reason: str, phase: str | None, upstream_status: int | None) -> str:
+def incident_cause(exc: BaseException) -> tuple[str, str | None]:
+    """The ``cause`` a tool's incident summary keeps, and the tool's own word for its details
+    (None: it chose none). A :class:`ToolError`'s cause is its classification's, e.g.
+    ``timeout_after_send`` from ``ToolError.after_send("timeout")``: in the summary as
+    :func:`public_cause` has it (``tool_defined`` for a word the tool chose, which is tool
+    text and stays in the details, read by incident readers only, CONTRACT C10). Any other
+    exception's cause is its type's name."""
+    if isinstance(exc, ToolError):
+        word = exc.classification().cause
+        return public_cause(word) or TOOL_DEFINED, None if word in ENGINE_CAUSES else word
+    return type(exc).__name__, None
+
+
+def unknown_cause(reason: str, phase: str | None, upstream_status: int | None,
+                  tool_cause: str | None = None) -> str:
     """Why an attempt's outcome was unknown, as a cause word: from the ``call.unknown``
-    entry's ``reason`` and the phase and upstream status of the incident it names (None:
-    it names none). A timed-out dispatch is ``timeout``; a tool's failure with a provider's
-    status is that status's cause; any other tool failure is ``outcome_unknown``."""
+    entry's ``reason`` and the phase, upstream status and cause of the incident it names
+    (None: it names none). A timed-out dispatch is ``timeout``; a tool's failure with a
+    provider's status is that status's cause; one whose incident keeps a cause word the
+    orchestrator knows is that word (``timeout_after_send``, or ``tool_defined`` for one the
+    tool chose, :func:`incident_cause`); any other tool failure (an exception's type) is
+    ``outcome_unknown``."""
     if reason == "TOOL_OUTCOME_UNCERTAIN":
         if phase == "dispatch":
             # The only dispatch incident a failed call can follow: the run's own cancellation
@@ -163,6 +180,8 @@ def unknown_cause(reason: str, phase: str | None, upstream_status: int | None) -
             return "timeout"
         if phase == "tool" and upstream_status is not None and upstream_status >= 400:
             return classify_status(upstream_status).cause
+        if phase == "tool" and (tool_cause in ENGINE_CAUSES or tool_cause == TOOL_DEFINED):
+            return tool_cause
         return "outcome_unknown"
     return {"INVALID_RECEIPT": "invalid_receipt", "WORKER_LOST": "worker_lost",
             "OUTCOME_UNRECORDED": "outcome_unrecorded"}.get(reason, "outcome_unknown")

@@ -255,35 +255,65 @@ def _add(report: PruneReport, done: retention_db.Expired) -> None:
     report.evidence_incidents += done.incidents
 
 
+@dataclass(frozen=True)
+class EvidenceExport:
+    """What :func:`export_evidence` wrote: the period ``[since, until)`` (``until`` is the
+    cutoff it chose when none was given: the next period starts there) and how many rows of
+    each kind."""
+
+    since: datetime
+    until: datetime
+    counts: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record of ``evidence export --json`` (docs/cli-json.md)."""
+        return {**_plain({"since": self.since, "until": self.until}),
+                "counts": dict(self.counts)}
+
+
 async def export_evidence(db: Database, out: TextIO, *, since: datetime,
                           until: datetime | None = None,
-                          progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+                          progress: Callable[[str, int], None] | None = None) -> EvidenceExport:
     """Write the evidence created or last changed in ``[since, until)`` to ``out`` as JSON
-    lines (one object per row, its kind in ``type``), page by page; return how many rows of
-    each kind. An operation or an item that changed after an earlier period's export is
-    written again in the period of its change, as it is now."""
-    until = until or datetime.now(UTC) + timedelta(seconds=1)
-    if since.tzinfo is None or until.tzinfo is None:
+    lines (one object per row, its kind in ``type``), page by page in one read-only
+    snapshot, so that a row changing meanwhile is neither missed nor written twice. An
+    operation or an item that changed after an earlier period's export is written again in
+    the period of its change, as it is now.
+
+    Without ``until`` the period ends at the snapshot (or at the start of the oldest
+    transaction then open, which may still commit rows stamped before it): every row stamped
+    before that cutoff is in the snapshot, so a next period starting at the returned
+    ``until`` misses nothing."""
+    if since.tzinfo is None or (until is not None and until.tzinfo is None):
         raise InvalidRequest("since and until need a time zone", path="since")
-    counts: dict[str, int] = {}
-    for kind, statement, first in retention_db.EVIDENCE:
-        after, written = first, 0
-        while True:
-            async with db.connection() as conn:
-                rows = await retention_db.evidence_page(conn, statement, after=after,
-                                                        since=since, until=until,
-                                                        limit=EXPORT_PAGE)
-            for row in rows:
-                out.write(json.dumps({"type": kind, **_plain(row)}, ensure_ascii=False,
-                                     sort_keys=True) + "\n")
-            written += len(rows)
-            if progress is not None and rows:
-                progress(kind, written)
-            if len(rows) < EXPORT_PAGE:
-                break
-            after = rows[-1]["id"]
-        counts[kind] = written
-    return counts
+    async with db.connection() as conn:
+        cutoff = await retention_db.evidence_cutoff(conn)
+        async with conn.transaction():
+            await retention_db.evidence_snapshot(conn)
+            period = EvidenceExport(since=since, until=until or max(since, cutoff), counts={})
+            for kind, statement, first in retention_db.EVIDENCE:
+                period.counts[kind] = await _export_kind(conn, out, kind, statement, first,
+                                                         period, progress)
+    return period
+
+
+async def _export_kind(conn: Conn, out: TextIO, kind: str, statement: str, first: Any,
+                       period: EvidenceExport,
+                       progress: Callable[[str, int], None] | None) -> int:
+    after, written = first, 0
+    while True:
+        rows = await retention_db.evidence_page(conn, statement, after=after,
+                                                since=period.since, until=period.until,
+                                                limit=EXPORT_PAGE)
+        for row in rows:
+            out.write(json.dumps({"type": kind, **_plain(row)}, ensure_ascii=False,
+                                 sort_keys=True) + "\n")
+        written += len(rows)
+        if progress is not None and rows:
+            progress(kind, written)
+        if len(rows) < EXPORT_PAGE:
+            return written
+        after = rows[-1]["id"]
 
 
 def _plain(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -239,7 +239,7 @@ class Worker:
         if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too
             name, _, until = payload.partition("\t")
             # Anyone connected may NOTIFY: an end that is no number, or no time a datetime
-            # holds (inf, 1e300), is skipped; raised here, it would end the listener.
+            # holds (inf, 1e300), is skipped quietly, not logged as the listener's failure.
             with contextlib.suppress(ValueError, OverflowError):
                 when = datetime.fromtimestamp(float(until), UTC)
                 if when > self.config.back_offs.get(name, when - timedelta(seconds=1)):

@@ -11,6 +11,12 @@ from typing import Any
 from orchestrator.cli.common import database_target, describe_source
 from orchestrator.cli.tables import render
 from orchestrator.db import embedded, grants, migrate
+from orchestrator.db.config import (
+    EMBEDDED_DATABASE,
+    ENV_URL,
+    configured_url,
+    embedded_data_dir,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -84,12 +90,18 @@ def register_embedded(commands: Any) -> None:
 
 
 def cmd_url(args: argparse.Namespace) -> int:
-    """Print the database URL in use (password masked) and where it came from."""
-    target = database_target(args, reachable=False)
-    if target.source == "embedded":
-        print(target.display)  # embedded (<data dir>)
-    else:
+    """Print the database URL in use (password masked) and where it came from; with none
+    configured, the embedded server that is used and whether it runs, without starting it."""
+    target = configured_url(args.database_url)
+    if target is not None:
         print(f"{target.display} ({describe_source(target)})")
+        return 0
+    server = embedded.inspect("app", embedded_data_dir())
+    state = (f"running (pid {server.pid})" if server.pid is not None
+             else "stopped: the first command that needs it starts it" if server.created
+             else "not created yet: the first command that needs it creates and starts it")
+    print(f"embedded ({server.data_dir}), database {EMBEDDED_DATABASE}: no database URL is "
+          f"configured (--database-url, {ENV_URL}); the server is {state}")
     return 0
 
 

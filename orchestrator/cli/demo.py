@@ -1,4 +1,4 @@
-"""``orchestrator demo``: the whole promise in under a minute, on the embedded database.
+"""``orchestrator demo``: the whole promise in under a minute, in a database of its own.
 
 Starts a worker, submits sample runs (effects, a durable timer, an event, a child run), kills
 the worker with SIGKILL in the middle, starts another that finishes every run, and prints what
@@ -22,12 +22,17 @@ from typing import Any
 from orchestrator.cli.common import database_target
 from orchestrator.cli.tables import render
 from orchestrator.db import migrate
-from orchestrator.db.config import ENV_URL
+from orchestrator.db.config import ENV_URL, demo_target, display_url, mask_url
 
 
 def register(subparsers: Any) -> None:
     demo = subparsers.add_parser(
-        "demo", help="run sample workflows, kill a worker mid-run, show every effect once")
+        "demo", help="run sample workflows, kill a worker mid-run, show every effect once",
+        description="Run sample workflows, kill a worker mid-run, and show every effect applied "
+        "once. The demo runs in a database of its own beside the configured one (its name and "
+        "_demo, created if missing; orchestrator_demo on the embedded server), so that its runs "
+        "never mix with an application's; a database given with --database-url is used as it "
+        "is.")
     demo.add_argument("--runs", type=int, default=6, help="order runs to submit (default 6)")
     # exit status: 0 when every run succeeded and no effect was applied twice, else 1
     demo.set_defaults(func=cmd_demo)
@@ -55,7 +60,10 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     target = database_target(args)
-    say(f"database: {target.masked}")
+    if target.source != "argument":  # a database named for the demo is taken as it is
+        target = demo_target(target)
+    say(f"database: {display_url(target.url)}"
+        + ("" if target.source == "argument" else " (the demo's own, apart from any app's)"))
     migrate.upgrade(target)
     os.environ[ENV_URL] = target.url
     sink = Path(tempfile.mkdtemp(prefix="orchestrator-demo-"))
@@ -105,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    ok = _report(app, handles, sink, pids)
+    ok = _report(app, handles, sink, pids, mask_url(target.url))
     app.close()
     if ok:
         shutil.rmtree(sink, ignore_errors=True)
@@ -114,7 +122,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1
 
 
-def _report(app: Any, handles: list[Any], sink: Path, pids: dict[str, str]) -> bool:
+def _report(app: Any, handles: list[Any], sink: Path, pids: dict[str, str], url: str) -> bool:
     from orchestrator import demo
 
     effects = demo.read_effects(sink)
@@ -144,7 +152,7 @@ def _report(app: Any, handles: list[Any], sink: Path, pids: dict[str, str]) -> b
     ok = duplicates == 0 and all(r[2] == "succeeded" for r in rows)
     print("every run finished and every effect was applied exactly once"
           if ok else "SOMETHING IS WRONG: see the table above")
-    print(f"inspect a run: orchestrator runs show {handles[0].id}")
+    print(f"inspect a run: orchestrator --database-url '{url}' runs show {handles[0].id}")
     return ok
 
 

@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -70,10 +70,14 @@ def register(subparsers: Any) -> None:
         "text) are not exported: `orchestrator incidents show` reads them.")
     export.add_argument("--since", required=True, metavar="T",
                         help="ISO 8601 time with its offset, e.g. 2026-01-01T00:00:00Z")
-    export.add_argument("--until", metavar="T", help="ISO 8601 time with its offset (default "
-                        "now)")
+    export.add_argument("--until", metavar="T", help="ISO 8601 time with its offset (default: "
+                        "the time the evidence is read, or the start of the oldest "
+                        "transaction then open, if earlier; printed, for the next --since)")
     export.add_argument("--output", "-o", metavar="FILE", type=Path,
                         help="write to FILE instead of stdout")
+    export.add_argument("--json", action="store_true",
+                        help="with --output: print the period and the counts as one JSON "
+                        "document (fields: docs/cli-json.md)")
     export.set_defaults(func=cmd_export)
 
 
@@ -153,15 +157,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     since = parse_time(args.since, "since")
-    until = parse_time(args.until, "until") if args.until else datetime.now(UTC) + timedelta(
-        seconds=1)
+    until = parse_time(args.until, "until") if args.until else None
+    if args.json and args.output is None:
+        raise InvalidRequest("--json prints its document on stdout, where the evidence goes "
+                             "without --output: give -o FILE", path="json")
     target = database_target(args)
 
     def progress(kind: str, written: int) -> None:
-        if args.output is not None:
+        if args.output is not None and not args.json:
             print(f"evidence: {written:,} {kind} row(s)", file=sys.stderr, flush=True)
 
-    async def main(out: TextIO) -> dict[str, int]:
+    async def main(out: TextIO) -> retention.EvidenceExport:
         db = Database(target, max_pool_size=1)
         try:
             return await retention.export_evidence(db, out, since=since, until=until,
@@ -170,10 +176,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             await db.close()
 
     if args.output is None:
-        counts = asyncio.run(main(sys.stdout))
+        done = asyncio.run(main(sys.stdout))
     else:
         with open(args.output, "w", encoding="utf-8") as out:
-            counts = asyncio.run(main(out))
-        print("evidence: " + ", ".join(f"{n:,} {kind}" for kind, n in counts.items())
-              + f" written to {args.output}", file=sys.stderr)
+            done = asyncio.run(main(out))
+    if args.json:
+        records.emit({**done.as_dict(), "output": str(args.output)})
+        return 0
+    period = done.as_dict()
+    print("evidence: " + ", ".join(f"{n:,} {kind}" for kind, n in done.counts.items())
+          + f" written to {args.output or 'stdout'}, created or changed in "
+          f"[{period['since']}, {period['until']}); next period: --since {period['until']}",
+          file=sys.stderr)
     return 0

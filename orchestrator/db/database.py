@@ -434,7 +434,9 @@ class Database:
         and try again after a refused LISTEN (a server in recovery), saying so once.
 
         ``on_message(channel, payload)`` is called for each notification, and once with
-        ``("", "")`` after every (re)connection, since anything may have been missed.
+        ``("", "")`` after every (re)connection, since anything may have been missed. An
+        exception it raises is logged with the channel and the payload (a run's id, a queue's
+        name), and the listener goes on: one bad notification does not leave it deaf.
 
         The connection is the target's :attr:`~DatabaseTarget.session_url` (a LISTEN lives in a
         session, which a transaction pooler does not keep). Without one nothing is listened
@@ -442,7 +444,7 @@ class Database:
         """
         url = self.target.session_url
         if url is None:
-            on_message("", "")
+            _deliver(on_message, "", "")
             await stop.wait()
             return
         refused = False  # LISTEN was refused since it last succeeded (said once)
@@ -458,10 +460,10 @@ class Database:
                     for channel in channels:
                         await conn.execute(f"LISTEN {channel}")
                     refused = False
-                    on_message("", "")
+                    _deliver(on_message, "", "")
                     while not stop.is_set():
                         async for note in conn.notifies(timeout=0.5):
-                            on_message(note.channel, note.payload)
+                            _deliver(on_message, note.channel, note.payload)
                             if stop.is_set():
                                 break
             except psycopg.OperationalError:
@@ -476,6 +478,14 @@ class Database:
                                 display_url(url), exc.diag.message_primary or type(exc).__name__)
                 refused = True
                 await _wait_or_stop(stop, 1.0)
+
+
+def _deliver(on_message: Callable[[str, str], None], channel: str, payload: str) -> None:
+    try:
+        on_message(channel, payload)
+    except Exception:
+        log.exception("the listener's callback failed on a notification on %r (payload %r); "
+                      "listening goes on", channel, payload)
 
 
 def _may_be_dead(conn: psycopg.AsyncConnection[Any]) -> bool:

@@ -130,6 +130,34 @@ EVIDENCE: tuple[tuple[str, str, Any], ...] = (
 before the first."""
 
 
+_CUTOFF = """
+SELECT LEAST(statement_timestamp(), (
+    SELECT min(xact_start) FROM pg_stat_activity
+    WHERE datname = current_database() AND backend_type = 'client backend'
+      AND pid <> pg_backend_pid())) AS cutoff
+"""
+
+
+async def evidence_cutoff(conn: Conn) -> datetime:
+    """The default end of an export's period, read on ``conn`` just before its snapshot
+    (outside a transaction): now, or the start of the oldest transaction then open in this
+    database, if earlier. Rows are stamped with their transaction's start (``now()``), so a
+    transaction open now may still commit rows stamped before now, after the snapshot; they
+    are at or after this cutoff, in the next period. (A role sees the transactions of other
+    roles only with ``pg_read_all_stats``; without it, only its own.)"""
+    cur = await conn.execute(_CUTOFF)
+    row = await cur.fetchone()
+    assert row is not None
+    cutoff: datetime = row["cutoff"]
+    return cutoff
+
+
+async def evidence_snapshot(conn: Conn) -> None:
+    """Make the transaction just begun on ``conn`` one read-only snapshot: every page of every
+    kind of evidence read in it sees the database as of its first read."""
+    await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
+
 async def evidence_page(conn: Conn, statement: str, *, after: Any, since: datetime,
                         until: datetime, limit: int) -> list[dict[str, Any]]:
     cur = await conn.execute(statement, {"after": after, "since": since, "until": until,

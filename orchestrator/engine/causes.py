@@ -102,7 +102,8 @@ def _reconciled(mine: list[Entry], incidents: list[Mapping[str, Any]]) -> dict[s
     kept = next((i for i in incidents if ref is not None and i["ref"] == ref), None)
     found: dict[str, Any] = {"cause": unknown_cause(
         unknown["payload"]["reason"], None if kept is None else kept.get("phase"),
-        None if kept is None else kept.get("upstream_status"))}
+        None if kept is None else kept.get("upstream_status"),
+        None if kept is None else kept.get("cause"))}
     proof = next((e for e in mine if e["kind"] == EventKind.CALL_NOT_APPLIED), None)
     if proof is not None:
         found["reconciled"] = ("lookup" if proof["payload"].get("resolved_by") == "reconciler"

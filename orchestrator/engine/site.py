@@ -32,6 +32,7 @@ from orchestrator.errors import (
     new_incident_ref,
     operation_error_json,
 )
+from orchestrator.failures import incident_cause
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.logs import fields
 from orchestrator.registry import Tool
@@ -369,12 +370,15 @@ class CallSite:
                   "tool": self.tool.name,
                   "traceback": storable("".join(traceback.format_exception(exc))[-20000:])}
         status = getattr(exc, "status", None)
+        cause, own_word = incident_cause(exc)
+        if own_word is not None:
+            detail["cause"] = storable(own_word[:1000])
         try:
             with contextlib.suppress(Exception):
                 async with self.session.db.connection() as conn:
                     await incident_record(conn, {
                         "ref": ref, "code": "TOOL_ERROR", "run_id": self.run.run_id,
-                        "operation_id": op_id, "phase": phase, "cause": type(exc).__name__,
+                        "operation_id": op_id, "phase": phase, "cause": cause,
                         "upstream_status": status if isinstance(status, int) else None,
                         "detail": json.dumps(detail)})
         except asyncio.CancelledError:

@@ -6,7 +6,11 @@ import json
 import os
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
+import psycopg
+
+from tests import dbtools
 from tests.acceptance import flows
 from tests.acceptance.conftest import ROOT
 
@@ -34,6 +38,30 @@ def test_the_demo_runs_to_completion(empty_database_url):
     applied = int(done.stdout.split("effects applied: ", 1)[1].split(";", 1)[0])
     assert sum(int(row[-2]) for row in rows) == applied
     assert _cli(empty_database_url, "runs", "show", ids[0]).returncode == 0
+
+
+def test_the_demo_keeps_to_a_database_of_its_own(empty_database_url, pg_admin_url):
+    """With the database configured in the environment (an application's), the demo runs in
+    a database of its own beside it (its name and ``_demo``), created for it: the
+    application's database gets no demo runs, not even the schema."""
+    name = urlsplit(empty_database_url).path.lstrip("/")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ORCHESTRATOR_DATABASE_URL": empty_database_url}
+    try:
+        done = subprocess.run([sys.executable, "-m", "orchestrator", "demo", "--runs", "1"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"/{name}_demo" in done.stdout.splitlines()[0]  # database: …/NAME_demo
+        with psycopg.connect(empty_database_url) as conn:
+            schemas = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = 'orchestrator'")
+            assert schemas.fetchall() == []
+        with psycopg.connect(dbtools.url_for_database(empty_database_url, f"{name}_demo")) as conn:
+            runs = conn.execute("SELECT count(*) FROM orchestrator.runs").fetchone()
+            assert runs is not None and runs[0] >= 3
+        shown = next(line for line in done.stdout.splitlines()
+                     if line.startswith("inspect a run: "))
+        assert f"/{name}_demo" in shown
+    finally:
+        dbtools.drop_database(pg_admin_url, f"{name}_demo")
 
 
 def test_runs_list_show_and_cancel(workers, client):

@@ -120,6 +120,52 @@ async def test_a_timed_out_call_proven_not_applied_names_the_timeout(
     await app.database.close()
 
 
+@pytest.mark.parametrize(("raised", "kept", "public"), [
+    (ToolError.after_send("timeout", f"no answer from {TOOL_TEXT}"), "timeout_after_send",
+     "timeout_after_send"),
+    (ToolError.after_send("connection"), "connection_after_send", "connection_after_send"),
+    (ToolError(f"lost: {TOOL_TEXT}"), "outcome_unknown", "outcome_unknown"),
+    # A word the tool chose is tool text: in its incident's details, not in the public error.
+    (ToolError("lost", cause=SECRET), "tool_defined", "tool_defined"),
+    (ConnectionResetError(f"reset by {TOOL_TEXT}"), "ConnectionResetError", "outcome_unknown"),
+])
+async def test_an_unknown_outcome_proven_not_applied_keeps_the_tools_cause(
+        make_app, sql, raised, kept, public):  # type: ignore[no-untyped-def]
+    """The tool said why its outcome is unknown (``ToolError.after_send("timeout")``): its
+    incident keeps that word as its ``cause`` (a word the tool chose: ``tool_defined``, the
+    word itself in the details; a plain exception: its type), and once a lookup proves the
+    attempt not applied, the run's error names it, not a generic ``outcome_unknown``."""
+    app = make_app()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise raised
+
+    @charge.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        return NotApplied("no charge with this key")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async(pay, "o-1")
+        await wait_for(parked(sql, run))
+        (tool_incident,) = sql("SELECT * FROM orchestrator.incidents WHERE code = 'TOOL_ERROR'")
+        assert (tool_incident["phase"], tool_incident["cause"]) == ("tool", kept)
+        assert tool_incident["detail"].get("cause") == (SECRET if kept == "tool_defined"
+                                                        else None)
+        assert await app.create_reconciler().run_once() == 1
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=15)
+    assert info.value.cause == {"code": "TOOL_FAILED", "tool": "charge", "cause": public,
+                                "reason": "budget", "attempts": 1, "stage": None,
+                                "reconciled": "lookup"}
+    assert SECRET not in json.dumps(_row(sql, run)["error"])
+    await app.database.close()
+
+
 @pytest.mark.parametrize(("raised", "public"), [
     (ToolError.from_status(401, f"denied for {TOOL_TEXT}"), "authentication"),
     # A cause word the tool chose is tool text too: the public error does not repeat it.

@@ -248,3 +248,37 @@ async def test_a_listener_refused_by_a_server_in_recovery_listens_once_it_is_pro
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)
+
+
+async def test_a_listener_whose_callback_raises_logs_it_and_keeps_listening(
+    migrated_database_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A callback that raises on one notification is logged with the channel and the payload
+    (a run's id, a queue's name) and the listener goes on: the next notification is heard.
+    Before, the exception ended the listener for good and nothing was heard again."""
+    caplog.set_level(logging.ERROR, logger="orchestrator")
+    db = Database(DatabaseTarget(validate_url(migrated_database_url), "argument"))
+    seen: list[tuple[str, str]] = []
+
+    def on_message(channel: str, payload: str) -> None:
+        if payload == "bad":
+            raise ValueError("the callback's own bug")
+        seen.append((channel, payload))
+
+    stop = asyncio.Event()
+    listener = asyncio.ensure_future(db.listen(["news"], on_message, stop))
+    try:
+        await wait_until_async(lambda: ("", "") in seen, timeout=10)  # it listens
+        with psycopg.connect(migrated_database_url, autocommit=True) as conn:
+            conn.execute("NOTIFY news, 'bad'")
+            conn.execute("NOTIFY news, 'good'")
+        await wait_until_async(lambda: listener.done() or ("news", "good") in seen, timeout=10)
+        assert not listener.done()
+        assert seen == [("", ""), ("news", "good")]  # no reconnection either
+        (said,) = [r for r in caplog.records if r.name.startswith("orchestrator")]
+        assert "'news'" in said.getMessage() and "'bad'" in said.getMessage()
+        assert said.exc_info is not None and said.exc_info[0] is ValueError
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)
+        await db.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import Orchestrator, Retention, RunPruned
+from orchestrator import Orchestrator, Retention, RunPruned, retention
 from orchestrator.db import grants
 from orchestrator.db.config import DatabaseTarget, validate_url
 from orchestrator.db.database import Database
@@ -168,8 +168,8 @@ async def test_evidence_outlives_the_journal_is_exported_then_expires(
                                          evidence=timedelta(days=1))).prune()
     assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs") == 1  # within evidence
     with open(tmp_path / "evidence.jsonl", "w", encoding="utf-8") as out:
-        counts = await export_evidence(app.database, out,
-                                       since=datetime.now(UTC) - timedelta(hours=1))
+        counts = (await export_evidence(app.database, out,
+                                        since=datetime.now(UTC) - timedelta(hours=1))).counts
     lines = [json.loads(x) for x in (tmp_path / "evidence.jsonl").read_text().splitlines()]
     (op,) = [x for x in lines if x["type"] == "operation"]
     assert counts["operation"] == 1 and op["run_id"] == str(run.id)
@@ -409,3 +409,64 @@ async def test_a_period_too_long_to_count_back_from_now_is_refused(
     with pytest.raises(InvalidRequest) as long:
         Retention(finished_runs=timedelta(days=1), evidence=timedelta(days=36601))
     assert long.value.path == "evidence"
+
+
+async def test_an_export_reads_one_snapshot_and_reports_where_the_next_period_starts(
+        make_app: Any, sql: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export pages through every kind of evidence in one snapshot: what changes while it
+    pages (here, after its first page of operations, an audit row deleted as an evidence
+    expiry would, and another written) does not change what it writes, and the export reports
+    the cutoff it used, from which the next period holds the row written meanwhile. So
+    consecutive periods miss nothing."""
+    app = shop(make_app())
+    start = datetime.now(UTC)
+    audit = ("INSERT INTO orchestrator.operator_audit (operator, action, target_kind, "
+             "target_id, evidence) VALUES ('alice', 'note', 'run', 'r-1', %s)")
+    sql(audit, ("written before the export",))
+    async with running(app):
+        for n in range(3):
+            await (await app.submit_async("pay", n)).result_async(timeout=20)
+    monkeypatch.setattr(retention, "EXPORT_PAGE", 1)
+
+    def meanwhile(kind: str, written: int) -> None:
+        if (kind, written) == ("operation", 1):
+            sql("DELETE FROM orchestrator.operator_audit")
+            sql(audit, ("written during the export",))
+
+    out = io.StringIO()
+    first = await export_evidence(app.database, out, since=start, progress=meanwhile)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [x["type"] for x in rows].count("operation") == 3
+    assert [x["evidence"] for x in rows if x["type"] == "audit"] == ["written before the export"]
+    assert first.counts["operation"] == 3 and first.since == start
+    assert start < first.until <= datetime.now(UTC)
+    out = io.StringIO()
+    second = await export_evidence(app.database, out, since=first.until)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [x["evidence"] for x in rows if x["type"] == "audit"] == ["written during the export"]
+    assert second.counts["operation"] == 0
+
+
+def test_the_export_command_prints_the_cutoff_it_used(make_app: Any, migrated_database_url: str,
+                                                     tmp_path: Path) -> None:
+    """Without --until the export stops at the time it read the evidence, and says so, in its
+    summary and in --json, so that the next period starts there."""
+    url = migrated_database_url
+    before = datetime.now(UTC)
+    done = run_cli(["evidence", "export", "--since", "2000-01-01T00:00:00Z", "-o",
+                    str(tmp_path / "e.jsonl"), "--json"], database_url=url)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    until = datetime.fromisoformat(summary["until"])
+    assert before <= until <= datetime.now(UTC)
+    assert summary["since"] == "2000-01-01T00:00:00Z"
+    assert summary["output"] == str(tmp_path / "e.jsonl")
+    assert set(summary["counts"]) == {"operation", "reconciliation_item", "lookup", "audit",
+                                      "incident"}
+    text = run_cli(["evidence", "export", "--since", "2000-01-01T00:00:00Z"], database_url=url)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout == ""  # no evidence yet: stdout holds the evidence only
+    assert "next period: --since " in text.stderr
+    refused = run_cli(["evidence", "export", "--since", "2000-01-01T00:00:00Z", "--json"],
+                      database_url=url)
+    assert refused.returncode == 2 and "INVALID_REQUEST" in refused.stderr

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator import EventTimeout, InvalidRequest, RunFailed, ToolFailed
+from orchestrator import EventTimeout, InvalidRequest, RunFailed, ToolError, ToolFailed
 from orchestrator.engine.causes import cause_of, headline, tool_story
-from orchestrator.failures import TOOL_DEFINED, public_cause, unknown_cause
+from orchestrator.failures import TOOL_DEFINED, incident_cause, public_cause, unknown_cause
 
 
 def _e(seq: int, kind: str, **payload: Any) -> dict[str, Any]:
@@ -40,6 +40,26 @@ def test_only_the_engines_cause_words_are_public(word, public):  # type: ignore[
     ("SOMETHING_NEW", None, None, "outcome_unknown")])
 def test_why_an_outcome_was_unknown_in_one_word(reason, phase, status, word):  # type: ignore[no-untyped-def]
     assert unknown_cause(reason, phase, status) == word
+
+
+@pytest.mark.parametrize(("tool_cause", "word"), [
+    ("timeout_after_send", "timeout_after_send"),
+    ("connection_after_send", "connection_after_send"),
+    (TOOL_DEFINED, TOOL_DEFINED), ("ConnectionResetError", "outcome_unknown"),
+    ("sk_live_SECRET", "outcome_unknown"), (None, "outcome_unknown")])
+def test_an_unknown_outcome_is_named_by_the_cause_its_tool_gave(tool_cause, word):  # type: ignore[no-untyped-def]
+    assert unknown_cause("TOOL_OUTCOME_UNCERTAIN", "tool", None, tool_cause) == word
+    assert unknown_cause("TOOL_OUTCOME_UNCERTAIN", "dispatch", None, tool_cause) == "timeout"
+
+
+@pytest.mark.parametrize(("exc", "kept"), [
+    (ToolError.after_send("timeout"), ("timeout_after_send", None)),
+    (ToolError("lost"), ("outcome_unknown", None)),
+    (ToolError.from_status(503), ("upstream_error", None)),
+    (ToolError("lost", cause="psp_gateway_timeout"), (TOOL_DEFINED, "psp_gateway_timeout")),
+    (ConnectionResetError("reset"), ("ConnectionResetError", None))])
+def test_a_tools_incident_keeps_its_cause_word(exc, kept):  # type: ignore[no-untyped-def]
+    assert incident_cause(exc) == kept
 
 
 def test_a_retried_call_is_named_by_its_last_attempt() -> None:

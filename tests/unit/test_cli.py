@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -119,20 +120,33 @@ def test_a_missing_database_says_how_to_create_it() -> None:
     assert "createdb" in described and "orchestrator db upgrade" in described
 
 
-def test_url_names_the_embedded_server_when_nothing_is_configured(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_url_names_the_embedded_server_when_nothing_is_configured_without_starting_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """``db url`` says which database would be used: with no URL configured, the embedded
+    server, its data directory and whether it runs, at once. Starting one (an initdb on
+    first use) to print a name would be slow and leave a server running."""
     from orchestrator.db import config
 
+    def started(*args: object, **kwargs: object) -> str:
+        raise AssertionError("db url started the embedded server")
+
+    data_dir = tmp_path / "pgdata"
     monkeypatch.delenv(config.ENV_URL, raising=False)
-    monkeypatch.setenv(config.ENV_EMBEDDED_DIR, "/tmp/orchestrator-unit/pgdata")
-    monkeypatch.setattr(
-        config, "start_embedded",
-        lambda data_dir, database="orchestrator": "postgresql://postgres:@/orchestrator?host=/tmp/pg",
-    )
+    monkeypatch.setenv(config.ENV_EMBEDDED_DIR, str(data_dir))
+    monkeypatch.setattr(config, "start_embedded", started)
 
     assert cli.main(["db", "url"]) == 0
-    assert capsys.readouterr().out == "embedded (/tmp/orchestrator-unit/pgdata)\n"
+    assert capsys.readouterr().out == (
+        f"embedded ({data_dir}), database orchestrator: no database URL is configured "
+        "(--database-url, ORCHESTRATOR_DATABASE_URL); the server is not created yet: the first "
+        "command that needs it creates and starts it\n")
+    assert not data_dir.exists()
+    data_dir.mkdir()
+    (data_dir / "PG_VERSION").write_text("16\n")
+    assert cli.main(["db", "url"]) == 0
+    assert capsys.readouterr().out.endswith(
+        "the server is stopped: the first command that needs it starts it\n")
 
 
 def test_a_reader_that_closes_the_pipe_early_is_not_an_error() -> None:

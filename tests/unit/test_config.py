@@ -244,3 +244,19 @@ def test_the_pooler_flag_takes_only_the_modes_that_need_it() -> None:
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--pooler", "session", "worker", "--app", "m:a"])
+
+
+def test_the_demo_database_is_named_after_the_configured_one() -> None:
+    """``orchestrator demo`` keeps to a database of its own: ``NAME_demo`` beside ``NAME``
+    (a URL that names one already is kept; a name PostgreSQL would truncate is refused)."""
+    from orchestrator.db import config
+
+    own = config.DatabaseTarget("postgresql://u@h:5432/orders_demo", "environment")
+    assert config.demo_target(own) is own
+    assert config._with_database("postgresql://u:p@h/orders?dbname=orders&sslmode=require",
+                                 "orders_demo") == (
+        "postgresql://u:p@h/orders_demo?dbname=orders_demo&sslmode=require")
+    assert config._database_of("postgresql://u@/x?host=/tmp&dbname=shop") == "shop"
+    long = config.DatabaseTarget("postgresql://u@h/" + "x" * 60, "environment")
+    with pytest.raises(ConfigurationError, match="longer than PostgreSQL's 63 bytes"):
+        config.demo_target(long)
