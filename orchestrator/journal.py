@@ -39,7 +39,7 @@ class EventKind(StrEnum):
     CALL_COMPLETED = "call.completed"  # its receipt (or an operator's / a lookup's)
     CALL_FAILED = "call.failed"  # definitively failed, nothing applied (or withdrawn)
     CALL_DENIED = "call.denied"  # a policy stage said no; never sent
-    CALL_CANCELLED = "call.cancelled"  # never sent: the run was cancelled or out of time
+    CALL_CANCELLED = "call.cancelled"  # never sent: the run was cancelled, out of time or ended
     CALL_RETRYING = "call.retrying"  # nothing applied; the next attempt waits (or is re-sent)
     CALL_UNKNOWN = "call.unknown"  # sent, outcome unknown: what comes next
     CALL_NOT_APPLIED = "call.not_applied"  # reconciliation proved nothing was applied

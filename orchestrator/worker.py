@@ -51,6 +51,7 @@ from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.executor import RunExecutor
+from orchestrator.engine.outcome import STRANDED_ERROR, strand_entries
 from orchestrator.engine.run import lease_lost
 from orchestrator.errors import (
     DatabaseError,
@@ -581,14 +582,13 @@ async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str,
             "ref": error.incident, "code": error.code, "run_id": run_id,
             "operation_id": None, "phase": "decode", "cause": type(exc).__name__,
             "upstream_status": None, "detail": json.dumps(diagnostics)})
-        stranded = await ops_db.operation_strand(conn, run_id=run_id, token=token)
+        settled = strand_entries(await ops_db.operation_strand(
+            conn, run_id=run_id, token=token, error=STRANDED_ERROR))
         if await ops_db.operation_count_unknown(conn, run_id=run_id):
-            if stranded:
+            if settled:
                 await journal_db.journal_append(
                     conn, run_id=run_id, token=token, expected=claim["revision"],
-                    events=[entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
-                                  {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
-                                   "next": "reconcile"}) for op in stranded])
+                    events=settled)
             await runs_db.run_block_for_reconciliation(
                 conn, run_id=run_id, token=token,
                 waiting_for=f"reconciliation of its unsettled operations; then it fails: "
@@ -596,7 +596,7 @@ async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str,
             return False
         await journal_db.journal_append(
             conn, run_id=run_id, token=token, expected=claim["revision"],
-            events=[entry(EventKind.RUN_FAILED, None, None, {
+            events=[*settled, entry(EventKind.RUN_FAILED, None, None, {
                 "code": error.code, "message": error.message, "incident": error.incident})])
         await runs_db.run_finish(conn, run_id=run_id, token=token, status="failed",
                                  outcome_code=error.code, result=None,

@@ -308,21 +308,25 @@ async def operation_list_for_run(conn: Conn, run_id: uuid.UUID) -> list[dict[str
     return await cur.fetchall()
 
 
-async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int
+async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int, error: str
                            ) -> list[dict[str, Any]]:
     """Settle what a run is about to leave behind: ``pending`` operations (never dispatched)
-    become ``cancelled``; ``submitted`` ones (dispatched, no outcome) become ``unknown`` and
-    enter the reconciliation queue. Returns the latter."""
+    become ``cancelled`` with ``error``; ``submitted`` ones (dispatched, no outcome) become
+    ``unknown`` and enter the reconciliation queue. Returns both, each with its new
+    ``state``, in the order of their positions, for the journal."""
     held = f"""EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s
                   AND r.lease_token = %(token)s AND r.status = 'running')"""
-    params = {"run_id": run_id, "token": token}
-    await conn.execute(
-        f"""UPDATE {S}.operations SET state = 'cancelled', finished_at = now(), updated_at = now()
-            WHERE run_id = %(run_id)s AND state = 'pending' AND {held}""", params)
+    params = {"run_id": run_id, "token": token, "error": error}
+    cur = await conn.execute(
+        f"""UPDATE {S}.operations SET state = 'cancelled', error = %(error)s::jsonb,
+                   finished_at = now(), updated_at = now()
+            WHERE run_id = %(run_id)s AND state = 'pending' AND {held}
+            RETURNING id, position, tool_name, state""", params)
+    cancelled = await cur.fetchall()
     cur = await conn.execute(
         f"""UPDATE {S}.operations SET state = 'unknown', updated_at = now()
             WHERE run_id = %(run_id)s AND state = 'submitted' AND {held}
-            RETURNING id, position, tool_name""", params)
+            RETURNING id, position, tool_name, state""", params)
     stranded = await cur.fetchall()
     for op in stranded:
         await conn.execute(
@@ -330,7 +334,7 @@ async def operation_strand(conn: Conn, *, run_id: uuid.UUID, token: int
                 VALUES (%s, %s, 'OUTCOME_UNRECORDED') ON CONFLICT (operation_id) DO NOTHING""",
             (op["id"], run_id))
     await operation_enqueue_unlisted(conn, run_id=run_id)
-    return stranded
+    return sorted([*cancelled, *stranded], key=lambda op: (op["position"], op["id"]))
 
 
 async def operation_enqueue_unlisted(conn: Conn, *, run_id: uuid.UUID) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 from orchestrator import tracing
 from orchestrator.engine.control import Phase, Wait
@@ -51,11 +51,17 @@ class Branches:
         return self.active_count == 0 and bool(
             self.waits or (task is not None and task.done()))
 
-    async def park(self, wait: Wait) -> Any:
-        """Wait for the database's help: never returns in this process.
+    async def park(self, wait: Wait) -> None:
+        """Wait for the database's help: the run is parked once no branch has work in flight,
+        and the next claim replays (this call then never returns in this process).
 
-        The run is parked once no branch has work in flight; the next claim replays.
-        """
+        A wait with a time (a timer, a retry's backoff, a tool's turn, an event's timeout)
+        that comes while another branch keeps the run in this process returns then: the
+        branch goes on in memory, as the replay after a park would at that time. The wait
+        is this branch's only while it waits: woken or cancelled (workflow code's own
+        cancellation, a race it lost), it is dropped, so that the run neither parks for it
+        nor wakes for it; but a wait for an unknown outcome stays, as that outcome blocks the
+        run (C8) whatever its branch became."""
         if wait.kind != "blocked":
             self.run.boundary()
         tracing.event("wait", {"orchestrator.wait": wait.kind,
@@ -66,12 +72,54 @@ class Branches:
         depth = self.active_depth.get(wait.position, 0)
         self.active_count -= depth
         self.changed.set()
+        run = self.run
+        parked: asyncio.Future[None] = run.loop.create_future()
+        self._parked.append(parked)
+        timer = None
+        if wait.wake_at is not None:
+            delay = (wait.wake_at - run.now()).total_seconds()
+            timer = run.loop.call_later(max(delay, 0.0), self._wake, parked, wait)
+        try:
+            await parked  # woken by its time, or cancelled (the run parked, or workflow code)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.active_count += depth
+            self._parked.remove(parked)
+            if parked.done() and not parked.cancelled():
+                self.active_count -= 1  # counted by _wake until this branch went on
+                self.changed.set()  # what _drive decides may change now
+            # An unknown outcome blocks the run, not only its branch (C8): its wait stays.
+            elif wait.kind != "blocked" and self.waits.get(wait.position) is wait:
+                del self.waits[wait.position]
+                self.changed.set()  # fewer waits: what _drive decides may change
+
+    async def idle(self, position: int) -> NoReturn:
+        """Wait until the run leaves this process (or workflow code cancels the branch),
+        neither as work in flight nor as a wait on the database: for the replay of a command
+        that the run's end left undone, whose branch went no further then either."""
+        depth = self.active_depth.get(position, 0)
+        self.active_count -= depth
+        self.changed.set()
         parked: asyncio.Future[None] = self.run.loop.create_future()
         self._parked.append(parked)
         try:
-            await parked  # cancelled when the run is parked
+            await parked  # cancelled when the run leaves this process
         finally:
             self.active_count += depth
+            self._parked.remove(parked)
+        raise AssertionError("unreachable")  # pragma: no cover - nothing resolves it
+
+    def _wake(self, parked: asyncio.Future[None], wait: Wait) -> None:
+        """A parked branch's time has come while the run is still in this process (another
+        branch kept it here): it goes on, counted as work in flight until it runs."""
+        if parked.done() or self.run.ending or self.run.lost:
+            return  # parking, ending or let go: the next claim replays it
+        if self.waits.get(wait.position) is wait:
+            del self.waits[wait.position]
+        self.active_count += 1
+        parked.set_result(None)
+        self.changed.set()
 
     async def drive(self, workflow: Awaitable[Any]) -> None:
         """Run the workflow until it finishes or parks; record the outcome."""
@@ -112,10 +160,11 @@ class Branches:
                     break
                 if self.active_count == 0 and self.waits and not changed.is_set():
                     self.run.enter(Phase.PARKING)
+                    waits = list(self.waits.values())  # cancelled branches drop theirs
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
-                    await self.outcome.park(list(self.waits.values()))
+                    await self.outcome.park(waits)
                     return
                 if self.session.rider.receipts and not task.done():  # no park after all
                     self.session.settle_in_background()

@@ -90,6 +90,10 @@ class Call(CallSite):
                 else:
                     self.resent_by_operator += 1
         if kind == EventKind.CALL_CANCELLED:
+            if payload.get("why") == "ended":
+                # The run's end left it unsent (a branch the workflow did not wait for): the
+                # replay goes no further here either, and the run's end does not wait for it.
+                await self.branches.idle(self.position)
             raise Stop("deadline" if payload.get("why") == "deadline" else "cancelled")
         if kind == EventKind.CALL_PENDING:
             return Attempt(number, begun["payload"]["key"], pending_op=op_id)

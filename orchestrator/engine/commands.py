@@ -189,14 +189,15 @@ class Commands:
             return got, [entry(EventKind.EVENT_RECEIVED, position, name,
                                {"payload": got["payload"], "event_id": got["id"]})]
 
-        with self.branches.active():
-            got = await self.session.write(take)
-        if got is not None:
-            return got["payload"]
-        if timeout_at is not None and run.now() >= timeout_at:
-            await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
-            raise event_timeout(name, timeout_at)
-        await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
+        while True:  # again when its timeout comes while another branch keeps the run here
+            with self.branches.active():
+                got = await self.session.write(take)
+            if got is not None:
+                return got["payload"]
+            if timeout_at is not None and run.now() >= timeout_at:
+                await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
+                raise event_timeout(name, timeout_at)
+            await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
 
     async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:
         run = self.run
@@ -261,11 +262,13 @@ class Commands:
     def _recording(self) -> None:
         """Before a value or a message is buffered: nothing is recorded while the executor
         lets go of the run (workflow code that caught the cancellation of its parking, or a
-        ``finally`` that cancellation runs). The park would journal it at a position that the
-        next claim's replay, which goes on where the wait really ends, gives to another
-        command; the executor's :class:`Stop` is raised instead, as for any other command."""
-        if self.run.letting_go:
-            self.run.boundary()
+        ``finally`` that cancellation runs), nor once the workflow has ended (a branch it never
+        awaited). The park would journal it at a position that the next claim's replay, which
+        goes on where the wait really ends, gives to another command; the executor's
+        :class:`Stop` is raised instead, as for any other command."""
+        run = self.run
+        if run.letting_go or run.ending:
+            run.boundary()
 
     async def _append(self, ev: Entry) -> None:
         async def work(conn: Conn) -> tuple[None, list[Entry]]:

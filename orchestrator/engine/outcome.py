@@ -35,6 +35,7 @@ from orchestrator.errors import (
     WorkflowError,
     error_json,
     new_incident_ref,
+    operation_error_json,
 )
 from orchestrator.ids import new_run_id
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
@@ -42,6 +43,23 @@ from orchestrator.logs import fields
 from orchestrator.text import storable
 
 log = logging.getLogger("orchestrator.worker")
+
+
+STRANDED_ERROR = operation_error_json("CALL_CANCELLED", cause="ended",
+                                      message="the run ended before the call was sent")
+"""The error of an intent that the run's end left ``pending`` (never dispatched)."""
+
+
+def strand_entries(settled: list[dict[str, Any]]) -> list[Entry]:
+    """The journal's account of what ``ops_db.operation_strand`` settled, in order: an intent
+    never dispatched is ``call.cancelled`` (``why``: ``ended``, the run ended before it was
+    sent), as any other cancellation of an intent is journaled; one dispatched without an
+    outcome is ``call.unknown``, for reconciliation."""
+    return [entry(EventKind.CALL_CANCELLED, op["position"], op["tool_name"],
+                  {"op": op["id"], "why": "ended"}) if op["state"] == "cancelled"
+            else entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
+                       {"op": op["id"], "reason": "OUTCOME_UNRECORDED", "next": "reconcile"})
+            for op in settled]
 
 
 class Outcome:
@@ -146,12 +164,11 @@ class Outcome:
         run = self.run
 
         async def work(conn: Conn) -> tuple[list[dict[str, Any]] | None, list[Entry]]:
-            stranded = await ops_db.operation_strand(conn, run_id=run.run_id, token=run.token)
-            events = [entry(EventKind.CALL_UNKNOWN, op["position"], op["tool_name"],
-                            {"op": op["id"], "reason": "OUTCOME_UNRECORDED",
-                             "next": "reconcile"}) for op in stranded]
+            settled = await ops_db.operation_strand(conn, run_id=run.run_id, token=run.token,
+                                                    error=STRANDED_ERROR)
+            stranded = [op for op in settled if op["state"] == "unknown"]
             unknown = await ops_db.operation_count_unknown(conn, run_id=run.run_id)
-            return (stranded if unknown > 0 else None), events
+            return (stranded if unknown > 0 else None), strand_entries(settled)
 
         try:
             blocked = await self.session.write(work)

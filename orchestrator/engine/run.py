@@ -186,9 +186,12 @@ class RunState:
         the journal, cancellation, deadline."""
         if self.lost:
             raise Stop("lease_lost")
-        if self.phase is Phase.PARKING or self.phase is Phase.GONE:
-            # The executor parks the run or has let go of it (workflow code that caught the
-            # cancellation it was given goes no further): the next claim replays it.
+        phase = self.phase
+        if phase is not Phase.RUNNING and phase.value >= Phase.ENDING.value:
+            # The workflow has ended and its outcome is written (a branch it never awaited
+            # takes no step after that), or the executor parks the run or has let go of it
+            # (workflow code that caught the cancellation it was given goes no further): the
+            # next claim, if any, replays it.
             raise Stop("let_go")
         if self.diverged is not None:  # a branch's command differs from the journal (C4)
             raise copy.copy(self.diverged)  # a fresh one: the kept one holds no frames
@@ -196,7 +199,7 @@ class RunState:
             raise Stop("cancelled")
         if self.deadline_at is not None and self.now() >= self.deadline_at:
             raise Stop("deadline")
-        if self.phase is Phase.DRAINING or self.phase is Phase.DRAIN_STOPPED:
+        if phase is Phase.DRAINING or phase is Phase.DRAIN_STOPPED:
             self.phase = Phase.DRAIN_STOPPED  # branches a task group now cancels are ours
             raise Stop("drain")
 
