@@ -156,10 +156,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"priority:       lower first; a waiting run gains a level every "
               f"{info.priority_aging.total_seconds():g} s")
     if info.key_concurrency is not None:
-        print(f"per key:        at most {info.key_concurrency} started, in submission order")
+        print(f"per key:        at most {info.key_concurrency} started, in submission order "
+              "(a key is its tenant's)")
         if info.keys:
-            print(render(["KEY", "HELD", "WAITING"],
-                         [[k["key"], k["held"], k["waiting"]] for k in info.keys]))
+            print(render(["TENANT", "KEY", "HELD", "WAITING"],
+                         [[k["tenant"], k["key"], k["held"], k["waiting"]] for k in info.keys]))
     return 0
 
 

@@ -112,17 +112,18 @@ async def queue_get(conn: Conn, name: str) -> dict[str, Any] | None:
 
 
 async def queue_keys(conn: Conn, name: str, limit: int = 20) -> list[dict[str, Any]]:
-    """The busiest concurrency keys of a queue: slots held and runs ready to start."""
+    """The busiest concurrency keys of a queue, each its tenant's: slots held and runs ready
+    to start."""
     cur = await conn.execute(
         f"""
-        SELECT concurrency_key AS key,
+        SELECT tenant, concurrency_key AS key,
                count(*) FILTER (WHERE started_at IS NOT NULL) AS held,
                count(*) FILTER (WHERE started_at IS NULL) AS waiting
         FROM {S}.runs
         WHERE queue = %(name)s AND concurrency_key IS NOT NULL AND finished_at IS NULL
           AND status <> 'needs_reconciliation'
-        GROUP BY concurrency_key
-        ORDER BY count(*) DESC, concurrency_key
+        GROUP BY tenant, concurrency_key
+        ORDER BY count(*) DESC, tenant, concurrency_key
         LIMIT %(limit)s
         """, {"name": name, "limit": limit})
     return await cur.fetchall()
@@ -178,8 +179,9 @@ async def queue_pause(conn: Conn, name: str, paused: bool) -> dict[str, Any] | N
 
 async def run_blockers(conn: Conn, run_ids: Sequence[Any]) -> dict[Any, str]:
     """Why each of these runs, ready and in a queue, has not started: its queue paused, the
-    queue's concurrency full, its key busy, the rate window full, or (none of those) its turn
-    not come yet. Runs that are not queued in a queue are left out."""
+    queue's concurrency full, its key busy (a key is its tenant's: only the runs of the run's
+    tenant count), the rate window full, or (none of those) its turn not come yet. Runs that
+    are not queued in a queue are left out."""
     if not run_ids:
         return {}
     cur = await conn.execute(
@@ -190,7 +192,8 @@ async def run_blockers(conn: Conn, run_ids: Sequence[Any]) -> dict[Any, str]:
                 WHERE h.queue = r.queue AND h.started_at IS NOT NULL AND h.finished_at IS NULL
                   AND (q.count_parked OR h.status <> 'waiting')) AS held,
                (SELECT count(*) FROM {S}.runs h
-                WHERE h.queue = r.queue AND h.concurrency_key = r.concurrency_key
+                WHERE h.queue = r.queue AND h.tenant = r.tenant
+                  AND h.concurrency_key = r.concurrency_key
                   AND h.started_at IS NOT NULL AND h.finished_at IS NULL
                   AND (q.count_parked OR h.status <> 'waiting')) AS key_held,
                (SELECT count(*) FROM {S}.runs h
@@ -198,7 +201,8 @@ async def run_blockers(conn: Conn, run_ids: Sequence[Any]) -> dict[Any, str]:
                   AND h.started_at > now() - make_interval(secs => q.rate_seconds)
                ) AS recent,
                (SELECT count(*) FROM {S}.runs o
-                WHERE o.queue = r.queue AND o.concurrency_key = r.concurrency_key
+                WHERE o.queue = r.queue AND o.tenant = r.tenant
+                  AND o.concurrency_key = r.concurrency_key
                   AND o.started_at IS NULL AND o.status = 'queued'
                   AND o.available_at IS NOT NULL AND o.available_at <= now()
                   AND (o.created_at, o.id) < (r.created_at, r.id)) AS key_ahead

@@ -170,7 +170,8 @@ runs = Table(
           postgresql_where=text(f"{_READY} AND queue IS NOT NULL")),
     Index("ix_runs_queue_ready", "queue", "available_at",
           postgresql_where=text(f"{_READY} AND queue IS NOT NULL")),
-    Index("ix_runs_queue_held", "queue", "concurrency_key",
+    # A key's counts are its tenant's (migration 0028): the tenant leads the key.
+    Index("ix_runs_queue_held", "queue", "tenant", "concurrency_key",
           postgresql_where=text(
               "queue IS NOT NULL AND started_at IS NOT NULL AND finished_at IS NULL")),
     Index("ix_runs_queue_started", "queue", "started_at",
@@ -179,7 +180,7 @@ runs = Table(
     # wakes them (migration 0018).
     Index("ix_runs_turn_waiters", "waiting_tool", "available_at",
           postgresql_where=text("status = 'waiting' AND waiting_tool IS NOT NULL")),
-    Index("ix_runs_queue_key_unstarted", "queue", "concurrency_key", "created_at",
+    Index("ix_runs_queue_key_unstarted", "queue", "tenant", "concurrency_key", "created_at",
           postgresql_where=text("queue IS NOT NULL AND concurrency_key IS NOT NULL AND "
                                 "started_at IS NULL AND status = 'queued'")),
     Index("ix_runs_lease_expiry", "lease_expires_at", postgresql_where=text("status = 'running'")),

@@ -3,6 +3,8 @@ a missing privilege (docs/security.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 from psycopg import sql as pg_sql
@@ -143,3 +145,105 @@ def test_db_grant_refuses_a_role_that_could_rewrite_the_audit_through_a_membersh
     assert "through PUBLIC or a role it is a member of" in refused.value.message
     assert role.sql("SELECT has_table_privilege(%s, 'orchestrator.runs', 'INSERT') AS granted",
                     (role.name,)) == [{"granted": False}]  # rolled back
+
+
+def _settled_item(role: Any, *, resolution: str) -> tuple[int, int]:
+    """An operation that went unknown and was settled as ``resolution``, and its resolved
+    reconciliation item, written as the engine writes them (as the schema's owner). Returns
+    (operation id, item id)."""
+    (row,) = role.sql("""
+        WITH run AS (
+            INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                                           workflow_version, input, request_digest)
+            VALUES (gen_random_uuid(), 't', 'p', 'w', '1', '{{}}', 'd') RETURNING id)
+        INSERT INTO orchestrator.operations
+            (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+             principal, intent_digest, arguments, idempotency_key, state, lease_token)
+        SELECT id, 0, 1, 'charge', '1', 'consequential', 't', 'p', 'i', '{{}}', 'k',
+               'submitted', 1 FROM run
+        RETURNING id, run_id""")
+    role.sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE id = %s", (row["id"],))
+    (item,) = role.sql("""INSERT INTO orchestrator.reconciliation_items (operation_id, run_id,
+                                                                         reason)
+                          VALUES (%s, %s, 'WORKER_LOST') RETURNING id""",
+                       (row["id"], row["run_id"]))
+    receipt = ("""receipt = '{{"charged": true}}', receipt_digest = 'd',"""
+               if resolution == "committed" else "")
+    role.sql(f"""UPDATE orchestrator.operations SET state = %s, {receipt} finished_at = now()
+                 WHERE id = %s""", (resolution, row["id"]))
+    role.sql("""UPDATE orchestrator.reconciliation_items SET state = 'resolved',
+                       resolution = %s, resolved_at = now() WHERE id = %s""",
+             (resolution, item["id"]))
+    return row["id"], item["id"]
+
+
+@pytest.mark.parametrize("change", [
+    "resolution = 'not_applied'", "state = 'operator'", "state = 'open', resolution = NULL",
+    "resolved_at = now() + interval '1 day'", "resolved_at = NULL",
+    "evidence = '[{\"note\": \"rewritten\"}]'", "reason = 'OUTCOME_UNRECORDED'",
+])
+def test_a_resolved_reconciliation_item_cannot_be_rewritten_by_the_runtime_role(
+        make_role, migrated_database_url, change):
+    """The runtime role holds UPDATE on the reconciliation queue (claims, lookups, hand-overs),
+    but once an item is resolved what it says was decided is fixed, for every role, as a
+    final operation's receipt is (docs/security.md)."""
+    role = make_role()
+    grants.grant_runtime(_admin(migrated_database_url), role.name)
+    _, item = _settled_item(role, resolution="committed")
+    with psycopg.connect(role.url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match="is resolved"):
+            conn.execute(f"UPDATE orchestrator.reconciliation_items SET {change} "
+                         "WHERE id = %s", (item,))
+        # What the engine still does to a resolved item: a late lookup is numbered in turn,
+        # a lapsed claim cleared.
+        conn.execute("UPDATE orchestrator.reconciliation_items SET lookup_attempts = "
+                     "lookup_attempts + 1, claimed_by = NULL, claimed_until = NULL "
+                     "WHERE id = %s", (item,))
+    with pytest.raises(psycopg.errors.CheckViolation, match="is resolved"):  # the owner too
+        escaped = change.replace("{", "{{").replace("}", "}}")  # role.sql formats {role}
+        role.sql(f"UPDATE orchestrator.reconciliation_items SET {escaped} WHERE id = %s",
+                 (item,))
+    assert role.sql("SELECT state, resolution, lookup_attempts FROM "
+                    "orchestrator.reconciliation_items WHERE id = %s", (item,)) == [
+        {"state": "resolved", "resolution": "committed", "lookup_attempts": 1}]
+
+
+def test_an_item_is_resolved_only_as_its_operation_was_settled(make_role,
+                                                                migrated_database_url):
+    """A reconciliation item says what the ledger says: it cannot be resolved while its
+    operation is still unknown, nor as anything but the state the operation was settled in,
+    nor be written settled from the start."""
+    role = make_role()
+    grants.grant_runtime(_admin(migrated_database_url), role.name)
+    op_id, _ = _settled_item(role, resolution="not_applied")
+    other, _ = _settled_item(role, resolution="abandoned")
+    role.sql("DELETE FROM orchestrator.reconciliation_items WHERE operation_id = %s", (other,))
+    with psycopg.connect(role.url, autocommit=True) as conn:
+        for resolution in ("committed", "not_applied"):  # the operation was abandoned
+            with pytest.raises(psycopg.errors.CheckViolation, match="its operation is abandoned"):
+                conn.execute("""INSERT INTO orchestrator.reconciliation_items
+                                    (operation_id, run_id, reason, state, resolution,
+                                     resolved_at)
+                                SELECT id, run_id, 'x', 'resolved', %s, now()
+                                FROM orchestrator.operations WHERE id = %s""",
+                             (resolution, other))
+    # An item whose operation is still unknown.
+    (row,) = role.sql("""
+        INSERT INTO orchestrator.operations
+            (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+             principal, intent_digest, arguments, idempotency_key, state, lease_token)
+        SELECT run_id, 1, 1, 'charge', '1', 'consequential', 't', 'p', 'i', '{{}}', 'k2',
+               'submitted', 1 FROM orchestrator.operations WHERE id = %s
+        RETURNING id, run_id""", (op_id,))
+    role.sql("UPDATE orchestrator.operations SET state = 'unknown' WHERE id = %s", (row["id"],))
+    (pending,) = role.sql("""INSERT INTO orchestrator.reconciliation_items
+                                 (operation_id, run_id, reason)
+                             VALUES (%s, %s, 'WORKER_LOST') RETURNING id""",
+                          (row["id"], row["run_id"]))
+    with psycopg.connect(role.url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.CheckViolation, match="its operation is unknown"):
+            conn.execute("UPDATE orchestrator.reconciliation_items SET state = 'resolved', "
+                         "resolution = 'committed', resolved_at = now() WHERE id = %s",
+                         (pending["id"],))
+    assert role.sql("SELECT state FROM orchestrator.reconciliation_items WHERE id = %s",
+                    (pending["id"],)) == [{"state": "open"}]

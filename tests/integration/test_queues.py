@@ -15,7 +15,7 @@ import httpx
 import psycopg
 import pytest
 
-from orchestrator import InvalidRequest, Orchestrator, RateLimit
+from orchestrator import InvalidRequest, Orchestrator, Owner, RateLimit
 from orchestrator.admin import list_runs, show_run
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
@@ -23,7 +23,7 @@ from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL
 from orchestrator.testing import running_worker
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, Served, from_header
-from tests.integration.conftest import OWNER, running, wait_for
+from tests.integration.conftest import OTHER, OWNER, running, wait_for
 
 
 class Gauge:
@@ -526,6 +526,31 @@ async def test_a_busy_keys_backlog_holds_no_other_key_back(make_app, sql):
     _copies(sql, first.id, 600)
     other = await app.submit_async(job, {"n": 1}, concurrency_key="another")
     assert _claim(sql, 5) == [other.id]
+
+
+async def test_a_key_is_its_tenants_own(make_app, sql):
+    """Concurrency keys are scoped by tenant: another tenant naming the same key neither
+    waits for this tenant's runs nor holds them back; within a tenant the key binds, from
+    whichever of its principals the runs come."""
+    app, job = _app(make_app, Gauge(), key_concurrency=1)
+    async with app.database.connection() as conn:
+        await queues_db.queue_declare(conn, [app._declared_queues["work"].row()])
+    acme = [await app.submit_async(job, {"n": i}, owner=owner, concurrency_key="customer-42")
+            for i, owner in enumerate([OWNER, Owner(tenant="acme", principal="carol")])]
+    globex = [await app.submit_async(job, {"n": i}, owner=OTHER,
+                                     concurrency_key="customer-42") for i in range(2)]
+    assert sorted(map(str, _claim(sql, 10))) == sorted([str(acme[0].id), str(globex[0].id)])
+    assert _claim(sql, 10) == []  # each tenant's key holds its one slot
+    async with app.database.connection() as conn:
+        blocked = await queues_db.run_blockers(conn, [acme[1].id, globex[1].id])
+    assert blocked == {acme[1].id: "queue work: key customer-42 busy (1 of 1)",
+                       globex[1].id: "queue work: key customer-42 busy (1 of 1)"}
+    sql("UPDATE orchestrator.runs SET status = 'succeeded', finished_at = now(), "
+        "lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (acme[0].id,))
+    assert _claim(sql, 10) == [acme[1].id]
+    keys = (await app.queues.get_async("work")).keys
+    assert sorted((k["tenant"], k["key"], k["held"], k["waiting"]) for k in keys) == [
+        ("acme", "customer-42", 1, 0), ("globex", "customer-42", 1, 1)]
 
 
 async def test_a_run_past_its_aging_bound_starts_before_newer_better_priorities(make_app,
