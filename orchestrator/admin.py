@@ -250,19 +250,21 @@ def utc_text(when: datetime) -> str:
     return f"{when:%Y-%m-%d %H:%M:%S}Z"
 
 
-async def cancel_run(db: Database, run_id: uuid.UUID) -> str:
-    """Cancel a run; return its status afterwards (no ownership check: callers do that).
+async def cancel_run(db: Database, run_id: uuid.UUID) -> tuple[str, str]:
+    """Cancel a run; return its status before and after (no ownership check: callers do
+    that).
 
     A queued or waiting run is cancelled at once; a running one at its next command; a run
     blocked on an unknown operation only after that operation is reconciled (C7). A run that
-    continued as new (``ctx.continue_as_new``): the last run of its chain.
+    continued as new (``ctx.continue_as_new``): the last run of its chain, whose statuses these
+    are.
     """
 
-    async def cancel(conn: Conn) -> str:
+    async def cancel(conn: Conn) -> tuple[str, str]:
         row = await runs_db.run_lock_last(conn, run_id)
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
-        return await cancel_locked(conn, row)
+        return str(row["status"]), await cancel_locked(conn, row)
 
     return await db.run_in_transaction(cancel)
 

@@ -57,6 +57,7 @@ from orchestrator.models import (
     Owner,
     RunInfo,
     check_run_filters,
+    parse_run_cursor,
 )
 from orchestrator.operators import Operators, check_readers, check_scopes
 from orchestrator.queues import (
@@ -668,19 +669,26 @@ class Orchestrator:
         return self._portal.call(self.get_run_async(run_id, owner=owner))
 
     async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,
-                              workflow: str | None = None, limit: int = 50) -> list[RunInfo]:
+                              workflow: str | None = None, limit: int = 50,
+                              before: str | None = None) -> list[RunInfo]:
+        """The owner's runs, newest first, at most ``limit`` (1 to 1000); ``before``, the
+        ``cursor`` of the last run of the previous page (``RunInfo.cursor``), gives the page
+        after it (``INVALID_REQUEST`` for a text that is not a cursor)."""
         who = self._owner(owner)
         check_run_filters(status=status, workflow=workflow, limit=limit)
+        after = parse_run_cursor(before)
         rows = await self.database.read(lambda conn: runs_db.run_list(
             conn, tenant=who.tenant, principal=who.principal, status=status,
-            workflow=workflow, limit=limit))
+            workflow=workflow, limit=limit, before=after))
         return [RunInfo.from_row(r) for r in rows]
 
     def list_runs(self, *, owner: Owner | None = None, status: str | None = None,
-                  workflow: str | None = None, limit: int = 50) -> list[RunInfo]:
-        """The owner's runs, newest first."""
+                  workflow: str | None = None, limit: int = 50,
+                  before: str | None = None) -> list[RunInfo]:
+        """The owner's runs, newest first (see :meth:`list_runs_async`)."""
         return self._portal.call(self.list_runs_async(owner=owner, status=status,
-                                                      workflow=workflow, limit=limit))
+                                                      workflow=workflow, limit=limit,
+                                                      before=before))
 
     async def send_event_async(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                                owner: Owner | None = None, event_key: str | None = None) -> bool:
@@ -704,8 +712,8 @@ class Orchestrator:
         """Request cancellation; returns the run's status afterwards (see
         :func:`orchestrator.admin.cancel_run` for the rules)."""
         row = await self._row(run_id, owner)
-        status = await admin.cancel_run(self.database, row["id"])
-        if row["status"] not in ("succeeded", "failed", "cancelled"):
+        before, status = await admin.cancel_run(self.database, row["id"])
+        if before not in ("succeeded", "failed", "cancelled"):  # the chain's run, if continued
             self.metrics.incr("cancellations", stage="requested")
         return status
 

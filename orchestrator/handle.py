@@ -31,7 +31,7 @@ from orchestrator.errors import (
     RunPruned,
 )
 from orchestrator.models import JournalEntry, Owner, RunInfo
-from orchestrator.stream import RunStreams, check_cursor, check_topics
+from orchestrator.stream import RunStreams, check_cursor, check_kept, check_topics
 
 T = TypeVar("T")
 R_co = DefaultTypeVar("R_co", covariant=True, default=Any)
@@ -222,7 +222,8 @@ class RunHandle(Generic[R_co]):
         from 0, topics that are not a list of names); the owner when iteration begins: another
         owner's run is ``ACCESS_DENIED``, as a missing one (C9). Reading never dispatches
         anything (C3). An entry newer than this code is ``SCHEMA_UNSUPPORTED``, after the
-        entries before it.
+        entries before it. A run that retention pruned is ``RUN_PRUNED`` when iteration
+        begins (its journal is gone), unless ``after`` is already at its end.
         """
         return _flat(self._pages(check_cursor(after), follow, check_topics(topics)))
 
@@ -236,7 +237,8 @@ class RunHandle(Generic[R_co]):
 
     async def _pages(self, after: int, follow: bool, topics: tuple[str, ...] | None
                      ) -> AsyncGenerator[list[JournalEntry], None]:
-        await self.app._row(self.id, self.owner)  # the owner's run, else ACCESS_DENIED
+        row = await self.app._row(self.id, self.owner)  # the owner's run, else ACCESS_DENIED
+        check_kept(row, after)
         pages = self.app._streams.pages(self.id, after=after, follow=follow, topics=topics)
         try:
             async for page in pages:

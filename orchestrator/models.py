@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -93,6 +93,46 @@ def held_until(row: dict[str, Any]) -> datetime | None:
     return None
 
 
+def cursor_time(at: datetime) -> str:
+    """A keyset cursor's time: UTC with ``Z`` and every microsecond, so that a cursor holds
+    only characters a query string takes as they are (an offset's ``+`` would be read as a
+    space by a client that pastes the cursor into a URL without encoding it)."""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def split_cursor(text: Any, what: str) -> tuple[datetime, str]:
+    """A keyset cursor ``<ISO time with zone>_<key>``, split (``INVALID_REQUEST`` naming
+    ``before`` and ``what`` otherwise). The time holds no ``_``; the key may (an incident's
+    ref)."""
+    at, _, key = text.partition("_") if isinstance(text, str) else ("", "", "")
+    try:
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError(at)
+    except ValueError:
+        raise InvalidRequest(f"before must be the next cursor of a page of {what}",
+                             path="before") from None
+    return when, key
+
+
+def run_cursor(created_at: datetime, run_id: uuid.UUID) -> str:
+    """The cursor of a run in a list of runs, newest first: where the next page begins."""
+    return f"{cursor_time(created_at)}_{run_id}"
+
+
+def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
+    """A run's cursor (:func:`run_cursor`) as its keyset, ``(created_at, id)``; None for
+    None; ``INVALID_REQUEST`` (path ``before``) for anything else."""
+    if text is None:
+        return None
+    when, rid = split_cursor(text, "runs")
+    try:
+        return when, uuid.UUID(rid)
+    except ValueError:
+        raise InvalidRequest("before must be the next cursor of a page of runs",
+                             path="before") from None
+
+
 class RunInfo(BaseModel):
     """A run as its owner may see it."""
 
@@ -128,6 +168,12 @@ class RunInfo(BaseModel):
     ``CONTINUED_AS_NEW``): the authoritative one; None if there is none."""
     continued_from: uuid.UUID | None = None
     """The run this one continues (``ctx.continue_as_new``); None for a run submitted."""
+
+    @property
+    def cursor(self) -> str:
+        """Where a list of runs goes on after this one: ``list_runs(before=run.cursor)``
+        gives the runs older than it (the HTTP API's ``next``)."""
+        return run_cursor(self.created_at, self.id)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> RunInfo:

@@ -38,13 +38,13 @@ import contextlib
 import math
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
-from orchestrator.errors import AccessDenied, InvalidRequest, SchemaUnsupported
+from orchestrator.errors import AccessDenied, InvalidRequest, RunPruned, SchemaUnsupported
 from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry, EventKind
 from orchestrator.text import check_identifier
 
@@ -68,6 +68,17 @@ def check_cursor(after: Any) -> int:
         raise InvalidRequest("after must be an integer from 0 (the seq of the last entry "
                              "seen, 0 for the beginning)", path="after")
     return after
+
+
+def check_kept(row: Mapping[str, Any], after: int) -> None:
+    """``RUN_PRUNED`` for a read after ``after`` of a run that retention pruned
+    (docs/retention.md): the entries past the cursor were deleted, and an empty stream would
+    say that there were none. A cursor at the run's end has nothing to miss: no error."""
+    if row.get("pruned_at") is not None and after < row["revision"]:
+        raise RunPruned(f"run {row['id']} was pruned by retention at "
+                        f"{row['pruned_at'].isoformat()}: its journal is no longer kept",
+                        status=row["status"], outcome=row.get("outcome_code"),
+                        pruned_at=row["pruned_at"])
 
 
 def check_topics(topics: Iterable[str] | None) -> tuple[str, ...] | None:

@@ -287,13 +287,6 @@ class ProcessCollector(Collector):
             yield family
 
 
-def gauges_registry(target: DatabaseTarget) -> CollectorRegistry:
-    """A new registry with the gauges of ``target`` alone (what the console serves)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DatabaseCollector(target))
-    return registry
-
-
 def metrics_registry(metrics: Metrics, target: DatabaseTarget) -> CollectorRegistry:
     """A new registry with the counters of ``metrics`` and the gauges of ``target``."""
     registry = CollectorRegistry(auto_describe=False)

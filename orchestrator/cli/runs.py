@@ -419,7 +419,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         if args.app is not None:
             raise InvalidRequest("--app holds an operator to their scopes: give --operator "
                                  "and --evidence with it", path="app")
-        status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+        _, status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
     else:
         app = load_app(args.app, args.database_url) if args.app else None
         tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)

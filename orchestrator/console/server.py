@@ -33,6 +33,7 @@ from orchestrator.errors import (
     OrchestratorError,
     Unauthenticated,
 )
+from orchestrator.metrics import Metrics
 
 log = logging.getLogger("orchestrator.console")
 
@@ -113,9 +114,9 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
     submitter_routes = ([] if authenticate_owner is None else Submitters(
         _submitting(app), service, authenticate_owner, heartbeat=heartbeat).routes(
             lambda path, method: _endpoint(operator_routes, path, method)))
-    gauges = _Gauges(app.target, guard)
+    scrape = _MetricsPage(app.target, operators.metrics, guard)
     routes = [*submitter_routes, *operator_routes, *pages.routes(),
-              Route("/metrics", gauges.scrape, methods=["GET"]),
+              Route("/metrics", scrape.scrape, methods=["GET"]),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     return Starlette(
         routes=routes,
@@ -124,16 +125,18 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
         lifespan=lifespan)
 
 
-class _Gauges:
-    """``GET /metrics``: the gauges read from the database (:mod:`orchestrator.telemetry`'s
-    ``DatabaseCollector``: unknown operations, the operator queue, queued runs) in the
-    Prometheus text format, or OpenMetrics when asked, for an operator with the ``metrics``
-    grant (a scraper's bearer token). They count every tenant's work, so no tenant scope
-    applies: the grant says who may see them. The counters are per process: workers and
-    reconcilers serve theirs (``--metrics-port``)."""
+class _MetricsPage:
+    """``GET /metrics``: the counters of this process (what operators and owners did through
+    the console: resolutions, cancellations, submissions) and the gauges read from the
+    database (:mod:`orchestrator.telemetry`'s ``DatabaseCollector``: unknown operations, the
+    operator queue, queued runs), in the Prometheus text format, or OpenMetrics when asked,
+    for an operator with the ``metrics`` grant (a scraper's bearer token). They count every
+    tenant's work, so no tenant scope applies: the grant says who may see them. Workers and
+    reconcilers serve their own counters (``--metrics-port``)."""
 
-    def __init__(self, target: DatabaseTarget, guard: Guard) -> None:
+    def __init__(self, target: DatabaseTarget, metrics: Metrics, guard: Guard) -> None:
         self.target = target
+        self.metrics = metrics
         self.guard = guard
         self._registry: Any = None
 
@@ -145,7 +148,7 @@ class _Gauges:
         from orchestrator import telemetry
 
         if self._registry is None:
-            self._registry = telemetry.gauges_registry(self.target)
+            self._registry = telemetry.metrics_registry(self.metrics, self.target)
         encoder, media_type = choose_encoder(request.headers.get("accept", ""))
         body = await anyio.to_thread.run_sync(encoder, self._registry)
         return Response(body, media_type=media_type)

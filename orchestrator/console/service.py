@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -27,11 +26,18 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db import views
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
-from orchestrator.models import check_run_filters, parse_run_id
+from orchestrator.models import (
+    check_run_filters,
+    cursor_time,
+    parse_run_cursor,
+    parse_run_id,
+    run_cursor,
+    split_cursor,
+)
 from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
 from orchestrator.queues import QueueAdmin, QueueInfo
 from orchestrator.reconcile import THEN
-from orchestrator.stream import TERMINAL, RunStreams
+from orchestrator.stream import TERMINAL, RunStreams, check_kept
 from orchestrator.text import check_identifier, check_operator, is_number
 
 DENIED = "the run does not exist or is not accessible"
@@ -58,40 +64,15 @@ def _limit(value: Any, default: int = 50) -> int:
     return value
 
 
-def run_cursor(row: Mapping[str, Any]) -> str:
+def _run_cursor(row: Mapping[str, Any]) -> str:
     """The key of a run in a page (``created_at`` and id): the next page's ``before``."""
-    return f"{row['created_at'].isoformat()}_{row['id']}"
-
-
-def _cursor(text: str, what: str) -> tuple[datetime, str]:
-    """A keyset cursor ``<ISO time with zone>_<key>``, split (``INVALID_REQUEST`` naming
-    ``what`` otherwise). The time holds no ``_``; the key may (an incident's ref)."""
-    at, _, key = text.partition("_")
-    try:
-        when = datetime.fromisoformat(at)
-        if when.tzinfo is None:
-            raise ValueError(at)
-    except ValueError:
-        raise InvalidRequest(f"before must be the next cursor of a page of {what}",
-                             path="before") from None
-    return when, key
-
-
-def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
-    if text is None:
-        return None
-    when, rid = _cursor(text, "runs")
-    try:
-        return when, uuid.UUID(rid)
-    except ValueError:
-        raise InvalidRequest("before must be the next cursor of a page of runs",
-                             path="before") from None
+    return run_cursor(row["created_at"], row["id"])
 
 
 def parse_incident_cursor(text: str | None) -> tuple[datetime, str] | None:
     if text is None:
         return None
-    when, ref = _cursor(text, "incidents")
+    when, ref = split_cursor(text, "incidents")
     return when, check_identifier("before", ref)
 
 
@@ -288,7 +269,7 @@ class ConsoleService:
                                         created_to=end, contains=contains, before=cursor,
                                         limit=count + 1)
         shown = rows[:count]
-        return Page(shown, run_cursor(shown[-1]) if len(rows) > count else None)
+        return Page(shown, _run_cursor(shown[-1]) if len(rows) > count else None)
 
     async def run(self, access: Access, run_id: Any) -> RunView:
         tenants = self.tenants(access)
@@ -327,11 +308,14 @@ class ConsoleService:
                topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The stream of a run already found (``row``, its summary) and checked to be the
-        caller's: None when it had ended at or before the cursor; ``INVALID_REQUEST`` for a
+        caller's: None when it had ended at or before the cursor; ``RUN_PRUNED`` when
+        retention deleted its journal (:func:`~orchestrator.stream.check_kept`);
+        ``INVALID_REQUEST`` for a
         cursor past the last entry of a run still going (no entry of it was ever sent, and
         the stream would wait for that seq instead of the run's end)."""
         if row["status"] in TERMINAL and after >= row["revision"]:
             return None
+        check_kept(row, after)
         if after > row["revision"]:
             raise InvalidRequest(f"the cursor {after} is past the run's last entry "
                                  f"({row['revision']}): give the id (seq) of an event of "
@@ -340,12 +324,16 @@ class ConsoleService:
                                   heartbeat=heartbeat)
 
     async def cancel(self, access: Access, run_id: Any, *, evidence: str) -> tuple[str, str]:
-        """Cancel a run (audited: ``run.cancel``); (status before, status after)."""
+        """Cancel a run (audited: ``run.cancel``); (status before, status after). A run not
+        finished counts as a cancellation requested here, as ``app.cancel`` counts one."""
         tenants = self.tenants(access)
         access.need("cancel")
-        return await admin.operator_cancel(self.db, parse_run_id(run_id),
-                                           operator=access.operator, evidence=evidence,
-                                           tenants=tenants)
+        before, after = await admin.operator_cancel(self.db, parse_run_id(run_id),
+                                                    operator=access.operator,
+                                                    evidence=evidence, tenants=tenants)
+        if before not in TERMINAL:
+            self.ops.metrics.incr("cancellations", stage="requested")
+        return before, after
 
     async def workers(self, access: Access) -> list[Worker]:
         self.tenants(access)
@@ -459,7 +447,7 @@ class ConsoleService:
                                              limit=count + 1)
         shown = rows[:count]
         more = len(rows) > count
-        return Page(shown, f"{shown[-1]['created_at'].isoformat()}_{shown[-1]['ref']}"
+        return Page(shown, f"{cursor_time(shown[-1]['created_at'])}_{shown[-1]['ref']}"
                     if more else None)
 
     async def incident(self, access: Access, ref: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Routes (beside the operators' ``/api/``; the paths they share go to the owner's 
 ``authenticate_owner`` names an owner, else to the operator's):
 
 - ``POST /api/runs``: submit; the ``Idempotency-Key`` header is the submission key (C1);
-- ``GET /api/runs``: the owner's runs, newest first (shared);
+- ``GET /api/runs``: the owner's runs, newest first, a page at a time (shared);
 - ``GET /api/runs/{id}``: the run's status (shared);
 - ``GET /api/runs/{id}/result?wait=S``: its outcome, waiting up to ``S`` seconds;
 - ``POST /api/runs/{id}/events/{name}``: deliver an event (its key: ``event_key`` or the
@@ -93,8 +93,8 @@ class Submitting(Protocol):
     async def cancel_async(self, run_id: Any, *, owner: Owner | None = None) -> str: ...
 
     async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,
-                              workflow: str | None = None, limit: int = 50
-                              ) -> list[RunInfo]: ...
+                              workflow: str | None = None, limit: int = 50,
+                              before: str | None = None) -> list[RunInfo]: ...
 
 
 def run_record(info: RunInfo) -> dict[str, Any]:
@@ -122,6 +122,7 @@ def run_record(info: RunInfo) -> dict[str, Any]:
         "finished_at": iso(info.finished_at),
         "continued_from": ident(info.continued_from),
         "superseded_by": ident(info.superseded_by),
+        "pruned_at": iso(info.pruned_at),
     }
 
 
@@ -279,15 +280,24 @@ class Submitters:
 
     async def runs(self, request: Request, owner: Owner) -> Response:
         """``GET /api/runs``: the owner's runs, newest first (``status``, ``workflow``,
-        ``limit`` 1 to 1000, default 50), as ``app.list_runs``."""
+        ``limit`` 1 to 1000, default 50), as ``app.list_runs``, from ``before`` (a page's
+        ``next``); ``next`` is the cursor of the page after this one, null on the last."""
         limit = request.query_params.get("limit") or "50"
         if not is_number(limit) or len(limit) > 4:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        status = request.query_params.get("status") or None
+        workflow = request.query_params.get("workflow") or None
         shown = await self.app.list_runs_async(
-            owner=owner, status=request.query_params.get("status") or None,
-            workflow=request.query_params.get("workflow") or None, limit=int(limit))
+            owner=owner, status=status, workflow=workflow, limit=int(limit),
+            before=request.query_params.get("before") or None)
+        later = None
+        if shown and len(shown) == int(limit):  # a full page: is there a run after it?
+            more = await self.app.list_runs_async(owner=owner, status=status,
+                                                  workflow=workflow, limit=1,
+                                                  before=shown[-1].cursor)
+            later = shown[-1].cursor if more else None
         return JSONResponse({"runs": [run_record(info) for info in shown],
-                             "count": len(shown)})
+                             "count": len(shown), "next": later})
 
     async def run(self, request: Request, owner: Owner) -> Response:
         """``GET /api/runs/{id}``: the owner's run."""
@@ -347,6 +357,7 @@ class Submitters:
         handle = await self._handle(request, owner)
         info = await handle.info_async()
         pages = self.service.follow({"id": info.id, "status": info.status,
-                                     "revision": info.revision}, after=after, topics=topics,
-                                    heartbeat=self.heartbeat)
+                                     "revision": info.revision, "pruned_at": info.pruned_at,
+                                     "outcome_code": info.outcome},
+                                    after=after, topics=topics, heartbeat=self.heartbeat)
         return sse_response(pages)

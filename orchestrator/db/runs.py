@@ -257,10 +257,13 @@ async def run_list(
     limit: int,
     parent: uuid.UUID | None = None,
     submission_key: str | None = None,
+    before: tuple[datetime, uuid.UUID] | None = None,
 ) -> list[dict[str, Any]]:
-    """Newest first. ``tenant``/``principal`` None means every owner (operators only);
-    ``parent`` keeps the child runs of that run; ``submission_key`` the runs submitted with
-    that idempotency key (one per owner at most)."""
+    """Newest first (``created_at``, then ``id``). ``tenant``/``principal`` None means every
+    owner (operators only); ``parent`` keeps the child runs of that run; ``submission_key``
+    the runs submitted with that idempotency key (one per owner at most); ``before`` the runs
+    after that key (the last run of the previous page) in this order."""
+    before_at, before_id = before if before is not None else (None, None)
     cur = await conn.execute(
         f"""
         SELECT {_SUMMARY_COLUMNS} FROM {S}.runs
@@ -270,11 +273,14 @@ async def run_list(
           AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s)
           AND (%(parent)s::uuid IS NULL OR parent_run_id = %(parent)s)
           AND (%(skey)s::text IS NULL OR idempotency_key = %(skey)s)
+          AND (%(before_at)s::timestamptz IS NULL
+               OR (created_at, id) < (%(before_at)s::timestamptz, %(before_id)s::uuid))
         ORDER BY created_at DESC, id DESC
         LIMIT %(limit)s
         """,
         {"tenant": tenant, "principal": principal, "status": status, "workflow": workflow,
-         "limit": limit, "parent": parent, "skey": submission_key},
+         "limit": limit, "parent": parent, "skey": submission_key, "before_at": before_at,
+         "before_id": before_id},
     )
     return await cur.fetchall()
 

@@ -624,3 +624,30 @@ async def test_a_bad_state_filter_names_every_state_the_queue_takes(
     listed = await app.operators.list_items(operator="alice", state="all")  # Python, alike
     assert [i["operation_id"] for i in listed] == [ops["a"]]
     await app.database.close()
+
+
+async def test_a_next_cursor_pasted_into_a_url_as_it_is_reads_the_next_page(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """``next`` is used as the next ``before`` as it is (``curl "…?before=$NEXT"``): it holds
+    nothing that a query string reads otherwise (a ``+`` would arrive as a space)."""
+    app = uncertain_app(make_app)
+    await park(app, sql, {"a": OWNER, "b": OWNER, "c": OWNER})
+    async with Client(console_of(app), "reader") as reader:
+        for path, key, expected in (
+                ("/api/runs", "runs", [str(r["id"]) for r in sql(
+                    "SELECT id FROM orchestrator.runs ORDER BY created_at DESC, id DESC")]),
+                ("/api/incidents", "incidents", [r["ref"] for r in sql(
+                    "SELECT ref FROM orchestrator.incidents "
+                    "ORDER BY created_at DESC, ref DESC")])):
+            assert len(expected) == 3
+            seen, cursor = [], None
+            while True:
+                url = f"{path}?limit=1" + (f"&before={cursor}" if cursor else "")
+                answer = await reader.http.get(url)  # the cursor pasted, not encoded
+                assert answer.status_code == 200, answer.text
+                seen += [x["id" if key == "runs" else "ref"] for x in answer.json()[key]]
+                cursor = answer.json()["next"]
+                if cursor is None:
+                    break
+            assert seen == expected
+    await app.database.close()

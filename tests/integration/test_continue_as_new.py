@@ -192,6 +192,8 @@ async def test_a_child_events_and_a_cancellation_follow_the_chain(make_app: Any,
         with pytest.raises(RunFailed) as cancelled:
             await looping.result_async(timeout=30)
         assert cancelled.value.code == "CANCELLED"
+        # Counted as a cancellation asked of a run not finished: the chain's run was not.
+        assert app.metrics.labelled("cancellations").get(("requested",)) == 1
         n = sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = 'forever'")
         await asyncio.sleep(0.3)
         assert sql("SELECT count(*) AS n FROM orchestrator.runs "

@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
-from orchestrator import Orchestrator, Owner, ToolError
+from orchestrator import InvalidRequest, Orchestrator, Owner, ToolError
 from tests.consoletools import GRANTS, OPERATOR_HEADER, SCOPES, SECRET, Served, from_header
 from tests.consoletools import sse_events as events_of
 from tests.integration.conftest import running
@@ -104,7 +105,7 @@ async def test_a_submission_key_follows_c1_over_http(make_app, sql) -> None:  # 
             mine = (await http.get("/api/runs")).json()
             assert [r["id"] for r in mine["runs"]] == [run["id"]] and mine["count"] == 1
             assert (await http.get("/api/runs", params={"status": "succeeded"})).json() == {
-                "runs": [], "count": 0}
+                "runs": [], "count": 0, "next": None}
             assert (await http.get("/api/runs", params={"limit": "0"})).status_code == 400
 
             before = run_count(sql)
@@ -360,3 +361,45 @@ async def test_a_deadline_the_database_cannot_store_is_400_and_stores_nothing(
             assert answer.status_code == 400, answer.text
             assert answer.json()["code"] == "INVALID_REQUEST"
             assert run_count(sql) == 0
+
+
+async def test_an_owner_pages_through_all_of_their_runs_by_the_next_cursor(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """``GET /api/runs`` answers a page and the cursor of the next (``next``, null on the
+    last): an owner reaches every run of theirs, not only the newest ``limit``, each once;
+    ``app.list_runs(before=...)`` takes the same cursor, ``RunInfo.cursor``."""
+    app = http_app(make_app)
+    alice = OWNERS["key-acme-alice"]
+    for n in range(5):
+        await app.submit_async("approve", {"customer": f"c{n}"}, version="1", owner=alice)
+    await app.submit_async("approve", {"customer": "b"}, version="1",
+                           owner=OWNERS["key-globex-bob"])
+    expected = [str(r["id"]) for r in sql(
+        "SELECT id FROM orchestrator.runs WHERE tenant = 'acme' "
+        "ORDER BY created_at DESC, id DESC")]
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        pages, cursor = [], None
+        while True:
+            url = "/api/runs?limit=2" + (f"&before={cursor}" if cursor else "")
+            answer = await http.get(url)
+            assert answer.status_code == 200, answer.text
+            pages.append([r["id"] for r in answer.json()["runs"]])
+            assert answer.json()["count"] == len(pages[-1])
+            cursor = answer.json()["next"]
+            if cursor is None:
+                break
+        assert [len(p) for p in pages] == [2, 2, 1]
+        assert [i for p in pages for i in p] == expected
+        full = await http.get("/api/runs", params={"limit": "5"})
+        assert full.json()["next"] is None  # exactly a page's worth: no empty page after it
+        bad = await http.get("/api/runs", params={"before": "yesterday"})
+        assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
+    first = await app.list_runs_async(owner=alice, limit=3)
+    rest = await app.list_runs_async(owner=alice, limit=3, before=first[-1].cursor)
+    assert [str(r.id) for r in first + rest] == expected
+    with pytest.raises(InvalidRequest):
+        await app.list_runs_async(owner=alice, before="yesterday")
+    await app.database.close()

@@ -22,7 +22,7 @@ from orchestrator.operators import Operators
 from orchestrator.retention import Pruner, export_evidence, parse_period
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, from_header
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import OWNER, running, wait_for
 
 NOW = Retention(finished_runs=timedelta(0), evidence=None)
 
@@ -99,6 +99,35 @@ async def test_the_console_says_a_run_was_pruned(make_app: Any) -> None:
     # the input, the result and the timeline
     assert after.count("Deleted by retention when the run was pruned") == 3
     assert "charge@1" in after  # the operation, kept as evidence
+
+
+async def test_the_stream_of_a_pruned_run_says_it_was_pruned(make_app: Any) -> None:
+    """A pruned run's journal is gone: its stream answers ``RUN_PRUNED`` (HTTP 410, which an
+    ``EventSource`` does not retry) instead of an empty stream that a reconnecting client
+    would ask for again and again, its cursor never moving. A client that had read to the
+    end still gets 204."""
+    app = shop(make_app())
+    async with running(app):
+        run = await app.submit_async("pay", 800)
+        assert await run.result_async(timeout=20) == {"paid": 800}
+    revision = (await run.info_async()).revision
+    await Pruner(app.database, NOW).prune()
+    with pytest.raises(RunPruned):
+        [entry async for entry in run.events()]
+    console = app.console(from_header, grants=GRANTS, authenticate_owner=lambda request: (
+        OWNER if request.headers.get("X-Api-Key") == "acme-key" else None))
+    async with Client(console, "alice") as alice:
+        gone = await alice.get(f"/api/runs/{run.id}/events")
+        assert gone.status_code == 410 and gone.json()["code"] == "RUN_PRUNED"
+        mine = await alice.http.get(f"/api/runs/{run.id}/events",
+                                    headers={"X-Api-Key": "acme-key"})  # the owner's form
+        assert mine.status_code == 410 and mine.json()["code"] == "RUN_PRUNED"
+        shown = await alice.http.get(f"/api/runs/{run.id}", headers={"X-Api-Key": "acme-key"})
+        assert shown.status_code == 200 and shown.json()["pruned_at"] is not None
+        read = await alice.http.get(f"/api/runs/{run.id}/events",
+                                    headers={"Last-Event-ID": str(revision)})
+        assert read.status_code == 204
+    await app.database.close()
 
 
 async def test_runs_that_are_never_pruned(make_app: Any, sql: Any) -> None:
