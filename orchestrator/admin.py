@@ -256,25 +256,48 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> tuple[str, str]:
 
     A queued or waiting run is cancelled at once; a running one at its next command; a run
     blocked on an unknown operation only after that operation is reconciled (C7). A run that
-    continued as new (``ctx.continue_as_new``): the last run of its chain, whose statuses these
-    are.
+    continued as new (``ctx.continue_as_new``): the last run of its chain. The run's unfinished
+    child runs, at every depth, are cancelled with it by the same rules
+    (:func:`cancel_locked`).
     """
 
     async def cancel(conn: Conn) -> tuple[str, str]:
         row = await runs_db.run_lock_last(conn, run_id)
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
-        return str(row["status"]), await cancel_locked(conn, row)
+        after, _ = await cancel_locked(conn, row)
+        return str(row["status"]), after
 
     return await db.run_in_transaction(cancel)
 
 
-async def cancel_locked(conn: Conn, row: dict[str, Any]) -> str:
+async def cancel_locked(conn: Conn, row: dict[str, Any]) -> tuple[str, int]:
     """:func:`cancel_run` inside the caller's transaction, for a run whose row the caller
-    locked (``row``: :func:`~orchestrator.db.runs.run_lock`'s); returns the status after."""
+    locked (``row``: :func:`~orchestrator.db.runs.run_lock`'s). Its unfinished child runs, and
+    theirs, are cancelled in the same transaction by the same rules (a cancelled parent leaves
+    no work of its own running); a finished child is left as it is, and so are its children,
+    and a finished run's cancellation changes nothing at all. Returns the run's status after,
+    and how many child runs the cancellation reached."""
+    if row["status"] in TERMINAL_STATUSES:
+        return str(row["status"]), 0
+    after = await _cancel_one(conn, row)
+    reached, parents = 0, [row["id"]]
+    # One level of the tree at a time, each child's row locked in id order. A child ending
+    # meanwhile locks its row, then its parent's (run_finish wakes it): against this order the
+    # database may find a deadlock; the cancellation, which waited first, is the one rolled
+    # back, and tried again (by the storage layer: a transient error; a schedule's next tick).
+    while parents:
+        children = await runs_db.run_lock_children(conn, parents)
+        for child in children:
+            await _cancel_one(conn, child)
+        reached += len(children)
+        parents = [child["id"] for child in children]
+    return after, reached
+
+
+async def _cancel_one(conn: Conn, row: dict[str, Any]) -> str:
+    """Cancel one locked, unfinished run (or ask it to stop); its status after."""
     run_id = row["id"]
-    if row["status"] in ("succeeded", "failed", "cancelled"):
-        return str(row["status"])
     error = json.dumps({"code": "CANCELLED", "message": "the run was cancelled",
                         "retryable": False, "incident": None})
     if row["status"] in ("queued", "waiting") and await runs_db.run_cancel_idle(
@@ -288,8 +311,9 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
                           tenants: list[str] | None) -> tuple[str, str]:
     """An operator's cancellation (:func:`cancel_run`'s rules), audited in the same
     transaction: the operator, the evidence and the run's status before and after
-    (``run.cancel``, target ``run``). ``tenants`` is the operator's scope (None: all); a run
-    outside it answers exactly as a missing one (C9). Returns (status before, status after)."""
+    (``run.cancel``, target ``run``; ``children``: how many unfinished child runs it
+    reached). ``tenants`` is the operator's scope (None: all); a run outside it answers
+    exactly as a missing one (C9). Returns (status before, status after)."""
     check_evidence(evidence, operator)
 
     async def cancel(conn: Conn) -> tuple[str, str]:
@@ -297,13 +321,14 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         before = str(row["status"])
-        after = await cancel_locked(conn, row)
+        after, children = await cancel_locked(conn, row)
         await audit_record(
             conn, operator=operator, action="run.cancel", target_kind="run",
             target_id=str(run_id), tenant=row["tenant"], evidence=evidence,
             before=json.dumps({"status": before,
                                "cancel_requested": row["cancel_requested_at"] is not None}),
-            after=json.dumps({"status": after, "cancel_requested": True}))
+            after=json.dumps({"status": after, "cancel_requested": True,
+                              "children": children}))
         return before, after
 
     return await db.run_in_transaction(cancel)

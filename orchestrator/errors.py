@@ -49,6 +49,7 @@ incidents, the lookups', the call's timeline).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from datetime import datetime
@@ -58,6 +59,15 @@ from typing import Any
 def new_incident_ref() -> str:
     """Return a short, unguessable reference that links a public error to its diagnostics."""
     return "inc_" + secrets.token_hex(8)
+
+
+def recorded_incident_ref(identity: str) -> str:
+    """The reference of an error raised into workflow code that kept no diagnostics of its
+    own, derived from what its journal records (``identity``: ``operation:7`` for a call's
+    failure or denial, ``child:<run id>`` for a child's end): the same on every replay, in
+    the restart that carries the entry too, so workflow code that passes the reference on
+    (to a call's arguments, say) replays its history. It names no stored diagnostics."""
+    return "inc_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def error_json(code: str, message: str, incident: str | None,

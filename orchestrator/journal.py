@@ -86,7 +86,7 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.TIMER: (("until",), ()),
     K.EVENT_WAIT: (("timeout_at",), ()),
     K.EVENT_RECEIVED: (("payload", "event_id"), ()),
-    K.EVENT_TIMEOUT: ((), ()),
+    K.EVENT_TIMEOUT: ((), ("incident",)),  # not in entries written before it was kept
     K.VALUE: (("value",), ()),
     K.MESSAGE: (("value",), ()),  # its name is the topic
     K.CHILD_STARTED: (("run_id", "version"), ()),

@@ -50,7 +50,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from orchestrator.canonical import canonical_json
-from orchestrator.errors import EventTimeout, RunFailed, ToolFailed
+from orchestrator.errors import EventTimeout, RunFailed, ToolFailed, recorded_incident_ref
 from orchestrator.journal import Entry, EventKind, JournalIndex, Nondeterminism
 
 K = EventKind
@@ -230,7 +230,10 @@ def match_event(index: JournalIndex, position: int, name: str) -> Verdict:
     if ended is None:
         return Verdict(_WAITS, timeout_at)
     if ended["kind"] == _TIMED_OUT:
-        return Verdict(_RAISES, error=event_timeout(name, timeout_at))
+        incident = ended["payload"].get("incident")
+        if incident is None:  # recorded before timeouts kept one: from what the wait recorded
+            incident = recorded_incident_ref(f"event:{position}:{name}:{raw}")
+        return Verdict(_RAISES, error=event_timeout(name, timeout_at, incident))
     return Verdict(_RETURNS, ended["payload"]["payload"])
 
 
@@ -266,32 +269,38 @@ def tool_failed(tool: str, kind: str, payload: Mapping[str, Any]) -> ToolFailed:
     """What a call that ended in a ``call.failed`` or ``call.denied`` entry (``kind``, with its
     ``payload``) raises into workflow code: live, as the entry is written, and on every replay
     alike (a workflow that branches on the error's ``code`` or ``cause`` takes the same branch
-    again). A denial is ``TOOL_DENIED`` naming the policy stage; a failure ``TOOL_FAILED``."""
+    again, and one that passes its ``incident`` on passes the same one). A denial is
+    ``TOOL_DENIED`` naming the policy stage; a failure ``TOOL_FAILED``. Its ``incident`` is the
+    one the entry names, else one derived from the operation (``op``)."""
+    incident = payload.get("incident") or recorded_incident_ref(f"operation:{payload['op']}")
     if kind == _DENIED:
         return ToolFailed(f"tool {tool} was not allowed ({payload['stage']})", tool=tool,
                           code="TOOL_DENIED", cause=payload.get("cause"), reason="cause",
-                          incident=payload.get("incident"))
+                          incident=incident)
     return ToolFailed(f"tool {tool} failed", tool=tool, cause=payload.get("cause"),
-                      reason=payload.get("reason"), incident=payload.get("incident"))
+                      reason=payload.get("reason"), incident=incident)
 
 
-def event_timeout(name: str, timeout_at: datetime | None) -> EventTimeout:
-    """What a wait for event ``name`` that timed out raises, live and on replay alike."""
+def event_timeout(name: str, timeout_at: datetime | None, incident: str) -> EventTimeout:
+    """What a wait for event ``name`` that timed out raises, live and on replay alike: its
+    ``incident`` is the one its ``event.timeout`` entry records."""
     return EventTimeout(f"event {name!r} did not arrive in time", event=name,
-                        timeout_at=timeout_at)
+                        timeout_at=timeout_at, incident=incident)
 
 
 def child_ended(child_id: uuid.UUID, ended: Entry) -> Verdict:
     """What ``run_child`` does once child ``child_id`` ended (``ended`` is its
     ``child.completed`` or ``child.failed`` entry, recorded or just made): return the child's
     result, or raise its failure, whose ``incident`` is the child's own (recorded with it, so
-    the same on every replay; a fresh reference only where the child's error named none)."""
+    the same on every replay; where the child's error named none, as for a cancelled child,
+    one derived from the child's run id, the same on every replay too)."""
     payload = ended["payload"]
     if ended["kind"] == _CHILD_COMPLETED:
         return Verdict(_RETURNS, payload["result"])
     return Verdict(_RAISES, error=RunFailed(
         payload["message"], code=payload["code"], run_id=str(child_id),
-        cause=payload.get("cause"), incident=payload.get("incident")))
+        cause=payload.get("cause"),
+        incident=payload.get("incident") or recorded_incident_ref(f"child:{child_id}")))
 
 
 # -- the check every command starts with -------------------------------------------------------

@@ -135,16 +135,24 @@ async def run_mark_restarted(conn: Conn, run_id: uuid.UUID, *, restarted_from: u
 async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
     """Where a run went wrong: the first position whose last entry is not a success (a call
     that failed, was denied, cancelled or abandoned; an event that timed out; a child that
-    failed), else the position after its last one."""
+    failed), or of a child that failed, was cancelled or is being cancelled though the run
+    never recorded it (one cancelled with it: a restart starts it anew rather than wait for
+    it), else the position after its last one."""
     cur = await conn.execute(
         f"""
-        SELECT coalesce(min(position) FILTER (WHERE kind IN (
-                   '{EventKind.CALL_FAILED}', '{EventKind.CALL_DENIED}',
-                   '{EventKind.CALL_CANCELLED}', '{EventKind.CALL_ABANDONED}',
-                   '{EventKind.EVENT_TIMEOUT}', '{EventKind.CHILD_FAILED}')),
+        SELECT coalesce(least(
+                   min(position) FILTER (WHERE kind IN (
+                       '{EventKind.CALL_FAILED}', '{EventKind.CALL_DENIED}',
+                       '{EventKind.CALL_CANCELLED}', '{EventKind.CALL_ABANDONED}',
+                       '{EventKind.EVENT_TIMEOUT}', '{EventKind.CHILD_FAILED}')),
+                   (SELECT min(c.parent_position) FROM {S}.runs c
+                    WHERE c.parent_run_id = %(run)s
+                      AND (c.status IN ('failed', 'cancelled')
+                           OR (c.cancel_requested_at IS NOT NULL
+                               AND c.status <> 'succeeded')))),
                max(position) + 1, 0) AS at
-        FROM {S}.journal WHERE run_id = %s AND position IS NOT NULL
-        """, (run_id,))
+        FROM {S}.journal WHERE run_id = %(run)s AND position IS NOT NULL
+        """, {"run": run_id})
     row = await cur.fetchone()
     return int(row["at"]) if row else 0
 

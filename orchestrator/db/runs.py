@@ -115,16 +115,23 @@ _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
                       available_at, deadline_at, traceparent, queue, priority,
-                      concurrency_key)
+                      concurrency_key, cancel_requested_at)
 VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
         %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
         %(parent_run_id)s, %(parent_position)s, 'queued', {_START},
         CASE WHEN %(deadline_seconds)s::float8 IS NULL THEN NULL
              ELSE {_START} + make_interval(secs => %(deadline_seconds)s::float8) END,
-        %(traceparent)s, %(queue)s, %(priority)s, %(concurrency_key)s)
+        %(traceparent)s, %(queue)s, %(priority)s, %(concurrency_key)s,
+        (SELECT p.cancel_requested_at FROM {S}.runs p WHERE p.id = %(parent_run_id)s
+         FOR KEY SHARE))
 ON CONFLICT DO NOTHING
 RETURNING id
 """
+"""A child run (``parent_run_id``) inherits its parent's cancellation request: a parent whose
+cancellation committed while it was starting the child (past its last check, before its
+write) leaves no child running. The parent's row is read ``FOR KEY SHARE`` (the lock the
+foreign key's check takes anyway), so a cancellation that holds it (``FOR UPDATE``:
+:func:`orchestrator.admin.cancel_locked`) is waited for, and then seen."""
 
 _BY_KEY = f"""
 SELECT id, request_digest FROM {S}.runs
@@ -616,6 +623,21 @@ async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
         last = await run_last_id(conn, row["superseded_by"], owner=owner)
         row = None if last is None else await run_lock(conn, last, owner=owner)
     return row
+
+
+async def run_lock_children(conn: Conn, parents: Sequence[uuid.UUID]
+                            ) -> list[dict[str, Any]]:
+    """Lock the unfinished child runs of ``parents`` (the current run of a child that
+    continued as new: the earlier ones have finished), in id order, for a cancellation that
+    reaches them (:func:`run_lock`'s columns)."""
+    cur = await conn.execute(
+        f"""
+        SELECT {_SUMMARY_COLUMNS} FROM {S}.runs
+        WHERE parent_run_id = ANY(%s) AND status NOT IN ('succeeded', 'failed', 'cancelled')
+        ORDER BY id FOR UPDATE
+        """,
+        (list(parents),))
+    return await cur.fetchall()
 
 
 async def run_request_cancel(conn: Conn, run_id: uuid.UUID) -> None:

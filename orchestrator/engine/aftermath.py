@@ -130,7 +130,7 @@ class Aftermath:
         if decision.detail == "deadline":
             site.run.stop_deadline()  # the next attempt cannot fit before the run's deadline
         raise tool_failed(site.tool.name, EventKind.CALL_FAILED,
-                          {"cause": cause, "reason": reason, "incident": ref})
+                          {"op": op_id, "cause": cause, "reason": reason, "incident": ref})
 
     async def uncertain(self, op_id: int, number: int, key: str, reason: str,
                         incident: str | None = None) -> Attempt:

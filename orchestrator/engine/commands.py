@@ -24,7 +24,7 @@ from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.control import Wait, as_seconds
 from orchestrator.engine.run import RunState
 from orchestrator.engine.session import Session
-from orchestrator.errors import ToolFailed, UnknownWorkflow
+from orchestrator.errors import ToolFailed, UnknownWorkflow, new_incident_ref
 from orchestrator.journal import Entry, EventKind, entry
 from orchestrator.matching import (
     NEW,
@@ -195,8 +195,11 @@ class Commands:
             if got is not None:
                 return got["payload"]
             if timeout_at is not None and run.now() >= timeout_at:
-                await self._append(entry(EventKind.EVENT_TIMEOUT, position, name, {}))
-                raise event_timeout(name, timeout_at)
+                # The error's reference is kept with it: the same one on every replay (C4).
+                ref = new_incident_ref()
+                await self._append(entry(EventKind.EVENT_TIMEOUT, position, name,
+                                         {"incident": ref}))
+                raise event_timeout(name, timeout_at, ref)
             await self.branches.park(Wait("event", position, wake_at=timeout_at, name=name))
 
     async def run_child(self, position: int, workflow: Workflow | str, input: Any) -> Any:

@@ -119,4 +119,4 @@ class Stages:
 
         await site.append(work)
         raise tool_failed(site.tool.name, EventKind.CALL_DENIED,
-                          {"stage": stage, "cause": cause, "incident": ref})
+                          {"op": op_id, "stage": stage, "cause": cause, "incident": ref})

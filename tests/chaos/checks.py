@@ -444,12 +444,21 @@ def failed_runs(data: Data, expected_cancel: set[uuid.UUID],
             run = runs[run["continued_from"]]
         return run["id"]
 
+    def cancelled_by_harness(run: dict[str, Any]) -> bool:
+        """The harness cancelled its chain, or an ancestor's (a cancellation reaches the
+        unfinished children, at every depth)."""
+        while True:
+            if first(run) in expected_cancel or run["parent_run_id"] in expected_cancel:
+                return True
+            if run["parent_run_id"] not in runs:
+                return False
+            run = runs[run["parent_run_id"]]
+
     for run in data.runs:
         if poison and run["id"] in poison:
             continue
         if run["status"] == "failed" or (
-                run["status"] == "cancelled" and first(run) not in expected_cancel
-                and run["parent_run_id"] not in expected_cancel):
+                run["status"] == "cancelled" and not cancelled_by_harness(run)):
             error = run["error"] or {}
             said = (f"run {run['id']} ({run['workflow_name']}) {run['status']}: "
                     f"{run['outcome_code']} {error.get('message', '')}")

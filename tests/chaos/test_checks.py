@@ -248,3 +248,17 @@ def test_a_run_failed_without_a_workflow_reason_is_reported_with_its_traceback()
     assert "WORKFLOW_FAILED the workflow raised an exception" in lines[0]
     assert lines[-1].strip() == "psycopg.InternalError: x"
     assert len(lines) == 1 + checks.TRACEBACK_LINES  # the last lines only
+
+
+def test_runs_cancelled_with_a_run_the_harness_cancelled_are_expected() -> None:
+    """A cancellation reaches the unfinished children at every depth, also those of a later
+    run of the chain the harness cancelled by its first id; another cancelled run is not."""
+    first, later, child, grandchild, stray = (uuid.uuid4() for _ in range(5))
+    cancelled = {"status": "cancelled", "outcome_code": "CANCELLED"}
+    runs = [_run(id=first, status="succeeded", outcome_code="CONTINUED_AS_NEW"),
+            _run(id=later, continued_from=first, **cancelled),
+            _run(id=child, parent_run_id=later, **cancelled),
+            _run(id=grandchild, parent_run_id=child, **cancelled),
+            _run(id=stray, **cancelled)]
+    row = checks.failed_runs(checks.Data(runs, [], [], [], [], [], 0.0), {first})
+    assert row.value == 1 and str(stray) in row.details[0]

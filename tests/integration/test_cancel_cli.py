@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from orchestrator import Orchestrator
+from tests.integration.conftest import running, wait_for
 from tests.integration.test_ops_bulk import cli
 
 
@@ -26,7 +27,8 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
     assert [(a["operator"], a["action"], a["target_id"], a["evidence"]) for a in audit] == [
         ("ann", "run.cancel", str(audited.id), "the customer withdrew the order")]
     assert audit[0]["before"]["status"] == "queued"
-    assert audit[0]["after"] == {"status": "cancelled", "cancel_requested": True}
+    assert audit[0]["after"] == {"status": "cancelled", "cancel_requested": True,
+                                 "children": 0}
 
     # One without the other is refused, and nothing changes.
     for half in (["--operator", "ann"], ["--evidence", "why not"]):
@@ -35,3 +37,31 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
     assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
                (halfway.id,))[0]["status"] == "queued"
     assert len(sql("SELECT 1 FROM orchestrator.operator_audit")) == 1
+
+
+async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
+        app: Orchestrator, sql, migrated_database_url):
+    """Plain or audited, ``runs cancel`` cancels the run's unfinished child runs with it; the
+    audit says how many it reached."""
+    @app.workflow()
+    async def child(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("never")
+
+    @app.workflow()
+    async def parent(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.run_child(child, n)
+
+    plain, audited = [await app.submit_async(parent, n) for n in range(2)]
+    async with running(app):
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'waiting'")) == 4)
+    url = migrated_database_url
+    code, out, err = await cli(url, "runs", "cancel", str(plain.id))
+    assert (code, err) == (0, "") and "is cancelled" in out
+    code, out, err = await cli(url, "runs", "cancel", str(audited.id), "--operator", "ann",
+                               "--evidence", "the customer withdrew the order")
+    assert (code, err) == (0, "") and "is cancelled" in out
+    assert sql("SELECT status FROM orchestrator.runs WHERE parent_run_id IS NOT NULL") == [
+        {"status": "cancelled"}] * 2
+    (audit,) = sql("SELECT after FROM orchestrator.operator_audit")
+    assert audit["after"] == {"status": "cancelled", "cancel_requested": True, "children": 1}

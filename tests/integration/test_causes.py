@@ -294,6 +294,32 @@ async def test_an_event_timeout_is_catchable_and_raised_again_on_replay(app, sql
     assert kinds.count("event.timeout") == 1
 
 
+async def test_an_event_timeouts_incident_reference_is_the_same_on_replay(app, sql):
+    """A caught ``EventTimeout`` names the same incident reference live and on every replay:
+    a workflow that records it (here, in a call's arguments) replays its history instead of
+    meeting another reference (another intent digest: ``NONDETERMINISM``)."""
+    noted: list[str] = []
+
+    @app.tool()
+    async def note(ctx, *, ref):  # type: ignore[no-untyped-def]
+        noted.append(ref)
+        return ref
+
+    @app.workflow()
+    async def approve(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.wait_for_event("approval", timeout=timedelta(seconds=0.3))
+        except EventTimeout as exc:
+            ref = await ctx.call(note, ref=exc.incident)
+        await ctx.sleep(1.2)  # parks: the next claim replays the timeout and the call
+        return ref
+
+    async with running(app):
+        run = await app.submit_async(approve, {})
+        ref = await run.result_async(timeout=15)
+    assert noted == [ref] and ref.startswith("inc_")
+
+
 async def test_an_uncaught_event_timeout_fails_the_run_naming_it(app, sql):
     @app.workflow()
     async def approve(ctx, data):  # type: ignore[no-untyped-def]

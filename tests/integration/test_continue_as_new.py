@@ -208,6 +208,30 @@ async def test_a_child_events_and_a_cancellation_follow_the_chain(make_app: Any,
             await looping.restart_async(reason="again")
 
 
+async def test_cancelling_a_chain_by_its_first_runs_id_counts_the_request(
+        make_app: Any, sql: Any) -> None:
+    """``cancel_async`` with the first run's id reaches the run the chain is at, unfinished:
+    a cancellation requested, counted once (``cancellations{stage="requested"}``); asked
+    again once the chain is cancelled, it counts nothing."""
+    app = make_app()
+
+    @app.workflow()
+    async def twice(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            ctx.continue_as_new(1)
+        await ctx.wait_for_event("never")
+
+    async with running(app):
+        first = await app.submit_async("twice", 0)
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs "
+                                   "WHERE continued_from = %s", (first.id,))
+                       == [{"status": "waiting"}], timeout=30)
+        assert await app.cancel_async(first.id) == "cancelled"
+        assert app.metrics.labelled("cancellations") == {("requested",): 1}
+        assert await first.cancel_async() == "cancelled"
+    assert app.metrics.labelled("cancellations") == {("requested",): 1}
+
+
 async def test_events_that_arrive_after_a_generations_last_wait_are_the_next_ones(
         make_app: Any, sql: Any) -> None:
     """Events delivered while a generation is past its last wait (here: in a call, after

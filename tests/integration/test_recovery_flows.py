@@ -363,6 +363,42 @@ async def test_a_denied_call_raises_the_same_error_when_replayed(make_app, sql):
             "TOOL_DENIED", "tool charge was not allowed (authorize)", "denied", "cause"]
 
 
+async def test_a_denials_incident_reference_is_the_same_on_replay(make_app, sql):
+    """A denial that kept no diagnostics (the hook said no) still names one incident
+    reference, the same on every replay: a workflow that passes it to a later call replays
+    that call instead of failing with ``NONDETERMINISM``."""
+    async def deny_all(pctx):  # type: ignore[no-untyped-def]
+        return pctx.tool != "charge"
+
+    app = make_app(authorize=deny_all)
+    noted: list[str] = []
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        raise AssertionError("a denied tool is never called")
+
+    @app.tool()
+    async def note(ctx, *, ref):  # type: ignore[no-untyped-def]
+        noted.append(ref)
+        return ref
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.call(charge)
+        except ToolFailed as exc:
+            ref = await ctx.call(note, ref=exc.incident)
+        await ctx.wait_for_event("go")  # parks: the next claim replays from the top
+        return ref
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(_parked(run), what="the run parked on its event")
+        assert await app.send_event_async(run.id, "go", None)
+        ref = await run.result_async(timeout=10)
+    assert noted == [ref] and ref.startswith("inc_")
+
+
 def _parked(run):  # type: ignore[no-untyped-def]
     async def check() -> bool:
         return await run.status_async() == "waiting"

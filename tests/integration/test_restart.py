@@ -176,9 +176,64 @@ def test_the_restart_command_takes_the_applications_limits_and_scopes(
 
 async def test_a_restarted_parent_gets_the_result_of_the_child_its_journal_carries(
         make_app: Any, sql: Any) -> None:
-    """A parent cancelled while its child runs, restarted: the new run's journal carries the
-    child's start, so it waits for that child (not a new one) and gets its result, whether
+    """A parent that failed while its child runs, restarted: the new run's journal carries
+    the child's start, so it waits for that child (not a new one) and gets its result, whether
     the child ended before the restart or after it."""
+    app = make_app()
+    child_running = asyncio.Event()
+    broken = {"check": True}
+
+    @app.workflow()
+    async def gate(ctx, n):  # type: ignore[no-untyped-def]
+        child_running.set()
+        return [n, await ctx.wait_for_event("go")]
+
+    @app.tool()
+    async def check(ctx):  # type: ignore[no-untyped-def]
+        if broken["check"]:
+            await child_running.wait()  # the parent fails while its child runs
+            raise ToolError("refused", applied=False, status=422)
+        return "checked"
+
+    @app.workflow()
+    async def delegating(ctx, n):  # type: ignore[no-untyped-def]
+        return (await ctx.gather(ctx.run_child(gate, n), ctx.call(check)))[0]
+
+    def child_of(parent: Any) -> Any:
+        rows = sql("SELECT id FROM orchestrator.runs WHERE parent_run_id = %s", (parent.id,))
+        return rows[0]["id"] if rows else None
+
+    async with running(app):
+        for n, ends_first in ((1, True), (2, False)):
+            broken["check"] = True
+            child_running.clear()
+            old = await app.submit_async("delegating", n)
+            with pytest.raises(RunFailed):
+                await old.result_async(timeout=20)
+            child = child_of(old)
+            # A finished run's cancellation changes nothing, its child's status included.
+            assert await old.cancel_async() == "failed"
+            assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                       (child,)) == [{"status": "waiting"}]
+            if ends_first:
+                await app.send_event_async(child, "go", "open")
+                await wait_for(lambda child=child: sql(
+                    "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = 'succeeded'",
+                    (child,)), timeout=20)
+            broken["check"] = False
+            new = await old.restart_async(reason="the child is still wanted")
+            if not ends_first:
+                await app.send_event_async(child, "go", "open")
+            assert await new.result_async(timeout=20) == [n, "open"]
+            assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = "
+                       "'gate' AND input = %s::jsonb", (json.dumps(n),))[0]["n"] == 1
+
+
+async def test_a_cancelled_parent_restarted_starts_the_child_cancelled_with_it_anew(
+        make_app: Any, sql: Any) -> None:
+    """A cancellation reaches the parent's child too; restarted, the parent does not wait for
+    the cancelled child (which would fail it with ``CANCELLED``) but runs that step anew: the
+    default restart position is the child's."""
     app = make_app()
 
     @app.workflow()
@@ -189,30 +244,23 @@ async def test_a_restarted_parent_gets_the_result_of_the_child_its_journal_carri
     async def delegating(ctx, n):  # type: ignore[no-untyped-def]
         return await ctx.run_child(gate, n)
 
-    def child_of(parent: Any) -> Any:
-        rows = sql("SELECT id FROM orchestrator.runs WHERE parent_run_id = %s", (parent.id,))
-        return rows[0]["id"] if rows else None
+    def children(parent: Any) -> list[dict[str, Any]]:
+        return sql("SELECT id, status FROM orchestrator.runs WHERE parent_run_id = %s",
+                   (parent.id,))
 
     async with running(app):
-        for n, ends_first in ((1, True), (2, False)):
-            old = await app.submit_async("delegating", n)
-            await wait_for(lambda old=old: child_of(old), timeout=20)
-            await wait_for(lambda old=old: sql(
-                "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = 'waiting'",
-                (old.id,)), timeout=20)
-            assert await old.cancel_async() == "cancelled"
-            child = child_of(old)
-            if ends_first:
-                await app.send_event_async(child, "go", "open")
-                await wait_for(lambda child=child: sql(
-                    "SELECT 1 FROM orchestrator.runs WHERE id = %s AND status = 'succeeded'",
-                    (child,)), timeout=20)
-            new = await old.restart_async(reason="the child is still wanted")
-            if not ends_first:
-                await app.send_event_async(child, "go", "open")
-            assert await new.result_async(timeout=20) == [n, "open"]
-            assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = "
-                       "'gate' AND input = %s::jsonb", (json.dumps(n),))[0]["n"] == 1
+        old = await app.submit_async("delegating", 1)
+        await wait_for(lambda: [c["status"] for c in children(old)] == ["waiting"]
+                       and sql("SELECT 1 FROM orchestrator.runs WHERE id = %s "
+                               "AND status = 'waiting'", (old.id,)), timeout=20)
+        assert await old.cancel_async() == "cancelled"
+        assert [c["status"] for c in children(old)] == ["cancelled"]
+        new = await old.restart_async(reason="wanted after all")
+        await wait_for(lambda: [c["status"] for c in children(new)] == ["waiting"], timeout=20)
+        assert await app.send_event_async(children(new)[0]["id"], "go", "open")
+        assert await new.result_async(timeout=20) == [1, "open"]
+    (audit,) = sql("SELECT after FROM orchestrator.operator_audit WHERE action = 'run.restart'")
+    assert audit["after"]["from_position"] == 0
 
 
 async def test_a_restart_from_before_a_patch_takes_the_path_the_old_run_took(

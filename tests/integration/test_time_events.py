@@ -189,6 +189,41 @@ async def test_a_childs_failure_names_the_childs_incident_live_and_on_replay(app
                (ref,)) == [{"code": "WORKFLOW_FAILED"}]
 
 
+async def test_a_cancelled_childs_failure_names_one_reference_on_every_replay(app, sql):
+    """A child cancelled by its owner has no incident of its own; the ``RunFailed`` its
+    parent gets still names one reference, the same on every replay."""
+    noted = []
+
+    @app.tool()
+    async def note(ctx, *, ref):  # type: ignore[no-untyped-def]
+        noted.append(ref)
+        return ref
+
+    @app.workflow()
+    async def child(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("never")
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            await ctx.run_child(child, 1)
+        except RunFailed as exc:
+            ref = await ctx.call(note, ref=exc.incident)
+        await ctx.sleep(1.2)  # parks: the next claim replays the child's failure
+        return ref
+
+    def child_waiting():  # type: ignore[no-untyped-def]
+        return sql("SELECT id FROM orchestrator.runs WHERE parent_run_id IS NOT NULL "
+                   "AND status = 'waiting'")
+
+    async with running(app):
+        run = await app.submit_async(parent, {})
+        await wait_for(child_waiting)
+        await app.cancel_async(child_waiting()[0]["id"])
+        ref = await run.result_async(timeout=20)
+    assert noted == [ref] and ref.startswith("inc_")
+
+
 async def test_result_timeout_reports_the_status_and_changes_nothing(app, sql):
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
@@ -250,6 +285,73 @@ async def test_cancel_a_waiting_run_and_a_running_one(app, sql):
     assert [r["incident"] for r in sql("SELECT error->>'incident' AS incident "
                                        "FROM orchestrator.runs WHERE status = 'cancelled'")] == [
         None, None]
+
+
+async def test_cancelling_a_run_cancels_its_unfinished_children_recursively(app, sql):
+    """A cancellation reaches the run's unfinished child runs, and theirs, in the same
+    transaction and by the same rules: one that waits is cancelled at once, one that is
+    running is asked to stop at its next step. A child that finished, and another run's
+    child, are left as they are."""
+    release = asyncio.Event()
+    calls: list[str] = []
+
+    @app.tool(effect="read")  # interrupted or not, a read leaves nothing uncertain
+    async def slow(ctx):  # type: ignore[no-untyped-def]
+        calls.append("slow")
+        await release.wait()
+        return "done"
+
+    @app.tool()
+    async def after(ctx):  # type: ignore[no-untyped-def]
+        calls.append("after")
+
+    @app.workflow()
+    async def quick(ctx, data):  # type: ignore[no-untyped-def]
+        return "quick"
+
+    @app.workflow()
+    async def idle(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("never")
+
+    @app.workflow()
+    async def middle(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.run_child(idle, "grandchild")
+
+    @app.workflow()
+    async def busy(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.call(slow)
+        await ctx.call(after)
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.run_child(quick, None)
+        await ctx.gather(ctx.run_child(middle, None), ctx.run_child(busy, None))
+
+    def statuses() -> dict[str, str]:
+        return {r["workflow_name"]: r["status"] for r in sql(
+            "SELECT workflow_name, status FROM orchestrator.runs WHERE id <> %s", (other.id,))}
+
+    async with running(app):
+        other = await app.submit_async(idle, "someone else's")  # not in the tree
+        run = await app.submit_async(parent, {})
+        await wait_for(lambda: calls == ["slow"] and statuses() == {
+            "parent": "waiting", "quick": "succeeded", "middle": "waiting",
+            "idle": "waiting", "busy": "running"})
+        assert await run.cancel_async() == "cancelled"
+        assert statuses() == {"parent": "cancelled", "quick": "succeeded",
+                              "middle": "cancelled", "idle": "cancelled", "busy": "running"}
+        assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE workflow_name = 'busy' "
+                   "AND cancel_requested_at IS NOT NULL") == [{"n": 1}]
+        release.set()
+        await wait_for(lambda: statuses()["busy"] == "cancelled")
+        assert await other.status_async() == "waiting"
+    assert calls == ["slow"]  # the running child's next call was never sent
+    ended = sql("SELECT r.workflow_name, j.kind FROM orchestrator.runs r "
+                "JOIN orchestrator.journal j ON j.run_id = r.id "
+                "WHERE j.kind = 'run.cancelled' ORDER BY r.workflow_name")
+    assert [e["workflow_name"] for e in ended] == ["busy", "idle", "middle", "parent"]
+    errors = sql("SELECT error FROM orchestrator.runs WHERE status = 'cancelled'")
+    assert {e["error"]["code"] for e in errors} == {"CANCELLED"}
 
 
 async def test_the_deadline_fails_a_sleeping_run(app):

@@ -24,6 +24,7 @@ from orchestrator.matching import (
     match_publish,
     match_sleep,
     match_value,
+    tool_failed,
 )
 
 K = EventKind
@@ -257,6 +258,42 @@ def test_a_child_completed_failed_or_still_running() -> None:
     assert running.outcome is Outcome.WAITS and running.settle() == CHILD
     error = differs(match_child(done, 0, "other"), Mismatch.COMMAND)
     assert (error.recorded, error.issued) == ("child 'child'", "child 'other'")
+
+
+def test_an_error_without_diagnostics_names_a_reference_its_journal_fixes() -> None:
+    """An error raised into workflow code names one incident reference on every replay, and
+    in a restart that carries its entries: the one its entry records, else one derived from
+    what the journal records (the operation, the child, the wait), never a fresh one."""
+    def incident(verdict: Verdict) -> str:
+        assert verdict.outcome is Outcome.RAISES and verdict.error is not None
+        return verdict.error.incident  # type: ignore[attr-defined]
+
+    failed = entry(K.CALL_FAILED, 0, "charge", {"op": 1, "attempt": 1, "cause": "conflict",
+                                                "reason": "cause", "incident": None})
+    denied = entry(K.CALL_DENIED, 0, "charge", {"op": 1, "stage": "authorize",
+                                                "cause": "denied", "incident": None})
+    other_op = {**begun(), "payload": {**begun()["payload"], "op": 2}}
+    for ended in (failed, denied):
+        ref = incident(match_call(journal(begun(), ended), 0, "charge", INTENT))
+        assert ref.startswith("inc_") and len(ref) == len("inc_") + 16
+        assert ref == incident(match_call(journal(begun(), ended), 0, "charge", INTENT))
+        assert ref == tool_failed("charge", ended["kind"], ended["payload"]).incident
+        moved = {**ended, "payload": {**ended["payload"], "op": 2}}
+        assert ref != incident(match_call(journal(other_op, moved), 0, "charge", INTENT))
+
+    wait = entry(K.EVENT_WAIT, 0, "go", {"timeout_at": WHEN.isoformat()})
+    kept = entry(K.EVENT_TIMEOUT, 0, "go", {"incident": "inc_kept"})
+    assert incident(match_event(journal(wait, kept), 0, "go")) == "inc_kept"
+    older = journal(wait, entry(K.EVENT_TIMEOUT, 0, "go", {}))  # written before one was kept
+    assert incident(match_event(older, 0, "go")) == incident(match_event(older, 0, "go"))
+
+    started = entry(K.CHILD_STARTED, 0, "child", {"run_id": str(CHILD), "version": "1"})
+    cancelled = entry(K.CHILD_FAILED, 0, "child", {"code": "CANCELLED", "message": "c"})
+    ref = incident(match_child(journal(started, cancelled), 0, "child"))
+    assert ref == incident(child_ended(CHILD, cancelled))
+    assert ref != incident(child_ended(uuid.uuid4(), cancelled))
+    named = {**cancelled, "payload": {**cancelled["payload"], "incident": "inc_child"}}
+    assert incident(match_child(journal(started, named), 0, "child")) == "inc_child"
 
 
 def test_a_child_that_ended_just_now_is_decoded_as_a_recorded_one() -> None:

@@ -250,3 +250,45 @@ async def test_a_deadline_that_passes_between_submitted_and_dispatch_leaves_the_
     assert called == []
     assert [o["state"] for o in operations(sql)] == ["failed"]
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items")[0]["n"] == 0
+
+
+async def test_a_child_started_while_its_parent_is_cancelled_inherits_the_request(app, sql):
+    """A parent past its last check starts a child while a cancellation of the parent holds
+    the parent's row: the child's insert waits for that cancellation, then takes its request
+    too, so the cancelled parent leaves no child running (the cancellation reaches the
+    children it can see; this one it could not see yet)."""
+    from orchestrator import admin
+    from orchestrator.canonical import JsonLimits
+    from orchestrator.db import runs as runs_db
+    from tests.integration.conftest import OWNER
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return 1
+
+    run = await app.submit_async(wf, {})
+    async with app.database.connection() as conn:  # a worker's claim: the parent is running
+        await runs_db.run_claim_ready(conn, worker="w", workflows=["wf@1"], limit=1, ttl=30)
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def cancel(conn):  # type: ignore[no-untyped-def]
+        row = await runs_db.run_lock_last(conn, run.id)
+        after = await admin.cancel_locked(conn, row)
+        holding.set()
+        await release.wait()
+        return after
+
+    cancelling = asyncio.create_task(app.database.run_in_transaction(cancel))
+    await holding.wait()
+    child = runs_db.run_row("wf", "1", {}, limits=JsonLimits(), owner=OWNER,
+                            idempotency_key=None, deadline=None, parent=(run.id, 0))
+    starting = asyncio.create_task(app.database.run_in_transaction(
+        lambda conn: runs_db.run_insert(conn, child)))
+    await wait_for(lambda: sql("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                               "AND query LIKE '%%INSERT INTO%%runs%%'"))
+    release.set()
+    assert await cancelling == ("running", 0)  # requested; the child was not there to see
+    await starting
+    assert sql("SELECT status, cancel_requested_at IS NOT NULL AS asked FROM orchestrator.runs "
+               "WHERE id = %s", (child["id"],)) == [{"status": "queued", "asked": True}]
+    await app.database.close()
