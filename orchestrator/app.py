@@ -77,7 +77,10 @@ from orchestrator.registry import (
     Registry,
     Tool,
     Workflow,
+    check_async,
     check_name,
+    check_timeout,
+    resolve_workflow,
 )
 from orchestrator.retention import DUTY, Pruner, PruneReport, Retention
 from orchestrator.scheduler import (
@@ -96,7 +99,6 @@ from orchestrator.submission import (
     SubmissionConfig,
     as_run_id,
     resolve_owner,
-    resolve_workflow,
 )
 from orchestrator.tracing import (
     PARENT_MODES,
@@ -195,6 +197,14 @@ class Orchestrator:
         # ever. The reconciler prunes by it in the background; so does `orchestrator prune`.
         self.retention = retention
         self.retry_policy = retry_policy
+        try:  # checked now: a worker would find out only with a call's `submitted` written
+            for stage, hook in (("authorize", authorize), ("approve", approve)):
+                if hook is not None:
+                    check_async("policy stage", stage, hook)
+            check_timeout("stage_timeout", stage_timeout)
+            check_timeout("tool_timeout", tool_timeout)
+        except InvalidRequest as exc:
+            raise ConfigurationError(exc.message) from exc
         self.authorize = authorize  # app-wide policy stages, run before each tool's own
         self.approve = approve
         self.stage_timeout = stage_timeout.total_seconds()
@@ -272,7 +282,9 @@ class Orchestrator:
             check_queue_name(queue)
 
         def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
-            wf = Workflow(name=check_name("workflow", name or fn.__name__),
+            wf_name = check_name("workflow", name or fn.__name__)
+            check_async("workflow", wf_name, fn)
+            wf = Workflow(name=wf_name,
                           version=check_name("version", str(version)), fn=fn, queue=queue,
                           default=bool(default))
             self.registry.add_workflow(wf)
@@ -304,6 +316,12 @@ class Orchestrator:
         to the effect class's: one attempt for ``consequential``, three for ``idempotent`` and
         ``read``. ``max_attempts`` alone overrides just the attempt count.
 
+        ``timeout`` (default: the app's ``tool_timeout``), ``authorize_timeout`` and
+        ``approve_timeout`` are positive ``timedelta`` values; ``fn`` (and the lookup and
+        policy stages registered on the tool) must be ``async``: anything else is
+        ``INVALID_REQUEST`` here, not a call that a worker finds it cannot make once its
+        ``submitted`` is written.
+
         ``rate`` (``RateLimit(10, per=timedelta(seconds=1))`` or ``"10/s"``) and
         ``concurrency`` bound the tool's dispatches and its calls in flight across every
         worker; a call waiting for its turn parks its run, and the wait counts against the
@@ -316,12 +334,20 @@ class Orchestrator:
             raise InvalidRequest("shared_backoff must be True or False", path="shared_backoff")
         if effect not in EFFECT_CLASSES:
             raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}")
+        if timeout is not None:
+            check_timeout("timeout", timeout)
+        for budget, value in (("authorize_timeout", authorize_timeout),
+                              ("approve_timeout", approve_timeout)):
+            if value is not None:
+                check_timeout(budget, value)
         policy = retry or self.retry_policy or DEFAULT_POLICIES[effect]
         if max_attempts is not None:
             policy = dataclasses.replace(policy, max_attempts=max_attempts)
 
         def register(fn: Callable[Concatenate[ToolContext, P], Awaitable[R]]) -> Tool[P, R]:
-            tool = Tool(name=check_name("tool", name or fn.__name__),
+            tool_name = check_name("tool", name or str(getattr(fn, "__name__", "")))
+            check_async("tool", tool_name, fn)
+            tool = Tool(name=tool_name,
                         version=check_name("version", str(version)), fn=fn, effect=effect,
                         timeout=timeout, policy=policy,
                         authorize_timeout=_seconds(authorize_timeout, self.stage_timeout),

@@ -143,7 +143,9 @@ class WorkflowContext:
 
     def run_child(self, workflow: Workflow[I, R] | str, input: I, /) -> Awaitable[R]:
         """Start a child run (same owner) and wait for its result (typed as the workflow's;
-        ``Any`` for a workflow given by name)."""
+        ``Any`` for a workflow given by name). A workflow this application does not register
+        (by name, or an object registered on another ``Orchestrator``) raises
+        ``UNKNOWN_WORKFLOW`` here, before anything is written."""
         return self._ex.run_child(self._ex.next_position(), workflow, input)
 
     async def gather(self, *commands: Awaitable[Any]) -> list[Any]:
@@ -211,7 +213,8 @@ class WorkflowContext:
         generation). It never returns. While an operation of this run has no settled outcome
         the run does not end: it waits for the reconciliation as any run's end does, then
         continues. Bad ``input`` (not a JSON value, over the size cap) is ``INVALID_REQUEST``
-        or ``PAYLOAD_TOO_LARGE`` raised here, before anything ends.
+        or ``PAYLOAD_TOO_LARGE`` raised here, before anything ends; so is a ``version`` this
+        application does not register (``UNKNOWN_WORKFLOW``).
         """
         self._ex.continue_as_new(input, version)
 

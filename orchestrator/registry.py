@@ -15,8 +15,8 @@ from typing import Any, Concatenate, Generic, Literal
 
 from typing_extensions import ParamSpec, TypeVar
 
-from orchestrator.errors import InvalidRequest
-from orchestrator.flow import RateLimit
+from orchestrator.errors import InvalidRequest, UnknownWorkflow
+from orchestrator.flow import MAX_DEADLINE, RateLimit
 from orchestrator.recovery import RetryPolicy
 
 # The context a tool or workflow function receives is typed ``Any`` here: the contexts
@@ -51,6 +51,28 @@ def check_name(kind: str, name: str) -> str:
             "not starting with '.' or '-'",
         )
     return name
+
+
+def check_async(kind: str, name: str, fn: object) -> None:
+    """Refuse a function that is not ``async``: the engine awaits what it returns, so a plain
+    one would be found out only in a worker, once it has run (a tool's effect applied, and
+    then its outcome unknown). An ``async def``, a partial of one, an object whose
+    ``__call__`` is one, and a wrapper made with :func:`functools.wraps` around one are
+    accepted."""
+    if not callable(fn) or not any(inspect.iscoroutinefunction(candidate) for candidate
+                                   in (fn, type(fn).__call__, inspect.unwrap(fn))):
+        raise InvalidRequest(f"{kind} {name} must be an async function (async def), got "
+                             f"{type(fn).__name__}")
+
+
+def check_timeout(path: str, value: object) -> timedelta:
+    """A tool's or a policy stage's time budget: a positive timedelta of at most
+    :data:`~orchestrator.flow.MAX_DEADLINE`, as a submission's deadline (anything else would
+    be found out by a worker once the call's ``submitted`` is written)."""
+    if not isinstance(value, timedelta) or not timedelta(0) < value <= MAX_DEADLINE:
+        raise InvalidRequest(f"{path} must be a positive timedelta of at most "
+                             f"{MAX_DEADLINE.days} days, got {value!r}", path=path)
+    return value
 
 
 @dataclass(frozen=True)
@@ -143,16 +165,19 @@ class Tool(Generic[P, R]):
         ``NotApplied`` must be final at the provider: a request with ``ctx.idempotency_key``
         that the lookup reported absent must never be applied later, since the call is then
         sent again with a new key (see :class:`~orchestrator.lookups.NotApplied`)."""
+        check_async("lookup of tool", self.name, fn)
         self.lookup_fn = fn
         return fn
 
     def authorize(self, fn: F) -> F:
         """Register an authorisation stage: ``fn(ctx: PolicyContext)``; False denies."""
+        check_async("authorize of tool", self.name, fn)
         self.authorize_fn = fn
         return fn
 
     def approve(self, fn: F) -> F:
         """Register an approval stage: ``fn(ctx: PolicyContext)``; False denies."""
+        check_async("approve of tool", self.name, fn)
         self.approve_fn = fn
         return fn
 
@@ -206,3 +231,27 @@ class Registry:
 
     def workflow(self, name: str, version: str) -> Workflow | None:
         return self.workflows.get(f"{name}@{version}")
+
+
+def resolve_workflow(registry: Registry, workflow: Workflow | str,
+                     version: str | None = None) -> Workflow:
+    """The workflow a submission names: the one given, else the registered one of that name
+    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none.
+    A workflow given as an object is its own version: another ``version`` with it is
+    ``INVALID_REQUEST``, not quietly ignored; and it must be registered here (another
+    application's workflow is ``UNKNOWN_WORKFLOW``: no worker of this one would run it)."""
+    if isinstance(workflow, Workflow):
+        if version is not None and version != workflow.version:
+            raise InvalidRequest(
+                f"workflow {workflow.name} is given as its version {workflow.version}, and "
+                f"version {version!r} as well: pass that version's workflow, or its name "
+                f"({workflow.name!r}, version={version!r})", path="version")
+        if registry.workflow(workflow.name, workflow.version) is None:
+            raise UnknownWorkflow(f"workflow {workflow.name!r} version {workflow.version!r} "
+                                  "is not registered with this orchestrator")
+        return workflow
+    chosen = registry.choose(workflow, version)
+    if chosen is None:
+        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+        raise UnknownWorkflow(f"{named} is not registered")
+    return chosen

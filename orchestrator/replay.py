@@ -253,7 +253,11 @@ async def check_run(run: RecordedRun, registry: Registry,
         return Verdict(run.run_id, key, "error", 0,
                        message=f"workflow {key} is not registered in this code")
     commands = _Commands(run, registry, arguments_text)
-    task = asyncio.ensure_future(wf.fn(WorkflowContext(commands), run.input))
+
+    async def body() -> Any:  # what calling the function raises ends the code, as in a worker
+        return await wf.fn(WorkflowContext(commands), run.input)
+
+    task = asyncio.ensure_future(body())
     quiet, seen = 0, -1
     while not task.done() and quiet < QUIET_TURNS:
         await asyncio.sleep(0)

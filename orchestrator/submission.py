@@ -31,14 +31,13 @@ from orchestrator.errors import (
     IdempotencyConflict,
     InvalidRequest,
     SchemaUnsupported,
-    UnknownWorkflow,
 )
 from orchestrator.flow import MAX_DEADLINE, Start, check_start
 from orchestrator.handle import DENIED, TERMINAL
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.metrics import Metrics
 from orchestrator.models import JournalEntry, Owner, validate_idempotency_key
-from orchestrator.registry import Registry, Workflow
+from orchestrator.registry import Registry, Workflow, resolve_workflow
 from orchestrator.text import check_identifier
 from orchestrator.tracing import Tracing, current_traceparent, format_traceparent, record_error
 
@@ -63,26 +62,6 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
     if default is None:
         raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
     return default
-
-
-def resolve_workflow(registry: Registry, workflow: Workflow | str,
-                     version: str | None = None) -> Workflow:
-    """The workflow a submission names: the one given, else the registered one of that name
-    (``version``, else the default one, else the highest); ``UNKNOWN_WORKFLOW`` for none.
-    A workflow given as an object is its own version: another ``version`` with it is
-    ``INVALID_REQUEST``, not quietly ignored."""
-    if isinstance(workflow, Workflow):
-        if version is not None and version != workflow.version:
-            raise InvalidRequest(
-                f"workflow {workflow.name} is given as its version {workflow.version}, and "
-                f"version {version!r} as well: pass that version's workflow, or its name "
-                f"({workflow.name!r}, version={version!r})", path="version")
-        return workflow
-    chosen = registry.choose(workflow, version)
-    if chosen is None:
-        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-        raise UnknownWorkflow(f"{named} is not registered")
-    return chosen
 
 
 def as_run_id(value: uuid.UUID | str) -> uuid.UUID | None:

@@ -121,8 +121,12 @@ class Worker:
             options=connect_options(database.target, database.connect_timeout))
         self.writer = GroupWriter(database)
         self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
+        # The claims of runs whose journal is being read (no executor yet): their leases are
+        # renewed meanwhile, and a renewal is noted in the claim for the executor to come.
+        self._reading: dict[uuid.UUID, dict[str, Any]] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # asked to stop again: the drain waits no more
         self.claimed = 0  # runs claimed since start (for tests and the demo)
         self._spans: dict[uuid.UUID, Span] = {}  # the run span of each run driven here
         # What else runs in this process beside the claims (the schedules' ticker): started
@@ -136,9 +140,17 @@ class Worker:
         self._queues: set[str] = set()
         self._dirty: set[str | None] = {None}
         self._rate_wakes: dict[str, float] = {}
+        self._registered = False  # its row written at start (a heartbeat before only updates)
 
     def request_stop(self) -> None:
-        """Begin draining (what SIGTERM does)."""
+        """Begin draining (what SIGTERM and SIGINT do); asked again while draining, stop now:
+        the drain ends as if its timeout had passed (a second Ctrl-C)."""
+        if self._stop.is_set():
+            if not self._hurry.is_set():
+                log.warning("worker %s: asked again to stop: stopping now, without waiting "
+                            "for the runs in flight", self.worker_id)
+                self._hurry.set()
+            return
         self._stop.set()
         self._wake.set()
 
@@ -169,10 +181,8 @@ class Worker:
             self._queues = set(await queues_db.queue_names(conn))
             self._dirty.update(self._queues)
             self.config.back_offs.update(await ops_db.tool_back_offs(conn))
-            await workers_db.worker_register(
-                conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
-                workflows=workflows, concurrency=self.concurrency,
-                lock_key=self._liveness.key if held else None)
+            await self._register(conn, locked=held)
+        self._registered = True
         last_sweep = last_claim = last_look = 0.0
         log.info("worker %s started: %d slots, workflows %s", self.worker_id,
                  self.concurrency, ", ".join(workflows))
@@ -219,7 +229,7 @@ class Worker:
             companions_stop.set()
             await self._drain()
             if companions:  # told to stop before the drain; one stuck on the database goes
-                _, stuck = await asyncio.wait(companions, timeout=COMPANION_GRACE)
+                _, stuck = await self._wait_unless_hurried(companions, COMPANION_GRACE)
                 for companion in stuck:
                     companion.cancel()
                 for companion in companions:
@@ -235,6 +245,12 @@ class Worker:
                     await workers_db.worker_unregister(conn, self.worker_id)
             await self._liveness.close()
             log.info("worker %s stopped", self.worker_id)
+
+    async def _register(self, conn: Conn, *, locked: bool) -> None:
+        await workers_db.worker_register(
+            conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
+            workflows=list(self.registry.workflows), concurrency=self.concurrency,
+            lock_key=self._liveness.key if locked else None)
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too
@@ -310,6 +326,7 @@ class Worker:
         try:
             async with self.database.connection() as conn:
                 sent = time.monotonic()  # the leases last at least ttl from here (C6)
+                wall = time.time()
                 if queue is None:
                     claims = await runs_db.run_claim_ready(
                         conn, worker=self.worker_id, workflows=workflows, limit=free,
@@ -325,8 +342,13 @@ class Worker:
             self._dirty.add(queue)
             await asyncio.sleep(self.poll_interval)
             return []
+        # The wall clock when the claim was sent, a moment before the server read its own
+        # (``db_now``, the statement's start): a run's offset to the server's clock is
+        # measured against it, not against the time its executor is built, after a journal
+        # read that may take seconds.
         for claim in claims:
             claim["lease_sent"], claim["lease_ttl"] = sent, self.lease_ttl
+            claim["claimed_wall"] = wall
         self.claimed += len(claims)
         if claims:
             self._count_claims(claims)
@@ -361,11 +383,14 @@ class Worker:
         run_id = claim["id"]
         task = asyncio.ensure_future(self._execute(claim))
         self._running[run_id] = (task, None)
+        self._reading[run_id] = claim
 
         def done(_: asyncio.Task[None]) -> None:
             held = self._running.get(run_id)
             if held is not None and held[0] is task:  # not a newer claim of the same run
                 del self._running[run_id]
+            if self._reading.get(run_id) is claim:
+                del self._reading[run_id]
             self._wake.set()
 
         task.add_done_callback(done)
@@ -375,6 +400,8 @@ class Worker:
         executor: RunExecutor | None = None
         try:
             executor = await self._executor_for(claim)
+            if self._reading.get(run_id) is claim:
+                del self._reading[run_id]
             if executor is None:
                 return
             task = asyncio.current_task()
@@ -500,9 +527,16 @@ class Worker:
                 locked = self._liveness.held
                 try:
                     async with self.database.connection() as conn:
-                        await workers_db.worker_heartbeat(
-                            conn, self.worker_id,
-                            lock_key=self._liveness.key if locked else None)
+                        if not await workers_db.worker_heartbeat(
+                                conn, self.worker_id,
+                                lock_key=self._liveness.key if locked else None
+                        ) and self._registered:
+                            # Its row was forgotten (a silence of an hour) or deleted: without
+                            # it the fleet does not list this worker, and its death would not
+                            # be noticed through its lock.
+                            log.warning("worker %s was not registered any more; registered "
+                                        "again", self.worker_id)
+                            await self._register(conn, locked=locked)
                 except OrchestratorError as exc:
                     log.warning("heartbeat failed: %s", exc.code)
                     continue
@@ -526,15 +560,23 @@ class Worker:
         fenced. Returns False if the database could not be asked."""
         held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
                 if ex is not None and not ex.run.lost]
+        reading = list(self._reading.items())
+        leases = [(rid, ex.token) for rid, ex in held]
+        leases += [(rid, claim["lease_token"]) for rid, claim in reading]
         try:
             async with self.database.connection() as conn:
                 sent = time.monotonic()
                 kept, renewed = await runs_db.run_leases_renew(
-                    conn, worker=self.worker_id, leases=[(rid, ex.token) for rid, ex in held],
-                    ttl=self.lease_ttl)
+                    conn, worker=self.worker_id, leases=leases, ttl=self.lease_ttl)
         except OrchestratorError as exc:
             log.warning("lease renewal failed: %s", exc.code)
             return False
+        for rid, claim in reading:
+            if rid in renewed:  # read by the executor when it is built (RunState)
+                claim["lease_renewed"] = sent
+                _, ex = self._running.get(rid, (None, None))
+                if ex is not None and ex.token == claim["lease_token"]:
+                    ex.run.lease_renewed(sent)  # built while the renewal was on its way
         for rid, ex in held:
             if rid in renewed:
                 ex.run.lease_renewed(sent)
@@ -552,7 +594,7 @@ class Worker:
                 ex.run.request_drain()
         tasks = [task for task, _ in self._running.values()]
         if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
+            _, pending = await self._wait_unless_hurried(tasks, self.drain_timeout)
             for task in pending:
                 task.cancel()
             for task in pending:
@@ -562,6 +604,22 @@ class Worker:
         # (its bookkeeping must follow the write); a database that does not answer must not
         # hold the stop for as long as the writer's own attempts would take.
         await self.writer.drain(WRITE_GRACE)
+
+
+    async def _wait_unless_hurried(
+        self, tasks: Sequence[asyncio.Future[Any]], timeout: float,
+    ) -> tuple[set[asyncio.Future[Any]], set[asyncio.Future[Any]]]:
+        """``asyncio.wait(tasks, timeout=timeout)``, ended early by a second stop request."""
+        if not self._hurry.is_set():
+            every = asyncio.ensure_future(asyncio.wait(tasks))
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            try:
+                await asyncio.wait([every, hurry], timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in (every, hurry):
+                    waiter.cancel()
+        return {t for t in tasks if t.done()}, {t for t in tasks if not t.done()}
 
 
 async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str, Any],

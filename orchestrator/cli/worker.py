@@ -33,6 +33,11 @@ def register(subparsers: Any) -> None:
                         help="seconds between looks for work when no notification came "
                              "(default 1; all there is behind a transaction pooler without "
                              "--listen-url, docs/operations.md)")
+    worker.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, seconds the runs in flight have to reach a durable "
+                             "point before they are abandoned (default 30; a second signal "
+                             "stops at once). Give the process manager's stop grace period "
+                             "about 10 s more")
     worker.add_argument("--migrate", action="store_true",
                         help="upgrade the schema first instead of refusing an old one")
     worker.add_argument("--no-schedules", dest="schedules", action="store_false",
@@ -132,12 +137,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
     if not args.poll_interval > 0:
         raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise InvalidRequest("--drain-timeout must be 0 or more seconds", path="drain_timeout")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
     options: dict[str, Any] = {"concurrency": args.concurrency, "schedules": args.schedules,
-                               "poll_interval": args.poll_interval, **metrics_options(args)}
+                               "poll_interval": args.poll_interval,
+                               "drain_timeout": args.drain_timeout, **metrics_options(args)}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
     announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "

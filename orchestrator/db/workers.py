@@ -110,11 +110,14 @@ async def worker_forget_dead(conn: Conn, *, older_than_seconds: float = 3600.0) 
     return cur.rowcount
 
 
-async def worker_heartbeat(conn: Conn, worker_id: str, *, lock_key: int | None) -> None:
-    """The worker is alive; ``lock_key`` is its liveness lock while it holds it, else None."""
-    await conn.execute(
+async def worker_heartbeat(conn: Conn, worker_id: str, *, lock_key: int | None) -> bool:
+    """The worker is alive; ``lock_key`` is its liveness lock while it holds it, else None.
+    False when the worker has no row any more (forgotten by :func:`worker_forget_dead` after
+    a long silence, or deleted by hand): the caller registers again."""
+    cur = await conn.execute(
         f"UPDATE {S}.workers SET heartbeat_at = now(), lock_key = %s WHERE id = %s",
         (lock_key, worker_id))
+    return cur.rowcount == 1
 
 
 async def worker_unregister(conn: Conn, worker_id: str) -> None:

@@ -39,7 +39,7 @@ from orchestrator.matching import (
     match_value,
 )
 from orchestrator.models import Owner
-from orchestrator.registry import Registry, Tool, Workflow
+from orchestrator.registry import Registry, Tool, Workflow, resolve_workflow
 from orchestrator.text import check_identifier
 
 # Timers this short are waited for in memory (the timer is still journaled) rather than
@@ -258,8 +258,11 @@ class Commands:
         if version is None:
             chosen = self.registry.choose(run.workflow_name)
             version = chosen.version if chosen is not None else run.workflow_key.partition("@")[2]
-        else:  # the rules a submission's version is held to: the row must be storable
-            check_identifier("version", version)
+        else:  # the rules a submission's version is held to: the row must be storable, and
+            check_identifier("version", version)  # a worker of this application can run it
+            if self.registry.workflow(run.workflow_name, version) is None:
+                raise UnknownWorkflow(f"workflow {run.workflow_name!r} version {version!r} is "
+                                      "not registered", path="version")
         raise ContinueAsNew(self.config.json_limits.text(input, "$.input"), version)
 
     def _recording(self) -> None:
@@ -288,9 +291,4 @@ class Commands:
         return found
 
     def _workflow(self, workflow: Workflow | str) -> Workflow:
-        if isinstance(workflow, str):
-            chosen = self.registry.choose(workflow)
-            if chosen is None:
-                raise UnknownWorkflow(f"workflow {workflow!r} is not registered")
-            return chosen
-        return workflow
+        return resolve_workflow(self.registry, workflow)

@@ -58,4 +58,12 @@ class RunExecutor:
     async def drive(self, workflow: Workflow) -> None:
         """Run the workflow until it finishes or parks; record the outcome."""
         ctx = WorkflowContext(self.commands)
-        await self.branches.drive(workflow.fn(ctx, self.run.input))
+        fn, data = workflow.fn, self.run.input
+
+        async def body() -> Any:
+            # Called inside the task: what calling the function raises (a wrapper that checks
+            # its input, a signature that does not bind) fails the run as the workflow's own
+            # error, instead of escaping the executor with the run left `running`.
+            return await fn(ctx, data)
+
+        await self.branches.drive(body())

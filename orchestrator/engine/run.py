@@ -62,7 +62,8 @@ class RunState:
         self.input = load_json(claim["input_text"])  # may raise RunUnreadable
         self.workflow_name: str = claim["workflow_name"]
         self.workflow_key = f"{claim['workflow_name']}@{claim['workflow_version']}"
-        self.skew = (claim["db_now"] - datetime.now(UTC)).total_seconds()
+        # The server's clock minus this host's, both read at the claim (docs/operations.md).
+        self.skew = claim["db_now"].timestamp() - float(claim.get("claimed_wall", time.time()))
         self.index = JournalIndex(journal)  # may raise SchemaUnsupported
         # The highest command position the journal held when this process claimed the run
         # (-1: none); see replaying.
@@ -76,7 +77,9 @@ class RunState:
         self.lease_ttl = float(claim.get("lease_ttl", 30.0))
         self.created_at: datetime | None = claim.get("created_at")
         self.claimed_at = float(claim.get("lease_sent", time.monotonic()))
-        self.lease_until = self.claimed_at + self.lease_ttl
+        # (renewed by the worker while it read the journal, perhaps: worker._renew_leases)
+        self.lease_until = max(self.claimed_at, float(claim.get("lease_renewed", 0.0))
+                               ) + self.lease_ttl
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
         # The NONDETERMINISM a command met (see settle); None while the code matches.

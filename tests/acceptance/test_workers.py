@@ -111,3 +111,59 @@ def test_a_dead_workers_runs_resume_before_its_leases_expire(workers, client):
     started = time.monotonic()
     client.get_run(run.id).result(timeout=20)  # a 60 s lease would not allow this
     assert time.monotonic() - started < 10
+
+
+def test_a_worker_whose_registration_was_deleted_registers_again(workers, client):
+    """A worker's row can go while the process lives (another worker's sweep forgets a
+    registration silent for an hour: a host suspended or cut off that long; an operator's
+    cleanup): the worker puts it back at its next heartbeat, so `workers list` shows it and a
+    death of it afterwards is noticed through its liveness lock, not only its leases."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", ACCEPTANCE_LEASE_TTL="60")
+    workers.sql("DELETE FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+    workers.wait(lambda: workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s "
+                                     "AND lock_key IS NOT NULL", (a.pid,)),
+                 "worker A to register again", timeout=10, proc=a)
+    run = client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    workers.start("b", ACCEPTANCE_LEASE_TTL="60")
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    started = time.monotonic()
+    client.get_run(run.id).result(timeout=20)  # its 60 s lease did not have to run out
+    assert time.monotonic() - started < 10
+
+
+def test_drain_timeout_flag_bounds_the_stop(workers, client):
+    """`--drain-timeout` is how long a stopping worker waits for its runs to reach a durable
+    point (a container's stop grace period must cover it): past it the calls still running
+    are abandoned and the process exits."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", args=["--drain-timeout", "1"])
+    run = client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    started = time.monotonic()
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(timeout=20) == 0
+    assert time.monotonic() - started < 8, "the default 30 s drain was used"
+    assert "up to 1 s" in workers.log("a")
+    assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+    status = workers.sql("SELECT status FROM orchestrator.runs WHERE id = %s", (run.id,))
+    assert status[0]["status"] in ("running", "queued")
+
+
+def test_a_second_interrupt_ends_the_drain_at_once(workers, client):
+    """Ctrl-C drains; a second Ctrl-C (or SIGTERM) stops without waiting out the drain
+    timeout, as if it had passed: what an operator at a terminal expects."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60")
+    client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    a.send_signal(signal.SIGINT)
+    workers.wait(lambda: "draining" in workers.log("a"), "worker A to drain", proc=a)
+    started = time.monotonic()
+    a.send_signal(signal.SIGINT)
+    assert a.wait(timeout=25) == 0
+    assert time.monotonic() - started < 8, "the second interrupt waited for the drain timeout"
+    assert "stopping now" in workers.log("a")
+    assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))

@@ -390,3 +390,27 @@ async def test_a_version_that_is_not_a_name_is_refused_where_the_code_continues(
         assert await run.result_async(timeout=30) == [["INVALID_REQUEST", "version"]] * 6
     rows = sql("SELECT status, outcome_code FROM orchestrator.runs")
     assert [(r["status"], r["outcome_code"]) for r in rows] == [("succeeded", None)]
+
+
+async def test_a_version_this_app_does_not_register_is_refused_where_the_code_continues(
+        make_app: Any, sql: Any) -> None:
+    """A version no workflow of this name is registered at is ``UNKNOWN_WORKFLOW`` (path
+    ``version``) at ``ctx.continue_as_new``, as a submission of it is: not a successor left
+    queued for ever, that no worker of the application can run."""
+    app = make_app()
+
+    @app.workflow(version="1")
+    async def careful(ctx, _):  # type: ignore[no-untyped-def]
+        try:
+            ctx.continue_as_new(None, version="2")
+        except InvalidRequest as exc:
+            return [exc.code, exc.path, exc.message]
+        return "continued"
+
+    async with running(app):
+        run = await app.submit_async("careful", None)
+        assert await run.result_async(timeout=30) == [
+            "UNKNOWN_WORKFLOW", "version",
+            "workflow 'careful' version '2' is not registered"]
+    rows = sql("SELECT status, outcome_code FROM orchestrator.runs")
+    assert [(r["status"], r["outcome_code"]) for r in rows] == [("succeeded", None)]

@@ -418,10 +418,11 @@ async def test_a_run_released_for_a_drain_while_the_database_is_down_is_let_go_a
 
 async def test_a_run_claimed_again_while_its_journal_was_read_is_driven_by_the_newer_claim(
         make_app, sql, caplog, monkeypatch):
-    """A worker reading a run's journal slowly (a database in trouble) can see the run's lease
-    lapse meanwhile and claim it again itself. The newer claim drives the run; the older one,
-    once its read returns, lets go as a lease lost (its token is superseded), and neither
-    takes the other's place in the worker's book of running runs."""
+    """A worker reading a run's journal slowly (a database in trouble) whose renewals of that
+    run's lease do not get through either can see the lease lapse meanwhile and claim the run
+    again itself. The newer claim drives the run; the older one, once its read returns, lets
+    go as a lease lost (its token is superseded), and neither takes the other's place in the
+    worker's book of running runs."""
     app = make_app(lease_ttl=1.0)
 
     @app.workflow()
@@ -429,6 +430,14 @@ async def test_a_run_claimed_again_while_its_journal_was_read_is_driven_by_the_n
         return await ctx.wait_for_event("go")
 
     read, slowed = journal_db.journal_read, []
+    renew = runs_db.run_leases_renew
+
+    async def no_renewal_while_slow(conn, *, worker, leases, ttl):  # type: ignore[no-untyped-def]
+        if len(slowed) == 1:
+            leases = [(rid, token) for rid, token in leases if rid != slowed[0]]
+        return await renew(conn, worker=worker, leases=leases, ttl=ttl)
+
+    monkeypatch.setattr(runs_db, "run_leases_renew", no_renewal_while_slow)
 
     async def slow_read(conn, run_id):  # type: ignore[no-untyped-def]
         if not slowed:  # the first read after the event: longer than the lease
@@ -449,3 +458,71 @@ async def test_a_run_claimed_again_while_its_journal_was_read_is_driven_by_the_n
         await wait_for(lambda: not worker._running, timeout=5)
     assert "failed while driving" not in caplog.text
     assert f"run {run.id}: lease 2 lost (claimed again)" in caplog.text
+
+
+async def test_a_run_whose_journal_is_read_slowly_keeps_its_lease(make_app, sql, caplog,
+                                                                  monkeypatch):
+    """Reading a long journal from a slow database can take longer than the lease: the worker
+    renews the lease of a run it claimed while it reads the run's journal, as it does once the
+    run is driven, so the run is not released, claimed again and replayed from the top (a
+    replay that could never finish while every read outlasts the lease)."""
+    app = make_app(lease_ttl=1.0)
+
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    read, slowed = journal_db.journal_read, []
+
+    async def slow_read(conn, run_id):  # type: ignore[no-untyped-def]
+        if not slowed:  # the first read after the event: longer than the lease
+            slowed.append(run_id)
+            await asyncio.sleep(2.5)
+        return await read(conn, run_id)
+
+    monkeypatch.setattr(journal_db, "journal_read", slow_read)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    async with running(app) as worker:
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (run.id,)), timeout=10)
+        await app.send_event_async(run.id, "go", "rested")
+        assert await run.result_async(timeout=15) == "rested"
+    assert slowed == [run.id]
+    assert worker.claimed == 2  # the first start, then once after the event
+    assert "lost" not in caplog.text
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 2
+
+
+async def test_a_slow_journal_read_does_not_shift_the_runs_clock(make_app, sql, monkeypatch):
+    """A run's "now" is this host's wall clock plus its offset to the server's, measured at
+    the claim (docs/operations.md, Clocks). The offset is taken against the wall clock of the
+    claim itself, not of the moment the run's journal had been read: a read that took seconds
+    must not make the run's clock (its deadline checks, ``ctx.now``) late by as much."""
+    app = make_app(lease_ttl=5.0)
+    seen: list[float] = []
+
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        got = await ctx.wait_for_event("go")
+        seen.append(sql("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8 AS t")[0]["t"]
+                    - ctx.now().timestamp())
+        return got
+
+    read, slowed = journal_db.journal_read, []
+
+    async def slow_read(conn, run_id):  # type: ignore[no-untyped-def]
+        if not slowed:
+            slowed.append(run_id)
+            await asyncio.sleep(2.0)
+        return await read(conn, run_id)
+
+    monkeypatch.setattr(journal_db, "journal_read", slow_read)
+    async with running(app) as worker:
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (run.id,)), timeout=10)
+        await app.send_event_async(run.id, "go", "rested")
+        assert await run.result_async(timeout=15) == "rested"
+    assert worker.claimed == 2 and len(seen) == 1
+    assert abs(seen[0]) < 0.5, f"the run's clock is {seen[0]:.2f} s behind the server's"

@@ -28,6 +28,10 @@ async def test_a_child_in_a_queue_the_app_does_not_declare_is_refused_as_a_submi
     async def abroad(ctx, n):  # type: ignore[no-untyped-def]
         return n
 
+    @app.workflow(name="abroad")  # registered here too (a workflow only another app registers
+    async def abroad_here(ctx, n):  # type: ignore[no-untyped-def]  # is UNKNOWN_WORKFLOW)
+        return n
+
     @app.workflow()
     async def parent(ctx, n):  # type: ignore[no-untyped-def]
         try:

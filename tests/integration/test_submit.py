@@ -151,6 +151,57 @@ def test_unknown_workflow_name_is_rejected(make_app):
         app.submit("nope", {})
 
 
+def test_a_workflow_another_app_registers_is_rejected(make_app, sql):
+    """A workflow object registered on another ``Orchestrator`` (another module's app, a test's
+    second app) is not one this application's workers run: ``UNKNOWN_WORKFLOW`` at submit,
+    not a run queued for ever."""
+    app, greet, _ = _app(make_app)
+    other = make_app()
+
+    @other.workflow(version="1")
+    async def kid(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    @other.workflow(version="3", name="greet")
+    async def greet_v3(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    for foreign in (kid, greet_v3):
+        with pytest.raises(UnknownWorkflow, match=f"workflow '{foreign.name}' version "
+                           f"'{foreign.version}' is not registered") as refused:
+            app.submit(foreign, {})
+        assert refused.value.code == "UNKNOWN_WORKFLOW"
+    assert _count(sql) == 0
+    assert app.submit(greet, {}).info().version == "1"
+
+
+async def test_a_child_of_a_workflow_another_app_registers_is_refused_in_the_parent(make_app,
+                                                                                     sql):
+    """``ctx.run_child`` with a workflow object this application does not register raises
+    ``UNKNOWN_WORKFLOW`` in the parent, which may catch it, instead of starting a child that
+    no worker of the application runs and leaving the parent waiting for it for ever."""
+    from tests.integration.conftest import running
+
+    app, other = make_app(), make_app()
+
+    @other.workflow()
+    async def kid(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            return await ctx.run_child(kid, 3)
+        except UnknownWorkflow as exc:
+            return exc.code
+
+    async with running(app):
+        run = await app.submit_async(parent, {})
+        assert await run.result_async(timeout=30) == "UNKNOWN_WORKFLOW"
+    assert [r["workflow_name"] for r in sql("SELECT workflow_name FROM orchestrator.runs")] == [
+        "parent"]
+
+
 def test_submit_by_name_takes_the_highest_version_in_natural_order(make_app):
     from orchestrator.registry import version_order
 

@@ -11,8 +11,8 @@ import pytest
 from orchestrator.errors import InvalidRequest, SchemaUnsupported, UnknownWorkflow
 from orchestrator.journal import SCHEMA_VERSION
 from orchestrator.models import Owner
-from orchestrator.registry import Registry, Workflow
-from orchestrator.submission import check_journal, resolve_owner, resolve_workflow
+from orchestrator.registry import Registry, Workflow, resolve_workflow
+from orchestrator.submission import check_journal, resolve_owner
 
 OWNER = Owner(tenant="acme", principal="alice")
 
