@@ -79,7 +79,9 @@ from orchestrator.registry import (
     Workflow,
     check_async,
     check_name,
+    check_signature,
     check_timeout,
+    registered_name,
     resolve_workflow,
 )
 from orchestrator.retention import DUTY, Pruner, PruneReport, Retention
@@ -201,6 +203,7 @@ class Orchestrator:
             for stage, hook in (("authorize", authorize), ("approve", approve)):
                 if hook is not None:
                     check_async("policy stage", stage, hook)
+                    check_signature("policy stage", stage, hook, takes=("ctx",))
             check_timeout("stage_timeout", stage_timeout)
             check_timeout("tool_timeout", tool_timeout)
         except InvalidRequest as exc:
@@ -282,8 +285,9 @@ class Orchestrator:
             check_queue_name(queue)
 
         def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
-            wf_name = check_name("workflow", name or fn.__name__)
+            wf_name = registered_name("workflow", name, fn)
             check_async("workflow", wf_name, fn)
+            check_signature("workflow", wf_name, fn, takes=("ctx", "input"))
             wf = Workflow(name=wf_name,
                           version=check_name("version", str(version)), fn=fn, queue=queue,
                           default=bool(default))
@@ -345,8 +349,9 @@ class Orchestrator:
             policy = dataclasses.replace(policy, max_attempts=max_attempts)
 
         def register(fn: Callable[Concatenate[ToolContext, P], Awaitable[R]]) -> Tool[P, R]:
-            tool_name = check_name("tool", name or str(getattr(fn, "__name__", "")))
+            tool_name = registered_name("tool", name, fn)
             check_async("tool", tool_name, fn)
+            check_signature("tool", tool_name, fn, takes=("ctx",), keywords=True)
             tool = Tool(name=tool_name,
                         version=check_name("version", str(version)), fn=fn, effect=effect,
                         timeout=timeout, policy=policy,

@@ -13,6 +13,7 @@ The tree::
     ├── InvalidRequest                INVALID_REQUEST
     │   ├── PayloadTooLarge           PAYLOAD_TOO_LARGE
     │   └── UnknownWorkflow           UNKNOWN_WORKFLOW
+    │       └── UnknownTool           UNKNOWN_TOOL (``ctx.call``; was UNKNOWN_WORKFLOW)
     ├── IdempotencyConflict           IDEMPOTENCY_CONFLICT
     ├── AccessDenied                  ACCESS_DENIED
     ├── Unauthenticated               UNAUTHENTICATED (the console: no operator identified)
@@ -150,9 +151,20 @@ class PayloadTooLarge(InvalidRequest):
 
 
 class UnknownWorkflow(InvalidRequest):
-    """The workflow or tool is not registered with this orchestrator instance."""
+    """The workflow (or the workflow version) is not registered with this orchestrator
+    instance."""
 
     code = "UNKNOWN_WORKFLOW"
+
+
+class UnknownTool(UnknownWorkflow):
+    """``ctx.call`` names a tool this orchestrator instance does not register: by a name it
+    does not know, or as a :class:`~orchestrator.Tool` object registered on another
+    ``Orchestrator`` (even one whose name this instance registers too). Raised into workflow
+    code before anything is written. A subclass of :class:`UnknownWorkflow`, which this case
+    raised before it had its own code, so that ``except UnknownWorkflow`` still catches it."""
+
+    code = "UNKNOWN_TOOL"
 
 
 class IdempotencyConflict(OrchestratorError):

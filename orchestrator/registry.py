@@ -15,7 +15,7 @@ from typing import Any, Concatenate, Generic, Literal
 
 from typing_extensions import ParamSpec, TypeVar
 
-from orchestrator.errors import InvalidRequest, UnknownWorkflow
+from orchestrator.errors import InvalidRequest, UnknownTool, UnknownWorkflow
 from orchestrator.flow import MAX_DEADLINE, RateLimit
 from orchestrator.recovery import RetryPolicy
 
@@ -63,6 +63,48 @@ def check_async(kind: str, name: str, fn: object) -> None:
                                    in (fn, type(fn).__call__, inspect.unwrap(fn))):
         raise InvalidRequest(f"{kind} {name} must be an async function (async def), got "
                              f"{type(fn).__name__}")
+
+
+def registered_name(kind: str, name: str | None, fn: object) -> str:
+    """The name ``fn`` is registered under: ``name``, else the function's own. An object
+    with no ``__name__`` (a :func:`functools.partial`, an instance whose ``__call__`` is
+    async) needs ``name=``."""
+    if name is None:
+        name = getattr(fn, "__name__", None)
+        if not isinstance(name, str):
+            raise InvalidRequest(f"{kind} made from a {type(fn).__name__} has no name of its "
+                                 f"own: pass name=", path="name")
+    return check_name(kind, name)
+
+
+def check_signature(kind: str, name: str, fn: object, *, takes: tuple[str, ...],
+                    keywords: bool = False) -> None:
+    """Refuse a function the engine cannot call as it will: ``fn(*takes)`` (the context; a
+    workflow's input), and with ``keywords`` the call's arguments after them by keyword.
+    Otherwise only the first call would tell, with a message about positional arguments (a
+    tool's once its ``submitted`` is written; a workflow's in its first run). An object whose
+    signature cannot be read is accepted."""
+    try:
+        signature = inspect.signature(fn)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return
+    try:
+        if keywords:
+            bound = signature.bind_partial(*takes)
+            after = list(signature.parameters.values())[len(bound.arguments):]
+            if any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in after):
+                raise TypeError("a required positional-only parameter")
+        else:
+            signature.bind(*takes)
+    except TypeError:
+        expects = ", ".join(takes) + (", *, ..." if keywords else "")
+        raise InvalidRequest(f"{kind} {name} must be async def {_name_of(fn, name)}({expects})"
+                             f": the engine calls it so, and it takes {signature}") from None
+
+
+def _name_of(fn: object, default: str) -> str:
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else default
 
 
 def check_timeout(path: str, value: object) -> timedelta:
@@ -166,18 +208,21 @@ class Tool(Generic[P, R]):
         that the lookup reported absent must never be applied later, since the call is then
         sent again with a new key (see :class:`~orchestrator.lookups.NotApplied`)."""
         check_async("lookup of tool", self.name, fn)
+        check_signature("lookup of tool", self.name, fn, takes=("ctx",), keywords=True)
         self.lookup_fn = fn
         return fn
 
     def authorize(self, fn: F) -> F:
         """Register an authorisation stage: ``fn(ctx: PolicyContext)``; False denies."""
         check_async("authorize of tool", self.name, fn)
+        check_signature("authorize of tool", self.name, fn, takes=("ctx",))
         self.authorize_fn = fn
         return fn
 
     def approve(self, fn: F) -> F:
         """Register an approval stage: ``fn(ctx: PolicyContext)``; False denies."""
         check_async("approve of tool", self.name, fn)
+        check_signature("approve of tool", self.name, fn, takes=("ctx",))
         self.approve_fn = fn
         return fn
 
@@ -255,3 +300,23 @@ def resolve_workflow(registry: Registry, workflow: Workflow | str,
         named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
         raise UnknownWorkflow(f"{named} is not registered")
     return chosen
+
+
+def resolve_tool(registry: Registry, tool: Tool | str) -> Tool:
+    """The tool a call names: the registered one of that name, or the one given, which must
+    be the one registered here (another application's tool of the same name runs other
+    code); ``UNKNOWN_TOOL`` otherwise."""
+    if isinstance(tool, str):
+        found = registry.tools.get(tool)
+        if found is None:
+            raise UnknownTool(f"tool {tool!r} is not registered with this orchestrator")
+        return found
+    if not isinstance(tool, Tool):
+        raise InvalidRequest("ctx.call takes a tool registered with @app.tool() or its name, "
+                             f"got {type(tool).__name__}", path="tool")
+    found = registry.tools.get(tool.name)
+    if found is not tool:
+        other = " (it registers another tool of that name)" if found is not None else ""
+        raise UnknownTool(f"tool {tool.name!r} is given as an object this orchestrator does "
+                          f"not register{other}")
+    return found

@@ -46,7 +46,7 @@ from orchestrator.matching import (
     match_value,
 )
 from orchestrator.models import Owner
-from orchestrator.registry import Registry, Tool, Workflow
+from orchestrator.registry import Registry, Tool, Workflow, resolve_tool
 from orchestrator.text import check_identifier
 
 EXPORT_FORMAT = "orchestrator.run"
@@ -187,10 +187,8 @@ class _Commands:
         found.settle()
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
-        name = tool if isinstance(tool, str) else tool.name
-        found = self.registry.tools.get(name)
-        if found is None:
-            raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
+        found = resolve_tool(self.registry, tool)
+        name = found.name
         intent = canonical.intent_digest_text(found.name, found.version, self.owner_text,
                                               self.arguments_text(arguments))
         return await self._outcome(position, match_call(self.index, position, name, intent))

@@ -6,7 +6,8 @@ helpers wait for what the test means instead:
 - :func:`wait_until` / :func:`wait_until_async`: poll a condition until it holds, with a
   deadline; on failure the message names what was awaited and the last value seen.
 - :func:`run_until_idle` / :func:`run_until_idle_sync`: run a worker until there is nothing
-  left for it to do (or until given runs have ended or are waiting), then stop it.
+  left for it to do (or until given runs and their child runs have ended or are waiting,
+  timers due within ``timers_within`` seconds fired), then stop it.
 - :func:`replay` / :func:`replay_async`: run new workflow code against stored journals
   (runs in the database, or exported with ``orchestrator runs export``), dispatching
   nothing: ``ok`` or the first ``NONDETERMINISM`` per run (docs/versioning.md).
@@ -27,7 +28,7 @@ import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from orchestrator import faults
@@ -145,32 +146,57 @@ def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
 
 
 def _due(row: dict[str, Any], now: datetime) -> bool:
-    """A queued or waiting run that a worker would claim now (its timer is due, its event
-    has arrived)."""
+    """A queued or waiting run that a worker would claim by ``now`` (its timer is due, its
+    event has arrived)."""
     due = row["available_at"]
     return row["status"] in ("queued", "waiting") and due is not None and due <= now
 
 
-async def _settled(app: Orchestrator, ids: list[uuid.UUID]) -> bool:
-    """Every run of ``ids`` is in :data:`IDLE_STATES`, and none of them is due."""
-    now = datetime.now(UTC)
+def _horizon(timers_within: float) -> datetime:
+    """The time up to which :func:`run_until_idle` drives timers (checked first)."""
+    if isinstance(timers_within, bool) or not isinstance(timers_within, int | float) or not (
+            0 <= timers_within < float("inf")):
+        raise ValueError(f"timers_within must be a number of seconds >= 0, got "
+                         f"{timers_within!r}")
+    return datetime.now(UTC) + timedelta(seconds=timers_within)
+
+
+async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
+                   limit: int) -> bool:
+    """Every run of ``ids``, every run started under one (a child, its children …) and every
+    run one continued as is in :data:`IDLE_STATES`, and none is due by ``max(now,
+    horizon)``."""
+    now = max(datetime.now(UTC), horizon)
     async with app.database.connection() as conn:
+        rows = []
         for run_id in ids:
             row = await runs_db.run_get(conn, run_id, result=False)
             if row is None:
                 raise ValueError(f"no run {run_id}")
+            rows.append(row)
+        seen = set(ids)
+        while rows:
+            row = rows.pop()
             if row["status"] not in IDLE_STATES or _due(row, now):
                 return False
+            related = await runs_db.run_list(conn, tenant=None, principal=None, status=None,
+                                             workflow=None, limit=limit, parent=row["id"])
+            if row["superseded_by"] is not None:
+                successor = await runs_db.run_get(conn, row["superseded_by"], result=False)
+                related += [successor] if successor is not None else []
+            rows += [r for r in related if r["id"] not in seen]
+            seen.update(r["id"] for r in related)
     return True
 
 
-async def _nothing_ready(app: Orchestrator, worker: Worker, limit: int) -> bool:
+async def _nothing_ready(app: Orchestrator, worker: Worker, horizon: datetime,
+                         limit: int) -> bool:
     """The worker holds no run, and no run of a workflow it registers is running or ready
-    (queued or waiting, due by this process's clock)."""
+    (queued or waiting, due by ``max(now, horizon)`` by this process's clock)."""
     if worker.active_runs:
         return False
     registered = set(app.registry.workflows)
-    now = datetime.now(UTC)
+    now = max(datetime.now(UTC), horizon)
     async with app.database.connection() as conn:
         for status in ("running", "queued", "waiting"):
             rows = await runs_db.run_list(conn, tenant=None, principal=None, status=status,
@@ -200,26 +226,41 @@ async def running_worker(app: Orchestrator, *, drain_timeout: float = 30.0,
 
 async def run_until_idle(app: Orchestrator, *,
                          runs: Iterable[RunHandle | uuid.UUID | str] | None = None,
-                         timeout: float = 30.0, scan_limit: int = 1000,
-                         **options: Any) -> Worker:
+                         timers_within: float = 0.0, timeout: float = 30.0,
+                         scan_limit: int = 1000, **options: Any) -> Worker:
     """Run a worker of ``app`` in this event loop until it is idle, stop it, and return it
     (its ``claimed`` count and metrics stay readable).
 
-    Idle means: with ``runs``, every one of them is in :data:`IDLE_STATES` (ended, or waiting
-    for a timer, an event, a child or a reconciliation) and none is due (a timer that has
-    fired or an event that has arrived makes a waiting run due); without, the worker holds no
-    run and no run of its workflows is running or due (the newest ``scan_limit`` runs of each
-    state are looked at). Due is judged by this process's clock. ``AssertionError`` if that
-    does not happen within ``timeout`` seconds (the worker is stopped all the same).
-    ``options`` go to :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
+    Idle means: with ``runs``, every one of them, every run started under one of them (its
+    child runs, theirs, and so on) and every run one continued as (``continue_as_new``) is
+    in :data:`IDLE_STATES` (ended, or waiting for a timer, an event, a child or a
+    reconciliation) and none is due (a timer that has fired or an event that has arrived
+    makes a waiting run due); without, the worker holds no run and no run of its workflows
+    is running or due. The newest ``scan_limit`` runs of each state (with ``runs``: the
+    newest ``scan_limit`` children of each run) are looked at. Due is judged by this
+    process's clock.
+
+    Timers are real time (time is not injectable): a run waiting for a durable timer (a
+    ``ctx.sleep`` over 1 s, a wait's timeout, a retry's backoff, the run's deadline) is
+    idle, and this returns
+    without firing it. ``timers_within=S`` waits for the timers due within ``S`` seconds of
+    this call and drives their runs too (``timeout`` must leave room for them). A sleep of at
+    most 1 s is slept by the worker holding its run, which stays ``running``: it is always
+    waited for.
+
+    ``AssertionError`` if idle is not reached within ``timeout`` seconds (the worker is
+    stopped all the same). ``options`` go to :meth:`Orchestrator.create_worker`, e.g.
+    ``poll_interval``.
     """
+    horizon = _horizon(timers_within)
     ids = None if runs is None else _run_ids(runs)
     async with running_worker(app, **options) as worker:
         if ids is not None:
-            await wait_until_async(lambda: _settled(app, ids), timeout=timeout,
+            await wait_until_async(lambda: _settled(app, ids, horizon, scan_limit),
+                                   timeout=timeout,
                                    what=f"runs {', '.join(map(str, ids))} ended or waiting")
         else:
-            await wait_until_async(lambda: _nothing_ready(app, worker, scan_limit),
+            await wait_until_async(lambda: _nothing_ready(app, worker, horizon, scan_limit),
                                    timeout=timeout,
                                    what="no run running or due for this worker")
     return worker
@@ -227,10 +268,12 @@ async def run_until_idle(app: Orchestrator, *,
 
 def run_until_idle_sync(app: Orchestrator, *,
                         runs: Iterable[RunHandle | uuid.UUID | str] | None = None,
-                        timeout: float = 30.0, **options: Any) -> Worker:
+                        timers_within: float = 0.0, timeout: float = 30.0,
+                        **options: Any) -> Worker:
     """:func:`run_until_idle` for a test that uses the sync API (``app.submit``,
     ``run.result``): the worker runs on the loop that serves those calls, then stops."""
-    coro = run_until_idle(app, runs=runs, timeout=timeout, **options)
+    coro = run_until_idle(app, runs=runs, timers_within=timers_within, timeout=timeout,
+                          **options)
     return app._portal.call(coro)
 
 

@@ -39,7 +39,7 @@ from orchestrator.matching import (
     match_value,
 )
 from orchestrator.models import Owner
-from orchestrator.registry import Registry, Tool, Workflow, resolve_workflow
+from orchestrator.registry import Registry, Tool, Workflow, resolve_tool, resolve_workflow
 from orchestrator.text import check_identifier
 
 # Timers this short are waited for in memory (the timer is still journaled) rather than
@@ -130,7 +130,7 @@ class Commands:
         return True
 
     async def call(self, position: int, tool: Tool | str, arguments: dict[str, Any]) -> Any:
-        resolved = self._tool(tool)
+        resolved = resolve_tool(self.registry, tool)
         try:
             with self.branches.active(position):
                 return await Call(self.run, self.session, self.branches, self.config,
@@ -282,13 +282,6 @@ class Commands:
 
         with self.branches.active():
             await self.session.write(work)
-
-    def _tool(self, tool: Tool | str) -> Tool:
-        name = tool if isinstance(tool, str) else tool.name
-        found = self.registry.tools.get(name)
-        if found is None:
-            raise UnknownWorkflow(f"tool {name!r} is not registered with this orchestrator")
-        return found
 
     def _workflow(self, workflow: Workflow | str) -> Workflow:
         return resolve_workflow(self.registry, workflow)

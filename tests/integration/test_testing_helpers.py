@@ -57,6 +57,54 @@ async def test_run_until_idle_says_what_it_waited_for(app, sql):
     await app.database.close()
 
 
+async def test_run_until_idle_for_given_runs_drives_their_children_and_successors(app):
+    """A run that waits for a child is not idle while the child (or its own child) has work:
+    ``runs=[parent]`` means the parent and every run started under it, and the run it
+    continued as, as ``result()`` follows it."""
+    @app.workflow()
+    async def grandkid(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.sleep(0.3)  # slept in memory: the run stays running meanwhile
+        return n + 1
+
+    @app.workflow()
+    async def kid(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(grandkid, n) * 10
+
+    @app.workflow()
+    async def parent(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            ctx.continue_as_new(1)
+        return await ctx.run_child(kid, n)
+
+    run = await app.submit_async(parent, 0)
+    await run_until_idle(app, runs=[run], poll_interval=0.05)
+    assert await run.result_async(timeout=0.1) == 20
+    await app.database.close()
+
+
+async def test_run_until_idle_waits_for_timers_within_the_horizon_given(app):
+    """A durable timer (a sleep over 1 s) leaves its run ``waiting``, which is idle; with
+    ``timers_within=S`` a timer due within S seconds of the call is waited for and driven."""
+    @app.workflow()
+    async def naps(ctx, seconds):  # type: ignore[no-untyped-def]
+        await ctx.sleep(seconds)
+        return "rested"
+
+    run = await app.submit_async(naps, 1.5)
+    await run_until_idle(app, runs=[run], poll_interval=0.05)
+    assert await run.status_async() == "waiting"  # the default: a timer is something to wait for
+    await run_until_idle(app, runs=[run], timers_within=3, poll_interval=0.05)
+    assert await run.result_async(timeout=0.1) == "rested"
+
+    later, soon = await app.submit_async(naps, 60), await app.submit_async(naps, 1.5)
+    await run_until_idle(app, timers_within=3, poll_interval=0.05)  # every run of the app
+    assert await soon.result_async(timeout=0.1) == "rested"
+    assert await later.status_async() == "waiting"  # beyond the horizon
+    with pytest.raises(ValueError, match="timers_within"):
+        await run_until_idle(app, timers_within=-1)
+    await app.database.close()
+
+
 def test_run_until_idle_sync_serves_the_sync_api(app):
     @app.workflow()
     async def hello(ctx, data):  # type: ignore[no-untyped-def]

@@ -1,7 +1,9 @@
 """What registration refuses at once, with ``INVALID_REQUEST``, because a worker would only
 find out mid-run: a plain (not ``async``) function, whose tool would have been called before the
 engine noticed (its effect applied, its outcome then unknown), and a tool timeout the engine
-cannot use (found after ``submitted``, leaving a call that was never sent uncertain)."""
+cannot use (found after ``submitted``, leaving a call that was never sent uncertain), a
+function the engine cannot call as it will (its signature), and an object with no name of its
+own registered without ``name=``."""
 
 from __future__ import annotations
 
@@ -93,3 +95,122 @@ def test_a_tool_timeout_is_a_positive_timedelta(timeout: Any) -> None:
         _app(stage_timeout=timeout)
     assert not app.registry.tools
     app.tool(timeout=timedelta(seconds=2))(t)
+
+
+def test_a_partial_or_an_instance_without_a_name_is_asked_for_one() -> None:
+    """A workflow or a tool made from an object with no ``__name__`` of its own (a
+    ``functools.partial``, an instance with an async ``__call__``) needs ``name=``."""
+    app = _app()
+
+    async def checkout(ctx: Any, data: Any, *, region: str) -> Any:
+        return data
+
+    class Charge:
+        async def __call__(self, ctx: Any, *, cents: int) -> Any:
+            return cents
+
+    for register, fn, kind in ((app.workflow(), functools.partial(checkout, region="eu"),
+                                "workflow"),
+                               (app.tool(), Charge(), "tool"),
+                               (app.tool(), functools.partial(Charge()), "tool")):
+        with pytest.raises(InvalidRequest, match=f"{kind} .* has no name of its own: pass "
+                           f"name=") as refused:
+            register(fn)  # type: ignore[arg-type]
+        assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "name"
+    assert not app.registry.tools and not app.registry.workflows
+    app.workflow(name="checkout_eu")(functools.partial(checkout, region="eu"))
+    app.tool(name="charge")(Charge())
+    assert set(app.registry.workflows) == {"checkout_eu@1"} and set(app.registry.tools) == {
+        "charge"}
+
+
+def test_a_tool_that_does_not_take_its_context_first_is_refused() -> None:
+    """The engine calls a tool ``fn(ctx, **arguments)`` (and its lookup the same way), a
+    policy stage ``fn(ctx)``: a function that cannot be called so is refused here, not found
+    out by the first call with a message about positional arguments."""
+    app = _app()
+
+    async def no_ctx(*, cents: int) -> Any: ...
+
+    async def nothing() -> Any: ...
+
+    async def positional_only(ctx: Any, cents: int, /) -> Any: ...
+
+    for fn in (no_ctx, nothing, positional_only):
+        with pytest.raises(InvalidRequest, match=rf"tool {fn.__name__} must be async def "
+                           rf"{fn.__name__}\(ctx, \*, \.\.\.\)") as refused:
+            app.tool()(fn)  # type: ignore[arg-type]
+        assert refused.value.code == "INVALID_REQUEST"
+    assert not app.registry.tools
+
+    @app.tool()
+    async def charge(ctx: Any, *, cents: int) -> Any: ...
+
+    for register in (charge.lookup, charge.authorize, charge.approve):
+        with pytest.raises(InvalidRequest, match="of tool charge must be async def"):
+            register(no_ctx)
+    assert charge.lookup_fn is charge.authorize_fn is charge.approve_fn is None
+
+    async def two(ctx: Any, extra: Any) -> Any: ...
+
+    with pytest.raises(InvalidRequest, match=r"authorize of tool charge must be async def "
+                       r"two\(ctx\)"):
+        charge.authorize(two)
+    with pytest.raises(ConfigurationError, match=r"policy stage approve must be async def "
+                       r"two\(ctx\)"):
+        _app(approve=two)
+
+    async def anything(*args: Any, **kwargs: Any) -> Any: ...
+
+    async def defaults(ctx: Any, cents: int = 0, /, currency: str = "EUR") -> Any: ...
+
+    app.tool()(anything)
+    app.tool()(defaults)
+    charge.lookup(anything)
+    assert set(app.registry.tools) == {"charge", "anything", "defaults"}
+
+
+def test_a_workflow_that_does_not_take_ctx_and_input_is_refused() -> None:
+    """The engine calls a workflow ``fn(ctx, input)``: anything else is refused here, not
+    found out by its first run."""
+    app = _app()
+
+    async def no_input(ctx: Any) -> Any: ...
+
+    async def extra(ctx: Any, data: Any, more: Any) -> Any: ...
+
+    async def keywords(*, ctx: Any, data: Any) -> Any: ...
+
+    async def required_option(ctx: Any, data: Any, *, region: str) -> Any: ...
+
+    for fn in (no_input, extra, keywords, required_option):
+        with pytest.raises(InvalidRequest, match=rf"workflow {fn.__name__} must be async def "
+                           rf"{fn.__name__}\(ctx, input\)"):
+            app.workflow()(fn)  # type: ignore[arg-type]
+    assert not app.registry.workflows
+
+    async def optional(ctx: Any, data: Any = None, *, region: str = "eu") -> Any: ...
+
+    async def loose(*args: Any) -> Any: ...
+
+    app.workflow()(optional)
+    app.workflow()(loose)
+    app.workflow(name="partial")(functools.partial(required_option, region="eu"))
+    assert set(app.registry.workflows) == {"optional@1", "loose@1", "partial@1"}
+
+
+def test_a_call_of_something_that_is_not_a_tool_is_refused_by_name() -> None:
+    """``ctx.call`` takes a registered :class:`Tool` or a name: a plain function (the one
+    under the decorator, say) is ``INVALID_REQUEST`` naming what it takes."""
+    from orchestrator.registry import resolve_tool
+
+    app = _app()
+
+    async def charge(ctx: Any, *, cents: int) -> Any: ...
+
+    registered = app.tool()(charge)
+    assert resolve_tool(app.registry, "charge") is resolve_tool(app.registry, registered)
+    with pytest.raises(InvalidRequest, match="ctx.call takes a tool registered with "
+                       r"@app.tool\(\) or its name, got function") as refused:
+        resolve_tool(app.registry, charge)  # type: ignore[arg-type]
+    assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "tool"
