@@ -81,9 +81,10 @@ class Owner(BaseModel):
 
 def held_until(row: dict[str, Any]) -> datetime | None:
     """When a run submitted with ``start_at`` or ``delay`` may start (its insert computed it
-    from the same clock as ``created_at``); None for a run submitted to start at once."""
+    from the same clock as ``created_at``); None for a run submitted to start at once, and for
+    a continuation, which carries its first generation's options but is ready when it is made."""
     options = row.get("options") or {}
-    if not isinstance(options, dict):
+    if not isinstance(options, dict) or row.get("continued_from") is not None:
         return None
     created: datetime = row["created_at"]
     if isinstance(options.get("start_at"), str):
@@ -147,7 +148,7 @@ class RunInfo(BaseModel):
     deadline_at: datetime | None = None
     start_at: datetime | None = None
     """When a held-back run (``submit(start_at=…)`` or ``delay=``) may start; None if it was
-    submitted to start at once."""
+    submitted to start at once, and for a continuation (``ctx.continue_as_new``)."""
     queue: str | None = None
     """The queue the run waits in (None: the default queue); docs/flow.md."""
     priority: int = 0

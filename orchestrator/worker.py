@@ -355,17 +355,19 @@ class Worker:
         return claims
 
     def _count_claims(self, claims: list[dict[str, Any]]) -> None:
-        """The claim, and the first starts in it (with how long each run waited since it was
-        submitted); the others are counted once their journal is read (:meth:`_count_replay`)."""
+        """The claim, and the starts in it: a run's first claim (its lease token 1; every claim
+        raises it), with how long the run waited since it was due. A run claimed again, its
+        lease lapsed before its first step, started once already; the runs with history are
+        counted once their journal is read (:meth:`_count_replay`)."""
         metrics = self.metrics
         metrics.incr("claims")
         metrics.observe("claim_batch_size", len(claims))
         for claim in claims:
-            if claim["revision"] == 0:
+            if claim["lease_token"] == 1:
                 workflow = claim["workflow_name"]
                 metrics.incr("runs_started", workflow=workflow)
                 metrics.observe("run_queue_wait_seconds", max(0.0, (
-                    claim["db_now"] - claim["created_at"]).total_seconds()), workflow)
+                    claim["db_now"] - claim["due_at"]).total_seconds()), workflow)
 
     def _count_replay(self, claim: dict[str, Any], journal: list[dict[str, Any]]) -> None:
         """A run claimed with history is replayed from its journal; it is a resume when it

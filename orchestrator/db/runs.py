@@ -111,6 +111,15 @@ _START = """(CASE WHEN %(start_at)s::timestamptz IS NOT NULL
               ELSE now() END)"""
 """When a new run may start: now, or held back (:class:`~orchestrator.flow.Start`)."""
 
+_DUE = """(CASE WHEN r.continued_from IS NOT NULL THEN r.created_at
+             ELSE greatest(r.created_at, (r.options ->> 'start_at')::timestamptz,
+                           r.created_at + make_interval(
+                               secs => (r.options ->> 'delay_seconds')::float8)) END)"""
+"""When the run ``r`` was due: the start its submission held it back to (``options`` records
+the hold, and :data:`_START` counted it from the clock ``created_at`` read), else its creation;
+a continuation carries its first generation's options but is due when it is made. What the
+queue wait and the duration a worker observes count from (docs/metrics.md)."""
+
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
@@ -312,7 +321,7 @@ WHERE r.id = picked.id
 RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
           r.input::text AS input_text, r.deadline_at, r.lease_token, r.revision,
           r.cancel_requested_at, r.parent_run_id, r.traceparent, now() AS db_now,
-          r.created_at, before.status AS claimed_from
+          {_DUE} AS due_at, before.status AS claimed_from
 """
 
 

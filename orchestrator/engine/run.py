@@ -75,7 +75,7 @@ class RunState:
         # When the lease ends at the earliest, by this process's monotonic clock: the
         # database set its expiry to its own now() + ttl after the claim (or renewal) was sent.
         self.lease_ttl = float(claim.get("lease_ttl", 30.0))
-        self.created_at: datetime | None = claim.get("created_at")
+        self.due_at: datetime | None = claim.get("due_at")
         self.claimed_at = float(claim.get("lease_sent", time.monotonic()))
         # (renewed by the worker while it read the journal, perhaps: worker._renew_leases)
         self.lease_until = max(self.claimed_at, float(claim.get("lease_renewed", 0.0))
@@ -135,12 +135,13 @@ class RunState:
     # -- time --------------------------------------------------------------------------------
 
     def ended(self, outcome: str) -> None:
-        """Count the run's duration, from its submission to this end, by ``outcome``."""
+        """Count the run's duration, from when it was due (its submission, or the start it
+        was held back to) to this end, by ``outcome``."""
         if self._replayed_at != -1:
             self._replayed()
-        if self.created_at is not None:
+        if self.due_at is not None:
             self.metrics.observe("run_duration_seconds",
-                                 max(0.0, (self.now() - self.created_at).total_seconds()),
+                                 max(0.0, (self.now() - self.due_at).total_seconds()),
                                  self.workflow_name, outcome)
 
     def now(self) -> datetime:

@@ -11,9 +11,13 @@ import pytest
 
 from orchestrator import IdempotencyConflict, InvalidRequest
 from orchestrator.admin import list_runs, show_run
+from orchestrator.db import chains as chains_db
+from orchestrator.db import queues as queues_db
+from orchestrator.db import runs as runs_db
+from orchestrator.ids import new_run_id
 from orchestrator.records import iso
 from tests.consoletools import GRANTS, Served, from_header
-from tests.integration.conftest import OWNER, running
+from tests.integration.conftest import OWNER, running, wait_for
 
 
 def _app(make_app, started: dict[str, float]):  # type: ignore[no-untyped-def]
@@ -146,3 +150,102 @@ async def test_the_http_api_takes_start_at_and_delay(make_app, sql):
                 assert bad.json()["code"] == "INVALID_REQUEST"
                 assert field in bad.json()["message"]
             assert _count(sql) == before
+
+
+def _wait_and_duration(app) -> tuple[tuple[int, float], tuple[int, float]]:  # type: ignore[no-untyped-def]
+    """The count and the sum of the queue waits and of the durations the app observed."""
+    [(_, wait_sum, waits)] = app.metrics.histogram("run_queue_wait_seconds").values()
+    [(_, took_sum, took)] = app.metrics.histogram("run_duration_seconds").values()
+    return (waits, wait_sum), (took, took_sum)
+
+
+@pytest.mark.parametrize("queue", [None, "later"])
+async def test_a_held_runs_queue_wait_and_duration_count_from_its_start(make_app, sql, queue):
+    """A run submitted an hour ago to start an hour later, and run now: it waited in no queue
+    and ran for a moment; its hour of hold is neither its queue wait nor its duration (in the
+    default queue and in a declared one, whose claim is the database function's)."""
+    app, remind = _app(make_app, {})
+    if queue is not None:
+        app.queue(queue)
+    run = await app.submit_async(remind, {"name": "held"}, delay=timedelta(hours=1),
+                                 queue=queue)
+    sql("UPDATE orchestrator.runs SET created_at = created_at - interval '1 hour', "
+        "available_at = available_at - interval '1 hour' WHERE id = %s", (run.id,))
+    async with running(app):
+        assert await run.result_async(timeout=10) == {"name": "held"}
+    (waits, wait_sum), (took, took_sum) = _wait_and_duration(app)
+    assert (waits, took) == (1, 1)
+    assert wait_sum < 60 and took_sum < 60
+
+
+@pytest.mark.parametrize("queue", [None, "later"])
+async def test_a_claim_says_when_the_run_was_due(make_app, sql, queue):
+    """``due_at``: the start a ``start_at`` held the run back to, exactly; a ``delay`` counts
+    from the submission; a run submitted to start at once was due when it was submitted."""
+    app, remind = _app(make_app, {})
+    if queue is not None:
+        app.queue(queue)
+        async with app.database.connection() as conn:
+            await queues_db.queue_declare(conn, [app._declared_queues[queue].row()])
+    at = datetime.now(UTC) + timedelta(seconds=1)
+    held = await app.submit_async(remind, {"name": "at"}, start_at=at, queue=queue)
+    delayed = await app.submit_async(remind, {"name": "d"}, delay=timedelta(seconds=1),
+                                     queue=queue)
+    now = await app.submit_async(remind, {"name": "now"}, queue=queue)
+    created = {r["id"]: r["created_at"] for r in sql(
+        "SELECT id, created_at FROM orchestrator.runs")}
+    claimed: dict[Any, Any] = {}
+
+    async def claim() -> bool:
+        async with app.database.connection() as conn:
+            if queue is None:
+                rows = await runs_db.run_claim_ready(conn, worker="w", workflows=["remind@1"],
+                                                     limit=10, ttl=30)
+            else:
+                rows, _ = await queues_db.queue_claim(conn, queue=queue, worker="w",
+                                                      workflows=["remind@1"], limit=10, ttl=30)
+        claimed.update({r["id"]: r for r in rows})
+        return len(claimed) == 3
+
+    await wait_for(claim, what="the held runs to be claimed")
+    assert claimed[held.id]["due_at"] == at
+    assert claimed[delayed.id]["due_at"] == created[delayed.id] + timedelta(seconds=1)
+    assert claimed[now.id]["due_at"] == created[now.id]
+
+
+@pytest.mark.parametrize("queue", [None, "later"])
+async def test_a_continuation_of_a_held_run_was_due_when_it_was_made(make_app, sql, queue):
+    """A continuation carries its first generation's options, ``delay`` among them, but it
+    is ready at once: it was due when it was made, not a delay after."""
+    app, remind = _app(make_app, {})
+    if queue is not None:
+        app.queue(queue)
+        async with app.database.connection() as conn:
+            await queues_db.queue_declare(conn, [app._declared_queues[queue].row()])
+    run = await app.submit_async(remind, {"name": "first"}, delay=timedelta(hours=1),
+                                 queue=queue)
+    sql("UPDATE orchestrator.runs SET created_at = created_at - interval '1 hour', "
+        "available_at = available_at - interval '1 hour' WHERE id = %s", (run.id,))
+
+    async def claim() -> list[dict[str, Any]]:
+        async with app.database.connection() as conn:
+            if queue is None:
+                return await runs_db.run_claim_ready(
+                    conn, worker="w", workflows=["remind@1"], limit=10, ttl=30)
+            return (await queues_db.queue_claim(conn, queue=queue, worker="w",
+                                                workflows=["remind@1"], limit=10, ttl=30))[0]
+
+    (first,) = await claim()
+    next_id = new_run_id()
+    async with app.database.connection() as conn, conn.transaction():
+        await chains_db.run_continue(conn, run_id=run.id, token=first["lease_token"],
+                                     new_id=next_id, version="1", input_text="{}")
+    info = await (await app.get_run_async(next_id)).info_async()
+    assert info.status == "queued" and info.start_at is None  # not held back
+    note = (await show_run(app.database, next_id)).note or ""
+    assert not note.startswith("not before ")
+    listed = {r["id"]: r for r in await list_runs(app.database)}
+    assert not (listed[next_id]["blocked"] or "").startswith("not before ")
+    (second,) = await claim()
+    [made] = sql("SELECT created_at FROM orchestrator.runs WHERE id = %s", (next_id,))
+    assert second["id"] == next_id and second["due_at"] == made["created_at"]

@@ -141,6 +141,24 @@ async def test_an_expired_lease_is_claimed_by_another_worker(make_app, sql):
     assert tokens == 2 and worker.claimed == 1
 
 
+async def test_a_run_claimed_again_with_no_history_is_counted_started_once(make_app, sql):
+    """A worker claims a run and dies before its first step; another takes the run over once
+    the lease lapsed. The fleet's counts (one app's metrics, shared by both workers here) say
+    one run started and waited in the queue once, not twice."""
+    app = make_app(lease_ttl=0.5)
+    job = _wf(app)
+    run = await app.submit_async(job, {"x": 1})
+    dead = app.create_worker(worker_id="dead-worker", lease_ttl=0.5, schedules=False)
+    assert len(await dead._claim(["job@1"], 1)) == 1  # claimed, then its worker "dies"
+    async with running(app, lease_ttl=0.5) as worker:
+        assert await run.result_async(timeout=15) == {"x": 1}
+    assert worker.claimed == 1
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 2
+    assert app.metrics.labelled("runs_started") == {("job",): 1}
+    [(_, _, waits)] = app.metrics.histogram("run_queue_wait_seconds").values()
+    assert waits == 1
+
+
 async def _idle_on_listen(worker, claims, sql):  # type: ignore[no-untyped-def]
     """Return once ``worker`` listens and waits for a wake-up: its listener is in LISTEN, its
     last claim has returned and no wake-up is pending, so it waits for its poll interval

@@ -63,6 +63,10 @@ async def test_a_failed_run_restarted_from_zero_charges_nothing_again(make_app: 
         assert await new.result_async(timeout=20) == [
             {"charged": "a"}, {"charged": "b"}, {"shipped": 7}]
     assert CHARGES == {"a": 1, "b": 1}  # nothing charged twice
+    # The restart is a new run: it started once, as the old one did (and replayed what its
+    # journal carries).
+    assert app.metrics.labelled("runs_started") == {("order",): 2}
+    assert app.metrics.labelled("run_replays") == {("order",): 1}
     assert (await new.info_async()).restarted_from == old.id
     assert (await old.info_async()).superseded_by == new.id
     (audit,) = sql("SELECT operator, action, target_id, evidence, after "
