@@ -30,6 +30,7 @@ from orchestrator.errors import (
     RunFailed,
     RunPruned,
 )
+from orchestrator.journal import shown
 from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.stream import RunStreams, check_cursor, check_kept, check_topics
 
@@ -242,7 +243,7 @@ class RunHandle(Generic[R_co]):
         pages = self.app._streams.pages(self.id, after=after, follow=follow, topics=topics)
         try:
             async for page in pages:
-                yield [JournalEntry.from_row(row) for row in page]
+                yield [JournalEntry.from_row(shown(row)) for row in page]
         finally:
             await pages.aclose()
 

@@ -85,7 +85,9 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CALL_ABANDONED: (("op", "resolved_by"), ()),
     K.TIMER: (("until",), ()),
     K.EVENT_WAIT: (("timeout_at",), ()),
-    K.EVENT_RECEIVED: (("payload", "event_id"), ()),
+    # event_id: the delivered event's number, in entries written before it was left out (a
+    # sequence every tenant shares, so it said how many events others sent; nothing reads it)
+    K.EVENT_RECEIVED: (("payload",), ("event_id",)),
     K.EVENT_TIMEOUT: ((), ("incident",)),  # not in entries written before it was kept
     K.VALUE: (("value",), ()),
     K.MESSAGE: (("value",), ()),  # its name is the topic
@@ -106,6 +108,31 @@ def entry(kind: EventKind, position: int | None, name: str | None,
     """A journal entry of ``kind``, to be appended (the storage numbers it)."""
     return {"kind": kind._value_, "position": position, "name": name, "v": SCHEMA_VERSION,
             "payload": payload}
+
+
+UNSHOWN_FIELDS: Mapping[str, frozenset[str]] = {
+    K.EVENT_RECEIVED.value: frozenset({"event_id"}),
+}
+"""Fields that entries written by earlier code may hold and that no reader of a run's journal
+is shown (its owner, an operator, the command line): kept stored, as the journal is
+append-only, and read by nothing."""
+
+
+def shown_payload(kind: str, payload: Any) -> Any:
+    """A ``kind`` entry's ``payload`` as a reader of the journal sees it: without
+    :data:`UNSHOWN_FIELDS` (a copy when it had any; ``payload`` is never changed, as a
+    stream's followers share the rows they read)."""
+    unshown = UNSHOWN_FIELDS.get(kind)
+    if unshown is None or not isinstance(payload, dict) or unshown.isdisjoint(payload):
+        return payload
+    return {k: v for k, v in payload.items() if k not in unshown}
+
+
+def shown(e: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Entry ``e`` as a reader of the journal sees it (:func:`shown_payload`; ``e`` itself
+    when nothing is left out)."""
+    payload = shown_payload(e["kind"], e["payload"])
+    return e if payload is e["payload"] else {**e, "payload": payload}
 
 
 def check_payload(kind: EventKind, payload: Mapping[str, Any]) -> None:

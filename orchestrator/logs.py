@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import traceback
 import uuid
 from collections.abc import Callable, MutableMapping
 from datetime import UTC, datetime
@@ -69,6 +70,41 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
         return json.dumps(line)
+
+
+def traceback_text(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, with those of the exceptions that caused it or
+    were being handled (oldest first), except that each exception is named by its type only:
+    the frames say where it failed and through what; the messages, which can hold anything (a
+    secret, a payload), are left out, as from every log line."""
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    link = ""
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append((current, link))
+        if current.__cause__ is not None:
+            current, link = current.__cause__, _CAUSED
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, link = current.__context__, _DURING
+        else:
+            current = None
+    lines: list[str] = []
+    for one, link in reversed(chain):  # link: how it led to the exception printed after it
+        if one.__traceback__ is not None:
+            lines.append("Traceback (most recent call last):\n")
+            lines.extend(traceback.format_tb(one.__traceback__))
+        kind = type(one)
+        named = (kind.__qualname__ if kind.__module__ == "builtins"
+                 else f"{kind.__module__}.{kind.__qualname__}")
+        lines.append(f"{named}\n")
+        lines.append(link)
+    return "".join(lines).rstrip("\n")
+
+
+_CAUSED = "\nThe above exception was the direct cause of the following exception:\n\n"
+_DURING = "\nDuring handling of the above exception, another exception occurred:\n\n"
 
 
 def _trace_fields(attributes: dict[str, Any]) -> None:

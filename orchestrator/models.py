@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -101,18 +102,18 @@ def cursor_time(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def split_cursor(text: Any, what: str) -> tuple[datetime, str]:
+def split_cursor(text: Any, what: str, name: str = "before") -> tuple[datetime, str]:
     """A keyset cursor ``<ISO time with zone>_<key>``, split (``INVALID_REQUEST`` naming
-    ``before`` and ``what`` otherwise). The time holds no ``_``; the key may (an incident's
-    ref)."""
+    ``name``, the parameter that gave it, and ``what`` otherwise). The time holds no ``_``;
+    the key may (an incident's ref)."""
     at, _, key = text.partition("_") if isinstance(text, str) else ("", "", "")
     try:
         when = datetime.fromisoformat(at)
         if when.tzinfo is None:
             raise ValueError(at)
     except ValueError:
-        raise InvalidRequest(f"before must be the next cursor of a page of {what}",
-                             path="before") from None
+        raise InvalidRequest(f"{name} must be the next cursor of a page of {what}",
+                             path=name) from None
     return when, key
 
 
@@ -132,6 +133,25 @@ def parse_run_cursor(text: str | None) -> tuple[datetime, uuid.UUID] | None:
     except ValueError:
         raise InvalidRequest("before must be the next cursor of a page of runs",
                              path="before") from None
+
+
+def item_cursor(created_at: datetime, item_id: int) -> str:
+    """The cursor of a reconciliation queue item in a list of items, oldest first (its
+    ``created_at`` and its id): where the next page begins."""
+    return f"{cursor_time(created_at)}_{item_id}"
+
+
+def parse_item_cursor(text: str | None) -> tuple[datetime, int] | None:
+    """An item's cursor (:func:`item_cursor`) as its keyset, ``(created_at, id)``; None for
+    None; ``INVALID_REQUEST`` (path ``after``) for anything else."""
+    if text is None:
+        return None
+    when, item_id = split_cursor(text, "operations", "after")
+    if not (item_id.isascii() and item_id.isdigit() and len(item_id) <= 19
+            and int(item_id) < 2**63):  # an id the database's bigint holds
+        raise InvalidRequest("after must be the next cursor of a page of operations",
+                             path="after")
+    return when, int(item_id)
 
 
 class RunInfo(BaseModel):
@@ -234,7 +254,7 @@ class JournalEntry(BaseModel):
         return self.at
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> JournalEntry:
+    def from_row(cls, row: Mapping[str, Any]) -> JournalEntry:
         return cls(seq=row["seq"], kind=row["kind"], at=row["created_at"],
                    position=row["position"], name=row["name"], payload=row["payload"],
                    schema_version=row["schema_version"], lease_token=row["lease_token"])

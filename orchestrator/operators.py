@@ -48,7 +48,7 @@ from orchestrator.errors import (
     ResolutionConflict,
 )
 from orchestrator.metrics import Metrics
-from orchestrator.models import parse_run_id, validate_idempotency_key
+from orchestrator.models import parse_item_cursor, parse_run_id, validate_idempotency_key
 from orchestrator.text import check_identifier, check_operator
 
 ITEM_STATES = ("open", "operator", "resolved")
@@ -287,19 +287,24 @@ class Operators:
     async def list_items(self, *, operator: str, state: str | None = None, tool: str | None = None,
                          older_than: float | None = None, limit: int = 100,
                          key: str | None = None, run_id: uuid.UUID | str | None = None,
-                         workflow: str | None = None) -> list[dict[str, Any]]:
+                         workflow: str | None = None, after: str | None = None
+                         ) -> list[dict[str, Any]]:
         """Queue items (one per unknown operation), oldest first; ``state`` one of
         :data:`ITEM_STATES`, :data:`UNRESOLVED` or :data:`ALL_STATES` (None: every item, as
         ``all``). ``key`` is the operation's idempotency key, ``run_id`` its run,
         ``workflow`` its run's workflow name; every filter is checked (``INVALID_REQUEST``
-        naming it) and applied in SQL."""
+        naming it) and applied in SQL. ``after``: the cursor of an item
+        (:func:`~orchestrator.models.item_cursor` of its ``created_at`` and ``item_id``), to
+        list only those after it: the next page."""
         tenants = self.tenants_of(operator)
         if type(limit) is not int or not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be between 1 and 1000", path="limit")
         where = _item_filter(state=state, tool=tool, older_than=older_than, key=key,
                              run_id=run_id, workflow=workflow)
+        cursor = parse_item_cursor(after)
         async with self.db.connection() as conn:
-            return await recon_db.recon_list(conn, **where, tenants=tenants, limit=limit)
+            return await recon_db.recon_list(conn, **where, tenants=tenants, limit=limit,
+                                             after=cursor)
 
     async def show(self, operation_id: int, *, operator: str) -> dict[str, Any]:
         """The item with the operation's intent, arguments, owner, every attempt at its

@@ -17,6 +17,7 @@ from typing import Any
 
 from orchestrator.admin import LeaseHolder, RunDetail, Worker
 from orchestrator.errors import AccessDenied
+from orchestrator.journal import shown
 from orchestrator.operators import NOT_WAITING, BulkItem, BulkSummary
 
 
@@ -116,6 +117,8 @@ def run_operation(o: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def journal_entry(e: Mapping[str, Any]) -> dict[str, Any]:
+    """One journal entry, its payload as readers see it (:func:`~orchestrator.journal.shown`)."""
+    e = shown(e)
     return {"seq": e["seq"], "at": iso(e["created_at"]), "kind": e["kind"],
             "position": e["position"], "name": e["name"], "payload": e["payload"]}
 

@@ -34,7 +34,7 @@ from orchestrator.errors import (
 )
 from orchestrator.flow import MAX_DEADLINE, Start, check_start
 from orchestrator.handle import DENIED, TERMINAL
-from orchestrator.journal import SCHEMA_VERSION
+from orchestrator.journal import SCHEMA_VERSION, shown
 from orchestrator.metrics import Metrics
 from orchestrator.models import JournalEntry, Owner, validate_idempotency_key
 from orchestrator.registry import Registry, Workflow, resolve_workflow
@@ -82,7 +82,7 @@ def check_journal(events: Sequence[dict[str, Any]]) -> list[JournalEntry]:
         raise SchemaUnsupported(
             f"journal event {newer[0]['seq']} has schema version "
             f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
-    return [JournalEntry.from_row(e) for e in events]
+    return [JournalEntry.from_row(shown(e)) for e in events]
 
 
 class Submission:

@@ -22,6 +22,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.db.schema import RUN_STATUSES
 from orchestrator.errors import AccessDenied, InvalidRequest
+from orchestrator.journal import shown_payload
 from orchestrator.models import parse_run_id
 from orchestrator.operators import Operators
 from orchestrator.stream import RunStreams, check_cursor
@@ -213,6 +214,7 @@ def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -
 def _summary(payload: Any, kind: str = "", unsent: frozenset[int] = frozenset()) -> str:
     """An event's payload in a line; its incident reference first, so that no clipping hides
     what an operator needs for `orchestrator incidents show`."""
+    payload = shown_payload(kind, payload)
     if isinstance(payload, dict):
         try:
             told = _story(kind, payload, unsent)

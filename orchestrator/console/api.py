@@ -15,7 +15,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from starlette.requests import Request
@@ -145,25 +145,38 @@ def _need_receipt(body: dict[str, Any], resolution: str | None) -> None:
                              "returned)", path="receipt")
 
 
-def event_cursor(request: Request) -> int:
+LAST_EVENT_ID = "Last-Event-ID"
+
+
+class Cursor(NamedTuple):
+    """Where a stream starts: ``after`` that ``seq``, as the client gave it (``given_as``:
+    the header ``Last-Event-ID`` or the parameter ``after``, which a refusal names)."""
+
+    after: int
+    given_as: str
+
+
+def event_cursor(request: Request) -> Cursor:
     """Where a run's event stream starts: after the ``Last-Event-ID`` header (an
     ``EventSource`` reconnecting sends the last ``id`` it received), else after ``?after=``,
     else from the beginning."""
-    resumed = request.headers.get("last-event-id", "").strip()
+    resumed = request.headers.get(LAST_EVENT_ID, "").strip()
     if resumed:
         if not is_number(resumed):
-            raise InvalidRequest("Last-Event-ID must be the id (seq) of an event of this "
-                                 "stream", path="Last-Event-ID")
-        return int(resumed)
-    return int_param(request, "after") or 0
+            raise InvalidRequest(f"{LAST_EVENT_ID} must be the id (seq) of an event of this "
+                                 "stream", path=LAST_EVENT_ID)
+        return Cursor(int(resumed), LAST_EVENT_ID)
+    return Cursor(int_param(request, "after") or 0, "after")
 
 
 def topics_param(request: Request) -> tuple[str, ...] | None:
     """``?topics=``: the topic names to keep (``topics=a,b`` or ``topics=a&topics=b``), or
-    None for every entry (:func:`orchestrator.stream.check_topics`)."""
+    None for every entry (:func:`orchestrator.stream.check_topics`). Empty items are skipped,
+    and a value with no name (``topics=``) is no filter, as every empty filter here is."""
     given = [name.strip() for value in request.query_params.getlist("topics")
              for name in value.split(",")]
-    return check_topics(given) if given else None
+    names = [name for name in given if name]
+    return check_topics(names) if names else None
 
 
 def sse_response(pages: AsyncGenerator[list[Any], None] | None) -> Response:
@@ -313,19 +326,20 @@ class Api:
         before the stream starts (401, 403, 404 as a missing run, 400); a run that had ended
         at or before the cursor answers 204 (an ``EventSource`` then stops reconnecting)."""
         access = await self.guard.identify(request)
-        after = event_cursor(request)
-        pages = await self.service.events(access, request.path_params["run_id"], after=after,
+        cursor = event_cursor(request)
+        pages = await self.service.events(access, request.path_params["run_id"],
+                                          after=cursor.after, given_as=cursor.given_as,
                                           topics=topics_param(request),
                                           heartbeat=self.heartbeat)
         return sse_response(pages)
 
     async def queue(self, request: Request, access: Access) -> Any:
         state = text_param(request, "state") or UNRESOLVED
-        items = await self.service.queue(
+        page = await self.service.queue(
             access, state=None if state == "all" else state,
-            limit=int_param(request, "limit"),
+            limit=int_param(request, "limit"), after=text_param(request, "after"),
             **queue_filter(lambda name: text_param(request, name)))
-        return documents.queue(items)
+        return documents.queue(page)
 
     async def operation(self, request: Request, access: Access) -> Any:
         shown = await self.service.operation(access, request.path_params["operation_id"])

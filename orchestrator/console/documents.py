@@ -69,8 +69,9 @@ def run(view: RunView) -> dict[str, Any]:
                           else [incident_summary(x) for x in view.incidents])}
 
 
-def queue(items: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"items": [records.queue_item(i) for i in items], "count": len(items)}
+def queue(page: Page) -> dict[str, Any]:
+    return {"items": [records.queue_item(i) for i in page.rows], "count": len(page.rows),
+            "next": page.next}
 
 
 def bulk(summary: Any) -> dict[str, Any]:

@@ -285,12 +285,16 @@ class Pages:
         given = {name: text_param(request, name) or "" for name in (
             "state", "tool", "older_than", "key", "run", "workflow")}
         state = given["state"] or UNRESOLVED
-        items = await self.service.queue(
+        page = await self.service.queue(
             access, state=None if state == "all" else state, limit=int_param(request, "limit"),
+            after=text_param(request, "after"),
             **queue_filter(lambda name: given.get(name) or None))
+        later = ({**{k: v for k, v in given.items() if v}, "after": page.next}
+                 if page.next else None)
         return self.render(request, "queue.html", access, nav="queue",
-                           q=documents.queue(items), given=given,
-                           states=(UNRESOLVED, *ITEM_STATES, "all"))
+                           q=documents.queue(page), given=given,
+                           states=(UNRESOLVED, *ITEM_STATES, "all"),
+                           next_query=urlencode(later) if later else None)
 
     async def bulk(self, request: Request, access: Access, form: FormData) -> Response:
         """Step one (no ``confirmed``): the count and the items, with a confirmation form;

@@ -29,6 +29,7 @@ from orchestrator.errors import AccessDenied, Forbidden, InvalidRequest
 from orchestrator.models import (
     check_run_filters,
     cursor_time,
+    item_cursor,
     parse_run_cursor,
     parse_run_id,
     run_cursor,
@@ -135,8 +136,8 @@ def input_condition(text: str | None) -> str | None:
 
 @dataclass
 class Page:
-    """One keyset page, newest first; ``next`` is the cursor of the following one (None: this
-    is the last)."""
+    """One keyset page, in its list's order (newest first; the reconciliation queue oldest
+    first); ``next`` is the cursor of the following one (None: this is the last)."""
 
     rows: list[dict[str, Any]]
     next: str | None
@@ -288,38 +289,41 @@ class ConsoleService:
         return RunView(detail, given, children, queue, incidents)
 
     async def events(self, access: Access, run_id: Any, *, after: int,
-                     topics: tuple[str, ...] | None = None, heartbeat: float | None = None
+                     given_as: str = "after", topics: tuple[str, ...] | None = None,
+                     heartbeat: float | None = None
                      ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The run's stream after the cursor ``after`` (:meth:`RunStreams.pages`, following
         live; with ``topics``, only the messages published on them and the run's end), once
         the run is found in the operator's scope (else ``ACCESS_DENIED``, as a missing one,
         before anything is streamed); None when the run had ended at or before the cursor
         (nothing more will come). With ``heartbeat``, an empty page after that many seconds
-        without an entry."""
+        without an entry. ``given_as``: how the client sent the cursor (:meth:`follow`)."""
         tenants = self.tenants(access)
         rid = parse_run_id(run_id)
         async with self.db.connection() as conn:
             row = await runs_db.run_get(conn, rid, result=False)
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied(DENIED)
-        return self.follow(row, after=after, topics=topics, heartbeat=heartbeat)
+        return self.follow(row, after=after, given_as=given_as, topics=topics,
+                           heartbeat=heartbeat)
 
-    def follow(self, row: Mapping[str, Any], *, after: int,
+    def follow(self, row: Mapping[str, Any], *, after: int, given_as: str = "after",
                topics: tuple[str, ...] | None = None, heartbeat: float | None = None
                ) -> AsyncGenerator[list[dict[str, Any]], None] | None:
         """The stream of a run already found (``row``, its summary) and checked to be the
         caller's: None when it had ended at or before the cursor; ``RUN_PRUNED`` when
         retention deleted its journal (:func:`~orchestrator.stream.check_kept`);
-        ``INVALID_REQUEST`` for a
-        cursor past the last entry of a run still going (no entry of it was ever sent, and
-        the stream would wait for that seq instead of the run's end)."""
+        ``INVALID_REQUEST`` for a cursor past the last entry of a run still going (no entry
+        of it was ever sent, and the stream would wait for that seq instead of the run's
+        end), naming the cursor as the client sent it (``given_as``: ``Last-Event-ID`` or
+        ``after``)."""
         if row["status"] in TERMINAL and after >= row["revision"]:
             return None
         check_kept(row, after)
         if after > row["revision"]:
-            raise InvalidRequest(f"the cursor {after} is past the run's last entry "
+            raise InvalidRequest(f"{given_as} {after} is past the run's last entry "
                                  f"({row['revision']}): give the id (seq) of an event of "
-                                 "this stream", path="after")
+                                 "this stream", path=given_as)
         return self.streams.pages(row["id"], after=after, follow=True, topics=topics,
                                   heartbeat=heartbeat)
 
@@ -366,13 +370,18 @@ class ConsoleService:
     async def queue(self, access: Access, *, state: str | None = UNRESOLVED,
                     tool: str | None = None, older_than: float | None = None,
                     key: str | None = None, run_id: str | None = None,
-                    workflow: str | None = None, limit: int | None = None
-                    ) -> list[dict[str, Any]]:
-        """Queue items oldest first (``state`` None: every item), as ``ops list``."""
+                    workflow: str | None = None, limit: int | None = None,
+                    after: str | None = None) -> Page:
+        """Queue items oldest first (``state`` None: every item), as ``ops list``, ``limit``
+        (1 to :data:`PAGE_MAX`, default 100) at a time; ``after``: a page's ``next``."""
         self.tenants(access)
-        return await self.ops.list_items(
+        count = _limit(limit, 100)
+        rows = await self.ops.list_items(
             operator=access.operator, state=state, tool=tool, older_than=older_than, key=key,
-            run_id=run_id, workflow=workflow, limit=_limit(limit, 100))
+            run_id=run_id, workflow=workflow, limit=count + 1, after=after)
+        shown = rows[:count]
+        return Page(shown, item_cursor(shown[-1]["created_at"], shown[-1]["item_id"])
+                    if len(rows) > count else None)
 
     async def operation(self, access: Access, operation_id: int) -> dict[str, Any]:
         """``ops show``'s view; what lookups said only with the ``incidents`` grant."""

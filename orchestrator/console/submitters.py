@@ -53,7 +53,7 @@ from orchestrator.errors import (
 )
 from orchestrator.flow import MAX_DEADLINE, MAX_HOLD
 from orchestrator.handle import RunHandle
-from orchestrator.models import Owner, RunInfo, parse_run_id
+from orchestrator.models import Owner, RunInfo, parse_run_id, validate_idempotency_key
 from orchestrator.records import error_record, ident, iso
 from orchestrator.text import check_identifier, is_number
 
@@ -138,6 +138,13 @@ def _fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
     if unknown:
         raise InvalidRequest(f"the body has no field {unknown[0]!r} (fields: "
                              f"{', '.join(sorted(allowed))})", path=unknown[0])
+
+
+def _header_key(request: Request) -> str | None:
+    """The ``Idempotency-Key`` header, checked by the rules of every key (C1), a malformed
+    one refused naming the header: what the client sent, not the field it stands for."""
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    return None if key is None else validate_idempotency_key(key, IDEMPOTENCY_HEADER)
 
 
 def _deadline(value: Any) -> timedelta | None:
@@ -259,7 +266,7 @@ class Submitters:
         """``POST /api/runs``: 201 and the new run, or 200 (``Idempotent-Replayed: true``)
         and the run the same key and request made before; 409 ``IDEMPOTENCY_CONFLICT`` for
         the key with another request; 400 for a malformed key, before anything is written."""
-        key = request.headers.get(IDEMPOTENCY_HEADER)
+        key = _header_key(request)
         body = await self._body(request, SUBMIT_FIELDS)
         workflow = check_identifier("workflow", body.get("workflow"))
         version = body.get("version")
@@ -330,7 +337,7 @@ class Submitters:
         same key was delivered before (C11)."""
         body = await self._body(request, EVENT_FIELDS)
         key = body.get("event_key")
-        header = request.headers.get(IDEMPOTENCY_HEADER)
+        header = _header_key(request)
         if header is not None and key is not None and header != key:
             raise InvalidRequest("the Idempotency-Key header and event_key differ; give one",
                                  path="event_key")
@@ -352,12 +359,13 @@ class Submitters:
         """``GET /api/runs/{id}/events``: the owner's run's stream, as the operators' (the
         cursor from ``Last-Event-ID`` or ``?after=``, ``?topics=``, 204 past a finished
         run's end)."""
-        after = event_cursor(request)
+        cursor = event_cursor(request)
         topics = topics_param(request)
         handle = await self._handle(request, owner)
         info = await handle.info_async()
         pages = self.service.follow({"id": info.id, "status": info.status,
                                      "revision": info.revision, "pruned_at": info.pruned_at,
                                      "outcome_code": info.outcome},
-                                    after=after, topics=topics, heartbeat=self.heartbeat)
+                                    after=cursor.after, given_as=cursor.given_as,
+                                    topics=topics, heartbeat=self.heartbeat)
         return sse_response(pages)

@@ -55,6 +55,7 @@ from orchestrator.errors import (
     RunPruned,
     Unauthenticated,
 )
+from orchestrator.logs import fields, traceback_text
 from orchestrator.text import check_operator
 
 log = logging.getLogger("orchestrator.console")
@@ -325,8 +326,12 @@ class Internal(OrchestratorError):
 
 
 def internal(exc: BaseException) -> Internal:
-    """The public error for an unexpected exception; the log line names its type and the
-    incident reference only (its text may hold anything)."""
+    """The public error for an unexpected exception. The log line (ERROR) names the error's
+    incident reference and holds the exception's traceback, for an operator to find the fault
+    from the reference a client shows; the exceptions' text is left out of both (it may hold
+    anything: :func:`~orchestrator.logs.traceback_text`)."""
     error = Internal("the console failed unexpectedly; the incident reference is in its log")
-    log.error("console: unexpected %s (incident %s)", type(exc).__name__, error.incident)
+    log.error("console: unexpected %s (incident %s)\n%s", type(exc).__name__, error.incident,
+              traceback_text(exc), extra=fields(incident=error.incident,
+                                                cause=type(exc).__name__))
     return error

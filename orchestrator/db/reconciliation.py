@@ -8,6 +8,7 @@ revision itself. Every step is guarded and its row count checked.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import DEFAULT_QUEUE_NEWS, Conn
@@ -132,7 +133,7 @@ async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
 # Which items a filter selects: ``ops list`` shows them, ``ops resolve-many`` and
 # ``abandon-many`` act on them. Each filter is off when its parameter is NULL; ``ids`` keeps
 # the operations an operator ticked one by one; ``tenants`` keeps another tenant's items out
-# entirely (C9).
+# entirely (C9); ``after_at`` and ``after_id`` begin a page after an item (a list's cursor).
 _ITEM_FILTER = f"""
 WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
   AND (%(tool)s::text IS NULL OR o.tool_name = %(tool)s)
@@ -144,27 +145,33 @@ WHERE (%(states)s::text[] IS NULL OR i.state = ANY(%(states)s))
        SELECT 1 FROM {S}.runs r WHERE r.id = i.run_id AND r.workflow_name = %(workflow)s))
   AND (%(ids)s::bigint[] IS NULL OR i.operation_id = ANY(%(ids)s))
   AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
+  AND (%(after_at)s::timestamptz IS NULL
+       OR (i.created_at, i.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint))
 """
 
 
 def _filter_params(*, states: list[str] | None, tool: str | None, older_than: float | None,
                    key: str | None, run_id: uuid.UUID | None, workflow: str | None,
-                   tenants: list[str] | None, limit: int,
-                   ids: list[int] | None = None) -> dict[str, Any]:
+                   tenants: list[str] | None, limit: int, ids: list[int] | None = None,
+                   after: tuple[datetime, int] | None = None) -> dict[str, Any]:
     return {"states": states, "tool": tool, "older": older_than, "key": key, "run_id": run_id,
-            "workflow": workflow, "ids": ids, "tenants": tenants, "limit": limit}
+            "workflow": workflow, "ids": ids, "tenants": tenants, "limit": limit,
+            "after_at": None if after is None else after[0],
+            "after_id": None if after is None else after[1]}
 
 
 async def recon_list(
     conn: Conn, *, states: list[str] | None, tool: str | None, older_than: float | None,
     tenants: list[str] | None, limit: int, key: str | None = None,
-    run_id: uuid.UUID | None = None, workflow: str | None = None
+    run_id: uuid.UUID | None = None, workflow: str | None = None,
+    after: tuple[datetime, int] | None = None
 ) -> list[dict[str, Any]]:
     """Items in any of ``states`` (None: every item), oldest first; ``key`` is an
-    operation's idempotency key, ``workflow`` its run's workflow name."""
+    operation's idempotency key, ``workflow`` its run's workflow name; ``after``, an item's
+    ``(created_at, id)``: only the items listed after it (the next page)."""
     return await _select_items(conn, _ITEM_COLUMNS, _filter_params(
         states=states, tool=tool, older_than=older_than, key=key, run_id=run_id,
-        workflow=workflow, tenants=tenants, limit=limit))
+        workflow=workflow, tenants=tenants, limit=limit, after=after))
 
 
 async def recon_match(

@@ -187,7 +187,7 @@ class Commands:
             if got is None:
                 return None, []
             return got, [entry(EventKind.EVENT_RECEIVED, position, name,
-                               {"payload": got["payload"], "event_id": got["id"]})]
+                               {"payload": got["payload"]})]
 
         while True:  # again when its timeout comes while another branch keeps the run here
             with self.branches.active():

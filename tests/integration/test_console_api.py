@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from orchestrator import NotApplied, Orchestrator, Owner
+from orchestrator.logs import JsonFormatter
 from tests.consoletools import GRANTS, SECRET, Client, from_header, uncertain_app
 from tests.integration.conftest import OTHER, OWNER, running, wait_for
 
@@ -542,6 +544,38 @@ async def test_an_unexpected_failure_answers_internal_without_its_text(
     assert SECRET not in answer.text and SECRET not in caplog.text
 
 
+async def test_an_unexpected_failure_logs_its_traceback_under_its_reference(
+        make_app, caplog):  # type: ignore[no-untyped-def]
+    """The answer names only the incident reference; the log line with that reference keeps
+    the traceback (where it failed, through what, and the types of the exception and of what
+    caused it), so that an operator can find the fault, without the exceptions' text."""
+    app = make_app()
+
+    def session_store(request: Any) -> str:
+        try:
+            raise KeyError(f"token {SECRET}")
+        except KeyError as exc:
+            raise RuntimeError(f"the session store said {SECRET}") from exc
+
+    caplog.set_level(logging.ERROR, logger="orchestrator.console")
+    async with Client(app.console(session_store), "alice") as client:
+        answer = await client.get("/api/runs")
+    assert answer.status_code == 500 and set(answer.json()) == {
+        "code", "message", "retryable", "incident"}
+    ref = answer.json()["incident"]
+    [line] = [r for r in caplog.records if ref in r.getMessage()]
+    assert line.levelno == logging.ERROR and line.name == "orchestrator.console"
+    as_text = logging.Formatter("%(message)s").format(line)
+    assert "Traceback (most recent call last)" in as_text
+    assert "in session_store" in as_text and "test_console_api.py" in as_text
+    assert "KeyError" in as_text and "RuntimeError" in as_text
+    as_json = json.loads(JsonFormatter().format(line))
+    assert as_json["incident"] == ref and as_json["cause"] == "RuntimeError"
+    assert "in session_store" in json.dumps(as_json)
+    assert SECRET not in caplog.text and SECRET not in as_text + json.dumps(as_json)
+    assert SECRET not in answer.text
+
+
 async def test_incidents_are_paged_by_the_next_cursor_each_once(
         make_app, sql):  # type: ignore[no-untyped-def]
     app = uncertain_app(make_app)
@@ -650,4 +684,46 @@ async def test_a_next_cursor_pasted_into_a_url_as_it_is_reads_the_next_page(
                 if cursor is None:
                     break
             assert seen == expected
+    await app.database.close()
+
+
+async def test_the_reconciliation_queue_is_paged_by_the_next_cursor_each_item_once(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """``GET /api/operations`` answers ``next``, the ``after`` of the page that follows
+    (oldest first, as the queue is listed), usable as it is in a URL; the queue page links to
+    the next page with its filter kept. More items than a page holds are all reachable."""
+    app = uncertain_app(make_app)
+    await park(app, sql, {"a": OWNER, "b": OWNER, "c": OWNER})
+    expected = [str(r["operation_id"]) for r in sql(
+        "SELECT operation_id FROM orchestrator.reconciliation_items ORDER BY created_at, id")]
+    assert len(expected) == 3
+    async with Client(console_of(app), "reader") as reader:
+        seen, cursor, pages = [], None, 0
+        while True:
+            url = "/api/operations?state=all&limit=2" + (f"&after={cursor}" if cursor else "")
+            answer = await reader.http.get(url)  # the cursor pasted, not encoded
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            assert body["count"] == len(body["items"])
+            seen += [i["operation_id"] for i in body["items"]]
+            cursor, pages = body["next"], pages + 1
+            if cursor is None:
+                break
+        assert seen == expected and pages == 2
+
+        first = await reader.get("/operations", limit="2", tool="charge")
+        assert first.status_code == 200
+        [link] = re.findall(r'href="([^"]*)" rel="next"', first.text)
+        assert "tool=charge" in html.unescape(link) and "after=" in link
+        rest = await reader.http.get(html.unescape(link))
+        assert rest.status_code == 200 and f'/operations/{expected[2]}"' in rest.text
+        assert f'/operations/{expected[0]}"' not in rest.text
+        assert 'rel="next"' not in rest.text
+
+        for bad in ("yesterday", "2026-12-01T00:00:00Z_x", str(expected[0]),
+                    "2026-12-01T00:00:00Z_9999999999999999999"):
+            refused = await reader.get("/api/operations", after=bad)
+            assert refused.status_code == 400, bad
+            assert refused.json()["code"] == "INVALID_REQUEST"
+            assert refused.json()["message"].startswith("after must be the next cursor"), bad
     await app.database.close()

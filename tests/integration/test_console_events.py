@@ -118,6 +118,38 @@ async def test_after_resumes_a_finished_run_and_ends_and_past_the_end_answers_20
                 assert answer.json()["code"] == "INVALID_REQUEST"
 
 
+async def test_an_empty_topics_value_is_no_filter_and_empty_items_are_ignored(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """``?topics=`` is no filter, as every other empty filter of the API; an empty item of a
+    list (``topics=progress,``) is skipped; only a name that cannot be a topic is refused."""
+    app = story_app(make_app)
+    console = app.console(from_header, grants=GRANTS)
+    async with running(app):
+        run_id = await waiting(app, sql, steps=2)
+        await app.send_event_async(run_id, "go", 1)
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs WHERE id = %s",
+                                   (run_id,)) == [{"status": "succeeded"}], timeout=60)
+    journal = recorded(sql, run_id)
+    messages = [e for e in journal if e["kind"] in ("message", "run.completed")]
+    with Served(console) as server:
+        async with client(server) as http:
+            url = f"/api/runs/{run_id}/events"
+
+            async def read(query: str) -> list[dict[str, Any]]:
+                async with http.stream("GET", f"{url}?{query}") as answer:
+                    assert answer.status_code == 200, (query, await answer.aread())
+                    return [e["data"] async for e in events_of(answer)]
+
+            for every in ("topics=", "topics=,", "topics=%20", "topics=&topics="):
+                assert await read(every) == journal, every
+            for some in ("topics=progress,", "topics=,progress", "topics=progress&topics=",
+                         "topics=progress,,nothing"):
+                assert await read(some) == messages, some
+            refused = await http.get(url, params={"topics": "progress,a\tb"})
+            assert refused.status_code == 400
+            assert refused.json()["code"] == "INVALID_REQUEST"
+
+
 async def test_heartbeats_keep_a_quiet_stream_open(make_app, sql) -> None:  # type: ignore[no-untyped-def]
     app = story_app(make_app)
     console = app.console(from_header, grants=GRANTS, heartbeat=0.2)
@@ -207,3 +239,24 @@ async def test_a_cursor_past_a_running_runs_last_entry_is_a_bad_request(
                                timeout=60)
                 ended = await asyncio.wait_for(http.get(url, params={"after": last + 50}), 10)
                 assert ended.status_code == 204
+
+
+async def test_a_cursor_past_the_end_is_refused_naming_how_it_was_sent(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """The refusal of a cursor past a running run's last entry names what the client sent:
+    the ``Last-Event-ID`` header (an ``EventSource``'s), or ``after``."""
+    app = story_app(make_app)
+    console = app.console(from_header, grants=GRANTS, heartbeat=0.2)
+    async with running(app):
+        run_id = await waiting(app, sql, steps=1)
+        last = recorded(sql, run_id)[-1]["seq"]
+        with Served(console) as server:
+            async with client(server) as http:
+                url = f"/api/runs/{run_id}/events"
+                by_header = await asyncio.wait_for(
+                    http.get(url, headers={"Last-Event-ID": str(last + 5)}), 10)
+                by_query = await asyncio.wait_for(http.get(url, params={"after": last + 5}), 10)
+    for answer, named in ((by_header, "Last-Event-ID"), (by_query, "after")):
+        assert answer.status_code == 400
+        message = answer.json()["message"]
+        assert message.startswith(f"{named} {last + 5} is past the run's last entry"), message

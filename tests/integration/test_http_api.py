@@ -315,6 +315,35 @@ async def test_a_full_event_backlog_is_429_and_stores_nothing(make_app, sql) -> 
             assert (await http.get("/api/overview")).status_code == 401
 
 
+async def test_a_malformed_idempotency_key_header_is_named_as_the_header(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """A refusal names what the client sent: the ``Idempotency-Key`` header, not the Python
+    argument or the body field it stands for."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as http:
+            run = (await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                      "input": {"customer": "c5"}})).json()
+            path = f"/api/runs/{run['id']}/events/approval"
+            refused = {
+                "run": await http.post("/api/runs", headers={"Idempotency-Key": "has space"},
+                                       json={"workflow": "approve", "input": 1}),
+                "event": await http.post(path, json={"payload": 1},
+                                         headers={"Idempotency-Key": "has space"}),
+                "event_key": await http.post(path, json={"payload": 1,
+                                                         "event_key": "has space"}),
+            }
+            for what, answer in refused.items():
+                assert answer.status_code == 400, what
+                assert answer.json()["code"] == "INVALID_REQUEST", what
+            for what in ("run", "event"):
+                message = refused[what].json()["message"]
+                assert message.startswith("Idempotency-Key must be"), (what, message)
+            assert refused["event_key"].json()["message"].startswith("event_key must be")
+    assert run_count(sql) == 1
+    assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 0}]
+
+
 async def test_an_owner_hook_that_answers_something_else_is_the_hosts_error(make_app) -> None:  # type: ignore[no-untyped-def]
     app = http_app(make_app)
 

@@ -8,8 +8,10 @@ from datetime import timedelta
 
 import pytest
 
-from orchestrator import AccessDenied, ResultTimeout, RunFailed, admin
+from orchestrator import AccessDenied, ResultTimeout, RunFailed, admin, records
+from orchestrator.db import journal as journal_db
 from orchestrator.errors import InvalidRequest
+from orchestrator.journal import EventKind, entry
 from tests.integration.conftest import OTHER, running, wait_for
 
 
@@ -93,6 +95,41 @@ async def test_an_event_sent_before_the_wait_is_not_lost(app, sql):
     await app.send_event_async(run.id, "go", "now")
     async with running(app):
         assert await run.result_async(timeout=15) == "now"
+
+
+async def test_a_received_event_tells_its_owner_nothing_of_other_tenants_events(app, sql):
+    """An ``event.received`` entry holds the event's payload and nothing of the numbering that
+    every tenant's events share (C9): the engine no longer writes that number, and an entry
+    written before it stopped keeps it stored, but no reader of the run's journal sees it."""
+    @app.workflow()
+    async def approve(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("approval")
+
+    theirs = await app.submit_async(approve, {}, owner=OTHER)
+    for n in range(3):  # another tenant's events, before ours
+        await app.send_event_async(theirs.id, "approval", n, owner=OTHER)
+    run = await app.submit_async(approve, {})
+    await app.send_event_async(run.id, "approval", {"ok": True})
+    async with running(app):
+        assert await run.result_async(timeout=15) == {"ok": True}
+    stored = sql("SELECT payload FROM orchestrator.journal WHERE run_id = %s "
+                 "AND kind = 'event.received'", (run.id,))
+    assert stored == [{"payload": {"payload": {"ok": True}}}]
+
+    # An entry written by the earlier code, with the shared number: kept, never shown.
+    old, token = await app.submit_async(approve, {}), 77
+    sql("UPDATE orchestrator.runs SET status = 'running', lease_token = %s, lease_owner = 'w', "
+        "lease_expires_at = now() + interval '1 hour' WHERE id = %s", (token, old.id))
+    async with app.database.connection() as conn:
+        await journal_db.journal_append(conn, run_id=old.id, token=token, expected=0, events=[
+            entry(EventKind.EVENT_RECEIVED, 0, "approval", {"payload": 0, "event_id": 41})])
+    assert sql("SELECT payload FROM orchestrator.journal WHERE run_id = %s",
+               (old.id,)) == [{"payload": {"payload": 0, "event_id": 41}}]
+    shown = [(await old.journal_async())[0].payload,
+             [e.payload async for e in old.events(follow=False)][0],
+             records.run_detail(await admin.show_run(app.database, old.id))["journal"][0][
+                 "payload"]]
+    assert shown == [{"payload": 0}] * 3
 
 
 async def test_events_check_ownership_and_payloads(app, sql):

@@ -22,6 +22,7 @@ from orchestrator.logs import (
     fields,
     formatter,
     log_format,
+    traceback_text,
 )
 from tests.clitools import cli_env, command
 
@@ -72,6 +73,41 @@ def test_a_logged_exception_goes_in_its_own_field(json_log) -> None:  # type: ig
     assert line["message"] == "failed"
     assert str(line["exception"]).startswith("Traceback") and "RuntimeError" in str(
         line["exception"])
+
+
+WORD = "s3cr3t"
+
+
+class StoreError(Exception):
+    pass
+
+
+def test_a_traceback_without_text_keeps_the_frames_and_types_of_every_link() -> None:
+    def fail() -> None:
+        try:
+            raise KeyError(f"token {WORD}")
+        except KeyError as exc:
+            try:
+                raise ValueError(f"payload {WORD}") from exc
+            except ValueError:
+                raise StoreError(f"said {WORD}")  # noqa: B904 - the context is what is tested
+
+    with pytest.raises(StoreError) as raised:
+        fail()
+    text = traceback_text(raised.value)
+    assert WORD not in text  # (the source lines name it, not its value)
+    assert text.count("Traceback (most recent call last):") == 3 and text.count("in fail") == 3
+    assert text.index("\nKeyError\n") < text.index("direct cause") < text.index(
+        "\nValueError\n") < text.index("During handling") < text.index(
+        "tests.unit.test_logs.StoreError")
+    assert text.endswith("tests.unit.test_logs.StoreError")
+
+    looped, other = RuntimeError("a"), RuntimeError("b")  # a chain that loops ends
+    looped.__context__, other.__context__ = other, looped
+    assert traceback_text(looped) == ("RuntimeError\n" + _DURING_TEXT + "RuntimeError")
+
+
+_DURING_TEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
 
 
 def test_the_format_comes_from_the_flag_then_the_environment_then_text(
