@@ -51,6 +51,10 @@ from orchestrator.tracing import key_digest, record_error
 log = logging.getLogger("orchestrator.reconciler")
 PRUNE_INTERVAL = 60.0
 """Seconds between two background prunes of a reconciler whose app has a retention."""
+STOP_GRACE = 10.0
+"""Seconds a stopping reconciler has, past its lookup's own ``lookup_timeout``, to record
+the answer before the rest is cancelled (a container's stop grace period must cover both:
+docker-compose.yml)."""
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
 THEN = ("resend", "fail")
 """What follows an operator's ``not_applied``: the call is sent again (a new attempt, outside
@@ -263,13 +267,29 @@ class Reconciler:
         self.lookup_timeout = lookup_timeout
         self.id = "reconciler:" + default_worker_id()
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # asked to stop again: the lookup under way is dropped
         self._wake = asyncio.Event()
 
     def request_stop(self) -> None:
+        """Stop (what SIGTERM and SIGINT do): the lookup under way may answer and its answer
+        is recorded, within ``lookup_timeout`` plus :data:`STOP_GRACE`; no other begins.
+        Asked again meanwhile (a second Ctrl-C), stop now: the lookup is cancelled, nothing
+        of it is recorded, and its item is looked up again once its claim lapses."""
+        if self._stop.is_set():
+            if not self._hurry.is_set():
+                log.warning("%s: asked again to stop: stopping now, without waiting for the "
+                            "lookup under way", self.id)
+                self._hurry.set()
+            return
         self._stop.set()
         self._wake.set()
         if self.pruner is not None:
             self.pruner.stop()
+
+    @property
+    def stop_timeout(self) -> float:
+        """Seconds a stop waits for the lookup under way and the recording of its answer."""
+        return self.lookup_timeout + STOP_GRACE
 
     async def run(self) -> None:
         """Reconcile until stopped; the app's sync methods are refused on this loop meanwhile
@@ -285,15 +305,11 @@ class Reconciler:
             self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))
         pruning = None if self.pruner is None else asyncio.ensure_future(self._prune_forever())
         try:
-            while not self._stop.is_set():
-                self._wake.clear()
-                handled = await self.run_once()
-                if handled:
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+            await self._until_stopped(asyncio.ensure_future(self._reconcile()))
         finally:
             listen_stop.set()
+            if self._hurry.is_set():
+                listener.cancel()  # not even the listener's reconnection is waited for
             if pruning is not None:
                 pruning.cancel()
             with contextlib.suppress(BaseException):
@@ -301,6 +317,38 @@ class Reconciler:
             if pruning is not None:
                 with contextlib.suppress(BaseException):
                     await pruning
+
+    async def _reconcile(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            handled = await self.run_once()
+            if handled:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+
+    async def _until_stopped(self, work: asyncio.Future[Any]) -> None:
+        """Await ``work`` (the reconciling loop); once a stop is requested it has
+        :attr:`stop_timeout` to end, and a second request cancels it at once."""
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
+        hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait([work, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                await asyncio.wait([work, hurry], timeout=self.stop_timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not work.done() and not hurry.done():
+                    log.warning("%s: the lookup under way did not end within %g s of the stop; "
+                                "stopping without it", self.id, self.stop_timeout)
+        finally:
+            stopping.cancel()
+            hurry.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if not work.cancelled():
+            work.result()
 
     async def _prune_forever(self) -> None:
         """Prune by the app's retention now and every ``prune_interval`` seconds, in batches
@@ -335,6 +383,8 @@ class Reconciler:
             log.warning("claiming reconciliation items failed: %s", exc.code)
             return 0
         for item in items:
+            if self._stop.is_set():  # the rest keep their claims until those lapse
+                break
             try:
                 await self._handle(item)
             except OrchestratorError as exc:

@@ -172,7 +172,10 @@ class Worker:
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(self.database.listen(
             [RUNS_CHANNEL, CANCEL_CHANNEL, TOOLS_CHANNEL], self._on_notify, listen_stop))
+        # Side duties, each its own task: a heartbeat waiting on the workers table (a lock, a
+        # DDL) must not hold back the renewals that keep the runs' leases.
         heart = asyncio.ensure_future(self._heartbeat_loop())
+        renewals = asyncio.ensure_future(self._renewal_loop())
         workflows = list(self.registry.workflows)
         held = await self._liveness.ensure()  # before registering: never seen alive without
         async with self.database.connection() as conn:
@@ -237,7 +240,8 @@ class Worker:
                         await companion
             listen_stop.set()
             heart.cancel()
-            for task in (listener, heart):
+            renewals.cancel()
+            for task in (listener, heart, renewals):
                 with contextlib.suppress(BaseException):
                     await task
             with contextlib.suppress(OrchestratorError):
@@ -511,39 +515,25 @@ class Worker:
                            database=self.database, writer=self.writer, metrics=self.metrics,
                            worker_id=self.worker_id)
 
+    def _beat_interval(self) -> float:
+        """Seconds between two heartbeats, and between two looks at whether the leases are due
+        for renewal."""
+        return max(min(self.lease_ttl / 3, HEARTBEAT_INTERVAL), 0.05)
+
     async def _heartbeat_loop(self) -> None:
-        """The worker's liveness beat (one row, often) and its runs' lease renewals (every
-        run it holds, a third of the lease TTL apart: they only have to outlive the TTL)."""
-        interval = max(min(self.lease_ttl / 3, HEARTBEAT_INTERVAL), 0.05)
-        renew_every = max(self.lease_ttl / 3, interval)
-        renewed = time.monotonic()
+        """The worker's liveness beat: one row, often. The leases of its runs are renewed by
+        :meth:`_renewal_loop`, never held back by a beat that waits."""
+        interval = self._beat_interval()
         checking: asyncio.Future[bool] | None = None
         try:
             while True:
                 await asyncio.sleep(interval)
                 # The lock's connection is checked beside the beat, not before it: one whose
                 # network path dropped answers nothing until the kernel gives up (minutes),
-                # and the beat and the lease renewals go through the pool meanwhile.
+                # and the beat goes through the pool meanwhile.
                 if checking is None or checking.done():
                     checking = asyncio.ensure_future(self._liveness.ensure())
-                locked = self._liveness.held
-                try:
-                    async with self.database.connection() as conn:
-                        if not await workers_db.worker_heartbeat(
-                                conn, self.worker_id,
-                                lock_key=self._liveness.key if locked else None
-                        ) and self._registered:
-                            # Its row was forgotten (a silence of an hour) or deleted: without
-                            # it the fleet does not list this worker, and its death would not
-                            # be noticed through its lock.
-                            log.warning("worker %s was not registered any more; registered "
-                                        "again", self.worker_id)
-                            await self._register(conn, locked=locked)
-                except OrchestratorError as exc:
-                    log.warning("heartbeat failed: %s", exc.code)
-                    continue
-                if time.monotonic() - renewed >= renew_every and await self._renew_leases():
-                    renewed = time.monotonic()
+                await self._beat()
         finally:
             if checking is not None and not checking.done():
                 # Closed first, a check waiting on a dropped path ends at once (cancelled
@@ -552,6 +542,37 @@ class Worker:
                 checking.cancel()
                 with contextlib.suppress(BaseException):
                     await checking
+
+    async def _beat(self) -> None:
+        """One heartbeat; the row made again if it is gone. A failure is logged (the next beat
+        tries again)."""
+        locked = self._liveness.held
+        try:
+            async with self.database.connection() as conn:
+                if not await workers_db.worker_heartbeat(
+                        conn, self.worker_id, lock_key=self._liveness.key if locked else None
+                ) and self._registered:
+                    # Its row was forgotten (a silence of an hour) or deleted: without it the
+                    # fleet does not list this worker, and its death would not be noticed
+                    # through its lock.
+                    log.warning("worker %s was not registered any more; registered again",
+                                self.worker_id)
+                    await self._register(conn, locked=locked)
+        except OrchestratorError as exc:
+            log.warning("heartbeat failed: %s", exc.code)
+
+    async def _renewal_loop(self) -> None:
+        """The leases of the runs this worker holds, renewed a third of the lease TTL apart
+        (they only have to outlive the TTL); a renewal that failed is tried again at the next
+        beat's interval. Its own task: a heartbeat that fails or waits (its row locked by a
+        DDL or an operator's transaction) delays no renewal."""
+        interval = self._beat_interval()
+        renew_every = max(self.lease_ttl / 3, interval)
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - renewed >= renew_every and await self._renew_leases():
+                renewed = time.monotonic()
 
     async def _renew_leases(self) -> bool:
         """Extend the leases of the runs this worker is working on; a run whose lease was not

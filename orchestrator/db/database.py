@@ -30,7 +30,12 @@ from tenacity import (
 )
 
 from orchestrator.db.config import DatabaseTarget, display_url
-from orchestrator.db.probe import DEFAULT_CONNECT_TIMEOUT, connect_options, ping_async
+from orchestrator.db.probe import (
+    DEFAULT_CONNECT_TIMEOUT,
+    connect_options,
+    keepalive_options,
+    ping_async,
+)
 from orchestrator.errors import (
     ConfigurationError,
     DatabaseError,
@@ -431,7 +436,11 @@ class Database:
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],
                      stop: asyncio.Event) -> None:
         """LISTEN on ``channels`` until ``stop`` is set; reconnect after a dropped connection,
-        and try again after a refused LISTEN (a server in recovery), saying so once.
+        and try again after a refused LISTEN (a server in recovery), saying so once. A lost
+        connection is said once, however many reconnections fail after it, and its return
+        once. The connection has TCP keepalives (:data:`~orchestrator.db.probe.LISTEN_KEEPALIVES`,
+        unless the URL sets its own): it only waits, and a path that dropped without a word
+        would otherwise never be noticed.
 
         ``on_message(channel, payload)`` is called for each notification, and once with
         ``("", "")`` after every (re)connection, since anything may have been missed. An
@@ -448,10 +457,11 @@ class Database:
             await stop.wait()
             return
         refused = False  # LISTEN was refused since it last succeeded (said once)
+        lost = False  # the connection was lost and none listens again yet (said once)
+        options = connect_options(self.target, self.connect_timeout) | keepalive_options(url)
         while not stop.is_set():
             try:
-                conn = await psycopg.AsyncConnection.connect(
-                    url, autocommit=True, **connect_options(self.target, self.connect_timeout))
+                conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **options)
             except psycopg.OperationalError:
                 await _wait_or_stop(stop, 1.0)
                 continue
@@ -460,13 +470,23 @@ class Database:
                     for channel in channels:
                         await conn.execute(f"LISTEN {channel}")
                     refused = False
+                    if lost:
+                        log.info("listening on %s again; news that came meanwhile is looked "
+                                 "for now", display_url(url))
+                        lost = False
                     _deliver(on_message, "", "")
                     while not stop.is_set():
                         async for note in conn.notifies(timeout=0.5):
                             _deliver(on_message, note.channel, note.payload)
                             if stop.is_set():
                                 break
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as exc:
+                if not lost and not stop.is_set():
+                    log.warning("the listening connection to %s was lost (%s): until it is "
+                                "back, news is found by polling only; reconnecting",
+                                display_url(url),
+                                exc.diag.message_primary or type(exc).__name__)
+                lost = True
                 await _wait_or_stop(stop, 0.5)
             except psycopg.Error as exc:
                 # Refused, not lost: a server in recovery (a standby not promoted yet) refuses

@@ -1,15 +1,20 @@
 """Connections from the Python API: a database that cannot be reached fails fast and says why,
 the way the CLI does; connections that died (terminated backends, a restarted server) never
-fail a call; a listener refused by a server in recovery listens once it is promoted."""
+fail a call; a listener refused by a server in recovery listens once it is promoted; a lost
+listener says so once and listens again, and its connection has TCP keepalives."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -278,6 +283,99 @@ async def test_a_listener_whose_callback_raises_logs_it_and_keeps_listening(
         (said,) = [r for r in caplog.records if r.name.startswith("orchestrator")]
         assert "'news'" in said.getMessage() and "'bad'" in said.getMessage()
         assert said.exc_info is not None and said.exc_info[0] is ValueError
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)
+        await db.close()
+
+
+async def test_a_listener_whose_connection_is_lost_says_so_once_and_listens_again(
+    migrated_database_url: str, pg_admin_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A listening connection that ends (a failover, ``pg_terminate_backend``, a dropped path
+    found dead) is said lost once, however many reconnections fail after it, and said back
+    once it listens again; notifications are heard again then. Before, both went unsaid: a
+    listener that never came back left its workers polling without a word."""
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    db = Database(DatabaseTarget(validate_url(migrated_database_url), "argument"))
+    seen: list[tuple[str, str]] = []
+    stop = asyncio.Event()
+    listener = asyncio.ensure_future(
+        db.listen(["news"], lambda channel, payload: seen.append((channel, payload)), stop))
+
+    def said(word: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "orchestrator" and word in r.getMessage()]
+
+    try:
+        await wait_until_async(lambda: ("", "") in seen, timeout=10)  # it listens
+        with psycopg.connect(migrated_database_url, autocommit=True) as conn:
+            name = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        with psycopg.connect(pg_admin_url, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+            try:
+                (row,) = admin.execute(
+                    "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+                    "WHERE datname = %s AND query LIKE 'LISTEN %%'", (name,)).fetchall()
+                assert row[0]
+                await wait_until_async(lambda: said("was lost"), timeout=10)
+                await asyncio.sleep(2.5)  # reconnections meanwhile, each refused (1 s apart)
+                assert not listener.done()
+            finally:
+                admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+        await wait_until_async(lambda: seen.count(("", "")) == 2, timeout=10)
+        with psycopg.connect(migrated_database_url, autocommit=True) as conn:
+            conn.execute("NOTIFY news, 'again'")
+        await wait_until_async(lambda: ("news", "again") in seen, timeout=10)
+        assert len(said("was lost")) == 1, caplog.text  # not once per refused reconnection
+        assert len(said("listening on")) == 1, caplog.text
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)
+        await db.close()
+
+
+def _socket_of_client_port(port: int) -> socket.socket | None:
+    """A duplicate of this process's TCP socket whose local port is ``port``."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family == socket.AF_INET \
+                    and sock.getsockname()[1] == port:
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux socket options")
+@pytest.mark.parametrize(("query", "idle"), [("", 30), ("?keepalives_idle=7", 7)])
+async def test_the_listening_connection_has_tcp_keepalives(
+    migrated_database_url: str, sql: Any, query: str, idle: int,
+) -> None:
+    """The listener only waits: without TCP keepalives a path that dropped without a word is
+    never noticed. Its socket probes after 30 s of silence, 3 times 10 s apart (a dead path
+    is given up within about a minute), unless the URL says otherwise."""
+    db = Database(DatabaseTarget(validate_url(migrated_database_url + query), "argument"))
+    seen: list[tuple[str, str]] = []
+    stop = asyncio.Event()
+    listener = asyncio.ensure_future(
+        db.listen(["news"], lambda channel, payload: seen.append((channel, payload)), stop))
+    try:
+        await wait_until_async(lambda: ("", "") in seen, timeout=10)
+        (row,) = sql("SELECT client_port FROM pg_stat_activity WHERE datname = "
+                     "current_database() AND query LIKE 'LISTEN %%'")
+        sock = _socket_of_client_port(row["client_port"])
+        assert sock is not None
+        with sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == idle
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 10
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)

@@ -544,3 +544,48 @@ async def test_a_slow_journal_read_does_not_shift_the_runs_clock(make_app, sql, 
         assert await run.result_async(timeout=15) == "rested"
     assert worker.claimed == 2 and len(seen) == 1
     assert abs(seen[0]) < 0.5, f"the run's clock is {seen[0]:.2f} s behind the server's"
+
+
+async def test_a_heartbeat_stuck_on_the_workers_table_does_not_hold_back_lease_renewals(
+        make_app, sql, migrated_database_url, caplog):  # type: ignore[no-untyped-def]
+    """The worker's heartbeat updates its row in ``workers``; a lock on that row (a DDL, a
+    ``VACUUM FULL``, an operator's transaction) makes it wait. Its runs' leases are renewed
+    meanwhile all the same: a renewal that waited behind the heartbeat would let them lapse,
+    and another worker (or this one's own sweep) would take the runs while they are driven."""
+    app = make_app(lease_ttl=1.0)
+    going, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def work(ctx):  # type: ignore[no-untyped-def]
+        going.set()
+        await release.wait()
+        return "done"
+
+    @app.workflow()
+    async def busy(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(work)
+
+    def expires() -> float:  # 0 once the run is not leased any more
+        return sql("SELECT EXTRACT(EPOCH FROM lease_expires_at)::float8 AS t "
+                   "FROM orchestrator.runs WHERE id = %s", (run.id,))[0]["t"] or 0.0
+
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    async with running(app, lease_ttl=1.0) as worker:
+        run = await app.submit_async(busy, {})
+        await wait_for(going.is_set)
+        with psycopg.connect(migrated_database_url) as holder:
+            holder.execute("SELECT 1 FROM orchestrator.workers WHERE id = %s FOR UPDATE",
+                           (worker.worker_id,))
+            await wait_for(lambda: sql(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE 'UPDATE orchestrator.workers SET heartbeat_at%%'"))
+            stuck = expires()
+            # Renewed again and again while the heartbeat waits: three TTLs past the stall.
+            await wait_for(lambda: expires() > stuck + 3.0, timeout=10,
+                           what="the leases to be renewed while the heartbeat waits")
+            holder.rollback()
+        release.set()
+        assert await run.result_async(timeout=10) == "done"
+    assert worker.claimed == 1
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
+    assert "lost" not in caplog.text

@@ -4,13 +4,15 @@ SIGKILL once the service's ``stop_grace_period`` has passed: 10 s unless it says
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from orchestrator import cli, worker
+from orchestrator import cli, reconcile, worker
+from orchestrator.app import Orchestrator
 from tests.unit.test_named_commands import problem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +43,23 @@ def test_a_stopping_worker_is_not_killed_in_its_drain() -> None:
     service = _services()["worker"]
     args = cli.build_parser().parse_args(service["command"][1:])
     needs = args.drain_timeout + worker.COMPANION_GRACE + worker.WRITE_GRACE
-    grace = _seconds(service["stop_grace_period"]) if "stop_grace_period" in service \
-        else DOCKER_DEFAULT_GRACE
+    grace = _grace(service)
     assert grace > needs, f"SIGKILL after {grace} s, while a drain may take {needs} s"
+
+
+def test_a_stopping_reconciler_is_not_killed_in_its_last_lookup() -> None:
+    """A stopping reconciler lets the lookup under way answer (up to the lookup timeout the
+    command runs with: ``run_reconciler``'s default) and records the answer."""
+    service = _services()["reconciler"]
+    cli.build_parser().parse_args(service["command"][1:])
+    timeout = inspect.signature(Orchestrator.run_reconciler).parameters["lookup_timeout"]
+    needs = timeout.default + reconcile.STOP_GRACE
+    grace = _grace(service)
+    assert grace > needs, f"SIGKILL after {grace} s, while a stop may take {needs} s"
+
+
+def _grace(service: dict[str, Any]) -> float:
+    """Seconds Docker waits between SIGTERM and SIGKILL for ``service``."""
+    if "stop_grace_period" in service:
+        return _seconds(service["stop_grace_period"])
+    return DOCKER_DEFAULT_GRACE

@@ -569,3 +569,75 @@ async def test_a_lookup_answer_come_after_an_operators_other_resolution_is_a_con
     assert [(a["operator"], a["action"]) for a in audit] == [("al", "resolve.not_applied")]
     conflicts = [r for r in caplog.records if getattr(r, "code", None) == "RESOLUTION_CONFLICT"]
     assert [r.levelname for r in conflicts] == ["WARNING"]
+
+
+def _two_parked_with_a_held_lookup(app):  # type: ignore[no-untyped-def]
+    """``charge`` times out (its outcome unknown); the first lookup waits for ``release``,
+    the others answer committed at once. Returns (wf, started, release, looked)."""
+    from orchestrator import Committed
+
+    started, release = asyncio.Event(), asyncio.Event()
+    looked: list[int] = []
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        looked.append(ctx.operation_id)
+        if len(looked) == 1:
+            started.set()
+            await release.wait()
+        return Committed({"order": order})
+
+    @app.workflow()
+    async def wf(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    return wf, started, release, looked
+
+
+async def test_a_stopping_reconciler_records_the_lookup_under_way_and_starts_no_other(
+        app, sql):  # type: ignore[no-untyped-def]
+    """SIGTERM (``request_stop``) lets the lookup under way answer and its answer be recorded,
+    then the reconciler stops: it does not go on through the rest of its batch (each lookup
+    may take up to ``lookup_timeout``, and a container's stop grace period is short)."""
+    wf, started, release, looked = _two_parked_with_a_held_lookup(app)
+    async with running(app):
+        runs = [await app.submit_async(wf, order) for order in ("o-1", "o-2")]
+        for run in runs:
+            await wait_for(parked(sql, run))
+    reconciler = app.create_reconciler(batch=2)
+    task = asyncio.ensure_future(reconciler.run())
+    await asyncio.wait_for(started.wait(), 10)
+    reconciler.request_stop()
+    release.set()
+    await asyncio.wait_for(task, 10)
+    assert len(looked) == 1
+    states = sql("SELECT state FROM orchestrator.reconciliation_items ORDER BY id")
+    assert sorted(s["state"] for s in states) == ["open", "resolved"]
+
+
+async def test_a_second_stop_ends_the_reconciler_without_waiting_for_its_lookup(
+        app, sql, caplog):  # type: ignore[no-untyped-def]
+    """Asked again to stop (Ctrl-C twice, a second SIGTERM), the reconciler stops at once: the
+    lookup under way, which may take up to ``lookup_timeout``, is cancelled and nothing of it
+    is recorded; the item is looked up again once its claim lapses."""
+    import logging
+
+    wf, started, release, looked = _two_parked_with_a_held_lookup(app)
+    async with running(app):
+        run = await app.submit_async(wf, "o-1")
+        await wait_for(parked(sql, run))
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    reconciler = app.create_reconciler(lookup_timeout=60)
+    task = asyncio.ensure_future(reconciler.run())
+    await asyncio.wait_for(started.wait(), 10)
+    reconciler.request_stop()
+    assert not task.done()
+    reconciler.request_stop()
+    await asyncio.wait_for(task, 5)
+    assert "stopping now" in caplog.text
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_lookups") == [{"n": 0}]
+    assert sql("SELECT state FROM orchestrator.reconciliation_items") == [{"state": "open"}]
