@@ -266,9 +266,15 @@ class EvidenceExport:
     counts: dict[str, int]
 
     def as_dict(self) -> dict[str, Any]:
-        """The record of ``evidence export --json`` (docs/cli-json.md)."""
-        return {**_plain({"since": self.since, "until": self.until}),
+        """The record of ``evidence export --json`` (docs/cli-json.md): its times with
+        microseconds, as every ``--json`` document's."""
+        return {"since": _iso_micro(self.since), "until": _iso_micro(self.until),
                 "counts": dict(self.counts)}
+
+
+def _iso_micro(when: datetime) -> str:
+    """A time as ``--json`` prints it: UTC, ISO 8601, microseconds, ``Z``."""
+    return when.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 async def export_evidence(db: Database, out: TextIO, *, since: datetime,

@@ -618,6 +618,16 @@ class Worker:
         tasks = [task for task, _ in self._running.values()]
         if tasks:
             _, pending = await self._wait_unless_hurried(tasks, self.drain_timeout)
+            if pending:
+                n = len(pending)
+                log.warning("worker %s: %d run%s did not reach a durable point %s and %s "
+                            "abandoned: another worker takes %s over when %s lease%s expire%s",
+                            self.worker_id, n, "" if n == 1 else "s",
+                            "before the second stop request" if self._hurry.is_set()
+                            else f"within the drain ({self.drain_timeout:g} s)",
+                            "is" if n == 1 else "are", "it" if n == 1 else "them",
+                            "its" if n == 1 else "their", "" if n == 1 else "s",
+                            "s" if n == 1 else "")
             for task in pending:
                 task.cancel()
             for task in pending:
@@ -627,7 +637,6 @@ class Worker:
         # (its bookkeeping must follow the write); a database that does not answer must not
         # hold the stop for as long as the writer's own attempts would take.
         await self.writer.drain(WRITE_GRACE)
-
 
     async def _wait_unless_hurried(
         self, tasks: Sequence[asyncio.Future[Any]], timeout: float,

@@ -421,14 +421,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         if args.app is not None:
             raise InvalidRequest("--app holds an operator to their scopes: give --operator "
                                  "and --evidence with it", path="app")
-        _, status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+        before, status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
     else:
         app = load_app(args.app, args.database_url) if args.app else None
         tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)
                    if app is not None else None)
-        _, status = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
+        before, status = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
             db, run_id, operator=args.operator, evidence=args.evidence, tenants=tenants)))
-    if status == "cancelled":
+    if before == "cancelled":
+        print(f"run {run_id} already finished (cancelled); nothing to cancel")
+    elif status == "cancelled":
         print(f"run {run_id} is cancelled")
     elif status in ("succeeded", "failed"):
         print(f"run {run_id} already finished ({status}); nothing to cancel")

@@ -65,3 +65,21 @@ async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
         {"status": "cancelled"}] * 2
     (audit,) = sql("SELECT after FROM orchestrator.operator_audit")
     assert audit["after"] == {"status": "cancelled", "cancel_requested": True, "children": 1}
+
+
+async def test_cancelling_a_cancelled_run_says_it_had_finished(
+        app: Orchestrator, migrated_database_url):
+    """A second ``runs cancel`` changes nothing, and says so, as for a run that succeeded,
+    instead of announcing the cancellation again."""
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return order
+
+    run = await app.submit_async(pay, 1)
+    url = migrated_database_url
+    code, out, err = await cli(url, "runs", "cancel", str(run.id))
+    assert (code, err) == (0, "") and "is cancelled" in out
+    for audited in ([], ["--operator", "ann", "--evidence", "asked twice"]):
+        code, out, err = await cli(url, "runs", "cancel", str(run.id), *audited)
+        assert (code, err) == (0, "")
+        assert out.strip() == f"run {run.id} already finished (cancelled); nothing to cancel"

@@ -199,3 +199,30 @@ async def test_a_stopping_worker_says_once_that_it_drains_and_what_is_in_flight(
     assert said(" draining: ") == [f"worker {worker.worker_id} draining: 1 run in flight, up "
                                    "to 7 s to reach a durable point"]
     assert said(" stopped") == [f"worker {worker.worker_id} stopped"]
+
+
+async def test_a_drain_that_runs_out_says_which_runs_it_abandoned(
+        app, caplog):  # type: ignore[no-untyped-def]
+    """Runs still busy when the drain timeout passes are let go without a release: the worker
+    says how many, and that they wait for their leases, instead of only ``stopped``."""
+    entered = asyncio.Event()
+
+    @app.tool(effect="read")
+    async def stuck(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await asyncio.Event().wait()
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(stuck)
+
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app, drain_timeout=0.3) as worker:
+        await app.submit_async(pay, {})
+        await asyncio.wait_for(entered.wait(), 10)
+    said = [r for r in caplog.records if r.name == "orchestrator.worker"
+            and "abandoned" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in said] == [
+        ("WARNING", f"worker {worker.worker_id}: 1 run did not reach a durable point within "
+                    "the drain (0.3 s) and is abandoned: another worker takes it over when "
+                    "its lease expires")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -488,7 +489,9 @@ def test_the_export_command_prints_the_cutoff_it_used(make_app: Any, migrated_da
     summary = json.loads(done.stdout)
     until = datetime.fromisoformat(summary["until"])
     assert before <= until <= datetime.now(UTC)
-    assert summary["since"] == "2000-01-01T00:00:00Z"
+    # docs/cli-json.md: every time in UTC with microseconds and Z, the one given too
+    assert summary["since"] == "2000-01-01T00:00:00.000000Z"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", summary["until"])
     assert summary["output"] == str(tmp_path / "e.jsonl")
     assert set(summary["counts"]) == {"operation", "reconciliation_item", "lookup", "audit",
                                       "incident"}
