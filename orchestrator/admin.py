@@ -105,8 +105,10 @@ class LeaseHolder:
 
 @dataclass
 class Worker:
-    """A registered worker and how it looks: ``live`` (it heartbeats), ``silent`` (no recent
-    heartbeat, its liveness lock held or never taken) or ``dead`` (neither). ``row`` is
+    """A registered worker and how it looks: ``live`` (it heartbeats), ``draining`` (it
+    heartbeats, but was told to stop: it claims nothing more and waits for its runs to reach a
+    durable point), ``silent`` (no recent heartbeat, its liveness lock held or never taken) or
+    ``dead`` (neither). ``row`` is
     :func:`~orchestrator.db.views.worker_list_all`'s."""
 
     row: dict[str, Any]
@@ -115,13 +117,14 @@ class Worker:
 
 def worker_state(row: Mapping[str, Any]) -> str:
     """A registered worker's state by :func:`lease_holder`'s rule: dead after
-    :data:`DEAD_AFTER` seconds without a heartbeat and without its liveness lock."""
+    :data:`DEAD_AFTER` seconds without a heartbeat and without its liveness lock. Whether it
+    heartbeats comes first: a draining worker that stopped heartbeating is silent or dead."""
     age = row["heartbeat_age"]
     if age is not None and age > DEAD_AFTER and row["lock_held"] is False:
         return "dead"
     if age is not None and age > DEAD_AFTER:
         return "silent"
-    return "live"
+    return "draining" if row.get("draining_since") is not None else "live"
 
 
 async def list_workers(db: Database) -> list[Worker]:

@@ -95,7 +95,8 @@ def worker_record(w: Worker) -> dict[str, Any]:
             "workflows": list(row["workflows"]), "concurrency": row["concurrency"],
             "runs_held": int(row["runs_held"]), "started_at": iso(row["started_at"]),
             "heartbeat_at": iso(row["heartbeat_at"]),
-            "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"]}
+            "heartbeat_age_seconds": row["heartbeat_age"], "liveness_lock": row["lock_held"],
+            "draining_since": iso(row["draining_since"])}
 
 
 def run_operation(o: Mapping[str, Any]) -> dict[str, Any]:

@@ -254,7 +254,7 @@ class Worker:
         await workers_db.worker_register(
             conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
             workflows=list(self.registry.workflows), concurrency=self.concurrency,
-            lock_key=self._liveness.key if locked else None)
+            lock_key=self._liveness.key if locked else None, draining=self._stop.is_set())
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too
@@ -615,6 +615,26 @@ class Worker:
         for _, ex in self._running.values():
             if ex is not None:
                 ex.run.request_drain()
+        # The fleet shows it draining; a database that does not answer holds no run back.
+        marking = asyncio.ensure_future(self._mark_draining())
+        try:
+            await self._drain_runs()
+        finally:
+            if not marking.done():
+                marking.cancel()
+            with contextlib.suppress(BaseException):
+                await marking
+
+    async def _mark_draining(self) -> None:
+        try:
+            async with self.database.connection() as conn:
+                if not await workers_db.worker_mark_draining(conn, self.worker_id):
+                    log.info("worker %s: its row was gone or said draining already",
+                             self.worker_id)
+        except OrchestratorError as exc:
+            log.warning("worker %s: could not record its drain: %s", self.worker_id, exc.code)
+
+    async def _drain_runs(self) -> None:
         tasks = [task for task, _ in self._running.values()]
         if tasks:
             _, pending = await self._wait_unless_hurried(tasks, self.drain_timeout)

@@ -138,7 +138,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not args.poll_interval > 0:
         raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
     if not 0 <= args.drain_timeout < float("inf"):
-        raise InvalidRequest("--drain-timeout must be 0 or more seconds", path="drain_timeout")
+        raise InvalidRequest("--drain-timeout must be a finite number of seconds, 0 or more",
+                             path="drain_timeout")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)

@@ -1,17 +1,19 @@
 """``orchestrator workers list``: the fleet as the database sees it, for operators.
 
-Every registered worker with its state (``live``, ``silent``, ``dead``: the rule that decides
-when a dead worker's runs are re-queued, :func:`orchestrator.admin.worker_state`), host, pid,
-the runs it holds, its slots, its last heartbeat and the workflows it serves; the console's
-Workers page and ``GET /api/workers`` read the same rows (:func:`orchestrator.admin.
-list_workers`). A worker that stopped cleanly unregisters and is not listed. The liveness test
-reads ``pg_locks``: point the command at the primary, not at a replica.
+Every registered worker with its state (``live``, ``draining`` since when, ``silent``,
+``dead``: the rule that decides when a dead worker's runs are re-queued,
+:func:`orchestrator.admin.worker_state`), host, pid, the runs it holds, its slots, its last
+heartbeat and the workflows it serves; the console's Workers page and ``GET /api/workers`` read
+the same rows (:func:`orchestrator.admin.list_workers`). A worker that stopped cleanly
+unregisters and is not listed. The liveness test reads ``pg_locks``: point the command at the
+primary, not at a replica.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from datetime import UTC
 from typing import Any
 
 from orchestrator import admin
@@ -20,7 +22,9 @@ from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import duration, render
 from orchestrator.db.database import Database
 
-STATES_NOTE = ("live: it heartbeats; silent: no heartbeat for over a second, its liveness "
+STATES_NOTE = ("live: it heartbeats; draining: told to stop, it claims nothing more and "
+               "heartbeats until its runs reach a durable point (STATE shows since when); "
+               "silent: no heartbeat for over a second, its liveness "
                "lock held or never taken (paused or overloaded: its runs wait for their "
                "leases to expire); dead: neither (a live worker's next sweep re-queues its "
                "runs)")
@@ -32,7 +36,8 @@ def register(subparsers: Any) -> None:
     group.set_defaults(func=None, help_parser=group)
     ls = commands.add_parser(
         "list", help="every registered worker: state, host, runs held, last heartbeat",
-        description="Every registered worker, newest first: its state (live, silent or dead), "
+        description="Every registered worker, newest first: its state (live, draining, silent "
+        "or dead), "
         "host and pid, the runs whose lease it holds, its slots, the age of its last "
         "heartbeat, when it started and the workflows it serves. A worker that stopped "
         "cleanly is not listed. The console's Workers page shows the same.")
@@ -60,7 +65,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(render(
         ["WORKER", "STATE", "HOST", "PID", "RUNS HELD", "SLOTS", "LAST HEARTBEAT", "STARTED",
          "WORKFLOWS"],
-        [[w.row["id"], w.state, w.row["hostname"], w.row["pid"], w.row["runs_held"],
+        [[w.row["id"], _state(w), w.row["hostname"], w.row["pid"], w.row["runs_held"],
           w.row["concurrency"], _ago(w.row["heartbeat_age"]), w.row["started_at"],
           ", ".join(w.row["workflows"]) or "-"] for w in shown]))
     if any(w.state != "live" for w in shown):
@@ -70,3 +75,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _ago(seconds: float | None) -> str:
     return "-" if seconds is None else f"{duration(max(seconds, 0.0))} ago"
+
+
+def _state(w: admin.Worker) -> str:
+    since = w.row.get("draining_since")
+    if w.state != "draining" or since is None:
+        return w.state
+    return f"draining since {since.astimezone(UTC):%H:%M:%S}Z"

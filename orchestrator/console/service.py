@@ -200,7 +200,7 @@ class Overview:
 
     @property
     def workers_alive(self) -> int:
-        return sum(1 for w in self.workers if w.state == "live")
+        return sum(1 for w in self.workers if w.state in ("live", "draining"))
 
 
 class ConsoleService:

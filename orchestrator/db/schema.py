@@ -366,6 +366,8 @@ workers = Table(
     Column("lock_key", BigInteger),
     _ts("started_at", nullable=False, default_now=True),
     _ts("heartbeat_at", nullable=False, default_now=True),
+    # When it was told to stop and began to drain (it claims nothing more); null before.
+    _ts("draining_since"),
     Index("ix_workers_heartbeat", "heartbeat_at"),
 )
 

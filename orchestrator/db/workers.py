@@ -16,16 +16,21 @@ DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a 
 
 async def worker_register(
     conn: Conn, *, worker_id: str, hostname: str, pid: int, workflows: Sequence[str],
-    concurrency: int, lock_key: int | None = None
+    concurrency: int, lock_key: int | None = None, draining: bool = False
 ) -> None:
+    """The worker's row, made (or made again after it was lost: ``draining`` keeps a drain
+    that had begun, from now, and an existing row keeps the time it recorded)."""
     await conn.execute(
         f"""
-        INSERT INTO {S}.workers (id, hostname, pid, workflows, concurrency, lock_key)
-        VALUES (%s, %s, %s, %s, %s, %s)
+        INSERT INTO {S}.workers (id, hostname, pid, workflows, concurrency, lock_key,
+                                 draining_since)
+        VALUES (%s, %s, %s, %s, %s, %s, CASE WHEN %s THEN now() END)
         ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), workflows = EXCLUDED.workflows,
-                                       lock_key = EXCLUDED.lock_key
+                                       lock_key = EXCLUDED.lock_key,
+                                       draining_since = coalesce({S}.workers.draining_since,
+                                                                 EXCLUDED.draining_since)
         """,
-        (worker_id, hostname, pid, list(workflows), concurrency, lock_key),
+        (worker_id, hostname, pid, list(workflows), concurrency, lock_key, draining),
     )
 
 
@@ -117,6 +122,15 @@ async def worker_heartbeat(conn: Conn, worker_id: str, *, lock_key: int | None) 
     cur = await conn.execute(
         f"UPDATE {S}.workers SET heartbeat_at = now(), lock_key = %s WHERE id = %s",
         (lock_key, worker_id))
+    return cur.rowcount == 1
+
+
+async def worker_mark_draining(conn: Conn, worker_id: str) -> bool:
+    """The worker was told to stop and claims nothing more: its row says since when. False
+    when its row is gone (deleted by hand) or says so already (the first time counts)."""
+    cur = await conn.execute(
+        f"UPDATE {S}.workers SET draining_since = now() "
+        "WHERE id = %s AND draining_since IS NULL", (worker_id,))
     return cur.rowcount == 1
 
 

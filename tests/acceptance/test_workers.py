@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
 
 from tests.acceptance import flows
@@ -166,4 +170,38 @@ def test_a_second_interrupt_ends_the_drain_at_once(workers, client):
     assert a.wait(timeout=25) == 0
     assert time.monotonic() - started < 8, "the second interrupt waited for the drain timeout"
     assert "stopping now" in workers.log("a")
+    assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+
+
+def test_a_draining_worker_is_listed_as_draining_until_it_stops(workers, client):
+    """A worker that was told to stop claims nothing more: the fleet shows it ``draining``,
+    since when, and not ``live``, until it has stopped and unregistered."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", args=["--drain-timeout", "20"])
+    client.submit(flows.two_steps, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A")
+    a.send_signal(signal.SIGTERM)
+    workers.wait(lambda: "draining" in workers.log("a"), "worker A to drain", proc=a)
+    workers.wait(lambda: workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s "
+                                     "AND draining_since IS NOT NULL", (a.pid,)),
+                 "worker A to record its drain", proc=a)
+
+    def workers_list(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "workers", "list", *args],
+            env={**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url}, capture_output=True,
+            text=True, timeout=60, check=True)
+        return done.stdout
+
+    table = workers_list()
+    row = next(line for line in table.splitlines() if f" {a.pid} " in line)
+    assert row.split()[1] == "draining"
+    assert "draining: told to stop" in table
+    doc = json.loads(workers_list("--json"))
+    (mine,) = [w for w in doc["workers"] if w["pid"] == a.pid]
+    assert mine["state"] == "draining"
+    assert mine["draining_since"] is not None and mine["draining_since"].endswith("Z")
+    assert mine["draining_since"] >= mine["started_at"]
+    a.send_signal(signal.SIGINT)  # a second signal: stop without waiting out the drain
+    assert a.wait(timeout=25) == 0
     assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))

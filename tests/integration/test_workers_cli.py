@@ -10,6 +10,7 @@ import socket
 
 from orchestrator import Orchestrator
 from orchestrator.db import workers as workers_db
+from tests.consoletools import GRANTS, Client, from_header
 from tests.integration.conftest import running, wait_for
 from tests.integration.test_cli_json import ISO_UTC
 from tests.integration.test_ops_bulk import cli
@@ -77,7 +78,8 @@ async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
     mine = by_id[worker.worker_id]
     assert set(mine) == {"id", "state", "hostname", "pid", "workflows", "concurrency",
                          "runs_held", "started_at", "heartbeat_at", "heartbeat_age_seconds",
-                         "liveness_lock"}
+                         "liveness_lock", "draining_since"}
+    assert mine["draining_since"] is None
     assert (mine["state"], mine["hostname"], mine["pid"], mine["runs_held"],
             mine["concurrency"], mine["liveness_lock"]) == (
         "live", socket.gethostname(), os.getpid(), 1, 4, True)
@@ -90,3 +92,42 @@ async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
     # the worker unregistered when it stopped: only the dead one is left
     code, out, _ = await cli(url, "workers", "list")
     assert code == 0 and worker.worker_id not in out and "w-dead" in out
+
+
+async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters(
+        app: Orchestrator, sql):
+    """Told to stop, a worker claims nothing more while its runs go on to a durable point: the
+    console's Workers page, ``GET /api/workers`` and the overview's count say so from its row
+    (the CLI's test runs a worker process: tests/acceptance/test_workers.py)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(effect="read")
+    async def wait(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return 1
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(wait)
+
+    console = app.console(from_header, grants=GRANTS)
+    async with running(app, drain_timeout=30) as worker:
+        run = await app.submit_async(pay, "one")
+        await asyncio.wait_for(entered.wait(), 10)
+        assert sql("SELECT draining_since FROM orchestrator.workers WHERE id = %s",
+                   (worker.worker_id,)) == [{"draining_since": None}]
+        worker.request_stop()
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = %s AND "
+                                   "draining_since IS NOT NULL", (worker.worker_id,)))
+        async with Client(console, "alice") as client:
+            listed = (await client.get("/api/workers")).json()["workers"]
+            page = (await client.get("/workers")).text
+            overview = (await client.get("/api/overview")).json()
+        (mine,) = [w for w in listed if w["id"] == worker.worker_id]
+        assert mine["state"] == "draining" and ISO_UTC.fullmatch(mine["draining_since"])
+        assert 'class="holder h-draining">draining</strong> since' in page
+        assert overview["workers"] == {"alive": 1, "registered": 1}
+        release.set()
+        assert await run.result_async(timeout=10) == 1
+    assert not sql("SELECT 1 FROM orchestrator.workers WHERE id = %s", (worker.worker_id,))

@@ -239,6 +239,20 @@ def test_a_poll_interval_that_is_not_positive_is_refused_before_anything_starts(
         2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be more than 0\n")
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_drain_timeout_that_is_not_a_finite_number_of_seconds_is_refused(value: str) -> None:
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    done = subprocess.run([*command(), "worker", "--app", "m:a", "--drain-timeout", value],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --drain-timeout must be a finite number of "
+        "seconds, 0 or more\n")
+
+
 def test_the_pooler_flag_takes_only_the_modes_that_need_it() -> None:
     from orchestrator.cli import build_parser
 
