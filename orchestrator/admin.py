@@ -253,9 +253,19 @@ def utc_text(when: datetime) -> str:
     return f"{when:%Y-%m-%d %H:%M:%S}Z"
 
 
-async def cancel_run(db: Database, run_id: uuid.UUID) -> tuple[str, str]:
-    """Cancel a run; return its status before and after (no ownership check: callers do
-    that).
+@dataclass(frozen=True)
+class Cancellation:
+    """What a cancellation did: the run's status before and after, and how many of its
+    unfinished child runs, at every depth, it reached (cancelled, or asked to stop)."""
+
+    before: str
+    after: str
+    children: int
+
+
+async def cancel_run(db: Database, run_id: uuid.UUID) -> Cancellation:
+    """Cancel a run: its status before and after, and the child runs reached (no ownership
+    check: callers do that).
 
     A queued or waiting run is cancelled at once; a running one at its next command; a run
     blocked on an unknown operation only after that operation is reconciled (C7). A run that
@@ -264,12 +274,12 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> tuple[str, str]:
     (:func:`cancel_locked`).
     """
 
-    async def cancel(conn: Conn) -> tuple[str, str]:
+    async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
-        after, _ = await cancel_locked(conn, row)
-        return str(row["status"]), after
+        after, children = await cancel_locked(conn, row)
+        return Cancellation(str(row["status"]), after, children)
 
     return await db.run_in_transaction(cancel)
 
@@ -311,15 +321,15 @@ async def _cancel_one(conn: Conn, row: dict[str, Any]) -> str:
 
 
 async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evidence: str,
-                          tenants: list[str] | None) -> tuple[str, str]:
+                          tenants: list[str] | None) -> Cancellation:
     """An operator's cancellation (:func:`cancel_run`'s rules), audited in the same
     transaction: the operator, the evidence and the run's status before and after
     (``run.cancel``, target ``run``; ``children``: how many unfinished child runs it
     reached). ``tenants`` is the operator's scope (None: all); a run outside it answers
-    exactly as a missing one (C9). Returns (status before, status after)."""
+    exactly as a missing one (C9)."""
     check_evidence(evidence, operator)
 
-    async def cancel(conn: Conn) -> tuple[str, str]:
+    async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
@@ -332,7 +342,7 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
                                "cancel_requested": row["cancel_requested_at"] is not None}),
             after=json.dumps({"status": after, "cancel_requested": True,
                               "children": children}))
-        return before, after
+        return Cancellation(before, after, children)
 
     return await db.run_in_transaction(cancel)
 

@@ -743,10 +743,10 @@ class Orchestrator:
         """Request cancellation; returns the run's status afterwards (see
         :func:`orchestrator.admin.cancel_run` for the rules)."""
         row = await self._row(run_id, owner)
-        before, status = await admin.cancel_run(self.database, row["id"])
-        if before not in ("succeeded", "failed", "cancelled"):  # the chain's run, if continued
+        done = await admin.cancel_run(self.database, row["id"])
+        if done.before not in ("succeeded", "failed", "cancelled"):  # the chain's, if continued
             self.metrics.incr("cancellations", stage="requested")
-        return status
+        return done.after
 
     async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> list[JournalEntry]:

@@ -382,11 +382,12 @@ class ScheduleDetail:
 class ScheduleAdmin:
     """What is done to stored schedules (no application code needed: the CLI uses it as is).
     ``declared_here``: the ids of the schedules the application's code declares (its
-    ``@app.schedule``), which only that code changes and deletes."""
+    ``@app.schedule``), which only that code changes and deletes; None when the code is not
+    known, so that no schedule declared in code is deleted."""
 
     def __init__(self, database: Database, json_limits: JsonLimits, metrics: Metrics, *,
                  workflows: Mapping[str, Workflow[Any, Any]] | None = None,
-                 declared_here: Container[str] = ()) -> None:
+                 declared_here: Container[str] | None = None) -> None:
         self.database = database
         self.ticker = Scheduler(database, json_limits, metrics, workflows=workflows)
         self.declared_here = declared_here
@@ -483,7 +484,8 @@ class ScheduleAdmin:
         (``state``) and its run. With ``idempotency_key`` (the rules of a submission's key),
         a trigger sent again with that key answers with what became of the first (its slot,
         its state, its run) and fires nothing; with another ``overlap`` than the first's,
-        ``IDEMPOTENCY_CONFLICT``."""
+        ``IDEMPOTENCY_CONFLICT``. ``repeated``: true when the answer is an earlier trigger's
+        with this key (nothing fired now), false when this call fired, skipped or buffered."""
         sid = check_schedule_id(schedule_id)
         policy = None if overlap is None else check_overlap(overlap)
         key = None if idempotency_key is None else validate_idempotency_key(idempotency_key)
@@ -499,12 +501,12 @@ class ScheduleAdmin:
                         f"schedule {sid} was triggered with this idempotency key under "
                         f"overlap {known['overlap']}, not {policy}")
                 return {"schedule": sid, "slot": known["slot"], "state": known["state"],
-                        "run_id": known["run_id"]}
+                        "run_id": known["run_id"], "repeated": True}
             now = await self.now_in(conn)
             (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
                                     policy or row["overlap"], trigger_key=key)
             return {"schedule": sid, "slot": now, "state": said["state"],
-                    "run_id": said["run_id"]}
+                    "run_id": said["run_id"], "repeated": False}
 
         # Sent again after a COMMIT whose answer was lost, a keyed trigger answers with what
         # it did; an unkeyed one would fire a second run.
@@ -543,10 +545,12 @@ class ScheduleAdmin:
                  first.isoformat(), last.isoformat())
         return said
 
-    async def delete(self, schedule_id: str) -> None:
+    async def delete(self, schedule_id: str) -> ScheduleInfo:
         """Delete a schedule made at run time, or one declared in code that this code no
         longer declares (a worker still running code that declares it writes it again when
-        it starts)."""
+        it starts); the schedule as it stood. Without the code (``declared_here`` None) a
+        schedule declared in code is refused: whether the code still declares it is
+        unknown."""
         sid = check_schedule_id(schedule_id)
 
         async def delete(conn: Conn) -> dict[str, Any] | None:
@@ -559,12 +563,20 @@ class ScheduleAdmin:
         row = await self.database.run_in_transaction(delete)
         if row is None:
             raise _missing(sid)
+        if self._kept_by_code(row) and self.declared_here is None:
+            raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): only "
+                                 "the code deployed now tells whether it still declares it; "
+                                 "delete it with that code (`orchestrator schedules delete "
+                                 "--app MODULE:ATTR`, `app.schedules.delete`)", path="app")
         if self._kept_by_code(row):
             raise InvalidRequest(f"schedule {sid} is declared in code (@app.schedule): remove "
                                  "it there; pause it meanwhile", path="id")
+        log.info("schedule %s deleted", sid)
+        return ScheduleInfo.from_row(row)
 
     def _kept_by_code(self, row: dict[str, Any]) -> bool:
-        return bool(row["declared"]) and row["id"] in self.declared_here
+        return bool(row["declared"]) and (self.declared_here is None
+                                          or row["id"] in self.declared_here)
 
 
 def _missing(schedule_id: str) -> InvalidRequest:

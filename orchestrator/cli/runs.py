@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import uuid
 from typing import Any
 
 from orchestrator import admin, replay
@@ -421,22 +422,30 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         if args.app is not None:
             raise InvalidRequest("--app holds an operator to their scopes: give --operator "
                                  "and --evidence with it", path="app")
-        before, status = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
+        done = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
     else:
         app = load_app(args.app, args.database_url) if args.app else None
         tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)
                    if app is not None else None)
-        before, status = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
+        done = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
             db, run_id, operator=args.operator, evidence=args.evidence, tenants=tenants)))
-    if before == "cancelled":
-        print(f"run {run_id} already finished (cancelled); nothing to cancel")
-    elif status == "cancelled":
-        print(f"run {run_id} is cancelled")
-    elif status in ("succeeded", "failed"):
-        print(f"run {run_id} already finished ({status}); nothing to cancel")
-    elif status in ("needs_reconciliation", "queued"):
-        print(f"run {run_id} is {status}: cancellation requested; it takes effect once its "
-              "unsettled operations are reconciled (see `orchestrator ops list`)")
-    else:
-        print(f"run {run_id} is {status}: cancellation requested; it stops at its next step")
+    print(_cancelled_text(run_id, done))
     return 0
+
+
+def _cancelled_text(run_id: uuid.UUID, done: admin.Cancellation) -> str:
+    status = done.after
+    if done.before == "cancelled":
+        return f"run {run_id} already finished (cancelled); nothing to cancel"
+    if status in ("succeeded", "failed"):
+        return f"run {run_id} already finished ({status}); nothing to cancel"
+    if status == "cancelled":
+        said = f"run {run_id} is cancelled"
+    elif status in ("needs_reconciliation", "queued"):
+        said = (f"run {run_id} is {status}: cancellation requested; it takes effect once its "
+                "unsettled operations are reconciled (see `orchestrator ops list`)")
+    else:
+        said = f"run {run_id} is {status}: cancellation requested; it stops at its next step"
+    if done.children:  # unfinished child runs, at every depth, cancelled by the same rules
+        said += f", and {done.children} child run{'' if done.children == 1 else 's'} with it"
+    return said

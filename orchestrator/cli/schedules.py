@@ -1,4 +1,5 @@
-"""``orchestrator schedules list|show|pause|resume|trigger|backfill``: the stored schedules.
+"""``orchestrator schedules list|show|pause|resume|trigger|backfill|delete``: the stored
+schedules.
 
 No application code is needed: a schedule names its workflow and version, and firing one
 submits a run of it (docs/schedules.md). Times print in UTC; ``show`` also gives each slot in
@@ -75,6 +76,18 @@ def register(subparsers: Any) -> None:
     _app_option(backfill)
     json_option(backfill)
     backfill.set_defaults(func=cmd_backfill)
+    delete = commands.add_parser(
+        "delete", help="delete a schedule (its slot records with it; its runs stay)",
+        description="Delete a schedule made at run time, or one declared in code "
+        "(@app.schedule) that the code deployed now no longer declares: give that code with "
+        "--app, which refuses a schedule it still declares (remove it there; pause it "
+        "meanwhile). Without --app a schedule declared in code is refused.")
+    delete.add_argument("id")
+    delete.add_argument("--app", default=None, metavar="MODULE:ATTR",
+                        help="the application as deployed now: a schedule declared in code is "
+                        "deleted only when this code no longer declares it")
+    json_option(delete)
+    delete.set_defaults(func=cmd_delete)
 
 
 def _app_option(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +104,9 @@ def _admin(args: argparse.Namespace, act: Callable[[ScheduleAdmin], Awaitable[T]
         try:
             limits = app.json_limits if app is not None else JsonLimits()
             workflows = app.registry.workflows if app is not None else None
-            return await act(ScheduleAdmin(db, limits, Metrics(), workflows=workflows))
+            declared = app.schedules.admin.declared_here if app is not None else None
+            return await act(ScheduleAdmin(db, limits, Metrics(), workflows=workflows,
+                                           declared_here=declared))
         finally:
             await db.close()
 
@@ -198,6 +213,11 @@ def cmd_trigger(args: argparse.Namespace) -> int:
                                                     idempotency_key=args.idempotency_key))
     if args.json:
         records.emit({**said, "slot": iso(said["slot"]), "run_id": ident(said["run_id"])})
+    elif said["repeated"]:
+        what = (f"run {said['run_id']}" if said["state"] == "fired"
+                else f"the trigger was {said['state']}")
+        print(f"schedule {args.id}: already triggered with this key: {what}; nothing fired "
+              "again")
     elif said["state"] == "fired":
         print(f"schedule {args.id} fired: run {said['run_id']}")
     else:
@@ -221,4 +241,15 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no slots"
     print(f"schedule {args.id}: {len(said)} slots from {iso(start)} to {iso(end)}: {summary}"
           + (" (known: handled before, left as they were)" if "known" in counts else ""))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    info = _admin(args, lambda admin: admin.delete(args.id))
+    if args.json:
+        records.emit(record(info))
+    else:
+        print(f"schedule {info.id} deleted ({info.workflow}@{info.version}, cron "
+              f"'{info.cron}' in {info.timezone}); its slot records went with it, its runs "
+              "stay")
     return 0

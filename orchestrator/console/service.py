@@ -332,12 +332,12 @@ class ConsoleService:
         finished counts as a cancellation requested here, as ``app.cancel`` counts one."""
         tenants = self.tenants(access)
         access.need("cancel")
-        before, after = await admin.operator_cancel(self.db, parse_run_id(run_id),
-                                                    operator=access.operator,
-                                                    evidence=evidence, tenants=tenants)
-        if before not in TERMINAL:
+        done = await admin.operator_cancel(self.db, parse_run_id(run_id),
+                                           operator=access.operator, evidence=evidence,
+                                           tenants=tenants)
+        if done.before not in TERMINAL:
             self.ops.metrics.incr("cancellations", stage="requested")
-        return before, after
+        return done.before, done.after
 
     async def workers(self, access: Access) -> list[Worker]:
         self.tenants(access)

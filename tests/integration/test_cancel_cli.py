@@ -41,8 +41,8 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
 
 async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
         app: Orchestrator, sql, migrated_database_url):
-    """Plain or audited, ``runs cancel`` cancels the run's unfinished child runs with it; the
-    audit says how many it reached."""
+    """Plain or audited, ``runs cancel`` cancels the run's unfinished child runs with it and
+    says how many it reached; so does the audit."""
     @app.workflow()
     async def child(ctx, n):  # type: ignore[no-untyped-def]
         await ctx.wait_for_event("never")
@@ -57,10 +57,12 @@ async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
                                        "WHERE status = 'waiting'")) == 4)
     url = migrated_database_url
     code, out, err = await cli(url, "runs", "cancel", str(plain.id))
-    assert (code, err) == (0, "") and "is cancelled" in out
+    assert (code, err) == (0, "")
+    assert out.strip() == f"run {plain.id} is cancelled, and 1 child run with it"
     code, out, err = await cli(url, "runs", "cancel", str(audited.id), "--operator", "ann",
                                "--evidence", "the customer withdrew the order")
-    assert (code, err) == (0, "") and "is cancelled" in out
+    assert (code, err) == (0, "")
+    assert out.strip() == f"run {audited.id} is cancelled, and 1 child run with it"
     assert sql("SELECT status FROM orchestrator.runs WHERE parent_run_id IS NOT NULL") == [
         {"status": "cancelled"}] * 2
     (audit,) = sql("SELECT after FROM orchestrator.operator_audit")

@@ -563,17 +563,20 @@ async def test_a_trigger_with_a_key_fires_once_however_often_it_is_sent(make_app
     (made,) = runs_of(sql)
     await app.cancel_async(made["id"])  # finished: a new trigger would fire
     again = await app.schedules.trigger_async("s", idempotency_key="deploy-42")
-    assert again == first
+    assert again == {**first, "repeated": True}
     moments = iter([minute(7, n) for n in range(10)])  # each call reads its own moment
     app.schedules.admin.ticker.clock = lambda: next(moments)
     both = await asyncio.gather(*(app.schedules.trigger_async("s", idempotency_key="k2")
                                   for _ in range(2)))
-    assert both[0] == both[1] and both[0]["state"] == "fired"
+    assert sorted(answer["repeated"] for answer in both) == [False, True]
+    assert {**both[0], "repeated": None} == {**both[1], "repeated": None}
+    assert both[0]["state"] == "fired"
     assert len(runs_of(sql)) == 2
     skipped = await app.schedules.trigger_async("s", idempotency_key="k3")  # k2's runs
     assert skipped["state"] == "skipped"
     await app.cancel_async(both[0]["run_id"])
-    assert await app.schedules.trigger_async("s", idempotency_key="k3") == skipped
+    assert await app.schedules.trigger_async("s", idempotency_key="k3") == {
+        **skipped, "repeated": True}
     with pytest.raises(IdempotencyConflict):  # the same key, another policy
         await app.schedules.trigger_async("s", idempotency_key="k3", overlap="allow_all")
     with pytest.raises(InvalidRequest) as bad:
@@ -603,7 +606,8 @@ async def test_the_cli_fires_into_the_workflows_queue_without_the_app(make_app, 
                          "--json"], database_url=migrated_database_url)
         assert fired.returncode == 0, fired.stderr
         answers.append(json.loads(fired.stdout))
-    assert answers[0] == answers[1] and answers[0]["state"] == "fired"
+    assert answers[1] == {**answers[0], "repeated": True}
+    assert answers[0]["state"] == "fired" and not answers[0]["repeated"]
     now = datetime.now(UTC)
     filled = run_cli(["schedules", "backfill", "s", "--from",
                       f"{now - timedelta(days=2):%Y-%m-%dT%H:%M:%SZ}", "--to",
@@ -677,3 +681,83 @@ async def test_a_keyed_trigger_kept_by_a_buffer_answers_with_its_run_once_it_fir
     assert again["state"] == "fired" and again["slot"] == minute(6)
     assert again["run_id"] in {r["id"] for r in runs_of(sql)} and len(runs_of(sql)) == 2
     await app.database.close()
+
+
+async def test_the_cli_deletes_a_schedule_under_the_rules_of_app_schedules_delete(
+        make_app, sql, migrated_database_url):
+    """``schedules delete ID``: a schedule made at run time goes (``--json``: the schedule as
+    it stood); one declared in code goes only with ``--app`` naming code that no longer
+    declares it (without the code the command cannot tell, and refuses); a missing id is
+    ``INVALID_REQUEST`` naming it. A refusal deletes nothing."""
+    app = make_app()
+
+    @app.schedule("nightly", cron="0 3 * * *")
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await app.create_scheduler().declare()
+    await app.schedules.create_async("s", "report", cron="*/5 * * * *", input={"x": 1})
+    await app.database.close()
+
+    def delete(*args: str) -> Any:
+        return run_cli(["schedules", "delete", *args], database_url=migrated_database_url)
+
+    def stored() -> list[str]:
+        return [r["id"] for r in sql("SELECT id FROM orchestrator.schedules ORDER BY id")]
+
+    gone = delete("s", "--json")
+    assert gone.returncode == 0, gone.stderr
+    said = json.loads(gone.stdout)
+    assert (said["id"], said["cron"], said["input"], said["declared"]) == (
+        "s", "*/5 * * * *", {"x": 1}, False)
+    assert stored() == ["nightly"]
+    missing = delete("s")
+    assert missing.returncode != 0 and missing.stdout == ""
+    assert "INVALID_REQUEST" in missing.stderr and "no schedule s" in missing.stderr
+    unknown_code = delete("nightly")
+    assert unknown_code.returncode != 0 and unknown_code.stdout == ""
+    assert "INVALID_REQUEST" in unknown_code.stderr and "--app" in unknown_code.stderr
+    still_declared = delete("nightly", "--app", "tests.integration.schedule_apps:declaring")
+    assert still_declared.returncode != 0 and "INVALID_REQUEST" in still_declared.stderr
+    assert "declared in code" in still_declared.stderr
+    assert stored() == ["nightly"]
+    removed = delete("nightly", "--app", "tests.integration.schedule_apps:removed")
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.strip().startswith("schedule nightly deleted")
+    assert stored() == []
+
+
+async def test_a_trigger_sent_again_with_its_key_says_it_is_a_repeat(
+        make_app, sql, migrated_database_url):
+    """The answer to a keyed trigger says whether this call fired (``repeated`` false) or
+    answers with what an earlier one with the key did (true); the CLI says so in words."""
+    app = make_app()
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    await app.schedules.create_async("s", "report", cron="0 3 * * *", overlap="allow_all")
+    first = await app.schedules.trigger_async("s", idempotency_key="k1")
+    again = await app.schedules.trigger_async("s", idempotency_key="k1")
+    unkeyed = await app.schedules.trigger_async("s")
+    assert (first["repeated"], again["repeated"], unkeyed["repeated"]) == (False, True, False)
+    assert {**again, "repeated": False} == first
+    await app.database.close()
+
+    def trigger(*args: str) -> Any:
+        said = run_cli(["schedules", "trigger", "s", *args], database_url=migrated_database_url)
+        assert said.returncode == 0, said.stderr
+        return said.stdout.strip()
+
+    fired = trigger("--idempotency-key", "k2")
+    (run,) = [r["id"] for r in runs_of(sql) if r["id"] not in (first["run_id"],
+                                                                 unkeyed["run_id"])]
+    assert fired == f"schedule s fired: run {run}"
+    assert trigger("--idempotency-key", "k2") == (
+        f"schedule s: already triggered with this key: run {run}; nothing fired again")
+    shown = json.loads(trigger("--idempotency-key", "k2", "--json"))
+    assert (shown["repeated"], shown["run_id"], shown["state"]) == (True, str(run), "fired")
+    assert json.loads(trigger("--json"))["repeated"] is False
+    assert len(runs_of(sql)) == 4
