@@ -75,6 +75,25 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
     return await wait_until_async(predicate, timeout=timeout, what=what)
 
 
+def held_read(app: Orchestrator) -> tuple[Any, asyncio.Event, asyncio.Event]:
+    """A workflow ``pay`` whose one call (``wait``, a read) runs until released: ``(pay,
+    entered, release)``; ``entered`` is set once the tool runs. For tests of what a worker
+    says or shows while a run is in flight."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(effect="read")
+    async def wait(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return 1
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(wait)
+
+    return pay, entered, release
+
+
 async def never_answers() -> None:
     """What a tool awaits to stay busy: it does not return; it runs until the engine cancels
     it (its timeout, the run's deadline or cancellation, a task group's sibling failing)."""

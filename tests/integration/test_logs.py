@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import OperationUncertain, RunFailed
 from orchestrator.logs import JsonFormatter
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import held_read, running, wait_for
 
 SECRET = "sk_live_SECRET"
 
@@ -172,17 +172,7 @@ async def test_a_run_that_cannot_end_for_an_unrecorded_outcome_is_logged(app, sq
 
 async def test_a_stopping_worker_says_once_that_it_drains_and_what_is_in_flight(
         app, caplog):  # type: ignore[no-untyped-def]
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool(effect="read")
-    async def wait(ctx):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return 1
-
-    @app.workflow()
-    async def pay(ctx, data):  # type: ignore[no-untyped-def]
-        return await ctx.call(wait)
+    pay, entered, release = held_read(app)
 
     def said(text: str) -> list[str]:
         return [r.getMessage() for r in caplog.records

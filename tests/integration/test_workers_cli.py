@@ -11,7 +11,7 @@ import socket
 from orchestrator import Orchestrator
 from orchestrator.db import workers as workers_db
 from tests.consoletools import GRANTS, Client, from_header
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import held_read, running, wait_for
 from tests.integration.test_cli_json import ISO_UTC
 from tests.integration.test_ops_bulk import cli
 
@@ -23,17 +23,7 @@ async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
     assert (code, err) == (0, "")
     assert out.startswith("no workers registered")
 
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool(effect="read")
-    async def wait(ctx):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return 1
-
-    @app.workflow()
-    async def pay(ctx, order):  # type: ignore[no-untyped-def]
-        return await ctx.call(wait)
+    pay, entered, release = held_read(app)
 
     # A worker that died 30 s ago: registered as every worker registers, with a liveness lock
     # nobody holds any more, and a heartbeat that stopped.
@@ -99,17 +89,7 @@ async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters
     """Told to stop, a worker claims nothing more while its runs go on to a durable point: the
     console's Workers page, ``GET /api/workers`` and the overview's count say so from its row
     (the CLI's test runs a worker process: tests/acceptance/test_workers.py)."""
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool(effect="read")
-    async def wait(ctx):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return 1
-
-    @app.workflow()
-    async def pay(ctx, order):  # type: ignore[no-untyped-def]
-        return await ctx.call(wait)
+    pay, entered, release = held_read(app)
 
     console = app.console(from_header, grants=GRANTS)
     async with running(app, drain_timeout=30) as worker:
