@@ -91,6 +91,10 @@ class LeaseHolder:
     ``reclaim``: ``sweep`` (the next sweep of a live worker re-queues the run: within about a
     second of one running), ``expiry`` (the run is re-queued when its lease expires at
     ``lease_expires_at``), or None (the holder is live and keeps it).
+    ``draining_since``: when the holder was told to stop (None: it was not, or it is not
+    registered). A ``live`` holder that drains keeps the run only until its next durable
+    point, then releases it for another worker; the state stays ``live`` because whether it
+    heartbeats decides what happens to the lease.
     """
 
     worker_id: str
@@ -101,6 +105,7 @@ class LeaseHolder:
     reclaim: str | None
     checked_at: datetime
     """The database's time when this was judged."""
+    draining_since: datetime | None = None
 
 
 @dataclass
@@ -185,7 +190,7 @@ def lease_holder(run: dict[str, Any], seen: dict[str, Any]) -> LeaseHolder:
         state, reclaim = "live", None
     return LeaseHolder(worker_id=run["lease_owner"], state=state, lease_expires_at=expires,
                        heartbeat_at=seen["heartbeat_at"], heartbeat_age=age, reclaim=reclaim,
-                       checked_at=seen["db_now"])
+                       checked_at=seen["db_now"], draining_since=seen["draining_since"])
 
 
 def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
@@ -211,6 +216,10 @@ def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
         return (f"held by {who}, which is silent ({silence}; paused or overloaded, its "
                 f"liveness lock still held or never taken): the run is re-queued when its "
                 f"lease expires at {expiry} unless the worker heartbeats again{later}")
+    if holder.draining_since is not None:
+        since = holder.draining_since.astimezone(UTC)
+        who = (f"{who}, which is draining since {since:%H:%M:%S}Z (told to stop: it releases "
+               "the run for another worker at its next durable point),")
     return f"held by {who} until {expiry}" + (f" ({silence})" if silence else "")
 
 

@@ -272,7 +272,8 @@ class Reconciler:
 
     def request_stop(self) -> None:
         """Stop (what SIGTERM and SIGINT do): the lookup under way may answer and its answer
-        is recorded, within ``lookup_timeout`` plus :data:`STOP_GRACE`; no other begins.
+        is recorded, within ``lookup_timeout`` plus :data:`STOP_GRACE`; no other begins, and
+        the claims on the rest of its batch are released for another reconciler.
         Asked again meanwhile (a second Ctrl-C), stop now: the lookup is cancelled, nothing
         of it is recorded, and its item is looked up again once its claim lapses."""
         if self._stop.is_set():
@@ -382,8 +383,9 @@ class Reconciler:
         except OrchestratorError as exc:
             log.warning("claiming reconciliation items failed: %s", exc.code)
             return 0
-        for item in items:
-            if self._stop.is_set():  # the rest keep their claims until those lapse
+        for index, item in enumerate(items):
+            if self._stop.is_set():  # another reconciler takes the rest at once
+                await self._release(items[index:])
                 break
             try:
                 await self._handle(item)
@@ -392,6 +394,22 @@ class Reconciler:
                             item["run_id"], item["operation_id"], exc.code,
                             extra=_said(item, code=exc.code))
         return len(items)
+
+    async def _release(self, items: list[dict[str, Any]]) -> None:
+        """Give back the claims on ``items``, which this stopping reconciler will not look up;
+        if the database fails meanwhile, they lapse after :attr:`claim_ttl` as before."""
+        try:
+            async with self.db.connection() as conn:
+                released = await recon_db.recon_claim_release(
+                    conn, item_ids=[i["item_id"] for i in items], claimer=self.id)
+        except OrchestratorError as exc:
+            log.warning("%s: stopping: could not release its claims on %d item(s) it did not "
+                        "look up (%s); they lapse within %g s", self.id, len(items), exc.code,
+                        self.claim_ttl)
+            return
+        log.info("%s: stopping: released its claims on %d item(s) it did not look up%s",
+                 self.id, released, "" if released == len(items) else
+                 f" ({len(items) - released} were another's or settled meanwhile)")
 
     @property
     def claim_ttl(self) -> float:

@@ -85,7 +85,8 @@ def lease_record(holder: LeaseHolder | None) -> dict[str, Any] | None:
         return None
     return {"worker_id": holder.worker_id, "holder_state": holder.state,
             "expires_at": iso(holder.lease_expires_at), "heartbeat_at": iso(holder.heartbeat_at),
-            "heartbeat_age_seconds": holder.heartbeat_age, "reclaim": holder.reclaim}
+            "heartbeat_age_seconds": holder.heartbeat_age, "reclaim": holder.reclaim,
+            "draining_since": iso(holder.draining_since)}
 
 
 def worker_record(w: Worker) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 from orchestrator import admin
 from orchestrator.admission import new_run
 from orchestrator.canonical import JsonLimits
+from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
 from orchestrator.db.database import Conn, Database
@@ -550,14 +551,22 @@ class ScheduleAdmin:
         longer declares (a worker still running code that declares it writes it again when
         it starts); the schedule as it stood. Without the code (``declared_here`` None) a
         schedule declared in code is refused: whether the code still declares it is
-        unknown."""
+        unknown. A delete whose COMMIT applied but whose answer was lost with its connection
+        answers, when the storage layer runs it again, with the schedule it deleted."""
         sid = check_schedule_id(schedule_id)
+        done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, row
 
         async def delete(conn: Conn) -> dict[str, Any] | None:
+            # A connection lost during the COMMIT makes the storage layer run this again; if
+            # that COMMIT did apply, the schedule is gone by this call's own hand: say so.
+            if done and await recon_db.xact_committed(conn, done[0][0]):
+                return done[0][1]
+            done.clear()
             row = await sched_db.schedule_get(conn, sid, lock=True)
             if row is not None and not self._kept_by_code(row):
                 if not await sched_db.schedule_delete(conn, sid):  # pragma: no cover
                     raise RuntimeError(f"schedule {sid} vanished under its lock")
+                done.append((await recon_db.xact_current(conn), row))
             return row
 
         row = await self.database.run_in_transaction(delete)

@@ -41,7 +41,8 @@ def overview(o: Overview) -> dict[str, Any]:
                                 "oldest_age_seconds": u["oldest_age"]}
                                for u in o.unknown_by_tool],
         "waiting_for_operators": o.waiting_for_operators,
-        "workers": {"alive": o.workers_alive, "registered": len(o.workers)},
+        "workers": {"alive": o.workers_alive, "draining": o.workers_draining,
+                    "registered": len(o.workers)},
         "throughput": [{"minute": iso(m.at), "succeeded": m.succeeded, "failed": m.failed,
                         "cancelled": m.cancelled} for m in o.throughput],
     }

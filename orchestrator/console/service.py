@@ -200,7 +200,14 @@ class Overview:
 
     @property
     def workers_alive(self) -> int:
+        """Workers that heartbeat: ``live`` ones and ``draining`` ones (which still hold their
+        runs' leases, but take no new work: :attr:`workers_draining` counts them apart)."""
         return sum(1 for w in self.workers if w.state in ("live", "draining"))
+
+    @property
+    def workers_draining(self) -> int:
+        """Of :attr:`workers_alive`, those told to stop: they claim nothing more."""
+        return sum(1 for w in self.workers if w.state == "draining")
 
 
 class ConsoleService:

@@ -78,6 +78,21 @@ async def recon_claim_renew(conn: Conn, *, item_id: int, claimer: str, ttl: floa
     return cur.rowcount == 1
 
 
+async def recon_claim_release(conn: Conn, *, item_ids: list[int], claimer: str) -> int:
+    """Give up ``claimer``'s claims on open items it will not look up (a stopping
+    reconciler's rest of a batch), so that another reconciler claims them at once rather than
+    when they lapse; the number released. An item claimed by another reconciler (``claimer``'s
+    claim lapsed and it was taken) or settled meanwhile is left as it is."""
+    cur = await conn.execute(
+        f"""
+        UPDATE {S}.reconciliation_items SET claimed_by = NULL, claimed_until = NULL
+        WHERE id = ANY(%(ids)s) AND state = 'open' AND claimed_by = %(claimer)s
+        """,
+        {"ids": item_ids, "claimer": claimer},
+    )
+    return cur.rowcount
+
+
 async def recon_record_lookup(
     conn: Conn, *, item_id: int, claimer: str, answer: str, detail: str,
     retry_in: float | None

@@ -167,14 +167,15 @@ console's worker list."""
 async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
     """How the worker holding a lease looks from here: the database's ``now``, and, if it is
     still registered (``registered``), its last heartbeat, the seconds since
-    (``heartbeat_age``) and whether its liveness lock is held (``lock_held``; None when it
-    registered none). A dead worker's runs are re-queued by :func:`run_release_orphaned`'s
-    rule: lock gone and heartbeat stale."""
+    (``heartbeat_age``), whether its liveness lock is held (``lock_held``; None when it
+    registered none) and when it began to drain (``draining_since``; None if it was not told
+    to stop). A dead worker's runs are re-queued by :func:`run_release_orphaned`'s rule: lock
+    gone and heartbeat stale."""
     cur = await conn.execute(
         f"""
         SELECT now() AS db_now, w.id IS NOT NULL AS registered, w.heartbeat_at,
                EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
-               {LOCK_HELD}
+               w.draining_since, {LOCK_HELD}
         FROM (SELECT 1) AS one LEFT JOIN {S}.workers w ON w.id = %s
         """,
         (worker_id,),

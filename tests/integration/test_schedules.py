@@ -21,6 +21,7 @@ from orchestrator.scheduler import Scheduler
 from tests.clitools import run_cli
 from tests.integration import large_records_app
 from tests.integration.conftest import running, wait_for
+from tests.integration.test_ops_bulk import lose_the_next_commit
 
 Sql = Callable[..., list[dict[str, Any]]]
 T0 = datetime(2026, 12, 3, 10, 0, 0, tzinfo=UTC)
@@ -761,3 +762,22 @@ async def test_a_trigger_sent_again_with_its_key_says_it_is_a_repeat(
     assert (shown["repeated"], shown["run_id"], shown["state"]) == (True, str(run), "fired")
     assert json.loads(trigger("--json"))["repeated"] is False
     assert len(runs_of(sql)) == 4
+
+
+async def test_a_delete_whose_commit_was_lost_reports_the_schedule_it_deleted(
+        make_app, sql, monkeypatch):
+    """The connection goes while a delete's COMMIT is under way, and the COMMIT applied: run
+    again by the storage layer, the delete finds no schedule, and that is its own work. It
+    answers with the schedule as it stood, as when nothing was lost; a delete sent again
+    later (not a retry) is still told there is no such schedule."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    made = await app.schedules.create_async("s", "report", cron="0 * * * *")
+    lose_the_next_commit(monkeypatch, app.database)
+    deleted = await app.schedules.admin.delete("s")  # what `schedules delete --json` prints
+    assert deleted == made
+    assert sql("SELECT id FROM orchestrator.schedules") == []
+    with pytest.raises(InvalidRequest) as again:
+        await app.schedules.delete_async("s")
+    assert again.value.path == "id" and "no schedule s" in str(again.value)
+    await app.database.close()

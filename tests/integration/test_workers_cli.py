@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 
 from orchestrator import Orchestrator
@@ -85,10 +86,11 @@ async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
 
 
 async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters(
-        app: Orchestrator, sql):
+        app: Orchestrator, sql, migrated_database_url):
     """Told to stop, a worker claims nothing more while its runs go on to a durable point: the
-    console's Workers page, ``GET /api/workers`` and the overview's count say so from its row
-    (the CLI's test runs a worker process: tests/acceptance/test_workers.py)."""
+    console's Workers page, ``GET /api/workers``, the overview (alive, of which draining) and
+    what ``runs show`` and the Run page say of the lease holder say so from its row (the
+    ``workers list`` test runs a worker process: tests/acceptance/test_workers.py)."""
     pay, entered, release = held_read(app)
 
     console = app.console(from_header, grants=GRANTS)
@@ -104,10 +106,31 @@ async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters
             listed = (await client.get("/api/workers")).json()["workers"]
             page = (await client.get("/workers")).text
             overview = (await client.get("/api/overview")).json()
+            overview_page = (await client.get("/")).text
+            shown = (await client.get(f"/api/runs/{run.id}")).json()
+            run_page = (await client.get(f"/runs/{run.id}")).text
+        code, out, err = await cli(migrated_database_url, "runs", "show", str(run.id))
+        assert code == 0, err
+        code, doc, err = await cli(migrated_database_url, "runs", "show", str(run.id),
+                                   "--json")
+        assert code == 0, err
         (mine,) = [w for w in listed if w["id"] == worker.worker_id]
         assert mine["state"] == "draining" and ISO_UTC.fullmatch(mine["draining_since"])
         assert 'class="holder h-draining">draining</strong> since' in page
-        assert overview["workers"] == {"alive": 1, "registered": 1}
+        # alive (it heartbeats and holds its leases), and shown apart as draining
+        assert overview["workers"] == {"alive": 1, "draining": 1, "registered": 1}
+        assert "of which 1 draining" in overview_page
+        # the lease holder: live (it keeps the run), draining since when
+        since = mine["draining_since"]
+        for lease in (shown["lease"], json.loads(doc)["lease"]):
+            assert (lease["holder_state"], lease["reclaim"], lease["draining_since"]) == (
+                "live", None, since)
+        note = out.split("note:", 1)[1].split("\n", 1)[0].strip()
+        assert re.fullmatch(rf"held by {re.escape(worker.worker_id)}, which is draining since "
+                            r"\d\d:\d\d:\d\dZ \(told to stop: it releases the run for another "
+                            r"worker at its next durable point\), until .*Z \(last "
+                            r"heartbeat \d+ s ago\)", note), note
+        assert 'class="holder h-draining">draining</strong> since' in run_page
         release.set()
         assert await run.result_async(timeout=10) == 1
     assert not sql("SELECT 1 FROM orchestrator.workers WHERE id = %s", (worker.worker_id,))

@@ -619,6 +619,46 @@ async def test_a_stopping_reconciler_records_the_lookup_under_way_and_starts_no_
     assert sorted(s["state"] for s in states) == ["open", "resolved"]
 
 
+async def test_a_stopping_reconciler_gives_back_the_items_it_did_not_look_up(
+        app, sql):  # type: ignore[no-untyped-def]
+    """A graceful stop releases the claims on the items of its batch that it did not begin to
+    look up, so another reconciler takes them at once instead of after the claims lapse
+    (``lookup_timeout`` + 30 s); another reconciler's claim is not touched."""
+    from orchestrator.db import reconciliation as recon_db
+
+    wf, started, release, looked = _two_parked_with_a_held_lookup(app)
+    async with running(app):
+        runs = [await app.submit_async(wf, order) for order in ("o-1", "o-2", "o-3")]
+        for run in runs:
+            await wait_for(parked(sql, run))
+    sql("""UPDATE orchestrator.reconciliation_items SET claimed_by = 'reconciler:other',
+           claimed_until = now() + interval '1 hour' WHERE run_id = %s""", (runs[2].id,))
+    reconciler = app.create_reconciler(batch=3)
+    task = asyncio.ensure_future(reconciler.run())
+    await asyncio.wait_for(started.wait(), 10)
+    reconciler.request_stop()
+    release.set()
+    await asyncio.wait_for(task, 10)
+    assert len(looked) == 1
+    items = {i["run_id"]: i for i in sql(
+        "SELECT run_id, state, claimed_by, claimed_until FROM orchestrator.reconciliation_items")}
+    (left,) = [run.id for run in runs[:2] if items[run.id]["state"] == "open"]
+    assert (items[left]["claimed_by"], items[left]["claimed_until"]) == (None, None)
+    assert items[runs[2].id]["claimed_by"] == "reconciler:other"
+    async with app.database.connection() as conn:  # only its own claims: the guard in SQL
+        foreign = sql("SELECT id FROM orchestrator.reconciliation_items WHERE run_id = %s",
+                      (runs[2].id,))[0]["id"]
+        assert await recon_db.recon_claim_release(conn, item_ids=[foreign],
+                                                  claimer=reconciler.id) == 0
+    assert sql("SELECT claimed_by FROM orchestrator.reconciliation_items WHERE run_id = %s",
+               (runs[2].id,)) == [{"claimed_by": "reconciler:other"}]
+    # another reconciler takes the released item now, not once its claim would have lapsed
+    assert await app.create_reconciler(batch=3).run_once() == 1
+    assert len(looked) == 2
+    assert sql("SELECT state FROM orchestrator.reconciliation_items WHERE run_id = %s",
+               (left,)) == [{"state": "resolved"}]
+
+
 async def test_a_second_stop_ends_the_reconciler_without_waiting_for_its_lookup(
         app, sql, caplog):  # type: ignore[no-untyped-def]
     """Asked again to stop (Ctrl-C twice, a second SIGTERM), the reconciler stops at once: the
