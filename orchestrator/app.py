@@ -107,6 +107,7 @@ from orchestrator.tracing import (
     ParentMode,
     Tracing,
 )
+from orchestrator.waiting import RunWaits
 from orchestrator.worker import Worker
 
 if TYPE_CHECKING:
@@ -226,6 +227,7 @@ class Orchestrator:
         self.registry = Registry()
         self._portal = Portal(finalizer=self._close_pools)
         self._run_streams: RunStreams | None = None
+        self._run_waits: RunWaits | None = None
         # Schedules declared in code (@app.schedule): each worker writes them when it starts.
         self._declared_schedules: dict[str, Declared] = {}
         self._schedules: Schedules | None = None
@@ -248,6 +250,13 @@ class Orchestrator:
         if self._run_streams is None:
             self._run_streams = RunStreams(self.database)
         return self._run_streams
+
+    @property
+    def _waits(self) -> RunWaits:
+        """The result waits (``RunHandle.result``), built on first use."""
+        if self._run_waits is None:
+            self._run_waits = RunWaits(self.database)
+        return self._run_waits
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -911,6 +920,8 @@ class Orchestrator:
     async def _close_pools(self) -> None:
         if self._run_streams is not None:
             await self._run_streams.close()
+        if self._run_waits is not None:
+            await self._run_waits.close()
         if self._database is not None:
             await self._database.close()
 

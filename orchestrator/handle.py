@@ -33,6 +33,7 @@ from orchestrator.errors import (
 from orchestrator.journal import shown
 from orchestrator.models import JournalEntry, Owner, RunInfo
 from orchestrator.stream import RunStreams, check_cursor, check_kept, check_topics
+from orchestrator.waiting import RunWaits
 
 T = TypeVar("T")
 R_co = DefaultTypeVar("R_co", covariant=True, default=Any)
@@ -56,6 +57,9 @@ class Client(Protocol):
 
     @property
     def _streams(self) -> RunStreams: ...
+
+    @property
+    def _waits(self) -> RunWaits: ...
 
     async def _row(self, run_id: uuid.UUID, owner: Owner, *, result: bool = False
                    ) -> dict[str, Any]: ...
@@ -129,24 +133,25 @@ class RunHandle(Generic[R_co]):
         chain: its result is the chain's.
 
         Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
-        waiting changes nothing.
+        waiting changes nothing. The waits of one event loop share one poller: a statement
+        per pause however many wait (``orchestrator.waiting``); cancelling the caller ends
+        its wait.
         """
         seconds = _timeout_seconds(timeout)
         loop = asyncio.get_running_loop()
         give_up = None if seconds is None else loop.time() + seconds
-        delay = 0.005
-        current = self.id
+        row = await self._last(self.id)
         while True:
-            row = await self._last(current)
-            current = row["id"]
             if row["status"] in TERMINAL:
                 result: R_co = _outcome(row)
                 return result
-            if give_up is not None and loop.time() >= give_up:
+            left = None if give_up is None else give_up - loop.time()
+            if left is not None and left <= 0:
                 raise ResultTimeout(_still(row["status"], self.id), status=row["status"])
-            pause = delay if give_up is None else min(delay, max(give_up - loop.time(), 0))
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, 0.25)
+            # Every wait of this event loop shares one poller (orchestrator.waiting); woken
+            # (the run ended, or went) or out of time, the run is read again here.
+            await self.app._waits.finished(row["id"], self.owner, left)
+            row = await self._last(row["id"])
 
     def result(self, timeout: float | timedelta | None = None) -> R_co:
         return self.app._portal.call(self.result_async(timeout))

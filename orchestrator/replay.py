@@ -32,7 +32,14 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.errors import InvalidRequest, UnknownWorkflow
-from orchestrator.journal import RUN_ENDS, Entry, EventKind, JournalIndex, Nondeterminism
+from orchestrator.journal import (
+    RUN_ENDS,
+    Entry,
+    EventKind,
+    JournalIndex,
+    Nondeterminism,
+    shown_payload,
+)
 from orchestrator.matching import (
     NEW,
     Mismatch,
@@ -342,14 +349,19 @@ async def load_runs(conn: Conn, *, run_id: uuid.UUID | None = None,
 
 
 def export_document(run: RecordedRun) -> dict[str, Any]:
-    """``orchestrator runs export``'s document: what ``replay --from-file`` reads."""
+    """``orchestrator runs export``'s document: what ``replay --from-file`` reads. Its payloads
+    are those every reader of the journal is shown (:func:`~orchestrator.journal.shown_payload`:
+    a field that earlier code wrote and that no reader sees, such as an ``event.received``
+    entry's ``event_id``, a number all tenants' events share, is left out; replay reads none
+    of them)."""
     return {"format": EXPORT_FORMAT, "v": EXPORT_VERSION,
             "run": {"id": str(run.run_id), "workflow": run.workflow, "version": run.version,
                     "status": run.status, "tenant": run.owner.tenant,
                     "principal": run.owner.principal, "input": run.input},
             "journal": [{"seq": e["seq"], "kind": e["kind"], "position": e["position"],
                          "name": e["name"], "schema_version": e["schema_version"],
-                         "payload": e["payload"]} for e in run.journal]}
+                         "payload": shown_payload(e["kind"], e["payload"])}
+                        for e in run.journal]}
 
 
 def read_documents(text: str, *, source: str) -> list[RecordedRun]:

@@ -219,7 +219,7 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         writing = asyncio.ensure_future(self._write(send))
-        watching = asyncio.ensure_future(_until_disconnect(receive))
+        watching = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait((writing, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -248,7 +248,9 @@ class EventStream(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _until_disconnect(receive: Any) -> None:
+async def until_disconnect(receive: Any) -> None:
+    """Return once the client has gone (``http.disconnect``); what else arrives is dropped
+    (a request whose body was read, or that has none, receives nothing else)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -26,10 +26,12 @@ cookie is not open to forged requests. Every error answers with the public error
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,6 +44,7 @@ from orchestrator.console.api import (
     json_body,
     sse_response,
     topics_param,
+    until_disconnect,
 )
 from orchestrator.console.service import ConsoleService
 from orchestrator.console.web import ask_host
@@ -59,6 +62,7 @@ from orchestrator.text import check_identifier, is_number
 
 AuthenticateOwner = Callable[[Request], "Owner | None | Awaitable[Owner | None]"]
 Endpoint = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 MAX_WAIT = 60
 """Seconds ``GET /api/runs/{id}/result?wait=`` may wait at most."""
@@ -196,6 +200,35 @@ def _wait(request: Request) -> float:
     return seconds
 
 
+class _ClientLeft(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+CLIENT_LEFT = 499
+"""The status of the answer nobody reads: the client closed its connection first (what
+proxies log for a request the client gave up on)."""
+
+
+async def _while_connected(request: Request, waiting: Awaitable[T]) -> T:
+    """``waiting``'s value, unless the client closes the connection first: then it is
+    cancelled (a long poll stops waiting, and polling, for nobody) and :class:`_ClientLeft`
+    raised. A request without a body has nothing else to receive but the disconnect."""
+    task = asyncio.ensure_future(waiting)
+    watching = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watching), return_when=asyncio.FIRST_COMPLETED)
+        answered = task.done()
+    finally:
+        for pending in (task, watching):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
+    if not answered:
+        raise _ClientLeft
+    return task.result()
+
+
 class Submitters:
     """The submitters' routes of one console (see the module docstring)."""
 
@@ -316,12 +349,14 @@ class Submitters:
         (succeeded) or the public ``error`` (failed, cancelled: its code is the outcome, C13)
         once the run is terminal; 202 with ``done`` false and the current ``status`` when it
         is not after ``S`` seconds (0, the default, answers at once). Waiting changes
-        nothing."""
+        nothing; a client that leaves (closes the connection) ends the wait."""
         wait = _wait(request)
         handle = await self._handle(request, owner)
         run_id = str(handle.id)
         try:
-            value = await handle.result_async(timeout=wait)
+            value = await _while_connected(request, handle.result_async(timeout=wait))
+        except _ClientLeft:
+            return Response(status_code=CLIENT_LEFT)  # nobody reads it
         except ResultTimeout as exc:
             return JSONResponse({"run_id": run_id, "done": False, "status": exc.status},
                                 status_code=202)

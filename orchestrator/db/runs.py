@@ -252,6 +252,26 @@ async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
             for row in await cur.fetchall()}
 
 
+async def run_finished(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
+                       ) -> set[uuid.UUID]:
+    """Of the ``(run_id, tenant, principal)`` given, the ids of the runs that are terminal
+    (``succeeded``, ``failed``, ``cancelled``), and of those that are not that owner's run
+    (missing, or another owner's: C9), in one statement by the primary key however many
+    there are; the answer is as small as what finished (what the result waits poll:
+    ``orchestrator.waiting``). A run that continued as new is ``succeeded``: its waiter
+    follows the chain itself."""
+    cur = await conn.execute(
+        f"""
+        SELECT w.id FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS w(id, tenant, principal)
+        LEFT JOIN {S}.runs AS r
+          ON r.id = w.id AND r.tenant = w.tenant AND r.principal = w.principal
+        WHERE r.id IS NULL OR r.status IN ('succeeded', 'failed', 'cancelled')
+        """,
+        ([r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]),
+    )
+    return {row["id"] for row in await cur.fetchall()}
+
+
 async def run_revisions(conn: Conn, run_ids: Sequence[uuid.UUID]
                         ) -> dict[uuid.UUID, dict[str, Any]]:
     """The ``revision`` and ``status`` of each of ``run_ids`` that exists, by the primary key

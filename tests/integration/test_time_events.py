@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from datetime import timedelta
 
@@ -12,6 +13,7 @@ from orchestrator import AccessDenied, ResultTimeout, RunFailed, admin, records
 from orchestrator.db import journal as journal_db
 from orchestrator.errors import InvalidRequest
 from orchestrator.journal import EventKind, entry
+from orchestrator.replay import export_document, load_runs, read_documents
 from tests.integration.conftest import OTHER, running, wait_for
 
 
@@ -125,11 +127,18 @@ async def test_a_received_event_tells_its_owner_nothing_of_other_tenants_events(
             entry(EventKind.EVENT_RECEIVED, 0, "approval", {"payload": 0, "event_id": 41})])
     assert sql("SELECT payload FROM orchestrator.journal WHERE run_id = %s",
                (old.id,)) == [{"payload": {"payload": 0, "event_id": 41}}]
+    async with app.database.connection() as conn:  # what `orchestrator runs export` writes
+        (recorded,) = await load_runs(conn, run_id=old.id)
+    exported = export_document(recorded)
     shown = [(await old.journal_async())[0].payload,
              [e.payload async for e in old.events(follow=False)][0],
              records.run_detail(await admin.show_run(app.database, old.id))["journal"][0][
-                 "payload"]]
-    assert shown == [{"payload": 0}] * 3
+                 "payload"],
+             exported["journal"][0]["payload"]]
+    assert shown == [{"payload": 0}] * 4
+    assert recorded.journal[0]["payload"] == {"payload": 0, "event_id": 41}  # only in storage
+    (again,) = read_documents(json.dumps(exported, default=str), source="run.json")
+    assert again.journal[0]["payload"] == {"payload": 0}  # replay --from-file reads it
 
 
 async def test_events_check_ownership_and_payloads(app, sql):

@@ -19,6 +19,7 @@ from orchestrator import (
     WorkflowError,
 )
 from orchestrator.db import runs as runs_db
+from orchestrator.handle import RunHandle
 from tests.integration.conftest import OTHER, running, wait_for
 
 
@@ -128,6 +129,41 @@ async def test_a_timeout_raises_result_timeout_naming_the_pending_runs(app, sql)
         await app.send_event_async(blocked.id, "go")
         assert await app.wait_async([done, blocked], timeout=30) == [done, blocked]
         assert await app.wait_async([], timeout=0) == []
+
+
+async def test_result_waits_share_one_poll_and_one_that_times_out_leaves_nothing(
+        app, sql, monkeypatch):
+    """``result(timeout=)`` of many runs in one event loop: one statement per poll asks about
+    all of them (orchestrator.waiting); a wait that times out is ``RESULT_TIMEOUT`` with the
+    run's status and leaves the poller (the others wait on); another owner's handle is
+    ``ACCESS_DENIED`` before it waits; once nobody waits, the poller stops."""
+    gate, _, _ = _register(app)
+    asked: list[int] = []
+    real = runs_db.run_finished
+
+    async def spy(conn, runs):  # type: ignore[no-untyped-def]
+        asked.append(len(runs))
+        return await real(conn, runs)
+
+    async with running(app, concurrency=15):
+        gates = [await app.submit_async(gate, i) for i in range(10)]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates), 20)
+        monkeypatch.setattr(runs_db, "run_finished", spy)
+        waits = [asyncio.ensure_future(h.result_async(timeout=30)) for h in gates]
+        with pytest.raises(ResultTimeout) as timed_out:
+            await gates[0].result_async(timeout=0.3)  # a second wait of one run gives up
+        assert timed_out.value.status == "waiting"
+        poller = app._waits.poller()
+        assert len(poller.waiting) == 10 and sum(map(len, poller.waiting.values())) == 10
+        assert asked and max(asked) == 10  # the two waits of one run: asked about once
+        with pytest.raises(AccessDenied):
+            await RunHandle(app, gates[1].id, OTHER).result_async(timeout=30)
+        assert not any(w.done() for w in waits)
+        for handle in gates:
+            await app.send_event_async(handle.id, "go")
+        assert await asyncio.gather(*waits) == list(range(10))
+        assert poller.waiting == {}
+        await wait_for(lambda: poller._task is None, 5, "the poller stopped")
 
 
 async def test_the_sync_forms_wait_from_a_thread_while_runs_end(app, sql):
