@@ -24,6 +24,7 @@ import asyncio
 import random
 import statistics
 import time
+import uuid
 from typing import Any
 
 import psycopg  # noqa: TID251 - the benchmark builds and inspects its own databases
@@ -49,24 +50,37 @@ def _app(url: str) -> tuple[Orchestrator, Any]:
 
 
 async def _fill(url: str, runs: int, keys: int, levels: int, seed: int) -> None:
-    """The same runs in every database (``seed``), and the same keys busy."""
-    app, job = _app(url)
+    """The same runs in every database (``seed``), and the same keys busy. The runs are
+    written as a submission writes them, by one INSERT of the columns every revision here has
+    (this checkout's submission writes columns an older revision lacks): each its own id,
+    submitted (and ready) a millisecond after the one before."""
+    app, _ = _app(url)
     worker = app.create_worker(concurrency=1)  # writes the queue's declaration
     async with app.database.connection() as conn:
         from orchestrator.db import queues as queues_db
 
         await queues_db.queue_declare(conn, worker.declared_queues)
+    await app.database.close()
     rng = random.Random(seed)
     span = MAX_PRIORITY * 2 // max(levels - 1, 1)  # the levels spread over the whole range
     plan = [(f"k{rng.randrange(keys)}", -MAX_PRIORITY + rng.randrange(levels) * span)
             for _ in range(runs)]
-    for start in range(0, runs, 200):
-        await asyncio.gather(*(app.submit_async(job, i, concurrency_key=key, priority=level)
-                               for i, (key, level) in enumerate(plan[start:start + 200],
-                                                                start)))
-        if start % 5000 == 0:
-            log(f"claim_cost: {start + 200:,}/{runs:,} runs submitted")
-    await app.database.close()
+    ids = [uuid.UUID(int=rng.getrandbits(128), version=4) for _ in range(runs)]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                   workflow_version, input, options, request_digest, status, available_at,
+                   created_at, queue, priority, concurrency_key)
+               SELECT t.id, 'bench', 'claims', 'job', '1', to_jsonb(t.i),
+                      jsonb_build_object('queue', %(q)s::text, 'priority', t.p,
+                                         'concurrency_key', t.k),
+                      md5(t.i::text), 'queued', at.t, at.t, %(q)s, t.p, t.k
+               FROM unnest(%(ids)s::uuid[], %(keys)s::text[], %(levels)s::int[])
+                    WITH ORDINALITY AS t(id, k, p, i)
+               CROSS JOIN LATERAL (SELECT now() - (%(n)s - t.i) * interval '1 ms') AS at(t)""",
+            {"q": QUEUE, "ids": ids, "keys": [k for k, _ in plan],
+             "levels": [p for _, p in plan], "n": runs})
+        log(f"claim_cost: {runs:,} runs submitted")
     # A third of the keys with both slots held: started (as a claim leaves them) and running.
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -52,7 +53,7 @@ from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.executor import RunExecutor
 from orchestrator.engine.outcome import STRANDED_ERROR, strand_entries
-from orchestrator.engine.run import lease_lost
+from orchestrator.engine.run import Lease, claim_lease, lease_lost
 from orchestrator.errors import (
     DatabaseError,
     LeaseLost,
@@ -85,6 +86,17 @@ WRITE_GRACE = 5.0
 # was saturated and the first step waited for it: 14.8 ms p50, 33.5 ms p99 on 2 cores; 10 ms
 # apart, 9.7 / 20.4 ms, with drains no slower (bench latency and throughput sections).
 CLAIM_GAP = 0.010
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A run this worker claimed, from its claim until its task ends: the task driving it,
+    the claim's lease (renewed from the claim on, while the run's journal is read too) and,
+    once built, its executor (which reads the same lease)."""
+
+    task: asyncio.Future[None]
+    lease: Lease
+    executor: RunExecutor | None = None
 
 
 class Worker:
@@ -120,10 +132,7 @@ class Worker:
             database.target.session_url, secrets.randbits(62) + 1,
             options=connect_options(database.target, database.connect_timeout))
         self.writer = GroupWriter(database)
-        self._running: dict[uuid.UUID, tuple[asyncio.Task[None], RunExecutor | None]] = {}
-        # The claims of runs whose journal is being read (no executor yet): their leases are
-        # renewed meanwhile, and a renewal is noted in the claim for the executor to come.
-        self._reading: dict[uuid.UUID, dict[str, Any]] = {}
+        self._running: dict[uuid.UUID, _InFlight] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # asked to stop again: the drain waits no more
@@ -267,9 +276,9 @@ class Worker:
                     self.config.back_offs[name] = when
             return
         if channel == CANCEL_CHANNEL:
-            for rid, (_, ex) in self._running.items():
-                if ex is not None and str(rid) == payload:
-                    ex.run.note_cancel()
+            for rid, held in self._running.items():
+                if held.executor is not None and str(rid) == payload:
+                    held.executor.run.note_cancel()
             return
         if payload == DEFAULT_QUEUE_NEWS:  # a run outside every queue: the default queue only
             self._dirty.add(None)
@@ -351,7 +360,7 @@ class Worker:
         # measured against it, not against the time its executor is built, after a journal
         # read that may take seconds.
         for claim in claims:
-            claim["lease_sent"], claim["lease_ttl"] = sent, self.lease_ttl
+            claim["lease"] = Lease(claim["lease_token"], sent=sent, ttl=self.lease_ttl)
             claim["claimed_wall"] = wall
         self.claimed += len(claims)
         if claims:
@@ -370,8 +379,9 @@ class Worker:
             if claim["lease_token"] == 1:
                 workflow = claim["workflow_name"]
                 metrics.incr("runs_started", workflow=workflow)
-                metrics.observe("run_queue_wait_seconds", max(0.0, (
-                    claim["db_now"] - claim["due_at"]).total_seconds()), workflow)
+                if claim["due_at"] is not None:  # (a row edited by hand: not counted)
+                    metrics.observe("run_queue_wait_seconds", max(0.0, (
+                        claim["db_now"] - claim["due_at"]).total_seconds()), workflow)
 
     def _count_replay(self, claim: dict[str, Any], journal: list[dict[str, Any]]) -> None:
         """A run claimed with history is replayed from its journal; it is a resume when it
@@ -387,37 +397,30 @@ class Worker:
 
     def _start(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
-        task = asyncio.ensure_future(self._execute(claim))
-        self._running[run_id] = (task, None)
-        self._reading[run_id] = claim
+        held = self._running[run_id] = _InFlight(asyncio.ensure_future(self._execute(claim)),
+                                                 claim_lease(claim, self.lease_ttl))
 
-        def done(_: asyncio.Task[None]) -> None:
-            held = self._running.get(run_id)
-            if held is not None and held[0] is task:  # not a newer claim of the same run
+        def done(_: asyncio.Future[None]) -> None:
+            if self._running.get(run_id) is held:  # not a newer claim of the same run
                 del self._running[run_id]
-            if self._reading.get(run_id) is claim:
-                del self._reading[run_id]
             self._wake.set()
 
-        task.add_done_callback(done)
+        held.task.add_done_callback(done)
 
     async def _execute(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]
         executor: RunExecutor | None = None
         try:
             executor = await self._executor_for(claim)
-            if self._reading.get(run_id) is claim:
-                del self._reading[run_id]
             if executor is None:
                 return
-            task = asyncio.current_task()
             held = self._running.get(run_id)
-            if held is None or held[0] is not task:
+            if held is None or held.task is not asyncio.current_task():
                 # Its lease lapsed while its journal was read, and this worker claimed the run
                 # again meanwhile: the newer claim drives it, this one's token is superseded.
                 executor.run.lose_lease("claimed again")
                 return
-            self._running[run_id] = (held[0], executor)
+            held.executor = executor
             if self._stop.is_set():
                 executor.run.request_drain()
             workflow = self.registry.workflows[executor.workflow_key]
@@ -581,11 +584,12 @@ class Worker:
         worker for a replay while the write is still coming), but never reported lost: if its
         write landed it is simply not running any more, and if it was taken away the write is
         fenced. Returns False if the database could not be asked."""
-        held = [(rid, ex) for rid, (_, ex) in list(self._running.items())
-                if ex is not None and not ex.run.lost]
-        reading = list(self._reading.items())
-        leases = [(rid, ex.token) for rid, ex in held]
-        leases += [(rid, claim["lease_token"]) for rid, claim in reading]
+        # Each run claimed whose task goes on, its journal being read (no executor yet) or
+        # driven; not one whose executor was told it lost its lease, nor one whose task has
+        # ended (it let go of the run, or is about to leave this book).
+        held = [(rid, h.lease, h.executor) for rid, h in list(self._running.items())
+                if not h.task.done() and (h.executor is None or not h.executor.run.lost)]
+        leases = [(rid, lease.token) for rid, lease, _ in held]
         try:
             async with self.database.connection() as conn:
                 sent = time.monotonic()
@@ -594,16 +598,11 @@ class Worker:
         except OrchestratorError as exc:
             log.warning("lease renewal failed: %s", exc.code)
             return False
-        for rid, claim in reading:
-            if rid in renewed:  # read by the executor when it is built (RunState)
-                claim["lease_renewed"] = sent
-                _, ex = self._running.get(rid, (None, None))
-                if ex is not None and ex.token == claim["lease_token"]:
-                    ex.run.lease_renewed(sent)  # built while the renewal was on its way
-        for rid, ex in held:
-            if rid in renewed:
-                ex.run.lease_renewed(sent)
-            elif rid not in kept and rid in self._running and not ex.run.ending:
+        for rid, lease, ex in held:
+            if rid in renewed:  # the executor's lease too, built before or after the renewal
+                lease.renewed(sent)
+            elif (ex is not None and rid not in kept and rid in self._running
+                  and not ex.run.ending):
                 with self._in_span(rid):
                     ex.run.lose_lease("heartbeat rejected")
         return True
@@ -612,9 +611,9 @@ class Worker:
         busy = len(self._running)
         log.info("worker %s draining: %d run%s in flight, up to %g s to reach a durable point",
                  self.worker_id, busy, "" if busy == 1 else "s", self.drain_timeout)
-        for _, ex in self._running.values():
-            if ex is not None:
-                ex.run.request_drain()
+        for held in self._running.values():
+            if held.executor is not None:
+                held.executor.run.request_drain()
         # The fleet shows it draining; a database that does not answer holds no run back.
         marking = asyncio.ensure_future(self._mark_draining())
         try:
@@ -635,7 +634,7 @@ class Worker:
             log.warning("worker %s: could not record its drain: %s", self.worker_id, exc.code)
 
     async def _drain_runs(self) -> None:
-        tasks = [task for task, _ in self._running.values()]
+        tasks = [held.task for held in self._running.values()]
         if tasks:
             _, pending = await self._wait_unless_hurried(tasks, self.drain_timeout)
             if pending:

@@ -29,11 +29,11 @@ _CONTINUE_AS = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
                       available_at, deadline_at, traceparent, queue, priority,
-                      concurrency_key, continued_from, cancel_requested_at)
+                      concurrency_key, continued_from, cancel_requested_at, due_at)
 SELECT %(new)s, o.tenant, o.principal, o.workflow_name, %(version)s, %(input)s::jsonb,
        o.options, o.request_digest, %(key)s, o.parent_run_id, %(parent_position)s, 'queued',
        now(), o.deadline_at, o.traceparent, o.queue, o.priority, o.concurrency_key, o.id,
-       o.cancel_requested_at
+       o.cancel_requested_at, now()
 FROM {S}.runs AS o WHERE o.id = %(old)s
 RETURNING (SELECT count(*) FROM (
               SELECT pg_notify('{RUNS_CHANNEL}', coalesce(queue, '{DEFAULT_QUEUE_NEWS}'))

@@ -109,22 +109,15 @@ _START = """(CASE WHEN %(start_at)s::timestamptz IS NOT NULL
               WHEN %(delay_seconds)s::float8 IS NOT NULL
               THEN now() + make_interval(secs => %(delay_seconds)s::float8)
               ELSE now() END)"""
-"""When a new run may start: now, or held back (:class:`~orchestrator.flow.Start`)."""
-
-_DUE = """(CASE WHEN r.continued_from IS NOT NULL THEN r.created_at
-             ELSE greatest(r.created_at, (r.options ->> 'start_at')::timestamptz,
-                           r.created_at + make_interval(
-                               secs => (r.options ->> 'delay_seconds')::float8)) END)"""
-"""When the run ``r`` was due: the start its submission held it back to (``options`` records
-the hold, and :data:`_START` counted it from the clock ``created_at`` read), else its creation;
-a continuation carries its first generation's options but is due when it is made. What the
-queue wait and the duration a worker observes count from (docs/metrics.md)."""
+"""When a new run may start: now, or held back (:class:`~orchestrator.flow.Start`). Also when
+it is due (``due_at``, written once here): what the queue wait and the duration a worker
+observes count from (docs/metrics.md); a later wait (a retry, a sleep) makes it ready, not due."""
 
 _INSERT = f"""
 INSERT INTO {S}.runs (id, tenant, principal, workflow_name, workflow_version, input, options,
                       request_digest, idempotency_key, parent_run_id, parent_position, status,
                       available_at, deadline_at, traceparent, queue, priority,
-                      concurrency_key, cancel_requested_at)
+                      concurrency_key, cancel_requested_at, due_at)
 VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version)s,
         %(input)s::jsonb, %(options)s::jsonb, %(request_digest)s, %(idempotency_key)s,
         %(parent_run_id)s, %(parent_position)s, 'queued', {_START},
@@ -132,7 +125,8 @@ VALUES (%(id)s, %(tenant)s, %(principal)s, %(workflow_name)s, %(workflow_version
              ELSE {_START} + make_interval(secs => %(deadline_seconds)s::float8) END,
         %(traceparent)s, %(queue)s, %(priority)s, %(concurrency_key)s,
         (SELECT p.cancel_requested_at FROM {S}.runs p WHERE p.id = %(parent_run_id)s
-         FOR KEY SHARE))
+         FOR KEY SHARE),
+        {_START})
 ON CONFLICT DO NOTHING
 RETURNING id
 """
@@ -140,7 +134,9 @@ RETURNING id
 cancellation committed while it was starting the child (past its last check, before its
 write) leaves no child running. The parent's row is read ``FOR KEY SHARE`` (the lock the
 foreign key's check takes anyway), so a cancellation that holds it (``FOR UPDATE``:
-:func:`orchestrator.admin.cancel_locked`) is waited for, and then seen."""
+:func:`orchestrator.admin.cancel_locked`) is waited for, and then seen. For a run without a
+parent the sub-select's key is NULL: PostgreSQL answers it without reading a page or locking a
+row, so one statement serves both."""
 
 _BY_KEY = f"""
 SELECT id, request_digest FROM {S}.runs
@@ -341,7 +337,7 @@ WHERE r.id = picked.id
 RETURNING r.id, r.tenant, r.principal, r.workflow_name, r.workflow_version,
           r.input::text AS input_text, r.deadline_at, r.lease_token, r.revision,
           r.cancel_requested_at, r.parent_run_id, r.traceparent, now() AS db_now,
-          {_DUE} AS due_at, before.status AS claimed_from
+          r.due_at, before.status AS claimed_from
 """
 
 

@@ -145,6 +145,11 @@ runs = Table(
     # name: what a call of the tool ending wakes. NULL unless the run waits for a turn;
     # ``waiting_for`` says the same in words.
     Column("waiting_tool", Text),
+    # When the run became due (migration 0032): the start its submission held it back to,
+    # else its creation; written once by the insert, read by the claims (what a worker counts
+    # the queue wait and the duration from, docs/metrics.md). NULL for a run that had finished
+    # before the migration (no claim reads it again).
+    _ts("due_at", default_now=True),
     CheckConstraint(_in("status", RUN_STATUSES), name="status"),
     CheckConstraint("revision >= 0 AND lease_token >= 0", name="counters"),
     CheckConstraint(

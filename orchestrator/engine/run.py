@@ -40,6 +40,40 @@ def lease_lost(metrics: Metrics, run_id: uuid.UUID, token: int, where: str,
                 run_id, token, where, extra=fields(run_id=run_id, workflow=workflow))
 
 
+class Lease:
+    """A run's lease as this process holds it, from its claim on: the token the claim took,
+    and until when the lease lasts at the earliest by this process's monotonic clock (the
+    database set its expiry to its own now() + ``ttl`` after the claim, or a renewal, was
+    sent). One object per claim, shared: the worker's renewals extend it while the run's
+    journal is read and once the run is driven, and the run's executor reads it before every
+    dispatch (C6)."""
+
+    __slots__ = ("sent", "token", "ttl", "until")
+
+    def __init__(self, token: int, *, sent: float, ttl: float) -> None:
+        self.token, self.ttl = token, ttl
+        self.sent = sent  # when the claim was sent (``time.monotonic()``)
+        self.until = sent + ttl
+
+    def renewed(self, sent: float) -> None:
+        """Extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
+        self.until = max(self.until, sent + self.ttl)
+
+    def left(self) -> float:
+        """Seconds the lease is sure to last (negative: it may be over, and another worker
+        may hold the run)."""
+        return self.until - time.monotonic()
+
+
+def claim_lease(claim: dict[str, Any], ttl: float = 30.0) -> Lease:
+    """The lease a claim took (``claim["lease"]``, set by the worker as the claim returned);
+    for a claim made otherwise (a test's), one counted from now, kept in the claim."""
+    lease: Lease | None = claim.get("lease")
+    if lease is None:
+        lease = claim["lease"] = Lease(claim["lease_token"], sent=time.monotonic(), ttl=ttl)
+    return lease
+
+
 class RunState:
     """A claimed run as this process holds it. Built from the claim's row and the journal."""
 
@@ -72,14 +106,12 @@ class RunState:
         # is history; its issue times the replay (from the claim) for the metrics.
         self._replayed_at = self.recorded_until + 1 if self.recorded_until >= 0 else -1
         self.lost = False  # the fence rejected a write (or a renewal): the lease is gone
-        # When the lease ends at the earliest, by this process's monotonic clock: the
-        # database set its expiry to its own now() + ttl after the claim (or renewal) was sent.
-        self.lease_ttl = float(claim.get("lease_ttl", 30.0))
+        # The claim's lease (renewed by the worker from the claim on, the journal's read
+        # included: worker._renew_leases).
+        self.lease = claim_lease(claim)
+        self.lease_ttl = self.lease.ttl
         self.due_at: datetime | None = claim.get("due_at")
-        self.claimed_at = float(claim.get("lease_sent", time.monotonic()))
-        # (renewed by the worker while it read the journal, perhaps: worker._renew_leases)
-        self.lease_until = max(self.claimed_at, float(claim.get("lease_renewed", 0.0))
-                               ) + self.lease_ttl
+        self.claimed_at = self.lease.sent
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
         # The NONDETERMINISM a command met (see settle); None while the code matches.
@@ -96,12 +128,12 @@ class RunState:
 
     def lease_renewed(self, sent: float) -> None:
         """The lease was extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
-        self.lease_until = max(self.lease_until, sent + self.lease_ttl)
+        self.lease.renewed(sent)
 
     def lease_left(self) -> float:
         """Seconds the lease is sure to last, by this process's clock (negative: it may be
         over, and another worker may hold the run)."""
-        return self.lease_until - time.monotonic()
+        return self.lease.left()
 
     @property
     def dispatch_margin(self) -> float:

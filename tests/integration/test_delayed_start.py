@@ -249,3 +249,44 @@ async def test_a_continuation_of_a_held_run_was_due_when_it_was_made(make_app, s
     (second,) = await claim()
     [made] = sql("SELECT created_at FROM orchestrator.runs WHERE id = %s", (next_id,))
     assert second["id"] == next_id and second["due_at"] == made["created_at"]
+
+
+@pytest.mark.parametrize("queue", [None, "later"])
+async def test_a_hold_edited_into_no_time_fails_no_claim(make_app, sql, queue):
+    """When a run became due is written when it is inserted (``due_at``), not worked out
+    again at every claim from its ``options``: a ``start_at`` or ``delay_seconds`` there edited
+    by hand into something that is no time made every claim that picked the run fail, and the
+    runs claimed with it did not start either."""
+    app, remind = _app(make_app, {})
+    if queue is not None:
+        app.queue(queue)
+        async with app.database.connection() as conn:
+            await queues_db.queue_declare(conn, [app._declared_queues[queue].row()])
+    at = datetime.now(UTC) + timedelta(seconds=1)
+    held = await app.submit_async(remind, {"name": "at"}, start_at=at, queue=queue)
+    delayed = await app.submit_async(remind, {"name": "d"}, delay=timedelta(seconds=1),
+                                     queue=queue)
+    other = await app.submit_async(remind, {"name": "other"}, queue=queue)
+    sql("UPDATE orchestrator.runs SET options = options || '{\"start_at\": \"soon\"}' "
+        "WHERE id = %s", (held.id,))
+    sql("UPDATE orchestrator.runs SET options = options || '{\"delay_seconds\": \"1e999\"}' "
+        "WHERE id = %s", (delayed.id,))
+    created = {r["id"]: r["created_at"] for r in sql(
+        "SELECT id, created_at FROM orchestrator.runs")}
+    claimed: dict[Any, Any] = {}
+
+    async def claim() -> bool:
+        async with app.database.connection() as conn:
+            if queue is None:
+                rows = await runs_db.run_claim_ready(conn, worker="w", workflows=["remind@1"],
+                                                     limit=10, ttl=30)
+            else:
+                rows, _ = await queues_db.queue_claim(conn, queue=queue, worker="w",
+                                                      workflows=["remind@1"], limit=10, ttl=30)
+        claimed.update({r["id"]: r for r in rows})
+        return len(claimed) == 3
+
+    await wait_for(claim, what="the held runs to be claimed")
+    assert claimed[held.id]["due_at"] == at
+    assert claimed[delayed.id]["due_at"] == created[delayed.id] + timedelta(seconds=1)
+    assert claimed[other.id]["due_at"] == created[other.id]

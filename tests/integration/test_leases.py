@@ -19,6 +19,7 @@ from orchestrator.db.database import Database
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
+from orchestrator.worker import _InFlight
 from tests.integration.conftest import listening, running, wait_for, watch_claims
 
 
@@ -260,7 +261,8 @@ async def test_a_run_ending_while_leases_are_renewed_is_not_reported_lost(app, s
     executors = []
     for claim in claims:
         ex = worker.new_executor(claim, [])
-        worker._running[claim["id"]] = (asyncio.get_running_loop().create_future(), ex)
+        worker._running[claim["id"]] = _InFlight(asyncio.get_running_loop().create_future(),
+                                                 ex.run.lease, ex)
         executors.append(ex)
     ending, working = executors
     ending.run.enter(Phase.ENDING)  # its success was just committed; its task has not returned yet
@@ -428,8 +430,7 @@ async def test_a_run_released_for_a_drain_while_the_database_is_down_is_let_go_a
     worker._stop.set()  # draining: the run is released at its first boundary
     caplog.set_level(logging.WARNING, logger="orchestrator")
     worker._start(claim)
-    task, _ = worker._running[claim["id"]]
-    await task
+    await worker._running[claim["id"]].task
     assert "the worker failed while driving it" not in caplog.text
     await _said_lost(caplog, app, worker, claim, "database unavailable")
 

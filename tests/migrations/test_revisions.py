@@ -287,3 +287,51 @@ def test_runs_and_grants_from_before_0019_keep_their_journal(empty_database_url:
         with psycopg.connect(empty_database_url, autocommit=True) as conn:
             conn.execute(f'DROP OWNED BY "{role}"')
             conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_runs_in_flight_before_0032_say_when_they_were_due(empty_database_url: str) -> None:
+    """The upgrade writes ``due_at`` for every run that has not finished, as the claims worked
+    it out before (the hold its submission recorded in ``options``, else its creation; a
+    continuation's creation), and a run whose hold was edited into no time does not fail it:
+    that run is due when it was created. Finished runs keep NULL. A run inserted afterwards by
+    code that does not write the column (a submitter not upgraded yet) is due at its insert."""
+    target = _target(empty_database_url)
+    migrate.upgrade(target, "0031")
+    created = "2026-12-01 10:00:00+00"
+    runs = {  # n: (status, options, continued_from)
+        "1": ("queued", '{"start_at": "2026-12-01T12:00:00+00:00"}', None),
+        "2": ("waiting", '{"delay_seconds": 90}', None),
+        "3": ("running", "{}", None),
+        "4": ("queued", '{"delay_seconds": 3600}', "00000000-0000-0000-0000-000000000009"),
+        "5": ("queued", '{"start_at": "soon"}', None),
+        "6": ("needs_reconciliation", '{"delay_seconds": "1e999"}', None),
+        "7": ("succeeded", '{"delay_seconds": 60}', None),
+    }
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        for n, (status, options, continued) in runs.items():
+            conn.execute("""
+                INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                    workflow_version, input, request_digest, status, options, continued_from,
+                    created_at, lease_owner, lease_expires_at, finished_at)
+                VALUES (%(id)s, 'acme', 'alice', 'wf', '1', '{}', 'd', %(status)s,
+                        %(options)s, %(continued)s, %(created)s,
+                        CASE WHEN %(status)s = 'running' THEN 'w' END,
+                        CASE WHEN %(status)s = 'running' THEN now() END,
+                        CASE WHEN %(status)s = 'succeeded' THEN now() END)""",
+                         {"id": f"00000000-0000-0000-0000-00000000000{n}", "status": status,
+                          "options": options, "continued": continued, "created": created})
+    migrate.upgrade(target)
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("SET TIME ZONE 'UTC'")
+        rows = dict(conn.execute("SELECT right(id::text, 1), due_at::text "
+                                 "FROM orchestrator.runs ORDER BY id").fetchall())
+        assert rows == {"1": "2026-12-01 12:00:00+00", "2": "2026-12-01 10:01:30+00",
+                        "3": created, "4": created, "5": created, "6": created, "7": None}
+        conn.execute("""
+            INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name,
+                workflow_version, input, request_digest)
+            VALUES ('00000000-0000-0000-0000-000000000008', 'acme', 'alice', 'wf', '1', '{}',
+                    'd')""")
+        (same,) = conn.execute("SELECT due_at = created_at FROM orchestrator.runs "
+                               "WHERE right(id::text, 1) = '8'").fetchone() or (None,)
+        assert same is True
