@@ -149,6 +149,9 @@ class _Commands:
         self.matched = 0
         self.waiting: list[int] = []  # positions where a branch waits for what is not recorded
         self.never: asyncio.Future[Any] | None = None
+        # The first command that differed from the journal, in whichever branch (one the code
+        # never waits for included), as a worker's replay keeps it to end the run with.
+        self.diverged: Nondeterminism | None = None
 
     # -- the Commands protocol of orchestrator.context --------------------------------------
 
@@ -230,6 +233,9 @@ class _Commands:
         if found is not NEW and not (found.outcome is Outcome.DIFFERS
                                      and found.value is Mismatch.COMMAND):
             self.matched += 1
+        if (found.outcome is Outcome.DIFFERS and self.diverged is None
+                and isinstance(found.error, Nondeterminism)):
+            self.diverged = found.error
         return found
 
     async def _outcome(self, position: int, found: matching.Verdict) -> Any:
@@ -263,16 +269,21 @@ async def check_run(run: RecordedRun, registry: Registry,
         return await wf.fn(WorkflowContext(commands), run.input)
 
     task = asyncio.ensure_future(body())
-    quiet, seen = 0, -1
-    while not task.done() and quiet < QUIET_TURNS:
-        await asyncio.sleep(0)
-        quiet = quiet + 1 if commands.issued == seen else 0
-        seen = commands.issued
-    if not task.done():  # every branch waits where its history ends
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    try:
+        await _until_quiet(commands)
+    finally:
+        waits = not task.done()  # every branch waits where its history ends
+        if waits:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if commands.never is not None:  # branches the code left waiting end with the check
+            commands.never.cancel()
+    # A branch that differed decides, whether or not the code waited for it (as in a worker).
+    failure: BaseException | None = commands.diverged
+    if failure is None and waits:
         return _ended(run, key, commands, min(commands.waiting, default=commands.position))
-    failure = _deciding(task.exception() if not task.cancelled() else None)
+    if failure is None:
+        failure = _deciding(task.exception() if not task.cancelled() else None)
     if isinstance(failure, Nondeterminism):
         return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
                        failure.recorded, failure.issued, f"NONDETERMINISM: {failure.report}")
@@ -292,6 +303,17 @@ async def check_run(run: RecordedRun, registry: Registry,
                        f"NONDETERMINISM: position {beyond[0]}: the journal recorded "
                        f"{describe(first)}, the code ended")
     return _ended(run, key, commands, None)
+
+
+async def _until_quiet(commands: _Commands) -> None:
+    """Turn the loop until the code has gone quiet: every branch waits where its history
+    ends, or the code ended and the branches it did not wait for have taken the steps they
+    had already begun (a worker's replay takes them too before the run's end is written)."""
+    quiet, seen = 0, -1
+    while quiet < QUIET_TURNS:
+        await asyncio.sleep(0)
+        quiet = quiet + 1 if commands.issued == seen else 0
+        seen = commands.issued
 
 
 def _deciding(failure: BaseException | None) -> BaseException | None:

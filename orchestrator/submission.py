@@ -24,7 +24,7 @@ from orchestrator.canonical import JsonLimits
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn, Database
-from orchestrator.db.events import event_insert, event_pending_count, event_seen
+from orchestrator.db.events import event_announce, event_insert, event_pending_count, event_seen
 from orchestrator.errors import (
     AccessDenied,
     EventBacklogFull,
@@ -233,6 +233,7 @@ class Submission:
                                          payload=text)
             if created:
                 await runs_db.run_wake(conn, target)
+                await event_announce(conn, run_id=target, name=name)
             return created
 
         # Keyed, a retry after a lost COMMIT finds the event delivered; unkeyed, it could

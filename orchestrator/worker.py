@@ -1,13 +1,14 @@
 """The worker: claims ready runs, drives them, keeps their leases alive, drains on stop.
 
 One worker process holds up to ``concurrency`` runs at once. It wakes on NOTIFY (new work,
-events, finished children, expired leases) and polls only as a fallback. It claims from the
-default queue and from every queue (docs/flow.md) it has news of: a NOTIFY names the queue
-whose runs it concerns (``.``: the default queue; empty, from an older sender: any), and a
-source is claimed from again only after such news, after a claim that filled every free slot
-(more may wait), when a queue's rate window has room again, or at the poll. Stopping (SIGTERM)
-drains: no new claims; in-flight runs go on to their next durable point, then their leases are
-released so another worker picks them up at once.
+events, finished children, expired leases) and polls only as a fallback; news of an event for
+a run it holds wakes the branch waiting for it in place (``Branches.event_arrived``). It
+claims from the default queue and from every queue (docs/flow.md) it has news of: a NOTIFY
+names the queue whose runs it concerns (``.``: the default queue; empty, from an older sender:
+any), and a source is claimed from again only after such news, after a claim that filled every
+free slot (more may wait), when a queue's rate window has room again, or at the poll. Stopping
+(SIGTERM) drains: no new claims; in-flight runs go on to their next durable point, then their
+leases are released so another worker picks them up at once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from orchestrator.db import workers as workers_db
 from orchestrator.db.database import (
     CANCEL_CHANNEL,
     DEFAULT_QUEUE_NEWS,
+    EVENTS_CHANNEL,
     RUNS_CHANNEL,
     TOOLS_CHANNEL,
     Conn,
@@ -180,7 +182,8 @@ class Worker:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(self.database.listen(
-            [RUNS_CHANNEL, CANCEL_CHANNEL, TOOLS_CHANNEL], self._on_notify, listen_stop))
+            [RUNS_CHANNEL, CANCEL_CHANNEL, EVENTS_CHANNEL, TOOLS_CHANNEL], self._on_notify,
+            listen_stop))
         # Side duties, each its own task: a heartbeat waiting on the workers table (a lock, a
         # DDL) must not hold back the renewals that keep the runs' leases.
         heart = asyncio.ensure_future(self._heartbeat_loop())
@@ -279,6 +282,12 @@ class Worker:
             for rid, held in self._running.items():
                 if held.executor is not None and str(rid) == payload:
                     held.executor.run.note_cancel()
+            return
+        if channel == EVENTS_CHANNEL:  # a branch of a run held here may be waiting for it
+            run_id, _, name = payload.partition("\t")
+            for rid, held in self._running.items():
+                if held.executor is not None and str(rid) == run_id:
+                    held.executor.branches.event_arrived(name)
             return
         if payload == DEFAULT_QUEUE_NEWS:  # a run outside every queue: the default queue only
             self._dirty.add(None)

@@ -61,6 +61,9 @@ RECONCILE_CHANNEL = "orchestrator_reconcile"
 """NOTIFY channel: a run was parked on an unknown operation."""
 CANCEL_CHANNEL = "orchestrator_cancel"
 """NOTIFY channel: cancellation was requested; the payload is the run id."""
+EVENTS_CHANNEL = "orchestrator_events"
+"""NOTIFY channel: an event was stored for a run; the payload is the run id, a tab, and the
+event's name (the worker holding the run wakes a branch waiting for it in place)."""
 TOOLS_CHANNEL = "orchestrator_tools"
 """NOTIFY channel: a tool's dispatch is paused (a provider's back-off); the payload is the
 tool's name, a tab, and the end of the pause in seconds since the epoch."""

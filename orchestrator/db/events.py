@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from orchestrator.db.database import Conn
+from orchestrator.db.database import EVENTS_CHANNEL, Conn
 from orchestrator.db.schema import SCHEMA as S
 
 
@@ -22,6 +22,13 @@ async def event_insert(
         (run_id, name, event_key, payload),
     )
     return cur.rowcount == 1
+
+
+async def event_announce(conn: Conn, *, run_id: uuid.UUID, name: str) -> None:
+    """Tell the worker that holds the run, if one does, that an event ``name`` was stored for
+    it (on commit): a branch waiting for it takes it in place, while other branches keep the
+    run in that worker. Without a listener it is taken at the run's next park and claim."""
+    await conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run_id}\t{name}"))
 
 
 async def event_pending_count(conn: Conn, *, run_id: uuid.UUID, cap: int) -> int:

@@ -33,6 +33,8 @@ class Branches:
         self.active_depth: dict[int, int] = {}
         self.waits: dict[int, Wait] = {}
         self._parked: list[asyncio.Future[None]] = []
+        self._for_events: dict[asyncio.Future[None], Wait] = {}  # parked event waits
+        self._heard: dict[str, int] = {}  # news of events, by name (event_arrived)
         self.changed = asyncio.Event()
         self.task: asyncio.Task[Any] | None = None
         session.rider.last_write_next = self.last_write_next
@@ -61,7 +63,8 @@ class Branches:
         is this branch's only while it waits: woken or cancelled (workflow code's own
         cancellation, a race it lost), it is dropped, so that the run neither parks for it
         nor wakes for it; but a wait for an unknown outcome stays, as that outcome blocks the
-        run (C8) whatever its branch became."""
+        run (C8) whatever its branch became. A wait for an event also returns when news of
+        that event comes (:meth:`event_arrived`)."""
         if wait.kind != "blocked":
             self.run.boundary()
         tracing.event("wait", {"orchestrator.wait": wait.kind,
@@ -79,11 +82,15 @@ class Branches:
         if wait.wake_at is not None:
             delay = (wait.wake_at - run.now()).total_seconds()
             timer = run.loop.call_later(max(delay, 0.0), self._wake, parked, wait)
+        if wait.kind == "event":
+            self._for_events[parked] = wait
         try:
-            await parked  # woken by its time, or cancelled (the run parked, or workflow code)
+            # Woken by its time or its event, or cancelled (the run parked, or workflow code).
+            await parked
         finally:
             if timer is not None:
                 timer.cancel()
+            self._for_events.pop(parked, None)
             self.active_count += depth
             self._parked.remove(parked)
             if parked.done() and not parked.cancelled():
@@ -110,9 +117,28 @@ class Branches:
             self._parked.remove(parked)
         raise AssertionError("unreachable")  # pragma: no cover - nothing resolves it
 
+    def heard(self, name: str) -> int:
+        """How much news of events ``name`` this process has had for the run: a branch that
+        found no event compares it before and after its look, and looks again if news came
+        meanwhile (its NOTIFY may have come before the branch parked)."""
+        return self._heard.get(name, 0)
+
+    def event_arrived(self, name: str) -> None:
+        """News that an event ``name`` was stored for the run (the worker heard its NOTIFY)
+        while the run is in this process: a branch parked for such an event goes on in
+        memory and takes it as a replay after a park would (``event_take``, journaled
+        ``event.received``), instead of at the next park, which another branch that keeps
+        the run here may never let come. A branch that finds it taken (another wait for the
+        same name was first) parks again."""
+        self._heard[name] = self._heard.get(name, 0) + 1
+        for parked, wait in list(self._for_events.items()):
+            if wait.name == name:
+                self._wake(parked, wait)
+
     def _wake(self, parked: asyncio.Future[None], wait: Wait) -> None:
-        """A parked branch's time has come while the run is still in this process (another
-        branch kept it here): it goes on, counted as work in flight until it runs."""
+        """A parked branch's time (or its event) has come while the run is still in this
+        process (another branch kept it here): it goes on, counted as work in flight until it
+        runs."""
         if parked.done() or self.run.ending or self.run.lost:
             return  # parking, ending or let go: the next claim replays it
         if self.waits.get(wait.position) is wait:

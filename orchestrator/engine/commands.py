@@ -189,11 +189,16 @@ class Commands:
             return got, [entry(EventKind.EVENT_RECEIVED, position, name,
                                {"payload": got["payload"]})]
 
-        while True:  # again when its timeout comes while another branch keeps the run here
+        # Again when its timeout or news of its event comes while another branch keeps the
+        # run here (Branches.park, Branches.event_arrived).
+        while True:
+            heard = self.branches.heard(name)
             with self.branches.active():
                 got = await self.session.write(take)
             if got is not None:
                 return got["payload"]
+            if self.branches.heard(name) != heard:
+                continue  # news came during the look: the event may be stored now
             if timeout_at is not None and run.now() >= timeout_at:
                 # The error's reference is kept with it: the same one on every replay (C4).
                 ref = new_incident_ref()

@@ -175,7 +175,7 @@ class DrainTools:
 
 def draining(worker):  # type: ignore[no-untyped-def]
     """The worker's drain has begun: every run it holds is told to stop at its next step."""
-    executors = [ex for _, ex in worker._running.values() if ex is not None]
+    executors = [h.executor for h in worker._running.values() if h.executor is not None]
     return bool(executors) and all(ex.run.phase is not Phase.RUNNING for ex in executors)
 
 

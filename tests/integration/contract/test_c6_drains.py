@@ -43,7 +43,7 @@ async def test_a_stopping_worker_does_not_withdraw_a_call_it_cancels(make_app, s
         delayed = Landing(loop=asyncio.get_running_loop())
 
         def hand_over() -> None:
-            executors = [ex for _, ex in worker._running.values() if ex is not None]
+            executors = [h.executor for h in worker._running.values() if h.executor is not None]
             if landing.done() and all(ex.run.phase in (Phase.PARKING, Phase.GONE)
                                       for ex in executors):
                 if landing.exception() is not None:
