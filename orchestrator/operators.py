@@ -37,6 +37,7 @@ from orchestrator import reconcile
 from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
 from orchestrator.db import journal as journal_db
 from orchestrator.db import reconciliation as recon_db
+from orchestrator.db import views as views_db
 from orchestrator.db.database import Database
 from orchestrator.db.events import incident_get, incident_reasons, incidents_of_operations
 from orchestrator.errors import (
@@ -49,7 +50,7 @@ from orchestrator.errors import (
 )
 from orchestrator.metrics import Metrics
 from orchestrator.models import parse_item_cursor, parse_run_id, validate_idempotency_key
-from orchestrator.text import check_identifier, check_operator
+from orchestrator.text import check_identifier, check_operator, is_number
 
 ITEM_STATES = ("open", "operator", "resolved")
 UNRESOLVED = "unresolved"
@@ -392,6 +393,18 @@ class Operators:
             self.metrics.incr("reconciliation_operator", answer=resolution)
         return outcome
 
+    async def still_waiting_on(self, operation_id: int, *, operator: str) -> list[int]:
+        """The other operations the run of ``operation_id`` still waits for before it resumes
+        (unknown and not settled yet): after a resolution, whether the run was woken or still
+        waits, and for what. Another tenant's operation answers as having none (C9)."""
+        check_operation_id(operation_id)
+        tenants = self.tenants_of(operator)
+        async with self.db.connection() as conn:
+            item = await recon_db.recon_get(conn, operation_id, tenants=tenants)
+            if item is None:
+                return []
+            return await recon_db.run_still_waiting_on(conn, operation_id)
+
     async def resolve_many(self, *, resolution: str, evidence: str, operator: str,
                            receipt: Any = None, state: str = UNRESOLVED,
                            tool: str | None = None, older_than: float | None = None,
@@ -505,6 +518,37 @@ class Operators:
             if progress is not None:
                 progress(done, len(items))
         return summary
+
+    async def audit_log(self, *, operator: str, by: str | None = None,
+                        action: str | None = None, target: str | None = None,
+                        before: str | None = None, limit: int = 50
+                        ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of the audit log, newest first, as far as it concerns ``operator``'s
+        tenants (a row of a target of every tenant, a queue's, only without scopes): the rows
+        and the cursor of the next page (None: no more). Filters: ``by`` (the operator who
+        acted), ``action`` (itself and the actions under it: ``run`` matches ``run.cancel``),
+        ``target`` (the target's id), ``before`` (a page's cursor); each checked
+        (``INVALID_REQUEST`` naming it)."""
+        tenants = self.tenants_of(operator)
+        if by is not None:
+            check_operator(by)
+        for name, value in (("action", action), ("target", target)):
+            if value is not None:
+                check_identifier(name, value)
+        if type(limit) is not int or not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be between 1 and 1000", path="limit")
+        after = None
+        if before is not None:
+            if not isinstance(before, str) or not is_number(before) or int(before) == 0:
+                raise InvalidRequest("before must be the next cursor of a page of the audit "
+                                     "log", path="before")
+            after = int(before)
+        async with self.db.connection() as conn:
+            rows = await views_db.audit_page(conn, tenants=tenants, operator=by,
+                                             action=action, target=target, before=after,
+                                             limit=limit + 1)
+        shown = rows[:limit]
+        return shown, str(shown[-1]["id"]) if len(rows) > limit else None
 
     async def audit(self, operation_id: int | None = None, *, operator: str
                     ) -> list[dict[str, Any]]:

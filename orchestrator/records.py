@@ -199,6 +199,14 @@ def item_detail(d: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def audit_row(a: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of the operator audit (``ops audit --json``, the console's ``/api/audit``)."""
+    return {"id": ident(a["id"]), "at": iso(a["created_at"]), "operator": a["operator"],
+            "action": a["action"], "target_kind": a["target_kind"],
+            "target_id": a["target_id"], "tenant": a["tenant"], "evidence": a["evidence"],
+            "before": a["before"], "after": a["after"]}
+
+
 def incident(row: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "ref": row["ref"],

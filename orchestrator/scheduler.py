@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -31,10 +32,12 @@ from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
 from orchestrator.db.database import Conn, Database
+from orchestrator.db.reconciliation import audit_record
 from orchestrator.errors import IdempotencyConflict, InvalidRequest, OrchestratorError
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner, validate_idempotency_key
+from orchestrator.reconcile import check_evidence
 from orchestrator.registry import Workflow
 from orchestrator.schedules import (
     DEFAULT_CATCHUP,
@@ -380,6 +383,47 @@ class ScheduleDetail:
     gaps: list[dict[str, Any]]
 
 
+def _who(operator: str | None, evidence: str | None) -> tuple[str, str] | None:
+    """Who acts on a schedule and why, checked before anything is read (both or neither)."""
+    if operator is None and evidence is None:
+        return None
+    if operator is None or evidence is None:
+        raise InvalidRequest("operator and evidence go together: give both to audit the "
+                             "action", path="operator" if operator is None else "evidence")
+    check_evidence(evidence, operator)
+    return operator, evidence
+
+
+async def _audit(conn: Conn, who: tuple[str, str] | None, action: str, row: Mapping[str, Any],
+                 before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+    """An operator's action on a schedule, audited as ``schedule.<action>``; its tenant is
+    that of the runs the schedule fires."""
+    if who is None:
+        return
+    await audit_record(conn, operator=who[0], action=f"schedule.{action}",
+                       target_kind="schedule", target_id=str(row["id"]),
+                       tenant=row["tenant"], evidence=who[1],
+                       before=None if before is None else json.dumps(before),
+                       after=None if after is None else json.dumps(after))
+
+
+def _paused(row: Mapping[str, Any]) -> dict[str, Any]:
+    slot = row["next_slot"]
+    return {"paused": bool(row["paused"]), "next_slot": None if slot is None else slot.isoformat()}
+
+
+def _slot(said: Mapping[str, Any]) -> dict[str, Any]:
+    run = said.get("run_id")
+    return {"slot": said["slot"].isoformat(), "state": said["state"],
+            "run_id": None if run is None else str(run)}
+
+
+def _definition(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {"workflow": row["workflow_name"], "version": row["workflow_version"],
+            "cron": row["cron"], "timezone": row["timezone"], "overlap": row["overlap"],
+            "paused": bool(row["paused"])}
+
+
 class ScheduleAdmin:
     """What is done to stored schedules (no application code needed: the CLI uses it as is).
     ``declared_here``: the ids of the schedules the application's code declares (its
@@ -459,10 +503,14 @@ class ScheduleAdmin:
     async def now_in(self, conn: Conn) -> datetime:
         return await self.ticker.now_in(conn)
 
-    async def set_paused(self, schedule_id: str, paused: bool) -> ScheduleInfo:
+    async def set_paused(self, schedule_id: str, paused: bool, *, operator: str | None = None,
+                         evidence: str | None = None) -> ScheduleInfo:
         """Pause (no slot fires; buffered ones wait) or resume (the slots passed meanwhile are
-        recorded as one gap; the next slot is the first after now)."""
+        recorded as one gap; the next slot is the first after now). With ``operator`` and
+        ``evidence`` (both or neither) it is audited (``schedule.pause``,
+        ``schedule.resume``) in the same transaction."""
         sid = check_schedule_id(schedule_id)
+        who = _who(operator, evidence)
         now = await self.ticker._now()
         async with self.database.connection() as conn, conn.transaction():
             row = await sched_db.schedule_get(conn, sid, lock=True)
@@ -476,18 +524,24 @@ class ScheduleAdmin:
                     await sched_db.gap_record(conn, sid, first, last, "paused")
             changed = await sched_db.schedule_set_paused(conn, sid, paused,
                                                          next_slot=cron.after(now))
+            await _audit(conn, who, "pause" if paused else "resume", row,
+                         _paused(row), _paused(changed))
         log.info("schedule %s %s", sid, "paused" if paused else "resumed")
         return ScheduleInfo.from_row(changed)
 
     async def trigger(self, schedule_id: str, *, overlap: str | None = None,
-                      idempotency_key: str | None = None) -> dict[str, Any]:
+                      idempotency_key: str | None = None, operator: str | None = None,
+                      evidence: str | None = None) -> dict[str, Any]:
         """Fire the schedule now, under its overlap policy (or ``overlap``): what became of it
         (``state``) and its run. With ``idempotency_key`` (the rules of a submission's key),
         a trigger sent again with that key answers with what became of the first (its slot,
         its state, its run) and fires nothing; with another ``overlap`` than the first's,
         ``IDEMPOTENCY_CONFLICT``. ``repeated``: true when the answer is an earlier trigger's
-        with this key (nothing fired now), false when this call fired, skipped or buffered."""
+        with this key (nothing fired now), false when this call fired, skipped or buffered.
+        With ``operator`` and ``evidence`` a trigger that acted is audited
+        (``schedule.trigger``)."""
         sid = check_schedule_id(schedule_id)
+        who = _who(operator, evidence)
         policy = None if overlap is None else check_overlap(overlap)
         key = None if idempotency_key is None else validate_idempotency_key(idempotency_key)
 
@@ -506,6 +560,7 @@ class ScheduleAdmin:
             now = await self.now_in(conn)
             (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
                                     policy or row["overlap"], trigger_key=key)
+            await _audit(conn, who, "trigger", row, None, _slot(said))
             return {"schedule": sid, "slot": now, "state": said["state"],
                     "run_id": said["run_id"], "repeated": False}
 
@@ -514,11 +569,14 @@ class ScheduleAdmin:
         return await self.database.run_in_transaction(fire, idempotent=key is not None)
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
-                       overlap: str = "allow_all") -> builtins.list[dict[str, Any]]:
+                       overlap: str = "allow_all", operator: str | None = None,
+                       evidence: str | None = None) -> builtins.list[dict[str, Any]]:
         """Fire the slots in ``[start, end]`` (in the past), oldest first, each under
         ``overlap``: a slot handled before (fired, skipped or buffered by the cron, or an
-        earlier backfill) is left as it was. What became of each slot."""
+        earlier backfill) is left as it was. What became of each slot. With ``operator`` and
+        ``evidence`` it is audited (``schedule.backfill``)."""
         sid = check_schedule_id(schedule_id)
+        who = _who(operator, evidence)
         policy = check_overlap(overlap)
         first, last = utc(start), utc(end)
         now = await self.ticker._now()
@@ -542,18 +600,25 @@ class ScheduleAdmin:
                 raise InvalidRequest(f"that range holds more than {BACKFILL_MAX} slots; "
                                      "backfill a shorter one at a time", path="to")
             said = await by_hand(self.ticker, conn, row, now, slots, "backfill", policy)
+            states = Counter(str(x["state"]) for x in said)  # up to 10,000 slots: counted
+            await _audit(conn, who, "backfill", row, None,
+                         {"from": first.isoformat(), "to": last.isoformat(),
+                          "slots": len(said), "states": dict(sorted(states.items()))})
         log.info("schedule %s backfilled %d slots from %s to %s", sid, len(slots),
                  first.isoformat(), last.isoformat())
         return said
 
-    async def delete(self, schedule_id: str) -> ScheduleInfo:
+    async def delete(self, schedule_id: str, *, operator: str | None = None,
+                     evidence: str | None = None) -> ScheduleInfo:
         """Delete a schedule made at run time, or one declared in code that this code no
         longer declares (a worker still running code that declares it writes it again when
         it starts); the schedule as it stood. Without the code (``declared_here`` None) a
         schedule declared in code is refused: whether the code still declares it is
-        unknown. A delete whose COMMIT applied but whose answer was lost with its connection
-        answers, when the storage layer runs it again, with the schedule it deleted."""
+        unknown. With ``operator`` and ``evidence`` it is audited (``schedule.delete``). A
+        delete whose COMMIT applied but whose answer was lost with its connection answers,
+        when the storage layer runs it again, with the schedule it deleted."""
         sid = check_schedule_id(schedule_id)
+        who = _who(operator, evidence)
         done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, row
 
         async def delete(conn: Conn) -> dict[str, Any] | None:
@@ -566,6 +631,7 @@ class ScheduleAdmin:
             if row is not None and not self._kept_by_code(row):
                 if not await sched_db.schedule_delete(conn, sid):  # pragma: no cover
                     raise RuntimeError(f"schedule {sid} vanished under its lock")
+                await _audit(conn, who, "delete", row, _definition(row), None)
                 done.append((await recon_db.xact_current(conn), row))
             return row
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import getpass
+import os
 from datetime import datetime
 
 from orchestrator.db.config import DatabaseTarget, resolve_database
@@ -63,3 +65,30 @@ def over_default_limits(exc: InvalidRequest, whose: str, action: str) -> Invalid
 def is_input_limit(exc: InvalidRequest) -> bool:
     """Whether ``exc`` refuses a stored input (its path under ``$.input``)."""
     return (exc.path or "").startswith("$.input")
+
+
+def login_name() -> str:
+    """Who ran the command, for an audit row that was given no ``--operator``."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name for this uid (a bare container)
+        return f"uid:{os.getuid()}"
+
+
+def audit_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--operator`` and ``--evidence`` of a command whose action is audited. Optional, so
+    that scripts written before the audit keep working: the row then names the login that ran
+    the command and says that no reason was given (:func:`audited_as`)."""
+    parser.add_argument("--operator", metavar="NAME",
+                        help=f"who {what} (audited; default: your login name)")
+    parser.add_argument("--evidence", metavar="TEXT",
+                        help="why (kept in the audit row; default: says none was given)")
+
+
+def audited_as(args: argparse.Namespace, command: str) -> dict[str, str]:
+    """The audit row's operator and evidence: as given, else the login name and a text that
+    says no reason was given (a blank one given is refused, as the console refuses it)."""
+    operator = args.operator if args.operator is not None else login_name()
+    evidence = (args.evidence if args.evidence is not None
+                else f"none given (orchestrator {command})")
+    return {"operator": operator, "evidence": evidence}

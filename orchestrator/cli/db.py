@@ -17,6 +17,7 @@ from orchestrator.db.config import (
     configured_url,
     embedded_data_dir,
 )
+from orchestrator.errors import DatabaseError
 
 
 def register(subparsers: Any) -> None:
@@ -134,6 +135,13 @@ def cmd_grant(args: argparse.Namespace) -> int:
         print(grants.render(grants.grant_statements(args.role, chosen)), end="")
         return 0
     target = database_target(args)
+    try:
+        status: migrate.SchemaStatus | None = migrate.check(target)
+    except DatabaseError:  # this user may not read the version: the grant says what it may do
+        status = None
+    if status is not None and not status.ok:
+        # This release's grants name tables an older (or newer) schema lacks.
+        raise migrate.schema_error(target, status)
     applied = grants.grant_runtime(target, args.role, incident_details=args.incident_details)
     print(f"{target.masked}: role {args.role!r} has the runtime's privileges "
           f"({len(applied)} statements; none to update or delete the journal or the audit)")

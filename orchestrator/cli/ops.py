@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from orchestrator.cli import bulk, records
@@ -24,7 +25,8 @@ from orchestrator.cli.operating import (
     with_operators,
 )
 from orchestrator.cli.tables import cell, render
-from orchestrator.operators import ITEM_STATES, UNRESOLVED
+from orchestrator.errors import InvalidRequest
+from orchestrator.operators import ITEM_STATES, UNRESOLVED, Operators
 
 
 def register(subparsers: Any) -> None:
@@ -69,6 +71,25 @@ def register(subparsers: Any) -> None:
     abandon.set_defaults(func=cmd_abandon)
 
     bulk.register(commands)
+
+    audit = commands.add_parser(
+        "audit", help="the operator audit log, newest first: who did what, when and why",
+        description="Every operator action (resolutions, cancellations, restarts, queue and "
+                    "schedule changes) with who acted, when, the evidence given and the target "
+                    "before and after, newest first, within the operator's tenants (--app, "
+                    "--operator): the console's audit log.")
+    audit.add_argument("--by", metavar="NAME", help="the operator who acted")
+    audit.add_argument("--action", help="an action and those under it: `resolve` matches "
+                                        "`resolve.committed`, `schedule` every schedule's")
+    audit.add_argument("--target", metavar="ID", help="the target's id: an operation's, a "
+                                                      "run's, a queue's or a schedule's")
+    audit.add_argument("--before", metavar="CURSOR",
+                       help="the next page: the cursor the page before printed")
+    audit.add_argument("--limit", type=int, default=50, help="at most this many rows "
+                                                             "(1 to 1000)")
+    operator_options(audit, operator_required=False)
+    json_option(audit)
+    audit.set_defaults(func=cmd_audit)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -187,26 +208,42 @@ NEXT = {"resend": "; the run was woken and sends the call again as a new attempt
         None: "; the run was woken"}
 
 
-def _report(op_id: int, outcome: str, what: str, then: str | None = None) -> int:
+def _report(op_id: int, done: tuple[str, list[int]], what: str,
+            then: str | None = None) -> int:
+    outcome, others = done
     if outcome == "noop":
         print(f"operation {op_id} was already resolved as {what}; nothing changed")
+    elif others:  # the run resumes once every unknown outcome of it is settled
+        ops = ", ".join(str(op) for op in others)
+        print(f"operation {op_id} resolved as {what}; its run still waits for operation "
+              f"{ops} to be settled (`orchestrator ops show {others[0]}`)")
     else:
         print(f"operation {op_id} resolved as {what}{NEXT[then]}")
     return 0
 
 
+async def _resolved(ops: Operators, op_id: int, operator: str,
+                    outcome: Awaitable[str]) -> tuple[str, list[int]]:
+    """A resolution's outcome and the operations its run still waits for after it."""
+    said = await outcome
+    return said, await ops.still_waiting_on(op_id, operator=operator)
+
+
 def cmd_resolve(args: argparse.Namespace) -> int:
     receipt = receipt_of(args)
     then_of(args)
+    op = args.operation_id
     if args.committed:
-        outcome = with_operators(args, lambda ops, operator: ops.resolve_committed(
-            args.operation_id, receipt=receipt, evidence=args.evidence, operator=operator))
-        return _report(args.operation_id, outcome, "committed")
+        done = with_operators(args, lambda ops, operator: _resolved(
+            ops, op, operator, ops.resolve_committed(
+                op, receipt=receipt, evidence=args.evidence, operator=operator)))
+        return _report(op, done, "committed")
     then = then_of(args)
     assert then is not None
-    outcome = with_operators(args, lambda ops, operator: ops.resolve_not_applied(
-        args.operation_id, evidence=args.evidence, operator=operator, then=then))
-    return _report(args.operation_id, outcome, "not applied", then)
+    done = with_operators(args, lambda ops, operator: _resolved(
+        ops, op, operator, ops.resolve_not_applied(
+            op, evidence=args.evidence, operator=operator, then=then)))
+    return _report(op, done, "not applied", then)
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
@@ -217,4 +254,29 @@ def cmd_abandon(args: argparse.Namespace) -> int:
     else:
         print(f"operation {args.operation_id} abandoned; its run failed with "
               "OPERATION_ABANDONED")
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """The audit log, newest first; the next page's cursor when there is one."""
+    if args.before is not None and not args.before.strip().isdigit():
+        raise InvalidRequest(f"--before {args.before!r}: give the cursor a page printed "
+                             "(`next`)", path="before")
+    rows, following = with_operators(args, lambda ops, operator: ops.audit_log(
+        operator=operator, by=args.by, action=args.action, target=args.target,
+        before=args.before, limit=args.limit))
+    if args.json:
+        records.emit({"audit": [records.audit_row(a) for a in rows], "count": len(rows),
+                      "limit": args.limit, "next": following})
+        return 0
+    if not rows:
+        print("no audit rows match" if (args.by or args.action or args.target or args.before)
+              else "the audit log is empty")
+        return 0
+    print(render(["AT", "OPERATOR", "ACTION", "TARGET", "TENANT", "EVIDENCE"],
+                 [[a["created_at"], a["operator"], a["action"],
+                   f"{a['target_kind']} {a['target_id']}", a["tenant"] or "-", a["evidence"]]
+                  for a in rows]))
+    if following is not None:
+        print(f"(more: orchestrator ops audit --before {following} …)")
     return 0

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from orchestrator.cli import records
-from orchestrator.cli.common import database_target, json_option
+from orchestrator.cli.common import database_target, json_option, login_name
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -95,17 +93,10 @@ record = queue_record
 def _who(args: argparse.Namespace) -> dict[str, str]:
     """The audit row's operator and evidence: as given, else the login name and a text that
     says no reason was given (a blank one given is refused, as the console refuses it)."""
-    operator = args.operator if args.operator is not None else _login()
+    operator = args.operator if args.operator is not None else login_name()
     evidence = (args.evidence if args.evidence is not None
                 else f"none given (orchestrator queues {args.queue_action})")
     return {"operator": operator, "evidence": evidence}
-
-
-def _login() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no login name for this uid (a bare container)
-        return f"uid:{os.getuid()}"
 
 
 def _limit(value: int | None) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.records import (
+    audit_row,
     bulk_item,
     bulk_summary,
     error_record,
@@ -28,7 +29,7 @@ from orchestrator.records import (
     worker_record,
 )
 
-__all__ = ["bulk_item", "bulk_summary", "emit", "error_record", "ident", "incident",
+__all__ = ["audit_row", "bulk_item", "bulk_summary", "emit", "error_record", "ident", "incident",
            "item_detail", "iso", "journal_entry", "lease_record", "queue_item", "run_detail",
            "run_operation", "run_summary", "watch_entry", "watch_outcome", "worker_record"]
 

@@ -12,6 +12,7 @@ from orchestrator import admin, replay
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import (
+    audited_as,
     database_target,
     is_input_limit,
     json_option,
@@ -103,9 +104,10 @@ def register(subparsers: Any) -> None:
     cancel = commands.add_parser(
         "cancel", help="request cancellation of a run",
         description="Request the run's cancellation: it stops at its next step (a run whose "
-        "operations wait for reconciliation, once they are settled). With --operator and "
-        "--evidence the cancellation is audited (`run.cancel`, as the console's is) and, "
-        "with --app, held to the operator's scopes.")
+        "operations wait for reconciliation, once they are settled). The cancellation is "
+        "audited (`run.cancel`, as the console's is): with --operator and --evidence as "
+        "given, else as the login that ran the command, with no reason given; with --app "
+        "the operator is held to their scopes.")
     cancel.add_argument("run_id")
     cancel.add_argument("--operator", default=None, metavar="NAME",
                         help="who cancels it (audited; give --evidence too)")
@@ -418,17 +420,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         raise InvalidRequest("--operator and --evidence go together: give both to audit the "
                              "cancellation, or neither", path="operator"
                              if args.operator is None else "evidence")
-    if args.operator is None:
-        if args.app is not None:
-            raise InvalidRequest("--app holds an operator to their scopes: give --operator "
-                                 "and --evidence with it", path="app")
-        done = asyncio.run(_with_db(args, lambda db: admin.cancel_run(db, run_id)))
-    else:
-        app = load_app(args.app, args.database_url) if args.app else None
-        tenants = (Operators(app.database, app.operator_scopes).tenants_of(args.operator)
-                   if app is not None else None)
-        done = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
-            db, run_id, operator=args.operator, evidence=args.evidence, tenants=tenants)))
+    if args.operator is None and args.app is not None:
+        raise InvalidRequest("--app holds an operator to their scopes: give --operator "
+                             "and --evidence with it", path="app")
+    who = audited_as(args, "runs cancel")  # without them: the login, and no reason given
+    app = load_app(args.app, args.database_url) if args.app else None
+    tenants = (Operators(app.database, app.operator_scopes).tenants_of(who["operator"])
+               if app is not None else None)
+    done = asyncio.run(_with_db(args, lambda db: admin.operator_cancel(
+        db, run_id, tenants=tenants, **who)))
     print(_cancelled_text(run_id, done))
     return 0
 

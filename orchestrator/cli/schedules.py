@@ -17,6 +17,8 @@ from zoneinfo import ZoneInfo
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import (
+    audit_options,
+    audited_as,
     database_target,
     is_input_limit,
     json_option,
@@ -53,6 +55,7 @@ def register(subparsers: Any) -> None:
                                    "recorded as one gap")):
         cmd = commands.add_parser(name, help=about)
         cmd.add_argument("id")
+        audit_options(cmd, f"{name}s it")
         json_option(cmd)
         cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume)
     trigger = commands.add_parser("trigger", help="fire a run now, under the overlap policy")
@@ -63,6 +66,7 @@ def register(subparsers: Any) -> None:
                          help="sent again with this key, the trigger answers with what became "
                               "of the first and fires nothing")
     _app_option(trigger)
+    audit_options(trigger, "fires it")
     json_option(trigger)
     trigger.set_defaults(func=cmd_trigger)
     backfill = commands.add_parser("backfill", help="fire the slots of a past range")
@@ -74,6 +78,7 @@ def register(subparsers: Any) -> None:
     backfill.add_argument("--overlap", choices=OVERLAP_POLICIES, default="allow_all",
                           help="the backfill's own overlap policy (default allow_all)")
     _app_option(backfill)
+    audit_options(backfill, "fires the slots")
     json_option(backfill)
     backfill.set_defaults(func=cmd_backfill)
     delete = commands.add_parser(
@@ -86,6 +91,7 @@ def register(subparsers: Any) -> None:
     delete.add_argument("--app", default=None, metavar="MODULE:ATTR",
                         help="the application as deployed now: a schedule declared in code is "
                         "deleted only when this code no longer declares it")
+    audit_options(delete, "deletes it")
     json_option(delete)
     delete.set_defaults(func=cmd_delete)
 
@@ -191,7 +197,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _changed(args: argparse.Namespace, paused: bool) -> int:
-    info = _admin(args, lambda admin: admin.set_paused(args.id, paused))
+    who = audited_as(args, f"schedules {'pause' if paused else 'resume'}")
+    info = _admin(args, lambda admin: admin.set_paused(args.id, paused, **who))
     if args.json:
         records.emit(record(info))
     else:
@@ -209,8 +216,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_trigger(args: argparse.Namespace) -> int:
+    who = audited_as(args, "schedules trigger")
     said = _admin(args, lambda admin: admin.trigger(args.id, overlap=args.overlap,
-                                                    idempotency_key=args.idempotency_key))
+                                                    idempotency_key=args.idempotency_key,
+                                                    **who))
     if args.json:
         records.emit({**said, "slot": iso(said["slot"]), "run_id": ident(said["run_id"])})
     elif said["repeated"]:
@@ -228,8 +237,9 @@ def cmd_trigger(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     start, end = parse_time(args.start, "from"), parse_time(args.end, "to")
+    who = audited_as(args, "schedules backfill")
     said = _admin(args, lambda admin: admin.backfill(args.id, start, end,
-                                                     overlap=args.overlap))
+                                                     overlap=args.overlap, **who))
     if args.json:
         records.emit({"schedule": args.id, "slots": [
             {"slot": iso(s["slot"]), "state": s["state"]} for s in said],
@@ -245,7 +255,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    info = _admin(args, lambda admin: admin.delete(args.id))
+    who = audited_as(args, "schedules delete")
+    info = _admin(args, lambda admin: admin.delete(args.id, **who))
     if args.json:
         records.emit(record(info))
     else:

@@ -80,11 +80,7 @@ def bulk(summary: Any) -> dict[str, Any]:
             "selection": summary.selection}
 
 
-def audit_row(a: Mapping[str, Any]) -> dict[str, Any]:
-    return {"id": ident(a["id"]), "at": iso(a["created_at"]), "operator": a["operator"],
-            "action": a["action"], "target_kind": a["target_kind"],
-            "target_id": a["target_id"], "tenant": a["tenant"], "evidence": a["evidence"],
-            "before": a["before"], "after": a["after"]}
+audit_row = records.audit_row
 
 
 def audit_page(page: Page) -> dict[str, Any]:

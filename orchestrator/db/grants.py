@@ -123,13 +123,16 @@ OWNER_ONLY = (f"{SCHEMA}.expire_evidence(double precision, integer, boolean)",)
 them. ``expire_evidence`` deletes the ledger's evidence past its retention period."""
 
 BUILTINS = (
-    Grant("function", "pg_catalog.pg_advisory_lock(bigint)", ("EXECUTE",)),
+    Grant("function", "pg_catalog.pg_try_advisory_lock(bigint)", ("EXECUTE",)),
+    Grant("function", "pg_catalog.pg_try_advisory_xact_lock(integer, integer)", ("EXECUTE",)),
     Grant("function", "pg_catalog.pg_notify(text, text)", ("EXECUTE",)),
     Grant("table", "pg_catalog.pg_locks", ("SELECT",)),
 )
-"""What the engine uses of PostgreSQL's own: a worker's liveness lock, NOTIFY, and the lock
-table that tells a dead worker from a live one. PostgreSQL grants these to PUBLIC; they are
-checked, never granted here (only a superuser can grant them again after a REVOKE)."""
+"""What the engine uses of PostgreSQL's own: a worker's liveness lock (taken with
+``pg_try_advisory_lock``, never waited for), a tool's admission lock (``tool_admit``), NOTIFY,
+and the lock table that tells a dead worker from a live one. PostgreSQL grants these to
+PUBLIC; they are checked, never granted here (only a superuser can grant them again after a
+REVOKE)."""
 
 REQUIRED = runtime_grants(incident_details=False) + BUILTINS
 """What a worker or a reconciler checks when it starts: every privilege the engine's own

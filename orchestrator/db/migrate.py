@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
@@ -151,6 +152,32 @@ def check(target: DatabaseTarget) -> SchemaStatus:
     else:
         state = "ahead"
     return SchemaStatus(current=current, head=head, state=state)
+
+
+_UNDEFINED = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn,
+              psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)
+"""What a statement meets on a database whose schema is older than the code (or missing)."""
+
+
+def mismatch_of(target: DatabaseTarget, exc: BaseException) -> DatabaseError | None:
+    """``SCHEMA_MISMATCH`` in the words of :meth:`SchemaStatus.describe` (behind, empty or
+    ahead, and what to run) when ``exc`` came from a table, column or function the database
+    lacks and its schema does not match the code; None otherwise (a schema that matches, or
+    one that cannot be read: the error stands as it is). The storage seam can tell a missing
+    table only from its name, so it says "no orchestrator schema" for a schema that is merely
+    behind; a command line, which can afford one more look, says which."""
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen and not isinstance(cause, _UNDEFINED):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, _UNDEFINED):
+        return None
+    try:
+        status = check(target)
+    except DatabaseError:
+        return None
+    return None if status.ok else schema_error(target, status)
 
 
 def upgrade(target: DatabaseTarget, revision: str = "head") -> SchemaStatus:

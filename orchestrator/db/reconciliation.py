@@ -373,14 +373,17 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
         if parent is not None and parent["parent_run_id"] is not None:
             await run_wake(conn, parent["parent_run_id"])
         return
-    await conn.execute(
+    # Still blocked on another unknown operation, the run says in words which ones are left.
+    cur = await conn.execute(
         f"""
         UPDATE {S}.runs SET revision = revision + %(n)s, updated_at = now(),
                status = CASE WHEN still.n = 0 THEN 'queued' ELSE status END,
                available_at = CASE WHEN still.n = 0 THEN now() ELSE available_at END,
-               waiting_for = CASE WHEN still.n = 0 THEN NULL ELSE waiting_for END,
+               waiting_for = CASE WHEN still.n = 0 THEN NULL
+                             ELSE 'reconciliation of operation ' || still.ops END,
                waiting_tool = NULL
-        FROM (SELECT count(*) AS n FROM {S}.operations o
+        FROM (SELECT count(*) AS n, string_agg(o.id::text, ', ' ORDER BY o.id) AS ops
+              FROM {S}.operations o
               WHERE o.run_id = %(run_id)s AND o.state = 'unknown'
                 AND EXISTS (SELECT 1 FROM {S}.reconciliation_items i
                             WHERE i.operation_id = o.id AND i.state <> 'resolved')) AS still
@@ -388,6 +391,24 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
         """,
         {"run_id": item["run_id"], "n": len(events)},
     )
+    if cur.rowcount != 1:  # pragma: no cover - the run is locked, its status read above
+        raise RuntimeError(f"run {item['run_id']} changed under its lock")
+
+
+async def run_still_waiting_on(conn: Conn, operation_id: int) -> list[int]:
+    """The other operations whose outcome the run of ``operation_id`` still waits for: unknown,
+    with a queue item not resolved (a run blocked on several resumes once all are settled)."""
+    cur = await conn.execute(
+        f"""
+        SELECT o.id FROM {S}.operations o
+        JOIN {S}.reconciliation_items i ON i.operation_id = o.id
+        WHERE o.run_id = (SELECT run_id FROM {S}.operations WHERE id = %(op)s)
+          AND o.id <> %(op)s AND o.state = 'unknown' AND i.state <> 'resolved'
+        ORDER BY o.id
+        """,
+        {"op": operation_id},
+    )
+    return [int(row["id"]) for row in await cur.fetchall()]
 
 
 async def xact_current(conn: Conn) -> int:

@@ -1,9 +1,10 @@
-"""``orchestrator runs cancel``: a cancellation as before, or, with ``--operator`` and
-``--evidence``, an operator's action audited as the console's (``run.cancel``, C17)."""
+"""``orchestrator runs cancel``: an operator's action audited as the console's (``run.cancel``,
+C17): with ``--operator`` and ``--evidence`` as given, else as the login that ran it."""
 
 from __future__ import annotations
 
 from orchestrator import Orchestrator
+from orchestrator.cli.common import login_name
 from tests.integration.conftest import running, wait_for
 from tests.integration.test_ops_bulk import cli
 
@@ -24,10 +25,13 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
     assert (code, err) == (0, "") and "is cancelled" in out
     audit = sql("SELECT operator, action, target_id, evidence, before, after "
                 "FROM orchestrator.operator_audit ORDER BY id")
+    # Without --operator the row names the login that ran the command and says no reason
+    # was given: a cancellation from the command line is never without a trace.
     assert [(a["operator"], a["action"], a["target_id"], a["evidence"]) for a in audit] == [
+        (login_name(), "run.cancel", str(plain.id), "none given (orchestrator runs cancel)"),
         ("ann", "run.cancel", str(audited.id), "the customer withdrew the order")]
-    assert audit[0]["before"]["status"] == "queued"
-    assert audit[0]["after"] == {"status": "cancelled", "cancel_requested": True,
+    assert audit[1]["before"]["status"] == "queued"
+    assert audit[1]["after"] == {"status": "cancelled", "cancel_requested": True,
                                  "children": 0}
 
     # One without the other is refused, and nothing changes.
@@ -36,7 +40,7 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
         assert code != 0 and "INVALID_REQUEST" in err and "go together" in err
     assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
                (halfway.id,))[0]["status"] == "queued"
-    assert len(sql("SELECT 1 FROM orchestrator.operator_audit")) == 1
+    assert len(sql("SELECT 1 FROM orchestrator.operator_audit")) == 2
 
 
 async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
@@ -65,8 +69,9 @@ async def test_a_cancellation_from_the_cli_reaches_the_runs_children(
     assert out.strip() == f"run {audited.id} is cancelled, and 1 child run with it"
     assert sql("SELECT status FROM orchestrator.runs WHERE parent_run_id IS NOT NULL") == [
         {"status": "cancelled"}] * 2
-    (audit,) = sql("SELECT after FROM orchestrator.operator_audit")
-    assert audit["after"] == {"status": "cancelled", "cancel_requested": True, "children": 1}
+    assert [a["after"] for a in sql("SELECT after FROM orchestrator.operator_audit "
+                                    "ORDER BY id")] == [
+        {"status": "cancelled", "cancel_requested": True, "children": 1}] * 2
 
 
 async def test_cancelling_a_cancelled_run_says_it_had_finished(

@@ -247,3 +247,25 @@ def test_an_item_is_resolved_only_as_its_operation_was_settled(make_role,
                          (pending["id"],))
     assert role.sql("SELECT state FROM orchestrator.reconciliation_items WHERE id = %s",
                     (pending["id"],)) == [{"state": "open"}]
+
+
+@pytest.mark.parametrize("function", ["pg_try_advisory_lock(bigint)",
+                                      "pg_try_advisory_xact_lock(integer, integer)"])
+async def test_a_worker_checks_the_lock_functions_it_calls(make_role, migrated_database_url,
+                                                           function):
+    """A worker takes its liveness lock with ``pg_try_advisory_lock`` (never waiting for it),
+    and ``tool_admit`` takes a tool's admission lock with ``pg_try_advisory_xact_lock``: a
+    cluster that revoked one from PUBLIC leaves a worker that beats but never claims, or whose
+    every limited call fails, so the check at start names each, not the blocking
+    ``pg_advisory_lock`` that nothing calls."""
+    role = make_role()
+    grants.grant_runtime(DatabaseTarget(validate_url(migrated_database_url), "argument"),
+                         role.name)
+    role.sql(f"REVOKE EXECUTE ON FUNCTION pg_catalog.{function} FROM PUBLIC")
+    db = _database(role.url)
+    try:
+        async with db.connection() as conn:
+            _, missing = await grants.privileges_missing(conn)
+        assert missing == [f"EXECUTE on function pg_catalog.{function}"]
+    finally:
+        await db.close()

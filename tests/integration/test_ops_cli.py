@@ -151,3 +151,100 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
     code, _, err = await cli(url, "ops", "list", "--limit", "0")
     assert code == 2 and "INVALID_REQUEST" in err and "limit" in err
     assert json.loads(json.dumps(app.metrics.snapshot()))["unknown_outcomes"] == 3
+
+
+async def test_the_audit_log_is_readable_from_the_cli(make_app, sql, migrated_database_url):
+    """Who did what, when and why, for every kind of operator action (a resolution, a run's
+    cancellation, a schedule's pause), newest first, filtered, in pages, and within the
+    operator's tenants: `ops audit`, the console's audit log for the command line."""
+    url = migrated_database_url
+    app = make_app()
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.sleep(3600)
+
+    run = await app.submit_async(report, {})
+    await app.schedules.create_async("nightly", "report", cron="0 2 * * *")
+    await app.database.close()
+    for args in (["runs", "cancel", str(run.id), "--operator", "alice", "--evidence",
+                  "customer withdrew"],
+                 ["schedules", "pause", "nightly", "--operator", "bob", "--evidence",
+                  "report is wrong"]):
+        done = await cli(url, *args)
+        assert done[0] == 0, done
+
+    code, out, err = await cli(url, "ops", "audit", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [(a["action"], a["operator"], a["target_kind"], a["target_id"], a["evidence"])
+            for a in doc["audit"]] == [
+        ("schedule.pause", "bob", "schedule", "nightly", "report is wrong"),
+        ("run.cancel", "alice", "run", str(run.id), "customer withdrew")]
+    assert doc["count"] == 2 and doc["limit"] == 50 and doc["next"] is None
+    assert doc["audit"][1]["tenant"] == "acme" and doc["audit"][1]["at"].endswith("Z")
+    assert doc["audit"][1]["after"]["status"] == "cancelled"
+
+    code, out, err = await cli(url, "ops", "audit", "--action", "run", "--by", "alice")
+    assert code == 0, err
+    assert "run.cancel" in out and "customer withdrew" in out and "schedule" not in out
+    code, out, err = await cli(url, "ops", "audit", "--limit", "1", "--json")
+    first = json.loads(out)
+    assert first["count"] == 1 and first["next"] is not None
+    code, out, err = await cli(url, "ops", "audit", "--limit", "1", "--before",
+                               first["next"], "--json")
+    assert [a["action"] for a in json.loads(out)["audit"]] == ["run.cancel"]
+    code, out, err = await cli(url, "ops", "audit", "--target", "nightly")
+    assert code == 0 and "schedule.pause" in out and "run.cancel" not in out
+
+    # Another tenant's operator sees none of it (C9), and bad filters change nothing.
+    code, out, err = await cli(url, "ops", "audit", "--app", "tests.acceptance.flows:app",
+                               "--operator", "outsider", "--json")
+    assert code == 0, err
+    assert json.loads(out)["audit"] == []
+    code, _, err = await cli(url, "ops", "audit", "--before", "x")
+    assert code == 2 and "INVALID_REQUEST" in err and "--before" in err
+
+
+async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
+        make_app, sql, migrated_database_url):
+    """A run blocked on two unknown operations (two calls at once) resumes only once both are
+    settled: resolving the first says the run still waits, naming the other, and the run's
+    detail names only the one left, not the one settled."""
+    url = migrated_database_url
+    app = make_app()
+    sent: list[str] = []
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        sent.append(order)
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.gather(ctx.call(charge, order=f"{order}-1"),
+                                ctx.call(charge, order=f"{order}-2"))
+
+    async with running(app):
+        run = await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+        first, second = [r["id"] for r in sql("SELECT id FROM orchestrator.operations "
+                                              "ORDER BY id")]
+        code, out, err = await cli(url, "ops", "resolve", str(first), "--committed",
+                                   "--receipt", '{"charge": "c1"}', "--evidence", "PSP: c1",
+                                   "--operator", "alice")
+        assert code == 0, err
+        assert out.strip() == (f"operation {first} resolved as committed; its run still waits "
+                               f"for operation {second} to be settled (`orchestrator ops show "
+                               f"{second}`)")
+        (row,) = sql("SELECT status, waiting_for FROM orchestrator.runs")
+        assert row == {"status": "needs_reconciliation",
+                       "waiting_for": f"reconciliation of operation {second}"}
+        code, out, err = await cli(url, "ops", "resolve", str(second), "--committed",
+                                   "--receipt", '{"charge": "c2"}', "--evidence", "PSP: c2",
+                                   "--operator", "alice")
+        assert code == 0, err
+        assert out.strip() == f"operation {second} resolved as committed; the run was woken"
+        assert await run.result_async(timeout=10) == [{"charge": "c1"}, {"charge": "c2"}]
+    assert sorted(sent) == ["o-1", "o-2"]

@@ -781,3 +781,46 @@ async def test_a_delete_whose_commit_was_lost_reports_the_schedule_it_deleted(
         await app.schedules.delete_async("s")
     assert again.value.path == "id" and "no schedule s" in str(again.value)
     await app.database.close()
+
+
+async def test_what_an_operator_does_to_a_schedule_is_audited(make_app, sql,
+                                                              migrated_database_url):
+    """Pausing, resuming, triggering, backfilling and deleting a schedule are operator
+    actions (CONTRACT C17): each writes an audit row, in its own transaction, with who, why
+    and the schedule's tenant (its runs' owner), and the before and after; without
+    --operator the row names the login that ran the command and says no reason was given."""
+    app = _app(make_app, [T0])
+    await app.schedules.create_async("s", "report", cron="*/5 * * * *", input={"x": 1})
+    await app.database.close()
+    url = migrated_database_url
+    for args in (["pause", "s", "--operator", "alice", "--evidence", "the report is wrong"],
+                 ["resume", "s", "--operator", "alice", "--evidence", "fixed in 1.2"],
+                 ["trigger", "s", "--operator", "bob", "--evidence", "sent by hand"],
+                 ["backfill", "s", "--from", "2026-12-03T10:00:00Z",
+                  "--to", "2026-12-03T10:05:00Z", "--operator", "bob",
+                  "--evidence", "missed in the outage"],
+                 ["delete", "s"]):
+        done = run_cli(["schedules", *args], database_url=url)
+        assert done.returncode == 0, (args, done.stderr)
+    audit = sql("SELECT operator, action, target_kind, target_id, tenant, evidence, before, "
+                "after FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["action"], a["operator"], a["evidence"]) for a in audit[:4]] == [
+        ("schedule.pause", "alice", "the report is wrong"),
+        ("schedule.resume", "alice", "fixed in 1.2"),
+        ("schedule.trigger", "bob", "sent by hand"),
+        ("schedule.backfill", "bob", "missed in the outage")]
+    assert audit[4]["action"] == "schedule.delete"
+    assert audit[4]["evidence"] == "none given (orchestrator schedules delete)"
+    assert all(a["target_kind"] == "schedule" and a["target_id"] == "s" and a["tenant"]
+               for a in audit)
+    assert (audit[0]["before"]["paused"], audit[0]["after"]["paused"]) == (False, True)
+    assert (audit[1]["before"]["paused"], audit[1]["after"]["paused"]) == (True, False)
+    assert audit[2]["after"]["state"] == "fired" and audit[2]["after"]["run_id"]
+    assert audit[3]["after"] == {"from": "2026-12-03T10:00:00+00:00",
+                                 "to": "2026-12-03T10:05:00+00:00", "slots": 2,
+                                 "states": {"fired": 2}}
+    assert audit[4]["before"]["cron"] == "*/5 * * * *" and audit[4]["after"] is None
+
+    blank = run_cli(["schedules", "pause", "nope", "--operator", "alice", "--evidence", " "],
+                    database_url=url)
+    assert blank.returncode == 2 and "evidence" in blank.stderr

@@ -212,3 +212,41 @@ def test_bad_configuration_fails_fast_with_one_line(url: str, expected: str, com
     assert "Traceback" not in result.stderr
     assert "s3cret" not in result.stderr
     assert "p%zz" not in result.stderr
+
+
+def test_commands_on_a_database_behind_the_code_say_it_is_behind(
+    empty_database_url: str,
+) -> None:
+    """A database upgraded by an older release (the code was deployed first): `db grant`
+    refuses before granting anything, and a command that meets a table or a column the old
+    schema lacks says SCHEMA_MISMATCH and that the schema is behind, never "has no orchestrator
+    schema" nor an INTERNAL error."""
+    from psycopg.rows import dict_row
+
+    from tests.roles import create_role, drop_role
+
+    migrate.upgrade(DatabaseTarget(validate_url(empty_database_url), "argument"), "0015")
+    admin = psycopg.connect(empty_database_url, autocommit=True, row_factory=dict_row)
+    role = create_role(admin, empty_database_url, "rt")
+    try:
+        granted = run_cli(["db", "grant", "--role", role.name], database_url=empty_database_url)
+        assert granted.returncode == 2, granted.stdout
+        assert len(granted.stderr_lines) == 1, granted.stderr
+        assert granted.stderr_lines[0].startswith("orchestrator: error: SCHEMA_MISMATCH: ")
+        assert "is at 0015, behind the code" in granted.stderr
+        assert "orchestrator db upgrade" in granted.stderr
+        assert role.sql("SELECT has_schema_privilege(%s, 'orchestrator', 'USAGE') AS usage",
+                        (role.name,)) == [
+            {"usage": False}]  # nothing was granted
+
+        for command in (["workers", "list"], ["schedules", "list"]):
+            shown = run_cli(command, database_url=empty_database_url)
+            assert shown.returncode == 2, (command, shown.stderr)
+            assert shown.stderr_lines[0].startswith(
+                "orchestrator: error: SCHEMA_MISMATCH: "), (command, shown.stderr)
+            assert "is at 0015, behind the code" in shown.stderr, (command, shown.stderr)
+            assert "orchestrator db upgrade" in shown.stderr
+    finally:
+        drop_role(role)
+        admin.close()
+    assert _version(empty_database_url) == "0015"
