@@ -95,7 +95,7 @@ from orchestrator.scheduler import (
 from orchestrator.schedules import DEFAULT_CATCHUP
 from orchestrator.serving import catch_early_sigterm as catch_early_sigterm
 from orchestrator.serving import listen_at, run_until_stopped
-from orchestrator.stream import RunStreams
+from orchestrator.stream import RunStreams, check_kept
 from orchestrator.submission import (
     Submission,
     SubmissionConfig,
@@ -757,11 +757,23 @@ class Orchestrator:
             self.metrics.incr("cancellations", stage="requested")
         return done.after
 
+    def cancel(self, run_id: uuid.UUID | str, *, owner: Owner | None = None) -> str:
+        """Sync twin of :meth:`cancel_async`."""
+        return self._portal.call(self.cancel_async(run_id, owner=owner))
+
     async def journal_async(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                             ) -> list[JournalEntry]:
-        """The run's journal, oldest first. Reading it never dispatches anything (C3)."""
+        """The run's journal, oldest first. Reading it never dispatches anything (C3). A run
+        that retention pruned has none left: ``RUN_PRUNED``, as its stream says, not an empty
+        list."""
         row = await self._row(run_id, owner)
+        check_kept(row, 0)
         return await self._submission.journal(row["id"])
+
+    def journal(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
+                ) -> list[JournalEntry]:
+        """Sync twin of :meth:`journal_async`."""
+        return self._portal.call(self.journal_async(run_id, owner=owner))
 
     # -- waiting for many runs ---------------------------------------------------------------
 

@@ -113,7 +113,8 @@ class RunHandle(Generic[R_co]):
 
     async def _last(self, run_id: uuid.UUID) -> dict[str, Any]:
         """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``), of
-        the last run of its chain (the same owner's)."""
+        the last run of its chain (the same owner's); ``RUN_PRUNED`` when the chain's next run
+        is gone (retention deleted it with its evidence while an earlier one was kept)."""
         row = await self.app._row(run_id, self.owner, result=True)
         owner = (self.owner.tenant, self.owner.principal)
 
@@ -123,6 +124,12 @@ class RunHandle(Generic[R_co]):
         # The last run found may have continued before its row is read: look again from it.
         while row["outcome_code"] == runs_db.CONTINUED and row["superseded_by"] is not None:
             last = await self.app.database.read(partial(last_of, start=row["id"]))
+            if last == row["id"]:  # the run it continued as is gone: deleted by retention
+                raise RunPruned(
+                    f"run {row['id']} continued as run {row['superseded_by']}, which retention "
+                    "has deleted with its evidence: the chain's result is no longer kept "
+                    "(docs/retention.md)", status=row["status"], outcome=row["outcome_code"],
+                    pruned_at=row.get("pruned_at"))
             row = await self.app._row(last if last is not None else row["superseded_by"],
                                       self.owner, result=True)
         return row

@@ -31,7 +31,7 @@ from orchestrator.context import ContinueAsNew, WorkflowContext
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-from orchestrator.errors import InvalidRequest, UnknownWorkflow
+from orchestrator.errors import InvalidRequest, RunPruned, UnknownWorkflow
 from orchestrator.journal import (
     RUN_ENDS,
     Entry,
@@ -356,12 +356,20 @@ async def load_runs(conn: Conn, *, run_id: uuid.UUID | None = None,
                     since: datetime | None = None, last: int = 100,
                     finished: bool = True) -> list[RecordedRun]:
     """The newest ``last`` runs the filters select, with their journals (``finished=False``:
-    only runs that have not ended, those a deployment's workers will replay)."""
+    only runs that have not ended, those a deployment's workers will replay). Pruned runs have
+    no history to check: the filters leave them out, and ``run_id`` naming one is
+    ``RUN_PRUNED``."""
     rows = await runs_db.run_read_for_replay(conn, run_id=run_id, workflow=workflow,
                                              version=version, since=since, last=last,
                                              finished=finished or run_id is not None)
     runs = []
     for row in rows:
+        if row["pruned_at"] is not None:
+            raise RunPruned(f"run {row['id']} was pruned by retention at "
+                            f"{row['pruned_at'].isoformat()}: its journal and input are no "
+                            "longer kept, so there is nothing to check (docs/retention.md)",
+                            status=row["status"], outcome=row["outcome_code"],
+                            pruned_at=row["pruned_at"])
         journal = await journal_db.journal_read_for_replay(conn, row["id"])
         runs.append(RecordedRun(
             run_id=row["id"], workflow=row["workflow_name"], version=row["workflow_version"],

@@ -35,6 +35,7 @@ from orchestrator import faults
 from orchestrator import replay as checks
 from orchestrator.app import Orchestrator
 from orchestrator.db import runs as runs_db
+from orchestrator.db.database import Conn
 from orchestrator.faults import Gate
 from orchestrator.handle import RunHandle
 from orchestrator.replay import RecordedRun, Verdict
@@ -164,10 +165,14 @@ def _horizon(timers_within: float) -> datetime:
 async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
                    limit: int) -> bool:
     """Every run of ``ids``, every run started under one (a child, its children …) and every
-    run one continued as is in :data:`IDLE_STATES`, and none is due by ``max(now,
-    horizon)``."""
+    run one continued as is in :data:`IDLE_STATES` or held back (queued, with its start
+    later), and none is due by ``max(now, horizon)``."""
     now = max(datetime.now(UTC), horizon)
-    async with app.database.connection() as conn:
+
+    async def look(conn: Conn) -> bool:
+        # One snapshot: a child that ends and wakes its parent between two reads must not
+        # show a waiting parent beside a finished child.
+        await runs_db.run_read_snapshot(conn)
         rows = []
         for run_id in ids:
             row = await runs_db.run_get(conn, run_id, result=False)
@@ -177,7 +182,8 @@ async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
         seen = set(ids)
         while rows:
             row = rows.pop()
-            if row["status"] not in IDLE_STATES or _due(row, now):
+            # queued and not due: held back (start_at, delay) past the horizon
+            if row["status"] not in IDLE_STATES | {"queued"} or _due(row, now):
                 return False
             related = await runs_db.run_list(conn, tenant=None, principal=None, status=None,
                                              workflow=None, limit=limit, parent=row["id"])
@@ -186,7 +192,9 @@ async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
                 related += [successor] if successor is not None else []
             rows += [r for r in related if r["id"] not in seen]
             seen.update(r["id"] for r in related)
-    return True
+        return True
+
+    return await app.database.run_in_transaction(look)
 
 
 async def _nothing_ready(app: Orchestrator, worker: Worker, horizon: datetime,
@@ -234,11 +242,11 @@ async def run_until_idle(app: Orchestrator, *,
     Idle means: with ``runs``, every one of them, every run started under one of them (its
     child runs, theirs, and so on) and every run one continued as (``continue_as_new``) is
     in :data:`IDLE_STATES` (ended, or waiting for a timer, an event, a child or a
-    reconciliation) and none is due (a timer that has fired or an event that has arrived
-    makes a waiting run due); without, the worker holds no run and no run of its workflows
-    is running or due. The newest ``scan_limit`` runs of each state (with ``runs``: the
-    newest ``scan_limit`` children of each run) are looked at. Due is judged by this
-    process's clock.
+    reconciliation) or held back (``start_at``, ``delay``), and none is due (a timer that has
+    fired, an event that has arrived or a start that has come makes a run due); without,
+    the worker holds no run and no run of its workflows is running or due. The newest
+    ``scan_limit`` runs of each state (with ``runs``: the newest ``scan_limit`` children of
+    each run) are looked at. Due is judged by this process's clock.
 
     Timers are real time (time is not injectable): a run waiting for a durable timer (a
     ``ctx.sleep`` over 1 s, a wait's timeout, a retry's backoff, the run's deadline) is
@@ -269,11 +277,12 @@ async def run_until_idle(app: Orchestrator, *,
 def run_until_idle_sync(app: Orchestrator, *,
                         runs: Iterable[RunHandle | uuid.UUID | str] | None = None,
                         timers_within: float = 0.0, timeout: float = 30.0,
-                        **options: Any) -> Worker:
+                        scan_limit: int = 1000, **options: Any) -> Worker:
     """:func:`run_until_idle` for a test that uses the sync API (``app.submit``,
-    ``run.result``): the worker runs on the loop that serves those calls, then stops."""
+    ``run.result``): the worker runs on the loop that serves those calls, then stops. It takes
+    the same parameters."""
     coro = run_until_idle(app, runs=runs, timers_within=timers_within, timeout=timeout,
-                          **options)
+                          scan_limit=scan_limit, **options)
     return app._portal.call(coro)
 
 

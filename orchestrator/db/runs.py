@@ -268,6 +268,13 @@ async def run_finished(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
     return {row["id"] for row in await cur.fetchall()}
 
 
+async def run_read_snapshot(conn: Conn) -> None:
+    """Make the transaction just begun on ``conn`` one read-only snapshot: every run read in
+    it is seen as of its first read (``orchestrator.testing`` judges a family of runs idle
+    so, never from rows read at different moments)."""
+    await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
+
 async def run_revisions(conn: Conn, run_ids: Sequence[uuid.UUID]
                         ) -> dict[uuid.UUID, dict[str, Any]]:
     """The ``revision`` and ``status`` of each of ``run_ids`` that exists, by the primary key
@@ -776,9 +783,11 @@ async def run_wake_turn(conn: Conn, tool: str, count: int) -> int:
 
 
 _READ_FOR_REPLAY = f"""
-SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at
+SELECT id, workflow_name, workflow_version, status, tenant, principal, input, created_at,
+       outcome_code, pruned_at
 FROM {S}.runs
 WHERE (%(run_id)s::uuid IS NULL OR id = %(run_id)s::uuid)
+  AND (%(run_id)s::uuid IS NOT NULL OR pruned_at IS NULL)
   AND (%(workflow)s::text IS NULL OR workflow_name = %(workflow)s::text)
   AND (%(version)s::text IS NULL OR workflow_version = %(version)s::text)
   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
@@ -793,7 +802,8 @@ async def run_read_for_replay(conn: Conn, *, run_id: uuid.UUID | None, workflow:
                               finished: bool) -> list[dict[str, Any]]:
     """The newest ``last`` runs the filters select, whatever their owner, for ``orchestrator
     replay`` (each with its workflow, status, owner and input); ``finished=False``: only those
-    that have not ended."""
+    that have not ended. Runs that retention pruned (no journal, no input) are left out, but
+    for the one ``run_id`` names (with its ``pruned_at``, for the caller to refuse)."""
     cur = await conn.execute(_READ_FOR_REPLAY, {
         "run_id": run_id, "workflow": workflow, "version": version, "since": since,
         "all": finished, "limit": last})

@@ -230,7 +230,8 @@ class Outcome:
         except InvalidRequest as exc:
             await self._fail("WORKFLOW_FAILED", "the workflow's result is not a JSON value "
                              "within the size cap; see the incident",
-                             incident_detail=_detail(exc), log_cause=exc.code)
+                             incident_detail=_detail(exc), cause=cause_of(exc),
+                             log_cause=exc.code)
             return
         if run.index.max_position >= run.position:
             await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "

@@ -341,6 +341,37 @@ async def test_an_uncaught_event_timeout_fails_the_run_naming_it(app, sql):
     assert _incidents(sql)[failed.incident]["detail"]["cause"] == cause
 
 
+async def test_a_result_over_the_cap_or_not_json_names_its_code(make_app, sql):
+    """A result the run cannot keep fails it ``WORKFLOW_FAILED``, as an orchestrator error the
+    workflow did not catch does, with the code in ``cause``: ``PAYLOAD_TOO_LARGE`` for one over
+    ``max_record_bytes``, ``INVALID_REQUEST`` for one that is not JSON, so that the owner
+    can tell why without the incident; nothing is truncated."""
+    app = make_app(max_record_bytes=1000)
+
+    @app.workflow()
+    async def big(ctx, n):  # type: ignore[no-untyped-def]
+        return "x" * n
+
+    @app.workflow()
+    async def odd(ctx, data):  # type: ignore[no-untyped-def]
+        return {"at": {1, 2}}
+
+    async with running(app):
+        too_big, not_json = await app.submit_async(big, 2000), await app.submit_async(odd, {})
+        failures = []
+        for run in (too_big, not_json):
+            with pytest.raises(RunFailed) as info:
+                await run.result_async(timeout=15)
+            failures.append(info.value)
+    assert [(f.code, f.cause) for f in failures] == [
+        ("WORKFLOW_FAILED", {"code": "PAYLOAD_TOO_LARGE"}),
+        ("WORKFLOW_FAILED", {"code": "INVALID_REQUEST"})]
+    assert [_row(sql, run)["error"]["cause"] for run in (too_big, not_json)] == [
+        {"code": "PAYLOAD_TOO_LARGE"}, {"code": "INVALID_REQUEST"}]
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs WHERE result IS NOT NULL"
+               )[0]["n"] == 0
+
+
 async def test_a_child_runs_cause_reaches_its_parent(app, sql):
     @app.workflow()
     async def approve(ctx, data):  # type: ignore[no-untyped-def]

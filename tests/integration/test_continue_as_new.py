@@ -414,3 +414,34 @@ async def test_a_version_this_app_does_not_register_is_refused_where_the_code_co
             "workflow 'careful' version '2' is not registered"]
     rows = sql("SELECT status, outcome_code FROM orchestrator.runs")
     assert [(r["status"], r["outcome_code"]) for r in rows] == [("succeeded", None)]
+
+
+async def test_a_chain_whose_next_run_is_gone_answers_instead_of_spinning(
+        make_app: Any, sql: Any) -> None:
+    """Retention deletes each generation's row with its evidence by that generation's own
+    age, so a generation kept longer (one with a child still running is never pruned) can
+    outlive the run it continued as. Following the chain from it then ends there:
+    ``result()`` and ``outcome()`` raise ``RUN_PRUNED`` at once, within their timeout,
+    instead of reading the same row again for ever; ``latest()`` says the same."""
+    from orchestrator import RunPruned
+
+    app = make_app()
+
+    @app.workflow()
+    async def hop(ctx, n):  # type: ignore[no-untyped-def]
+        if n < 1:
+            ctx.continue_as_new(n + 1)
+        return n
+
+    async with running(app):
+        first = await app.submit_async(hop, 0)
+        assert await first.result_async(timeout=20) == 1
+    # The next run's row deleted with its evidence (fabricated: the successor is gone).
+    sql("UPDATE orchestrator.runs SET superseded_by = %s WHERE id = %s",
+        (uuid.uuid4(), first.id))
+    for ask in (lambda: first.result_async(timeout=1), first.outcome_async,
+                first.latest_async):
+        with pytest.raises(RunPruned) as info:
+            await asyncio.wait_for(ask(), 5)
+        assert (info.value.status, info.value.outcome) == ("succeeded", "CONTINUED_AS_NEW")
+    assert await app.wait_async([first], timeout=1) == [first]  # it has ended: no wait

@@ -131,6 +131,23 @@ async def test_the_stream_of_a_pruned_run_says_it_was_pruned(make_app: Any) -> N
     await app.database.close()
 
 
+async def test_the_journal_of_a_pruned_run_says_it_was_pruned(make_app: Any) -> None:
+    """``handle.journal()`` (and ``app.journal``) of a pruned run raise ``RUN_PRUNED``, as its
+    stream does, instead of an empty list that says the run recorded nothing."""
+    app = shop(make_app())
+    async with running(app):
+        run = await app.submit_async("pay", 900)
+        assert await run.result_async(timeout=20) == {"paid": 900}
+    assert [e.kind for e in await run.journal_async()][-1] == "run.completed"
+    await Pruner(app.database, NOW).prune()
+    with pytest.raises(RunPruned) as pruned:
+        await run.journal_async()
+    assert pruned.value.status == "succeeded" and pruned.value.pruned_at is not None
+    with pytest.raises(RunPruned):
+        await app.journal_async(run.id)
+    await app.database.close()
+
+
 async def test_runs_that_are_never_pruned(make_app: Any, sql: Any) -> None:
     app = shop(make_app())
     async with running(app):

@@ -105,6 +105,67 @@ async def test_run_until_idle_waits_for_timers_within_the_horizon_given(app):
     await app.database.close()
 
 
+async def test_run_until_idle_for_a_held_back_run_waits_for_its_start_only_within_the_horizon(
+        app):
+    """A run held back (``delay=``, ``start_at=``) is queued but not due: idle, as without
+    ``runs``, instead of an ``AssertionError`` after ``timeout`` although nothing could
+    happen; one whose start falls within ``timers_within`` is driven."""
+    from datetime import timedelta
+
+    @app.workflow()
+    async def later(ctx, n):  # type: ignore[no-untyped-def]
+        return n
+
+    held = await app.submit_async(later, 1, delay=timedelta(hours=1))
+    await run_until_idle(app, runs=[held], timeout=5, poll_interval=0.05)
+    assert await held.status_async() == "queued"
+    soon = await app.submit_async(later, 2, delay=timedelta(seconds=1.5))
+    await run_until_idle(app, runs=[held, soon], timers_within=3, timeout=10,
+                         poll_interval=0.05)
+    assert await soon.result_async(timeout=0.1) == 2
+    assert await held.status_async() == "queued"
+    await app.database.close()
+
+
+async def test_run_until_idle_judges_a_family_of_runs_from_one_snapshot(app, sql, monkeypatch):
+    """Idle is judged from one snapshot of the runs: a child that ends and wakes its parent
+    between the reads of the parent and of the child must not look like a parent still
+    waiting beside a finished child (idle: the worker stopped with the parent due, and
+    ``result()`` timed out). Fabricated: the child is made ``running``, and it ends, waking
+    its parent, right after the parent was read."""
+    from orchestrator import testing
+    from orchestrator.db import runs as runs_db
+
+    @app.workflow()
+    async def kid(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    @app.workflow()
+    async def parent(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(kid, n)
+
+    run = await app.submit_async(parent, 1)
+    await run_until_idle(app, runs=[run], poll_interval=0.05)
+    (child,) = sql("SELECT id FROM orchestrator.runs WHERE parent_run_id = %s", (run.id,))
+    sql("UPDATE orchestrator.runs SET status = 'running', lease_owner = 'elsewhere', "
+        "lease_expires_at = now() + interval '1 minute', available_at = NULL WHERE id = %s",
+        (child["id"],))
+    reads = runs_db.run_list
+
+    async def the_child_ends_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        sql("UPDATE orchestrator.runs SET status = 'succeeded', finished_at = now(), "
+            "lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (child["id"],))
+        sql("UPDATE orchestrator.runs SET available_at = now() WHERE id = %s", (run.id,))
+        monkeypatch.setattr(runs_db, "run_list", reads)
+        return await reads(*args, **kwargs)
+
+    monkeypatch.setattr(runs_db, "run_list", the_child_ends_meanwhile)
+    horizon = testing._horizon(0)
+    assert await testing._settled(app, [run.id], horizon, 100) is False  # as first read
+    assert await testing._settled(app, [run.id], horizon, 100) is False  # the parent is due
+    await app.database.close()
+
+
 def test_run_until_idle_sync_serves_the_sync_api(app):
     @app.workflow()
     async def hello(ctx, data):  # type: ignore[no-untyped-def]

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchestrator import Orchestrator, RunFailed
+from orchestrator import Orchestrator, Retention, RunFailed, RunPruned
 from orchestrator.errors import InvalidRequest
-from orchestrator.testing import replay_async
+from orchestrator.retention import Pruner
+from orchestrator.testing import replay, replay_async
 from tests.clitools import run_cli
 from tests.integration.conftest import running, wait_for
 from tests.integration.versioned_apps import CALLS, build
@@ -269,3 +271,41 @@ async def test_the_check_finds_a_changed_command_inside_a_task_group_as_a_worker
         with pytest.raises(RunFailed) as failed:
             await run.result_async(timeout=20)
     assert failed.value.code == "NONDETERMINISM"
+
+
+
+def test_the_check_leaves_out_pruned_runs_and_refuses_one_named(
+        migrated_database_url: str, make_app: Any, tmp_path: Path) -> None:
+    """A pruned run's journal and input are gone: there is no history to check. The replay
+    check selects only runs whose history is kept, instead of running the code on no input
+    against an empty journal and calling that ``ok``; a pruned run named (``--run``, a handle,
+    ``runs export``) is ``RUN_PRUNED``, with nothing checked or written."""
+    url = migrated_database_url
+    app = build("old", make_app())
+
+    async def drive() -> Any:
+        async with running(app):
+            pruned = await app.submit_async("steps", 5)
+            await pruned.result_async(timeout=20)
+            report = await Pruner(app.database, Retention(finished_runs=timedelta(0),
+                                                          evidence=None)).prune()
+            assert report.runs == 1
+            kept = await app.submit_async("steps", 4)
+            await kept.result_async(timeout=20)
+        return kept, pruned
+
+    kept, pruned = asyncio.run(drive())
+    checked = run_cli(["replay", "--app", f"{APP}:reordered", "--workflow", "steps", "--json"],
+                      database_url=url)
+    assert checked.returncode == 1, checked.stderr
+    assert [v["run_id"] for v in json.loads(checked.stdout)["runs"]] == [str(kept.id)]
+
+    named = run_cli(["replay", "--app", f"{APP}:old", "--run", str(pruned.id)], database_url=url)
+    assert named.returncode == 2 and "RUN_PRUNED" in named.stderr, named
+    exported = run_cli(["runs", "export", str(pruned.id), "-o", str(tmp_path / "p.json")],
+                       database_url=url)
+    assert exported.returncode == 2 and "RUN_PRUNED" in exported.stderr, exported
+    assert not (tmp_path / "p.json").exists()
+    with pytest.raises(RunPruned):
+        replay(app, [pruned])
+    assert [v.ok for v in replay(app, [kept])] == [True]

@@ -85,6 +85,8 @@ def submit_and_wait() -> int:
     delivered: bool = app.send_event(run.id, "approval", {"ok": True}, event_key="appr-1")
     runs: list[RunInfo] = app.list_runs(status="succeeded", limit=10)
     entries: list[JournalEntry] = run.journal()
+    assert_type(app.journal(run.id), list[JournalEntry])
+    assert_type(app.cancel(run.id), str)
     for entry in run.events_sync(after=entries[-1].seq, topics=["progress"]):
         assert_type(entry, JournalEntry)
         assert_type(entry.seq, int)

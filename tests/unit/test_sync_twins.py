@@ -30,8 +30,8 @@ def _twins(cls: type) -> list[str]:
 
 
 def test_the_twins_compared_are_all_there() -> None:
-    assert {"submit", "get_run", "list_runs", "send_event", "wait",
-            "as_completed"} <= set(_twins(Orchestrator))
+    assert {"submit", "get_run", "list_runs", "send_event", "wait", "as_completed", "cancel",
+            "journal", "restart", "prune"} <= set(_twins(Orchestrator))
     assert {"info", "status", "result", "outcome", "cancel", "journal"} <= set(
         _twins(RunHandle))
 
@@ -93,3 +93,14 @@ def test_no_public_method_takes_untyped_catch_all_options(cls: type) -> None:
         kinds = {p.kind for p in inspect.signature(member).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, name
         assert inspect.Parameter.VAR_POSITIONAL not in kinds, name
+
+
+def test_run_until_idle_sync_takes_the_parameters_of_run_until_idle() -> None:
+    """``run_until_idle_sync(app, scan_limit=...)`` is the async helper's option, not an
+    unknown worker option passed on to ``create_worker`` (a ``TypeError``)."""
+    from orchestrator import testing
+
+    sync = inspect.signature(testing.run_until_idle_sync)
+    async_ = inspect.signature(testing.run_until_idle)
+    assert _parameters(testing.run_until_idle_sync, 0) == _parameters(testing.run_until_idle, 0)
+    assert sync.return_annotation == async_.return_annotation
