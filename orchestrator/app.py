@@ -781,8 +781,9 @@ class Orchestrator:
                          timeout: float | timedelta | None = None) -> list[H]:
         """Wait until every run is terminal; return the handles, in the order given.
 
-        One statement per poll round reads every run still unfinished, however many there are
-        (at the pauses of :meth:`RunHandle.result_async`: 5 ms doubling to 250 ms). As
+        One statement reads every run still unfinished, however many there are, when the wait
+        begins and whenever the poller that the waits of this event loop share (as
+        :meth:`RunHandle.result_async` does: ``orchestrator.waiting``) found one ended. As
         ``result(timeout=)`` does, raises ``RESULT_TIMEOUT`` when ``timeout`` passes first,
         with ``pending`` (the ids not finished, in the order given) and ``status`` (the first
         one's); waiting changes nothing. A handle of another owner's run is ``ACCESS_DENIED``.
@@ -797,15 +798,15 @@ class Orchestrator:
 
     def as_completed_async(self, handles: Iterable[H], *,
                            timeout: float | timedelta | None = None) -> AsyncIterator[H]:
-        """Yield the handles as their runs become terminal (those found in one poll round in
-        the order given), polling as :meth:`wait_async` does; ``RESULT_TIMEOUT`` (with
+        """Yield the handles as their runs become terminal (those found in one read in the
+        order given), waiting as :meth:`wait_async` does; ``RESULT_TIMEOUT`` (with
         ``pending``) once ``timeout``, counted from this call, passes with runs still
         unfinished. The handles and the timeout are checked here, before any iteration."""
         return waiting.completing(self, handles, timeout)
 
     def as_completed(self, handles: Iterable[H], *,
                      timeout: float | timedelta | None = None) -> Iterator[H]:
-        """Sync twin of :meth:`as_completed_async`: each poll round runs on the private loop;
+        """Sync twin of :meth:`as_completed_async`: each wait runs on the private loop;
         the caller's thread waits between the handles it yields."""
         return waiting.completing_sync(self, handles, timeout)
 

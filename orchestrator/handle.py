@@ -356,31 +356,33 @@ def _wait_plan(app: Client, handles: Iterable[H], timeout: float | timedelta | N
 async def _finishing(app: Client, pending: list[H], give_up: float | None, total: int
                      ) -> AsyncGenerator[list[H], None]:
     """Batches of ``pending`` as their runs become terminal, until none is left (removed
-    from ``pending`` as they are yielded): one statement per round for all of them."""
-    delay = 0.005
+    from ``pending`` as they are yielded). One statement reads all of them (a run that
+    continued as new, at the run its chain is at), then the waits of this event loop share
+    one poller (``orchestrator.waiting``) until any of them ends, is gone, or the timeout
+    passes; then they are read again."""
     while pending:
         keys = {h: (h.id, h.owner.tenant, h.owner.principal) for h in pending}
         async with app.database.connection() as conn:
             statuses = await runs_db.run_statuses(conn, list(set(keys.values())))
         if any(key not in statuses for key in keys.values()):
             raise AccessDenied(DENIED)
-        done = [h for h in pending if statuses[keys[h]] in TERMINAL]
+        done = [h for h in pending if statuses[keys[h]][0] in TERMINAL]
         if done:
-            pending[:] = [h for h in pending if statuses[keys[h]] not in TERMINAL]
+            pending[:] = [h for h in pending if statuses[keys[h]][0] not in TERMINAL]
             yield done
             if not pending:
                 return
-            delay = 0.005  # runs tend to finish together: look again soon
-        now = time.monotonic()
-        if give_up is not None and now >= give_up:
+        left = None if give_up is None else give_up - time.monotonic()
+        if left is not None and left <= 0:
             first = pending[0]
-            status = statuses[keys[first]]
+            status = statuses[keys[first]][0]
             raise ResultTimeout(
                 f"{len(pending)} of {total} runs have not finished; run {first.id}: "
                 f"{_still(status, first.id)}",
                 status=status, pending=tuple(str(h.id) for h in pending))
-        await asyncio.sleep(delay if give_up is None else min(delay, give_up - now))
-        delay = min(delay * 2, 0.25)
+        await app._waits.any_finished(
+            {(statuses[keys[h]][1], h.owner) for h in pending}, left)
+
 
 def _portal_iterate(app: Client, batches: AsyncGenerator[list[T], None], instead: str
                     ) -> Iterator[T]:

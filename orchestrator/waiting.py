@@ -1,14 +1,16 @@
 """Waiting for runs to finish (``RunHandle.result(timeout=)``, and so the HTTP API's long poll
-``GET /api/runs/{id}/result?wait=``): every wait in one event loop shares one poller.
+``GET /api/runs/{id}/result?wait=``, and ``Orchestrator.wait`` / ``as_completed``): every wait
+in one event loop shares one poller.
 
 A waiter reads its run once itself (the owner's check, C9, and the answer when the run has
-already ended), then waits here. The poller asks, in one statement by the primary key
-(:func:`runs_db.run_finished`), which of the runs awaited in this event loop have ended or
-are not their waiter's owner's (gone), and wakes those runs' waiters, which read their run
-again themselves (its result, its error, the chain it continued as). The answer is as small
-as what ended. A process so costs the database one statement per pause however many requests
-wait, where each waiter used to read its own row at every pause: 1,000 waiting clients were
-4,000 statements a second.
+already ended), then waits here; a waiter for many runs (``wait``, ``as_completed``) reads
+them all in one statement and waits here until any of them ends. The poller asks, in one
+statement by the primary key (:func:`runs_db.run_finished`), which of the runs awaited in
+this event loop have ended or are not their waiter's owner's (gone), and wakes those runs'
+waiters, which read their runs again themselves (the result, the error, the chain a run
+continued as). The answer is as small as what ended. A process so costs the database one
+statement per pause however many requests wait, where each waiter used to read its own row
+at every pause: 1,000 waiting clients were 4,000 statements a second.
 
 The pace: a poll :data:`FIRST_PAUSE` after a waiter arrives, then pauses doubling up to
 :data:`LONGEST_PAUSE` (each waiter's own schedule used to be the same from 5 ms); so never
@@ -27,6 +29,8 @@ import contextlib
 import math
 import uuid
 import weakref
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
@@ -54,7 +58,15 @@ class RunWaits:
         caller reads it again and finds out which), or the database did not answer; False
         when ``timeout`` seconds (None: no limit) passed first. Cancelling the caller ends
         its wait; nothing is written."""
-        return await self.poller().finished((run_id, owner.tenant, owner.principal), timeout)
+        return await self.poller().finished({(run_id, owner.tenant, owner.principal)}, timeout)
+
+    async def any_finished(self, runs: Iterable[tuple[uuid.UUID, Owner]],
+                           timeout: float | None) -> bool:
+        """:meth:`finished` for many runs (each with the owner it is awaited for): True once
+        a poll finds any of them terminal or gone, or the database did not answer; False
+        when ``timeout`` passed first."""
+        keys = {(run_id, owner.tenant, owner.principal) for run_id, owner in runs}
+        return await self.poller().finished(keys, timeout)
 
     def poller(self) -> _FinishPoller:
         """The running event loop's poller (made on first use)."""
@@ -84,10 +96,13 @@ class _FinishPoller:
         self._pause = FIRST_PAUSE
         self._due = math.inf  # the loop time of the next poll
 
-    async def finished(self, key: _Key, timeout: float | None) -> bool:
+    async def finished(self, keys: AbstractSet[_Key], timeout: float | None) -> bool:
+        """Wait until a poll finds any of ``keys`` ended (or gone, or could not ask): True;
+        False when ``timeout`` passed first. One future stands for the waiter under each key."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        self.waiting.setdefault(key, []).append(future)
+        for key in keys:
+            self.waiting.setdefault(key, []).append(future)
         self._hurry(loop.time())
         if self._task is None:
             self._task = loop.create_task(self._poll(), name="orchestrator-result-poller")
@@ -96,7 +111,8 @@ class _FinishPoller:
         except TimeoutError:
             return False
         finally:
-            self._leave(key, future)
+            for key in keys:
+                self._leave(key, future)
         return True
 
     def _hurry(self, now: float) -> None:

@@ -52,6 +52,7 @@ class PrivateServer:
     port: int
     password: str
     os_user: str | None
+    options: str = ""
 
     def url(self, database: str = "postgres", *, password: str | None = None,
             user: str = SUPERUSER) -> str:
@@ -75,6 +76,14 @@ class PrivateServer:
         accepts connections."""
         self.pg_ctl("-w", "-m", "fast", "-l", str(self.log), "restart")
 
+    def stop(self) -> None:
+        """Stop the server (fast: every session is ended); :meth:`start` starts it again."""
+        self.pg_ctl("-w", "-m", "fast", "stop")
+
+    def start(self) -> None:
+        """Start the server (stopped by :meth:`stop`); returns once it accepts connections."""
+        self.pg_ctl("-w", "-o", self.options, "-l", str(self.log), "start")
+
 
 @contextmanager
 def private_server() -> Iterator[PrivateServer]:
@@ -90,15 +99,16 @@ def private_server() -> Iterator[PrivateServer]:
     if os_user is not None:
         shutil.chown(root, os_user)
         shutil.chown(pwfile, os_user)
-    server = PrivateServer(data_dir, _free_port(), password, os_user)
+    port = _free_port()
+    server = PrivateServer(data_dir, port, password, os_user,
+                           options=f"-p {port} -h 127.0.0.1 -k {root} -c fsync=off "
+                                   "-c shared_buffers=16MB -c max_connections=40")
     try:
         subprocess.run(
             [_bin("initdb"), "-D", str(data_dir), "-U", SUPERUSER, "--encoding=utf8",
              "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"],
             check=True, capture_output=True, timeout=120, user=os_user)
-        options = (f"-p {server.port} -h 127.0.0.1 -k {root} -c fsync=off "
-                   "-c shared_buffers=16MB -c max_connections=40")
-        server.pg_ctl("-w", "-o", options, "-l", str(server.log), "start")
+        server.start()
         yield server
     finally:
         if (data_dir / "postmaster.pid").exists():

@@ -220,31 +220,32 @@ async def run_get(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | Non
 
 
 async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
-                       ) -> dict[tuple[uuid.UUID, str, str], str]:
-    """The status of each ``(run_id, tenant, principal)`` that names that owner's run, in one
-    statement whatever their number (``wait`` polls many runs with it); a run of another owner
-    is left out, as a missing one is (C9). A run that continued as new
-    (``ctx.continue_as_new``) has the status of the last run of its chain."""
+                       ) -> dict[tuple[uuid.UUID, str, str], tuple[str, uuid.UUID]]:
+    """The status of each ``(run_id, tenant, principal)`` that names that owner's run, and
+    the id of the run its chain is at, in one statement whatever their number (what ``wait``
+    reads of its runs); a run of another owner is left out, as a missing one is (C9). A run
+    that continued as new (``ctx.continue_as_new``) has the status and the id of the last run
+    of its chain; any other run, its own."""
     cur = await conn.execute(
         f"""
         WITH RECURSIVE chain AS (
-            SELECT r.id AS start, r.tenant, r.principal, r.status, r.outcome_code,
-                   r.superseded_by, 0 AS depth
+            SELECT r.id AS start, r.tenant, r.principal, r.id AS at, r.status,
+                   r.outcome_code, r.superseded_by, 0 AS depth
             FROM unnest(%s::uuid[], %s::text[], %s::text[]) AS w(id, tenant, principal)
             JOIN {S}.runs AS r
               ON r.id = w.id AND r.tenant = w.tenant AND r.principal = w.principal
             UNION ALL
-            SELECT c.start, c.tenant, c.principal, n.status, n.outcome_code, n.superseded_by,
-                   c.depth + 1
+            SELECT c.start, c.tenant, c.principal, n.id, n.status, n.outcome_code,
+                   n.superseded_by, c.depth + 1
             FROM chain c JOIN {S}.runs AS n ON n.id = c.superseded_by
             WHERE c.outcome_code = '{CONTINUED}'
         )
-        SELECT DISTINCT ON (start) start AS id, tenant, principal, status
+        SELECT DISTINCT ON (start) start AS id, tenant, principal, status, at
         FROM chain ORDER BY start, depth DESC
         """,
         ([r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]),
     )
-    return {(row["id"], row["tenant"], row["principal"]): row["status"]
+    return {(row["id"], row["tenant"], row["principal"]): (row["status"], row["at"])
             for row in await cur.fetchall()}
 
 

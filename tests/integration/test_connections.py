@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from orchestrator import DatabaseError, Orchestrator, Owner
+from orchestrator import DatabaseError, Orchestrator, Owner, ResultTimeout
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
 from orchestrator.db.database import Database
@@ -380,3 +380,79 @@ async def test_the_listening_connection_has_tcp_keepalives(
         stop.set()
         await asyncio.wait_for(asyncio.gather(listener, return_exceptions=True), 10)
         await db.close()
+
+
+@pytest.fixture
+def outage_app(server: PrivateServer) -> Iterator[tuple[Orchestrator, str]]:
+    """An app on a database of the private server (which a test may stop; it is started
+    again afterwards) and that database's URL."""
+    name = dbtools.unique_name("outage")
+    url = dbtools.create_database(server.url(), name)
+    app = _app(url)
+    try:
+        assert migrate.upgrade(DatabaseTarget(validate_url(url), "argument")).ok
+        yield app, url
+    finally:
+        app.close()
+        if not (server.data_dir / "postmaster.pid").exists():
+            server.start()
+        dbtools.drop_database(server.url(), name)
+
+
+async def test_result_waits_whose_database_goes_down_raise_database_unavailable(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """The database stops while results are awaited (no worker: the runs stay queued), by
+    ``result(timeout=)``, ``app.wait`` and ``app.as_completed``: each raises
+    ``DATABASE_UNAVAILABLE`` within about the connect timeout, not at its own timeout (the
+    shared poller cannot ask, wakes every waiter, and each reads its runs itself). Once the
+    database is back, a wait works again."""
+    app, _ = outage_app
+    runs = [await app.submit_async("echo", {"n": n}) for n in range(3)]
+    waits = [asyncio.ensure_future(run.result_async(timeout=120)) for run in runs]
+    waits.append(asyncio.ensure_future(app.wait_async(runs, timeout=120)))
+    waits.append(asyncio.ensure_future(anext(app.as_completed_async(runs, timeout=120))))
+    poller = app._waits.poller()
+    await wait_until_async(lambda: poller.polls >= 2 and len(poller.waiting) == 3,
+                           timeout=10)
+    await asyncio.to_thread(server.stop)
+    started = time.monotonic()
+    outcomes = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), 30)
+    assert time.monotonic() - started < 20
+    for outcome in outcomes:
+        assert isinstance(outcome, DatabaseError), outcome
+        assert outcome.code == "DATABASE_UNAVAILABLE" and outcome.retryable
+    assert poller.waiting == {}
+    await asyncio.to_thread(server.start)
+    with pytest.raises(ResultTimeout) as still:
+        await runs[0].result_async(timeout=0.2)
+    assert still.value.status == "queued"
+
+
+async def test_a_long_poll_whose_database_goes_down_answers_503(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """``GET /api/runs/{id}/result?wait=`` while the database stops: 503 with the public
+    error ``DATABASE_UNAVAILABLE`` (retryable), soon, not after ``wait`` seconds."""
+    import httpx
+
+    from tests.consoletools import GRANTS, Served, from_header
+
+    app, _ = outage_app
+    console = app.console(from_header, GRANTS, authenticate_owner=lambda request: OWNER)
+    run = await app.submit_async("echo", {"n": 1})
+    with Served(console) as served:
+        async with httpx.AsyncClient(base_url=served.base, timeout=60) as http:
+            waiting = asyncio.ensure_future(http.get(f"/api/runs/{run.id}/result",
+                                                     params={"wait": "60"}))
+            await wait_until_async(
+                lambda: any(p.polls >= 1 and p.waiting for p in
+                            list(app._waits._pollers.values())), timeout=10)
+            await asyncio.to_thread(server.stop)
+            started = time.monotonic()
+            answer = await asyncio.wait_for(waiting, 30)
+            assert time.monotonic() - started < 20
+    assert answer.status_code == 503, answer.text
+    body = answer.json()
+    assert body["code"] == "DATABASE_UNAVAILABLE" and body["retryable"] is True
+    assert set(body) == {"code", "message", "retryable", "incident"}

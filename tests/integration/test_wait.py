@@ -1,5 +1,6 @@
 """Waiting for many runs: ``app.wait`` and ``app.as_completed`` (and their ``_async`` twins)
-against a real worker. One statement per poll round reads every run still unfinished; handles
+against a real worker. They share the event loop's poller with the result waits
+(``orchestrator.waiting``): one statement per poll asks about every run awaited; handles
 come back as their runs end; a timeout is ``RESULT_TIMEOUT`` naming the runs still pending, as
 ``result(timeout=)`` is, and changes nothing."""
 
@@ -46,7 +47,8 @@ def _status(sql, run) -> str:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def polls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many runs each poll round asked about (a spy on the one statement ``wait`` uses)."""
+    """How many runs each read of ``wait`` asked about (a spy on the one statement it reads
+    its runs with: when it begins, and when the shared poller found one of them ended)."""
     sizes: list[int] = []
     real = runs_db.run_statuses
 
@@ -71,20 +73,27 @@ async def test_wait_polls_every_pending_run_in_one_statement(app, sql, polls, mo
         gates = [await app.submit_async(gate, i) for i in range(20)]
         failing = await app.submit_async(broken, 0)
         handles = [*gates, failing]
-        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates), 20)
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates)
+                       and _status(sql, failing) == "failed", 20)
         monkeypatch.setattr(Orchestrator, "_row", row_spy)
+        poller = app._waits.poller()
         waiting = asyncio.ensure_future(app.wait_async(handles, timeout=30))
-        await wait_for(lambda: len(polls) >= 3)
+        await wait_for(lambda: poller.polls >= 3)
         assert not waiting.done()
+        # read once when the wait began; since, the shared poller asked (orchestrator.waiting)
+        assert polls == [21] and set(poller.waiting) == {
+            (h.id, h.owner.tenant, h.owner.principal) for h in gates}
         for handle in gates:
             await app.send_event_async(handle.id, "go")
         done = await waiting
         monkeypatch.setattr(Orchestrator, "_row", real_row)
         assert done == handles and all(a is b for a, b in zip(done, handles, strict=True))
         assert single_reads == []  # no per-handle read while waiting
-        # each round asks about every run still unfinished, in one statement: all 21 first,
-        # then fewer as they end (never one statement per run)
+        # each read asks about every run still unfinished, in one statement: all 21 first,
+        # then fewer as they end (never one statement per run); read again only when a poll
+        # found one ended
         assert polls[0] == 21 and polls == sorted(polls, reverse=True)
+        assert len(polls) <= 21
         assert [await h.result_async() for h in gates] == list(range(20))
         with pytest.raises(RunFailed) as failed:
             await failing.result_async()
@@ -155,7 +164,8 @@ async def test_result_waits_share_one_poll_and_one_that_times_out_leaves_nothing
         assert timed_out.value.status == "waiting"
         poller = app._waits.poller()
         assert len(poller.waiting) == 10 and sum(map(len, poller.waiting.values())) == 10
-        assert asked and max(asked) == 10  # the two waits of one run: asked about once
+        await wait_for(lambda: asked and asked[-1] == 10)  # (the 0.3 s may pass before)
+        assert max(asked) == 10  # the two waits of one run: asked about once
         with pytest.raises(AccessDenied):
             await RunHandle(app, gates[1].id, OTHER).result_async(timeout=30)
         assert not any(w.done() for w in waits)
@@ -242,3 +252,95 @@ async def test_a_sync_method_in_async_code_is_refused_naming_its_async_twin(app)
         assert len(await app.list_runs_async()) == 1  # the refused submission wrote nothing
         # from a thread of its own (no loop runs there) the same call waits as it should
         assert await asyncio.to_thread(run.result, 10) == 2
+
+
+async def test_wait_and_as_completed_follow_a_chain_that_continued_as_new(app, sql):
+    """A handle of a run that continued as new (``ctx.continue_as_new``) is finished when the
+    last run of its chain is: its status is that run's while it waits, as ``result()`` has."""
+
+    @app.workflow()
+    async def twice(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            ctx.continue_as_new(1)
+        return await ctx.wait_for_event("go")
+
+    async with running(app):
+        first = await app.submit_async(twice, 0)
+        await wait_for(lambda: sql("SELECT count(*) AS n FROM orchestrator.runs WHERE "
+                                   "status = 'waiting'")[0]["n"] == 1)
+        assert _status(sql, first) == "succeeded"  # it continued; the chain waits
+        with pytest.raises(ResultTimeout) as timed_out:
+            await app.wait_async([first], timeout=0.2)
+        assert timed_out.value.status == "waiting"
+        assert timed_out.value.pending == (str(first.id),)
+        waiting = asyncio.ensure_future(app.wait_async([first], timeout=30))
+        finished = app.as_completed_async([first], timeout=30)
+        first_done = asyncio.ensure_future(anext(finished))
+        poller = app._waits.poller()
+        polled = poller.polls
+        await wait_for(lambda: poller.polls >= polled + 3)  # neither ends meanwhile
+        assert not waiting.done() and not first_done.done()
+        await app.send_event_async(first.id, "go", "done")  # follows the chain too
+        assert await waiting == [first] and await first_done is first
+        assert await first.result_async() == "done"
+
+
+async def test_a_run_that_stops_being_the_owners_while_awaited_is_access_denied(app, sql):
+    """A run whose owner no longer matches the handle's (here its row is rewritten, as a run
+    gone from this owner's view) ends the wait with ``ACCESS_DENIED``, as a missing run."""
+    gate, _, _ = _register(app)
+    async with running(app):
+        runs = [await app.submit_async(gate, i) for i in range(2)]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in runs))
+        waiting = asyncio.ensure_future(app.wait_async(runs, timeout=30))
+        finished = app.as_completed_async(runs, timeout=30)
+        first_done = asyncio.ensure_future(anext(finished))
+        poller = app._waits.poller()
+        await wait_for(lambda: poller.polls >= 2)
+        assert not waiting.done() and not first_done.done()
+        sql("UPDATE orchestrator.runs SET principal = 'someone-else' WHERE id = %s",
+            (runs[1].id,))
+        with pytest.raises(AccessDenied):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(AccessDenied):
+            await asyncio.wait_for(first_done, 10)
+
+
+async def test_wait_as_completed_and_result_waits_share_one_poller(app, sql, monkeypatch):
+    """``result(timeout=)``, ``wait`` and ``as_completed`` waiting in one event loop cost the
+    database one statement per poll for all their runs together (orchestrator.waiting), not
+    one per caller per round; each still gets its own answer, and once nobody waits the
+    poller stops."""
+    gate, _, _ = _register(app)
+    asked: list[int] = []
+    real = runs_db.run_finished
+
+    async def spy(conn, runs):  # type: ignore[no-untyped-def]
+        asked.append(len(runs))
+        return await real(conn, runs)
+
+    async with running(app, concurrency=10):
+        runs = [await app.submit_async(gate, i) for i in range(6)]
+        await wait_for(lambda: all(_status(sql, h) == "waiting" for h in runs), 20)
+        monkeypatch.setattr(runs_db, "run_finished", spy)
+        poller = app._waits.poller()
+        result = asyncio.ensure_future(runs[0].result_async(timeout=30))
+        waited = asyncio.ensure_future(app.wait_async(runs[1:3], timeout=30))
+        finished = app.as_completed_async(runs[3:], timeout=30)
+        first_done = asyncio.ensure_future(anext(finished))
+        await wait_for(lambda: len(poller.waiting) == 6 and asked and asked[-1] == 6)
+        polled, statements = poller.polls, len(asked)
+        await wait_for(lambda: poller.polls >= polled + 3)
+        # one statement per poll (give or take the one under way), each asking about the
+        # runs of all three callers
+        assert len(asked) - statements <= poller.polls - polled + 1
+        assert set(asked[statements:]) == {6}
+        assert not any(f.done() for f in (result, waited, first_done))
+        for handle in reversed(runs):
+            await app.send_event_async(handle.id, "go")
+        assert await result == 0
+        assert await waited == runs[1:3]
+        done = [await first_done] + [h async for h in finished]
+        assert sorted(h.id for h in done) == sorted(h.id for h in runs[3:])
+        assert poller.waiting == {}
+        await wait_for(lambda: poller._task is None, 5, "the poller stopped")
