@@ -27,6 +27,7 @@ from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.workers import DEAD_AFTER
+from orchestrator.db.xact import xact_committed, xact_current
 from orchestrator.errors import (
     AccessDenied,
     InvalidRequest,
@@ -280,15 +281,24 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> Cancellation:
     blocked on an unknown operation only after that operation is reconciled (C7). A run that
     continued as new (``ctx.continue_as_new``): the last run of its chain. The run's unfinished
     child runs, at every depth, are cancelled with it by the same rules
-    (:func:`cancel_locked`).
+    (:func:`cancel_locked`). A cancellation whose COMMIT applied but whose answer was lost
+    with its connection answers, when the storage layer runs it again, with what it did (the
+    status before it, the children it reached), not with the run as it finds it.
     """
+
+    done: list[tuple[int, Cancellation]] = []  # an earlier attempt's xid and answer
 
     async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
+        if done and await xact_committed(conn, done[0][0]):
+            return done[0][1]  # see operator_cancel
+        done.clear()
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
         after, children = await cancel_locked(conn, row)
-        return Cancellation(str(row["status"]), after, children)
+        done.append((await xact_current(conn),
+                     Cancellation(str(row["status"]), after, children)))
+        return done[0][1]
 
     return await db.run_in_transaction(cancel)
 
@@ -335,11 +345,20 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
     transaction: the operator, the evidence and the run's status before and after
     (``run.cancel``, target ``run``; ``children``: how many unfinished child runs it
     reached). ``tenants`` is the operator's scope (None: all); a run outside it answers
-    exactly as a missing one (C9)."""
+    exactly as a missing one (C9). A cancellation whose COMMIT applied but whose answer was
+    lost with its connection answers, when the storage layer runs it again, with what it did
+    (as :func:`cancel_run` does), and is audited once."""
     check_evidence(evidence, operator)
+    done: list[tuple[int, Cancellation]] = []  # an earlier attempt's xid and answer
 
     async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
+        # A connection lost during the COMMIT makes the storage layer run this again; if that
+        # COMMIT did apply (asked once the run's lock is ours: it has ended), the run is
+        # cancelled by this call's own hand: say what it did, not "it had finished".
+        if done and await xact_committed(conn, done[0][0]):
+            return done[0][1]
+        done.clear()
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         before = str(row["status"])
@@ -351,7 +370,8 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
                                "cancel_requested": row["cancel_requested_at"] is not None}),
             after=json.dumps({"status": after, "cancel_requested": True,
                               "children": children}))
-        return Cancellation(before, after, children)
+        done.append((await xact_current(conn), Cancellation(before, after, children)))
+        return done[0][1]
 
     return await db.run_in_transaction(cancel)
 
@@ -379,14 +399,23 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
     first), for a run not finished (``OPERATION_IN_PROGRESS``), pruned (``RUN_PRUNED``) or
     already restarted (``INVALID_REQUEST`` naming the run that superseded it). ``tenants``:
     the operator's scope; ``owner``: only that owner's run (the owner's API); either way
-    another's is ACCESS_DENIED."""
+    another's is ACCESS_DENIED. A restart whose COMMIT applied but whose answer was lost with
+    its connection answers, when the storage layer runs it again, with the run it made."""
     check_evidence(evidence, operator)
     if from_position is not None and (type(from_position) is not int or from_position < 0):
         raise InvalidRequest("from_position must be a position (0 or more)",
                              path="from_position")
 
+    done: list[tuple[int, Restarted]] = []  # an earlier attempt's xid and answer
+
     async def restart(conn: Conn) -> Restarted:
         row = await runs_db.run_lock(conn, run_id, owner=owner)
+        # A connection lost during the COMMIT makes the storage layer run this again; if that
+        # COMMIT did apply (asked once the run's lock is ours: it has ended), the run was
+        # restarted by this call: answer with its new run, not "already restarted".
+        if done and await xact_committed(conn, done[0][0]):
+            return done[0][1]
+        done.clear()
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         if row["status"] not in TERMINAL_STATUSES:
@@ -443,6 +472,7 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
             before=json.dumps({"status": row["status"], "superseded_by": None}),
             after=json.dumps({"superseded_by": str(new["id"]), "from_position": at,
                               "carried_entries": carried}))
-        return Restarted(new["id"], run_id, at, carried)
+        done.append((await xact_current(conn), Restarted(new["id"], run_id, at, carried)))
+        return done[0][1]
 
-    return await db.run_in_transaction(restart, idempotent=False)
+    return await db.run_in_transaction(restart)

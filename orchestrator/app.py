@@ -737,7 +737,9 @@ class Orchestrator:
         Returns False when an event with the same key was already delivered (the key alone
         decides: a different name or payload under a used key is not delivered either), also
         once the run has finished (a retried send is not an error); a new event to a finished
-        run is refused with ``INVALID_REQUEST``.
+        run is refused with ``INVALID_REQUEST``. A send whose COMMIT applied but whose
+        answer was lost with its connection, keyed or not, is run again by the storage
+        layer and returns True (it delivered the event, once).
         """
         return await self._submission.send_event(run_id, name, payload, owner=owner,
                                                  event_key=event_key)

@@ -27,6 +27,7 @@ from orchestrator.admission import check_queue_name
 from orchestrator.db import queues as queues_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
+from orchestrator.db.xact import xact_committed, xact_current
 from orchestrator.errors import InvalidRequest
 from orchestrator.flow import MAX_LIMIT, RateLimit
 from orchestrator.reconcile import check_evidence
@@ -217,7 +218,9 @@ class QueueAdmin:
         limits and pause before and after) in the same transaction: the one path of
         ``orchestrator queues``, the console and ``app.queues``. ``INVALID_REQUEST`` naming
         the field, before anything is read, for a bad name, action, limit, operator or
-        evidence; for a queue not stored."""
+        evidence; for a queue not stored. The queue's row is locked while it is read and
+        changed. A change whose COMMIT applied but whose answer was lost with its connection
+        answers, when the storage layer runs it again, with the queue as it left it."""
         check_queue_name(name, "name")
         check_evidence(evidence, operator)
         if action not in QUEUE_ACTIONS:
@@ -227,8 +230,17 @@ class QueueAdmin:
         if action == "set" and not row:
             raise InvalidRequest("give at least one limit to set", path="limits")
 
+        done: list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid and answer
+
         async def act(conn: Conn) -> dict[str, Any]:
-            before = await queues_db.queue_get(conn, name)
+            stored = await queues_db.queue_lock(conn, name)
+            # A connection lost during the COMMIT makes the storage layer run this again; if
+            # that COMMIT did apply (asked once the queue's lock is ours: it has ended), the
+            # change is this call's: answer with it, and audit it once.
+            if done and await xact_committed(conn, done[0][0]):
+                return done[0][1]
+            done.clear()
+            before = await queues_db.queue_get(conn, name) if stored else None
             if before is None:
                 raise missing(name)
             if action in ("pause", "resume"):
@@ -242,10 +254,10 @@ class QueueAdmin:
                                target_kind="queue", target_id=name, tenant=None,
                                evidence=evidence, before=limits_json(before),
                                after=limits_json(after))
+            done.append((await xact_current(conn), after))
             return after
 
-        return QueueInfo.from_row(await self.database.run_in_transaction(act,
-                                                                        idempotent=False))
+        return QueueInfo.from_row(await self.database.run_in_transaction(act))
 
 
 QUEUE_ACTIONS = ("pause", "resume", "set", "reset")

@@ -26,6 +26,7 @@ from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
+from orchestrator.db.xact import xact_committed, xact_current
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
@@ -127,10 +128,10 @@ async def resolve(
     async def tx(conn: Conn) -> str:
         # A connection lost during the COMMIT makes the storage layer run this again; if that
         # COMMIT did apply, the resolution is this call's own: say so, and audit it once.
-        if last and await recon_db.xact_committed(conn, last["xid"]):
+        if last and await xact_committed(conn, last["xid"]):
             return str(last["outcome"])
         last.clear()
-        last["xid"] = await recon_db.xact_current(conn)
+        last["xid"] = await xact_current(conn)
         last["outcome"] = outcome = await settle(conn)
         return outcome
 

@@ -28,11 +28,11 @@ from typing import Any
 from orchestrator import admin
 from orchestrator.admission import new_run
 from orchestrator.canonical import JsonLimits
-from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
+from orchestrator.db.xact import xact_committed, xact_current
 from orchestrator.errors import IdempotencyConflict, InvalidRequest, OrchestratorError
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
@@ -539,14 +539,25 @@ class ScheduleAdmin:
         ``IDEMPOTENCY_CONFLICT``. ``repeated``: true when the answer is an earlier trigger's
         with this key (nothing fired now), false when this call fired, skipped or buffered.
         With ``operator`` and ``evidence`` a trigger that acted is audited
-        (``schedule.trigger``)."""
+        (``schedule.trigger``).
+
+        A trigger, keyed or not, whose COMMIT applied but whose answer was lost with its
+        connection answers, when the storage layer runs it again, with what it did."""
         sid = check_schedule_id(schedule_id)
         who = _who(operator, evidence)
         policy = None if overlap is None else check_overlap(overlap)
         key = None if idempotency_key is None else validate_idempotency_key(idempotency_key)
 
+        done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, answer
+
         async def fire(conn: Conn) -> dict[str, Any]:
             row = await sched_db.schedule_get(conn, sid, lock=True)
+            # A connection lost during the COMMIT makes the storage layer run this again; if
+            # that COMMIT did apply (asked once its lock is ours: it has ended), what it fired
+            # is this call's own: say so, rather than repeated or a second run.
+            if done and await xact_committed(conn, done[0][0]):
+                return done[0][1]
+            done.clear()
             if row is None:
                 raise _missing(sid)
             known = None if key is None else await sched_db.slot_by_trigger_key(conn, sid, key)
@@ -561,12 +572,12 @@ class ScheduleAdmin:
             (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
                                     policy or row["overlap"], trigger_key=key)
             await _audit(conn, who, "trigger", row, None, _slot(said))
-            return {"schedule": sid, "slot": now, "state": said["state"],
-                    "run_id": said["run_id"], "repeated": False}
+            answer = {"schedule": sid, "slot": now, "state": said["state"],
+                      "run_id": said["run_id"], "repeated": False}
+            done.append((await xact_current(conn), answer))
+            return answer
 
-        # Sent again after a COMMIT whose answer was lost, a keyed trigger answers with what
-        # it did; an unkeyed one would fire a second run.
-        return await self.database.run_in_transaction(fire, idempotent=key is not None)
+        return await self.database.run_in_transaction(fire)
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                        overlap: str = "allow_all", operator: str | None = None,
@@ -622,17 +633,18 @@ class ScheduleAdmin:
         done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, row
 
         async def delete(conn: Conn) -> dict[str, Any] | None:
+            row = await sched_db.schedule_get(conn, sid, lock=True)
             # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply, the schedule is gone by this call's own hand: say so.
-            if done and await recon_db.xact_committed(conn, done[0][0]):
+            # that COMMIT did apply (asked once the row's lock is free: it has ended), the
+            # schedule is gone by this call's own hand: say so.
+            if done and await xact_committed(conn, done[0][0]):
                 return done[0][1]
             done.clear()
-            row = await sched_db.schedule_get(conn, sid, lock=True)
             if row is not None and not self._kept_by_code(row):
                 if not await sched_db.schedule_delete(conn, sid):  # pragma: no cover
                     raise RuntimeError(f"schedule {sid} vanished under its lock")
                 await _audit(conn, who, "delete", row, _definition(row), None)
-                done.append((await recon_db.xact_current(conn), row))
+                done.append((await xact_current(conn), row))
             return row
 
         row = await self.database.run_in_transaction(delete)
@@ -699,15 +711,30 @@ class Schedules:
                            owner: Owner | None = None, version: str | None = None,
                            paused: bool = False) -> ScheduleInfo:
         """Create a schedule of ``workflow`` (a workflow or its name; ``version``: the
-        newest registered here if not given). ``INVALID_REQUEST`` for an id already taken."""
+        newest registered here if not given). ``INVALID_REQUEST`` for an id already taken
+        (not for one taken by this call's own insert, whose COMMIT applied but whose answer
+        was lost with its connection: the storage layer runs it again, and it answers with
+        the schedule it made)."""
         target = self._resolve(workflow, version)
         row, when = definition(
             schedule_id, (target.name, target.version), cron=cron, timezone=timezone,
             overlap=overlap, catchup_window=catchup_window, input=input,
             owner=self._owner(owner), queue=target.queue, json_limits=self._limits)
         now = await self.admin.ticker._now()
-        created = await self.admin.database.run_autocommit(lambda conn: sched_db.schedule_create(
-            conn, {**row, "paused": bool(paused), "next_slot": when.after(now)}))
+        done: list[int] = []  # the xid of an earlier attempt that inserted the schedule
+
+        async def insert(conn: Conn) -> bool:
+            made = await sched_db.schedule_create(
+                conn, {**row, "paused": bool(paused), "next_slot": when.after(now)})
+            # A connection lost during the COMMIT makes the storage layer run this again; if
+            # that COMMIT did apply (the INSERT waited for it to end), the id is taken by this
+            # call's own schedule.
+            if not made and done and await xact_committed(conn, done[0]):
+                return True
+            done[:] = [await xact_current(conn)] if made else []
+            return made
+
+        created = await self.admin.database.run_in_transaction(insert)
         if not created:
             raise InvalidRequest(f"a schedule {row['id']} exists; update or delete it",
                                  path="id")

@@ -210,8 +210,10 @@ class Database:
     again is always safe; work lost while it may have committed (an autocommit statement, a
     COMMIT under way) runs again only when it is idempotent: reads, and writes that are fenced
     or keyed at the SQL level (every caller's default). Work that is not (``idempotent=False``)
-    raises ``DATABASE_UNAVAILABLE`` saying the outcome is unknown instead. Nothing in here ever
-    calls a tool.
+    raises ``DATABASE_UNAVAILABLE`` saying the outcome is unknown instead. Work that runs again
+    after a COMMIT that applied finds its own writes: what it answers then is its own affair;
+    :mod:`orchestrator.db.xact` tells it whether its first attempt committed. Nothing in here
+    ever calls a tool.
     """
 
     def __init__(self, target: DatabaseTarget, *, max_pool_size: int = 10,
@@ -432,8 +434,7 @@ class Database:
                 raise DatabaseError(
                     f"the connection to {self.target.display} was lost while a change was "
                     "being committed: it may or may not have been applied, and it is not "
-                    "safe to repeat blindly (give the call its key, e.g. event_key, to make "
-                    "a retry safe)", retryable=False) from exc
+                    "safe to repeat blindly", retryable=False) from exc
             raise
 
     async def listen(self, channels: Sequence[str], on_message: Callable[[str, str], None],

@@ -106,6 +106,13 @@ async def queue_list(conn: Conn) -> list[dict[str, Any]]:
     return await cur.fetchall()
 
 
+async def queue_lock(conn: Conn, name: str) -> bool:
+    """Lock a stored queue's row until the caller's transaction ends (an operator's change
+    reads it, then writes it); False if there is no such queue."""
+    cur = await conn.execute(f"SELECT 1 FROM {S}.queues WHERE name = %s FOR UPDATE", (name,))
+    return await cur.fetchone() is not None
+
+
 async def queue_get(conn: Conn, name: str) -> dict[str, Any] | None:
     cur = await conn.execute(_STATS + " WHERE q.name = %(name)s", {"name": name})
     return await cur.fetchone()

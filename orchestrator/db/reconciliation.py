@@ -411,21 +411,6 @@ async def run_still_waiting_on(conn: Conn, operation_id: int) -> list[int]:
     return [int(row["id"]) for row in await cur.fetchall()]
 
 
-async def xact_current(conn: Conn) -> int:
-    """The id of the caller's transaction (given one now if it has none yet), to ask
-    :func:`xact_committed` about it after its COMMIT was lost."""
-    row = await (await conn.execute("SELECT txid_current() AS xid")).fetchone()
-    assert row is not None
-    return int(row["xid"])
-
-
-async def xact_committed(conn: Conn, xid: int) -> bool:
-    """Whether the transaction ``xid`` (:func:`xact_current`) committed: after a connection lost
-    during its COMMIT, the only way to know whether it applied."""
-    row = await (await conn.execute("SELECT txid_status(%s) AS status", (xid,))).fetchone()
-    return row is not None and row["status"] == "committed"
-
-
 async def audit_record(
     conn: Conn, *, operator: str, action: str, target_kind: str, target_id: str,
     tenant: str | None, evidence: str, before: str | None, after: str | None

@@ -3,10 +3,10 @@ C17): with ``--operator`` and ``--evidence`` as given, else as the login that ra
 
 from __future__ import annotations
 
-from orchestrator import Orchestrator
+from orchestrator import Orchestrator, admin
 from orchestrator.cli.common import login_name
 from tests.integration.conftest import running, wait_for
-from tests.integration.test_ops_bulk import cli
+from tests.integration.test_ops_bulk import cli, lose_the_next_commit
 
 
 async def test_an_operators_cancellation_from_the_cli_is_audited(
@@ -90,3 +90,26 @@ async def test_cancelling_a_cancelled_run_says_it_had_finished(
         code, out, err = await cli(url, "runs", "cancel", str(run.id), *audited)
         assert (code, err) == (0, "")
         assert out.strip() == f"run {run.id} already finished (cancelled); nothing to cancel"
+
+
+async def test_a_cancellation_whose_commit_was_lost_reports_what_it_did_and_audits_once(
+        app: Orchestrator, sql, monkeypatch):
+    """The connection goes while a cancellation's COMMIT is under way, and it applied: run
+    again by the storage layer, the cancellation finds the run cancelled, by its own hand. It
+    answers with the status the run had before it (not "it had finished"), and an operator's
+    is audited once."""
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return order
+
+    plain, audited = [await app.submit_async(pay, n) for n in range(2)]
+    lose_the_next_commit(monkeypatch, app.database)
+    done = await admin.cancel_run(app.database, plain.id)
+    assert (done.before, done.after) == ("queued", "cancelled")
+    lose_the_next_commit(monkeypatch, app.database)
+    done = await admin.operator_cancel(app.database, audited.id, operator="ann",
+                                       evidence="withdrawn", tenants=None)
+    assert (done.before, done.after) == ("queued", "cancelled")
+    audit = sql("SELECT before, after FROM orchestrator.operator_audit")
+    assert [(a["before"]["status"], a["after"]["status"]) for a in audit] == [
+        ("queued", "cancelled")]

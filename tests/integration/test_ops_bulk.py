@@ -350,8 +350,9 @@ async def test_ids_select_those_operations_among_the_waiting_ones_of_the_scope(m
 def lose_the_next_commit(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
     """The next transaction of ``db`` commits, then its driver loses step on the COMMIT (as
     when the connection drops while the COMMIT is under way): the storage layer cannot know
-    that it applied and runs the work again on another connection."""
-    real = db.run_in_transaction
+    that it applied and runs the work again on another connection. Work run in autocommit
+    (each statement its own COMMIT) loses the answer of its last statement, which applied."""
+    real, real_autocommit = db.run_in_transaction, db.run_autocommit
     lost: list[Any] = []
 
     async def run_in_transaction(work, **options):  # type: ignore[no-untyped-def]
@@ -371,7 +372,19 @@ def lose_the_next_commit(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
 
         return await real(once, **options)
 
+    async def run_autocommit(work, **options):  # type: ignore[no-untyped-def]
+        async def once(conn):  # type: ignore[no-untyped-def]
+            result = await work(conn)
+            if not lost:
+                lost.append(conn)
+                await conn.close()  # the pool replaces it
+                raise psycopg.InternalError("received 2 results from command 'INSERT'")
+            return result
+
+        return await real_autocommit(once, **options)
+
     monkeypatch.setattr(db, "run_in_transaction", run_in_transaction)
+    monkeypatch.setattr(db, "run_autocommit", run_autocommit)
 
 
 async def test_a_resolution_whose_commit_was_lost_is_reported_as_made_and_audited_once(

@@ -24,6 +24,7 @@ from orchestrator.testing import running_worker
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, Served, from_header
 from tests.integration.conftest import OTHER, OWNER, running, wait_for
+from tests.integration.test_ops_bulk import lose_the_next_commit
 
 
 class Gauge:
@@ -796,3 +797,23 @@ def test_the_default_queue_is_explained_not_reported_missing(migrated_database_u
         assert "declare a queue with limits (app.queue(NAME, concurrency=...)" in answer.stderr
     other = run_cli(["queues", "show", "nowhere"], database_url=migrated_database_url)
     assert other.returncode == 2 and "no queue nowhere: a queue is stored once" in other.stderr
+
+
+async def test_a_queue_change_whose_commit_was_lost_answers_with_the_queue_and_audits_once(
+        make_app, sql, monkeypatch):
+    """The connection goes while a pause's (or a limit's) COMMIT is under way, and it applied:
+    run again by the storage layer, the change answers with the queue as it left it (not an
+    outcome unknown), and is audited once, with what the queue was before it."""
+    app = make_app()
+    sql("INSERT INTO orchestrator.queues (name) VALUES ('work')")
+    lose_the_next_commit(monkeypatch, app.database)
+    paused = await app.queues.pause_async("work", operator="ann", evidence="the bank is down")
+    assert paused.paused
+    lose_the_next_commit(monkeypatch, app.database)
+    limited = await app.queues.set_async("work", operator="ann", evidence="slowly",
+                                         concurrency=2)
+    assert limited.concurrency == 2 and limited.paused
+    audit = sql("SELECT action, before, after FROM orchestrator.operator_audit ORDER BY id")
+    assert [(a["action"], a["before"]["paused"], a["after"]["paused"]) for a in audit] == [
+        ("queue.pause", False, True), ("queue.set", True, True)]
+    assert (audit[1]["before"]["concurrency"], audit[1]["after"]["concurrency"]) == (None, 2)

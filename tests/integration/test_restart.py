@@ -16,6 +16,7 @@ from orchestrator.errors import InvalidRequest, OperationInProgress, OperationUn
 from tests.clitools import run_cli
 from tests.integration import large_records_app
 from tests.integration.conftest import running, wait_for
+from tests.integration.test_ops_bulk import lose_the_next_commit
 
 CHARGES: Counter[str] = Counter()
 LARGE_APP = "tests.integration.large_records_app:app"
@@ -326,3 +327,23 @@ async def test_events_the_old_run_accepted_and_never_took_are_the_new_runs(
                  "ORDER BY id")
     assert [(e["name"], e["run_id"]) for e in events] == [("close", new.id), ("open", old.id)]
     assert all(e["consumed_position"] is not None for e in events)
+
+
+async def test_a_restart_whose_commit_was_lost_answers_with_its_new_run(
+        app: Orchestrator, sql, monkeypatch):
+    """The connection goes while a restart's COMMIT is under way, and it applied: run again
+    by the storage layer, the restart finds the run restarted, by its own hand. It answers with
+    the new run (not an outcome unknown, nor "already restarted"), and is audited once."""
+    @app.workflow()
+    async def idle(ctx, n):  # type: ignore[no-untyped-def]
+        return n
+
+    old = await app.submit_async(idle, 1)
+    await app.cancel_async(old.id)
+    lose_the_next_commit(monkeypatch, app.database)
+    new = await old.restart_async(reason="wanted after all")
+    rows = sql("SELECT id, superseded_by, restarted_from FROM orchestrator.runs")
+    assert {(r["id"], r["superseded_by"], r["restarted_from"]) for r in rows} == {
+        (old.id, new.id, None), (new.id, None, old.id)}
+    assert [a["action"] for a in sql("SELECT action FROM orchestrator.operator_audit")] == [
+        "run.restart"]

@@ -24,6 +24,7 @@ from orchestrator.retention import Pruner, export_evidence, parse_period
 from tests.clitools import run_cli
 from tests.consoletools import GRANTS, Client, from_header
 from tests.integration.conftest import OWNER, running, wait_for
+from tests.integration.test_ops_bulk import lose_the_next_commit
 
 NOW = Retention(finished_runs=timedelta(0), evidence=None)
 
@@ -519,3 +520,19 @@ def test_the_export_command_prints_the_cutoff_it_used(make_app: Any, migrated_da
     refused = run_cli(["evidence", "export", "--since", "2000-01-01T00:00:00Z", "--json"],
                       database_url=url)
     assert refused.returncode == 2 and "INVALID_REQUEST" in refused.stderr
+
+
+async def test_a_batch_whose_commit_was_lost_is_counted_in_the_report(
+        make_app: Any, sql: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection goes while a batch's COMMIT is under way, and it applied: run again by
+    the storage layer, the batch finds its runs pruned, by its own hand. The report counts
+    them (not only the runs of the batch after it)."""
+    app = shop(make_app())
+    runs = [await app.submit_async("child", n) for n in range(3)]
+    for run in runs:
+        await app.cancel_async(run.id)
+    lose_the_next_commit(monkeypatch, app.database)
+    report = await Pruner(app.database, NOW, batch=2).prune()
+    assert (report.runs, report.batches) == (3, 2)
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs "
+                      "WHERE pruned_at IS NOT NULL") == 3

@@ -824,3 +824,61 @@ async def test_what_an_operator_does_to_a_schedule_is_audited(make_app, sql,
     blank = run_cli(["schedules", "pause", "nope", "--operator", "alice", "--evidence", " "],
                     database_url=url)
     assert blank.returncode == 2 and "evidence" in blank.stderr
+
+
+async def test_a_create_whose_commit_was_lost_reports_the_schedule_it_created(
+        make_app, sql, monkeypatch):
+    """The connection goes while a create's COMMIT is under way, and it applied: run again by
+    the storage layer, the create finds the id taken, by its own hand. It answers with the
+    schedule it made, as when nothing was lost; a create sent again later (not a retry) is
+    still told that the schedule exists."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    lose_the_next_commit(monkeypatch, app.database)
+    made = await app.schedules.create_async("s", "report", cron="0 * * * *", input={"n": 1})
+    assert (made.id, made.input, made.next_slot) == ("s", {"n": 1}, T0 + timedelta(hours=1))
+    assert made == await app.schedules.get_async("s")
+    with pytest.raises(InvalidRequest) as again:
+        await app.schedules.create_async("s", "report", cron="0 * * * *")
+    assert again.value.path == "id" and "a schedule s exists" in str(again.value)
+    await app.database.close()
+
+
+async def test_a_trigger_whose_commit_was_lost_reports_the_run_it_fired(
+        make_app, sql, monkeypatch):
+    """The connection goes while a trigger's COMMIT is under way, and it applied: the trigger
+    answers with the run it fired and fires no second one. Unkeyed, it is not told that the
+    outcome is unknown; keyed, it is not told that it repeats an earlier trigger's key."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", overlap="allow_all")
+    lose_the_next_commit(monkeypatch, app.database)
+    fired = await app.schedules.trigger_async("s")
+    assert (fired["state"], fired["repeated"]) == ("fired", False)
+    assert [r["id"] for r in runs_of(sql)] == [fired["run_id"]]
+
+    clock[0] = minute(1)
+    lose_the_next_commit(monkeypatch, app.database)
+    keyed = await app.schedules.trigger_async("s", idempotency_key="deploy-1")
+    assert (keyed["state"], keyed["repeated"]) == ("fired", False)
+    assert len(runs_of(sql)) == 2 and keyed["run_id"] != fired["run_id"]
+    again = await app.schedules.trigger_async("s", idempotency_key="deploy-1")
+    assert (again["run_id"], again["repeated"]) == (keyed["run_id"], True)
+    assert [s[1] for s in slots(sql)] == ["fired", "fired"] and len(runs_of(sql)) == 2
+    await app.database.close()
+
+
+async def test_an_update_whose_commit_was_lost_answers_with_the_schedule_it_wrote(
+        make_app, sql, monkeypatch):
+    """An update run again after its COMMIT applied and was lost writes the same definition
+    over itself: it answers with the schedule as it left it, next slot included."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *")
+    clock[0] = minute(10)
+    lose_the_next_commit(monkeypatch, app.database)
+    changed = await app.schedules.update_async("s", cron="30 * * * *", input={"n": 2})
+    assert (changed.cron, changed.input, changed.next_slot) == (
+        "30 * * * *", {"n": 2}, minute(30))
+    assert changed == await app.schedules.get_async("s")
+    await app.database.close()

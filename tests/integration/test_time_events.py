@@ -15,6 +15,7 @@ from orchestrator.errors import InvalidRequest
 from orchestrator.journal import EventKind, entry
 from orchestrator.replay import export_document, load_runs, read_documents
 from tests.integration.conftest import OTHER, running, wait_for
+from tests.integration.test_ops_bulk import lose_the_next_commit
 
 
 def _status(sql):  # type: ignore[no-untyped-def]
@@ -494,3 +495,21 @@ async def test_a_duration_that_is_not_a_time_is_refused_where_the_run_sleeps_or_
         assert await run.result_async(timeout=15) == ["INVALID_REQUEST"] * 10
         kinds = [e.kind for e in await run.journal_async()]
     assert kinds == ["run.completed"]
+
+
+async def test_an_event_whose_commit_was_lost_is_reported_delivered_once(app, sql, monkeypatch):
+    """The connection goes while an event's COMMIT is under way, and it applied: run again by
+    the storage layer, the event is found stored, by this call. Keyed, it is reported
+    delivered (not a repeat of an earlier send); unkeyed, too (not an outcome unknown), and
+    stored once either way."""
+    @app.workflow()
+    async def approve(ctx, _):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("approval")
+
+    run = await app.submit_async(approve, None)
+    lose_the_next_commit(monkeypatch, app.database)
+    assert await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+    assert not await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+    lose_the_next_commit(monkeypatch, app.database)
+    assert await app.send_event_async(run.id, "approval", {"ok": 2})
+    assert len(sql("SELECT 1 FROM orchestrator.external_events WHERE run_id = %s", (run.id,))) == 2
