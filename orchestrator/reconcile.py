@@ -127,9 +127,12 @@ async def resolve(
 
     async def tx(conn: Conn) -> str:
         # A connection lost during the COMMIT makes the storage layer run this again; if that
-        # COMMIT did apply, the resolution is this call's own: say so, and audit it once.
-        if last and await xact_committed(conn, last["xid"]):
-            return str(last["outcome"])
+        # COMMIT did apply, the resolution is this call's own: say so, and audit it once. Asked
+        # once the item's lock is ours: a COMMIT still under way on the server has ended then.
+        if last:
+            await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
+            if await xact_committed(conn, last["xid"]):
+                return str(last["outcome"])
         last.clear()
         last["xid"] = await xact_current(conn)
         last["outcome"] = outcome = await settle(conn)
