@@ -130,7 +130,10 @@ def cmd_console(args: argparse.Namespace) -> int:
     print(f"orchestrator console on http://{shown}:{args.port}/ for "
           f"{', '.join(sorted(tokens))}", flush=True)
     for name in sorted(tokens):
-        print(f"  {name}: {', '.join(sorted(set(grants.get(name, ['read']))))}", flush=True)
+        hint = ("" if name in grants else
+                f" (only reads; to resolve, cancel and more: --grant {name}=all)")
+        print(f"  {name}: {', '.join(sorted(set(grants.get(name, ['read']))))}{hint}",
+              flush=True)
     if generated:
         print(f"sign in with this token (shown once): {tokens[args.operator]}", flush=True)
     else:

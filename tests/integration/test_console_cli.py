@@ -83,6 +83,14 @@ async def test_a_generated_token_is_printed_once_and_signs_in(
             assert htmx.status_code == 200 and b"htmx" in htmx.content
 
 
+async def test_an_operator_without_grants_is_told_how_to_act(
+        migrated_database_url):  # type: ignore[no-untyped-def]
+    # Without --grant the token only reads: the banner says so, and how to resolve and cancel.
+    async with serving(migrated_database_url) as (_, printed):
+        assert printed[1] == ("  operator: read (only reads; to resolve, cancel and more: "
+                              "--grant operator=all)")
+
+
 async def test_tokens_and_grants_from_a_file_under_the_apps_scopes(
         migrated_database_url, tmp_path):  # type: ignore[no-untyped-def]
     tokens = tmp_path / "tokens"
