@@ -126,7 +126,11 @@ class WorkflowContext:
         return self._ex.call(self._ex.next_position(), tool, arguments)
 
     def sleep(self, duration: timedelta | float) -> Awaitable[None]:
-        """Sleep durably: the run is rescheduled in the database, not a process sleeping."""
+        """Sleep durably: the run is rescheduled in the database, not a process sleeping.
+
+        ``duration`` is a timedelta or a number of seconds (an int or a float; not a bool or
+        a string), from 0 to about a hundred years; anything else raises ``INVALID_REQUEST``
+        (``path`` ``"duration"``) here, before anything is journaled."""
         return self._ex.sleep(self._ex.next_position(), duration)
 
     def wait_for_event(
@@ -137,7 +141,9 @@ class WorkflowContext:
         Raises :class:`~orchestrator.EventTimeout` (``EVENT_TIMEOUT``, with ``event``; also a
         :class:`TimeoutError`) when ``timeout`` passes first; the timeout is journaled, so a
         replay raises it again here. Uncaught, it fails the run with ``WORKFLOW_FAILED`` and
-        the cause ``{"code": "EVENT_TIMEOUT", "event": name}``.
+        the cause ``{"code": "EVENT_TIMEOUT", "event": name}``. ``timeout`` is None (no
+        limit), a timedelta or a number of seconds, as ``sleep``'s ``duration`` (anything else
+        is ``INVALID_REQUEST`` with ``path`` ``"timeout"``).
         """
         return self._ex.wait_for_event(self._ex.next_position(), name, timeout)
 

@@ -61,6 +61,20 @@ the API's ``state=all``)."""
 
 _NO_INCIDENT = "the incident does not exist or is not accessible"
 
+AUDIT_TARGET_KINDS = ("run", "operation", "queue", "schedule")
+"""What an audit row's target can be (its ``target_kind``): an id names a target only with
+its kind (a schedule may be named as a run's id, a queue ``2`` as operation 2)."""
+
+
+def check_target_kind(kind: object) -> str:
+    """``kind`` if it is one of :data:`AUDIT_TARGET_KINDS`, else ``INVALID_REQUEST`` with
+    ``path="kind"``."""
+    if kind not in AUDIT_TARGET_KINDS:
+        raise InvalidRequest(f"kind must be one of {', '.join(AUDIT_TARGET_KINDS)}, got "
+                             f"{kind!r}", path="kind")
+    assert isinstance(kind, str)
+    return kind
+
 
 def check_scopes(scopes: Mapping[str, Sequence[str]] | None) -> dict[str, list[str]]:
     """The host's operator scopes as a plain dict, or ``CONFIGURATION_ERROR`` saying which key
@@ -521,15 +535,18 @@ class Operators:
 
     async def audit_log(self, *, operator: str, by: str | None = None,
                         action: str | None = None, target: str | None = None,
-                        before: str | None = None, limit: int = 50
+                        kind: str | None = None, before: str | None = None, limit: int = 50
                         ) -> tuple[list[dict[str, Any]], str | None]:
         """A page of the audit log, newest first, as far as it concerns ``operator``'s
         tenants (a row of a target of every tenant, a queue's, only without scopes): the rows
         and the cursor of the next page (None: no more). Filters: ``by`` (the operator who
         acted), ``action`` (itself and the actions under it: ``run`` matches ``run.cancel``),
-        ``target`` (the target's id), ``before`` (a page's cursor); each checked
+        ``target`` (the target's id, of any kind), ``kind`` (the target's kind: one of
+        :data:`AUDIT_TARGET_KINDS`), ``before`` (a page's cursor); each checked
         (``INVALID_REQUEST`` naming it)."""
         tenants = self.tenants_of(operator)
+        if kind is not None:
+            check_target_kind(kind)
         if by is not None:
             check_operator(by)
         for name, value in (("action", action), ("target", target)):
@@ -545,8 +562,8 @@ class Operators:
             after = int(before)
         async with self.db.connection() as conn:
             rows = await views_db.audit_page(conn, tenants=tenants, operator=by,
-                                             action=action, target=target, before=after,
-                                             limit=limit + 1)
+                                             action=action, target=target, kind=kind,
+                                             before=after, limit=limit + 1)
         shown = rows[:limit]
         return shown, str(shown[-1]["id"]) if len(rows) > limit else None
 

@@ -36,9 +36,11 @@ from orchestrator import replay as checks
 from orchestrator.app import Orchestrator
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
+from orchestrator.errors import AccessDenied
 from orchestrator.faults import Gate
-from orchestrator.handle import RunHandle
+from orchestrator.handle import DENIED, RunHandle
 from orchestrator.replay import RecordedRun, Verdict
+from orchestrator.submission import as_run_id
 from orchestrator.worker import Worker
 
 __all__ = [
@@ -137,12 +139,13 @@ def fault_gate(point: str, *, tool: str | None = None, block: bool = True) -> It
 
 
 def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
+    """The runs' ids; ``ACCESS_DENIED`` for text that is not a run id, as ``app.get_run``."""
     ids = []
     for run in runs:
-        if isinstance(run, RunHandle):
-            ids.append(run.id)
-        else:
-            ids.append(run if isinstance(run, uuid.UUID) else uuid.UUID(str(run)))
+        run_id = run.id if isinstance(run, RunHandle) else as_run_id(run)
+        if run_id is None:
+            raise AccessDenied(DENIED)
+        ids.append(run_id)
     return ids
 
 
@@ -177,7 +180,7 @@ async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
         for run_id in ids:
             row = await runs_db.run_get(conn, run_id, result=False)
             if row is None:
-                raise ValueError(f"no run {run_id}")
+                raise AccessDenied(DENIED)
             rows.append(row)
         seen = set(ids)
         while rows:
@@ -257,8 +260,9 @@ async def run_until_idle(app: Orchestrator, *,
     waited for.
 
     ``AssertionError`` if idle is not reached within ``timeout`` seconds (the worker is
-    stopped all the same). ``options`` go to :meth:`Orchestrator.create_worker`, e.g.
-    ``poll_interval``.
+    stopped all the same). A run of ``runs`` that the database does not hold (or text that is
+    not a run id) is ``ACCESS_DENIED``, as for ``app.get_run``. ``options`` go to
+    :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
     """
     horizon = _horizon(timers_within)
     ids = None if runs is None else _run_ids(runs)
@@ -296,7 +300,8 @@ async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[V
     called, nothing is written): a :class:`~orchestrator.replay.Verdict` per run, in order;
     ``verdict.ok``, or ``verdict.verdict == "nondeterminism"`` with the ``position``, the
     ``recorded`` command and the ``issued`` one. Runs given by id are read from ``app``'s
-    database (``app`` may be new code beside the one that wrote them)."""
+    database (``app`` may be new code beside the one that wrote them); an id the database
+    does not hold is ``ACCESS_DENIED``, as for ``app.get_run``."""
     runs: list[RecordedRun] = []
     for item in journals:
         if isinstance(item, RecordedRun):
@@ -308,7 +313,7 @@ async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[V
             async with app.database.connection() as conn:
                 found = await checks.load_runs(conn, run_id=run_id, last=1)
             if not found:
-                raise ValueError(f"no run {run_id}")
+                raise AccessDenied(DENIED)
             runs.extend(found)
     return await checks.check_runs(runs, app.registry, app.arguments_text)
 

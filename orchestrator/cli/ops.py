@@ -26,7 +26,7 @@ from orchestrator.cli.operating import (
 )
 from orchestrator.cli.tables import cell, render
 from orchestrator.errors import InvalidRequest
-from orchestrator.operators import ITEM_STATES, UNRESOLVED, Operators
+from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED, Operators
 
 
 def register(subparsers: Any) -> None:
@@ -83,6 +83,9 @@ def register(subparsers: Any) -> None:
                                         "`resolve.committed`, `schedule` every schedule's")
     audit.add_argument("--target", metavar="ID", help="the target's id: an operation's, a "
                                                       "run's, a queue's or a schedule's")
+    audit.add_argument("--kind", metavar="KIND",
+                       help=f"the target's kind: {', '.join(AUDIT_TARGET_KINDS)} (with "
+                            "--target, the one target of that kind and id)")
     audit.add_argument("--before", metavar="CURSOR",
                        help="the next page: the cursor the page before printed")
     audit.add_argument("--limit", type=int, default=50, help="at most this many rows "
@@ -264,13 +267,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
                              "(`next`)", path="before")
     rows, following = with_operators(args, lambda ops, operator: ops.audit_log(
         operator=operator, by=args.by, action=args.action, target=args.target,
-        before=args.before, limit=args.limit))
+        kind=args.kind, before=args.before, limit=args.limit))
     if args.json:
         records.emit({"audit": [records.audit_row(a) for a in rows], "count": len(rows),
                       "limit": args.limit, "next": following})
         return 0
     if not rows:
-        print("no audit rows match" if (args.by or args.action or args.target or args.before)
+        print("no audit rows match" if (args.by or args.action or args.target or args.kind
+                                        or args.before)
               else "the audit log is empty")
         return 0
     print(render(["AT", "OPERATOR", "ACTION", "TARGET", "TENANT", "EVIDENCE"],

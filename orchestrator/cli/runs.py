@@ -54,8 +54,9 @@ def register(subparsers: Any) -> None:
 
     watch = commands.add_parser(
         "watch", help="follow a run live: a line per journal entry, then its outcome",
-        description="Follow a run's journal live, one line per entry as it is committed, "
-        "until the run ends; then print its outcome. Exit status: 0 the run succeeded, 1 it "
+        description="Follow a run's journal live, one line per entry as it is committed "
+        "(under the column labels of `runs show`'s timeline), until the run ends; then "
+        "print its outcome. Exit status: 0 the run succeeded, 1 it "
         "failed or was cancelled, 2 an error (e.g. ACCESS_DENIED for a run that does not "
         "exist). Ctrl-C stops watching (status 130); the run goes on.")
     watch.add_argument("run_id")
@@ -370,10 +371,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
 async def _watch(db: Database, run_id: Any, after: int, as_json: bool) -> int:
     """Print the run's entries as they come, then its outcome; the exit status."""
     streams = RunStreams(db)
+    headed = as_json  # JSON lines are labelled by their keys
     try:
         async for page in streams.pages(run_id, after=after, follow=True):
             lines = [json.dumps(records.watch_entry(e), ensure_ascii=False) if as_json
                      else entry_line(e) for e in page]
+            if not headed and lines:
+                lines.insert(0, WATCH_HEADER)
+                headed = True
             print("\n".join(lines), flush=True)
     finally:
         await streams.close()
@@ -389,6 +394,12 @@ async def _watch(db: Database, run_id: Any, after: int, as_json: bool) -> int:
 WATCH_NAME_WIDTH = 16
 """The width ``runs watch`` pads an entry's name to, so that the details of consecutive lines
 start in one column (a longer name pushes its own line's detail along)."""
+
+
+WATCH_HEADER = (f"{'SEQ':>5}  {'AT':<20}  {'POS':>4}  {'EVENT':<17} "
+                f"{'NAME':<{WATCH_NAME_WIDTH}}  DETAIL")
+"""The labels over :func:`entry_line`'s columns, those of ``runs show``'s timeline: printed
+once, above the first entry (a time is 20 characters: ``2026-01-31 12:00:00Z``)."""
 
 
 def entry_line(e: dict[str, Any]) -> str:

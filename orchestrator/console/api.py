@@ -384,6 +384,7 @@ class Api:
         page = await self.service.audit(access, operator=q(request, "operator"),
                                         action=q(request, "action"),
                                         target=q(request, "target"),
+                                        kind=q(request, "kind"),
                                         before=q(request, "before"),
                                         limit=int_param(request, "limit"))
         return documents.audit_page(page)

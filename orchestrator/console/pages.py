@@ -42,7 +42,7 @@ from orchestrator.console.web import (
 from orchestrator.errors import Forbidden, InvalidRequest, OrchestratorError, ResolutionConflict
 from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
-from orchestrator.operators import ITEM_STATES, UNRESOLVED
+from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED
 from orchestrator.text import is_number
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -406,16 +406,18 @@ class Pages:
 
     async def audit(self, request: Request, access: Access) -> Response:
         given = {name: text_param(request, name) or "" for name in (
-            "operator", "action", "target")}
+            "operator", "action", "target", "kind")}
         page = await self.service.audit(access, operator=given["operator"] or None,
                                         action=given["action"] or None,
                                         target=given["target"] or None,
+                                        kind=given["kind"] or None,
                                         before=text_param(request, "before"),
                                         limit=int_param(request, "limit"))
         later = ({**{k: v for k, v in given.items() if v}, "before": page.next}
                  if page.next else None)
         return self.render(request, "audit.html", access, nav="audit",
                            page=documents.audit_page(page), given=given,
+                           kinds=AUDIT_TARGET_KINDS,
                            next_query=urlencode(later) if later else None)
 
 

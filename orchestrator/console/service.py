@@ -35,7 +35,13 @@ from orchestrator.models import (
     run_cursor,
     split_cursor,
 )
-from orchestrator.operators import UNRESOLVED, BulkSummary, Operators, check_operation_id
+from orchestrator.operators import (
+    UNRESOLVED,
+    BulkSummary,
+    Operators,
+    check_operation_id,
+    check_target_kind,
+)
 from orchestrator.queues import QueueAdmin, QueueInfo
 from orchestrator.reconcile import THEN
 from orchestrator.stream import TERMINAL, RunStreams, check_kept
@@ -479,7 +485,8 @@ class ConsoleService:
 
     async def audit(self, access: Access, *, operator: str | None = None,
                     action: str | None = None, target: str | None = None,
-                    before: str | None = None, limit: int | None = None) -> Page:
+                    kind: str | None = None, before: str | None = None,
+                    limit: int | None = None) -> Page:
         """Audit rows newest first, of the operator's tenants; filters as
         :func:`~orchestrator.db.views.audit_page`."""
         tenants = self.tenants(access)
@@ -490,6 +497,8 @@ class ConsoleService:
             check_identifier("action", action)
         if target is not None:
             check_identifier("target", target)
+        if kind is not None:
+            check_target_kind(kind)
         after = None
         if before is not None:
             if not is_number(before) or int(before) == 0:
@@ -498,8 +507,8 @@ class ConsoleService:
             after = int(before)
         async with self.db.connection() as conn:
             rows = await views.audit_page(conn, tenants=tenants, operator=operator,
-                                          action=action, target=target, before=after,
-                                          limit=count + 1)
+                                          action=action, target=target, kind=kind,
+                                          before=after, limit=count + 1)
         shown = rows[:count]
         return Page(shown, str(shown[-1]["id"]) if len(rows) > count else None)
 

@@ -197,6 +197,7 @@ WHERE (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
   AND (%(action)s::text IS NULL OR action = %(action)s
        OR starts_with(action, %(action)s || '.'))
   AND (%(target)s::text IS NULL OR target_id = %(target)s)
+  AND (%(kind)s::text IS NULL OR target_kind = %(kind)s)
   AND (%(before)s::bigint IS NULL OR id < %(before)s)
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -205,11 +206,12 @@ LIMIT %(limit)s
 
 async def audit_page(conn: Conn, *, tenants: list[str] | None, operator: str | None = None,
                      action: str | None = None, target: str | None = None,
-                     before: int | None = None, limit: int = 50) -> list[dict[str, Any]]:
+                     kind: str | None = None, before: int | None = None, limit: int = 50
+                     ) -> list[dict[str, Any]]:
     """Audit rows newest first; ``action`` matches itself and the actions under it
     (``resolve`` matches ``resolve.committed``); ``target`` is the target's id (an
-    operation's or a run's)."""
+    operation's, a run's, a queue's or a schedule's), ``kind`` its ``target_kind``."""
     cur = await conn.execute(_AUDIT_PAGE, {
         "tenants": tenants, "operator": operator, "action": action, "target": target,
-        "before": before, "limit": limit})
+        "kind": kind, "before": before, "limit": limit})
     return await cur.fetchall()

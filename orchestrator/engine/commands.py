@@ -145,7 +145,7 @@ class Commands:
         if verdict is not NEW:
             until = run.settle(verdict)
         else:
-            seconds = as_seconds(duration) or 0.0
+            seconds = as_seconds(duration, "duration") or 0.0
             run.boundary()
             until = run.now() + timedelta(seconds=seconds)
             self.session.buffer(entry(EventKind.TIMER, position, "sleep",
@@ -176,7 +176,7 @@ class Commands:
                 return got
             timeout_at = got  # not over yet: it waits until its recorded timeout
         else:
-            seconds = as_seconds(timeout)
+            seconds = as_seconds(timeout, "timeout")
             run.boundary()
             timeout_at = None if seconds is None else run.now() + timedelta(seconds=seconds)
             self.session.buffer(entry(EventKind.EVENT_WAIT, position, name, {

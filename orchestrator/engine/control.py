@@ -61,20 +61,26 @@ class Phase(enum.Enum):
     GONE = 5  # nothing of this run runs in this process any more
 
 
-def as_seconds(value: timedelta | float | None) -> float | None:
-    """A duration given as a timedelta or a number of seconds, checked: from 0 to
-    :data:`~orchestrator.flow.MAX_DEADLINE`, so that the time it ends at is one a timer's entry
-    and the database can hold (anything else is ``INVALID_REQUEST``, never a ``ValueError`` or
-    an ``OverflowError`` from the arithmetic)."""
+def as_seconds(value: timedelta | float | None, path: str) -> float | None:
+    """A duration given as a timedelta or a number of seconds (an int or a float, not a bool
+    nor a string of digits), checked: from 0 to :data:`~orchestrator.flow.MAX_DEADLINE`, so
+    that the time it ends at is one a timer's entry and the database can hold (anything else
+    is ``INVALID_REQUEST`` with ``path``, the argument's name, never a ``ValueError`` or an
+    ``OverflowError`` from the arithmetic)."""
     if value is None:
         return None
-    try:
-        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    except (TypeError, ValueError):
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = float("inf")
+    else:
         seconds = float("nan")
     if not 0 <= seconds <= MAX_DEADLINE.total_seconds():
-        raise InvalidRequest(f"a duration must be a number of seconds from 0 to "
-                             f"{MAX_DEADLINE.days} days, got {value!r}")
+        raise InvalidRequest(f"{path} must be a timedelta or a number of seconds from 0 to "
+                             f"{MAX_DEADLINE.days} days, got {value!r}", path=path)
     return seconds
 
 

@@ -410,6 +410,15 @@ async def test_cancel_needs_its_grant_and_evidence_and_is_audited(
         assert answer.status_code == 200 and answer.json() == {
             "run_id": str(handle.id), "before": "waiting", "status": "cancelled"}
         (row,) = (await alice.get("/api/audit", action="run")).json()["audit"]
+        by_kind = [(await alice.get("/api/audit", target=str(handle.id), kind=kind)).json()
+                   for kind in ("run", "schedule")]
+        assert [len(doc["audit"]) for doc in by_kind] == [1, 0]
+        unknown = await alice.get("/api/audit", kind="workflow")
+        assert unknown.status_code == 400 and unknown.json()["code"] == "INVALID_REQUEST"
+        assert "kind" in unknown.json()["message"]
+        page = (await alice.get("/audit", kind="schedule")).text
+        assert '<option value="schedule" selected>' in page and "customer withdrew" not in page
+        assert "customer withdrew" in (await alice.get("/audit", kind="run")).text
     assert (row["operator"], row["action"], row["target_kind"], row["target_id"]) == (
         "alice", "run.cancel", "run", str(handle.id))
     assert row["before"]["status"] == "waiting" and row["after"]["status"] == "cancelled"

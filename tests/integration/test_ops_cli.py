@@ -206,6 +206,42 @@ async def test_the_audit_log_is_readable_from_the_cli(make_app, sql, migrated_da
     assert code == 2 and "INVALID_REQUEST" in err and "--before" in err
 
 
+async def test_the_audit_log_filters_a_target_by_its_kind(make_app, sql, migrated_database_url):
+    """A target id names a target only with its kind: a schedule named as a run's id is
+    another target. `--target` alone matches both; `--kind` keeps one kind's rows, and a kind
+    that no target has is refused, changing nothing."""
+    url = migrated_database_url
+    app = make_app()
+
+    @app.workflow()
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.sleep(3600)
+
+    run = await app.submit_async(report, {})
+    await app.schedules.create_async(str(run.id), "report", cron="0 2 * * *")
+    await app.database.close()
+    for args in (["runs", "cancel", str(run.id), "--operator", "alice", "--evidence",
+                  "customer withdrew"],
+                 ["schedules", "pause", str(run.id), "--operator", "bob", "--evidence",
+                  "report is wrong"]):
+        done = await cli(url, *args)
+        assert done[0] == 0, done
+
+    async def shown(*args: str) -> list[tuple[str, str]]:
+        code, out, err = await cli(url, "ops", "audit", "--target", str(run.id), *args,
+                                   "--json")
+        assert code == 0, err
+        return [(a["target_kind"], a["action"]) for a in json.loads(out)["audit"]]
+
+    assert await shown() == [("schedule", "schedule.pause"), ("run", "run.cancel")]
+    assert await shown("--kind", "run") == [("run", "run.cancel")]
+    assert await shown("--kind", "schedule") == [("schedule", "schedule.pause")]
+    code, out, err = await cli(url, "ops", "audit", "--kind", "run")
+    assert code == 0 and "run.cancel" in out and "schedule.pause" not in out, err
+    code, _, err = await cli(url, "ops", "audit", "--kind", "workflow")
+    assert code == 2 and "INVALID_REQUEST" in err and "kind" in err, err
+
+
 async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
         make_app, sql, migrated_database_url):
     """A run blocked on two unknown operations (two calls at once) resumes only once both are

@@ -3,9 +3,18 @@ that hold the engine at a named point."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
-from orchestrator.testing import fault_gate, run_until_idle, run_until_idle_sync
+from orchestrator.errors import AccessDenied
+from orchestrator.testing import (
+    fault_gate,
+    replay,
+    replay_async,
+    run_until_idle,
+    run_until_idle_sync,
+)
 from tests.integration.conftest import never_answers, one_turn, running, wait_for
 
 
@@ -174,6 +183,26 @@ def test_run_until_idle_sync_serves_the_sync_api(app):
     run = app.submit(hello, "world")
     worker = run_until_idle_sync(app, poll_interval=0.05)
     assert worker.claimed == 1 and run.result(timeout=1) == "hello world"
+
+
+async def test_a_run_the_database_does_not_hold_is_access_denied_as_in_the_app(app):
+    """An unknown run id (or text that is not one) given to run_until_idle or replay is
+    refused as ``app.get_run`` refuses it (``ACCESS_DENIED``), not with a bare ValueError."""
+    @app.workflow()
+    async def hello(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    for missing in (uuid.uuid4(), "not-a-run-id"):
+        with pytest.raises(AccessDenied) as refused:
+            await run_until_idle(app, runs=[missing], poll_interval=0.05)
+        assert refused.value.code == "ACCESS_DENIED"
+        with pytest.raises(AccessDenied):
+            await replay_async(app, [missing])
+
+
+def test_replay_sync_refuses_an_unknown_run_as_the_app_does(app):
+    with pytest.raises(AccessDenied):
+        replay(app, [uuid.uuid4()])
 
 
 async def test_a_gate_holds_a_call_after_its_submitted_row_is_committed(app, sql):

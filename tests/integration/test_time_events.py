@@ -475,24 +475,30 @@ async def test_an_event_name_that_no_sender_may_use_is_refused_where_the_run_wai
 
 
 async def test_a_duration_that_is_not_a_time_is_refused_where_the_run_sleeps_or_waits(app, sql):
-    """A sleep or an event's timeout that is not a number of seconds, is not finite or ends
-    past any time a timer can hold is ``INVALID_REQUEST`` where workflow code asks for it (the
-    code may catch it), as a negative one is, and nothing is journaled for it."""
+    """A sleep or an event's timeout that is not a number of seconds (a string of digits, a
+    bool), is not finite or ends past any time a timer can hold is ``INVALID_REQUEST`` (its
+    ``path`` the argument) where workflow code asks for it (the code may catch it), as a
+    negative one is, and nothing is journaled for it."""
+    durations = (float("inf"), float("nan"), timedelta.max, 1e15, "soon", -1, "5", True, False,
+                 b"5")
+
     @app.workflow()
     async def careless(ctx, data):  # type: ignore[no-untyped-def]
         refused = []
-        for duration in (float("inf"), timedelta.max, 1e15, "soon", -1):
+        for duration in durations:
             for wait in (lambda d: ctx.sleep(d),
                          lambda d: ctx.wait_for_event("go", timeout=d)):
                 try:
                     await wait(duration)
                 except Exception as exc:  # noqa: BLE001 - the test records what each raised
-                    refused.append(getattr(exc, "code", type(exc).__name__))
+                    refused.append([getattr(exc, "code", type(exc).__name__),
+                                    getattr(exc, "path", None)])
         return refused
 
     async with running(app):
         run = await app.submit_async(careless, {})
-        assert await run.result_async(timeout=15) == ["INVALID_REQUEST"] * 10
+        assert await run.result_async(timeout=15) == [
+            ["INVALID_REQUEST", "duration"], ["INVALID_REQUEST", "timeout"]] * len(durations)
         kinds = [e.kind for e in await run.journal_async()]
     assert kinds == ["run.completed"]
 

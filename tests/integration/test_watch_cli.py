@@ -60,7 +60,12 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
         journal = await good.journal_async()
 
     assert (ok, failed, cancelled, json_code) == (0, 1, 1, 0), err
-    lines = out.splitlines()
+    header, *lines = out.splitlines()
+    # the columns are labelled as in `runs show`'s timeline, each label over its column
+    assert header.split() == ["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"]
+    assert header.index("AT") == lines[0].index(str(journal[0].at.year))
+    assert header.index("EVENT") == lines[0].index("message")
+    assert header.index("DETAIL") == lines[0].index('{"stage"')
     assert [line.split()[0] for line in lines[:-1]] == ["1", "2", "3", "4", "5", "6"]
     assert '{"stage": "charging"}' in lines[0] and "message" in lines[0]
     assert "attempt 1 sent (operation" in lines[1]
@@ -91,7 +96,7 @@ async def test_watch_follows_live_and_exits_by_the_outcome(make_app, sql, migrat
 
     code, out, _ = await cli(url, "runs", "watch", str(good.id), "--after", "4")
     assert code == 0
-    assert [line.split()[0] for line in out.splitlines()[:-1]] == ["5", "6"]
+    assert [line.split()[0] for line in out.splitlines()[:-1]] == ["SEQ", "5", "6"]
     code, out, _ = await cli(url, "runs", "watch", str(good.id), "--after", "6")
     assert (code, out) == (0, f'run {good.id} succeeded; result {{"charged": 5}}\n')
 
