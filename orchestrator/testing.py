@@ -36,7 +36,7 @@ from orchestrator import replay as checks
 from orchestrator.app import Orchestrator
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
-from orchestrator.errors import AccessDenied
+from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.faults import Gate
 from orchestrator.handle import DENIED, RunHandle
 from orchestrator.replay import RecordedRun, Verdict
@@ -160,8 +160,8 @@ def _horizon(timers_within: float) -> datetime:
     """The time up to which :func:`run_until_idle` drives timers (checked first)."""
     if isinstance(timers_within, bool) or not isinstance(timers_within, int | float) or not (
             0 <= timers_within < float("inf")):
-        raise ValueError(f"timers_within must be a number of seconds >= 0, got "
-                         f"{timers_within!r}")
+        raise InvalidRequest(f"timers_within must be a number of seconds >= 0, got "
+                             f"{timers_within!r}", path="timers_within")
     return datetime.now(UTC) + timedelta(seconds=timers_within)
 
 

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from orchestrator.errors import AccessDenied
+from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.testing import (
     fault_gate,
     replay,
@@ -109,8 +109,10 @@ async def test_run_until_idle_waits_for_timers_within_the_horizon_given(app):
     await run_until_idle(app, timers_within=3, poll_interval=0.05)  # every run of the app
     assert await soon.result_async(timeout=0.1) == "rested"
     assert await later.status_async() == "waiting"  # beyond the horizon
-    with pytest.raises(ValueError, match="timers_within"):
-        await run_until_idle(app, timers_within=-1)
+    for bad in (-1, float("nan"), "3", True):
+        with pytest.raises(InvalidRequest, match="timers_within") as refused:
+            await run_until_idle(app, timers_within=bad)  # type: ignore[arg-type]
+        assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "timers_within"
     await app.database.close()
 
 
