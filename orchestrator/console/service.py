@@ -40,12 +40,11 @@ from orchestrator.operators import (
     BulkSummary,
     Operators,
     check_operation_id,
-    check_target_kind,
 )
 from orchestrator.queues import QueueAdmin, QueueInfo
 from orchestrator.reconcile import THEN
 from orchestrator.stream import TERMINAL, RunStreams, check_kept
-from orchestrator.text import check_identifier, check_operator, is_number
+from orchestrator.text import check_identifier
 
 DENIED = "the run does not exist or is not accessible"
 PAGE_MAX = 200
@@ -488,29 +487,11 @@ class ConsoleService:
                     kind: str | None = None, before: str | None = None,
                     limit: int | None = None) -> Page:
         """Audit rows newest first, of the operator's tenants; filters as
-        :func:`~orchestrator.db.views.audit_page`."""
-        tenants = self.tenants(access)
-        count = _limit(limit)
-        if operator is not None:
-            check_operator(operator)
-        if action is not None:
-            check_identifier("action", action)
-        if target is not None:
-            check_identifier("target", target)
-        if kind is not None:
-            check_target_kind(kind)
-        after = None
-        if before is not None:
-            if not is_number(before) or int(before) == 0:
-                raise InvalidRequest("before must be the next cursor of a page of the audit "
-                                     "log", path="before")
-            after = int(before)
-        async with self.db.connection() as conn:
-            rows = await views.audit_page(conn, tenants=tenants, operator=operator,
-                                          action=action, target=target, kind=kind,
-                                          before=after, limit=count + 1)
-        shown = rows[:count]
-        return Page(shown, str(shown[-1]["id"]) if len(rows) > count else None)
+        :meth:`~orchestrator.operators.Operators.audit_log` (``operator``: who acted)."""
+        rows, cursor = await self.ops.audit_log(
+            operator=access.operator, by=operator, action=action, target=target, kind=kind,
+            before=before, limit=_limit(limit))
+        return Page(rows, cursor)
 
 
 def _check_resolution(resolution: str, receipt: Any, then: str | None) -> None:
