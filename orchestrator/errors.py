@@ -143,6 +143,15 @@ class InvalidRequest(OrchestratorError):
         super().__init__(message, **kw)
         self.path = path
 
+    def to_dict(self) -> dict[str, Any]:
+        """The public form, with ``path`` (the argument, field or header that was refused, or
+        where in a JSON value the refused part is, from the caller's own keys) when it is
+        set."""
+        public = super().to_dict()
+        if self.path is not None:
+            public["path"] = self.path
+        return public
+
 
 class PayloadTooLarge(InvalidRequest):
     """A record exceeds the configured size cap (CONTRACT C2)."""

@@ -284,7 +284,7 @@ def queue_changes(changes: dict[str, Any]) -> dict[str, Any]:
     for field, value in changes.items():
         if field not in _SETTABLE:
             raise InvalidRequest(f"{field} is not a queue limit (one of "
-                                 f"{', '.join(_SETTABLE)})", path=field)
+                                 f"{', '.join(_SETTABLE)})", path="limits")
         if field == "rate":
             rate = check_rate(value)
             row["rate_limit"] = rate.limit if rate else None

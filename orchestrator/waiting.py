@@ -16,7 +16,8 @@ The pace: a poll :data:`FIRST_PAUSE` after a waiter arrives, then pauses doublin
 :data:`LONGEST_PAUSE` (each waiter's own schedule used to be the same from 5 ms); so never
 more than one statement per :data:`FIRST_PAUSE`, and one per :data:`LONGEST_PAUSE` while the
 same waiters wait. When the database does not answer, every waiter is woken: each reads its
-run itself, and raises the database's error or waits again. The poller's task runs only
+run itself, and raises the database's error or waits again; until a poll succeeds again the
+pause stays :data:`LONGEST_PAUSE`, however many waiters come back. The poller's task runs only
 while someone waits. No NOTIFY: the engine does not notify on a run's end (a NOTIFY at every
 completion would cost every commit for the few runs awaited), and the channels it notifies on
 say that work is ready.
@@ -95,6 +96,9 @@ class _FinishPoller:
         self._wake = asyncio.Event()  # the next poll is due sooner, or nobody waits
         self._pause = FIRST_PAUSE
         self._due = math.inf  # the loop time of the next poll
+        self._failing = False
+        """The last poll failed: arrivals do not shorten the pause until a poll succeeds (each
+        waiter read its run itself and waits again; hurrying would make a storm of reads)."""
 
     async def finished(self, keys: AbstractSet[_Key], timeout: float | None) -> bool:
         """Wait until a poll finds any of ``keys`` ended (or gone, or could not ask): True;
@@ -117,10 +121,12 @@ class _FinishPoller:
 
     def _hurry(self, now: float) -> None:
         """A waiter arrived: its run is asked about :data:`FIRST_PAUSE` from now (or sooner,
-        when a poll is due sooner), and the pauses double again from there."""
-        self._pause = FIRST_PAUSE
-        if now + FIRST_PAUSE < self._due:
-            self._due = now + FIRST_PAUSE
+        when a poll is due sooner), and the pauses double again from there; while polls
+        fail, :data:`LONGEST_PAUSE` from now at the soonest."""
+        pause = LONGEST_PAUSE if self._failing else FIRST_PAUSE
+        self._pause = pause
+        if now + pause < self._due:
+            self._due = now + pause
             self._wake.set()
 
     def _leave(self, key: _Key, future: asyncio.Future[None]) -> None:
@@ -144,8 +150,13 @@ class _FinishPoller:
                     for future in self.waiting.pop(key, []):
                         if not future.done():
                             future.set_result(None)
-                self._pause = min(self._pause * 2, LONGEST_PAUSE)
                 now = loop.time()
+                self._failing = ended is None
+                if self._failing:  # arrivals during the read do not bring the poll nearer
+                    self._pause = LONGEST_PAUSE
+                    self._due = now + LONGEST_PAUSE
+                    continue
+                self._pause = min(self._pause * 2, LONGEST_PAUSE)
                 self._due = max(min(self._due, now + self._pause), now + FIRST_PAUSE)
         finally:
             self._task = None

@@ -364,7 +364,7 @@ class Api:
         changes: dict[str, Any] = {k: body[k] for k in limits if k in body}
         unknown = sorted(set(body) - set(changes) - {"action", "evidence"})
         if unknown:
-            raise InvalidRequest(f"the body has no field {unknown[0]!r}", path=unknown[0])
+            raise InvalidRequest(f"the body has no field {unknown[0]!r}", path="body")
         info = await self.service.change_queue(
             access, request.path_params["name"], action=_text(body, "action", required=True),
             evidence=_text(body, "evidence", required=True), changes=changes)

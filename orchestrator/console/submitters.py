@@ -141,7 +141,7 @@ def _fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidRequest(f"the body has no field {unknown[0]!r} (fields: "
-                             f"{', '.join(sorted(allowed))})", path=unknown[0])
+                             f"{', '.join(sorted(allowed))})", path="body")
 
 
 def _header_key(request: Request) -> str | None:

@@ -129,21 +129,46 @@ def translate_errors(target: DatabaseTarget) -> Any:
     except psycopg.errors.InsufficientPrivilege as exc:
         raise privilege_denied(target, exc) from exc
     except _SCHEMA_MISSING as exc:
-        raise schema_missing(target) from exc
+        raise schema_missing(target, behind_at(target)) from exc
 
 
-def schema_missing(target: DatabaseTarget) -> DatabaseError:
-    """``SCHEMA_MISMATCH`` for a database whose orchestrator schema was never created: the one
-    wording of the Python API, a worker and a reconciler."""
+def schema_missing(target: DatabaseTarget, revision: str | None = None) -> DatabaseError:
+    """``SCHEMA_MISMATCH`` for a database that lacks a table the code uses: the schema was
+    never created (``revision`` None: the one wording of the Python API, a worker and a
+    reconciler), or it is stamped with an older ``revision`` (behind the code)."""
+    if revision is not None:
+        return DatabaseError(
+            f"the database schema at {target.display} is at {revision}, behind the code; "
+            "run `orchestrator db upgrade`", code="SCHEMA_MISMATCH", retryable=False)
     return DatabaseError(
         f"the database at {target.display} has no orchestrator schema; "
         "run `orchestrator db upgrade`", code="SCHEMA_MISMATCH", retryable=False)
 
 
+def behind_at(target: DatabaseTarget) -> str | None:
+    """The older revision the database is stamped with, when its schema is behind the code;
+    None when it has no schema, is current or ahead, or its stamp cannot be read. One short
+    statement on a connection of its own (the failed statement's may be in an aborted
+    transaction), and only on the error path of a missing table."""
+    from orchestrator.db import revisions  # loads Alembic: only on this path
+
+    try:
+        with psycopg.connect(target.url, connect_timeout=5, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT version_num FROM orchestrator.alembic_version").fetchone()
+    except psycopg.Error:
+        return None
+    revision = None if row is None else str(row[0])
+    if revision is None or revision == revisions.head_revision():
+        return None
+    return revision if revision in revisions.known_revisions() else None
+
+
 _SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
-"""What a statement meets on a database whose schema was never created. (A missing column or
-function could as well be a bug as a schema behind the code, so those are not translated; a
-schema that is behind is refused by ``db check`` and when a worker starts.)"""
+"""What a statement meets on a database whose schema was never created, or is behind the code
+(:func:`behind_at` tells which). (A missing column or function could as well be a bug as a
+schema behind the code, so those are not translated; a schema that is behind is refused by
+``db check`` and when a worker starts.)"""
 
 
 def load_json(data: bytes | str) -> Any:

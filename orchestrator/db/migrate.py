@@ -8,19 +8,17 @@ release) is refused by both: it is never downgraded or overwritten.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from alembic import command
 from alembic.config import Config
-from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, pool, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.db.database import schema_missing
+from orchestrator.db.revisions import head_revision, known_revisions, script_location
 from orchestrator.db.schema import SCHEMA
 from orchestrator.errors import DatabaseError
 
@@ -43,40 +41,11 @@ def _cause_name(exc: SQLAlchemyError) -> str:
     return type(getattr(exc, "orig", None) or exc).__name__
 
 
-def script_location() -> Path:
-    """The migrations folder, whether running from a checkout or an installed package.
-
-    Installed (a wheel, or the link tree of ``make install``'s editable install), the folder is
-    the package ``orchestrator._migrations``. A checkout imported as it is (the repository root
-    on ``sys.path``, as the tests and ``python -m orchestrator`` from the root have it) has no
-    such package: its ``migrations/`` folder, beside the package, is the same scripts.
-    """
-    try:
-        return Path(str(resources.files("orchestrator._migrations")))
-    except ModuleNotFoundError:
-        checkout = Path(__file__).resolve().parents[2] / "migrations"
-        if not (checkout / "env.py").is_file():
-            raise
-        return checkout
-
-
 def alembic_config(target: DatabaseTarget) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(script_location()))
     cfg.set_main_option("sqlalchemy.url", target.sqlalchemy_url.replace("%", "%%"))
     return cfg
-
-
-def head_revision() -> str:
-    heads = ScriptDirectory(str(script_location())).get_heads()
-    if len(heads) != 1:  # pragma: no cover - guarded by the migration tests
-        raise DatabaseError(f"the migrations have {len(heads)} heads; expected exactly one")
-    return heads[0]
-
-
-def known_revisions() -> set[str]:
-    script = ScriptDirectory(str(script_location()))
-    return {rev.revision for rev in script.walk_revisions()}
 
 
 def current_revision(target: DatabaseTarget) -> str | None:
@@ -163,9 +132,9 @@ def mismatch_of(target: DatabaseTarget, exc: BaseException) -> DatabaseError | N
     """``SCHEMA_MISMATCH`` in the words of :meth:`SchemaStatus.describe` (behind, empty or
     ahead, and what to run) when ``exc`` came from a table, column or function the database
     lacks and its schema does not match the code; None otherwise (a schema that matches, or
-    one that cannot be read: the error stands as it is). The storage seam can tell a missing
-    table only from its name, so it says "no orchestrator schema" for a schema that is merely
-    behind; a command line, which can afford one more look, says which."""
+    one that cannot be read: the error stands as it is). The storage seam says which only for
+    a missing table (a missing column or function could be a bug as well); a command line,
+    which can afford one more look, says which for those too."""
     cause: BaseException | None = exc
     seen: set[int] = set()
     while cause is not None and id(cause) not in seen and not isinstance(cause, _UNDEFINED):

@@ -415,7 +415,7 @@ async def test_cancel_needs_its_grant_and_evidence_and_is_audited(
         assert [len(doc["audit"]) for doc in by_kind] == [1, 0]
         unknown = await alice.get("/api/audit", kind="workflow")
         assert unknown.status_code == 400 and unknown.json()["code"] == "INVALID_REQUEST"
-        assert "kind" in unknown.json()["message"]
+        assert "kind" in unknown.json()["message"] and unknown.json()["path"] == "kind"
         page = (await alice.get("/audit", kind="schedule")).text
         assert '<option value="schedule" selected>' in page and "customer withdrew" not in page
         assert "customer withdrew" in (await alice.get("/audit", kind="run")).text
@@ -454,6 +454,7 @@ async def test_runs_are_paged_newest_first_by_keyset_and_filtered(
         assert [r["id"] for r in keyed["runs"]] == [str(made[3])]
         bad = await client.get("/api/runs", before="yesterday")
         assert bad.status_code == 400 and bad.json()["code"] == "INVALID_REQUEST"
+        assert bad.json()["path"] == "before"
         page = await client.get("/runs", limit=2)
         assert page.status_code == 200 and "Older runs" in page.text
         forbidden = await client.post(f"/api/runs/{made[0]}/cancel", {"evidence": "x"})

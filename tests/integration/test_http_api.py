@@ -132,7 +132,9 @@ async def test_a_submission_key_follows_c1_over_http(make_app, sql) -> None:  # 
             }
             for what, answer in refused.items():
                 assert answer.status_code == 400, (what, answer.text)
-                assert set(answer.json()) == PUBLIC, what
+                assert PUBLIC <= set(answer.json()) <= PUBLIC | {"path"}, what
+            assert refused["unknown field"].json()["path"] == "body"
+            assert refused["bad deadline"].json()["path"] == "deadline"
             assert refused["malformed key"].json()["code"] == "INVALID_REQUEST"
             assert refused["unknown workflow"].json()["code"] == "UNKNOWN_WORKFLOW"
             assert refused["unknown version"].json()["code"] == "UNKNOWN_WORKFLOW"
@@ -429,6 +431,14 @@ async def test_a_malformed_idempotency_key_header_is_named_as_the_header(make_ap
                 message = refused[what].json()["message"]
                 assert message.startswith("Idempotency-Key must be"), (what, message)
             assert refused["event_key"].json()["message"].startswith("event_key must be")
+            # The bad field is named in the body, not only in the message.
+            assert refused["event_key"].json()["path"] == "event_key"
+            assert {refused[what].json()["path"] for what in ("run", "event")} == {
+                "Idempotency-Key"}
+            unknown = await http.post("/api/runs", json={"workflow": "approve", "input": 1,
+                                                         "colour\u0000<b>": "red"})
+            assert unknown.status_code == 400
+            assert unknown.json()["path"] == "body"  # never the caller's own text
     assert run_count(sql) == 1
     assert sql("SELECT count(*) AS n FROM orchestrator.external_events") == [{"n": 0}]
 
@@ -478,6 +488,7 @@ async def test_a_deadline_the_database_cannot_store_is_400_and_stores_nothing(
                                                         "input": 1, "deadline": 1e13})
             assert answer.status_code == 400, answer.text
             assert answer.json()["code"] == "INVALID_REQUEST"
+            assert answer.json()["path"] == "deadline"
             assert run_count(sql) == 0
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator import (
     AccessDenied,
+    DatabaseError,
     InvalidRequest,
     Orchestrator,
     ResultTimeout,
@@ -21,6 +22,7 @@ from orchestrator import (
 )
 from orchestrator.db import runs as runs_db
 from orchestrator.handle import RunHandle
+from orchestrator.waiting import LONGEST_PAUSE
 from tests.integration.conftest import OTHER, running, wait_for
 
 
@@ -344,3 +346,30 @@ async def test_wait_as_completed_and_result_waits_share_one_poller(app, sql, mon
         assert sorted(h.id for h in done) == sorted(h.id for h in runs[3:])
         assert poller.waiting == {}
         await wait_for(lambda: poller._task is None, 5, "the poller stopped")
+
+
+async def test_a_failing_poll_keeps_its_pause_long_while_the_waiters_read_their_runs(
+        app, sql, monkeypatch):
+    """The poller's statement fails while each waiter's own read of its run succeeds: every
+    waiter reads, finds its run still open and waits again. Those arrivals must not bring the
+    next poll back to FIRST_PAUSE (a storm of polls and reads): after a failed poll the pause
+    stays LONGEST_PAUSE until a poll succeeds."""
+    gate, _, _ = _register(app)
+    handles = [await app.submit_async(gate, i) for i in range(3)]  # no worker: they stay open
+
+    async def failing(conn, runs):  # type: ignore[no-untyped-def]
+        raise DatabaseError("the poll failed on purpose")
+
+    monkeypatch.setattr(runs_db, "run_finished", failing)
+    poller = app._waits.poller()
+    waits = [asyncio.ensure_future(h.result_async(timeout=30)) for h in handles]
+    await wait_for(lambda: poller.polls >= 1)
+    polled, started = poller.polls, asyncio.get_running_loop().time()
+    await asyncio.sleep(1.0)
+    elapsed = asyncio.get_running_loop().time() - started
+    made = poller.polls - polled
+    assert made <= elapsed / LONGEST_PAUSE + 2, (made, elapsed)
+    assert not any(w.done() for w in waits)
+    for wait in waits:
+        wait.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)

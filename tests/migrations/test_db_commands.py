@@ -250,3 +250,24 @@ def test_commands_on_a_database_behind_the_code_say_it_is_behind(
         drop_role(role)
         admin.close()
     assert _version(empty_database_url) == "0015"
+
+
+def test_the_api_on_a_database_behind_the_code_says_it_is_behind(
+    empty_database_url: str,
+) -> None:
+    """A database at a revision that lacks a table the code reads: the Python API says the
+    schema is behind and names its revision, not that there is no orchestrator schema."""
+    from orchestrator import DatabaseError, Orchestrator, Owner
+
+    migrate.upgrade(DatabaseTarget(validate_url(empty_database_url), "argument"), "0011")
+    app = Orchestrator(empty_database_url, default_owner=Owner(tenant="t", principal="p"))
+    try:
+        with pytest.raises(DatabaseError) as caught:
+            app.queues.list()  # orchestrator.queues came with 0012
+    finally:
+        app.close()
+    assert caught.value.code == "SCHEMA_MISMATCH" and not caught.value.retryable
+    assert "is at 0011, behind the code" in str(caught.value)
+    assert "orchestrator db upgrade" in str(caught.value)
+    assert "no orchestrator schema" not in str(caught.value)
+    assert _version(empty_database_url) == "0011"
