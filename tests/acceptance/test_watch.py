@@ -47,7 +47,8 @@ def test_watch_follows_a_run_across_a_worker_sigkill_to_its_outcome(workers, cli
     journal = _journal(workers, run.id)
     assert code == 0, err
     assert err == ""
-    told = out.splitlines()
+    header, *told = out.splitlines()
+    assert header.split() == ["SEQ", "AT", "POS", "EVENT", "NAME", "DETAIL"]
     assert len(told) == len(journal) + 1  # a line per entry, then the outcome
     for line, entry in zip(told, journal, strict=False):
         assert line.split()[0] == str(entry["seq"]) and entry["kind"] in line, (line, entry)
@@ -74,8 +75,8 @@ def test_watch_follows_a_run_across_a_worker_sigkill_to_its_outcome(workers, cli
     again = run_cli(["runs", "watch", str(run.id), "--after", str(middle)],
                     database_url=workers.url)
     assert again.returncode == 0, again.stderr
-    assert [line.split()[0] for line in again.stdout.splitlines()[:-1]] == [
-        str(e["seq"]) for e in journal if e["seq"] > middle]
+    assert [line.split()[0] for line in again.stdout.splitlines()[1:-1]] == [
+        str(e["seq"]) for e in journal if e["seq"] > middle]  # after the header
 
 
 def test_ctrl_c_stops_watching_quietly(workers, client):

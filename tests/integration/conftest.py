@@ -143,7 +143,7 @@ def watch_claims(worker: Worker) -> ClaimWatch:
 def executor_of(worker: Worker, run_id: Any) -> Any:
     """The executor driving ``run_id`` on ``worker``, or None (not claimed, or not built yet)."""
     held = worker._running.get(run_id)
-    return None if held is None else held[1]
+    return None if held is None else held.executor
 
 
 def listening(sql: Callable[..., list[dict[str, Any]]]) -> bool:
