@@ -170,7 +170,8 @@ async def test_a_held_runs_queue_wait_and_duration_count_from_its_start(make_app
     run = await app.submit_async(remind, {"name": "held"}, delay=timedelta(hours=1),
                                  queue=queue)
     sql("UPDATE orchestrator.runs SET created_at = created_at - interval '1 hour', "
-        "available_at = available_at - interval '1 hour' WHERE id = %s", (run.id,))
+        "available_at = available_at - interval '1 hour', due_at = due_at - interval '1 hour' "
+        "WHERE id = %s", (run.id,))
     async with running(app):
         assert await run.result_async(timeout=10) == {"name": "held"}
     (waits, wait_sum), (took, took_sum) = _wait_and_duration(app)
