@@ -399,6 +399,16 @@ def outage_app(server: PrivateServer) -> Iterator[tuple[Orchestrator, str]]:
         dbtools.drop_database(server.url(), name)
 
 
+async def _close_in_this_loop(app: Orchestrator, server: PrivateServer) -> None:
+    """Close what the test opened in its own event loop (the pool, the result poller), with
+    the server up again: a pool left to refill against a stopped server keeps reconnecting
+    while pytest closes the loop (app.close() closes only the sync calls' pools)."""
+    if not (server.data_dir / "postmaster.pid").exists():
+        await asyncio.to_thread(server.start)
+    await app._waits.close()
+    await app.database.close()
+
+
 async def test_result_waits_whose_database_goes_down_raise_database_unavailable(
     server: PrivateServer, outage_app: tuple[Orchestrator, str],
 ) -> None:
@@ -408,25 +418,28 @@ async def test_result_waits_whose_database_goes_down_raise_database_unavailable(
     shared poller cannot ask, wakes every waiter, and each reads its runs itself). Once the
     database is back, a wait works again."""
     app, _ = outage_app
-    runs = [await app.submit_async("echo", {"n": n}) for n in range(3)]
-    waits = [asyncio.ensure_future(run.result_async(timeout=120)) for run in runs]
-    waits.append(asyncio.ensure_future(app.wait_async(runs, timeout=120)))
-    waits.append(asyncio.ensure_future(anext(app.as_completed_async(runs, timeout=120))))
-    poller = app._waits.poller()
-    await wait_until_async(lambda: poller.polls >= 2 and len(poller.waiting) == 3,
-                           timeout=10)
-    await asyncio.to_thread(server.stop)
-    started = time.monotonic()
-    outcomes = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), 30)
-    assert time.monotonic() - started < 20
-    for outcome in outcomes:
-        assert isinstance(outcome, DatabaseError), outcome
-        assert outcome.code == "DATABASE_UNAVAILABLE" and outcome.retryable
-    assert poller.waiting == {}
-    await asyncio.to_thread(server.start)
-    with pytest.raises(ResultTimeout) as still:
-        await runs[0].result_async(timeout=0.2)
-    assert still.value.status == "queued"
+    try:
+        runs = [await app.submit_async("echo", {"n": n}) for n in range(3)]
+        waits = [asyncio.ensure_future(run.result_async(timeout=120)) for run in runs]
+        waits.append(asyncio.ensure_future(app.wait_async(runs, timeout=120)))
+        waits.append(asyncio.ensure_future(anext(app.as_completed_async(runs, timeout=120))))
+        poller = app._waits.poller()
+        await wait_until_async(lambda: poller.polls >= 2 and len(poller.waiting) == 3,
+                               timeout=10)
+        await asyncio.to_thread(server.stop)
+        started = time.monotonic()
+        outcomes = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), 30)
+        assert time.monotonic() - started < 20
+        for outcome in outcomes:
+            assert isinstance(outcome, DatabaseError), outcome
+            assert outcome.code == "DATABASE_UNAVAILABLE" and outcome.retryable
+        assert poller.waiting == {}
+        await asyncio.to_thread(server.start)
+        with pytest.raises(ResultTimeout) as still:
+            await runs[0].result_async(timeout=0.2)
+        assert still.value.status == "queued"
+    finally:
+        await _close_in_this_loop(app, server)
 
 
 async def test_a_long_poll_whose_database_goes_down_answers_503(
@@ -440,18 +453,21 @@ async def test_a_long_poll_whose_database_goes_down_answers_503(
 
     app, _ = outage_app
     console = app.console(from_header, GRANTS, authenticate_owner=lambda request: OWNER)
-    run = await app.submit_async("echo", {"n": 1})
-    with Served(console) as served:
-        async with httpx.AsyncClient(base_url=served.base, timeout=60) as http:
-            waiting = asyncio.ensure_future(http.get(f"/api/runs/{run.id}/result",
-                                                     params={"wait": "60"}))
-            await wait_until_async(
-                lambda: any(p.polls >= 1 and p.waiting for p in
-                            list(app._waits._pollers.values())), timeout=10)
-            await asyncio.to_thread(server.stop)
-            started = time.monotonic()
-            answer = await asyncio.wait_for(waiting, 30)
-            assert time.monotonic() - started < 20
+    try:
+        run = await app.submit_async("echo", {"n": 1})
+        with Served(console) as served:
+            async with httpx.AsyncClient(base_url=served.base, timeout=60) as http:
+                waiting = asyncio.ensure_future(http.get(f"/api/runs/{run.id}/result",
+                                                         params={"wait": "60"}))
+                await wait_until_async(
+                    lambda: any(p.polls >= 1 and p.waiting for p in
+                                list(app._waits._pollers.values())), timeout=10)
+                await asyncio.to_thread(server.stop)
+                started = time.monotonic()
+                answer = await asyncio.wait_for(waiting, 30)
+                assert time.monotonic() - started < 20
+    finally:
+        await _close_in_this_loop(app, server)
     assert answer.status_code == 503, answer.text
     body = answer.json()
     assert body["code"] == "DATABASE_UNAVAILABLE" and body["retryable"] is True
