@@ -37,10 +37,10 @@ import asyncio
 import contextlib
 import math
 import uuid
-import weakref
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
+from orchestrator._loops import PerLoop
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
@@ -110,8 +110,7 @@ class RunStreams:
 
     def __init__(self, database: Database) -> None:
         self.db = database
-        self._pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                 _RevisionPoller] = weakref.WeakKeyDictionary()
+        self._pollers: PerLoop[_RevisionPoller] = PerLoop(lambda: _RevisionPoller(database))
         self._reading: dict[_PageKey, asyncio.Future[list[Entry]]] = {}  # reads in flight
 
     async def pages(self, run_id: uuid.UUID, *, after: int, follow: bool,
@@ -188,17 +187,11 @@ class RunStreams:
         return state
 
     def _poller(self) -> _RevisionPoller:
-        loop = asyncio.get_running_loop()
-        poller = self._pollers.get(loop)
-        if poller is None:
-            poller = self._pollers[loop] = _RevisionPoller(self.db)
-        return poller
+        return self._pollers.get()
 
     async def close(self) -> None:
         """Stop the running loop's poller (its followers' waits are cancelled)."""
-        poller = self._pollers.pop(asyncio.get_running_loop(), None)
-        if poller is not None:
-            await poller.close()
+        await self._pollers.close()
 
 
 MESSAGE = EventKind.MESSAGE.value

@@ -29,10 +29,10 @@ import asyncio
 import contextlib
 import math
 import uuid
-import weakref
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
+from orchestrator._loops import PerLoop
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.models import Owner
@@ -51,8 +51,7 @@ class RunWaits:
 
     def __init__(self, database: Database) -> None:
         self.db = database
-        self._pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                 _FinishPoller] = weakref.WeakKeyDictionary()
+        self._pollers: PerLoop[_FinishPoller] = PerLoop(lambda: _FinishPoller(database))
 
     async def finished(self, run_id: uuid.UUID, owner: Owner, timeout: float | None) -> bool:
         """Return True once a poll finds ``run_id`` terminal, or not ``owner``'s run (the
@@ -71,17 +70,11 @@ class RunWaits:
 
     def poller(self) -> _FinishPoller:
         """The running event loop's poller (made on first use)."""
-        loop = asyncio.get_running_loop()
-        poller = self._pollers.get(loop)
-        if poller is None:
-            poller = self._pollers[loop] = _FinishPoller(self.db)
-        return poller
+        return self._pollers.get()
 
     async def close(self) -> None:
         """Stop the running loop's poller (its waits are cancelled)."""
-        poller = self._pollers.pop(asyncio.get_running_loop(), None)
-        if poller is not None:
-            await poller.close()
+        await self._pollers.close()
 
 
 class _FinishPoller:
