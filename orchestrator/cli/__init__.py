@@ -34,8 +34,7 @@ from orchestrator.cli import (
     worker,
     workers,
 )
-from orchestrator.db import migrate
-from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS, configured_url
+from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS
 from orchestrator.errors import OrchestratorError
 
 GROUPS: list[ModuleType] = [db, worker, workers, runs, replay, ops, incidents, schedules,
@@ -114,16 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit
         return code
     except OrchestratorError as exc:
-        error(str(_schema_said(args, exc) or exc))
+        error(str(exc))
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         debug = os.environ.get(ENV_DEBUG) == "1"
-        said = None if debug else _schema_said(args, exc)
-        if said is not None:  # a table or column an older schema lacks: say so, not INTERNAL
-            error(str(said))
-            return EXIT_ERROR
         if isinstance(exc, BrokenPipeError) and not debug and _stdout_closed():
             # `orchestrator runs show ID | head`: the reader closed the pipe; not a failure of
             # the command, so nothing is printed. Later writes (the interpreter's own final
@@ -139,17 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"run again with {ENV_DEBUG}=1 to see the traceback"
         )
         return EXIT_INTERNAL
-
-
-def _schema_said(args: argparse.Namespace, exc: BaseException) -> OrchestratorError | None:
-    """``SCHEMA_MISMATCH`` saying how the schema differs from this code (behind, empty, ahead)
-    when ``exc`` came from a table or column the database lacks; None otherwise. Asked of the
-    database the command was given (not the embedded server, which is never started here)."""
-    try:
-        target = configured_url(getattr(args, "database_url", None))
-    except OrchestratorError:
-        return None
-    return None if target is None else migrate.mismatch_of(target, exc)
 
 
 def _stdout_closed() -> bool:

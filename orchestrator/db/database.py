@@ -16,7 +16,7 @@ import select
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -43,6 +43,9 @@ from orchestrator.errors import (
     RunUnreadable,
 )
 from orchestrator.metrics import Metrics
+
+if TYPE_CHECKING:
+    from orchestrator.db.revisions import SchemaStatus
 
 T = TypeVar("T")
 log = logging.getLogger("orchestrator")
@@ -128,47 +131,60 @@ def translate_errors(target: DatabaseTarget) -> Any:
             f"the connection to {target.display} went out of step ({exc})") from exc
     except psycopg.errors.InsufficientPrivilege as exc:
         raise privilege_denied(target, exc) from exc
-    except _SCHEMA_MISSING as exc:
-        raise schema_missing(target, behind_at(target)) from exc
+    except _UNDEFINED as exc:
+        mismatch = schema_mismatch(target)
+        if mismatch is not None:
+            raise mismatch from exc
+        if isinstance(exc, _SCHEMA_MISSING):
+            raise schema_missing(target) from exc
+        raise  # a column or function missing from a schema that matches: a bug, as it is
 
 
-def schema_missing(target: DatabaseTarget, revision: str | None = None) -> DatabaseError:
-    """``SCHEMA_MISMATCH`` for a database that lacks a table the code uses: the schema was
-    never created (``revision`` None: the one wording of the Python API, a worker and a
-    reconciler), or it is stamped with an older ``revision`` (behind the code)."""
-    if revision is not None:
-        return DatabaseError(
-            f"the database schema at {target.display} is at {revision}, behind the code; "
-            "run `orchestrator db upgrade`", code="SCHEMA_MISMATCH", retryable=False)
+def schema_missing(target: DatabaseTarget) -> DatabaseError:
+    """``SCHEMA_MISMATCH`` for a database whose orchestrator schema was never created: the one
+    wording of the Python API, a worker and a reconciler."""
     return DatabaseError(
         f"the database at {target.display} has no orchestrator schema; "
         "run `orchestrator db upgrade`", code="SCHEMA_MISMATCH", retryable=False)
 
 
-def behind_at(target: DatabaseTarget) -> str | None:
-    """The older revision the database is stamped with, when its schema is behind the code;
-    None when it has no schema, is current or ahead, or its stamp cannot be read. One short
-    statement on a connection of its own (the failed statement's may be in an aborted
-    transaction), and only on the error path of a missing table."""
-    from orchestrator.db import revisions  # loads Alembic: only on this path
+def schema_error(target: DatabaseTarget, status: SchemaStatus) -> DatabaseError:
+    """``SCHEMA_MISMATCH`` for a database that does not match the code (behind, ahead or
+    empty, in the words of :meth:`SchemaStatus.describe`): what a worker or a reconciler
+    refuses to start on, and what a statement that met a missing table, column or function
+    on such a database says (:func:`translate_errors`)."""
+    if status.state == "empty":
+        return schema_missing(target)
+    return DatabaseError(f"{target.display}: {status.describe()}", code="SCHEMA_MISMATCH",
+                         retryable=False)
+
+
+def schema_mismatch(target: DatabaseTarget) -> DatabaseError | None:
+    """:func:`schema_error` for the database's stamp when it does not match the code; None
+    when it matches or cannot be read. One short statement on a connection of its own (the
+    failed statement's may be in an aborted transaction), only on the error path of a
+    missing table, column or function."""
+    from orchestrator.db import revisions  # loads Alembic's script reader: only on this path
 
     try:
         with psycopg.connect(target.url, connect_timeout=5, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT version_num FROM orchestrator.alembic_version").fetchone()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        row = None  # no schema at all
     except psycopg.Error:
         return None
-    revision = None if row is None else str(row[0])
-    if revision is None or revision == revisions.head_revision():
-        return None
-    return revision if revision in revisions.known_revisions() else None
+    status = revisions.status_of(None if row is None else str(row[0]))
+    return None if status.ok else schema_error(target, status)
 
 
 _SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
-"""What a statement meets on a database whose schema was never created, or is behind the code
-(:func:`behind_at` tells which). (A missing column or function could as well be a bug as a
-schema behind the code, so those are not translated; a schema that is behind is refused by
-``db check`` and when a worker starts.)"""
+_UNDEFINED = (*_SCHEMA_MISSING, psycopg.errors.UndefinedColumn,
+              psycopg.errors.UndefinedFunction)
+"""What a statement meets on a database whose schema is missing, behind the code or ahead of
+it: :func:`schema_mismatch` tells which from the stamp. A missing column or function on a
+schema that matches the code is a bug and stays as it is; a missing table there (dropped by
+hand) reads as no schema."""
 
 
 def load_json(data: bytes | str) -> Any:
@@ -236,8 +252,9 @@ class Database:
     COMMIT under way) runs again only when it is idempotent: reads, and writes that are fenced
     or keyed at the SQL level (every caller's default). Work that is not (``idempotent=False``)
     raises ``DATABASE_UNAVAILABLE`` saying the outcome is unknown instead. Work that runs again
-    after a COMMIT that applied finds its own writes: what it answers then is its own affair;
-    :mod:`orchestrator.db.xact` tells it whether its first attempt committed. Nothing in here
+    after a COMMIT that applied finds its own writes: work whose answer depends on them runs
+    as :func:`orchestrator.db.xact.answered_once`, which answers as the attempt that committed
+    did. Nothing in here
     ever calls a tool.
     """
 

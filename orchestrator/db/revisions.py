@@ -1,10 +1,12 @@
-"""The code's migrations as revisions: the folder they are in, the head, and every revision
-they know. Apart from :mod:`orchestrator.db.migrate` so that the storage layer can tell a schema
-behind the code from one that is not (:func:`orchestrator.db.database.behind_at`) without
-importing the commands that migrate."""
+"""The code's migrations as revisions: the folder they are in, the head, every revision they
+know, and how a database's stamp compares with them (:class:`SchemaStatus`). Apart from
+:mod:`orchestrator.db.migrate` so that the storage layer can say how a schema differs from the
+code (:func:`orchestrator.db.database.schema_mismatch`) without importing the commands that
+migrate."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from alembic.script import ScriptDirectory
 
 from orchestrator.errors import DatabaseError
 
-__all__ = ["head_revision", "known_revisions", "script_location"]
+__all__ = ["SchemaStatus", "head_revision", "known_revisions", "script_location", "status_of"]
 
 
 def script_location() -> Path:
@@ -42,3 +44,48 @@ def head_revision() -> str:
 def known_revisions() -> set[str]:
     script = ScriptDirectory(str(script_location()))
     return {rev.revision for rev in script.walk_revisions()}
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """The outcome of comparing a database with the code's migrations."""
+
+    current: str | None
+    head: str
+    state: str  # "current", "behind", "empty" or "ahead"
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "current"
+
+    def describe(self) -> str:
+        if self.state == "current":
+            return f"the database schema is current (revision {self.head})"
+        if self.state == "empty":
+            return (
+                f"the database has no orchestrator schema (code is at {self.head}); "
+                "run `orchestrator db upgrade`"
+            )
+        if self.state == "behind":
+            return (
+                f"the database schema is at {self.current}, behind the code ({self.head}); "
+                "run `orchestrator db upgrade`"
+            )
+        return (
+            f"the database schema is at {self.current}, which this code does not know "
+            f"(code is at {self.head}): it was written by a newer release; upgrade the code"
+        )
+
+
+def status_of(current: str | None) -> SchemaStatus:
+    """How a database stamped ``current`` (None: no schema) compares with the code."""
+    head = head_revision()
+    if current is None:
+        state = "empty"
+    elif current == head:
+        state = "current"
+    elif current in known_revisions():
+        state = "behind"
+    else:
+        state = "ahead"
+    return SchemaStatus(current=current, head=head, state=state)

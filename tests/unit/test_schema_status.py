@@ -30,3 +30,15 @@ def test_each_state_has_a_one_line_explanation(
     assert "\n" not in text
     for fragment in fragments:
         assert fragment in text
+
+
+def test_a_stamp_is_compared_with_the_code_as_db_check_does() -> None:
+    """``status_of``: what ``db check``, a worker's start and a statement that met a missing
+    table, column or function (the storage layer) each say of a database's stamp."""
+    from orchestrator.db.revisions import status_of
+
+    head = head_revision()
+    older = sorted(known_revisions() - {head})[0]
+    assert [status_of(stamp).state for stamp in (head, None, older, "ffff9999")] == [
+        "current", "empty", "behind", "ahead"]
+    assert status_of(older).describe().startswith(f"the database schema is at {older}, behind")
