@@ -27,7 +27,7 @@ from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.workers import DEAD_AFTER
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.errors import (
     AccessDenied,
     InvalidRequest,
@@ -286,21 +286,14 @@ async def cancel_run(db: Database, run_id: uuid.UUID) -> Cancellation:
     status before it, the children it reached), not with the run as it finds it.
     """
 
-    done: list[tuple[int, Cancellation]] = []  # an earlier attempt's xid and answer
-
     async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
-        if done and await xact_committed(conn, done[0][0]):
-            return done[0][1]  # see operator_cancel
-        done.clear()
         if row is None:
             raise AccessDenied("the run does not exist or is not accessible")
         after, children = await cancel_locked(conn, row)
-        done.append((await xact_current(conn),
-                     Cancellation(str(row["status"]), after, children)))
-        return done[0][1]
+        return Cancellation(str(row["status"]), after, children)
 
-    return await db.run_in_transaction(cancel)
+    return await db.run_in_transaction(answered_once(cancel))
 
 
 async def cancel_locked(conn: Conn, row: dict[str, Any]) -> tuple[str, int]:
@@ -349,16 +342,9 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
     lost with its connection answers, when the storage layer runs it again, with what it did
     (as :func:`cancel_run` does), and is audited once."""
     check_evidence(evidence, operator)
-    done: list[tuple[int, Cancellation]] = []  # an earlier attempt's xid and answer
 
     async def cancel(conn: Conn) -> Cancellation:
         row = await runs_db.run_lock_last(conn, run_id)
-        # A connection lost during the COMMIT makes the storage layer run this again; if that
-        # COMMIT did apply (asked once the run's lock is ours: it has ended), the run is
-        # cancelled by this call's own hand: say what it did, not "it had finished".
-        if done and await xact_committed(conn, done[0][0]):
-            return done[0][1]
-        done.clear()
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         before = str(row["status"])
@@ -370,10 +356,9 @@ async def operator_cancel(db: Database, run_id: uuid.UUID, *, operator: str, evi
                                "cancel_requested": row["cancel_requested_at"] is not None}),
             after=json.dumps({"status": after, "cancel_requested": True,
                               "children": children}))
-        done.append((await xact_current(conn), Cancellation(before, after, children)))
-        return done[0][1]
+        return Cancellation(before, after, children)
 
-    return await db.run_in_transaction(cancel)
+    return await db.run_in_transaction(answered_once(cancel))
 
 
 @dataclass(frozen=True)
@@ -406,16 +391,8 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
         raise InvalidRequest("from_position must be a position (0 or more)",
                              path="from_position")
 
-    done: list[tuple[int, Restarted]] = []  # an earlier attempt's xid and answer
-
     async def restart(conn: Conn) -> Restarted:
         row = await runs_db.run_lock(conn, run_id, owner=owner)
-        # A connection lost during the COMMIT makes the storage layer run this again; if that
-        # COMMIT did apply (asked once the run's lock is ours: it has ended), the run was
-        # restarted by this call: answer with its new run, not "already restarted".
-        if done and await xact_committed(conn, done[0][0]):
-            return done[0][1]
-        done.clear()
         if row is None or (tenants is not None and row["tenant"] not in tenants):
             raise AccessDenied("the run does not exist or is not accessible")
         if row["status"] not in TERMINAL_STATUSES:
@@ -472,7 +449,6 @@ async def restart_run(db: Database, run_id: uuid.UUID, *, operator: str, evidenc
             before=json.dumps({"status": row["status"], "superseded_by": None}),
             after=json.dumps({"superseded_by": str(new["id"]), "from_position": at,
                               "carried_entries": carried}))
-        done.append((await xact_current(conn), Restarted(new["id"], run_id, at, carried)))
-        return done[0][1]
+        return Restarted(new["id"], run_id, at, carried)
 
-    return await db.run_in_transaction(restart)
+    return await db.run_in_transaction(answered_once(restart))

@@ -27,7 +27,7 @@ from orchestrator.admission import check_queue_name
 from orchestrator.db import queues as queues_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.errors import InvalidRequest
 from orchestrator.flow import MAX_LIMIT, RateLimit
 from orchestrator.reconcile import check_evidence
@@ -230,16 +230,8 @@ class QueueAdmin:
         if action == "set" and not row:
             raise InvalidRequest("give at least one limit to set", path="limits")
 
-        done: list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid and answer
-
         async def act(conn: Conn) -> dict[str, Any]:
             stored = await queues_db.queue_lock(conn, name)
-            # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply (asked once the queue's lock is ours: it has ended), the
-            # change is this call's: answer with it, and audit it once.
-            if done and await xact_committed(conn, done[0][0]):
-                return done[0][1]
-            done.clear()
             before = await queues_db.queue_get(conn, name) if stored else None
             if before is None:
                 raise missing(name)
@@ -254,10 +246,10 @@ class QueueAdmin:
                                target_kind="queue", target_id=name, tenant=None,
                                evidence=evidence, before=limits_json(before),
                                after=limits_json(after))
-            done.append((await xact_current(conn), after))
             return after
 
-        return QueueInfo.from_row(await self.database.run_in_transaction(act))
+        # Run again after a lost COMMIT that applied, it answers as then and audits once.
+        return QueueInfo.from_row(await self.database.run_in_transaction(answered_once(act)))
 
 
 QUEUE_ACTIONS = ("pause", "resume", "set", "reset")

@@ -26,7 +26,7 @@ from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
@@ -123,21 +123,6 @@ async def resolve(
         error = json.dumps({"code": "NOT_APPLIED", "resolved_by": operator}
                            | ({"then": then} if then else {}))
 
-    last: dict[str, Any] = {}  # the attempt before this one: its transaction and outcome
-
-    async def tx(conn: Conn) -> str:
-        # A connection lost during the COMMIT makes the storage layer run this again; if that
-        # COMMIT did apply, the resolution is this call's own: say so, and audit it once. Asked
-        # once the item's lock is ours: a COMMIT still under way on the server has ended then.
-        if last:
-            await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
-            if await xact_committed(conn, last["xid"]):
-                return str(last["outcome"])
-        last.clear()
-        last["xid"] = await xact_current(conn)
-        last["outcome"] = outcome = await settle(conn)
-        return outcome
-
     async def settle(conn: Conn) -> str:
         item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
         if item is None:
@@ -170,7 +155,7 @@ async def resolve(
                      | ({"then": then} if then else {}))
         return "resolved"
 
-    return await db.run_in_transaction(tx)
+    return await db.run_in_transaction(answered_once(settle))
 
 
 async def _differs(conn: Conn, item: dict[str, Any], resolution: str, digest: str | None,

@@ -26,7 +26,7 @@ from typing import Any, TextIO, TypeVar
 
 from orchestrator.db import retention as retention_db
 from orchestrator.db.database import Conn, Database
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.errors import InvalidRequest
 from orchestrator.text import check_identifier
 
@@ -214,7 +214,7 @@ class Pruner:
         batches = 0
         while not self.stopping and (max_batches is None or batches < max_batches):
             began = time.monotonic()
-            found = count(await self.db.run_in_transaction(_counted_once(batch)))
+            found = count(await self.db.run_in_transaction(answered_once(batch)))
             batches += 1
             if progress is not None:
                 progress(report)
@@ -333,21 +333,3 @@ def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
             value = str(value)
         out[key] = value
     return out
-
-
-def _counted_once(batch: Callable[[Conn], Awaitable[T]]) -> Callable[[Conn], Awaitable[T]]:
-    """``batch``, answering as its first attempt did when that attempt's COMMIT applied but
-    was lost with its connection (the storage layer runs it again): the rows that attempt
-    pruned are counted, rather than only those of the next batch, which the second attempt
-    would find."""
-    done: list[tuple[int, T]] = []  # an earlier attempt's xid and answer
-
-    async def once(conn: Conn) -> T:
-        if done and await xact_committed(conn, done[0][0]):
-            return done[0][1]
-        done.clear()
-        result = await batch(conn)
-        done.append((await xact_current(conn), result))
-        return result
-
-    return once

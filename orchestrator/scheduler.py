@@ -32,7 +32,7 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.errors import IdempotencyConflict, InvalidRequest, OrchestratorError
 from orchestrator.logs import fields
 from orchestrator.metrics import Metrics
@@ -548,16 +548,8 @@ class ScheduleAdmin:
         policy = None if overlap is None else check_overlap(overlap)
         key = None if idempotency_key is None else validate_idempotency_key(idempotency_key)
 
-        done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, answer
-
         async def fire(conn: Conn) -> dict[str, Any]:
             row = await sched_db.schedule_get(conn, sid, lock=True)
-            # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply (asked once its lock is ours: it has ended), what it fired
-            # is this call's own: say so, rather than repeated or a second run.
-            if done and await xact_committed(conn, done[0][0]):
-                return done[0][1]
-            done.clear()
             if row is None:
                 raise _missing(sid)
             known = None if key is None else await sched_db.slot_by_trigger_key(conn, sid, key)
@@ -572,12 +564,12 @@ class ScheduleAdmin:
             (said,) = await by_hand(self.ticker, conn, row, now, [now], "trigger",
                                     policy or row["overlap"], trigger_key=key)
             await _audit(conn, who, "trigger", row, None, _slot(said))
-            answer = {"schedule": sid, "slot": now, "state": said["state"],
-                      "run_id": said["run_id"], "repeated": False}
-            done.append((await xact_current(conn), answer))
-            return answer
+            return {"schedule": sid, "slot": now, "state": said["state"],
+                    "run_id": said["run_id"], "repeated": False}
 
-        return await self.database.run_in_transaction(fire)
+        # Run again after a lost COMMIT that applied, it answers with what it fired then:
+        # not `repeated`, and no second run.
+        return await self.database.run_in_transaction(answered_once(fire))
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                        overlap: str = "allow_all", operator: str | None = None,
@@ -630,24 +622,16 @@ class ScheduleAdmin:
         when the storage layer runs it again, with the schedule it deleted."""
         sid = check_schedule_id(schedule_id)
         who = _who(operator, evidence)
-        done: builtins.list[tuple[int, dict[str, Any]]] = []  # an earlier attempt's xid, row
-
         async def delete(conn: Conn) -> dict[str, Any] | None:
             row = await sched_db.schedule_get(conn, sid, lock=True)
-            # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply (asked once the row's lock is free: it has ended), the
-            # schedule is gone by this call's own hand: say so.
-            if done and await xact_committed(conn, done[0][0]):
-                return done[0][1]
-            done.clear()
             if row is not None and not self._kept_by_code(row):
                 if not await sched_db.schedule_delete(conn, sid):  # pragma: no cover
                     raise RuntimeError(f"schedule {sid} vanished under its lock")
                 await _audit(conn, who, "delete", row, _definition(row), None)
-                done.append((await xact_current(conn), row))
             return row
 
-        row = await self.database.run_in_transaction(delete)
+        # Run again after a lost COMMIT that applied, it answers with the schedule it deleted.
+        row = await self.database.run_in_transaction(answered_once(delete))
         if row is None:
             raise _missing(sid)
         if self._kept_by_code(row) and self.declared_here is None:
@@ -721,20 +705,12 @@ class Schedules:
             overlap=overlap, catchup_window=catchup_window, input=input,
             owner=self._owner(owner), queue=target.queue, json_limits=self._limits)
         now = await self.admin.ticker._now()
-        done: list[int] = []  # the xid of an earlier attempt that inserted the schedule
-
         async def insert(conn: Conn) -> bool:
-            made = await sched_db.schedule_create(
+            return await sched_db.schedule_create(
                 conn, {**row, "paused": bool(paused), "next_slot": when.after(now)})
-            # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply (the INSERT waited for it to end), the id is taken by this
-            # call's own schedule.
-            if not made and done and await xact_committed(conn, done[0]):
-                return True
-            done[:] = [await xact_current(conn)] if made else []
-            return made
 
-        created = await self.admin.database.run_in_transaction(insert)
+        # Run again after a lost COMMIT that applied, it answers that it made the schedule.
+        created = await self.admin.database.run_in_transaction(answered_once(insert))
         if not created:
             raise InvalidRequest(f"a schedule {row['id']} exists; update or delete it",
                                  path="id")

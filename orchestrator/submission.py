@@ -25,7 +25,7 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.events import event_announce, event_insert, event_pending_count, event_seen
-from orchestrator.db.xact import xact_committed, xact_current
+from orchestrator.db.xact import answered_once
 from orchestrator.errors import (
     AccessDenied,
     EventBacklogFull,
@@ -211,17 +211,9 @@ class Submission:
         rid = as_run_id(run_id)
         cap = self.config.max_pending_events
 
-        delivered: list[int] = []  # the xid of an earlier attempt that stored the event
-
         async def deliver(conn: Conn) -> bool:
             row = (await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
                    if rid is not None else None)
-            # A connection lost during the COMMIT makes the storage layer run this again; if
-            # that COMMIT did apply (asked once the run's lock is ours: it has ended), the
-            # event is stored by this call: delivered, not a repeat, and stored once.
-            if delivered and await xact_committed(conn, delivered[0]):
-                return True
-            delivered.clear()
             if row is None:
                 raise AccessDenied(DENIED)
             target = row["id"]  # the last run of a chain of continuations
@@ -243,10 +235,10 @@ class Submission:
             if created:
                 await runs_db.run_wake(conn, target)
                 await event_announce(conn, run_id=target, name=name)
-                delivered.append(await xact_current(conn))
             return created
 
-        return await self.database().run_in_transaction(deliver)
+        # Run again after a lost COMMIT that applied, it answers as then: delivered, once.
+        return await self.database().run_in_transaction(answered_once(deliver))
 
     async def journal(self, run_id: uuid.UUID) -> list[JournalEntry]:
         """The run's journal, oldest first, checked by :func:`check_journal`. Reading it never
