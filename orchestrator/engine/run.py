@@ -109,9 +109,7 @@ class RunState:
         # The claim's lease (renewed by the worker from the claim on, the journal's read
         # included: worker._renew_leases).
         self.lease = claim_lease(claim)
-        self.lease_ttl = self.lease.ttl
         self.due_at: datetime | None = claim.get("due_at")
-        self.claimed_at = self.lease.sent
         self.phase = Phase.RUNNING
         self.position = 0  # the next command's journal position
         # The NONDETERMINISM a command met (see settle); None while the code matches.
@@ -126,10 +124,6 @@ class RunState:
             self.lost = True
             lease_lost(self.metrics, self.run_id, self.token, where, self.workflow_key)
 
-    def lease_renewed(self, sent: float) -> None:
-        """The lease was extended by a renewal sent at ``sent`` (``time.monotonic()``)."""
-        self.lease.renewed(sent)
-
     def lease_left(self) -> float:
         """Seconds the lease is sure to last, by this process's clock (negative: it may be
         over, and another worker may hold the run)."""
@@ -139,7 +133,7 @@ class RunState:
     def dispatch_margin(self) -> float:
         """The lease time a tool call needs left before it is sent (a third of the TTL: a
         renewal every third keeps the lease above twice that)."""
-        return self.lease_ttl / 3
+        return self.lease.ttl / 3
 
     def enter(self, phase: Phase) -> None:
         """Move to ``phase`` if it is ahead of the current one (phases never go back)."""
@@ -214,7 +208,7 @@ class RunState:
         """The replay of the journal is over (the first command past it, a call's first new
         attempt, or the run's end): its duration from the claim, once."""
         self._replayed_at = -1
-        self.metrics.observe("replay_duration_seconds", time.monotonic() - self.claimed_at,
+        self.metrics.observe("replay_duration_seconds", time.monotonic() - self.lease.sent,
                              self.workflow_name)
 
     def boundary(self) -> None:

@@ -212,11 +212,11 @@ class CallSite:
                 async with self.session.db.connection() as conn:
                     kept = await runs_db.run_lease_extend(
                         conn, run_id=run.run_id, token=run.token, worker=run.worker_id,
-                        ttl=run.lease_ttl)
+                        ttl=run.lease.ttl)
             except OrchestratorError:
                 kept = False
             if kept:
-                run.lease_renewed(sent)
+                run.lease.renewed(sent)
                 if run.lease_left() >= run.dispatch_margin:
                     return
         run.metrics.incr("dispatches_withheld", tool=self.tool.name)
