@@ -153,18 +153,23 @@ async def test_operator_flows_through_the_cli(make_app, sql, migrated_database_u
     assert json.loads(json.dumps(app.metrics.snapshot()))["unknown_outcomes"] == 3
 
 
-async def test_the_audit_log_is_readable_from_the_cli(make_app, sql, migrated_database_url):
-    """Who did what, when and why, for every kind of operator action (a resolution, a run's
-    cancellation, a schedule's pause), newest first, filtered, in pages, and within the
-    operator's tenants: `ops audit`, the console's audit log for the command line."""
-    url = migrated_database_url
+async def _a_sleeping_report(make_app):  # type: ignore[no-untyped-def]
+    """An app with a workflow ``report`` that sleeps an hour, and one run of it submitted."""
     app = make_app()
 
     @app.workflow()
     async def report(ctx, data):  # type: ignore[no-untyped-def]
         return await ctx.sleep(3600)
 
-    run = await app.submit_async(report, {})
+    return app, await app.submit_async(report, {})
+
+
+async def test_the_audit_log_is_readable_from_the_cli(make_app, sql, migrated_database_url):
+    """Who did what, when and why, for every kind of operator action (a resolution, a run's
+    cancellation, a schedule's pause), newest first, filtered, in pages, and within the
+    operator's tenants: `ops audit`, the console's audit log for the command line."""
+    url = migrated_database_url
+    app, run = await _a_sleeping_report(make_app)
     await app.schedules.create_async("nightly", "report", cron="0 2 * * *")
     await app.database.close()
     for args in (["runs", "cancel", str(run.id), "--operator", "alice", "--evidence",
@@ -211,13 +216,7 @@ async def test_the_audit_log_filters_a_target_by_its_kind(make_app, sql, migrate
     another target. `--target` alone matches both; `--kind` keeps one kind's rows, and a kind
     that no target has is refused, changing nothing."""
     url = migrated_database_url
-    app = make_app()
-
-    @app.workflow()
-    async def report(ctx, data):  # type: ignore[no-untyped-def]
-        return await ctx.sleep(3600)
-
-    run = await app.submit_async(report, {})
+    app, run = await _a_sleeping_report(make_app)
     await app.schedules.create_async(str(run.id), "report", cron="0 2 * * *")
     await app.database.close()
     for args in (["runs", "cancel", str(run.id), "--operator", "alice", "--evidence",

@@ -142,13 +142,9 @@ async def test_a_timeout_raises_result_timeout_naming_the_pending_runs(app, sql)
         assert await app.wait_async([], timeout=0) == []
 
 
-async def test_result_waits_share_one_poll_and_one_that_times_out_leaves_nothing(
-        app, sql, monkeypatch):
-    """``result(timeout=)`` of many runs in one event loop: one statement per poll asks about
-    all of them (orchestrator.waiting); a wait that times out is ``RESULT_TIMEOUT`` with the
-    run's status and leaves the poller (the others wait on); another owner's handle is
-    ``ACCESS_DENIED`` before it waits; once nobody waits, the poller stops."""
-    gate, _, _ = _register(app)
+def _count_polls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, each statement of the shared result poller appends how many runs it
+    asked about to the list returned."""
     asked: list[int] = []
     real = runs_db.run_finished
 
@@ -156,10 +152,21 @@ async def test_result_waits_share_one_poll_and_one_that_times_out_leaves_nothing
         asked.append(len(runs))
         return await real(conn, runs)
 
+    monkeypatch.setattr(runs_db, "run_finished", spy)
+    return asked
+
+
+async def test_result_waits_share_one_poll_and_one_that_times_out_leaves_nothing(
+        app, sql, monkeypatch):
+    """``result(timeout=)`` of many runs in one event loop: one statement per poll asks about
+    all of them (orchestrator.waiting); a wait that times out is ``RESULT_TIMEOUT`` with the
+    run's status and leaves the poller (the others wait on); another owner's handle is
+    ``ACCESS_DENIED`` before it waits; once nobody waits, the poller stops."""
+    gate, _, _ = _register(app)
     async with running(app, concurrency=15):
         gates = [await app.submit_async(gate, i) for i in range(10)]
         await wait_for(lambda: all(_status(sql, h) == "waiting" for h in gates), 20)
-        monkeypatch.setattr(runs_db, "run_finished", spy)
+        asked = _count_polls(monkeypatch)
         waits = [asyncio.ensure_future(h.result_async(timeout=30)) for h in gates]
         with pytest.raises(ResultTimeout) as timed_out:
             await gates[0].result_async(timeout=0.3)  # a second wait of one run gives up
@@ -314,17 +321,10 @@ async def test_wait_as_completed_and_result_waits_share_one_poller(app, sql, mon
     one per caller per round; each still gets its own answer, and once nobody waits the
     poller stops."""
     gate, _, _ = _register(app)
-    asked: list[int] = []
-    real = runs_db.run_finished
-
-    async def spy(conn, runs):  # type: ignore[no-untyped-def]
-        asked.append(len(runs))
-        return await real(conn, runs)
-
     async with running(app, concurrency=10):
         runs = [await app.submit_async(gate, i) for i in range(6)]
         await wait_for(lambda: all(_status(sql, h) == "waiting" for h in runs), 20)
-        monkeypatch.setattr(runs_db, "run_finished", spy)
+        asked = _count_polls(monkeypatch)
         poller = app._waits.poller()
         result = asyncio.ensure_future(runs[0].result_async(timeout=30))
         waited = asyncio.ensure_future(app.wait_async(runs[1:3], timeout=30))
