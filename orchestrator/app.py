@@ -183,12 +183,12 @@ class Orchestrator:
         self.json_limits = canonical.JsonLimits(max_record_bytes, max_json_depth,
                                                 max_int_digits)
         for name, cap in (("max_pending_events", max_pending_events),
-                          ("max_journal_events", max_journal_events)):
+                          ("max_journal_events", max_journal_events), ("pool_size", pool_size)):
             if type(cap) is not int or cap < 1:
                 raise ConfigurationError(f"{name} must be a positive integer, got {cap!r}")
         self.max_pending_events = max_pending_events
         self.max_journal_events = max_journal_events
-        self.lease_ttl = lease_ttl
+        self.lease_ttl = checked_lease_ttl(lease_ttl)
         self.pool_size = pool_size
         # Checked now, so that a name no operator could type (or a tenant given as a bare
         # string) is a CONFIGURATION_ERROR at start, not a scope that silently never matches.
@@ -677,7 +677,8 @@ class Orchestrator:
         before ``from_position`` (default: where the old run went wrong) and every call that
         committed, whose receipt it returns; everything else runs anew, a call as a new
         operation with a new key. The two runs name each other (``restarted_from``,
-        ``superseded_by``: the new run is the authoritative one), and the restart is audited
+        ``superseded_by``: the new run is the authoritative one: the submission's key moves to
+        it, and the old run's handle follows it), and the restart is audited
         (``run.restart``, by ``operator``, default the owner's principal, with ``reason``).
         Refused with ``OPERATION_UNCERTAIN`` while an operation of the old run has no outcome
         (reconcile first), ``OPERATION_IN_PROGRESS`` for a run not finished, ``RUN_PRUNED``
@@ -877,6 +878,8 @@ class Orchestrator:
                       drain_timeout: float = 30.0, schedules: bool = True) -> Worker:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop.
         ``schedules``: the worker also ticks the schedules (docs/schedules.md)."""
+        if lease_ttl is not None:
+            checked_lease_ttl(lease_ttl)
         companions = [self.create_scheduler().run] if schedules else []
         for wf in self.registry.workflows.values():
             if wf.queue is not None and wf.queue not in self._declared_queues:
@@ -943,6 +946,17 @@ class Orchestrator:
     def close(self) -> None:
         """Release the connections held for sync calls (also done at interpreter exit)."""
         self._portal.close()
+
+
+def checked_lease_ttl(value: float) -> float:
+    """A lease's TTL as given, if it is a number of seconds a lease can last: a TTL of 0 or
+    less hands out leases that have run out when they are granted (every write fenced, every
+    call withheld), and one that is not finite cannot be written as an expiry."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not 0 < value < float("inf")):
+        raise ConfigurationError(
+            f"lease_ttl must be a finite number of seconds, more than 0, got {value!r}")
+    return value
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

@@ -95,7 +95,8 @@ class RunHandle(Generic[R_co]):
 
     async def latest_async(self) -> RunInfo:
         """The run the chain is at: this run, or, when it continued as new
-        (``ctx.continue_as_new``), the last run of its chain (``latest().id`` differs then)."""
+        (``ctx.continue_as_new``) or was restarted, the last run of its chain (``latest().id``
+        differs then)."""
         return RunInfo.from_row(await self._last(self.id))
 
     def latest(self) -> RunInfo:
@@ -107,26 +108,31 @@ class RunHandle(Generic[R_co]):
 
     def status(self) -> str:
         """The run's current status, e.g. ``queued``, ``waiting``, ``succeeded`` (this run's:
-        one that continued as new is ``succeeded``, ``info().outcome`` ``CONTINUED_AS_NEW``;
-        :meth:`result` follows it, and :meth:`latest` says where the chain is)."""
+        one that continued as new is ``succeeded``, ``info().outcome`` ``CONTINUED_AS_NEW``,
+        one restarted keeps its own end; :meth:`result` follows either, and :meth:`latest` says
+        where the chain is)."""
         return self.app._portal.call(self.status_async())
 
     async def _last(self, run_id: uuid.UUID) -> dict[str, Any]:
-        """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``), of
-        the last run of its chain (the same owner's); ``RUN_PRUNED`` when the chain's next run
-        is gone (retention deleted it with its evidence while an earlier one was kept)."""
+        """The row of ``run_id``, or, when it continued as new (``ctx.continue_as_new``) or
+        was restarted, of the last run of its chain (the same owner's); ``RUN_PRUNED`` when the
+        chain's next run is gone (retention deleted it with its evidence while an earlier one
+        was kept)."""
         row = await self.app._row(run_id, self.owner, result=True)
         owner = (self.owner.tenant, self.owner.principal)
 
         async def last_of(conn: Conn, start: uuid.UUID) -> uuid.UUID | None:
             return await runs_db.run_last_id(conn, start, owner=owner)
 
-        # The last run found may have continued before its row is read: look again from it.
-        while row["outcome_code"] == runs_db.CONTINUED and row["superseded_by"] is not None:
+        # The last run found may have continued (or been restarted) before its row is read:
+        # look again from it.
+        while row["superseded_by"] is not None:
             last = await self.app.database.read(partial(last_of, start=row["id"]))
-            if last == row["id"]:  # the run it continued as is gone: deleted by retention
+            if last == row["id"]:  # the run that superseded it is gone: deleted by retention
+                how = ("continued as" if row["outcome_code"] == runs_db.CONTINUED
+                       else "was restarted as")
                 raise RunPruned(
-                    f"run {row['id']} continued as run {row['superseded_by']}, which retention "
+                    f"run {row['id']} {how} run {row['superseded_by']}, which retention "
                     "has deleted with its evidence: the chain's result is no longer kept "
                     "(docs/retention.md)", status=row["status"], outcome=row["outcome_code"],
                     pruned_at=row.get("pruned_at"))
@@ -137,7 +143,7 @@ class RunHandle(Generic[R_co]):
     async def result_async(self, timeout: float | timedelta | None = None) -> R_co:
         """Wait until the run is terminal; return its result or raise its outcome (C13). A
         run that continued as new (``ctx.continue_as_new``) is followed to the last run of its
-        chain: its result is the chain's.
+        chain: its result is the chain's; so is a run that was restarted (``restart``).
 
         Raises ``RESULT_TIMEOUT`` (with the current ``status``) when ``timeout`` passes first;
         waiting changes nothing. The waits of one event loop share one poller: a statement

@@ -419,6 +419,20 @@ class Operators:
                 return []
             return await recon_db.run_still_waiting_on(conn, operation_id)
 
+    async def run_status_of(self, operation_id: int, *, operator: str
+                            ) -> tuple[str, bool] | None:
+        """The status of the run of a queued ``operation_id`` and whether its cancellation was
+        requested: what a resolution leads to (a run that has ended is not woken, and one
+        whose cancellation was requested ends cancelled: a call resolved not applied is then
+        neither sent again nor failed into the workflow). None for an operation that is not
+        queued or is another tenant's (C9)."""
+        check_operation_id(operation_id)
+        tenants = self.tenants_of(operator)
+        async with self.db.connection() as conn:
+            if await recon_db.recon_get(conn, operation_id, tenants=tenants) is None:
+                return None
+            return await recon_db.run_status_of(conn, operation_id)
+
     async def resolve_many(self, *, resolution: str, evidence: str, operator: str,
                            receipt: Any = None, state: str = UNRESOLVED,
                            tool: str | None = None, older_than: float | None = None,

@@ -405,13 +405,22 @@ class Reconciler:
         """Seconds a claim on an item lasts: one lookup and the recording of its answer."""
         return self.lookup_timeout + 30
 
+    @staticmethod
+    def _lapsed(item: dict[str, Any]) -> None:
+        log.info("run %s: operation %s not handed to operators: its claim lapsed (another "
+                 "reconciler holds it, or it was settled)", item["run_id"],
+                 item["operation_id"], extra=_said(item))
+
     async def _handle(self, item: dict[str, Any]) -> None:
         tool = self.registry.tools.get(item["tool_name"])
         if tool is None or tool.lookup_fn is None:
             async with self.db.connection() as conn:
-                await recon_db.recon_to_operator(
-                    conn, item_id=item["item_id"],
+                handed = await recon_db.recon_to_operator(
+                    conn, item_id=item["item_id"], claimer=self.id,
                     note=f"tool {item['tool_name']} has no lookup here; an operator decides")
+            if not handed:
+                self._lapsed(item)
+                return
             log.info("run %s: operation %s handed to operators: tool %s has no lookup here",
                      item["run_id"], item["operation_id"], item["tool_name"],
                      extra=_said(item))
@@ -430,10 +439,13 @@ class Reconciler:
             arguments = load_json(item["arguments_text"])
         except RunUnreadable:
             async with self.db.connection() as conn:
-                await recon_db.recon_to_operator(
-                    conn, item_id=item["item_id"],
+                handed = await recon_db.recon_to_operator(
+                    conn, item_id=item["item_id"], claimer=self.id,
                     note="its arguments cannot be decoded here (RUN_UNREADABLE); an operator "
                          "decides")
+            if not handed:
+                self._lapsed(item)
+                return
             log.warning("run %s: operation %s handed to operators: its stored arguments "
                         "cannot be decoded (RUN_UNREADABLE)", item["run_id"],
                         item["operation_id"], extra=_said(item, code="RUN_UNREADABLE"))

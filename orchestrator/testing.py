@@ -168,8 +168,8 @@ def _horizon(timers_within: float) -> datetime:
 async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
                    limit: int) -> bool:
     """Every run of ``ids``, every run started under one (a child, its children …) and every
-    run one continued as is in :data:`IDLE_STATES` or held back (queued, with its start
-    later), and none is due by ``max(now, horizon)``."""
+    run one continued or was restarted as is in :data:`IDLE_STATES` or held back (queued,
+    with its start later), and none is due by ``max(now, horizon)``."""
     now = max(datetime.now(UTC), horizon)
 
     async def look(conn: Conn) -> bool:

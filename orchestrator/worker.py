@@ -39,6 +39,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db import workers as workers_db
+from orchestrator.db.config import display_url
 from orchestrator.db.database import (
     CANCEL_CHANNEL,
     DEFAULT_QUEUE_NEWS,
@@ -57,6 +58,7 @@ from orchestrator.engine.executor import RunExecutor
 from orchestrator.engine.outcome import STRANDED_ERROR, strand_entries
 from orchestrator.engine.run import Lease, claim_lease, lease_lost
 from orchestrator.errors import (
+    ConfigurationError,
     DatabaseError,
     LeaseLost,
     OrchestratorError,
@@ -175,9 +177,32 @@ class Worker:
         with serving():
             await self._run(stop)
 
+    async def _check_liveness_lock(self) -> None:
+        """The liveness lock is taken on the session URL (``listen_url`` behind a transaction
+        pooler) but tested in ``pg_locks`` of the database URL's database: one that another
+        database or server holds is never seen, and this worker would look dead to every
+        sweep at its first late heartbeat (its runs re-queued while their calls are in
+        flight). Refused before it registers: ``CONFIGURATION_ERROR``. A lock that cannot be
+        taken yet is tried again at each heartbeat, as always."""
+        key = self._liveness.key
+        if key is None or not await self._liveness.ensure():
+            return
+        async with self.database.connection() as conn:
+            seen = await workers_db.worker_lock_seen(conn, key)
+        if not seen:
+            await self._liveness.close()
+            raise ConfigurationError(
+                f"listen_url {display_url(self._liveness.url or '')} does not reach the "
+                "database of the database URL: the worker's liveness lock taken there is not "
+                "seen in that database's pg_locks, so other workers would take this one for "
+                "dead at its first late heartbeat and re-queue its runs while their calls are "
+                "in flight; give listen_url the same server and database, reached directly "
+                "(docs/operations.md)")
+
     async def _run(self, stop: asyncio.Event | None) -> None:
         async with self.database.connection() as conn:  # before anything else starts
             await grants_db.require_privileges(conn, "worker")
+        await self._check_liveness_lock()
         if stop is not None:
             asyncio.ensure_future(self._forward_stop(stop))
         listen_stop = asyncio.Event()

@@ -27,7 +27,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def operator_options(parser: argparse.ArgumentParser, *, operator_required: bool) -> None:
     """``--operator`` and ``--app``: who acts, under which application's scopes."""
-    parser.add_argument("--operator", required=operator_required, default=None,
+    parser.add_argument("--operator", required=operator_required, default=None, metavar="NAME",
                         help="who acts (recorded in the audit log); required with --app"
                              + ("" if operator_required else
                                 f" (without it: {DEFAULT_OPERATOR!r})"))

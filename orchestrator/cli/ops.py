@@ -25,6 +25,7 @@ from orchestrator.cli.operating import (
     with_operators,
 )
 from orchestrator.cli.tables import cell, render
+from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED, Operators
 
@@ -211,25 +212,34 @@ NEXT = {"resend": "; the run was woken and sends the call again as a new attempt
         None: "; the run was woken"}
 
 
-def _report(op_id: int, done: tuple[str, list[int]], what: str,
+def _report(op_id: int, done: tuple[str, list[int], tuple[str, bool] | None], what: str,
             then: str | None = None) -> int:
-    outcome, others = done
+    outcome, others, run = done
+    status, cancel_requested = run or ("", False)
     if outcome == "noop":
         print(f"operation {op_id} was already resolved as {what}; nothing changed")
+    elif status in TERMINAL_STATUSES:  # an ended run is not woken: only the ledger changes
+        print(f"operation {op_id} resolved as {what}; its run had already ended ({status}), "
+              "so only the ledger changed" + (" (nothing is sent again)" if then else ""))
     elif others:  # the run resumes once every unknown outcome of it is settled
         ops = ", ".join(str(op) for op in others)
         print(f"operation {op_id} resolved as {what}; its run still waits for operation "
               f"{ops} to be settled (`orchestrator ops show {others[0]}`)")
+    elif cancel_requested:  # the woken run ends cancelled: no re-send, no failure in it
+        print(f"operation {op_id} resolved as {what}; its run was woken and ends cancelled, "
+              "as was requested" + (" (nothing is sent again)" if then else ""))
     else:
         print(f"operation {op_id} resolved as {what}{NEXT[then]}")
     return 0
 
 
-async def _resolved(ops: Operators, op_id: int, operator: str,
-                    outcome: Awaitable[str]) -> tuple[str, list[int]]:
-    """A resolution's outcome and the operations its run still waits for after it."""
+async def _resolved(ops: Operators, op_id: int, operator: str, outcome: Awaitable[str]
+                    ) -> tuple[str, list[int], tuple[str, bool] | None]:
+    """A resolution's outcome, the operations its run still waits for after it, and its run's
+    status and cancellation as they were before it (what the resolution leads to)."""
+    run = await ops.run_status_of(op_id, operator=operator)
     said = await outcome
-    return said, await ops.still_waiting_on(op_id, operator=operator)
+    return said, await ops.still_waiting_on(op_id, operator=operator), run
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:

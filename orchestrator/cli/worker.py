@@ -140,6 +140,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout < float("inf"):
         raise InvalidRequest("--drain-timeout must be a finite number of seconds, 0 or more",
                              path="drain_timeout")
+    if args.lease_ttl is not None and not 0 < args.lease_ttl < float("inf"):
+        raise InvalidRequest("--lease-ttl must be a finite number of seconds, more than 0",
+                             path="lease_ttl")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -178,13 +181,18 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()
     if not args.poll_interval > 0:
         raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
+    if args.max_lookups < 1:
+        raise InvalidRequest("--max-lookups must be at least 1", path="max_lookups")
+    if not 0 < args.base_delay < float("inf"):
+        raise InvalidRequest("--base-delay must be a finite number of seconds, more than 0",
+                             path="base_delay")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=False)
     metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
-    app.run_reconciler(max_lookups=max(1, args.max_lookups), base_delay=args.base_delay,
+    app.run_reconciler(max_lookups=args.max_lookups, base_delay=args.base_delay,
                        poll_interval=args.poll_interval, **metrics)
     announce("reconciler stopped")
     return 0

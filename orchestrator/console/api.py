@@ -95,9 +95,22 @@ def id_list(value: Any) -> list[int]:
     return [int(v) if isinstance(v, str) and is_number(v, 19) else v for v in value]
 
 
-async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any]:
-    """An action's body: a JSON object (``INVALID_REQUEST`` otherwise; ``PAYLOAD_TOO_LARGE``
-    past ``limit`` bytes, read no further)."""
+CANCEL_FIELDS = frozenset({"evidence"})
+ABANDON_FIELDS = frozenset({"evidence"})
+RESOLVE_FIELDS = frozenset({"resolution", "receipt", "then", "evidence"})
+ABANDON_MANY_FIELDS = frozenset({"evidence", "filter", "ids", "limit", "confirmed",
+                                 "confirmed_selection"})
+RESOLVE_MANY_FIELDS = ABANDON_MANY_FIELDS | {"resolution", "receipt", "then"}
+QUEUE_FIELDS = frozenset({"action", "evidence", "concurrency", "worker_concurrency",
+                          "key_concurrency", "rate"})
+"""The fields each action's body may hold."""
+
+
+async def json_body(request: Request, fields: frozenset[str], *,
+                    limit: int = MAX_BODY) -> dict[str, Any]:
+    """An action's body: a JSON object holding only ``fields`` (``INVALID_REQUEST`` otherwise,
+    naming the first other field: a misspelt one is never read as absent;
+    ``PAYLOAD_TOO_LARGE`` past ``limit`` bytes, read no further)."""
     declared = request.headers.get("content-length", "")
     if is_number(declared) and int(declared) > limit:
         raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
@@ -115,6 +128,10 @@ async def json_body(request: Request, *, limit: int = MAX_BODY) -> dict[str, Any
         raise InvalidRequest("the request body is not valid JSON") from None
     if not isinstance(value, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise InvalidRequest(f"the body has no field {unknown[0]!r} (fields: "
+                             f"{', '.join(sorted(fields))})", path="body")
     return value
 
 
@@ -358,13 +375,10 @@ class Api:
         """``{"action": "pause"|"resume"|"set"|"reset", "evidence": ..., "concurrency": ...,
         "worker_concurrency": ..., "key_concurrency": ..., "rate": "100/s"}``: the queue
         after the change."""
-        body = await json_body(request)
+        body = await json_body(request, QUEUE_FIELDS)
         limits: tuple[str, ...] = ("concurrency", "worker_concurrency", "key_concurrency",
                                    "rate")
         changes: dict[str, Any] = {k: body[k] for k in limits if k in body}
-        unknown = sorted(set(body) - set(changes) - {"action", "evidence"})
-        if unknown:
-            raise InvalidRequest(f"the body has no field {unknown[0]!r}", path="body")
         info = await self.service.change_queue(
             access, request.path_params["name"], action=_text(body, "action", required=True),
             evidence=_text(body, "evidence", required=True), changes=changes)
@@ -392,14 +406,14 @@ class Api:
     # -- actions -----------------------------------------------------------------------------
 
     async def cancel(self, request: Request, access: Access) -> Any:
-        body = await json_body(request)
+        body = await json_body(request, CANCEL_FIELDS)
         before, after = await self.service.cancel(
             access, request.path_params["run_id"],
             evidence=_text(body, "evidence", required=True))
         return {"run_id": request.path_params["run_id"], "before": before, "status": after}
 
     async def resolve(self, request: Request, access: Access) -> Any:
-        body = await json_body(request)
+        body = await json_body(request, RESOLVE_FIELDS)
         resolution = _text(body, "resolution", required=True)
         if resolution == "abandoned":
             raise InvalidRequest("abandon with POST .../abandon", path="resolution")
@@ -411,14 +425,14 @@ class Api:
         return {"operation_id": str(op), "resolution": resolution, "outcome": outcome}
 
     async def abandon(self, request: Request, access: Access) -> Any:
-        body = await json_body(request)
+        body = await json_body(request, ABANDON_FIELDS)
         op = request.path_params["operation_id"]
         outcome = await self.service.resolve(
             access, op, resolution="abandoned", evidence=_text(body, "evidence", required=True))
         return {"operation_id": str(op), "resolution": "abandoned", "outcome": outcome}
 
     async def resolve_many(self, request: Request, access: Access) -> Any:
-        body = await json_body(request)
+        body = await json_body(request, RESOLVE_MANY_FIELDS)
         resolution = _text(body, "resolution", required=True)
         if resolution == "abandoned":
             raise InvalidRequest("abandon many with POST .../abandon-many", path="resolution")
@@ -426,7 +440,8 @@ class Api:
         return await self._bulk(access, body, resolution)
 
     async def abandon_many(self, request: Request, access: Access) -> Any:
-        return await self._bulk(access, await json_body(request), "abandoned")
+        return await self._bulk(access, await json_body(request, ABANDON_MANY_FIELDS),
+                                "abandoned")
 
     async def _bulk(self, access: Access, body: dict[str, Any], resolution: str) -> Any:
         ids = None if body.get("ids") is None else id_list(body["ids"])

@@ -10,7 +10,7 @@ import uuid
 from orchestrator.db.database import DEFAULT_QUEUE_NEWS, RUNS_CHANNEL, Conn
 from orchestrator.db.runs import CONTINUED, run_finish
 from orchestrator.db.schema import SCHEMA as S
-from orchestrator.errors import LeaseLost
+from orchestrator.errors import InvalidRequest, LeaseLost
 from orchestrator.journal import EventKind
 
 # -- continuations (migration 0015, docs/versioning.md#long-runs) -----------------------------
@@ -157,9 +157,29 @@ async def run_failed_position(conn: Conn, run_id: uuid.UUID) -> int:
     return int(row["at"]) if row else 0
 
 
+_SUPERSEDE = f"""
+UPDATE {S}.runs AS r SET superseded_by = %(new)s, idempotency_key = NULL, updated_at = now()
+FROM (SELECT id, idempotency_key, request_digest FROM {S}.runs WHERE id = %(old)s
+      FOR UPDATE) AS before
+WHERE r.id = before.id AND r.superseded_by IS NULL
+RETURNING before.idempotency_key, before.request_digest
+"""
+
+
 async def run_supersede(conn: Conn, *, old: uuid.UUID, new: uuid.UUID) -> bool:
-    """Mark ``old`` superseded by ``new`` unless it already is (the row count says)."""
-    cur = await conn.execute(
-        f"UPDATE {S}.runs SET superseded_by = %s, updated_at = now() "
-        "WHERE id = %s AND superseded_by IS NULL", (new, old))
-    return cur.rowcount == 1
+    """Mark ``old`` superseded by ``new`` (a restart) unless it already is (the row count
+    says); the submission's key and digest move to ``new``, as a continuation's do, so that
+    a submission with the key answers with the run that restarts it."""
+    cur = await conn.execute(_SUPERSEDE, {"old": old, "new": new})
+    moved = await cur.fetchone()
+    if moved is None:
+        return False
+    if moved["idempotency_key"] is not None:
+        cur = await conn.execute(
+            f"UPDATE {S}.runs SET idempotency_key = %s, request_digest = %s "
+            "WHERE id = %s AND idempotency_key IS NULL",
+            (moved["idempotency_key"], moved["request_digest"], new))
+        if cur.rowcount != 1:
+            raise InvalidRequest(f"run {new} changed before it took over run {old}'s "
+                                 "submission key", path="run_id")
+    return True

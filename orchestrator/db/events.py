@@ -53,15 +53,16 @@ looked for in: the run and the 15 it continues, newest first."""
 
 async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
     """Whether an event with this key was delivered to the run, or to one of the last runs
-    it continues (:data:`SEEN_GENERATIONS`): a sender's retry that comes after the run went
-    on as a new one is still recognised."""
+    it continues or restarts (:data:`SEEN_GENERATIONS`): a sender's retry that comes after
+    the run went on as a new one is still recognised."""
     cur = await conn.execute(
         f"""
         WITH RECURSIVE chain AS (
-            SELECT id, continued_from, 1 AS depth FROM {S}.runs WHERE id = %(run)s
+            SELECT id, coalesce(continued_from, restarted_from) AS before, 1 AS depth
+            FROM {S}.runs WHERE id = %(run)s
             UNION ALL
-            SELECT r.id, r.continued_from, c.depth + 1
-            FROM chain c JOIN {S}.runs r ON r.id = c.continued_from
+            SELECT r.id, coalesce(r.continued_from, r.restarted_from), c.depth + 1
+            FROM chain c JOIN {S}.runs r ON r.id = c.before
             WHERE c.depth < %(depth)s
         )
         SELECT 1 FROM {S}.external_events e JOIN chain c ON e.run_id = c.id

@@ -132,17 +132,20 @@ async def recon_record_lookup(
     return state
 
 
-async def recon_to_operator(conn: Conn, *, item_id: int, note: str) -> None:
-    """Hand an item to operators at once (the tool has no lookup)."""
-    await conn.execute(
+async def recon_to_operator(conn: Conn, *, item_id: int, claimer: str, note: str) -> bool:
+    """Hand an item this reconciler holds to operators at once (the tool has no lookup here, or
+    its arguments cannot be decoded). False, and nothing changed, when its claim lapsed (another
+    reconciler holds it now) or it was settled meanwhile."""
+    cur = await conn.execute(
         f"""
         UPDATE {S}.reconciliation_items
         SET state = 'operator', claimed_by = NULL, claimed_until = NULL,
             evidence = evidence || jsonb_build_array(jsonb_build_object('note', %(note)s::text))
-        WHERE id = %(item_id)s AND state = 'open'
+        WHERE id = %(item_id)s AND state = 'open' AND claimed_by = %(claimer)s
         """,
-        {"item_id": item_id, "note": note},
+        {"item_id": item_id, "claimer": claimer, "note": note},
     )
+    return cur.rowcount == 1
 
 
 # Which items a filter selects: ``ops list`` shows them, ``ops resolve-many`` and
@@ -393,6 +396,20 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
     )
     if cur.rowcount != 1:  # pragma: no cover - the run is locked, its status read above
         raise RuntimeError(f"run {item['run_id']} changed under its lock")
+
+
+async def run_status_of(conn: Conn, operation_id: int) -> tuple[str, bool] | None:
+    """The status of the run of ``operation_id`` and whether its cancellation was requested
+    (None: no such operation)."""
+    cur = await conn.execute(
+        f"""
+        SELECT r.status, r.cancel_requested_at IS NOT NULL AS cancel_requested
+        FROM {S}.runs r JOIN {S}.operations o ON o.run_id = r.id WHERE o.id = %(op)s
+        """,
+        {"op": operation_id},
+    )
+    row = await cur.fetchone()
+    return None if row is None else (str(row["status"]), bool(row["cancel_requested"]))
 
 
 async def run_still_waiting_on(conn: Conn, operation_id: int) -> list[int]:

@@ -225,8 +225,8 @@ async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
     """The status of each ``(run_id, tenant, principal)`` that names that owner's run, and
     the id of the run its chain is at, in one statement whatever their number (what ``wait``
     reads of its runs); a run of another owner is left out, as a missing one is (C9). A run
-    that continued as new (``ctx.continue_as_new``) has the status and the id of the last run
-    of its chain; any other run, its own."""
+    that continued as new (``ctx.continue_as_new``) or was restarted has the status and the id
+    of the last run of its chain; any other run, its own."""
     cur = await conn.execute(
         f"""
         WITH RECURSIVE chain AS (
@@ -239,7 +239,6 @@ async def run_statuses(conn: Conn, runs: Sequence[tuple[uuid.UUID, str, str]]
             SELECT c.start, c.tenant, c.principal, n.id, n.status, n.outcome_code,
                    n.superseded_by, c.depth + 1
             FROM chain c JOIN {S}.runs AS n ON n.id = c.superseded_by
-            WHERE c.outcome_code = '{CONTINUED}'
         )
         SELECT DISTINCT ON (start) start AS id, tenant, principal, status, at
         FROM chain ORDER BY start, depth DESC
@@ -637,7 +636,6 @@ WITH RECURSIVE chain AS (
     UNION ALL
     SELECT n.id, n.outcome_code, n.superseded_by, c.depth + 1
     FROM chain c JOIN {S}.runs AS n ON n.id = c.superseded_by
-    WHERE c.outcome_code = '{CONTINUED}'
 )
 SELECT id FROM chain ORDER BY depth DESC LIMIT 1
 """
@@ -645,10 +643,11 @@ SELECT id FROM chain ORDER BY depth DESC LIMIT 1
 
 async def run_last_id(conn: Conn, run_id: uuid.UUID, *,
                       owner: tuple[str, str] | None = None) -> uuid.UUID | None:
-    """The id of the last run of the chain of continuations (``ctx.continue_as_new``) that
-    ``run_id`` begins or belongs to: ``run_id`` itself for a run that did not continue; None
-    when the run is missing or not ``owner``'s (its continuations are the same owner's). One
-    statement however long the chain."""
+    """The id of the last run of the chain of continuations (``ctx.continue_as_new``) and
+    restarts that ``run_id`` begins or belongs to (each run's ``superseded_by``): ``run_id``
+    itself for a run that was not superseded; None when the run is missing or not ``owner``'s
+    (the runs that supersede it are the same owner's). One statement however long the
+    chain."""
     cur = await conn.execute(_LAST, _owned(run_id, owner))
     row = await cur.fetchone()
     return None if row is None else row["id"]
@@ -656,12 +655,11 @@ async def run_last_id(conn: Conn, run_id: uuid.UUID, *,
 
 async def run_lock_last(conn: Conn, run_id: uuid.UUID, *,
                         owner: tuple[str, str] | None = None) -> dict[str, Any] | None:
-    """:func:`run_lock` of the last run of ``run_id``'s chain of continuations (what a
-    cancellation or an event sent to the first run's id reaches); locked, it is checked again,
-    as it may have continued meanwhile."""
+    """:func:`run_lock` of the last run of ``run_id``'s chain of continuations and restarts
+    (what a cancellation or an event sent to the first run's id reaches); locked, it is
+    checked again, as it may have continued meanwhile."""
     row = await run_lock(conn, run_id, owner=owner)  # one statement for a run not continued
-    while (row is not None and row["outcome_code"] == CONTINUED
-           and row["superseded_by"] is not None):
+    while row is not None and row["superseded_by"] is not None:
         last = await run_last_id(conn, row["superseded_by"], owner=owner)
         row = None if last is None else await run_lock(conn, last, owner=owner)
     return row

@@ -164,6 +164,16 @@ LOCK_HELD = """CASE WHEN w.lock_key IS NULL THEN NULL ELSE EXISTS (
 console's worker list."""
 
 
+async def worker_lock_seen(conn: Conn, lock_key: int) -> bool:
+    """Whether the liveness lock ``lock_key`` is held as seen from ``conn``'s database, by the
+    test every sweep and ``workers list`` make (:data:`LOCK_HELD`): a worker checks that the
+    lock it took on its ``listen_url`` counts here before it registers."""
+    cur = await conn.execute(
+        f"SELECT {LOCK_HELD} FROM (SELECT %s::bigint AS lock_key) AS w", (lock_key,))
+    row = await cur.fetchone()
+    return row is not None and bool(row["lock_held"])
+
+
 async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
     """How the worker holding a lease looks from here: the database's ``now``, and, if it is
     still registered (``registered``), its last heartbeat, the seconds since

@@ -409,3 +409,64 @@ async def test_a_detached_branch_takes_no_step_once_the_workflow_ended(app, sql,
     assert worker.metrics.snapshot().get("lease_losses", 0) == 0
     assert not [r for r in caplog.records if "lease" in r.getMessage()]
 
+
+
+async def test_a_poll_loop_beside_an_up_front_wait_replays_and_beside_a_late_one_differs(app):
+    """README: a branch that polls (call, sleep, call …) may run beside a wait issued up front
+    and replays after the run parks; beside a coroutine whose wait is issued only once the
+    poll's first call was awaited, the replay gives that position to the poll's sleep."""
+    @app.tool()
+    async def check(ctx, *, n):  # type: ignore[no-untyped-def]
+        return n >= 1
+
+    async def poll(ctx):  # type: ignore[no-untyped-def]
+        n = 0
+        while not await ctx.call(check, n=n):
+            n += 1
+            await ctx.sleep(1.1)  # parks the run: its next turn is a replay
+        return n
+
+    @app.workflow()
+    async def up_front(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.gather(poll(ctx), ctx.wait_for_event("go"))
+
+    @app.workflow()
+    async def late(ctx, data):  # type: ignore[no-untyped-def]
+        async def wait():  # type: ignore[no-untyped-def]
+            return await ctx.wait_for_event("go")
+        return await ctx.gather(poll(ctx), wait())
+
+    async with running(app):
+        good = await app.submit_async(up_front, {})
+        bad = await app.submit_async(late, {})
+        for run in (good, bad):
+            assert await app.send_event_async(run.id, "go", "now")
+        assert await good.result_async(timeout=20) == [1, "now"]
+        with pytest.raises(RunFailed) as failed:
+            await bad.result_async(timeout=20)
+        assert failed.value.code == "NONDETERMINISM"
+
+
+async def test_a_child_whose_wait_workflow_code_cancelled_runs_on_to_its_end(app, sql):
+    """README: cancelling a ``ctx.run_child`` await (the loser of a race) stops the wait, not
+    the child run, which runs on to its end after its parent has finished."""
+    @app.workflow()
+    async def slow_child(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.sleep(1.5)
+        return n
+
+    @app.workflow()
+    async def racer(ctx, data):  # type: ignore[no-untyped-def]
+        kid = asyncio.ensure_future(ctx.run_child(slow_child, 5))
+        event = asyncio.ensure_future(ctx.wait_for_event("go"))
+        done, _ = await asyncio.wait([kid, event], return_when=asyncio.FIRST_COMPLETED)
+        (kid if event in done else event).cancel()
+        return "event" if event in done else "child"
+
+    async with running(app):
+        parent = await app.submit_async(racer, {})
+        assert await app.send_event_async(parent.id, "go", 1)
+        assert await parent.result_async(timeout=20) == "event"
+        (child,) = sql("SELECT id FROM orchestrator.runs WHERE parent_run_id = %s",
+                       (parent.id,))
+        assert await (await app.get_run_async(child["id"])).result_async(timeout=20) == 5

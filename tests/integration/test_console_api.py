@@ -628,6 +628,37 @@ async def test_a_committed_resolution_without_a_receipt_is_refused(
     await app.database.close()
 
 
+async def test_an_action_body_with_a_field_it_does_not_take_is_refused_and_changes_nothing(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """A misspelt field is not dropped: `thn: fail` read as no `then` would send a
+    consequential call again that the operator meant to fail, and a misspelt `ids` would
+    leave a bulk action with no filter, every waiting item."""
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    op = ops["a"]
+    run = run_of(sql, op)["id"]
+    async with Client(console_of(app), "alice") as alice:
+        for path, body in (
+                (f"/api/operations/{op}/resolve",
+                 {"resolution": "not_applied", "thn": "fail", "evidence": "PSP shows none"}),
+                (f"/api/operations/{op}/abandon", {"evidence": "gave up", "note": "x"}),
+                ("/api/operations/resolve-many",
+                 {"resolution": "not_applied", "operation_ids": [str(op)],
+                  "evidence": "PSP shows none", "confirmed": 1}),
+                ("/api/operations/abandon-many",
+                 {"operation_ids": [str(op)], "evidence": "gave up", "confirmed": 1}),
+                (f"/api/runs/{run}/cancel", {"evidence": "stop", "force": True})):
+            answer = await alice.post(path, body)
+            assert answer.status_code == 400, (path, answer.text)
+            refused = answer.json()
+            assert refused["code"] == "INVALID_REQUEST" and refused["path"] == "body", path
+            assert "the body has no field" in refused["message"], refused
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    assert run_of(sql, op)["status"] == "needs_reconciliation"
+    assert audit(sql) == []
+    await app.database.close()
+
+
 async def test_a_number_in_other_digits_is_a_bad_request_not_a_failure(
         make_app, sql):  # type: ignore[no-untyped-def]
     app = uncertain_app(make_app)

@@ -20,6 +20,7 @@ from orchestrator import (
     ToolFailed,
 )
 from orchestrator.db import operations as ops_db
+from orchestrator.db import reconciliation as recon_db
 from tests.integration.conftest import never_answers, running, wait_for
 
 
@@ -330,6 +331,38 @@ async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql, caplog
     # and the worker said what it knew when the outcome became unknown
     assert "(charge) is unknown (TOOL_OUTCOME_UNCERTAIN); next: reconcile; incident inc_" in (
         caplog.text)
+
+
+async def test_an_item_whose_claim_lapsed_is_not_handed_to_operators_by_its_old_claimer(
+        app, sql, caplog):
+    """A reconciler works through its batch one item after another; by the time it reaches an
+    item of a tool it has no lookup for, its claim may have lapsed and another reconciler (one
+    of a newer release, with the lookup) hold it. The first one must not take the item from it
+    and hand it to operators, and says it did not."""
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost")
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    async with running(app):
+        await app.submit_async(wf, {})
+        await wait_for(_parked(sql))
+    reconciler = app.create_reconciler()
+    async with app.database.connection() as conn:
+        (item,) = await recon_db.recon_claim_due(conn, claimer=reconciler.id, limit=10,
+                                                 ttl=60)
+    # its claim lapsed meanwhile, and another reconciler claimed the item
+    sql("UPDATE orchestrator.reconciliation_items SET claimed_by = 'reconciler:other', "
+        "claimed_until = now() + interval '1 minute'")
+    caplog.set_level(logging.INFO, logger="orchestrator.reconciler")
+    await reconciler._handle(item)
+    after = _one(sql, "SELECT state, claimed_by, evidence FROM orchestrator.reconciliation_items")
+    assert after == {"state": "open", "claimed_by": "reconciler:other", "evidence": []}
+    assert "handed to operators: tool charge has no lookup here" not in caplog.text
+    assert "not handed to operators: its claim lapsed" in caplog.text
 
 
 async def test_outcome_now_says_in_progress_then_replays_the_stored_result(app):

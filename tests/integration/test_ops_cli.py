@@ -283,3 +283,86 @@ async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
         assert out.strip() == f"operation {second} resolved as committed; the run was woken"
         assert await run.result_async(timeout=10) == [{"charge": "c1"}, {"charge": "c2"}]
     assert sorted(sent) == ["o-1", "o-2"]
+
+
+async def test_resolving_an_operation_of_a_run_being_cancelled_says_the_run_ends_cancelled(
+        make_app, sql, migrated_database_url):
+    """A run whose cancellation was requested while it waited for an unknown outcome ends
+    cancelled once that outcome is settled: `ops resolve --not-applied` does not say that the
+    call is sent again (it is not), nor that it fails in the workflow."""
+    url = migrated_database_url
+    app = make_app()
+    sent: list[str] = []
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        sent.append(order)
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        runs = [await app.submit_async(pay, order) for order in ("a", "b")]
+        await wait_for(lambda: [r["status"] for r in sql("SELECT status FROM orchestrator.runs")]
+                       == ["needs_reconciliation"] * 2)
+        for run in runs:
+            assert await run.cancel_async() == "needs_reconciliation"
+        ops = {r["arguments"]["order"]: r["id"]
+               for r in sql("SELECT id, arguments FROM orchestrator.operations")}
+        for order, then in (("a", "resend"), ("b", "fail")):
+            code, out, err = await cli(url, "ops", "resolve", str(ops[order]), "--not-applied",
+                                       "--then", then, "--evidence", "PSP shows none",
+                                       "--operator", "alice")
+            assert code == 0, err
+            assert out.strip() == (f"operation {ops[order]} resolved as not applied; its run "
+                                   "was woken and ends cancelled, as was requested (nothing "
+                                   "is sent again)")
+        for run in runs:
+            with pytest.raises(RunFailed) as failed:
+                await run.result_async(timeout=10)
+            assert failed.value.code == "CANCELLED"
+    assert sorted(sent) == ["a", "b"]
+
+
+async def test_resolving_an_operation_of_a_run_that_has_ended_says_only_the_ledger_changed(
+        make_app, sql, migrated_database_url):
+    """Two calls at once, both unknown: abandoning one fails the run; resolving the other as
+    not applied then settles the ledger only, and says so (the run is not woken, nothing is
+    sent again)."""
+    url = migrated_database_url
+    app = make_app()
+    sent: list[str] = []
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        sent.append(order)
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.gather(ctx.call(charge, order=f"{order}-1"),
+                                ctx.call(charge, order=f"{order}-2"))
+
+    async with running(app):
+        run = await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+        first, second = [r["id"] for r in sql("SELECT id FROM orchestrator.operations "
+                                              "ORDER BY id")]
+        code, out, err = await cli(url, "ops", "abandon", str(first), "--evidence",
+                                   "refunded by hand", "--operator", "alice")
+        assert code == 0, err
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=10)
+        code, out, err = await cli(url, "ops", "resolve", str(second), "--not-applied",
+                                   "--evidence", "PSP shows none", "--operator", "alice")
+        assert code == 0, err
+        assert out.strip() == (f"operation {second} resolved as not applied; its run had "
+                               "already ended (failed), so only the ledger changed (nothing "
+                               "is sent again)")
+        await asyncio.sleep(1)
+    assert sorted(sent) == ["o-1", "o-2"]
+    assert [r["state"] for r in sql("SELECT state FROM orchestrator.operations ORDER BY id")
+            ] == ["abandoned", "not_applied"]

@@ -117,3 +117,30 @@ async def test_the_liveness_lock_lives_on_listen_url_or_is_not_taken(
     none = workers_db.LivenessLock(_target(pooled, pooler="transaction").session_url, 7_000_124)
     assert await none.ensure() and none.held and none.key is None
     assert not _lock_held(sql, 7_000_124)
+
+
+async def test_a_listen_url_that_reaches_another_database_stops_the_worker_before_it_starts(
+        pgbouncer: PgBouncer, migrated_database_url: str,
+        sql: Callable[..., list[dict[str, Any]]]) -> None:
+    """A worker whose ``listen_url`` named another database (here the server's ``postgres``)
+    started without a word: its liveness lock was held there, where no sweep looks, so it
+    showed ``dead`` as soon as a beat was late (a pause of a second) and the next sweep of
+    another worker re-queued its runs while their calls were still in flight, which the lock
+    is there to prevent. It is refused before it registers or claims anything."""
+    from orchestrator import Orchestrator
+    from orchestrator.db.config import _with_database
+    from orchestrator.errors import ConfigurationError
+
+    elsewhere = _with_database(migrated_database_url, "postgres")
+    app = Orchestrator(pgbouncer.url(migrated_database_url), pooler="transaction",
+                       listen_url=elsewhere)
+    try:
+        worker = app.create_worker(poll_interval=0.2)
+        with pytest.raises(ConfigurationError) as caught:
+            await asyncio.wait_for(worker.run(), 30)
+        assert "listen_url" in caught.value.message
+        assert "does not reach the database" in caught.value.message
+        assert sql("SELECT id FROM orchestrator.workers") == []
+        assert not _lock_held(sql, worker._liveness.key or 0)  # let go of at once
+    finally:
+        await app.database.close()

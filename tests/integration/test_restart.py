@@ -347,3 +347,87 @@ async def test_a_restart_whose_commit_was_lost_answers_with_its_new_run(
         (old.id, new.id, None), (new.id, None, old.id)}
     assert [a["action"] for a in sql("SELECT action FROM orchestrator.operator_audit")] == [
         "run.restart"]
+
+
+async def test_a_restarted_run_keeps_its_submissions_identity(make_app: Any, sql: Any) -> None:
+    """The restart is the authoritative run, so the submission answers with it: a client that
+    submits again with its key gets the new run (the same request, no conflict), and the old
+    run's handle (``result``, ``outcome``, ``latest``, ``wait``) follows it there, as it follows
+    a continuation; ``info()`` still describes the old run."""
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+    async with running(app):
+        old = await app.submit_async("order", 7, idempotency_key="order-7")
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+        broken["ship"] = False
+        new = await old.restart_async(reason="the carrier is back")
+        done = [{"charged": "a"}, {"charged": "b"}, {"shipped": 7}]
+        assert await new.result_async(timeout=20) == done
+        again = await app.submit_async("order", 7, idempotency_key="order-7")
+        assert again.id == new.id
+        assert await old.result_async(timeout=5) == done
+        assert await old.outcome_async() == done
+        assert (await old.latest_async()).id == new.id
+        assert (await old.info_async()).status == "failed"
+        assert await app.wait_async([old], timeout=5) == [old]
+        # Restarted again (from the end), the chain's last run answers.
+        newest = await new.restart_async(reason="once more", from_position=3)
+        assert (await old.latest_async()).id == newest.id
+        assert await old.result_async(timeout=20) == done
+    keys = sql("SELECT id, idempotency_key FROM orchestrator.runs ORDER BY created_at")
+    assert [k["idempotency_key"] for k in keys] == [None, None, "order-7"]
+
+
+async def test_an_event_sent_again_to_a_restarted_run_is_recognised(make_app: Any,
+                                                                    sql: Any) -> None:
+    """A keyed event the old run took, sent again to the old run's id once it was restarted,
+    reaches the new run (the chain's last) and is recognised there as delivered: no second
+    event; an event for a later wait reaches the new run."""
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+
+    @app.workflow()
+    async def gated(ctx, n):  # type: ignore[no-untyped-def]
+        opened = await ctx.wait_for_event("open")
+        await ctx.call("ship", order=n)
+        return [opened, await ctx.wait_for_event("close")]
+
+    async with running(app):
+        old = await app.submit_async("gated", 5)
+        assert await app.send_event_async(old.id, "open", "yes", event_key="open-5")
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+        broken["ship"] = False
+        new = await old.restart_async(reason="the carrier is back")
+        assert not await app.send_event_async(old.id, "open", "yes", event_key="open-5")
+        assert await app.send_event_async(old.id, "close", "bye", event_key="close-5")
+        assert await new.result_async(timeout=20) == ["yes", "bye"]
+    events = sql("SELECT name, run_id FROM orchestrator.external_events ORDER BY id")
+    assert [(e["name"], e["run_id"]) for e in events] == [("open", old.id), ("close", new.id)]
+
+
+async def test_a_chain_whose_last_run_failed_and_was_restarted_answers_with_the_restart(
+        make_app: Any) -> None:
+    """A loop that continued as new and failed in its last generation, restarted: the first
+    run's handle and its submission key reach the restart through both links."""
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+
+    @app.workflow()
+    async def looped(ctx, gen):  # type: ignore[no-untyped-def]
+        if gen < 2:
+            ctx.continue_as_new(gen + 1)
+        return await ctx.call("ship", order=gen)
+
+    async with running(app):
+        first = await app.submit_async("looped", 0, idempotency_key="loop-1")
+        with pytest.raises(RunFailed):
+            await first.result_async(timeout=20)
+        failed = await first.latest_async()
+        assert failed.id != first.id and failed.status == "failed"
+        broken["ship"] = False
+        new = await app.restart_async(failed.id, reason="the carrier is back")
+        assert await first.result_async(timeout=20) == {"shipped": 2}
+        assert (await first.latest_async()).id == new.id
+        assert (await app.submit_async("looped", 0, idempotency_key="loop-1")).id == new.id

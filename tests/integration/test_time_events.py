@@ -519,3 +519,34 @@ async def test_an_event_whose_commit_was_lost_is_reported_delivered_once(app, sq
     lose_the_next_commit(monkeypatch, app.database)
     assert await app.send_event_async(run.id, "approval", {"ok": 2})
     assert len(sql("SELECT 1 FROM orchestrator.external_events WHERE run_id = %s", (run.id,))) == 2
+
+
+async def test_a_wait_that_parks_is_timed_out_by_a_durable_sleep_not_by_an_asyncio_timer(
+        app, sql):
+    """README: an asyncio timer lives in the worker's memory and is gone when the run parks;
+    a race with ``ctx.sleep`` times the same wait out, on time and again on replay."""
+    @app.workflow()
+    async def raced(ctx, data):  # type: ignore[no-untyped-def]
+        event = asyncio.ensure_future(ctx.wait_for_event("slow"))
+        timer = asyncio.ensure_future(ctx.sleep(1.5))
+        done, _ = await asyncio.wait([event, timer], return_when=asyncio.FIRST_COMPLETED)
+        (event if timer in done else timer).cancel()
+        return "event" if event in done else "timer"
+
+    @app.workflow()
+    async def bounded(ctx, data):  # type: ignore[no-untyped-def]
+        try:
+            async with asyncio.timeout(1.5):
+                await ctx.wait_for_event("slow")
+        except TimeoutError:
+            return "timed out"
+        return "event"
+
+    async with running(app):
+        first = await app.submit_async(raced, {})
+        second = await app.submit_async(bounded, {})
+        assert await first.result_async(timeout=15) == "timer"
+        await asyncio.sleep(1.5)  # past the asyncio timer: the parked run did not see it
+        assert await second.status_async() == "waiting"
+        assert await app.send_event_async(second.id, "slow", 1)
+        assert await second.result_async(timeout=15) == "event"

@@ -274,3 +274,61 @@ def test_the_demo_database_is_named_after_the_configured_one() -> None:
     long = config.DatabaseTarget("postgresql://u@h/" + "x" * 60, "environment")
     with pytest.raises(ConfigurationError, match="longer than PostgreSQL's 63 bytes"):
         config.demo_target(long)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_lease_ttl_that_is_not_a_positive_finite_number_of_seconds_is_refused(
+        value: str) -> None:
+    """A worker started with ``--lease-ttl 0`` claimed runs whose leases had run out as they
+    were granted: every write was fenced, every call withheld or made unknown, and the run went
+    to reconciliation for nothing; ``nan`` failed later as an INTERNAL error."""
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    done = subprocess.run([*command(), "worker", "--app", "m:a", "--lease-ttl", value],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --lease-ttl must be a finite number of "
+        "seconds, more than 0\n")
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--base-delay", "0", "--base-delay must be a finite number of seconds, more than 0"),
+    ("--base-delay", "-1", "--base-delay must be a finite number of seconds, more than 0"),
+    ("--base-delay", "nan", "--base-delay must be a finite number of seconds, more than 0"),
+    ("--max-lookups", "0", "--max-lookups must be at least 1"),
+    ("--max-lookups", "-5", "--max-lookups must be at least 1"),
+])
+def test_a_reconciler_setting_out_of_range_is_refused_before_anything_starts(
+        flag: str, value: str, message: str) -> None:
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    done = subprocess.run([*command(), "reconciler", "--app", "m:a", flag, value],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, f"orchestrator: error: INVALID_REQUEST: {message}\n")
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, float("nan"), float("inf"), "30"])
+def test_an_app_or_worker_lease_ttl_that_is_not_a_positive_number_is_a_configuration_error(
+        ttl: object) -> None:
+    with pytest.raises(ConfigurationError, match="lease_ttl must be a finite number of "
+                                                 "seconds, more than 0"):
+        Orchestrator(POOLED, lease_ttl=ttl)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="lease_ttl must be a finite number of "
+                                                 "seconds, more than 0"):
+        Orchestrator(POOLED).create_worker(lease_ttl=ttl)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True])
+def test_a_pool_size_that_is_not_a_positive_integer_is_a_configuration_error(
+        size: object) -> None:
+    """``Orchestrator(pool_size=0)`` was taken, and its first statement failed with psycopg's
+    own ValueError ("max_size must be greater or equal than min_size")."""
+    with pytest.raises(ConfigurationError, match="pool_size must be a positive integer"):
+        Orchestrator(POOLED, pool_size=size)  # type: ignore[arg-type]
