@@ -5,7 +5,8 @@ WORKDIR /app
 COPY . /app
 RUN pip install --no-cache-dir . \
     && useradd --create-home --uid 10001 orchestrator
-# So that `--app demo_app:app` (or your own module) is importable from the working directory.
+# So that `--app yourmodule:app` (a module of yours copied in with the project) is importable
+# from the working directory; the compose file runs `orchestrator.demo:app`, which is installed.
 ENV PYTHONPATH=/app
 USER orchestrator
 

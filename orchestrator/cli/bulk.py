@@ -143,8 +143,10 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
     how = "" if summary.resolution == "abandoned" else f" as {what}"
     then = getattr(args, "then", None) or "resend"
     follows = "" if summary.resolution != "not_applied" or not summary.resolved else (
-        "; their runs send the calls again as new attempts" if then == "resend"
-        else "; their calls fail with TOOL_FAILED in the workflows")
+        "; their runs send the calls again as new attempts (a run that had ended or whose "
+        "cancellation was requested sends nothing: it ends as it was ending)" if then == "resend"
+        else "; their calls fail with TOOL_FAILED in the workflows (of runs that had not ended "
+        "and were not being cancelled)")
     print(f"{_past(summary.resolution)} {len(summary.resolved)} of "
           f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}{follows}"
           + more)
