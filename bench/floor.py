@@ -1,8 +1,7 @@
 """The engine's write path alone: ``python -m bench.floor --concurrency N`` (a worker process of
 the ``floor`` section).
 
-It claims the same held runs as a worker (the engine's claim statement, in the group writer's
-transactions as a worker sends it) and drives each one
+It claims the same held runs as a worker (the engine's claim statement) and drives each one
 through exactly the durable writes a K-step run of ``bench.app`` makes, with the engine's own
 set-based statements and its group writer: per step the fenced write-ahead ``submitted`` with
 its journal event, carrying the previous step's receipt (``submitted → committed`` and its
@@ -97,14 +96,9 @@ async def main(url: str, k: int, concurrency: int, pool_size: int) -> None:
     while True:
         free = concurrency - len(running)
         if free > 0:
-            ride = getattr(runs_db, "claim_ready", None)
-            if ride is not None:  # the claim rides in the writer's transactions, as a worker's
-                claims = await writer.enqueue(ride(worker=worker, workflows=workflow,
-                                                   limit=free, ttl=60.0))
-            else:  # an engine from before it did (--engine)
-                async with db.connection() as conn:
-                    claims = await runs_db.run_claim_ready(
-                        conn, worker=worker, workflows=workflow, limit=free, ttl=60.0)
+            async with db.connection() as conn:
+                claims = await runs_db.run_claim_ready(conn, worker=worker, workflows=workflow,
+                                                       limit=free, ttl=60.0)
             for claim in claims:
                 task = asyncio.ensure_future(drive(writer, claim, k, worker))
                 running.add(task)

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -371,28 +371,19 @@ class Worker:
     async def _claim(self, workflows: list[str], free: int,
                      queue: str | None = None) -> list[dict[str, Any]]:
         try:
-            if queue is None:
-                # The default queue's claim rides in the writer's next transaction, after
-                # the other runs' writes of that batch (db.writer.Query): one commit fewer
-                # per claim. The leases last at least ttl from before it is queued (C6). A
-                # worker cancelled meanwhile does not wait for it (a write's landing cannot be
-                # cancelled): a claim that commits unseen lets its leases lapse.
-                sent, wall = time.monotonic(), time.time()
-                query = runs_db.claim_ready(worker=self.worker_id, workflows=workflows,
-                                            limit=free, ttl=self.lease_ttl)
-                claims = cast(list[dict[str, Any]],
-                              await asyncio.shield(self.writer.enqueue(query)))
-            else:
-                # A named queue's claim takes the queue's lock and reads its limits: it
-                # keeps a transaction of its own, so that the lock is held only for it.
-                async with self.database.connection() as conn:
-                    sent = time.monotonic()  # the leases last at least ttl from here (C6)
-                    wall = time.time()
+            async with self.database.connection() as conn:
+                sent = time.monotonic()  # the leases last at least ttl from here (C6)
+                wall = time.time()
+                if queue is None:
+                    claims = await runs_db.run_claim_ready(
+                        conn, worker=self.worker_id, workflows=workflows, limit=free,
+                        ttl=self.lease_ttl)
+                else:
                     claims, wake = await queues_db.queue_claim(
                         conn, queue=queue, worker=self.worker_id, workflows=workflows,
                         limit=free, ttl=self.lease_ttl)
-                if wake is not None:  # its rate window is full for so many seconds
-                    self._rate_wakes[queue] = time.monotonic() + wake
+                    if wake is not None:  # its rate window is full for so many seconds
+                        self._rate_wakes[queue] = time.monotonic() + wake
         except OrchestratorError as exc:
             log.warning("claim failed: %s", exc.code)
             self._dirty.add(queue)

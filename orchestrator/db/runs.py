@@ -23,7 +23,6 @@ from orchestrator.db.database import (
 )
 from orchestrator.db.journal import journal_insert_held
 from orchestrator.db.schema import SCHEMA as S
-from orchestrator.db.writer import Query
 from orchestrator.errors import LeaseLost
 from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
@@ -365,14 +364,6 @@ async def run_claim_ready(
         _CLAIM, {"worker": worker, "workflows": list(workflows), "limit": limit, "ttl": ttl}
     )
     return await cur.fetchall()
-
-
-def claim_ready(*, worker: str, workflows: Sequence[str], limit: int, ttl: float) -> Query:
-    """:func:`run_claim_ready` as a query that rides in a group commit's transaction
-    (:class:`~orchestrator.db.writer.Query`): the same statement, sent after the batch's
-    writes and committed with them. Its rows are the claims."""
-    return Query(_CLAIM, {"worker": worker, "workflows": list(workflows), "limit": limit,
-                          "ttl": ttl}, list)
 
 
 async def run_release_expired(conn: Conn) -> int:

@@ -19,10 +19,6 @@ not apply raises, so the transaction cannot commit); what is shared is the round
 per-statement work, which is what a busy worker spends its CPU on. A batch of statements is
 one round trip: the statements are pipelined, committed together at the pipeline's Sync, and
 the worker waits once.
-
-A worker's claim of ready runs from the default queue rides in the same transactions
-(:class:`Query`, sent after the writes): under a stream of single runs, where most batches
-hold one or two writes, a claim of its own was one transaction in six of each run's.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -70,23 +66,6 @@ class Statement:
     check: Callable[[dict[str, Any] | None], Any]
 
 
-@dataclass(frozen=True)
-class Query:
-    """A statement with parameters of its own that rides in a batch's transaction, sent after
-    the batch's writes: the default queue's claim (:func:`orchestrator.db.runs.claim_ready`),
-    which would otherwise cost a transaction of its own. It must never wait for a lock (the
-    claim skips locked rows), so that, sent last, it cannot close a cycle of waits with
-    another transaction; and it must never fail a row (it is not fenced). ``check(rows)``
-    turns its result rows into the caller's value once the batch has committed. A query is
-    not tried again: when its batch could not commit, or may have committed without an
-    answer, the caller gets :class:`DatabaseError` (a claim that did commit unseen lets its
-    leases lapse, and the runs are claimed again)."""
-
-    sql: str
-    params: dict[str, Any]
-    check: Callable[[list[dict[str, Any]]], Any]
-
-
 class Landing(asyncio.Future[Any]):
     """The outcome of a queued write. It cannot be cancelled: a queued write is written whether
     or not anyone still waits for it (a write already in a batch cannot be taken back), so a
@@ -97,9 +76,8 @@ class Landing(asyncio.Future[Any]):
         return False
 
 
-Work = Callable[[Conn], Awaitable[Any]] | Statement | Query
+Work = Callable[[Conn], Awaitable[Any]] | Statement
 Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
-Riders = Sequence[tuple[Query, "asyncio.Future[Any]"]]  # queries sent after the statements
 Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]  # a write's value or error
 
 
@@ -200,12 +178,10 @@ class GroupWriter:
             self._retry(batch[len(outcomes or ()):], exc)
             return False
         self.batches += 1
-        writes = sum(not isinstance(work, Query) for work, _, _ in batch)  # (not claims)
-        self.writes += writes
+        self.writes += len(batch)
         metrics = self.db.metrics
         metrics.observe("commit_latency_seconds", time.monotonic() - began)
-        if writes:
-            metrics.observe("commit_batch_size", writes)
+        metrics.observe("commit_batch_size", len(batch))
         self._settle(outcomes)
         return True
 
@@ -231,29 +207,27 @@ class GroupWriter:
         async with self.db.checkout() as conn:
             try:
                 groups = _group([(w, f) for w, f, _ in batch if isinstance(w, Statement)])
-                riders = [(w, f) for w, f, _ in batch if isinstance(w, Query)]
-                if sum(len(group) for group in groups) + len(riders) == len(batch):
+                if sum(len(group) for group in groups) == len(batch):
                     # Statements only (the hot path): one round trip (see _commit_statements).
-                    await self._commit_statements(conn, groups, values, riders)
+                    await self._commit_statements(conn, groups, values)
                 else:
                     # Other work reads row counts as it goes: it runs outside pipeline mode.
                     async with conn.transaction():
                         await self._statements(conn, groups, values)
                         for work, future, _ in batch:
-                            if not isinstance(work, Statement | Query):
+                            if not isinstance(work, Statement):
                                 values.append((future, await work(conn), None))
-                        await self._statements(conn, [], values, riders)
             except Exception as exc:  # noqa: BLE001 - rolled back; the writes go one by one
                 if connection_failed(exc):  # not the writes': the batch goes again
                     raise
                 await _roll_back(conn)
                 if len(batch) == 1:
-                    return [self._miss(batch[0][0], batch[0][1], exc)]
+                    return [_miss(batch[0][0], batch[0][1], exc)]
                 return None
         return values
 
     async def _commit_statements(self, conn: Conn, groups: list[Group],
-                                 values: list[Outcome], riders: Riders = ()) -> None:
+                                 values: list[Outcome]) -> None:
         """Every group's statement in one pipeline: one round trip, one transaction. The
         connection is in autocommit mode and the pipeline ends with a single Sync, and in the
         extended query protocol everything up to a Sync is one transaction, committed at the
@@ -264,40 +238,34 @@ class GroupWriter:
         A batch of one statement (most batches of a stream) is sent outside pipeline mode: an
         autocommit statement is its own transaction, committed at its own Sync, which is the
         same round trip and the same transaction without the pipeline's machinery (45 µs of
-        the writer's CPU per batch: ``bench.batches`` at a batch size of 1, 350 → 305).
-        The batch's queries (:class:`Query`) go last, in the same transaction."""
+        the writer's CPU per batch: ``bench.batches`` at a batch size of 1, 350 → 305)."""
         if not conn.autocommit:  # psycopg would open a transaction that nothing commits
             raise DatabaseError("the group writer needs connections in autocommit mode")
-        if len(groups) + len(riders) == 1:
-            cursors = await self._send(conn, groups, riders)
+        if len(groups) == 1:
+            cursors = await self._send(conn, groups)
         else:
             async with conn.pipeline():
-                cursors = await self._send(conn, groups, riders)
-        await _read(groups, riders, cursors, values)
+                cursors = await self._send(conn, groups)
+        await _read(groups, cursors, values)
 
-    async def _statements(self, conn: Conn, groups: list[Group], values: list[Outcome],
-                          riders: Riders = ()) -> None:
-        """Each group as one statement, then each query (pipelined) inside the caller's
-        transaction."""
-        if groups or riders:
+    async def _statements(self, conn: Conn, groups: list[Group],
+                          values: list[Outcome]) -> None:
+        """Each group as one statement (pipelined) inside the caller's transaction."""
+        if groups:
             async with conn.pipeline():
-                cursors = await self._send(conn, groups, riders)
-            await _read(groups, riders, cursors, values)
+                cursors = await self._send(conn, groups)
+            await _read(groups, cursors, values)
 
-    async def _send(self, conn: Conn, groups: list[Group], riders: Riders) -> list[Any]:
+    async def _send(self, conn: Conn, groups: list[Group]) -> list[Any]:
         self.statements += len(groups)
-        return [*[await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups],
-                *[await conn.execute(query.sql, query.params) for query, _ in riders]]
+        return [await conn.execute(group[0][0].sql, (_rows(group),)) for group in groups]
 
     async def _alone(self, work: Work, future: asyncio.Future[Any]) -> Outcome:
         async with self.db.checkout() as conn:
             try:
-                values: list[Outcome] = []
                 if isinstance(work, Statement):
+                    values: list[Outcome] = []
                     await self._commit_statements(conn, [[(work, future)]], values)
-                    return values[0]
-                if isinstance(work, Query):
-                    await self._commit_statements(conn, [], values, [(work, future)])
                     return values[0]
                 async with conn.transaction():
                     return future, await work(conn), None
@@ -305,18 +273,7 @@ class GroupWriter:
                 if connection_failed(exc):  # unless the connection failed under it
                     raise
                 await _roll_back(conn)
-                return self._miss(work, future, exc)
-
-    def _miss(self, work: Work, future: asyncio.Future[Any], exc: BaseException) -> Outcome:
-        """:func:`_miss`, with a query's error in public terms (a missing function on a
-        database behind the code is ``SCHEMA_MISMATCH``, as on the query's own connection)."""
-        if isinstance(work, Query):
-            try:
-                with translate_errors(self.db.target):
-                    raise exc
-            except Exception as public:  # noqa: BLE001 - the query's outcome
-                return future, None, public
-        return _miss(work, future, exc)
+                return _miss(work, future, exc)
 
     def _retry(self, batch: list[tuple[Work, asyncio.Future[Any], int]],
                exc: BaseException) -> None:
@@ -324,7 +281,7 @@ class GroupWriter:
         for work, future, tries in batch:
             if future.done():
                 continue
-            if tries + 1 >= self.attempts or isinstance(work, Query):
+            if tries + 1 >= self.attempts:
                 error = exc if isinstance(exc, DatabaseError) else DatabaseError(
                     f"writes to {self.db.target.display} keep failing ({type(exc).__name__})")
                 future.set_exception(error)
@@ -369,24 +326,16 @@ def _group(statements: Group) -> list[Group]:
     return groups
 
 
-async def _read(groups: list[Group], riders: Riders, cursors: list[Any],
-                values: list[Outcome]) -> None:
-    """Each row's value from its statement's result (by ``i``), then each query's from its
-    rows. The statements refused any row that did not apply, so a check that still objects
-    answers its own write only."""
-    for group, cursor in zip(groups, cursors[:len(groups)], strict=True):
+async def _read(groups: list[Group], cursors: list[Any], values: list[Outcome]) -> None:
+    """Each row's value from its statement's result (by ``i``). The statements refused any row
+    that did not apply, so a check that still objects answers its own write only."""
+    for group, cursor in zip(groups, cursors, strict=True):
         got = {row["i"]: row for row in await cursor.fetchall()}
         for i, (w, f) in enumerate(group, start=1):
             try:
                 values.append((f, w.check(got.get(i)), None))
             except Exception as exc:  # noqa: BLE001
                 values.append((f, None, exc))
-    for (query, future), cursor in zip(riders, cursors[len(groups):], strict=True):
-        rows = await cursor.fetchall()
-        try:
-            values.append((future, query.check(rows), None))
-        except Exception as exc:  # noqa: BLE001
-            values.append((future, None, exc))
 
 
 def _rows(group: Group) -> str:

@@ -410,16 +410,13 @@ async def test_a_stopping_worker_does_not_wait_forever_for_a_database_that_does_
     import time
 
     from orchestrator import worker as worker_module
-    from orchestrator.db.writer import GroupWriter, Query
+    from orchestrator.db.writer import GroupWriter
     from tests.integration.conftest import running, wait_for
 
     never = asyncio.Event()
     sent = asyncio.Event()
-    together = GroupWriter._together
 
     async def no_answer(self, batch):  # type: ignore[no-untyped-def]
-        if all(isinstance(work, Query) for work, _, _ in batch):  # the claim is answered
-            return await together(self, batch)
         sent.set()
         await never.wait()
 
@@ -581,109 +578,4 @@ async def test_writes_committed_alone_are_not_written_again_when_a_later_one_los
     # a and b in the batch (b is rejected: c never runs there), then alone; c alone, twice
     assert runs == {"a": 2, "b": 2, "c": 2}
     assert sorted(r["name"] for r in sql("SELECT name FROM public.marks")) == ["a", "c"]
-    await app.database.close()
-
-
-def _job(app):  # type: ignore[no-untyped-def]
-    @app.workflow(version="1", name="job")
-    async def job(ctx, data):  # type: ignore[no-untyped-def]
-        return data
-
-    return job
-
-
-def _claim_query(worker="w1", limit=10):  # type: ignore[no-untyped-def]
-    from orchestrator.db import runs as runs_db
-
-    return runs_db.claim_ready(worker=worker, workflows=["job@1"], limit=limit, ttl=30.0)
-
-
-@pytest.mark.parametrize("write", ["statement", "work"])
-async def test_a_claim_rides_in_the_transaction_of_the_batchs_writes(app, sql, write):
-    """The default queue's claim is a query sent after the batch's writes and committed with
-    them: one transaction (the run's row and the write's row carry one xmin), the claim's
-    rows its answer; in pipeline mode with statements, in a transaction with other work."""
-    from orchestrator.db.writer import GroupWriter
-
-    _marks_tables(sql)
-    job = _job(app)
-    run = await app.submit_async(job, {"n": 1})
-    writer = GroupWriter(app.database)
-
-    async def work(conn):  # type: ignore[no-untyped-def]
-        await conn.execute("INSERT INTO public.marks VALUES ('a')")
-        return "a"
-
-    marked, claims = await asyncio.gather(  # (queued at once: one batch)
-        writer.enqueue(_mark_statement("a") if write == "statement" else work),
-        writer.enqueue(_claim_query()))
-    assert marked == "a"
-    assert [(c["id"], c["lease_token"], c["claimed_from"]) for c in claims] == [
-        (run.id, 1, "queued")]
-    assert writer.batches == 1 and writer.writes == 1  # the claim is no write
-    (row,) = sql("SELECT r.status, r.lease_owner, r.xmin::text = m.xmin::text AS together "
-                 "FROM orchestrator.runs r, public.marks m")
-    assert row == {"status": "running", "lease_owner": "w1", "together": True}
-    await app.database.close()
-
-
-async def test_a_claim_alone_in_its_batch_claims_and_finds_nothing_when_nothing_is_ready(
-        app, sql):
-    from orchestrator.db.writer import GroupWriter
-
-    job = _job(app)
-    writer = GroupWriter(app.database)
-    assert await writer.enqueue(_claim_query()) == []
-    await app.submit_async(job, {})
-    (claim,) = await writer.enqueue(_claim_query())
-    assert claim["lease_token"] == 1 and writer.batches == 2
-    await app.database.close()
-
-
-async def test_a_claim_riding_with_a_rejected_write_still_claims_once(app, sql):
-    """A write of the batch that does not apply rolls the batch back, the claim with it; the
-    claim then runs alone like every write of the batch, and claims the run once (its lease
-    token 1: the rolled-back claim left nothing)."""
-    from orchestrator.db.writer import GroupWriter
-
-    _marks_tables(sql)
-    sql("INSERT INTO public.marks VALUES ('taken')")
-    job = _job(app)
-    run = await app.submit_async(job, {})
-    writer = GroupWriter(app.database)
-    marked, claims, taken = await asyncio.gather(
-        writer.enqueue(_mark_statement("a")), writer.enqueue(_claim_query()),
-        writer.enqueue(_mark_statement("taken")), return_exceptions=True)
-    assert marked == "a" and isinstance(taken, LeaseLost)
-    assert [(c["id"], c["lease_token"]) for c in claims] == [(run.id, 1)]
-    assert sql("SELECT lease_token, status FROM orchestrator.runs") == [
-        {"lease_token": 1, "status": "running"}]
-    await app.database.close()
-
-
-async def test_a_claim_whose_connection_failed_is_not_tried_again(app, sql):
-    """A claim whose transaction may have committed unseen is answered DATABASE_UNAVAILABLE,
-    never sent a second time (the writes of its batch are: they are fenced); the worker
-    claims again on its own, and a claim that did commit unseen lets its leases lapse."""
-    from orchestrator.db.writer import GroupWriter
-    from orchestrator.errors import DatabaseError
-
-    job = _job(app)
-    await app.submit_async(job, {})
-    writer = GroupWriter(app.database)
-    tries = 0
-
-    async def work(conn):  # type: ignore[no-untyped-def]
-        nonlocal tries
-        tries += 1
-        if tries == 1:  # the batch's connection goes away under it
-            await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
-        return "w"
-
-    written, claimed = await asyncio.gather(
-        writer.enqueue(work), writer.enqueue(_claim_query()), return_exceptions=True)
-    assert written == "w" and tries == 2  # the write went again in the next batch
-    assert isinstance(claimed, DatabaseError) and claimed.code == "DATABASE_UNAVAILABLE"
-    assert sql("SELECT lease_token, status FROM orchestrator.runs") == [
-        {"lease_token": 0, "status": "queued"}]
     await app.database.close()

@@ -43,15 +43,13 @@ class Tools:
 
 def watch_writes(monkeypatch):  # type: ignore[no-untyped-def]
     """Events set as the worker's group writer gets the first and the second write (they stay
-    set: a replay writes nothing at those points). A claim riding in the writer is no write."""
-    from orchestrator.db.writer import GroupWriter, Query
+    set: a replay writes nothing at those points)."""
+    from orchestrator.db.writer import GroupWriter
 
     writes: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
     enqueue = GroupWriter.enqueue
 
     def spy(self, work):  # type: ignore[no-untyped-def]
-        if isinstance(work, Query):
-            return enqueue(self, work)
         for written in writes:
             if not written.is_set():
                 written.set()
@@ -66,16 +64,14 @@ def slow_write(monkeypatch, nth=1, delay=None):  # type: ignore[no-untyped-def]
     """The ``nth`` write through the group writer commits at once, but its caller hears of it
     late, so that the write holds the run's write lock meanwhile: until the task that made
     the write has been cancelled (by workflow code's timeout, or by its task group), or, with
-    ``delay``, that many seconds after it landed. (A claim riding in the writer is no write.)"""
-    from orchestrator.db.writer import GroupWriter, Landing, Query
+    ``delay``, that many seconds after it landed."""
+    from orchestrator.db.writer import GroupWriter, Landing
 
     enqueue = GroupWriter.enqueue
     count: list[int] = []
 
     def slow(self, work):  # type: ignore[no-untyped-def]
         landing = enqueue(self, work)
-        if isinstance(work, Query):
-            return landing
         count.append(1)
         if len(count) != nth:
             return landing
