@@ -241,12 +241,9 @@ async def test_the_audit_log_filters_a_target_by_its_kind(make_app, sql, migrate
     assert code == 2 and "INVALID_REQUEST" in err and "kind" in err, err
 
 
-async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
-        make_app, sql, migrated_database_url):
-    """A run blocked on two unknown operations (two calls at once) resumes only once both are
-    settled: resolving the first says the run still waits, naming the other, and the run's
-    detail names only the one left, not the one settled."""
-    url = migrated_database_url
+def _two_lost_charges(make_app):  # type: ignore[no-untyped-def]
+    """An app whose workflow ``pay`` makes two calls at once of a tool that loses its answer
+    after sending (both end unknown), and the orders the tool was sent."""
     app = make_app()
     sent: list[str] = []
 
@@ -259,6 +256,17 @@ async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
     async def pay(ctx, order):  # type: ignore[no-untyped-def]
         return await ctx.gather(ctx.call(charge, order=f"{order}-1"),
                                 ctx.call(charge, order=f"{order}-2"))
+
+    return app, sent, pay
+
+
+async def test_resolving_one_of_a_runs_unknown_operations_says_it_still_waits(
+        make_app, sql, migrated_database_url):
+    """A run blocked on two unknown operations (two calls at once) resumes only once both are
+    settled: resolving the first says the run still waits, naming the other, and the run's
+    detail names only the one left, not the one settled."""
+    url = migrated_database_url
+    app, sent, pay = _two_lost_charges(make_app)
 
     async with running(app):
         run = await app.submit_async(pay, "o")
@@ -332,18 +340,7 @@ async def test_resolving_an_operation_of_a_run_that_has_ended_says_only_the_ledg
     not applied then settles the ledger only, and says so (the run is not woken, nothing is
     sent again)."""
     url = migrated_database_url
-    app = make_app()
-    sent: list[str] = []
-
-    @app.tool()
-    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
-        sent.append(order)
-        raise ConnectionResetError("lost after sending")
-
-    @app.workflow()
-    async def pay(ctx, order):  # type: ignore[no-untyped-def]
-        return await ctx.gather(ctx.call(charge, order=f"{order}-1"),
-                                ctx.call(charge, order=f"{order}-2"))
+    app, sent, pay = _two_lost_charges(make_app)
 
     async with running(app):
         run = await app.submit_async(pay, "o")

@@ -298,6 +298,15 @@ async def test_a_restart_from_before_a_patch_takes_the_path_the_old_run_took(
             if e.position == 0] == [("patch", 0), ("value", 0)]
 
 
+def _gated(app: Any) -> None:
+    """A workflow ``gated`` that waits for ``open``, ships, then waits for ``close``."""
+    @app.workflow()
+    async def gated(ctx, n):  # type: ignore[no-untyped-def]
+        opened = await ctx.wait_for_event("open")
+        await ctx.call("ship", order=n)
+        return [opened, await ctx.wait_for_event("close")]
+
+
 async def test_events_the_old_run_accepted_and_never_took_are_the_new_runs(
         make_app: Any, sql: Any) -> None:
     """An event delivered to a run (``send_event`` answered True) that the run failed before
@@ -305,12 +314,7 @@ async def test_events_the_old_run_accepted_and_never_took_are_the_new_runs(
     continuation: the new run waits for it and gets it; nothing accepted is left behind."""
     broken = {"ship": True}
     app = shop(make_app(), broken)
-
-    @app.workflow()
-    async def gated(ctx, n):  # type: ignore[no-untyped-def]
-        opened = await ctx.wait_for_event("open")
-        await ctx.call("ship", order=n)
-        return [opened, await ctx.wait_for_event("close")]
+    _gated(app)
 
     async with running(app):
         old = await app.submit_async("gated", 5)
@@ -386,12 +390,7 @@ async def test_an_event_sent_again_to_a_restarted_run_is_recognised(make_app: An
     event; an event for a later wait reaches the new run."""
     broken = {"ship": True}
     app = shop(make_app(), broken)
-
-    @app.workflow()
-    async def gated(ctx, n):  # type: ignore[no-untyped-def]
-        opened = await ctx.wait_for_event("open")
-        await ctx.call("ship", order=n)
-        return [opened, await ctx.wait_for_event("close")]
+    _gated(app)
 
     async with running(app):
         old = await app.submit_async("gated", 5)
