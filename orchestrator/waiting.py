@@ -13,12 +13,16 @@ statement per pause however many requests wait, where each waiter used to read i
 at every pause: 1,000 waiting clients were 4,000 statements a second.
 
 The pace: a poll :data:`FIRST_PAUSE` after a waiter arrives, then pauses doubling up to
-:data:`LONGEST_PAUSE` (each waiter's own schedule used to be the same from 5 ms); so never
-more than one statement per :data:`FIRST_PAUSE`, and one per :data:`LONGEST_PAUSE` while the
-same waiters wait. When the database does not answer, every waiter is woken: each reads its
-run itself, and raises the database's error or waits again; until a poll succeeds again the
-pause stays :data:`LONGEST_PAUSE`, however many waiters come back. The poller's task runs only
-while someone waits. No NOTIFY: the engine does not notify on a run's end (a NOTIFY at every
+:data:`LONGEST_PAUSE`; so never more than one statement per :data:`FIRST_PAUSE`, and one per
+:data:`LONGEST_PAUSE` while the same waiters wait. While more than :data:`FEW` runs are
+awaited, the first and shortest pause is :data:`BUSY_PAUSE` instead: each poll asks about
+every awaited run, so the more runs, the fewer polls a second (a run that ends is then told
+up to 20 ms later; a lone ``result()`` of a short run, 5 ms later).
+
+When the database does not answer, every waiter is woken: each reads its run itself, and raises
+the database's error or waits again; until a poll succeeds again the pause stays
+:data:`LONGEST_PAUSE`, however many waiters come back. The poller's task runs only while
+someone waits. No NOTIFY: the engine does not notify on a run's end (a NOTIFY at every
 completion would cost every commit for the few runs awaited), and the channels it notifies on
 say that work is ready.
 """
@@ -37,9 +41,15 @@ from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.models import Owner
 
-FIRST_PAUSE = 0.02
+FIRST_PAUSE = 0.005
 """Seconds from a waiter's arrival to the poll that first answers for it (it read its run
-itself when it arrived); the shortest pause between two polls."""
+itself when it arrived), and the shortest pause between two polls, while at most :data:`FEW`
+runs are awaited."""
+BUSY_PAUSE = 0.02
+""":data:`FIRST_PAUSE` while more than :data:`FEW` runs are awaited."""
+FEW = 16
+"""How many awaited runs a poll may ask about every :data:`FIRST_PAUSE` (at most 3,200 rows
+a second read by their primary key, however many waiters keep arriving)."""
 LONGEST_PAUSE = 0.25
 """The longest pause between two polls: the pauses double up to it while no waiter arrives."""
 
@@ -113,14 +123,20 @@ class _FinishPoller:
         return True
 
     def _hurry(self, now: float) -> None:
-        """A waiter arrived: its run is asked about :data:`FIRST_PAUSE` from now (or sooner,
-        when a poll is due sooner), and the pauses double again from there; while polls
-        fail, :data:`LONGEST_PAUSE` from now at the soonest."""
-        pause = LONGEST_PAUSE if self._failing else FIRST_PAUSE
+        """A waiter arrived: its run is asked about :data:`FIRST_PAUSE` from now
+        (:data:`BUSY_PAUSE` while more than :data:`FEW` runs are awaited), or sooner when a
+        poll is due sooner, and the pauses double again from there; while polls fail,
+        :data:`LONGEST_PAUSE` from now at the soonest."""
+        pause = LONGEST_PAUSE if self._failing else self._shortest()
         self._pause = pause
         if now + pause < self._due:
             self._due = now + pause
             self._wake.set()
+
+    def _shortest(self) -> float:
+        """The first pause after an arrival, and the shortest between two polls, for as many
+        runs as are awaited now."""
+        return FIRST_PAUSE if len(self.waiting) <= FEW else BUSY_PAUSE
 
     def _leave(self, key: _Key, future: asyncio.Future[None]) -> None:
         waiters = self.waiting.get(key, [])
@@ -150,7 +166,7 @@ class _FinishPoller:
                     self._due = now + LONGEST_PAUSE
                     continue
                 self._pause = min(self._pause * 2, LONGEST_PAUSE)
-                self._due = max(min(self._due, now + self._pause), now + FIRST_PAUSE)
+                self._due = max(min(self._due, now + self._pause), now + self._shortest())
         finally:
             self._task = None
             self._due = math.inf

@@ -22,7 +22,7 @@ from orchestrator import (
 )
 from orchestrator.db import runs as runs_db
 from orchestrator.handle import RunHandle
-from orchestrator.waiting import LONGEST_PAUSE
+from orchestrator.waiting import BUSY_PAUSE, FEW, FIRST_PAUSE, LONGEST_PAUSE
 from tests.integration.conftest import OTHER, running, wait_for
 
 
@@ -373,3 +373,30 @@ async def test_a_failing_poll_keeps_its_pause_long_while_the_waiters_read_their_
     for wait in waits:
         wait.cancel()
     await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def test_a_few_waiters_are_asked_about_soon_and_many_less_often(app, sql):
+    """A lone ``result()`` of a short run is answered by a poll FIRST_PAUSE (5 ms) after it
+    arrives; while more than FEW runs are awaited, each poll asks about all of them, and an
+    arrival brings the next poll no nearer than BUSY_PAUSE (20 ms)."""
+    gate, _, _ = _register(app)
+    gates = [await app.submit_async(gate, i) for i in range(FEW + 2)]
+    keys = [(h.id, h.owner.tenant, h.owner.principal) for h in gates]
+    loop = asyncio.get_running_loop()
+    poller = app._waits.poller()
+    lone = asyncio.ensure_future(poller.finished({keys[0]}, 30))
+    await asyncio.sleep(0)  # it arrived
+    assert 0 < poller._due - loop.time() <= FIRST_PAUSE
+    many = asyncio.ensure_future(poller.finished(set(keys[1:-1]), 30))
+    await asyncio.sleep(0)
+    assert len(poller.waiting) == FEW + 1 and poller._shortest() == BUSY_PAUSE
+    polled = poller.polls
+    await wait_for(lambda: poller.polls > polled)  # the next one is BUSY_PAUSE away at least
+    before = poller._due
+    late = asyncio.ensure_future(poller.finished({keys[-1]}, 30))
+    await asyncio.sleep(0)
+    assert poller._due == before or poller._due - loop.time() > FIRST_PAUSE
+    for waiting in (lone, many, late):
+        waiting.cancel()
+    await asyncio.gather(lone, many, late, return_exceptions=True)
+    await wait_for(lambda: poller._task is None, 5, "the poller stopped")
