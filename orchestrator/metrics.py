@@ -57,6 +57,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "reconciliation_operator": ("answer",),
     "runs_started": ("workflow",),
     "run_replays": ("workflow",),
+    "run_resumes": ("workflow",),
     "tool_failures": ("tool", "phase", "cause"),
     "lookups": ("tool", "answer"),
     "cancellations": ("stage",),

@@ -55,8 +55,6 @@ _PLAIN: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_run_parks", "run_parks",
      "Runs that released their worker to wait in the database (a timer, an event, a child "
      "run, or reconciliation of an unknown outcome)."),
-    ("orchestrator_run_resumes", "run_resumes",
-     "Parked runs claimed again to go on (their wait ended)."),
     ("orchestrator_claims", "claims",
      "Claim statements that returned at least one run (their sizes: "
      "orchestrator_claim_batch_size)."),
@@ -71,6 +69,8 @@ _PLAIN: tuple[tuple[str, str, str], ...] = (
 _LABELLED: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_runs_started", "runs_started",
      "Runs whose first execution began on this worker, by workflow."),
+    ("orchestrator_run_resumes", "run_resumes",
+     "Parked runs claimed again to go on (their wait ended), by workflow."),
     ("orchestrator_run_replays", "run_replays",
      "Runs claimed again after their worker let them go or was lost, so replayed from their "
      "journal, by workflow."),

@@ -427,7 +427,7 @@ class Worker:
                 last["kind"] == EventKind.CALL_NOT_APPLIED
                 or (last["kind"] == EventKind.CALL_COMPLETED
                     and isinstance(last["payload"], dict) and "resolved_by" in last["payload"]))):
-            self.metrics.incr("run_resumes")
+            self.metrics.incr("run_resumes", workflow=claim["workflow_name"])
 
     def _start(self, claim: dict[str, Any]) -> None:
         run_id = claim["id"]

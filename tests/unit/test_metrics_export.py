@@ -42,7 +42,7 @@ COUNTERS = {
     "orchestrator_deadlines_exhausted": set(),
     "orchestrator_lease_losses": set(),
     "orchestrator_run_parks": set(),
-    "orchestrator_run_resumes": set(),
+    "orchestrator_run_resumes": {"workflow"},
     "orchestrator_claims": set(),
     "orchestrator_fenced_writes_rejected": set(),
     "orchestrator_database_retries": set(),
