@@ -69,13 +69,17 @@ def _register(orch: Orchestrator) -> None:
         return {"held": True}
 
     async def steps(ctx: WorkflowContext, k: int) -> dict[str, Any]:
+        # When the body began (its first execution: these runs never park, so never replay):
+        # the latency section splits a first step at it, the claim before and the write-ahead
+        # after.
+        began = time.time()
         first: dict[str, Any] = {}
         last: dict[str, Any] = {}
         for i in range(k):
             last = await ctx.call(noop, i=i)
             if i == 0:
                 first = last
-        return {"first_t": first.get("t"), "last": last}
+        return {"began_t": began, "first_t": first.get("t"), "last": last}
 
     for k in (1, 3, 10):
         async def run_k(ctx: WorkflowContext, data: Any, k: int = k) -> dict[str, Any]:

@@ -361,6 +361,7 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
     setup = setup or Setup(workers=1, concurrency=10, pool_size=4)
     first: list[float] = []
     result: list[float] = []
+    parts: dict[str, list[float]] = {"submit": [], "to_body": [], "body_to_call": []}
     ids: list[uuid.UUID] = []
     load: Proc | None = None
     extra: dict[str, Any] = {}
@@ -380,10 +381,14 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
                     started = time.monotonic()
                 t0 = time.time()
                 handle = await orch.submit_async("k1", {"n": i})
+                t1 = time.time()
                 out = await handle.result_async(timeout=30)
                 t2 = time.time()
                 if i >= warmup:
                     first.append(out["first_t"] - t0)
+                    parts["submit"].append(t1 - t0)
+                    parts["to_body"].append(out["began_t"] - t1)
+                    parts["body_to_call"].append(out["first_t"] - out["began_t"])
                     result.append(t2 - t0)
                     ids.append(handle.id)
                 await asyncio.sleep(0.01)  # idle between samples
@@ -409,7 +414,9 @@ async def latency_once(server: Server, *, samples: int, warmup: int = 10,
         await orch.database.close()
         if own:
             server.drop_database(url)
+    split = {f"{name}_p50": percentile(values, 50) for name, values in parts.items()}
     return {"samples": samples, **summary("first_step", first), **summary("result", result),
+            **split,
             **summary("db_created_to_finished", db), **extra}
 
 

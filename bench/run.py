@@ -99,6 +99,17 @@ def median_of(reps: list[dict[str, Any]], key: str) -> float | None:
     return median(values) if values else None
 
 
+def split_note(lat: dict[str, Any]) -> str:
+    """Where a first step's time went (p50 of each part; they need not add up to the
+    whole's p50): the submission's commit, from it to the workflow body's start (the news,
+    a busy worker's claim gap, the claim's commit, the run's executor), and from there to the
+    tool's start (the write-ahead's wait for the group writer and its commit)."""
+    if "submit_p50" not in lat:
+        return "no split"
+    return (f"split p50: submit {ms(lat['submit_p50'])}, to the body "
+            f"{ms(lat['to_body_p50'])}, body to the call {ms(lat['body_to_call_p50'])} ms")
+
+
 def cpu_note(lat: dict[str, Any]) -> str:
     """The CPU used while the latency samples ran (bench.ours.cores_used), for a table note."""
     parts = [f"{label} {lat[key]:.2f}" for key, label in (
@@ -518,7 +529,7 @@ class Suite:
                       f"result via result_async (polls); created→finished in the database: "
                       f"p50 {ms(lat['db_created_to_finished_p50'])}, "
                       f"p99 {ms(lat['db_created_to_finished_p99'])}; a lone commit "
-                      f"{ms(lat.get('lone_commit_p50'))} ms p50")
+                      f"{ms(lat.get('lone_commit_p50'))} ms p50; {split_note(lat)}")
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             table.add("orchestrator (ours)", "—", "—", "—", "—", "—", f"failed: {exc}")
@@ -537,7 +548,8 @@ class Suite:
                       f"({p.load_fraction:.0%} of the measured drain rate) to "
                       f"{p.workers} × {p.concurrency} workers; backlog at the end "
                       f"{lat.get('backlog_at_end', float('nan')):.0f} runs; a lone commit "
-                      f"meanwhile {ms(lat.get('lone_commit_p50'))} ms p50; {cpu_note(lat)}")
+                      f"meanwhile {ms(lat.get('lone_commit_p50'))} ms p50; {split_note(lat)}; "
+                      f"{cpu_note(lat)}")
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             table.add("ours, under load", "—", "—", "—", "—", "—", f"failed: {exc}")
