@@ -194,9 +194,17 @@ def cmd_set(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag) == "on"
     info = _admin(args, lambda admin: admin.set(args.name, **_who(args), **changes))
-    said = ", ".join(f"{k.replace('_', ' ')} {'none' if v is None else v}"
-                     for k, v in changes.items())
+    said = ", ".join(f"{k.replace('_', ' ')} {_said(v)}" for k, v in changes.items())
     return _changed(info, f"set: {said}", args)
+
+
+def _said(value: Any) -> str:
+    """A changed setting as the command takes it: ``none``, ``on``/``off``, or the value."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def cmd_reset(args: argparse.Namespace) -> int:

@@ -350,6 +350,9 @@ async def test_the_queues_commands(make_app, migrated_database_url, sql):
     assert sorted(changed["overridden"]) == ["concurrency", "rate_limit", "rate_seconds"]
     shown = cli("show", "work").stdout
     assert "rate:" in shown and "KEY" in shown and "k" in shown
+    # The human line says each change as it is given: on/off, not Python's True/False.
+    said = cli("set", "work", "--priority", "on", "--count-parked", "off", *who).stdout
+    assert said.strip() == "queue work set: priority on, count parked off", said
     paused = json.loads(cli("pause", "work", *who, "--json").stdout)
     assert paused["paused"] is True
     bad = cli("set", "work", "--rate", "10/fortnight", *who)
