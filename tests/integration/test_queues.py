@@ -350,9 +350,6 @@ async def test_the_queues_commands(make_app, migrated_database_url, sql):
     assert sorted(changed["overridden"]) == ["concurrency", "rate_limit", "rate_seconds"]
     shown = cli("show", "work").stdout
     assert "rate:" in shown and "KEY" in shown and "k" in shown
-    # The human line says each change as it is given: on/off, not Python's True/False.
-    said = cli("set", "work", "--priority", "on", "--count-parked", "off", *who).stdout
-    assert said.strip() == "queue work set: priority on, count parked off", said
     paused = json.loads(cli("pause", "work", *who, "--json").stdout)
     assert paused["paused"] is True
     bad = cli("set", "work", "--rate", "10/fortnight", *who)
@@ -373,6 +370,9 @@ async def test_the_queues_commands(make_app, migrated_database_url, sql):
     cli("reset", "work", *who)
     assert sql("SELECT action FROM orchestrator.operator_audit ORDER BY id DESC LIMIT 1"
                )[0]["action"] == "queue.reset"
+    # The human line says each change as it is given: on/off, not Python's True/False.
+    said = cli("set", "work", "--priority", "on", "--count-parked", "off", *who).stdout
+    assert said.strip() == "queue work set: priority on, count parked off", said
     # A script written before the audit still works, and is audited: the row names the login
     # that ran it and says that no reason was given.
     unnamed = cli("resume", "work")
