@@ -18,6 +18,8 @@ The tree::
     ├── AccessDenied                  ACCESS_DENIED
     ├── Unauthenticated               UNAUTHENTICATED (the console: no operator identified)
     ├── Forbidden                     FORBIDDEN (the console: a grant or a CSRF token missing)
+    ├── NotFound                      NOT_FOUND (the console: no such path; was
+    │                                 INVALID_REQUEST)
     ├── JournalFull                   JOURNAL_FULL
     ├── EventBacklogFull              EVENT_BACKLOG_FULL
     ├── SchemaUnsupported             SCHEMA_UNSUPPORTED
@@ -201,6 +203,16 @@ class Forbidden(OrchestratorError):
     is :class:`AccessDenied`, answered as a missing object). HTTP 403."""
 
     code = "FORBIDDEN"
+
+
+class NotFound(OrchestratorError):
+    """The console (its pages, the operators' JSON API, the submitters' HTTP API) serves no
+    such path; nothing was read or changed. HTTP 404. Not a missing or hidden run or operation
+    at a path it serves: that is :class:`AccessDenied`, whose 404 says the object is not
+    there for this caller. A path it serves for another method is ``INVALID_REQUEST`` (HTTP
+    405)."""
+
+    code = "NOT_FOUND"
 
 
 class JournalFull(OrchestratorError):

@@ -26,6 +26,7 @@ from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
+from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.xact import answered_once
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
@@ -69,15 +70,48 @@ def check_evidence(evidence: str, operator: str) -> None:
     check_prose("evidence", evidence)
 
 
+IN_FLIGHT = {
+    "pending": ("operation {op} is pending: its call has not been sent yet, so there is nothing "
+                "to settle; wait: if its outcome becomes unknown it enters the reconciliation "
+                "queue (`orchestrator ops list --run {run}`)"),
+    "submitted": ("operation {op} is submitted: its call is in flight (or its worker was lost, "
+                  "and the run's next worker marks its outcome unknown), so there is nothing to "
+                  "settle yet; wait until it ends or enters the reconciliation queue "
+                  "(`orchestrator ops list --run {run}`; `orchestrator runs show {run}` says who "
+                  "holds the run)"),
+}
+"""What an operator is told on settling an operation whose call is still under way
+(``OPERATION_IN_PROGRESS``, by its state): only an unknown one is theirs to settle."""
+
+SENT_AGAIN = ("operation {op} is unknown, and its run sends the call again itself (an "
+              "idempotent tool's re-send with the same key, or a read's new attempt, after the "
+              "retry policy's backoff), so there is nothing to settle yet; wait: if those "
+              "attempts are used up without an outcome, the call enters the reconciliation "
+              "queue (`orchestrator ops list --run {run}`; `orchestrator runs show {run}` tells "
+              "its story)")
+"""What an operator is told on settling an unknown operation that no queue item lists while
+its run goes on: the run's own to settle (``OPERATION_IN_PROGRESS``)."""
+
+
 async def not_queued(conn: Conn, operation_id: int, tenants: list[str] | None
                      ) -> OrchestratorError:
     """The error for an operation without a reconciliation item this operator may see: one
     that does not exist or is another owner's looks the same (CONTRACT C9); one the operator
     may see but that is not queued (an earlier attempt left for a re-send, a settled call) says
-    so, and names the queued attempt of the same call if there is one."""
+    so, and names the queued attempt of the same call if there is one; one whose call is still
+    under way (``pending``, ``submitted``) is ``OPERATION_IN_PROGRESS``, saying to wait
+    (:data:`IN_FLIGHT`), and so is an unknown one that its unfinished run sends again itself
+    (:data:`SENT_AGAIN`)."""
     op = await recon_db.operation_outside_queue(conn, operation_id)
     if op is None or (tenants is not None and op["tenant"] not in tenants):
         return AccessDenied("the operation does not exist or is not accessible")
+    if op["state"] in IN_FLIGHT:
+        said = IN_FLIGHT[op["state"]].format(op=operation_id, run=op["run_id"])
+        return OperationInProgress(said, status=op["state"])
+    if (op["state"] == "unknown" and op["queued"] is None
+            and op["run_status"] not in TERMINAL_STATUSES):
+        said = SENT_AGAIN.format(op=operation_id, run=op["run_id"])
+        return OperationInProgress(said, status=op["state"])
     where = (f"; the queued attempt of the same call is operation {op['queued']}"
              if op["queued"] is not None else "")
     return InvalidRequest(f"operation {operation_id} is {op['state']} and not in the "
@@ -128,7 +162,7 @@ async def resolve(
         if item is None:
             raise await not_queued(conn, operation_id, tenants)
         before = {"item": item["item_state"], "operation": item["operation_state"],
-                  "resolution": item["resolution"]}
+                  "resolution": item["resolution"]} | _attested(item["receipt_digest"])
         if expect is not None and item["item_state"] != expect:
             raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
@@ -139,9 +173,10 @@ async def resolve(
                          before, before)
             return "noop"
         if item["operation_state"] != "unknown":
+            state = item["operation_state"]
             raise OperationInProgress(
-                f"operation {operation_id} is {item['operation_state']}, not unknown yet",
-                status=item["operation_state"])
+                IN_FLIGHT[state].format(op=operation_id, run=item["run_id"]) if state in IN_FLIGHT
+                else f"operation {operation_id} is {state}, not unknown yet", status=state)
         fail_run = None
         if resolution == "abandoned":  # the run fails; its error's reference leads here
             fail_run = await _abandonment(conn, item, operator, evidence)
@@ -152,7 +187,7 @@ async def resolve(
             fail_run=fail_run, error=error)
         await _audit(conn, operator, f"resolve.{resolution}", item, evidence, before,
                      {"item": "resolved", "operation": resolution, "resolution": resolution}
-                     | ({"then": then} if then else {}))
+                     | ({"then": then} if then else {}) | _attested(digest))
         return "resolved"
 
     return await db.run_in_transaction(answered_once(settle))
@@ -176,6 +211,13 @@ async def _differs(conn: Conn, item: dict[str, Any], resolution: str, digest: st
             return (f"operation {op} was already resolved as not_applied {_then(chosen)}, not "
                     f"{_then(then)}")
     return None
+
+
+def _attested(digest: str | None) -> dict[str, str]:
+    """The audit's word on the receipt a committed resolution records: ``receipt_digest``,
+    the SHA-256 of its canonical JSON (the operation's own), so that the audit row names
+    exactly what was attested. Nothing for an operation without a receipt."""
+    return {} if digest is None else {"receipt_digest": digest}
 
 
 def _then(then: str | None) -> str:

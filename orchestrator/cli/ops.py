@@ -160,9 +160,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             print("  " + json.dumps(e, sort_keys=True)[:200])
     if d["audit"]:
         print("\naudit")
-        print(render(["AT", "OPERATOR", "ACTION", "EVIDENCE"],
-                     [[a["created_at"], a["operator"], a["action"], a["evidence"]]
-                      for a in d["audit"]]))
+        print(render(["AT", "OPERATOR", "ACTION", "RECEIPT", "EVIDENCE"],
+                     [[a["created_at"], a["operator"], a["action"], _receipt_cell(a),
+                       a["evidence"]] for a in d["audit"]]))
     print("\nrun timeline")
     print(render(["SEQ", "AT", "POS", "EVENT", "NAME"],
                  [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"]]
@@ -270,6 +270,15 @@ def cmd_abandon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _receipt_cell(row: dict[str, Any]) -> str | None:
+    """An audit row's RECEIPT cell: the first 16 hex digits of the digest of the receipt a
+    committed resolution recorded (``after.receipt_digest``; ``--json`` has all of it), else
+    None (``-``)."""
+    after = row["after"]
+    digest = after.get("receipt_digest") if isinstance(after, dict) else None
+    return digest[:16] if isinstance(digest, str) else None
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     """The audit log, newest first; the next page's cursor when there is one."""
     if args.before is not None and not args.before.strip().isdigit():
@@ -287,10 +296,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                         or args.before)
               else "the audit log is empty")
         return 0
-    print(render(["AT", "OPERATOR", "ACTION", "TARGET", "TENANT", "EVIDENCE"],
+    print(render(["AT", "OPERATOR", "ACTION", "TARGET", "TENANT", "RECEIPT", "EVIDENCE"],
                  [[a["created_at"], a["operator"], a["action"],
-                   f"{a['target_kind']} {a['target_id']}", a["tenant"] or "-", a["evidence"]]
-                  for a in rows]))
+                   f"{a['target_kind']} {a['target_id']}", a["tenant"] or "-", _receipt_cell(a),
+                   a["evidence"]] for a in rows]))
     if following is not None:
         print(f"(more: orchestrator ops audit --before {following} …)")
     return 0

@@ -30,6 +30,7 @@ from orchestrator.db.config import DatabaseTarget
 from orchestrator.errors import (
     ConfigurationError,
     InvalidRequest,
+    NotFound,
     OrchestratorError,
     Unauthenticated,
 )
@@ -97,8 +98,7 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
 
     async def not_routed(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        what = "no such page" if exc.status_code == 404 else "this method is not allowed here"
-        error = InvalidRequest(what)
+        error = _unrouted(request, exc.status_code)
         if _route_path(request).startswith("/api/"):
             return JSONResponse(public(error), status_code=exc.status_code)
         return pages.render(request, "error.html", None, status=exc.status_code,
@@ -194,6 +194,16 @@ def _tokens(tokens: Mapping[str, str] | None) -> dict[str, str]:
             raise ConfigurationError("two operators have the same token")
         found[token] = operator
     return found
+
+
+def _unrouted(request: Request, status: int) -> OrchestratorError:
+    """The public error of a request no route serves: ``NOT_FOUND`` for a path the console
+    does not serve (404), ``INVALID_REQUEST`` for one it serves for other methods (405)."""
+    if status == 404:
+        where = "API path" if _route_path(request).startswith("/api/") else "page"
+        return NotFound(f"no such {where}: {request.method} {_route_path(request)[:200]!r}")
+    return InvalidRequest(f"{request.method} is not allowed here: this path takes other "
+                          "methods")
 
 
 def _route_path(request: Request) -> str:

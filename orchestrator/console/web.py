@@ -48,6 +48,7 @@ from orchestrator.errors import (
     Forbidden,
     IdempotencyConflict,
     InvalidRequest,
+    NotFound,
     OperationInProgress,
     OrchestratorError,
     PayloadTooLarge,
@@ -293,7 +294,8 @@ def set_cookie(response: Response, request: Request, name: str, value: str, *,
 
 
 STATUS = [
-    (Unauthenticated, 401), (Forbidden, 403), (AccessDenied, 404), (PayloadTooLarge, 413),
+    (Unauthenticated, 401), (Forbidden, 403), (AccessDenied, 404), (NotFound, 404),
+    (PayloadTooLarge, 413),
     (InvalidRequest, 400), (ResolutionConflict, 409), (OperationInProgress, 409),
     (IdempotencyConflict, 409), (RunPruned, 410), (EventBacklogFull, 429), (DatabaseError, 503),
     (ConfigurationError, 500),

@@ -244,11 +244,13 @@ async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False,
 
 
 async def operation_outside_queue(conn: Conn, operation_id: int) -> dict[str, Any] | None:
-    """An operation that has no reconciliation item: its state and owner, and the attempt of
-    the same call that is queued and not resolved, if one is (``queued``)."""
+    """An operation that has no reconciliation item: its state, owner, run and run's status,
+    and the attempt of the same call that is queued and not resolved, if one is
+    (``queued``)."""
     cur = await conn.execute(
         f"""
-        SELECT o.id, o.state, o.tenant,
+        SELECT o.id, o.state, o.tenant, o.run_id,
+               (SELECT r.status FROM {S}.runs r WHERE r.id = o.run_id) AS run_status,
                (SELECT q.id FROM {S}.operations q
                 JOIN {S}.reconciliation_items i ON i.operation_id = q.id
                 WHERE q.run_id = o.run_id AND q.position = o.position AND i.state <> 'resolved'

@@ -38,8 +38,18 @@ async def test_an_operators_cancellation_from_the_cli_is_audited(
     for half in (["--operator", "ann"], ["--evidence", "why not"]):
         code, out, err = await cli(url, "runs", "cancel", str(halfway.id), *half)
         assert code != 0 and "INVALID_REQUEST" in err and "go together" in err
-    assert sql("SELECT status FROM orchestrator.runs WHERE id = %s",
-               (halfway.id,))[0]["status"] == "queued"
+    # Empty or blank ones are refused as such, naming which, and nothing changes either.
+    for given, said in ((["--operator", "", "--evidence", ""], "an operator identity is "
+                         "required"),
+                        (["--operator", "", "--evidence", "why"], "an operator identity is "
+                         "required"),
+                        (["--operator", "ann", "--evidence", "  "], "evidence text is required"),
+                        (["--operator", "a nn", "--evidence", "why"], "operator holds "
+                         "whitespace")):
+        code, out, err = await cli(url, "runs", "cancel", str(halfway.id), *given)
+        assert (code, out) == (2, "") and f"INVALID_REQUEST: {said}" in err, (given, err)
+    assert sql("SELECT status, cancel_requested_at FROM orchestrator.runs WHERE id = %s",
+               (halfway.id,)) == [{"status": "queued", "cancel_requested_at": None}]
     assert len(sql("SELECT 1 FROM orchestrator.operator_audit")) == 2
 
 

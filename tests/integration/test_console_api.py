@@ -5,6 +5,7 @@ audit of every action, the queue's bulk actions, no upstream text without the in
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import logging
@@ -15,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator import NotApplied, Orchestrator, Owner
+from orchestrator import NotApplied, Orchestrator, Owner, canonical
 from orchestrator.logs import JsonFormatter
-from tests.consoletools import GRANTS, SECRET, Client, from_header, uncertain_app
+from tests.consoletools import GRANTS, SCOPES, SECRET, Client, from_header, uncertain_app
 from tests.integration.conftest import OTHER, OWNER, running, wait_for
 
 Sql = Callable[..., list[dict[str, Any]]]
@@ -218,6 +219,11 @@ async def test_a_resolution_needs_evidence_is_audited_and_wakes_the_run(
             ("alice", "resolve.committed", "PSP dashboard shows ch_by_hand")]
         assert shown[1]["before"]["operation"] == "unknown"
         assert shown[1]["after"]["operation"] == "committed"
+        # what was attested: the digest of the receipt given, on the API and the pages
+        attested = canonical.digest({"charge": "ch_by_hand"})
+        assert [a["after"]["receipt_digest"] for a in shown] == [attested] * 2
+        for page in (f"/operations/{op}", "/audit"):
+            assert attested in (await alice.get(page)).text, page
         # the page refuses the conflicting resolution and shows the existing one
         page = await alice.form(f"/operations/{op}/resolve",
                                 {"resolution": "abandoned", "evidence": "give up"})
@@ -767,4 +773,74 @@ async def test_the_reconciliation_queue_is_paged_by_the_next_cursor_each_item_on
             assert refused.status_code == 400, bad
             assert refused.json()["code"] == "INVALID_REQUEST"
             assert refused.json()["message"].startswith("after must be the next cursor"), bad
+    await app.database.close()
+
+
+async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_progress(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """An operation still ``submitted`` is not unknown: the API's resolve, abandon and show,
+    and the page's resolve form, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and
+    write nothing."""
+    app = make_app(operator_scopes=SCOPES)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return {"charge": order}
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    console = console_of(app)
+    async with Client(console, "alice") as alice, running(app):
+        run = await app.submit_async(pay, "o1")
+        await wait_for(entered.is_set)
+        (op,) = sql("SELECT id FROM orchestrator.operations WHERE state = 'submitted'")
+        try:
+            answers = [
+                await alice.post(f"/api/operations/{op['id']}/resolve", {
+                    "resolution": "committed", "receipt": {"charge": "o1"},
+                    "evidence": "PSP shows it"}),
+                await alice.post(f"/api/operations/{op['id']}/abandon", {"evidence": "no"}),
+                await alice.get(f"/api/operations/{op['id']}")]
+            for answer in answers:
+                assert answer.status_code == 409, answer.text
+                said = answer.json()
+                assert said["code"] == "OPERATION_IN_PROGRESS" and said["retryable"] is True
+                assert said["message"].startswith(f"operation {op['id']} is submitted: its "
+                                                  "call is in flight"), said
+                assert "wait" in said["message"]
+            page = await alice.form(f"/operations/{op['id']}/resolve", {
+                "resolution": "not_applied", "evidence": "no charge"})
+            assert page.status_code == 409 and "OPERATION_IN_PROGRESS" in page.text
+            assert audit(sql) == []
+        finally:
+            release.set()
+        assert await run.result_async(timeout=10) == {"charge": "o1"}
+    await app.database.close()
+
+
+async def test_an_unknown_path_answers_404_not_found_and_a_wrong_method_405(
+        make_app):  # type: ignore[no-untyped-def]
+    """A path the console does not serve is ``NOT_FOUND`` (404), under the API and among the
+    pages, never ``ACCESS_DENIED`` (which says a run or operation is missing or out of scope)
+    nor ``INVALID_REQUEST`` (whose status is 400); a path served for another method is 405
+    ``INVALID_REQUEST``."""
+    app = make_app(operator_scopes=SCOPES)
+    async with Client(console_of(app), "alice") as alice:
+        for path in ("/api/nothing", "/api/operations/12/resolv", "/api/runs/x/y/z"):
+            answer = await alice.get(path)
+            assert answer.status_code == 404, path
+            assert answer.json() == {"code": "NOT_FOUND", "message": answer.json()["message"],
+                                     "retryable": False, "incident": None}
+            assert answer.json()["message"] == f"no such API path: GET {path!r}"
+        posted = await alice.post("/api/nothing", {"evidence": "x"})
+        assert posted.status_code == 404 and posted.json()["code"] == "NOT_FOUND"
+        page = await alice.get("/nothing")
+        assert page.status_code == 404 and "NOT_FOUND" in page.text
+        wrong = await alice.http.delete("/api/runs")
+        assert wrong.status_code == 405 and wrong.json()["code"] == "INVALID_REQUEST"
     await app.database.close()

@@ -533,3 +533,29 @@ async def test_an_owner_pages_through_all_of_their_runs_by_the_next_cursor(
     with pytest.raises(InvalidRequest):
         await app.list_runs_async(owner=alice, before="yesterday")
     await app.database.close()
+
+
+async def test_an_unknown_path_is_not_found_never_a_missing_run(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """A path the API does not serve answers 404 ``NOT_FOUND`` (the console's answer too), so
+    a client can tell a mistyped path from a run that is missing or another owner's (404
+    ``ACCESS_DENIED``); a served path asked with another method is 405 ``INVALID_REQUEST``.
+    Nothing is written."""
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    with Served(console) as server:
+        async with client(server) as http:
+            run = (await http.post("/api/runs", json={
+                "workflow": "approve", "version": "1", "input": {"customer": "c1"}})).json()
+            for method, path in [("GET", f"/api/runs/{run['id']}/resultt"),
+                                 ("POST", f"/api/runs/{run['id']}/cancel/now"),
+                                 ("GET", "/api/run")]:
+                answer = await http.request(method, path, json={} if method == "POST" else None)
+                assert answer.status_code == 404, (path, answer.text)
+                assert answer.json()["code"] == "NOT_FOUND", path
+                assert set(answer.json()) == PUBLIC and answer.json()["incident"] is None
+            wrong = await http.delete(f"/api/runs/{run['id']}")
+            assert wrong.status_code == 405 and wrong.json()["code"] == "INVALID_REQUEST"
+            missing = await http.get(f"/api/runs/{uuid.uuid4()}")
+            assert missing.status_code == 404 and missing.json()["code"] == "ACCESS_DENIED"
+    assert sql("SELECT status, cancel_requested_at FROM orchestrator.runs") == [
+        {"status": "queued", "cancel_requested_at": None}]

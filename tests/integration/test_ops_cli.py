@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import RunFailed, ToolFailed
+from orchestrator import RetryPolicy, RunFailed, ToolFailed, canonical
 from tests.integration.conftest import running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -363,3 +363,131 @@ async def test_resolving_an_operation_of_a_run_that_has_ended_says_only_the_ledg
     assert sorted(sent) == ["o-1", "o-2"]
     assert [r["state"] for r in sql("SELECT state FROM orchestrator.operations ORDER BY id")
             ] == ["abandoned", "not_applied"]
+
+
+async def test_resolving_an_operation_whose_call_is_in_flight_says_to_wait(
+        make_app, sql, migrated_database_url):
+    """An operation still ``submitted`` (its call under way, its outcome not unknown) is not
+    the operator's to settle yet: resolving or abandoning it is ``OPERATION_IN_PROGRESS``,
+    which says what it is and what to do next, and nothing is written; once its call
+    answers, nothing of the operator's attempt is left behind."""
+    url = migrated_database_url
+    app = make_app()
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return {"charge": order}
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async(pay, "o1")
+        await wait_for(entered.is_set)
+        (op,) = sql("SELECT id, state FROM orchestrator.operations")
+        assert op["state"] == "submitted"
+        try:
+            for args in (["ops", "resolve", str(op["id"]), "--committed", "--receipt",
+                          '{"charge": "o1"}'],
+                         ["ops", "resolve", str(op["id"]), "--not-applied"],
+                         ["ops", "abandon", str(op["id"])]):
+                code, out, err = await cli(url, *args, "--evidence", "PSP shows it",
+                                           "--operator", "alice")
+                assert (code, out) == (2, ""), (args, err)
+                assert f"OPERATION_IN_PROGRESS: operation {op['id']} is submitted" in err, err
+                assert "in flight" in err and "wait" in err and "ops list" in err, err
+            code, out, err = await cli(url, "ops", "show", str(op["id"]))
+            assert code == 2 and "OPERATION_IN_PROGRESS" in err and "in flight" in err, err
+            assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
+        finally:
+            release.set()
+        assert await run.result_async(timeout=10) == {"charge": "o1"}
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
+    assert sql("SELECT 1 FROM orchestrator.reconciliation_items") == []
+
+
+async def test_the_audit_of_a_committed_resolution_names_the_receipt_attested(
+        make_app, sql, migrated_database_url):
+    """The audit row of a committed resolution keeps the digest of the receipt the operator
+    gave (SHA-256 of its canonical JSON, the operation's ``receipt_digest``), so that the
+    audit says exactly what was attested, not only who and why: in ``ops audit --json``
+    (``after.receipt_digest``), in its table and in ``ops show``'s audit. Its no-op repeat
+    names the same receipt; a resolution without a receipt names none."""
+    url = migrated_database_url
+    app, _sent, pay = _two_lost_charges(make_app)
+    async with running(app):
+        await app.submit_async(pay, "o")
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.reconciliation_items")) == 2)
+    first, second = [r["id"] for r in sql("SELECT id FROM orchestrator.operations ORDER BY id")]
+    receipt = '{"id": "ch_1", "amount": 500}'
+    for _ in range(2):  # the second: a no-op, audited as such
+        code, _, err = await cli(url, "ops", "resolve", str(first), "--committed", "--receipt",
+                                 receipt, "--evidence", "PSP shows ch_1", "--operator", "ann")
+        assert code == 0, err
+    code, _, err = await cli(url, "ops", "resolve", str(second), "--not-applied",
+                             "--then", "fail", "--evidence", "no charge", "--operator", "ann")
+    assert code == 0, err
+    (stored,) = sql("SELECT receipt_digest FROM orchestrator.operations WHERE id = %s",
+                    (first,))
+    digest = canonical.digest({"amount": 500, "id": "ch_1"})
+    assert stored["receipt_digest"] == digest
+
+    code, out, err = await cli(url, "ops", "audit", "--json")
+    assert code == 0, err
+    rows = {a["action"]: a for a in json.loads(out)["audit"]}
+    assert rows["resolve.committed"]["after"]["receipt_digest"] == digest
+    assert rows["resolve.committed.noop"]["after"]["receipt_digest"] == digest
+    assert rows["resolve.committed.noop"]["before"]["receipt_digest"] == digest
+    assert "receipt_digest" not in rows["resolve.not_applied"]["after"]
+    code, out, err = await cli(url, "ops", "audit")
+    assert code == 0, err
+    header, _rule, *lines = out.splitlines()
+    assert "RECEIPT" in header.split()
+    committed = [line for line in lines if " resolve.committed " in line]
+    assert committed and digest[:16] in committed[0]
+    code, out, err = await cli(url, "ops", "show", str(first))
+    assert code == 0, err
+    audit_part = out.split("\naudit\n", 1)[1].split("\n\n", 1)[0]
+    assert "RECEIPT" in audit_part and audit_part.count(digest[:16]) == 2, audit_part
+
+
+async def test_resolving_an_unknown_operation_its_run_sends_again_itself_says_to_wait(
+        make_app, sql, migrated_database_url):
+    """An idempotent tool's attempt whose outcome is unknown is sent again by its run with the
+    same key, after the retry policy's backoff; it goes to the reconciliation queue only once
+    those re-sends are used up. Meanwhile it is not the operator's to settle: ``ops resolve``,
+    ``abandon`` and ``show`` answer ``OPERATION_IN_PROGRESS`` saying so and to wait, not
+    ``INVALID_REQUEST``, and nothing is written."""
+    url = migrated_database_url
+    app = make_app()
+
+    @app.tool(effect="idempotent", retry=RetryPolicy(max_attempts=2, base_delay_ms=60_000,
+                                                     max_delay_ms=60_000))
+    async def notify(ctx, *, to):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def tell(ctx, to):  # type: ignore[no-untyped-def]
+        return await ctx.call(notify, to=to)
+
+    async with running(app):
+        run = await app.submit_async(tell, "c1")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs") == [
+            {"status": "waiting"}])
+    (op,) = sql("SELECT id, state FROM orchestrator.operations")
+    assert op["state"] == "unknown" and sql("SELECT 1 FROM orchestrator.reconciliation_items") == []
+    for args in (["ops", "resolve", str(op["id"]), "--not-applied", "--evidence", "none",
+                  "--operator", "alice"],
+                 ["ops", "abandon", str(op["id"]), "--evidence", "none", "--operator", "alice"],
+                 ["ops", "show", str(op["id"])]):
+        code, out, err = await cli(url, *args)
+        assert (code, out) == (2, ""), (args, err)
+        assert f"OPERATION_IN_PROGRESS: operation {op['id']} is unknown" in err, err
+        assert "sends the call again" in err and "wait" in err, err
+        assert f"ops list --run {run.id}" in err, err
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
+    assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
