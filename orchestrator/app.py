@@ -447,6 +447,7 @@ class Orchestrator:
 
     def create_scheduler(self, *, interval: float = 1.0) -> Scheduler:
         """The schedules' ticker a worker of this app runs (for a host with its own loop)."""
+        _check_seconds("interval", interval)
         return Scheduler(self.database, self.json_limits, self.metrics,
                          declared=tuple(self._declared_schedules.values()), interval=interval,
                          workflows=self.registry.workflows)
@@ -854,7 +855,11 @@ class Orchestrator:
                           lookup_timeout: float = 30.0,
                           prune_interval: float = PRUNE_INTERVAL) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups
-        and, with a ``retention``, prunes by it every ``prune_interval`` seconds."""
+        and, with a ``retention``, prunes by it every ``prune_interval`` seconds. Every setting
+        is checked first (``CONFIGURATION_ERROR``), as the CLI checks its flags."""
+        _check_reconciler(max_lookups=max_lookups, batch=batch, base_delay=base_delay,
+                          max_delay=max_delay, poll_interval=poll_interval,
+                          lookup_timeout=lookup_timeout, prune_interval=prune_interval)
         return Reconciler(self.engine_config, self.registry, self.database, self.metrics,
                           max_lookups=max_lookups, base_delay=base_delay,
                           max_delay=max_delay, batch=batch, poll_interval=poll_interval,
@@ -867,7 +872,12 @@ class Orchestrator:
                        metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1") -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
-        ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md)."""
+        ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md). Its
+        settings are checked before anything starts (``CONFIGURATION_ERROR``)."""
+        _check_port(metrics_port)
+        _check_reconciler(max_lookups=max_lookups, batch=batch, base_delay=base_delay,
+                          max_delay=max_delay, poll_interval=poll_interval,
+                          lookup_timeout=lookup_timeout, prune_interval=prune_interval)
         run_until_stopped(lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
             poll_interval=poll_interval, lookup_timeout=lookup_timeout,
@@ -877,9 +887,10 @@ class Orchestrator:
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
                       drain_timeout: float = 30.0, schedules: bool = True) -> Worker:
         """A :class:`Worker` for this app; ``await worker.run()`` inside your own loop.
-        ``schedules``: the worker also ticks the schedules (docs/schedules.md)."""
-        if lease_ttl is not None:
-            checked_lease_ttl(lease_ttl)
+        ``schedules``: the worker also ticks the schedules (docs/schedules.md). Every setting
+        is checked first (``CONFIGURATION_ERROR``), as the CLI checks its flags."""
+        _check_worker(concurrency=concurrency, lease_ttl=lease_ttl,
+                      poll_interval=poll_interval, drain_timeout=drain_timeout)
         companions = [self.create_scheduler().run] if schedules else []
         for wf in self.registry.workflows.values():
             if wf.queue is not None and wf.queue not in self._declared_queues:
@@ -897,7 +908,11 @@ class Orchestrator:
                    metrics_host: str = "127.0.0.1", schedules: bool = True) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
         ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
-        drain is over (docs/metrics.md). ``schedules``: tick the schedules too."""
+        drain is over (docs/metrics.md). ``schedules``: tick the schedules too. Its settings
+        are checked before anything starts (``CONFIGURATION_ERROR``)."""
+        _check_port(metrics_port)
+        _check_worker(concurrency=concurrency, lease_ttl=lease_ttl,
+                      poll_interval=poll_interval, drain_timeout=drain_timeout)
         run_until_stopped(lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
@@ -948,15 +963,66 @@ class Orchestrator:
         self._portal.close()
 
 
+MIN_LEASE_TTL = 0.5
+"""The shortest lease a worker's heartbeat can keep: leases are renewed a third of their TTL
+apart (every 0.05 s at the most often) and each renewal must land, through the pool, before
+the lease runs out; at 0.5 s a renewal has a third of a second to spare for a round trip and
+a busy event loop. Below it, a lease ran out between two renewals and another worker's sweep
+took the run over again and again (its calls made unknown)."""
+
+
 def checked_lease_ttl(value: float) -> float:
-    """A lease's TTL as given, if it is a number of seconds a lease can last: a TTL of 0 or
-    less hands out leases that have run out when they are granted (every write fenced, every
-    call withheld), and one that is not finite cannot be written as an expiry."""
+    """A lease's TTL as given, if it is a number of seconds a lease can last and a heartbeat
+    can keep: a TTL of 0 or less hands out leases that have run out when they are granted
+    (every write fenced, every call withheld), one that is not finite cannot be written as an
+    expiry, and one below :data:`MIN_LEASE_TTL` runs out between two renewals."""
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or not 0 < value < float("inf")):
         raise ConfigurationError(
             f"lease_ttl must be a finite number of seconds, more than 0, got {value!r}")
+    if value < MIN_LEASE_TTL:
+        raise ConfigurationError(
+            f"lease_ttl must be at least {MIN_LEASE_TTL:g} s (a heartbeat renews a lease a "
+            f"third of its TTL apart, and must land before it runs out), got {value!r}")
     return value
+
+
+def _check_seconds(name: str, value: object, *, zero: bool = False) -> None:
+    """A setting in seconds, checked before anything starts: a finite number, more than 0
+    (``zero``: 0 or more)."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not (0 <= value if zero else 0 < value) or not value < float("inf")):
+        raise ConfigurationError(
+            f"{name} must be a finite number of seconds, {'0 or more' if zero else 'more than 0'}"
+            f", got {value!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_worker(*, concurrency: object, lease_ttl: float | None, poll_interval: object,
+                  drain_timeout: object) -> None:
+    """A worker's settings, as ``orchestrator worker`` checks its flags."""
+    _check_count("concurrency", concurrency)
+    if lease_ttl is not None:
+        checked_lease_ttl(lease_ttl)
+    _check_seconds("poll_interval", poll_interval)
+    _check_seconds("drain_timeout", drain_timeout, zero=True)
+
+
+def _check_reconciler(*, max_lookups: object, batch: object, **seconds: object) -> None:
+    """A reconciler's settings, as ``orchestrator reconciler`` checks its flags."""
+    _check_count("max_lookups", max_lookups)
+    _check_count("batch", batch)
+    for name, value in seconds.items():
+        _check_seconds(name, value)
+
+
+def _check_port(port: object) -> None:
+    if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+        raise ConfigurationError(f"metrics_port must be between 0 and 65535, got {port!r}")
 
 
 def _seconds(value: timedelta | None, default: float) -> float:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import random
+import secrets
 import traceback
 from typing import Any
 
@@ -24,13 +25,17 @@ from orchestrator._portal import serving
 from orchestrator.context import ToolContext
 from orchestrator.db import grants as grants_db
 from orchestrator.db import reconciliation as recon_db
+from orchestrator.db import workers as workers_db
+from orchestrator.db.config import display_url
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
+from orchestrator.db.probe import connect_options
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.xact import answered_once
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
     AccessDenied,
+    ConfigurationError,
     InvalidRequest,
     OperationInProgress,
     OrchestratorError,
@@ -329,9 +334,38 @@ class Reconciler:
         with serving():
             await self._run()
 
+    async def _check_listen_url(self) -> None:
+        """The reconciler LISTENs on ``listen_url`` (docs/operations.md): one that reaches
+        another database or server hears none of this database's notifications (a NOTIFY
+        reaches the listeners of its own database only), and every unknown call would wait
+        for the poll without a word. Refused before anything is claimed, as a worker's is:
+        ``CONFIGURATION_ERROR``. The test is the workers' (an advisory lock taken there must
+        show in this database's ``pg_locks``); a ``listen_url`` that cannot be reached yet is
+        not refused (the listener tries again, as always)."""
+        target = self.db.target
+        if target.listen_url is None:
+            return
+        probe = workers_db.LivenessLock(target.listen_url, secrets.randbits(62) + 1,
+                                        options=connect_options(target, self.db.connect_timeout))
+        try:
+            if probe.key is None or not await probe.ensure():
+                return
+            async with self.db.connection() as conn:
+                seen = await workers_db.worker_lock_seen(conn, probe.key)
+        finally:
+            await probe.close()
+        if not seen:
+            raise ConfigurationError(
+                f"listen_url {display_url(target.listen_url)} does not reach the database of "
+                "the database URL: the reconciler's LISTEN there would hear none of that "
+                "database's notifications, and every unknown operation would wait for the "
+                "poll; give listen_url the same server and database, reached directly "
+                "(docs/operations.md)")
+
     async def _run(self) -> None:
         async with self.db.connection() as conn:
             await grants_db.require_privileges(conn, "reconciler")
+        await self._check_listen_url()
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(
             self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))

@@ -8,7 +8,8 @@ names the queue whose runs it concerns (``.``: the default queue; empty, from an
 any), and a source is claimed from again only after such news, after a claim that filled every
 free slot (more may wait), when a queue's rate window has room again, or at the poll. Stopping
 (SIGTERM) drains: no new claims; in-flight runs go on to their next durable point, then their
-leases are released so another worker picks them up at once.
+leases are released so another worker picks them up at once. Runs still busy when the drain
+times out are abandoned, and released at once too unless a call of theirs is in flight.
 """
 
 from __future__ import annotations
@@ -668,19 +669,18 @@ class Worker:
             log.warning("worker %s: could not record its drain: %s", self.worker_id, exc.code)
 
     async def _drain_runs(self) -> None:
-        tasks = [held.task for held in self._running.values()]
-        if tasks:
-            _, pending = await self._wait_unless_hurried(tasks, self.drain_timeout)
+        leases = {held.task: (rid, held.lease.token) for rid, held in self._running.items()}
+        pending: set[asyncio.Future[Any]] = set()
+        if leases:
+            _, pending = await self._wait_unless_hurried(list(leases), self.drain_timeout)
             if pending:
                 n = len(pending)
                 log.warning("worker %s: %d run%s did not reach a durable point %s and %s "
-                            "abandoned: another worker takes %s over when %s lease%s expire%s",
-                            self.worker_id, n, "" if n == 1 else "s",
+                            "abandoned: %s given back at once unless it has a call in "
+                            "flight", self.worker_id, n, "" if n == 1 else "s",
                             "before the second stop request" if self._hurry.is_set()
                             else f"within the drain ({self.drain_timeout:g} s)",
-                            "is" if n == 1 else "are", "it" if n == 1 else "them",
-                            "its" if n == 1 else "their", "" if n == 1 else "s",
-                            "s" if n == 1 else "")
+                            "is" if n == 1 else "are", "it is" if n == 1 else "each is")
             for task in pending:
                 task.cancel()
             for task in pending:
@@ -689,7 +689,56 @@ class Worker:
         # A workflow cancelled while its write is in flight wakes once the write has landed
         # (its bookkeeping must follow the write); a database that does not answer must not
         # hold the stop for as long as the writer's own attempts would take.
+        grace_ends = time.monotonic() + WRITE_GRACE
         await self.writer.drain(WRITE_GRACE)
+        if pending:  # within the same grace (half a second at least): the stop's budget holds
+            await self._release_abandoned([leases[task] for task in pending],
+                                          max(grace_ends - time.monotonic(), 0.5))
+
+    async def _release_abandoned(self, leases: list[tuple[uuid.UUID, int]],
+                                 timeout: float) -> None:
+        """Give the runs abandoned by the drain back to the queue at once, so that a rolling
+        restart does not hold them for the lease TTL. Their tasks have ended and every write
+        of theirs has landed, so nothing of this process acts for them any more, except a
+        call sent before the drain gave up: a cancelled call may still be under way at its
+        provider (a thread, a request already on the wire), so a run with a call
+        ``submitted`` and no outcome keeps its lease until it lapses (C6), as before. Nothing
+        is released when the writer gave up on a write (it may still land); nor when the
+        database does not answer within ``timeout`` (what is left of :data:`WRITE_GRACE`):
+        the leases lapse then."""
+        n = len(leases)
+        if self.writer.abandoned:
+            log.warning("worker %s: a write was still in flight as it stopped: the %d run%s "
+                        "it abandoned keep%s %s lease%s until %s lapse%s", self.worker_id, n,
+                        "" if n == 1 else "s", "s" if n == 1 else "",
+                        "its" if n == 1 else "their", "" if n == 1 else "s",
+                        "it" if n == 1 else "they", "s" if n == 1 else "")
+            return
+
+        async def release(conn: Conn) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+            return await runs_db.run_release_abandoned(conn, worker=self.worker_id,
+                                                       leases=leases)
+
+        try:
+            released, in_flight = await asyncio.wait_for(
+                self.database.run_in_transaction(release, attempts=1), timeout)
+        except (OrchestratorError, TimeoutError) as exc:
+            log.warning("worker %s: could not give back the %d run%s it abandoned (%s): "
+                        "another worker takes %s over when %s lease%s lapse%s",
+                        self.worker_id, n, "" if n == 1 else "s",
+                        getattr(exc, "code", None) or type(exc).__name__,
+                        "it" if n == 1 else "them", "its" if n == 1 else "their",
+                        "" if n == 1 else "s", "s" if n == 1 else "")
+            return
+        log.info("worker %s: released %d of the %d run%s it abandoned, for another worker "
+                 "at once; %d kept (a call in flight: taken over when the lease lapses)%s",
+                 self.worker_id, len(released), n, "" if n == 1 else "s", len(in_flight),
+                 "" if len(released) + len(in_flight) == n else
+                 f"; {n - len(released) - len(in_flight)} had ended or were another's")
+        for rid in in_flight:
+            log.warning("run %s: abandoned by the drain with a call in flight: it keeps its "
+                        "lease until it lapses, and the call becomes unknown for the next "
+                        "holder", rid, extra=fields(run_id=rid))
 
     async def _wait_unless_hurried(
         self, tasks: Sequence[asyncio.Future[Any]], timeout: float,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator import logs
-from orchestrator.app import Orchestrator, catch_early_sigterm
+from orchestrator.app import MIN_LEASE_TTL, Orchestrator, catch_early_sigterm
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
@@ -143,6 +143,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.lease_ttl is not None and not 0 < args.lease_ttl < float("inf"):
         raise InvalidRequest("--lease-ttl must be a finite number of seconds, more than 0",
                              path="lease_ttl")
+    if args.lease_ttl is not None and args.lease_ttl < MIN_LEASE_TTL:
+        raise InvalidRequest(f"--lease-ttl must be at least {MIN_LEASE_TTL:g} s (a heartbeat "
+                             "renews a lease a third of its TTL apart, and must land before "
+                             "it runs out)", path="lease_ttl")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)

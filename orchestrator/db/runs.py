@@ -611,6 +611,54 @@ async def run_release(conn: Conn, *, run_id: uuid.UUID, token: int, delay: float
     return released is not None
 
 
+async def run_release_abandoned(
+    conn: Conn, *, worker: str, leases: Sequence[tuple[uuid.UUID, int]]
+) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+    """Give back to the queue, at once, the runs a stopping worker abandoned (its drain timed
+    out) that have no call in flight; returns the ids released and those kept because a call
+    of theirs is ``submitted`` without an outcome (C6: such a run keeps its lease until it
+    lapses, and the next holder finds the call ``submitted`` and makes it ``unknown``).
+    ``worker`` gives up no run but its own, under the lease ``leases`` names. Run in one
+    transaction: the rows are locked first, so the ledger is read after any write of the run
+    that was still landing, and the release's row count is checked against them."""
+    if not leases:
+        return set(), set()
+    held = {row["id"] for row in await (await conn.execute(
+        f"""
+        SELECT r.id FROM {S}.runs r
+        JOIN unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token) ON r.id = h.id
+        WHERE r.lease_token = h.token AND r.status = 'running' AND r.lease_owner = %(worker)s
+        ORDER BY r.id
+        FOR NO KEY UPDATE OF r
+        """,
+        {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases], "worker": worker},
+    )).fetchall()}
+    if not held:
+        return set(), set()
+    in_flight = {row["run_id"] for row in await (await conn.execute(
+        f"SELECT DISTINCT run_id FROM {S}.operations "
+        "WHERE run_id = ANY(%s::uuid[]) AND state = 'submitted'", (sorted(held),))).fetchall()}
+    free = held - in_flight
+    if not free:
+        return set(), in_flight
+    tokens = dict(leases)
+    released = await (await conn.execute(
+        f"""
+        UPDATE {S}.runs r SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,
+               available_at = now(), waiting_for = NULL, updated_at = now()
+        FROM unnest(%(ids)s::uuid[], %(tokens)s::bigint[]) AS h(id, token)
+        WHERE r.id = h.id AND r.lease_token = h.token AND r.status = 'running'
+        RETURNING r.id, {NEWS_OF} AS news
+        """,
+        {"ids": sorted(free), "tokens": [tokens[i] for i in sorted(free)]},
+    )).fetchall()
+    if len(released) != len(free):  # the rows are locked: nothing else can have moved them
+        raise LeaseLost(f"{len(free) - len(released)} of the runs abandoned were not held any "
+                        "more when they were released")
+    await run_news(conn, [row["news"] for row in released])
+    return {row["id"] for row in released}, in_flight
+
+
 async def run_lock(conn: Conn, run_id: uuid.UUID, *, owner: tuple[str, str] | None = None
                    ) -> dict[str, Any] | None:
     """Lock a run's row for an API-side change (event delivery, cancellation); ``owner`` as

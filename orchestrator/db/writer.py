@@ -142,6 +142,11 @@ class GroupWriter:
         if self._queue or self._in_flight:
             self.abandon("the worker stopped before the database answered")
 
+    @property
+    def abandoned(self) -> bool:
+        """Whether writes were given up (:meth:`abandon`): one in flight may still land."""
+        return self._abandoned is not None
+
     def abandon(self, reason: str) -> None:
         """Answer every write still waiting, and every later one, with :class:`DatabaseError`:
         for a worker that must stop and cannot wait for the database any longer. A queued write was

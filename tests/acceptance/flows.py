@@ -3,7 +3,8 @@
 Every tool call writes a row to ``public.sink_calls`` (the test's own table, outside the
 orchestrator's schema) as soon as it starts, and effects go to ``public.sink_effects``, which
 deduplicates by idempotency key like a provider would. Tests count what happened there.
-``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set;
+``ACCEPTANCE_TOOL_DELAY`` makes the idempotent tool slow in the worker that has it set
+(``ACCEPTANCE_THINK_DELAY``, the workflow code of ``thinks_then_calls``);
 ``ACCEPTANCE_RECEIPTS_RIDE=0`` gives that worker ``receipts_ride=False``.
 ``ACCEPTANCE_SPAN_FILE`` writes the process's spans to that file (tests/acceptance/spanfile.py)
 and ``ACCEPTANCE_TRACE_PARENT`` sets ``trace_parent``.
@@ -146,6 +147,14 @@ async def two_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
 async def three_steps(ctx: WorkflowContext, data: Any) -> list[Any]:
     return [await ctx.call(record, step=1), await ctx.call(slow_idempotent, step=2),
             await ctx.call(record, step=3)]
+
+
+@app.workflow()
+async def thinks_then_calls(ctx: WorkflowContext, data: Any) -> Any:
+    """Busy in its own code, with no call in flight, for ``ACCEPTANCE_THINK_DELAY`` seconds in
+    the worker that has it set; then one call."""
+    await asyncio.sleep(float(os.environ.get("ACCEPTANCE_THINK_DELAY", "0")))
+    return await ctx.call(record, step=1)
 
 
 @app.workflow()

@@ -205,3 +205,44 @@ def test_a_draining_worker_is_listed_as_draining_until_it_stops(workers, client)
     a.send_signal(signal.SIGINT)  # a second signal: stop without waiting out the drain
     assert a.wait(timeout=25) == 0
     assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+
+
+def test_a_drain_that_gives_up_releases_at_once_the_runs_with_no_call_in_flight(
+        workers, client):
+    """A rolling restart: worker A is told to stop while one run is busy in its own code and
+    another waits on a call. Past ``--drain-timeout`` both were abandoned and both leases left
+    to lapse, so the run that had nothing in flight waited out the whole TTL (60 s here)
+    before worker B could take it. A now gives it back at once; the run whose call was in
+    flight keeps its lease until it lapses (C6: the call stays fenced, and the next holder
+    finds it ``submitted``)."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", ACCEPTANCE_THINK_DELAY="60",
+                      ACCEPTANCE_LEASE_TTL="60", args=["--drain-timeout", "1"])
+    calling = client.submit(flows.two_steps, {})
+    thinking = client.submit(flows.thinks_then_calls, {})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE step = 2"),
+                 "step 2 to start in worker A", proc=a)
+    workers.wait(lambda: workers.sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                     "status = 'running'", (thinking.id,)),
+                 "worker A to claim the thinking run", proc=a)
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(timeout=20) == 0
+    state = {row["id"]: row for row in workers.sql(
+        "SELECT id, status, lease_owner FROM orchestrator.runs WHERE id IN (%s, %s)",
+        (thinking.id, calling.id))}
+    assert (state[thinking.id]["status"], state[thinking.id]["lease_owner"]) == ("queued", None)
+    assert state[calling.id]["status"] == "running"
+    assert state[calling.id]["lease_owner"] is not None
+    log = workers.log("a")
+    assert "released 1 of the 2 runs it abandoned" in log, log
+    workers.start("b", ACCEPTANCE_LEASE_TTL="60")
+    started = time.monotonic()
+    assert client.get_run(thinking.id).result(timeout=20)["step"] == 1
+    assert time.monotonic() - started < 10, "the released run waited for its lease"
+    # The run whose call was in flight is still fenced: A's lease has most of a minute to go.
+    still = workers.sql("SELECT status, lease_owner FROM orchestrator.runs WHERE id = %s",
+                        (calling.id,))[0]
+    assert (still["status"], still["lease_owner"]) == (
+        "running", state[calling.id]["lease_owner"])
+    ops = workers.sql("SELECT state FROM orchestrator.operations WHERE run_id = %s "
+                      "ORDER BY position", (calling.id,))
+    assert [o["state"] for o in ops] == ["committed", "submitted"]

@@ -193,8 +193,9 @@ async def test_a_stopping_worker_says_once_that_it_drains_and_what_is_in_flight(
 
 async def test_a_drain_that_runs_out_says_which_runs_it_abandoned(
         app, caplog):  # type: ignore[no-untyped-def]
-    """Runs still busy when the drain timeout passes are let go without a release: the worker
-    says how many, and that they wait for their leases, instead of only ``stopped``."""
+    """Runs still busy when the drain timeout passes are abandoned: the worker says how many,
+    how many it gave back at once, and which ones keep their leases (a call in flight),
+    instead of only ``stopped``."""
     entered = asyncio.Event()
 
     @app.tool(effect="read")
@@ -208,11 +209,16 @@ async def test_a_drain_that_runs_out_says_which_runs_it_abandoned(
 
     caplog.set_level(logging.INFO, logger="orchestrator")
     async with running(app, drain_timeout=0.3) as worker:
-        await app.submit_async(pay, {})
+        run = await app.submit_async(pay, {})
         await asyncio.wait_for(entered.wait(), 10)
     said = [r for r in caplog.records if r.name == "orchestrator.worker"
             and "abandoned" in r.getMessage()]
     assert [(r.levelname, r.getMessage()) for r in said] == [
         ("WARNING", f"worker {worker.worker_id}: 1 run did not reach a durable point within "
-                    "the drain (0.3 s) and is abandoned: another worker takes it over when "
-                    "its lease expires")]
+                    "the drain (0.3 s) and is abandoned: it is given back at once unless it "
+                    "has a call in flight"),
+        ("INFO", f"worker {worker.worker_id}: released 0 of the 1 run it abandoned, for "
+                 "another worker at once; 1 kept (a call in flight: taken over when the lease "
+                 "lapses)"),
+        ("WARNING", f"run {run.id}: abandoned by the drain with a call in flight: it keeps its "
+                    "lease until it lapses, and the call becomes unknown for the next holder")]

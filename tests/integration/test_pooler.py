@@ -144,3 +144,51 @@ async def test_a_listen_url_that_reaches_another_database_stops_the_worker_befor
         assert not _lock_held(sql, worker._liveness.key or 0)  # let go of at once
     finally:
         await app.database.close()
+
+
+async def test_a_listen_url_that_reaches_another_database_stops_the_reconciler_before_it_starts(
+        pgbouncer: PgBouncer, migrated_database_url: str,
+        sql: Callable[..., list[dict[str, Any]]]) -> None:
+    """The reconciler LISTENs on ``listen_url`` too: one that named another database (here the
+    server's ``postgres``) started without a word and heard none of the database's news
+    (a NOTIFY reaches only the listeners of its own database), so every unknown call waited
+    for the poll, and nothing said why. It is refused as the worker is, before it claims
+    anything: ``CONFIGURATION_ERROR``."""
+    from orchestrator import Orchestrator
+    from orchestrator.db.config import _with_database
+    from orchestrator.errors import ConfigurationError
+
+    elsewhere = _with_database(migrated_database_url, "postgres")
+    before = sql("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'")
+    app = Orchestrator(pgbouncer.url(migrated_database_url), pooler="transaction",
+                       listen_url=elsewhere)
+    try:
+        reconciler = app.create_reconciler(poll_interval=0.2)
+        with pytest.raises(ConfigurationError) as caught:
+            await asyncio.wait_for(reconciler.run(), 10)
+        assert caught.value.code == "CONFIGURATION_ERROR"
+        assert "listen_url" in caught.value.message
+        assert "does not reach the database" in caught.value.message
+        assert "reconciler" in caught.value.message
+        # The probe's session on listen_url is closed at once.
+        assert sql("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'") == before
+    finally:
+        await app.database.close()
+
+
+async def test_a_listen_url_that_reaches_the_database_lets_the_reconciler_start(
+        pgbouncer: PgBouncer, migrated_database_url: str) -> None:
+    """The same check passes for a ``listen_url`` that is the database reached directly."""
+    from orchestrator import Orchestrator
+
+    app = Orchestrator(pgbouncer.url(migrated_database_url), pooler="transaction",
+                       listen_url=migrated_database_url)
+    try:
+        reconciler = app.create_reconciler(poll_interval=0.2)
+        task = asyncio.ensure_future(reconciler.run())
+        await asyncio.sleep(1.0)
+        assert not task.done(), task.exception() if task.done() else None
+        reconciler.request_stop()
+        await asyncio.wait_for(task, 20)
+    finally:
+        await app.database.close()

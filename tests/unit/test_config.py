@@ -332,3 +332,77 @@ def test_a_pool_size_that_is_not_a_positive_integer_is_a_configuration_error(
     own ValueError ("max_size must be greater or equal than min_size")."""
     with pytest.raises(ConfigurationError, match="pool_size must be a positive integer"):
         Orchestrator(POOLED, pool_size=size)  # type: ignore[arg-type]
+
+
+NAN, INF = float("nan"), float("inf")
+POSITIVE = "must be a finite number of seconds, more than 0"
+
+
+@pytest.mark.parametrize(("entry", "setting", "value", "message"), [
+    ("reconciler", "base_delay", 0, f"base_delay {POSITIVE}"),
+    ("reconciler", "base_delay", -1.0, f"base_delay {POSITIVE}"),
+    ("reconciler", "base_delay", NAN, f"base_delay {POSITIVE}"),
+    ("reconciler", "max_delay", INF, f"max_delay {POSITIVE}"),
+    ("reconciler", "poll_interval", 0, f"poll_interval {POSITIVE}"),
+    ("reconciler", "lookup_timeout", NAN, f"lookup_timeout {POSITIVE}"),
+    ("reconciler", "prune_interval", -5, f"prune_interval {POSITIVE}"),
+    ("reconciler", "max_lookups", 0, "max_lookups must be a positive integer"),
+    ("reconciler", "batch", 0, "batch must be a positive integer"),
+    ("reconciler", "batch", 2.5, "batch must be a positive integer"),
+    ("worker", "concurrency", 0, "concurrency must be a positive integer"),
+    ("worker", "poll_interval", 0, f"poll_interval {POSITIVE}"),
+    ("worker", "poll_interval", NAN, f"poll_interval {POSITIVE}"),
+    ("worker", "drain_timeout", -1, "drain_timeout must be a finite number of seconds, 0 or "
+                                    "more"),
+    ("worker", "drain_timeout", NAN, "drain_timeout must be a finite number of seconds, 0 or "
+                                     "more"),
+    ("worker", "metrics_port", 70000, "metrics_port must be between 0 and 65535"),
+    ("scheduler", "interval", 0, f"interval {POSITIVE}"),
+])
+def test_a_fleet_setting_out_of_range_given_from_python_is_a_configuration_error(
+        entry: str, setting: str, value: object, message: str) -> None:
+    """The CLI refuses ``--base-delay 0`` (or nan) before anything starts, but the same value
+    given to ``run_reconciler`` from Python was taken: 0 looked an unknown call up again at
+    once, in a tight loop, and nan failed at the first lookup as an INTERNAL error. Every
+    numeric setting of the worker, the reconciler and the schedules' ticker is checked by the
+    Python entry points too, before anything connects: ``CONFIGURATION_ERROR``."""
+    app = Orchestrator(POOLED)
+    if entry == "scheduler":
+        calls = [lambda: app.create_scheduler(**{setting: value})]
+    else:
+        create = app.create_worker if entry == "worker" else app.create_reconciler
+        run = app.run_worker if entry == "worker" else app.run_reconciler
+        calls = [lambda: run(**{setting: value})]
+        if setting != "metrics_port":
+            calls.append(lambda: create(**{setting: value}))
+    for call in calls:
+        with pytest.raises(ConfigurationError) as caught:
+            call()
+        assert caught.value.code == "CONFIGURATION_ERROR"
+        assert caught.value.message.startswith(message), caught.value.message
+
+
+@pytest.mark.parametrize("ttl", [0.05, 0.2, 0.49])
+def test_a_lease_ttl_below_what_a_heartbeat_can_keep_is_refused_naming_the_minimum(
+        ttl: float) -> None:
+    """``lease_ttl=0.05`` was taken: the renewals, a beat apart (0.05 s at the shortest),
+    came as the lease ran out, so the sweep of any worker re-queued the runs held (calls
+    turned unknown, runs sent to reconciliation) over and over. A TTL below
+    :data:`~orchestrator.app.MIN_LEASE_TTL` is refused, wherever it is given."""
+    import subprocess
+
+    from orchestrator.app import MIN_LEASE_TTL
+    from tests.clitools import cli_env, command
+
+    assert MIN_LEASE_TTL == 0.5
+    with pytest.raises(ConfigurationError, match=r"lease_ttl must be at least 0\.5 s"):
+        Orchestrator(POOLED, lease_ttl=ttl)
+    with pytest.raises(ConfigurationError, match=r"lease_ttl must be at least 0\.5 s"):
+        Orchestrator(POOLED).create_worker(lease_ttl=ttl)
+    done = subprocess.run([*command(), "worker", "--app", "m:a", "--lease-ttl", str(ttl)],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --lease-ttl must be at least 0.5 s (a "
+        "heartbeat renews a lease a third of its TTL apart, and must land before it runs "
+        "out)\n")
