@@ -268,8 +268,9 @@ class RunHandle(Generic[R_co]):
 
 
 _WHY_STILL = {
-    "queued": "is a worker running that serves this workflow and version? "
-              "(`orchestrator runs show {id}` says)",
+    "queued": "it waits for its start, for its queue to let it start (paused, full, its "
+              "rate window), or for a worker that serves this workflow and version "
+              "(`orchestrator runs show {id}` says which)",
     "waiting": "it waits for a timer, an event or a child run",
     "needs_reconciliation": "an operation's outcome is unknown and waits for reconciliation: "
                             "see `orchestrator ops list`",
@@ -352,6 +353,9 @@ def _wait_plan(app: Client, handles: Iterable[H], timeout: float | timedelta | N
                ) -> tuple[list[H], float | None]:
     """The handles to wait for and when to give up (:func:`time.monotonic`), checked."""
     seconds = _timeout_seconds(timeout)
+    if isinstance(handles, RunHandle) or not isinstance(handles, Iterable):
+        raise InvalidRequest("handles must be an iterable of RunHandles of this "
+                             "orchestrator (a list, even of one)", path="handles")
     pending = list(handles)
     for handle in pending:
         if not isinstance(handle, RunHandle) or handle.app is not app:

@@ -182,10 +182,11 @@ class _Tick:
         if self.last_run is not None:
             status = await sched_db.run_status(self.conn, self.last_run)
             self.running = status is not None and status not in TERMINAL
+        paused = bool(self.row["paused"])  # fires what a trigger or a backfill kept only
         if self.buffered and not self.running:
-            await self._fire_buffered()
+            await self._fire_buffered(cron=not paused)
         next_slot: datetime | None = self.row["next_slot"]
-        if next_slot is not None and next_slot <= self.now:
+        if next_slot is not None and next_slot <= self.now and not paused:
             next_slot = await self._due(cron, next_slot)
         if self.handled or next_slot != self.row["next_slot"] \
                 or self.buffered != self.row["buffered"] \
@@ -263,10 +264,13 @@ class _Tick:
         self.s.metrics.incr("schedule_slots", outcome=outcome)
         return outcome
 
-    async def _fire_buffered(self) -> None:
-        kept = await sched_db.slot_oldest_buffered(self.conn, self.id)
-        if kept is None:  # the count says more than the rows: trust the rows
-            self.buffered = 0
+    async def _fire_buffered(self, *, cron: bool = True) -> None:
+        """Fire the oldest kept slot (``cron`` false: the oldest a trigger or a backfill
+        kept, while the schedule is paused)."""
+        kept = await sched_db.slot_oldest_buffered(self.conn, self.id, cron=cron)
+        if kept is None:
+            if cron:  # the count says more than the rows: trust the rows
+                self.buffered = 0
             return
         run_id = await self._submit(kept["slot"], kept["kind"], kept["trigger_key"])
         await sched_db.slot_fire_buffered(self.conn, self.id, kept["slot"], kept["kind"],
@@ -505,9 +509,10 @@ class ScheduleAdmin:
 
     async def set_paused(self, schedule_id: str, paused: bool, *, operator: str | None = None,
                          evidence: str | None = None) -> ScheduleInfo:
-        """Pause (no slot fires; buffered ones wait) or resume (the slots passed meanwhile are
-        recorded as one gap; the next slot is the first after now). With ``operator`` and
-        ``evidence`` (both or neither) it is audited (``schedule.pause``,
+        """Pause (no slot of the cron fires, nor one of its slots kept by a buffer; a trigger
+        or a backfill still fires, also one kept by a buffer) or resume (the slots passed
+        meanwhile are recorded as one gap; the next slot is the first after now). With
+        ``operator`` and ``evidence`` (both or neither) it is audited (``schedule.pause``,
         ``schedule.resume``) in the same transaction."""
         sid = check_schedule_id(schedule_id)
         who = _who(operator, evidence)
@@ -699,6 +704,8 @@ class Schedules:
         (not for one taken by this call's own insert, whose COMMIT applied but whose answer
         was lost with its connection: the storage layer runs it again, and it answers with
         the schedule it made)."""
+        if not isinstance(paused, bool):  # "no" is true: never taken for its truth value
+            raise InvalidRequest("paused must be True or False", path="paused")
         target = self._resolve(workflow, version)
         row, when = definition(
             schedule_id, (target.name, target.version), cron=cron, timezone=timezone,
@@ -707,7 +714,7 @@ class Schedules:
         now = await self.admin.ticker._now()
         async def insert(conn: Conn) -> bool:
             return await sched_db.schedule_create(
-                conn, {**row, "paused": bool(paused), "next_slot": when.after(now)})
+                conn, {**row, "paused": paused, "next_slot": when.after(now)})
 
         # Run again after a lost COMMIT that applied, it answers that it made the schedule.
         created = await self.admin.database.run_in_transaction(answered_once(insert))

@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from orchestrator.admission import DECLARE_HINT, check_queue_name, new_run
+from orchestrator.admission import DECLARE_HINT, check_priority, check_queue_name, new_run
 from orchestrator.canonical import JsonLimits
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
@@ -124,6 +124,17 @@ class Submission:
         """Validate a submission and build its row (:func:`~orchestrator.admission.new_run`,
         the queue one the application declares). Raises before anything is written."""
         chosen = check_queue_name(queue) if queue is not None else workflow.queue
+        if chosen is None:  # the default queue takes no limits: these would never be used
+            if check_priority(priority) != 0:
+                raise InvalidRequest(
+                    "priority orders the runs of a queue; the default queue has none: "
+                    "declare a queue with priority=True (app.queue) and submit to it",
+                    path="priority")
+            if concurrency_key is not None:
+                raise InvalidRequest(
+                    "concurrency_key bounds the runs of a queue with key_concurrency; the "
+                    "default queue takes no limits: declare a queue (app.queue) and submit "
+                    "to it", path="concurrency_key")
         return new_run(workflow.name, workflow.version, input, limits=self.config.json_limits,
                        owner=owner, queues=self.queues, hint=DECLARE_HINT,
                        idempotency_key=idempotency_key, deadline=deadline, run_id=run_id,

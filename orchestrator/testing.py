@@ -34,6 +34,7 @@ from typing import Any
 from orchestrator import faults
 from orchestrator import replay as checks
 from orchestrator.app import Orchestrator
+from orchestrator.db import queues as queues_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn
 from orchestrator.errors import AccessDenied, InvalidRequest
@@ -183,11 +184,16 @@ async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
                 raise AccessDenied(DENIED)
             rows.append(row)
         seen = set(ids)
+        ready = []  # queued and due: idle only if their queue holds them back
         while rows:
             row = rows.pop()
             # queued and not due: held back (start_at, delay) past the horizon
-            if row["status"] not in IDLE_STATES | {"queued"} or _due(row, now):
+            if row["status"] not in IDLE_STATES | {"queued"}:
                 return False
+            if _due(row, now):
+                if row["status"] != "queued":
+                    return False
+                ready.append(row["id"])
             related = await runs_db.run_list(conn, tenant=None, principal=None, status=None,
                                              workflow=None, limit=limit, parent=row["id"])
             if row["superseded_by"] is not None:
@@ -195,7 +201,7 @@ async def _settled(app: Orchestrator, ids: list[uuid.UUID], horizon: datetime,
                 related += [successor] if successor is not None else []
             rows += [r for r in related if r["id"] not in seen]
             seen.update(r["id"] for r in related)
-        return True
+        return await _held_by_queues(conn, ready, now)
 
     return await app.database.run_in_transaction(look)
 
@@ -208,6 +214,7 @@ async def _nothing_ready(app: Orchestrator, worker: Worker, horizon: datetime,
         return False
     registered = set(app.registry.workflows)
     now = max(datetime.now(UTC), horizon)
+    ready = []  # queued and due: idle only if their queue holds them back
     async with app.database.connection() as conn:
         for status in ("running", "queued", "waiting"):
             rows = await runs_db.run_list(conn, tenant=None, principal=None, status=status,
@@ -215,9 +222,20 @@ async def _nothing_ready(app: Orchestrator, worker: Worker, horizon: datetime,
             for row in rows:
                 if f"{row['workflow_name']}@{row['workflow_version']}" not in registered:
                     continue
-                if status == "running" or _due(row, now):
+                if status == "queued" and _due(row, now):
+                    ready.append(row["id"])
+                elif status == "running" or _due(row, now):
                     return False
-    return True
+        return await _held_by_queues(conn, ready, now)
+
+
+async def _held_by_queues(conn: Conn, ready: list[uuid.UUID], now: datetime) -> bool:
+    """Whether every run of ``ready`` (queued and due) is one its queue keeps from starting
+    until something outside the worker happens (the queue paused, its slots or its key's held
+    by runs that wait): such a run is idle, as a held-back start is."""
+    if not ready:
+        return True
+    return len(await queues_db.runs_held_by_queue(conn, ready, now)) == len(ready)
 
 
 @contextlib.asynccontextmanager
@@ -247,7 +265,10 @@ async def run_until_idle(app: Orchestrator, *,
     in :data:`IDLE_STATES` (ended, or waiting for a timer, an event, a child or a
     reconciliation) or held back (``start_at``, ``delay``), and none is due (a timer that has
     fired, an event that has arrived or a start that has come makes a run due); without,
-    the worker holds no run and no run of its workflows is running or due. The newest
+    the worker holds no run and no run of its workflows is running or due. A run ready to
+    start that its queue keeps back until something outside the worker happens (the queue
+    paused, its slots or its key's held by runs that all wait) is idle too; one that waits
+    for the queue's rate window is not. The newest
     ``scan_limit`` runs of each state (with ``runs``: the newest ``scan_limit`` children of
     each run) are looked at. Due is judged by this process's clock.
 

@@ -348,8 +348,26 @@ class Worker:
                 await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
                 self._queues = set(await queues_db.queue_names(conn))
+                expired = await runs_db.run_any_unstarted_expired(conn)
+            if expired:
+                await self._expire_unstarted()
         except OrchestratorError as exc:  # the next sweep tries again; the message says why
             log.warning("lease sweep failed: %s", exc)
+
+    async def _expire_unstarted(self) -> None:
+        """End the runs whose deadline passed before they could start (their queue held them
+        back, or no worker serves them): their owners' waits end at the deadline, and they
+        take no slot of their queue to fail in."""
+        async with self.database.connection() as conn, conn.transaction():
+            ended = await runs_db.run_expire_unstarted(conn)
+        for run in ended:
+            workflow = f"{run['workflow_name']}@{run['workflow_version']}"
+            self.metrics.incr("deadline_exhausted")
+            self.metrics.incr("runs_failed")
+            log.info("run %s (%s) failed: DEADLINE_EXCEEDED before it started (incident %s)",
+                     run["id"], workflow, run["incident"],
+                     extra=fields(run_id=run["id"], workflow=workflow,
+                                  code="DEADLINE_EXCEEDED", incident=run["incident"]))
 
     async def _claim_sources(self, workflows: list[str], free: int) -> bool:
         """Claim from each source with news, the default queue first, while slots are free;

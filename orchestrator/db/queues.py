@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from orchestrator.db.database import RUNS_CHANNEL, Conn
@@ -219,6 +220,46 @@ async def run_blockers(conn: Conn, run_ids: Sequence[Any]) -> dict[Any, str]:
           AND r.available_at <= now()
         """, {"ids": list(run_ids)})
     return {row["id"]: blocker(row) for row in await cur.fetchall()}
+
+
+async def runs_held_by_queue(conn: Conn, run_ids: Sequence[Any], now: datetime
+                             ) -> set[Any]:
+    """Of these runs, those ready to start (queued, never started) that their queue keeps
+    from starting until something outside a worker happens: the queue is paused, or its
+    concurrency (or the run's key's, within its tenant) is full and none of the runs holding
+    those slots runs or is due by ``now`` (they wait for an event, a child, a timer later
+    than ``now``, a reconciliation). A run held only by the rate window is not among them: it
+    starts when the window has room."""
+    if not run_ids:
+        return set()
+    cur = await conn.execute(
+        f"""
+        WITH holders AS (
+            SELECT h.queue, h.tenant, h.concurrency_key,
+                   (h.status = 'running' OR (h.status IN ('queued', 'waiting')
+                        AND h.available_at IS NOT NULL AND h.available_at <= %(now)s)) AS moving
+            FROM {S}.runs h JOIN {S}.queues q ON q.name = h.queue
+            WHERE h.queue IS NOT NULL AND h.started_at IS NOT NULL AND h.finished_at IS NULL
+              AND (q.count_parked OR h.status <> 'waiting')
+        )
+        SELECT r.id FROM {S}.runs r JOIN {S}.queues q ON q.name = r.queue
+        WHERE r.id = ANY(%(ids)s::uuid[]) AND r.status = 'queued' AND r.started_at IS NULL
+          AND (q.paused
+               OR (q.concurrency IS NOT NULL
+                   AND (SELECT count(*) FROM holders h WHERE h.queue = r.queue)
+                       >= q.concurrency
+                   AND NOT EXISTS (SELECT 1 FROM holders h
+                                   WHERE h.queue = r.queue AND h.moving))
+               OR (r.concurrency_key IS NOT NULL AND q.key_concurrency IS NOT NULL
+                   AND (SELECT count(*) FROM holders h
+                        WHERE h.queue = r.queue AND h.tenant = r.tenant
+                          AND h.concurrency_key = r.concurrency_key) >= q.key_concurrency
+                   AND NOT EXISTS (SELECT 1 FROM holders h
+                                   WHERE h.queue = r.queue AND h.tenant = r.tenant
+                                     AND h.concurrency_key = r.concurrency_key
+                                     AND h.moving)))
+        """, {"ids": list(run_ids), "now": now})
+    return {row["id"] for row in await cur.fetchall()}
 
 
 def blocker(row: dict[str, Any]) -> str:

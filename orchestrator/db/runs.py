@@ -21,9 +21,10 @@ from orchestrator.db.database import (
     RUNS_CHANNEL,
     Conn,
 )
+from orchestrator.db.events import incident_record
 from orchestrator.db.journal import journal_insert_held
 from orchestrator.db.schema import SCHEMA as S
-from orchestrator.errors import LeaseLost
+from orchestrator.errors import LeaseLost, error_json, new_incident_ref
 from orchestrator.flow import Start
 from orchestrator.ids import new_run_id
 from orchestrator.journal import EventKind, entry
@@ -769,6 +770,68 @@ async def run_cancel_idle(conn: Conn, *, run_id: uuid.UUID, revision: int, error
     if row["parent_run_id"] is not None:
         await run_wake(conn, row["parent_run_id"])
     return True
+
+
+DEADLINE_PASSED = "the run's deadline passed"
+
+
+async def run_any_unstarted_expired(conn: Conn) -> bool:
+    """Whether a run's deadline passed before it started (:func:`run_expire_unstarted` has
+    work): one probe of the partial index, no lock, so that a sweep with nothing to end
+    opens no transaction."""
+    cur = await conn.execute(
+        f"""
+        SELECT 1 FROM {S}.runs
+        WHERE status = 'queued' AND revision = 0 AND deadline_at IS NOT NULL
+          AND deadline_at <= now()
+        LIMIT 1
+        """)
+    return await cur.fetchone() is not None
+
+
+async def run_expire_unstarted(conn: Conn, *, limit: int = 100) -> list[dict[str, Any]]:
+    """End ``failed`` with ``DEADLINE_EXCEEDED`` the runs whose deadline passed before they
+    ever started (queued, nothing written yet: held back by their queue's limits or its
+    pause, or by the lack of a worker that serves them), at most ``limit``, each with its
+    ``run.failed`` entry and an incident, as a worker ends a run whose deadline passed: a
+    deadline is one wall-clock expiry, whatever keeps the run waiting (CONTRACT C7, C15).
+    Their parents are woken and their queues told. Rows another transaction holds (a claim)
+    are skipped. The runs ended: ``id``, ``workflow_name``, ``workflow_version``,
+    ``incident``."""
+    cur = await conn.execute(
+        f"""
+        SELECT id, lease_token, parent_run_id, queue, workflow_name, workflow_version
+        FROM {S}.runs
+        WHERE status = 'queued' AND revision = 0 AND deadline_at IS NOT NULL
+          AND deadline_at <= now()
+        ORDER BY deadline_at LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+        """, {"limit": limit})
+    ended = []
+    for row in await cur.fetchall():
+        ref = new_incident_ref()
+        await conn.execute(
+            f"""
+            UPDATE {S}.runs SET status = 'failed', outcome_code = 'DEADLINE_EXCEEDED',
+                   error = %(error)s::jsonb, finished_at = now(), updated_at = now(),
+                   available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
+                   revision = revision + 1
+            WHERE id = %(id)s
+            """, {"id": row["id"], "error": error_json("DEADLINE_EXCEEDED", DEADLINE_PASSED, ref)})
+        await journal_insert_held(conn, run_id=row["id"], token=row["lease_token"], revision=0,
+                                  events=[entry(EventKind.RUN_FAILED, None, None, {
+                                      "code": "DEADLINE_EXCEEDED", "message": DEADLINE_PASSED,
+                                      "incident": ref})])
+        await incident_record(conn, {
+            "ref": ref, "code": "DEADLINE_EXCEEDED", "run_id": row["id"], "operation_id": None,
+            "phase": "workflow", "cause": None, "upstream_status": None,
+            "detail": json.dumps({"message": DEADLINE_PASSED, "started": False})})
+        if row["queue"] is not None:
+            await conn.execute("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, row["queue"]))
+        if row["parent_run_id"] is not None:
+            await run_wake(conn, row["parent_run_id"])
+        ended.append({**row, "incident": ref})
+    return ended
 
 
 async def run_children_status(

@@ -136,12 +136,16 @@ async def schedule_clock(conn: Conn) -> datetime:
 
 async def schedule_lock_due(conn: Conn, *, now: datetime, limit: int) -> list[dict[str, Any]]:
     """The schedules with something to do at ``now`` (a slot due, or a buffered slot whose
-    previous run may have ended), locked; those another ticker holds are skipped."""
+    previous run may have ended: a paused schedule's too, whose buffered triggers and
+    backfills still fire), locked; those another ticker holds are skipped."""
     cur = await conn.execute(
         f"""
-        SELECT {_COLUMNS} FROM {S}.schedules
-        WHERE NOT paused AND (next_slot <= %(now)s OR buffered > 0)
-        ORDER BY next_slot NULLS LAST
+        SELECT {_COLUMNS} FROM {S}.schedules s
+        WHERE (NOT paused AND (next_slot <= %(now)s OR buffered > 0))
+           OR (paused AND buffered > 0 AND EXISTS (
+                SELECT 1 FROM {S}.schedule_slots k
+                WHERE k.schedule_id = s.id AND k.state = 'buffered' AND k.kind <> 'cron'))
+        ORDER BY paused, next_slot NULLS LAST
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
         """,
@@ -254,14 +258,17 @@ async def slot_fire_buffered(conn: Conn, schedule_id: str, slot: datetime, kind:
         raise RuntimeError(f"schedule {schedule_id}: buffered slot {slot} vanished")
 
 
-async def slot_oldest_buffered(conn: Conn, schedule_id: str) -> dict[str, Any] | None:
+async def slot_oldest_buffered(conn: Conn, schedule_id: str, *, cron: bool = True
+                               ) -> dict[str, Any] | None:
+    """The oldest buffered slot; with ``cron`` false, the oldest kept by a trigger or a
+    backfill (a paused schedule fires those, not the cron's)."""
     cur = await conn.execute(
         f"""
         SELECT slot, kind, overlap, trigger_key FROM {S}.schedule_slots
-        WHERE schedule_id = %s AND state = 'buffered'
+        WHERE schedule_id = %s AND state = 'buffered' AND (%s OR kind <> 'cron')
         ORDER BY slot, kind LIMIT 1
         """,
-        (schedule_id,),
+        (schedule_id, cron),
     )
     return await cur.fetchone()
 

@@ -820,3 +820,84 @@ async def test_a_queue_change_whose_commit_was_lost_answers_with_the_queue_and_a
     assert [(a["action"], a["before"]["paused"], a["after"]["paused"]) for a in audit] == [
         ("queue.pause", False, True), ("queue.set", True, True)]
     assert (audit[1]["before"]["concurrency"], audit[1]["after"]["concurrency"]) == (None, 2)
+
+
+async def test_a_run_whose_deadline_passes_while_its_queue_holds_it_fails_at_its_deadline(
+        make_app, sql):
+    """A deadline is one wall-clock expiry, also for a run that its queue keeps from starting
+    (its slot held by a run that waits, the queue paused): the run fails ``DEADLINE_EXCEEDED``
+    when its deadline passes, and its owner's ``result()`` says so then, not once the queue
+    lets it start; it never takes the slot, and a parent waiting for it is woken."""
+    from orchestrator.errors import RunFailed
+
+    app = make_app()
+    app.queue("work", concurrency=1)
+
+    @app.workflow(queue="work")
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(job, data)
+
+    async with running(app):
+        holder = await app.submit_async(job, {"n": 0})
+        await wait_for(lambda: holder.status_async(), what="the holder started")
+        await wait_for(lambda: _is(holder, "waiting"), what="the holder parked in its slot")
+        late = await app.submit_async(job, {"n": 1}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as failed:
+            await late.result_async(timeout=8)
+        assert failed.value.code == "DEADLINE_EXCEEDED"
+        row = sql("SELECT status, started_at, outcome_code FROM orchestrator.runs "
+                  "WHERE id = %s", (late.id,))[0]
+        assert row == {"status": "failed", "started_at": None,
+                       "outcome_code": "DEADLINE_EXCEEDED"}
+        assert [(e.kind, e.payload["code"]) for e in await late.journal_async()] == [
+            ("run.failed", "DEADLINE_EXCEEDED")]
+        assert app.metrics.snapshot()["deadline_exhausted"] >= 1
+        # the queue paused: a child held there (with its parent's deadline) ends with it
+        await app.queues.pause_async("work")
+        waiting = await app.submit_async(parent, {"n": 2}, deadline=timedelta(seconds=1))
+        with pytest.raises(RunFailed) as failed:
+            await waiting.result_async(timeout=8)
+        # its own deadline, or its child's (the same instant) raised into it: either way
+        assert "DEADLINE_EXCEEDED" in (failed.value.code, (failed.value.cause or {}).get("code"))
+        child = await wait_for(lambda: sql(
+            "SELECT status, started_at FROM orchestrator.runs WHERE parent_run_id = %s "
+            "AND status = 'failed'", (waiting.id,)), what="the child ended")
+        assert child == [{"status": "failed", "started_at": None}]
+        await app.queues.resume_async("work")
+        assert await holder.status_async() == "waiting"  # its slot was never taken
+        await app.send_event_async(holder.id, "go", "done")
+        assert await holder.result_async(timeout=8) == "done"
+
+
+async def _is(run: Any, status: str) -> bool:
+    return await run.status_async() == status
+
+
+@pytest.mark.parametrize(("field", "options"), [
+    ("priority", {"priority": 5}),
+    ("concurrency_key", {"concurrency_key": "customer-42"}),
+])
+async def test_a_priority_or_a_key_for_a_run_of_the_default_queue_is_refused(
+        make_app, sql, field, options):
+    """The default queue takes no limits, so a priority or a concurrency key given for a run
+    that waits there would be stored and never used: refused, naming the field, nothing
+    written (a declared queue keeps them, since its limits may be set at run time)."""
+    app = make_app()
+    app.queue("work")
+
+    @app.workflow()
+    async def plain(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    with pytest.raises(InvalidRequest) as caught:
+        await app.submit_async(plain, 1, **options)
+    assert caught.value.code == "INVALID_REQUEST" and caught.value.path == field
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 0
+    await app.submit_async(plain, 1, queue="work", **options)  # in a queue: kept
+    await app.submit_async(plain, 1, priority=0)  # the default: nothing asked
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 2
+    await app.database.close()

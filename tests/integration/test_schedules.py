@@ -156,6 +156,36 @@ async def test_buffer_one_keeps_one_slot_until_the_previous_run_ends(make_app, s
     await app.database.close()
 
 
+async def test_a_trigger_kept_by_a_buffer_fires_while_the_schedule_is_paused(make_app, sql):
+    """Paused, a schedule fires no slot of its cron, but a trigger (asked for by name) still
+    fires: kept by the buffer because the previous run is unfinished, it fires once that run
+    has ended, pause or not, while the cron's slots kept before the pause wait for the
+    resume."""
+    app, tick = await _policy(make_app, sql, "buffer_all")
+    await tick(1)
+    await tick(2)  # run 1 is still queued (no worker here): the cron's slot is kept
+    await app.schedules.pause_async("s")
+    kept = await app.schedules.trigger_async("s")
+    assert kept["state"] == "buffered"
+    (first,) = runs_of(sql)
+    await app.cancel_async(first["id"])
+    await tick(4)  # paused: the cron's slots neither fire nor are kept; the trigger fires
+    assert slots(sql) == [(minute(1), "fired", None), (minute(2), "buffered", None),
+                          (minute(2, 0.5), "fired", None)]
+    assert (await app.schedules.get_async("s")).buffered == 1
+    fired = sql("SELECT run_id FROM orchestrator.schedule_slots WHERE kind = 'trigger'")
+    assert fired[0]["run_id"] is not None
+    await tick(5)  # the trigger's run is unfinished, and the schedule paused: nothing more
+    assert len(runs_of(sql)) == 2
+    await app.cancel_async(fired[0]["run_id"])
+    await tick(6)
+    assert len(runs_of(sql)) == 2  # the cron's kept slot waits for the resume
+    await app.schedules.resume_async("s")
+    await tick(6)
+    assert slots(sql)[1] == (minute(2), "fired", None)
+    await app.database.close()
+
+
 async def test_buffer_all_fires_every_kept_slot_in_order_one_run_at_a_time(make_app, sql):
     app, tick = await _policy(make_app, sql, "buffer_all")
     for n in (1, 2, 3):
@@ -284,6 +314,8 @@ async def test_the_runs_a_schedule_fires_wait_in_their_workflows_queue(make_app,
     ({"cron": "0 3 * * *", "overlap": "queue_them"}, "overlap"),
     ({"cron": "0 3 * * *", "catchup_window": timedelta(seconds=-5)}, "catchup_window"),
     ({"cron": "0 3 * * *", "input": {"x": float("nan")}}, "$.input.x"),
+    ({"cron": "0 3 * * *", "paused": "no"}, "paused"),  # not taken for its truth value
+    ({"cron": "0 3 * * *", "paused": 1}, "paused"),
 ])
 async def test_bad_schedules_are_rejected_naming_the_field_and_nothing_is_written(
         make_app, sql, options: dict[str, Any], path: str):

@@ -138,6 +138,39 @@ async def test_run_until_idle_for_a_held_back_run_waits_for_its_start_only_withi
     await app.database.close()
 
 
+async def test_run_until_idle_counts_a_run_its_queue_holds_back_as_idle(app):
+    """A run that its queue keeps from starting until something outside the worker happens
+    (the queue paused, or its slots held by runs that wait for an event) is idle, as a
+    held-back start is, instead of an ``AssertionError`` after ``timeout`` although nothing
+    could happen; once the slot is free or the queue resumed, it is driven."""
+    app.queue("exports", concurrency=1)
+
+    @app.workflow(queue="exports")
+    async def export(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    first = await app.submit_async(export, 1)
+    second = await app.submit_async(export, 2)  # behind the slot that first holds, parked
+    await run_until_idle(app, runs=[first, second], timeout=8, poll_interval=0.05)
+    assert [await first.status_async(), await second.status_async()] == ["waiting", "queued"]
+    await run_until_idle(app, timeout=8, poll_interval=0.05)  # the app-wide form too
+    await app.send_event_async(first.id, "go", "a")
+    await run_until_idle(app, runs=[first, second], timeout=8, poll_interval=0.05)
+    assert await first.result_async(timeout=0.1) == "a"
+    assert await second.status_async() == "waiting"
+    await app.send_event_async(second.id, "go", "b")
+    await run_until_idle(app, runs=[second], timeout=8, poll_interval=0.05)
+    await app.queues.pause_async("exports")
+    third = await app.submit_async(export, 3)
+    await run_until_idle(app, runs=[third], timeout=8, poll_interval=0.05)
+    await run_until_idle(app, timeout=8, poll_interval=0.05)
+    assert await third.status_async() == "queued"
+    await app.queues.resume_async("exports")
+    await run_until_idle(app, runs=[third], timeout=8, poll_interval=0.05)
+    assert await third.status_async() == "waiting"
+    await app.database.close()
+
+
 async def test_run_until_idle_judges_a_family_of_runs_from_one_snapshot(app, sql, monkeypatch):
     """Idle is judged from one snapshot of the runs: a child that ends and wakes its parent
     between the reads of the parent and of the child must not look like a parent still

@@ -220,7 +220,9 @@ async def test_handles_and_timeouts_are_checked_before_anything_is_read(app, mak
     other_gate, _, _ = _register(other_app)
     run = await app.submit_async(gate, 1)
     foreign = await other_app.submit_async(other_gate, 1)  # the same database, another app
-    for bad in ([run, foreign], [run, "not a handle"], [run.id]):
+    # a single handle where a list of them is meant, or None, is bad input too (not a
+    # TypeError without a code)
+    for bad in ([run, foreign], [run, "not a handle"], [run.id], run, None, 5):
         with pytest.raises(InvalidRequest) as refused:
             await app.wait_async(bad)  # type: ignore[arg-type]
         assert refused.value.code == "INVALID_REQUEST"
