@@ -5,7 +5,10 @@ by the lack of a worker that serves it stayed ``queued`` past its deadline, and 
 ``DEADLINE_EXCEEDED`` only once a claim admitted it: its owner's ``result()`` waited on after
 the deadline, and the run took a slot of its queue (a start of its rate window) only to fail.
 Every worker's sweep now ends such a run when its deadline passes; this partial index is what
-it reads, so that a queue's backlog costs the sweep nothing.
+it reads, so that a queue's backlog costs the sweep nothing. Its predicate leaves ``revision``
+out (the sweep reads it from the row): a column named by any index of ``runs`` would make every
+step's fence, which moves ``revision``, update every index of the table instead of the row in
+place (a HOT update; tests/integration/test_hot_fence.py).
 
 Revision ID: 0033
 Revises: 0032
@@ -29,7 +32,7 @@ def upgrade() -> None:
         "runs",
         ["deadline_at"],
         schema="orchestrator",
-        postgresql_where=sa.text("status = 'queued' AND revision = 0 AND deadline_at IS NOT NULL"),
+        postgresql_where=sa.text("status = 'queued' AND deadline_at IS NOT NULL"),
     )
 
 

@@ -192,7 +192,7 @@ runs = Table(
     # Runs that never started and carry a deadline: the sweep ends those whose deadline
     # passed while their queue held them back (migration 0033).
     Index("ix_runs_unstarted_deadline", "deadline_at",
-          postgresql_where=text("status = 'queued' AND revision = 0 AND deadline_at IS NOT NULL")),
+          postgresql_where=text("status = 'queued' AND deadline_at IS NOT NULL")),
     Index("ix_runs_owner_created", "tenant", "principal", "created_at"),
     # The console's pages of runs, newest first across owners (migration 0009).
     Index("ix_runs_created", "created_at", "id"),
