@@ -403,8 +403,10 @@ async def test_an_attempt_the_engine_lost_is_not_counted_as_the_tools_failure(ap
 
     async with running(app) as worker:
         run = await app.submit_async(pay, {})
-        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.operations "
-                                   "WHERE state = 'unknown'"))
+        # Parked on the unknown attempt: a run still being driven is not touched by a
+        # resolution (OPERATION_IN_PROGRESS, try again in a moment).
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs "
+                                   "WHERE status = 'needs_reconciliation'"))
         op = sql("SELECT id FROM orchestrator.operations")[0]["id"]
         await app.operators.resolve_not_applied(op, evidence="no such charge at the provider",
                                                 operator="al")
