@@ -32,6 +32,13 @@ def catch_early_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda _sig, _frame: _EARLY_STOP.set())
 
 
+def stop_requested_early() -> None:
+    """Keep a SIGTERM that an entry point caught before this package was loaded (see
+    ``workers/worker.py``): the process stops cleanly as soon as its worker or reconciler
+    runs, as with :func:`catch_early_sigterm`."""
+    _EARLY_STOP.set()
+
+
 def listen_at(host: str, port: int | None) -> tuple[str, int] | None:
     return None if port is None else (host, port)
 

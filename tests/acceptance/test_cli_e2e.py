@@ -9,6 +9,7 @@ import sys
 from urllib.parse import urlsplit
 
 import psycopg
+import pytest
 
 from tests import dbtools
 from tests.acceptance import flows
@@ -129,3 +130,29 @@ print("stopped")
         done = subprocess.run([sys.executable, "-c", script, role], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
         assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["worker", "reconciler"])
+def test_an_entry_point_keeps_a_sigterm_that_comes_while_the_package_loads(name):
+    """``python -m workers.NAME`` takes SIGTERM before it imports the package (a second or more
+    on a busy host), so a stop request meanwhile ends in a clean stop, not in death by the
+    signal (exit -15). Asked of the module itself: what SIGTERM does at the moment the
+    package's first import begins."""
+    probe = (
+        "import runpy, signal, sys\n"
+        "seen = []\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and args[0] == 'orchestrator' and not seen:\n"
+        "        seen.append(signal.getsignal(signal.SIGTERM))\n"
+        "sys.addaudithook(hook)\n"
+        f"sys.argv = ['{name}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('workers.{name}', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('kept' if seen and seen[0] not in (signal.SIG_DFL, None) else 'default', "
+        "file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stderr.strip().splitlines()[-1] == "kept", done.stderr
