@@ -150,3 +150,22 @@ def listening(sql: Callable[..., list[dict[str, Any]]]) -> bool:
     """Some session of this database has run LISTEN and now waits (a worker's listener)."""
     return bool(sql("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
                     "AND state = 'idle' AND query LIKE 'LISTEN %'"))
+
+
+def charge_in_flight(app):  # type: ignore[no-untyped-def]
+    """A workflow ``pay(order)`` whose ``charge`` call stays in flight (its operation
+    ``submitted``) until the returned ``release`` is set; ``entered`` is set once it is sent.
+    Returns ``(pay, entered, release)``."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return {"charge": order}
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    return pay, entered, release

@@ -5,7 +5,6 @@ audit of every action, the queue's bulk actions, no upstream text without the in
 
 from __future__ import annotations
 
-import asyncio
 import html
 import json
 import logging
@@ -19,7 +18,7 @@ import pytest
 from orchestrator import NotApplied, Orchestrator, Owner, canonical
 from orchestrator.logs import JsonFormatter
 from tests.consoletools import GRANTS, SCOPES, SECRET, Client, from_header, uncertain_app
-from tests.integration.conftest import OTHER, OWNER, running, wait_for
+from tests.integration.conftest import OTHER, OWNER, charge_in_flight, running, wait_for
 
 Sql = Callable[..., list[dict[str, Any]]]
 
@@ -782,17 +781,7 @@ async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_pro
     and the page's resolve form, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and
     write nothing."""
     app = make_app(operator_scopes=SCOPES)
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return {"charge": order}
-
-    @app.workflow()
-    async def pay(ctx, order):  # type: ignore[no-untyped-def]
-        return await ctx.call(charge, order=order)
+    pay, entered, release = charge_in_flight(app)
 
     console = console_of(app)
     async with Client(console, "alice") as alice, running(app):

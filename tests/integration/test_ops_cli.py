@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import RetryPolicy, RunFailed, ToolFailed, canonical
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import charge_in_flight, running, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -373,17 +373,7 @@ async def test_resolving_an_operation_whose_call_is_in_flight_says_to_wait(
     answers, nothing of the operator's attempt is left behind."""
     url = migrated_database_url
     app = make_app()
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return {"charge": order}
-
-    @app.workflow()
-    async def pay(ctx, order):  # type: ignore[no-untyped-def]
-        return await ctx.call(charge, order=order)
+    pay, entered, release = charge_in_flight(app)
 
     async with running(app):
         run = await app.submit_async(pay, "o1")
