@@ -810,14 +810,16 @@ async def run_expire_unstarted(conn: Conn, *, limit: int = 100) -> list[dict[str
     ended = []
     for row in await cur.fetchall():
         ref = new_incident_ref()
-        await conn.execute(
+        ended_row = await conn.execute(
             f"""
             UPDATE {S}.runs SET status = 'failed', outcome_code = 'DEADLINE_EXCEEDED',
                    error = %(error)s::jsonb, finished_at = now(), updated_at = now(),
                    available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
                    revision = revision + 1
-            WHERE id = %(id)s
+            WHERE id = %(id)s AND status = 'queued' AND revision = 0
             """, {"id": row["id"], "error": error_json("DEADLINE_EXCEEDED", DEADLINE_PASSED, ref)})
+        if ended_row.rowcount != 1:  # the row is locked: nothing else can have moved it
+            raise RuntimeError(f"run {row['id']} moved under its lock while its deadline ended it")
         await journal_insert_held(conn, run_id=row["id"], token=row["lease_token"], revision=0,
                                   events=[entry(EventKind.RUN_FAILED, None, None, {
                                       "code": "DEADLINE_EXCEEDED", "message": DEADLINE_PASSED,
