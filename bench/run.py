@@ -212,6 +212,11 @@ def plan_from(args: argparse.Namespace) -> Plan:
         plan.runs = {k: args.runs for k in plan.runs}
     if args.lease_ttl is not None:
         plan.recovery_lease_ttl = args.lease_ttl
+    if args.load_fraction is not None:
+        if not 0 < args.load_fraction < 1:
+            raise SystemExit(f"--load-fraction {args.load_fraction:g}: give a share of the drain "
+                             "rate between 0 and 1, such as 0.1")
+        plan.load_fraction = args.load_fraction
     plan.profile_stacks = args.profile_stacks
     if args.console_parts is not None:
         plan.console_parts = tuple(x.strip() for x in args.console_parts.split(",") if x.strip())
@@ -1189,6 +1194,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale-rows", type=int, help="finished runs loaded for the scale "
                         "section (default 1,000,000)")
     parser.add_argument("--latency-samples", type=int, help="samples per latency repetition")
+    parser.add_argument("--load-fraction", type=float,
+                        help="the latency section's load stream, as a share of the K=3 drain "
+                             "rate it measures first (default 0.3)")
     parser.add_argument("--memory-runs", type=int, help="queued runs for the memory section")
     parser.add_argument("--console-steps", type=int, help="tool calls of the run the console "
                         "section's SSE clients follow (default 200; quick 40)")
