@@ -490,16 +490,9 @@ class Reconciler:
     async def _handle(self, item: dict[str, Any]) -> None:
         tool = self.registry.tools.get(item["tool_name"])
         if tool is None or tool.lookup_fn is None:
-            async with self.db.connection() as conn:
-                handed = await recon_db.recon_to_operator(
-                    conn, item_id=item["item_id"], claimer=self.id,
-                    note=f"tool {item['tool_name']} has no lookup here; an operator decides")
-            if not handed:
-                self._lapsed(item)
-                return
-            log.info("run %s: operation %s handed to operators: tool %s has no lookup here",
-                     item["run_id"], item["operation_id"], item["tool_name"],
-                     extra=_said(item))
+            await self._to_operators(
+                item, f"tool {item['tool_name']} has no lookup here; an operator decides",
+                f"tool {item['tool_name']} has no lookup here", logging.INFO)
             return
         # The items of a batch are looked up one after another: each claim is renewed as its
         # lookup begins, and an item whose claim lapsed meanwhile is another's now.
@@ -514,17 +507,11 @@ class Reconciler:
         try:
             arguments = load_json(item["arguments_text"])
         except RunUnreadable:
-            async with self.db.connection() as conn:
-                handed = await recon_db.recon_to_operator(
-                    conn, item_id=item["item_id"], claimer=self.id,
-                    note="its arguments cannot be decoded here (RUN_UNREADABLE); an operator "
-                         "decides")
-            if not handed:
-                self._lapsed(item)
-                return
-            log.warning("run %s: operation %s handed to operators: its stored arguments "
-                        "cannot be decoded (RUN_UNREADABLE)", item["run_id"],
-                        item["operation_id"], extra=_said(item, code="RUN_UNREADABLE"))
+            await self._to_operators(
+                item, "its arguments cannot be decoded here (RUN_UNREADABLE); an operator "
+                      "decides",
+                "its stored arguments cannot be decoded (RUN_UNREADABLE)", logging.WARNING,
+                code="RUN_UNREADABLE")
             return
         ctx = ToolContext(idempotency_key=item["idempotency_key"], run_id=item["run_id"],
                           position=item["position"], attempt=item["attempt"],
@@ -554,6 +541,19 @@ class Reconciler:
             if raised is not None:
                 record_error(span, type(raised).__name__)
             await self._answered(item, tool, answer, raised)
+
+    async def _to_operators(self, item: dict[str, Any], note: str, why: str, level: int,
+                            **said: Any) -> None:
+        """Hand an item to operators without a lookup (``note`` is kept on the item, ``why``
+        logged); an item whose claim lapsed meanwhile is another reconciler's and is left."""
+        async with self.db.connection() as conn:
+            handed = await recon_db.recon_to_operator(
+                conn, item_id=item["item_id"], claimer=self.id, note=note)
+        if not handed:
+            self._lapsed(item)
+            return
+        log.log(level, "run %s: operation %s handed to operators: %s", item["run_id"],
+                item["operation_id"], why, extra=_said(item, **said))
 
     async def _answered(self, item: dict[str, Any], tool: Tool, answer: Any,
                         raised: BaseException | None) -> None:

@@ -333,6 +333,27 @@ async def test_a_tool_without_lookup_goes_straight_to_operators(app, sql, caplog
         caplog.text)
 
 
+async def test_an_item_whose_arguments_cannot_be_decoded_goes_to_operators(make_app, sql,
+                                                                         caplog):
+    """Arguments this process cannot decode (an integer longer than the interpreter parses,
+    stored by a writer that could) are never guessed at: no lookup is asked, the item goes to
+    operators with the reason kept on it, and the reconciler says so and goes on."""
+    app, pay, _ = _lookup_app(make_app, [Committed({"charge": "original"})])
+    async with running(app):
+        await app.submit_async(pay, {})
+        await wait_for(_parked(sql))
+    sql("SET session_replication_role = replica; "  # the ledger's guards keep arguments as sent
+        "UPDATE orchestrator.operations SET arguments = "
+        "('{\"cents\": ' || repeat('9', 5000) || '}')::jsonb; "
+        "SET session_replication_role = origin")
+    caplog.set_level(logging.INFO, logger="orchestrator.reconciler")
+    await app.create_reconciler().run_once()
+    item = _one(sql, "SELECT state, lookup_attempts FROM orchestrator.reconciliation_items")
+    assert item == {"state": "operator", "lookup_attempts": 0}
+    assert "handed to operators: its stored arguments cannot be decoded (RUN_UNREADABLE)" in (
+        caplog.text)
+
+
 async def test_an_item_whose_claim_lapsed_is_not_handed_to_operators_by_its_old_claimer(
         app, sql, caplog):
     """A reconciler works through its batch one item after another; by the time it reaches an
