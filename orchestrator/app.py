@@ -736,10 +736,11 @@ class Orchestrator:
                                owner: Owner | None = None, event_key: str | None = None) -> bool:
         """Deliver an event to a run; with ``event_key``, delivered once however often sent.
 
-        Returns False when an event with the same key was already delivered (the key alone
-        decides: a different name or payload under a used key is not delivered either), also
-        once the run has finished (a retried send is not an error); a new event to a finished
-        run is refused with ``INVALID_REQUEST``. A send whose COMMIT applied but whose
+        Returns False when an event with the same key, name and payload (equal JSON, key order
+        aside) was already delivered, also once the run has finished (a retried send is not an
+        error). The same key with another name or payload is ``IDEMPOTENCY_CONFLICT`` and
+        stores nothing: a key names one event. A new event to a finished run is refused with
+        ``INVALID_REQUEST``. A send whose COMMIT applied but whose
         answer was lost with its connection, keyed or not, is run again by the storage
         layer and returns True (it delivered the event, once).
         """

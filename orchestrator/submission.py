@@ -228,14 +228,20 @@ class Submission:
             if row is None:
                 raise AccessDenied(DENIED)
             target = row["id"]  # the last run of a chain of continuations
+            seen = (await event_seen(conn, run_id=target, event_key=event_key, name=name,
+                                     payload=text)
+                    if event_key is not None else None)
+            if seen == "different":
+                raise IdempotencyConflict(
+                    "this event_key was already used for an event to this run with another "
+                    "name or payload; nothing was stored: send the same name and payload to "
+                    "retry that event, or use a new event_key for a new event")
+            if seen == "same":
+                # A retry of an event the run received: delivered once, even when the run
+                # has finished or the backlog is full now.
+                return False
             if row["status"] in TERMINAL:
-                if event_key is not None and await event_seen(conn, run_id=target,
-                                                              event_key=event_key):
-                    return False  # a retry of an event the run received: delivered once
                 raise InvalidRequest(f"the run is {row['status']}; it takes no more events")
-            if event_key is not None and await event_seen(conn, run_id=target,
-                                                          event_key=event_key):
-                return False  # delivered once, even when the backlog is full now
             # The run's row is locked: no other sender counts at the same time (C15).
             if await event_pending_count(conn, run_id=target, cap=cap) >= cap:
                 raise EventBacklogFull(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.db.database import EVENTS_CHANNEL, Conn
 from orchestrator.db.schema import SCHEMA as S
@@ -51,10 +51,13 @@ SEEN_GENERATIONS = 16
 looked for in: the run and the 15 it continues, newest first."""
 
 
-async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
+async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str, name: str,
+                     payload: str) -> Literal["same", "different"] | None:
     """Whether an event with this key was delivered to the run, or to one of the last runs
     it continues or restarts (:data:`SEEN_GENERATIONS`): a sender's retry that comes after
-    the run went on as a new one is still recognised."""
+    the run went on as a new one is still recognised. None: never; ``same``: with this name
+    and an equal payload (JSON equality: key order does not count); ``different``: with
+    another name or payload, a reuse of the key for another event."""
     cur = await conn.execute(
         f"""
         WITH RECURSIVE chain AS (
@@ -65,10 +68,15 @@ async def event_seen(conn: Conn, *, run_id: uuid.UUID, event_key: str) -> bool:
             FROM chain c JOIN {S}.runs r ON r.id = c.before
             WHERE c.depth < %(depth)s
         )
-        SELECT 1 FROM {S}.external_events e JOIN chain c ON e.run_id = c.id
+        SELECT e.name = %(name)s AND e.payload = %(payload)s::jsonb AS same
+        FROM {S}.external_events e JOIN chain c ON e.run_id = c.id
         WHERE e.event_key = %(key)s LIMIT 1
-        """, {"run": run_id, "key": event_key, "depth": SEEN_GENERATIONS})
-    return await cur.fetchone() is not None
+        """, {"run": run_id, "key": event_key, "depth": SEEN_GENERATIONS, "name": name,
+              "payload": payload})
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    return "same" if row["same"] else "different"
 
 
 async def event_take(

@@ -192,8 +192,13 @@ async def test_the_result_is_long_polled_events_delivered_once_and_the_stream_re
                 assert sent.status_code == 200, sent.text
                 assert sent.json()["delivered"] is True
                 repeat = await http.post(f"{path}/events/approval",
-                                         json={"payload": {"ok": False}, "event_key": "appr-1"})
+                                         json={"payload": {"ok": True}, "event_key": "appr-1"})
+                assert repeat.status_code == 200, repeat.text
                 assert repeat.json()["delivered"] is False
+                reused = await http.post(f"{path}/events/approval",
+                                         json={"payload": {"ok": False}, "event_key": "appr-1"})
+                assert reused.status_code == 409, reused.text
+                assert reused.json()["code"] == "IDEMPOTENCY_CONFLICT"
 
                 done = await http.get(f"{path}/result", params={"wait": "30"})
                 assert done.status_code == 200, done.text

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator import AccessDenied, ResultTimeout, RunFailed, admin, records
 from orchestrator.db import journal as journal_db
-from orchestrator.errors import InvalidRequest
+from orchestrator.errors import IdempotencyConflict, InvalidRequest
 from orchestrator.journal import EventKind, entry
 from orchestrator.replay import export_document, load_runs, read_documents
 from tests.integration.conftest import OTHER, running, wait_for
@@ -78,11 +78,20 @@ async def test_events_are_delivered_once_per_key(app, sql):
         run = await app.submit_async(approve, {})
         await wait_for(lambda: _status(sql)() == "waiting")
         assert await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
-        assert not await app.send_event_async(run.id, "approval", {"ok": 2}, event_key="appr-1")
+        assert not await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+        # The key names one event: reused for another payload or name, it is a conflict
+        # that stores nothing, not a silent "already delivered".
+        with pytest.raises(IdempotencyConflict) as conflict:
+            await app.send_event_async(run.id, "approval", {"ok": 2}, event_key="appr-1")
+        assert "new event_key" in conflict.value.message
+        with pytest.raises(IdempotencyConflict):
+            await app.send_event_async(run.id, "rejection", {"ok": 1}, event_key="appr-1")
         assert await run.result_async(timeout=15) == [{"ok": 1}, "timed out"]
     # A retry of the same keyed send after the run has finished is still a duplicate, not an
     # error; a new event to a finished run is refused.
     assert not await app.send_event_async(run.id, "approval", {"ok": 1}, event_key="appr-1")
+    with pytest.raises(IdempotencyConflict):  # not INVALID_REQUEST: the key decides first
+        await app.send_event_async(run.id, "approval", {"ok": 2}, event_key="appr-1")
     with pytest.raises(InvalidRequest):
         await app.send_event_async(run.id, "approval", {"ok": 3}, event_key="appr-2")
     assert sql("SELECT count(*) AS n FROM orchestrator.external_events")[0]["n"] == 1
