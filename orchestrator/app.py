@@ -924,7 +924,10 @@ class Orchestrator:
         """Prune by this app's ``retention`` now, in batches, until nothing is left
         (docs/retention.md); ``dry_run`` counts and changes nothing. Evidence past its period
         is expired too when the database role may (the migration role). ``duty``: the share
-        of the time spent in batches (1: no pauses between them; docs/retention.md)."""
+        of the time spent in batches (1: no pauses between them; docs/retention.md). An
+        argument that is not one (``batch`` an int from 1 to 100000, ``duty`` more than 0 and
+        at most 1, the flags True or False) is ``INVALID_REQUEST`` naming it, before anything
+        is pruned."""
         if self.retention is None:
             raise ConfigurationError("this app has no retention: Orchestrator(retention="
                                      "Retention(finished_runs=timedelta(days=30)))")

@@ -136,9 +136,10 @@ class Pruner:
 
     def __init__(self, db: Database, retention: Retention, *, batch: int = BATCH,
                  duty: float = DUTY) -> None:
-        if not isinstance(batch, int) or not 1 <= batch <= 100_000:
+        # A bool is an int to Python, never a batch or a share: True was taken for 1.
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 100_000:
             raise InvalidRequest("batch must be 1 to 100000", path="batch")
-        if not isinstance(duty, int | float) or not 0 < duty <= 1:
+        if isinstance(duty, bool) or not isinstance(duty, int | float) or not 0 < duty <= 1:
             raise InvalidRequest("duty must be more than 0 and at most 1", path="duty")
         self.db = db
         self.retention = retention
@@ -167,7 +168,12 @@ class Pruner:
                     progress: Progress | None = None, max_batches: int | None = None
                     ) -> PruneReport:
         """Prune finished runs, then (with ``evidence``, a period and the right to) expire the
-        evidence past its period. ``dry_run``: count, change nothing."""
+        evidence past its period. ``dry_run``: count, change nothing. Both flags are True or
+        False (else ``INVALID_REQUEST`` naming it, before anything is read): ``dry_run="no"``
+        is not taken for a dry run, nor ``evidence="no"`` for expiring the evidence."""
+        for flag, value in (("dry_run", dry_run), ("evidence", evidence)):
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"{flag} must be True or False", path=flag)
         started = datetime.now(UTC)
         report = PruneReport(dry_run=dry_run)
         args = self._args()

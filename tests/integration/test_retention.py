@@ -326,6 +326,33 @@ def test_retention_settings_are_checked() -> None:
         Orchestrator(retention="30d")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("argument", "value"), [
+    ("batch", 0), ("batch", -1), ("batch", float("nan")), ("batch", 2.5), ("batch", "10"),
+    ("batch", True), ("batch", 100_001),
+    ("duty", 0), ("duty", -0.5), ("duty", 1.5), ("duty", float("nan")), ("duty", float("inf")),
+    ("duty", "0.5"), ("duty", True),
+    ("dry_run", "no"), ("dry_run", 0), ("evidence", "no"), ("evidence", 1),
+])
+async def test_a_prune_with_a_bad_argument_is_refused_before_anything_is_pruned(
+        make_app: Any, sql: Any, argument: str, value: Any) -> None:
+    """``app.prune(batch=, duty=, dry_run=, evidence=)`` refuses what is not one of them
+    (``INVALID_REQUEST`` naming it, as ``orchestrator prune --batch 0`` does) before it
+    prunes anything. ``batch=True`` was taken for a batch of 1 and ``duty=True`` for 1, and
+    ``dry_run="no"`` for a dry run: a flag is True or False, never a value's truth."""
+    app = shop(make_app(retention=NOW))
+    async with running(app):
+        run = await app.submit_async("pay", 500)
+        assert await run.result_async(timeout=20) == {"paid": 500}
+    with pytest.raises(InvalidRequest) as refused:
+        await app.prune_async(**{argument: value})
+    assert refused.value.path == argument
+    assert argument in refused.value.message
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.journal WHERE run_id = %s",
+                 run.id) == 3
+    assert count(sql, "SELECT count(*) AS n FROM orchestrator.runs "
+                      "WHERE pruned_at IS NOT NULL") == 0
+
+
 async def test_a_dry_run_counts_the_evidence_that_a_prune_expires(
         make_app: Any, sql: Any) -> None:
     """A parent's evidence goes only once its child's is gone: the dry run counts what the
