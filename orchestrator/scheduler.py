@@ -30,6 +30,7 @@ from orchestrator.admission import new_run
 from orchestrator.canonical import JsonLimits
 from orchestrator.db import runs as runs_db
 from orchestrator.db import schedules as sched_db
+from orchestrator.db import workers as workers_db
 from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.xact import answered_once
@@ -445,6 +446,14 @@ class ScheduleAdmin:
         rows = await self.database.read(sched_db.schedule_list)
         return [ScheduleInfo.from_row(row) for row in rows]
 
+    async def served(self) -> frozenset[str]:
+        """The workflow versions (``name@version``) that a live worker registers. A schedule
+        of another one fires runs that wait, queued, until a worker that has it starts
+        (docs/versioning.md): ``schedules list`` and ``show`` say so."""
+        workers = await self.database.read(lambda conn: workers_db.worker_list_live(
+            conn, within_seconds=admin.LIVE_WORKER_SECONDS))
+        return frozenset(key for worker in workers for key in worker["workflows"])
+
     async def get(self, schedule_id: str) -> ScheduleInfo:
         sid = check_schedule_id(schedule_id)
         row = await self.database.read(lambda conn: sched_db.schedule_get(conn, sid))
@@ -763,8 +772,11 @@ class Schedules:
     async def show_async(self, schedule_id: str) -> ScheduleDetail:
         return await self.admin.show(schedule_id)
 
-    async def delete_async(self, schedule_id: str) -> None:
-        await self.admin.delete(schedule_id)
+    async def delete_async(self, schedule_id: str) -> ScheduleInfo:
+        """Delete the schedule (see :meth:`ScheduleAdmin.delete`); the schedule as it stood,
+        as ``pause``, ``resume`` and ``update`` answer with the schedule they wrote. An
+        unknown id is ``INVALID_REQUEST`` (``path`` ``id``), as for them."""
+        return await self.admin.delete(schedule_id)
 
     async def pause_async(self, schedule_id: str) -> ScheduleInfo:
         return await self.admin.set_paused(schedule_id, True)
@@ -797,8 +809,8 @@ class Schedules:
     def show(self, schedule_id: str) -> ScheduleDetail:
         return self._call(self.show_async(schedule_id))  # type: ignore[no-any-return]
 
-    def delete(self, schedule_id: str) -> None:
-        self._call(self.delete_async(schedule_id))
+    def delete(self, schedule_id: str) -> ScheduleInfo:
+        return self._call(self.delete_async(schedule_id))  # type: ignore[no-any-return]
 
     def pause(self, schedule_id: str) -> ScheduleInfo:
         return self._call(self.pause_async(schedule_id))  # type: ignore[no-any-return]

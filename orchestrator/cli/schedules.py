@@ -31,7 +31,7 @@ from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
 from orchestrator.metrics import Metrics
 from orchestrator.records import ident, iso
-from orchestrator.scheduler import ScheduleAdmin, ScheduleInfo
+from orchestrator.scheduler import ScheduleAdmin, ScheduleDetail, ScheduleInfo
 from orchestrator.schedules import OVERLAP_POLICIES
 
 T = TypeVar("T")
@@ -139,10 +139,21 @@ def _state(info: ScheduleInfo) -> str:
     return "paused" if info.paused else "active"
 
 
+def blocked(info: ScheduleInfo, served: frozenset[str]) -> str | None:
+    """Why the runs the schedule fires do not start, as ``runs list`` says it of each: no
+    live worker registers its workflow version (None: one does)."""
+    key = f"{info.workflow}@{info.version}"
+    return None if key in served else f"no worker has {key}"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    shown = _admin(args, lambda admin: admin.list())
+    async def read(admin: ScheduleAdmin) -> tuple[list[ScheduleInfo], frozenset[str]]:
+        return await admin.list(), await admin.served()
+
+    shown, served = _admin(args, read)
     if args.json:
-        records.emit({"schedules": [record(s) for s in shown], "count": len(shown)})
+        records.emit({"schedules": [{**record(s), "blocked": blocked(s, served)}
+                                    for s in shown], "count": len(shown)})
         return 0
     if not shown:
         print("no schedules")
@@ -150,17 +161,24 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(render(["SCHEDULE", "WORKFLOW", "CRON", "TIMEZONE", "OVERLAP", "STATE", "NEXT SLOT",
                   "LAST SLOT", "BUFFERED"],
                  [[s.id, f"{s.workflow}@{s.version}", s.cron, s.timezone, s.overlap,
-                   _state(s), s.next_slot, s.last_slot, s.buffered] for s in shown]))
+                   "; ".join(filter(None, (_state(s), blocked(s, served)))),
+                   s.next_slot, s.last_slot, s.buffered] for s in shown]))
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     if args.recent < 0 or args.recent > 1000:
         raise InvalidRequest("--recent must be between 0 and 1000", path="recent")
-    detail = _admin(args, lambda admin: admin.show(args.id, recent=args.recent))
+
+    async def read(admin: ScheduleAdmin) -> tuple[ScheduleDetail, frozenset[str]]:
+        return await admin.show(args.id, recent=args.recent), await admin.served()
+
+    detail, served = _admin(args, read)
     info = detail.info
+    unserved = blocked(info, served)
     if args.json:
-        records.emit({**record(info), "upcoming": [iso(t) for t in detail.upcoming],
+        records.emit({**record(info), "blocked": unserved,
+                      "upcoming": [iso(t) for t in detail.upcoming],
                       "recent": [{"slot": iso(r["slot"]), "kind": r["kind"],
                                   "state": r["state"], "reason": r["reason"],
                                   "overlap": r["overlap"], "run_id": ident(r["run_id"]),
@@ -177,6 +195,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"runs as {info.owner.tenant}/{info.owner.principal} in "
           + (f"queue {info.queue}" if info.queue is not None else "the default queue")
           + f"; buffered slots: {info.buffered}")
+    if unserved is not None:
+        print(f"{unserved}: its runs wait, queued, until a worker that has workflow "
+              f"{info.workflow} version {info.version} starts (`orchestrator runs list "
+              f"--workflow {info.workflow}` shows them)")
     if detail.upcoming:
         print("next slots: " + ", ".join(
             f"{iso(t)} ({t.astimezone(zone):%Y-%m-%d %H:%M:%S %Z})" for t in detail.upcoming))

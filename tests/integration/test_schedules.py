@@ -17,7 +17,7 @@ import pytest
 from orchestrator import InvalidRequest, Orchestrator
 from orchestrator.errors import DatabaseError, IdempotencyConflict
 from orchestrator.retention import Pruner, Retention
-from orchestrator.scheduler import Scheduler
+from orchestrator.scheduler import ScheduleInfo, Scheduler
 from tests.clitools import run_cli
 from tests.integration import large_records_app
 from tests.integration.conftest import running, wait_for
@@ -371,6 +371,44 @@ async def test_the_cli_lists_shows_triggers_and_pauses(make_app, sql, migrated_d
     bad = run_cli(["schedules", "backfill", "s", "--from", "yesterday", "--to", "now"],
                   database_url=migrated_database_url)
     assert bad.returncode != 0 and "--from" in bad.stderr
+
+
+async def test_the_cli_says_when_no_worker_has_a_schedules_workflow(make_app, sql,
+                                                                      migrated_database_url):
+    """A schedule whose workflow version no live worker registers (removed from the code,
+    or its version retired) fires runs that wait, queued, until a worker that has it starts
+    (docs/versioning.md). ``runs list`` said so of each run; ``schedules list`` and ``show``
+    showed the schedule as plainly active, and its later slots as skipped for overlap. They
+    now say it too: ``blocked`` ``no worker has report@1``, null once a live worker has it."""
+    app = _app(make_app, [T0])
+    await app.schedules.create_async("s", "report", cron="*/5 * * * *")
+    await app.database.close()
+    fired = run_cli(["schedules", "trigger", "s"], database_url=migrated_database_url)
+    assert fired.returncode == 0, fired.stderr
+    listed = run_cli(["schedules", "list", "--json"], database_url=migrated_database_url)
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["schedules"][0]["blocked"] == "no worker has report@1"
+    table = run_cli(["schedules", "list"], database_url=migrated_database_url)
+    assert "no worker has report@1" in table.stdout
+    shown = run_cli(["schedules", "show", "s"], database_url=migrated_database_url)
+    assert shown.returncode == 0, shown.stderr
+    assert "no worker has report@1" in shown.stdout
+    assert "its runs wait, queued" in shown.stdout
+    as_json = run_cli(["schedules", "show", "s", "--json"], database_url=migrated_database_url)
+    assert json.loads(as_json.stdout)["blocked"] == "no worker has report@1"
+    # A live worker with another version does not serve it; one with report@1 does.
+    sql("""INSERT INTO orchestrator.workers (id, hostname, pid, workflows, concurrency,
+                                             heartbeat_at)
+           VALUES ('w-2', 'h', 1, ARRAY['report@2'], 1, now())""")
+    listed = run_cli(["schedules", "list", "--json"], database_url=migrated_database_url)
+    assert json.loads(listed.stdout)["schedules"][0]["blocked"] == "no worker has report@1"
+    sql("""INSERT INTO orchestrator.workers (id, hostname, pid, workflows, concurrency,
+                                             heartbeat_at)
+           VALUES ('w-1', 'h', 2, ARRAY['report@1'], 1, now())""")
+    listed = run_cli(["schedules", "list", "--json"], database_url=migrated_database_url)
+    assert json.loads(listed.stdout)["schedules"][0]["blocked"] is None
+    shown = run_cli(["schedules", "show", "s"], database_url=migrated_database_url)
+    assert "no worker has" not in shown.stdout
 
 
 async def test_the_cli_fires_under_the_applications_limits_with_app(make_app, sql,
@@ -813,6 +851,27 @@ async def test_a_delete_whose_commit_was_lost_reports_the_schedule_it_deleted(
         await app.schedules.delete_async("s")
     assert again.value.path == "id" and "no schedule s" in str(again.value)
     await app.database.close()
+
+
+def test_delete_answers_the_schedule_it_deleted_as_pause_and_resume_answer_theirs(
+        make_app, sql):
+    """``app.schedules.delete`` (and its twin) returns the schedule as it stood, as ``pause``,
+    ``resume`` and ``update`` return the schedule they wrote; an unknown id is refused as
+    they refuse it (``INVALID_REQUEST``, ``path`` ``id``)."""
+    app = _app(make_app, [T0])
+    app.schedules.create("s", "report", cron="0 * * * *")
+    made = app.schedules.create("t", "report", cron="0 * * * *")
+    paused = app.schedules.pause("s")
+    assert paused.paused
+    deleted = app.schedules.delete("s")
+    assert isinstance(deleted, ScheduleInfo)
+    assert deleted == paused
+    assert app.schedules.delete("t") == made
+    assert sql("SELECT id FROM orchestrator.schedules") == []
+    for method in (app.schedules.delete, app.schedules.pause, app.schedules.resume):
+        with pytest.raises(InvalidRequest) as missing:
+            method("s")
+        assert missing.value.path == "id" and "no schedule s" in missing.value.message
 
 
 async def test_what_an_operator_does_to_a_schedule_is_audited(make_app, sql,
