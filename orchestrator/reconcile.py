@@ -62,6 +62,10 @@ STOP_GRACE = 10.0
 """Seconds a stopping reconciler has, past its lookup's own ``lookup_timeout``, to record
 the answer before the rest is cancelled (a container's stop grace period must cover both:
 docker-compose.yml)."""
+LOOKUP_GRACE = 1.0
+"""Seconds a lookup has to end once cancelled (its timeout, a stop); one that catches
+``CancelledError`` and goes on is left behind then, not waited for."""
+_LEFT_BEHIND: set[asyncio.Task[Any]] = set()  # such lookups, kept until they end
 RESOLUTIONS = ("committed", "not_applied", "abandoned")
 THEN = ("resend", "fail")
 """What follows an operator's ``not_applied``: the call is sent again (a new attempt, outside
@@ -305,6 +309,9 @@ class Reconciler:
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # asked to stop again: the lookup under way is dropped
         self._wake = asyncio.Event()
+        # What stopped it: a listen_url found to reach another database once it could be
+        # reached (raised by run() after the stop).
+        self._misconfigured: ConfigurationError | None = None
 
     def request_stop(self) -> None:
         """Stop (what SIGTERM and SIGINT do): the lookup under way may answer and its answer
@@ -333,23 +340,24 @@ class Reconciler:
         (they would stop the reconciler to wait)."""
         with serving():
             await self._run()
+        if self._misconfigured is not None:
+            raise self._misconfigured
 
-    async def _check_listen_url(self) -> None:
+    async def _check_listen_url(self) -> bool:
         """The reconciler LISTENs on ``listen_url`` (docs/operations.md): one that reaches
         another database or server hears none of this database's notifications (a NOTIFY
         reaches the listeners of its own database only), and every unknown call would wait
-        for the poll without a word. Refused before anything is claimed, as a worker's is:
-        ``CONFIGURATION_ERROR``. The test is the workers' (an advisory lock taken there must
-        show in this database's ``pg_locks``); a ``listen_url`` that cannot be reached yet is
-        not refused (the listener tries again, as always)."""
+        for the poll without a word. Refused as a worker's is: ``CONFIGURATION_ERROR``. The
+        test is the workers' (an advisory lock taken there must show in this database's
+        ``pg_locks``). False when ``listen_url`` cannot be reached yet (nothing to check)."""
         target = self.db.target
         if target.listen_url is None:
-            return
+            return True
         probe = workers_db.LivenessLock(target.listen_url, secrets.randbits(62) + 1,
                                         options=connect_options(target, self.db.connect_timeout))
         try:
             if probe.key is None or not await probe.ensure():
-                return
+                return False
             async with self.db.connection() as conn:
                 seen = await workers_db.worker_lock_seen(conn, probe.key)
         finally:
@@ -361,11 +369,36 @@ class Reconciler:
                 "database's notifications, and every unknown operation would wait for the "
                 "poll; give listen_url the same server and database, reached directly "
                 "(docs/operations.md)")
+        return True
+
+    async def _check_listen_url_later(self) -> None:
+        """A ``listen_url`` that could not be reached at start is checked once it can be
+        (looked at every ``poll_interval``): one that reaches another database then stops
+        the reconciler, and :meth:`run` raises the error."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.poll_interval)
+            try:
+                if self._stop.is_set() or await self._check_listen_url():
+                    return
+            except ConfigurationError as exc:
+                log.error("%s stops: %s", self.id, exc.message)
+                self._misconfigured = exc
+                self.request_stop()
+                return
+            except OrchestratorError as exc:  # the check's read failed: tried again
+                log.warning("%s: could not check listen_url: %s", self.id, exc.code)
 
     async def _run(self) -> None:
         async with self.db.connection() as conn:
             await grants_db.require_privileges(conn, "reconciler")
-        await self._check_listen_url()
+        checking = None
+        if not await self._check_listen_url():
+            log.warning("%s: listen_url %s cannot be reached yet: until it can, unknown "
+                        "operations are found by polling (every %g s); it is checked to reach "
+                        "the database URL's database then", self.id,
+                        display_url(self.db.target.listen_url or ""), self.poll_interval)
+            checking = asyncio.ensure_future(self._check_listen_url_later())
         listen_stop = asyncio.Event()
         listener = asyncio.ensure_future(
             self.db.listen([RECONCILE_CHANNEL], lambda _c, _p: self._wake.set(), listen_stop))
@@ -378,11 +411,14 @@ class Reconciler:
                 listener.cancel()  # not even the listener's reconnection is waited for
             if pruning is not None:
                 pruning.cancel()
+            if checking is not None:
+                checking.cancel()
             with contextlib.suppress(BaseException):
                 await listener
-            if pruning is not None:
-                with contextlib.suppress(BaseException):
-                    await pruning
+            for task in (pruning, checking):
+                if task is not None:
+                    with contextlib.suppress(BaseException):
+                        await task
 
     async def _reconcile(self) -> None:
         while not self._stop.is_set():
@@ -623,9 +659,16 @@ class Reconciler:
         it raised, if anything."""
         assert tool.lookup_fn is not None
         raised: BaseException | None = None
+        lookup = asyncio.ensure_future(tool.lookup_fn(ctx, **arguments))
         try:
-            answer = await asyncio.wait_for(tool.lookup_fn(ctx, **arguments),
-                                            self.lookup_timeout)
+            try:
+                done, _ = await asyncio.wait([lookup], timeout=self.lookup_timeout)
+            finally:
+                if not lookup.done():  # its timeout, or the reconciler is being cancelled
+                    await self._let_go(lookup, tool)
+            if not done:
+                raise TimeoutError
+            answer = lookup.result()
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -640,6 +683,19 @@ class Reconciler:
             except InvalidRequest:
                 answer = StillUnknown("the lookup's receipt is not JSON")
         return answer, raised
+
+    async def _let_go(self, lookup: asyncio.Task[Any], tool: Tool) -> None:
+        """Cancel ``lookup`` and give it :data:`LOOKUP_GRACE` to end; one that does not (it
+        catches ``CancelledError`` and goes on) is left behind: it must not hold every other
+        item, nor a stop, for as long as it likes."""
+        lookup.cancel()
+        await asyncio.wait([lookup], timeout=LOOKUP_GRACE)
+        if not lookup.done():
+            log.warning("%s: the lookup of %s did not end when it was cancelled (it catches "
+                        "CancelledError?): left running, its answer not awaited", self.id,
+                        tool.name)
+            _LEFT_BEHIND.add(lookup)
+            lookup.add_done_callback(_LEFT_BEHIND.discard)
 
     def backoff(self, attempts: int) -> float:
         """A jittered exponential delay: between half and all of a window that doubles per

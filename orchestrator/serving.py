@@ -8,8 +8,8 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.db.database import Database
@@ -37,6 +37,12 @@ def stop_requested_early() -> None:
     ``workers/worker.py``): the process stops cleanly as soon as its worker or reconciler
     runs, as with :func:`catch_early_sigterm`."""
     _EARLY_STOP.set()
+
+
+def early_stop_requested() -> bool:
+    """Whether a SIGTERM came before the process's own stop handling began (see
+    :func:`catch_early_sigterm`): for an entry point that serves otherwise (the console)."""
+    return _EARLY_STOP.is_set()
 
 
 def listen_at(host: str, port: int | None) -> tuple[str, int] | None:
@@ -69,7 +75,60 @@ def run_until_stopped(create: Callable[[], Worker | Reconciler], *, database: Da
                 stop_exporter()
             await database.close()
 
-    asyncio.run(main())
+    run_bounded(main())
+
+
+STRAY_GRACE = 1.0
+"""Seconds the tasks still running once a worker or reconciler has stopped (a workflow whose
+drain ran out, and what it awaits) have to end once cancelled, before the process stops
+without them."""
+
+
+_LEFT_BEHIND: list[asyncio.Task[Any]] = []
+
+
+def run_bounded(main: Coroutine[Any, Any, None], grace: float = STRAY_GRACE) -> None:
+    """``asyncio.run(main)``, except that the tasks left when ``main`` returns are waited for
+    ``grace`` seconds once cancelled, not for ever: a tool that catches ``CancelledError`` and
+    goes on would otherwise hold the stop past the drain timeout (and the process manager's
+    grace period), until SIGKILL. What such a task had begun stays as the drain left it: its
+    call ``submitted``, its run's lease held until it lapses (C6)."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    finally:
+        try:
+            _cancel_stragglers(loop, grace)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _cancel_stragglers(loop: asyncio.AbstractEventLoop, grace: float) -> None:
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if not tasks:
+        return
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.wait(tasks, timeout=grace))
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({
+                "message": "unhandled exception during shutdown", "exception": task.exception(),
+                "task": task})
+    stuck = [task for task in tasks if not task.done()]
+    # Kept, not collected with the closed loop: a pending task destroyed is logged as an
+    # error, and its coroutine closed mid-flight raises its cancellation again.
+    _LEFT_BEHIND.extend(stuck)
+    if stuck:
+        log.warning("%d task%s still running %g s after %s cancelled (code that catches "
+                    "CancelledError and goes on): stopping without waiting for %s",
+                    len(stuck), "" if len(stuck) == 1 else "s", grace,
+                    "it was" if len(stuck) == 1 else "they were",
+                    "it" if len(stuck) == 1 else "them")
 
 
 def _start_exporter(service: Worker | Reconciler, listen: tuple[str, int],

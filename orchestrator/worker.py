@@ -155,6 +155,11 @@ class Worker:
         self._dirty: set[str | None] = {None}
         self._rate_wakes: dict[str, float] = {}
         self._registered = False  # its row written at start (a heartbeat before only updates)
+        # The liveness lock's session last seen in the database URL's pg_locks (its count of
+        # takings): a lock is published and relied on only once seen there; and the error
+        # that stopped the worker when it was not (raised by run() after the drain).
+        self._lock_checked = 0
+        self._misconfigured: ConfigurationError | None = None
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM and SIGINT do); asked again while draining, stop now:
@@ -177,17 +182,30 @@ class Worker:
         app's sync methods are refused on this loop (they would stop the worker to wait)."""
         with serving():
             await self._run(stop)
+        if self._misconfigured is not None:
+            raise self._misconfigured
 
-    async def _check_liveness_lock(self) -> None:
-        """The liveness lock is taken on the session URL (``listen_url`` behind a transaction
-        pooler) but tested in ``pg_locks`` of the database URL's database: one that another
-        database or server holds is never seen, and this worker would look dead to every
-        sweep at its first late heartbeat (its runs re-queued while their calls are in
-        flight). Refused before it registers: ``CONFIGURATION_ERROR``. A lock that cannot be
-        taken yet is tried again at each heartbeat, as always."""
-        key = self._liveness.key
-        if key is None or not await self._liveness.ensure():
-            return
+    @property
+    def _lock_held(self) -> bool:
+        """The liveness lock is held, and its session was seen in the database URL's
+        ``pg_locks`` (:meth:`_hold_lock`): only then is it published, and are runs claimed."""
+        return self._liveness.held and (self._liveness.key is None
+                                        or self._liveness.taken == self._lock_checked)
+
+    async def _hold_lock(self) -> bool:
+        """Hold the liveness lock (:meth:`LivenessLock.ensure`), and check each session it is
+        taken on anew. The lock is taken on the session URL (``listen_url`` behind a
+        transaction pooler) but tested in ``pg_locks`` of the database URL's database: one
+        that another database or server holds is never seen, and this worker would look dead
+        to every sweep at its first late heartbeat (its runs re-queued while their calls are
+        in flight). Such a lock is let go for good and ``CONFIGURATION_ERROR`` raised, before
+        it is published: at start, or whenever it is first taken (a ``listen_url`` that could
+        not be reached at start is checked once it can)."""
+        if not await self._liveness.ensure():
+            return False
+        key, taken = self._liveness.key, self._liveness.taken
+        if key is None or taken == self._lock_checked:
+            return True
         async with self.database.connection() as conn:
             seen = await workers_db.worker_lock_seen(conn, key)
         if not seen:
@@ -199,6 +217,33 @@ class Worker:
                 "dead at its first late heartbeat and re-queue its runs while their calls are "
                 "in flight; give listen_url the same server and database, reached directly "
                 "(docs/operations.md)")
+        self._lock_checked = taken
+        return True
+
+    async def _check_liveness_lock(self) -> None:
+        """At start: :meth:`_hold_lock` (a ``listen_url`` that reaches another database is
+        refused before the worker registers); one that cannot be reached yet is said, and
+        tried again at each heartbeat: the worker claims nothing until it holds the lock."""
+        if not await self._hold_lock():
+            log.warning("worker %s: its liveness lock cannot be taken on listen_url %s yet: "
+                        "it claims nothing until it can (tried at each heartbeat, and checked "
+                        "to reach the database URL's database then)", self.worker_id,
+                        display_url(self._liveness.url or ""))
+
+    async def _relock(self) -> bool:
+        """:meth:`_hold_lock` at a heartbeat: a lock that turns out to be held in another
+        database stops the worker (it drains), and :meth:`run` raises the error then."""
+        try:
+            return await self._hold_lock()
+        except ConfigurationError as exc:
+            log.error("worker %s stops: %s", self.worker_id, exc.message)
+            self._misconfigured = exc
+            self.request_stop()
+            return False
+        except OrchestratorError as exc:  # the check's read failed: tried again next beat
+            log.warning("worker %s: could not check its liveness lock: %s", self.worker_id,
+                        exc.code)
+            return False
 
     async def _run(self, stop: asyncio.Event | None) -> None:
         async with self.database.connection() as conn:  # before anything else starts
@@ -215,7 +260,7 @@ class Worker:
         heart = asyncio.ensure_future(self._heartbeat_loop())
         renewals = asyncio.ensure_future(self._renewal_loop())
         workflows = list(self.registry.workflows)
-        held = await self._liveness.ensure()  # before registering: never seen alive without
+        held = await self._relock()  # before registering: never seen alive without
         async with self.database.connection() as conn:
             if self.declared_queues:
                 await queues_db.queue_declare(conn, self.declared_queues)
@@ -247,7 +292,7 @@ class Worker:
                     last_sweep = time.monotonic()
                     await self._sweep()
                 free = self.concurrency - len(self._running)
-                if free > 0 and workflows and self._liveness.held and self._dirty:
+                if free > 0 and workflows and self._lock_held and self._dirty:
                     gap = last_claim + CLAIM_GAP - time.monotonic()
                     if self._running and gap > 0:
                         await asyncio.sleep(gap)
@@ -588,7 +633,7 @@ class Worker:
                 # network path dropped answers nothing until the kernel gives up (minutes),
                 # and the beat goes through the pool meanwhile.
                 if checking is None or checking.done():
-                    checking = asyncio.ensure_future(self._liveness.ensure())
+                    checking = asyncio.ensure_future(self._relock())
                 await self._beat()
         finally:
             if checking is not None and not checking.done():
@@ -602,7 +647,7 @@ class Worker:
     async def _beat(self) -> None:
         """One heartbeat; the row made again if it is gone. A failure is logged (the next beat
         tries again)."""
-        locked = self._liveness.held
+        locked = self._lock_held
         try:
             async with self.database.connection() as conn:
                 if not await workers_db.worker_heartbeat(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -36,6 +37,7 @@ from orchestrator.cli import (
 )
 from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS
 from orchestrator.errors import OrchestratorError
+from orchestrator.serving import catch_early_sigterm, stop_requested_early
 
 GROUPS: list[ModuleType] = [db, worker, workers, runs, replay, ops, incidents, schedules,
                             queues, retention, console, demo]
@@ -100,10 +102,14 @@ def error(message: str) -> None:
     print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line and return the process exit code."""
+def main(argv: Sequence[str] | None = None, *, early_sigterm: list[int] | None = None) -> int:
+    """Run the command line and return the process exit code. ``early_sigterm``: the SIGTERMs
+    an entry point kept while the package loaded (``workers/cli.py``), handed over once the
+    command is known (:func:`_hand_over_sigterm`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if early_sigterm is not None:
+        _hand_over_sigterm(args, early_sigterm)
     if args.func is None:
         args.help_parser.print_help(sys.stderr)
         return EXIT_ERROR
@@ -134,6 +140,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"run again with {ENV_DEBUG}=1 to see the traceback"
         )
         return EXIT_INTERNAL
+
+
+def _hand_over_sigterm(args: argparse.Namespace, kept: list[int]) -> None:
+    """A long-running command (``stops_on_sigterm``: worker, reconciler, console) takes SIGTERM
+    with the package's keeper from here on, and one that came while the package loaded stops
+    it cleanly as soon as it runs; any other command gets the default back, and dies of a
+    signal that came meanwhile, as it would have without the entry point's keeper."""
+    if getattr(args, "stops_on_sigterm", False):
+        catch_early_sigterm()
+        if kept:
+            stop_requested_early()
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if kept:
+        signal.raise_signal(signal.SIGTERM)
 
 
 def _stdout_closed() -> bool:

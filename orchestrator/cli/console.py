@@ -22,6 +22,7 @@ from typing import Any
 
 from orchestrator.cli.worker import load_app
 from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
+from orchestrator.serving import early_stop_requested
 from orchestrator.text import check_operator
 
 DEFAULT_OPERATOR = "operator"
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
                         help="what an operator may do: e.g. alice=read,resolve or bob=all "
                              "(read, resolve, bulk, cancel, incidents); repeat per operator; "
                              "without it an operator only reads")
-    parser.set_defaults(func=cmd_console)
+    parser.set_defaults(func=cmd_console, stops_on_sigterm=True)
 
 
 def loopback(host: str) -> bool:
@@ -138,14 +139,24 @@ def cmd_console(args: argparse.Namespace) -> int:
         print(f"sign in with this token (shown once): {tokens[args.operator]}", flush=True)
     else:
         print(f"sign in with a token of {args.token_file}", flush=True)
-    # uvicorn stops on SIGTERM or SIGINT, then raises the signal again with the handler it
-    # found: this one, so that a stop is a clean exit (0) rather than death by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _sig, _frame: None)
     # Open event streams (GET /api/runs/{id}/events) would hold a stop for as long as their
     # runs last: after STOP_GRACE seconds uvicorn cuts what is still open.
-    uvicorn.run(console, host=args.host, port=args.port, log_level="info",
-                proxy_headers=True, server_header=False, timeout_graceful_shutdown=STOP_GRACE)
+    server = uvicorn.Server(uvicorn.Config(
+        console, host=args.host, port=args.port, log_level="info", proxy_headers=True,
+        server_header=False, timeout_graceful_shutdown=STOP_GRACE))
+
+    def stop(_sig: int, _frame: object) -> None:
+        server.should_exit = True
+
+    # uvicorn stops on SIGTERM or SIGINT, then raises the signal again with the handler it
+    # found: this one, so that a stop is a clean exit (0) rather than death by the signal. A
+    # SIGTERM before uvicorn takes the signals (one that came while the process started, too)
+    # stops it as soon as it has started.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    if early_stop_requested():
+        server.should_exit = True
+    server.run()
     return 0
 
 

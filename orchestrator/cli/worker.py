@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
                              "docs/schedules.md)")
     add_log_format_argument(worker)
     add_metrics_arguments(worker)
-    worker.set_defaults(func=cmd_worker)
+    worker.set_defaults(func=cmd_worker, stops_on_sigterm=True)
 
     reconciler = subparsers.add_parser(
         "reconciler", help="resolve unknown operations with the tools' lookups until SIGTERM")
@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
                                  "notification came (default 1)")
     add_log_format_argument(reconciler)
     add_metrics_arguments(reconciler)
-    reconciler.set_defaults(func=cmd_reconciler)
+    reconciler.set_defaults(func=cmd_reconciler, stops_on_sigterm=True)
 
 
 def add_app_argument(parser: argparse.ArgumentParser) -> None:

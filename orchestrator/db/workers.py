@@ -57,6 +57,7 @@ class LivenessLock:
         self.key: int | None = key if url is not None else None
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._closed = False  # for good: the worker stopped
+        self.taken = 0  # how many times the lock was taken (a new session each time)
 
     async def ensure(self) -> bool:
         """Hold the lock, reconnecting if the connection was lost; True when held (always,
@@ -82,6 +83,7 @@ class LivenessLock:
             row = await cur.fetchone()
             if row is not None and row[0] and not self._closed:
                 self._conn = conn
+                self.taken += 1
                 return True
         except psycopg.Error:
             pass

@@ -119,6 +119,21 @@ async def record_idempotent(ctx: ToolContext, *, step: int) -> dict[str, Any]:
     return await _apply(ctx, step, call_id)
 
 
+@app.tool(effect="idempotent")
+async def stubborn(ctx: ToolContext, *, step: int) -> dict[str, Any]:
+    """Takes ``ACCEPTANCE_TOOL_DELAY`` seconds and swallows every cancellation meanwhile (a
+    tool that catches ``CancelledError`` and goes on)."""
+    call_id = await _record_call(ctx, step)
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + float(os.environ.get("ACCEPTANCE_TOOL_DELAY", "0"))
+    while loop.time() < ends:
+        try:
+            await asyncio.sleep(ends - loop.time())
+        except asyncio.CancelledError:
+            pass
+    return await _apply(ctx, step, call_id)
+
+
 @app.tool()
 async def record_gated(ctx: ToolContext, *, step: int) -> dict[str, Any]:
     """A consequential effect behind an authorisation stage (its intent is ``pending`` first)."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tomllib
 from urllib.parse import urlsplit
 
 import psycopg
@@ -156,3 +158,35 @@ def test_an_entry_point_keeps_a_sigterm_that_comes_while_the_package_loads(name)
                           text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stderr.strip().splitlines()[-1] == "kept", done.stderr
+
+
+@pytest.mark.parametrize(("command", "code"), [
+    (["worker", "--app", "tests.acceptance.flows:app"], 0),
+    (["reconciler", "--app", "tests.acceptance.flows:app"], 0),
+    (["console", "--port", "0"], 0),
+    (["runs", "list"], -signal.SIGTERM),  # a short command dies of it, as it always did
+])
+def test_the_console_script_keeps_a_sigterm_that_comes_while_the_package_loads(
+        workers, command, code):
+    """The ``orchestrator`` console script imports its target before anything runs: a SIGTERM
+    while the package loads (a process manager's stop of a worker still starting) must end a
+    long-running command cleanly, as ``python -m workers.worker`` does, not kill it (exit -15).
+    Run as the script pip writes runs it (``from MODULE import ATTR; sys.exit(ATTR())``), the
+    signal sent as the package's first import begins."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, attr = scripts["orchestrator"].partition(":")
+    probe = (
+        "import os, signal, sys\n"
+        "sent = []\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and args[0] == 'orchestrator' and not sent:\n"
+        "        sent.append(True)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.addaudithook(hook)\n"
+        f"sys.argv = ['orchestrator', *{command!r}]\n"
+        f"from {module} import {attr}\n"
+        f"sys.exit({attr}())\n")
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]

@@ -156,6 +156,34 @@ def test_drain_timeout_flag_bounds_the_stop(workers, client):
     assert status[0]["status"] in ("running", "queued")
 
 
+def test_drain_timeout_bounds_the_stop_of_a_tool_that_swallows_its_cancellation(
+        workers, client):
+    """A tool that catches ``CancelledError`` and goes on must not hold a stopping worker past
+    ``--drain-timeout`` (and the process manager's grace period after it): the process exits,
+    and the run keeps its call ``submitted`` and its lease until it lapses (C6)."""
+    a = workers.start("a", ACCEPTANCE_TOOL_DELAY="60", ACCEPTANCE_LEASE_TTL="60",
+                      args=["--drain-timeout", "1"])
+    run = client.submit(flows.one_call, {"tool": "stubborn"})
+    workers.wait(lambda: workers.sql("SELECT 1 FROM public.sink_calls WHERE run_id = %s",
+                                     (str(run.id),)), "the stubborn call to start", proc=a)
+    started = time.monotonic()
+    a.send_signal(signal.SIGTERM)
+    try:
+        code = a.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, workers.log("a")[-3000:]
+    assert time.monotonic() - started < 8, "the stop waited for the tool"
+    assert "1 task still running 1 s after it was cancelled" in workers.log("a")
+    assert not workers.sql("SELECT 1 FROM orchestrator.workers WHERE pid = %s", (a.pid,))
+    row = workers.sql("SELECT status, lease_owner FROM orchestrator.runs WHERE id = %s",
+                      (run.id,))[0]
+    assert row["status"] == "running" and row["lease_owner"] is not None
+    ops = workers.sql("SELECT state FROM orchestrator.operations WHERE run_id = %s",
+                      (run.id,))
+    assert [o["state"] for o in ops] == ["submitted"]
+
+
 def test_a_second_interrupt_ends_the_drain_at_once(workers, client):
     """Ctrl-C drains; a second Ctrl-C (or SIGTERM) stops without waiting out the drain
     timeout, as if it had passed: what an operator at a terminal expects."""

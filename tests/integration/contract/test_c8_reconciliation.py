@@ -598,6 +598,48 @@ def _two_parked_with_a_held_lookup(app):  # type: ignore[no-untyped-def]
     return wf, started, release, looked
 
 
+async def test_a_lookup_that_swallows_its_cancellation_holds_the_reconciler_no_longer(
+        app, sql, caplog):  # type: ignore[no-untyped-def]
+    """A lookup that catches ``CancelledError`` and goes on (here for 8 s) held the reconciler
+    past ``lookup_timeout``: the timeout cancelled it and then waited for it, and no other item
+    was looked up meanwhile (a stop waited for it the same way). It is given a moment once
+    cancelled, then left behind, its answer recorded as a timeout."""
+    import logging
+
+    from orchestrator import Committed
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + 8
+        while loop.time() < ends:
+            try:
+                await asyncio.sleep(ends - loop.time())
+            except asyncio.CancelledError:
+                pass
+        return Committed({"order": order})
+
+    @app.workflow()
+    async def wf(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async(wf, "o-1")
+        await wait_for(parked(sql, run))
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await asyncio.wait_for(app.create_reconciler(lookup_timeout=0.5).run_once(), 30) == 1
+    assert loop.time() - started < 4, "the reconciler waited for the lookup"
+    assert sql("SELECT answer FROM orchestrator.reconciliation_lookups") == [
+        {"answer": "still_unknown"}]
+    assert "did not end when it was cancelled" in caplog.text
+
+
 async def test_a_stopping_reconciler_records_the_lookup_under_way_and_starts_no_other(
         app, sql):  # type: ignore[no-untyped-def]
     """SIGTERM (``request_stop``) lets the lookup under way answer and its answer be recorded,

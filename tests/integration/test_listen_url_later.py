@@ -1,0 +1,160 @@
+"""A ``listen_url`` that cannot be reached when a worker or a reconciler starts: it starts (the
+database URL works; a worker claims nothing until it holds its liveness lock), and the check
+that ``listen_url`` reaches the database URL's database is made once it connects, before the
+lock is used. One that turns out to reach another database then stops it with
+``CONFIGURATION_ERROR``, as it would have at start."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from orchestrator.errors import ConfigurationError
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _at(url: str, port: int, database: str | None = None) -> str:
+    """``url`` reached through 127.0.0.1:``port`` (and in ``database``, if given)."""
+    parts = urlsplit(url)
+    userinfo, _, _ = parts.netloc.rpartition("@")
+    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+    return urlunsplit(parts._replace(netloc=netloc,
+                                     path=parts.path if database is None else f"/{database}"))
+
+
+@contextlib.asynccontextmanager
+async def _relay(port: int, url: str) -> AsyncIterator[None]:
+    """From now on, 127.0.0.1:``port`` leads to ``url``'s server (the path comes up)."""
+    parts = urlsplit(url)
+    pumps: set[asyncio.Task[None]] = set()
+
+    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        finally:
+            sink.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(parts.hostname or "127.0.0.1",
+                                                             parts.port or 5432)
+        pumps.add(asyncio.ensure_future(pump(reader, up_writer)))
+        pumps.add(asyncio.ensure_future(pump(up_reader, writer)))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < give_up, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_worker_checks_a_listen_url_that_comes_up_late_before_it_uses_its_lock(
+        make_app, sql, migrated_database_url) -> None:
+    """``listen_url`` names another database (the server's ``postgres``) and cannot be reached
+    at start, so the start's check was skipped; once it came up, the liveness lock taken there
+    was published and used without a word (a late beat then made the worker look dead to every
+    sweep, its runs re-queued while their calls were in flight). It is checked when it is
+    first taken: the worker never publishes it, and stops with ``CONFIGURATION_ERROR``."""
+    port = _free_port()
+    app = make_app(listen_url=_at(migrated_database_url, port, "postgres"), lease_ttl=1.5)
+    worker = app.create_worker(poll_interval=0.2, worker_id="W")
+    task = asyncio.ensure_future(worker.run())
+    try:
+        await _until(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = 'W'"),
+                     "the worker to register without its lock")
+        published: list[Any] = []
+        async with _relay(port, migrated_database_url):
+            give_up = asyncio.get_running_loop().time() + 15
+            while not task.done() and asyncio.get_running_loop().time() < give_up:
+                published += sql("SELECT lock_key FROM orchestrator.workers WHERE id = 'W' "
+                                 "AND lock_key IS NOT NULL")
+                await asyncio.wait([task], timeout=0.05)
+        assert published == []  # never used: no sweep could take it for dead
+        assert task.done(), "the worker went on"
+        with pytest.raises(ConfigurationError) as caught:
+            task.result()
+        assert "does not reach the database" in caught.value.message
+        assert sql("SELECT id FROM orchestrator.workers") == []
+    finally:
+        if not task.done():
+            worker.request_stop()
+            worker.request_stop()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 20)
+        await app.database.close()
+
+
+async def test_a_worker_whose_listen_url_comes_up_late_takes_its_lock_then(
+        make_app, sql, migrated_database_url) -> None:
+    """The same database reached directly, unreachable at start: the worker starts (it says
+    so), and takes and publishes its liveness lock once the path comes up."""
+    port = _free_port()
+    app = make_app(listen_url=_at(migrated_database_url, port), lease_ttl=1.5)
+    worker = app.create_worker(poll_interval=0.2, worker_id="W")
+    task = asyncio.ensure_future(worker.run())
+    try:
+        await _until(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = 'W'"),
+                     "the worker to register without its lock")
+        async with _relay(port, migrated_database_url):
+            await _until(lambda: task.done() or sql(
+                "SELECT 1 FROM orchestrator.workers WHERE id = 'W' AND lock_key IS NOT NULL"),
+                "the worker to publish its lock")
+            assert not task.done(), task.exception()
+            worker.request_stop()
+            await asyncio.wait_for(task, 20)
+    finally:
+        if not task.done():
+            worker.request_stop()
+            worker.request_stop()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 20)
+        await app.database.close()
+
+
+async def test_a_reconciler_checks_a_listen_url_that_comes_up_late(
+        make_app, migrated_database_url) -> None:
+    """The reconciler's LISTEN on a ``listen_url`` that reaches another database hears nothing;
+    refused at start, but not checked at all when ``listen_url`` could not be reached then.
+    It is checked once it can be: the reconciler stops with ``CONFIGURATION_ERROR``."""
+    port = _free_port()
+    app = make_app(listen_url=_at(migrated_database_url, port, "postgres"))
+    reconciler = app.create_reconciler(poll_interval=0.2)
+    task = asyncio.ensure_future(reconciler.run())
+    try:
+        await asyncio.sleep(1.0)
+        assert not task.done(), task.exception()  # started: the database URL works
+        async with _relay(port, migrated_database_url):
+            with pytest.raises(ConfigurationError) as caught:
+                await asyncio.wait_for(asyncio.shield(task), 15)
+        assert "does not reach the database" in caught.value.message
+        assert "reconciler" in caught.value.message
+    finally:
+        if not task.done():
+            reconciler.request_stop()
+            reconciler.request_stop()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 20)
+        await app.database.close()
