@@ -278,12 +278,15 @@ async def check_run(run: RecordedRun, registry: Registry,
             await asyncio.gather(task, return_exceptions=True)
         if commands.never is not None:  # branches the code left waiting end with the check
             commands.never.cancel()
+    # The code's own failure, taken here whatever decides (else the loop reports it as never
+    # retrieved once the task is gone).
+    raised = task.exception() if not task.cancelled() else None
     # A branch that differed decides, whether or not the code waited for it (as in a worker).
     failure: BaseException | None = commands.diverged
     if failure is None and waits:
         return _ended(run, key, commands, min(commands.waiting, default=commands.position))
     if failure is None:
-        failure = _deciding(task.exception() if not task.cancelled() else None)
+        failure = _deciding(raised)
     if isinstance(failure, Nondeterminism):
         return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
                        failure.recorded, failure.issued, f"NONDETERMINISM: {failure.report}")

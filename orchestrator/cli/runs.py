@@ -27,7 +27,7 @@ from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.journal import shown_payload
 from orchestrator.models import parse_run_id
 from orchestrator.operators import Operators
-from orchestrator.stream import RunStreams, check_cursor
+from orchestrator.stream import RunStreams, check_cursor, check_kept
 
 EXIT_NOT_SUCCEEDED = 1  # the CLI's EXIT_FINDING: `runs watch` of a run that failed or was cancelled
 
@@ -58,7 +58,8 @@ def register(subparsers: Any) -> None:
         "(under the column labels of `runs show`'s timeline), until the run ends; then "
         "print its outcome. Exit status: 0 the run succeeded, 1 it "
         "failed or was cancelled, 2 an error (e.g. ACCESS_DENIED for a run that does not "
-        "exist). Ctrl-C stops watching (status 130); the run goes on.")
+        "exist, RUN_PRUNED for one that retention pruned). Ctrl-C stops watching (status "
+        "130); the run goes on.")
     watch.add_argument("run_id")
     watch.add_argument("--after", type=int, default=0, metavar="N",
                        help="begin after the entry whose seq is N (default 0: from the first); "
@@ -274,7 +275,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("created", run["created_at"]),
         ("finished", run["finished_at"]),
         ("pruned", None if run.get("pruned_at") is None else
-         f"{run['pruned_at']} (journal, input and result deleted by retention)"),
+         f"{cell(run['pruned_at'])} (journal, input and result deleted by retention)"),
         ("parent", run["parent_run_id"]),
         ("restarts", run.get("restarted_from")),
         ("continues", run.get("continued_from")),
@@ -369,7 +370,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 async def _watch(db: Database, run_id: Any, after: int, as_json: bool) -> int:
-    """Print the run's entries as they come, then its outcome; the exit status."""
+    """Print the run's entries as they come, then its outcome; the exit status. A pruned
+    run's entries after ``after`` are gone: ``RUN_PRUNED``, as its stream is everywhere."""
+    async with db.connection() as conn:
+        found = await runs_db.run_get(conn, run_id, result=False)
+    if found is None:
+        raise AccessDenied("the run does not exist or is not accessible")
+    check_kept(found, after)
     streams = RunStreams(db)
     headed = as_json  # JSON lines are labelled by their keys
     try:
@@ -412,6 +419,9 @@ def entry_line(e: dict[str, Any]) -> str:
 def outcome_line(run: dict[str, Any]) -> str:
     """A finished run's outcome in a line: its status, and its result or its public error."""
     head = f"run {run['id']} {run['status']}"
+    if run["outcome_code"] == runs_db.CONTINUED and run.get("superseded_by") is not None:
+        # No result of its own: the chain goes on (and its result comes) in that run.
+        return f"{head} ({run['outcome_code']}): it continued as run {run['superseded_by']}"
     if run["status"] == "succeeded":
         return f"{head}; result {clip(json.dumps(run['result'], sort_keys=True), 200)}"
     error = run["error"] or {}

@@ -302,6 +302,33 @@ def test_runs_show_names_both_ends_of_a_continuation(make_app: Any,
     assert [v.verdict for v in verdicts] == ["ok", "ok"], verdicts
 
 
+def test_runs_watch_of_a_continued_run_ends_naming_the_run_it_went_on_as(
+        make_app: Any, migrated_database_url: str) -> None:
+    """A continued run ended without a result of its own: `runs watch` ends with the run it
+    went on as (follow that one next, docs/streams.md), not with `result null`."""
+    app = make_app()
+
+    @app.workflow()
+    async def twice(ctx, n):  # type: ignore[no-untyped-def]
+        if n == 0:
+            ctx.continue_as_new(1)
+        return n
+
+    async def go() -> Any:
+        async with running(app):
+            handle = await app.submit_async("twice", 0)
+            assert await handle.result_async(timeout=30) == 1
+            return handle, (await handle.info_async()).superseded_by
+
+    first, second = asyncio.run(go())
+    watched = run_cli(["runs", "watch", str(first.id)], database_url=migrated_database_url)
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.splitlines()[-1] == (
+        f"run {first.id} succeeded (CONTINUED_AS_NEW): it continued as run {second}")
+    last = run_cli(["runs", "watch", str(second)], database_url=migrated_database_url)
+    assert last.stdout.splitlines()[-1] == f"run {second} succeeded; result 1"
+
+
 async def test_the_console_links_both_ends_of_a_continuation(make_app: Any) -> None:
     app = make_app()
 

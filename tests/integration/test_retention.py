@@ -308,6 +308,30 @@ def test_the_prune_and_evidence_commands(make_app: Any, migrated_database_url: s
     assert bad.returncode == 2 and "must be a period" in bad.stderr
 
 
+def test_runs_show_gives_the_time_a_run_was_pruned_as_it_gives_its_other_times(
+        make_app: Any, migrated_database_url: str) -> None:
+    """`runs show` of a pruned run says `pruned: <time>` in UTC with `Z`, as `created:` and
+    `finished:` are, not as Python's isoformat (`+00:00`, microseconds)."""
+    url = migrated_database_url
+    app = shop(make_app())
+
+    async def drive() -> Any:
+        async with running(app):
+            run = await app.submit_async("pay", 1)
+            await run.result_async(timeout=20)
+        await Pruner(app.database, NOW).prune()
+        return await run.info_async()
+
+    info = asyncio.run(drive())
+    shown = run_cli(["runs", "show", str(info.id)], database_url=url)
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(re.findall(r"^([a-z ]+):\s+(.*)$", shown.stdout, re.MULTILINE))
+    assert info.pruned_at is not None
+    stamp = info.pruned_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    assert fields["pruned"] == f"{stamp} (journal, input and result deleted by retention)"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", fields["finished"])
+
+
 def test_retention_settings_are_checked() -> None:
     assert parse_period("30d", "p") == timedelta(days=30)
     assert parse_period("90m", "p") == timedelta(minutes=90)

@@ -4,7 +4,9 @@ the offline replay check, library and CLI, which dispatches nothing."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,22 @@ async def test_other_arguments_a_dropped_command_and_a_run_in_flight(make_app: A
     (in_flight,) = await replay_async(app, [parked.id])
     assert in_flight.ok and in_flight.position == 1  # waits for its event there
     assert "history ends at position 1" in in_flight.message
+
+
+async def test_a_check_that_finds_a_difference_leaves_no_task_error_behind(
+        make_app: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The check reports the first difference in its verdict, and that is all it says:
+    the code's failure is taken, not left for the event loop to complain about (`Task
+    exception was never retrieved` on stderr after the report of `orchestrator replay`)."""
+    app = build("old", make_app())
+    async with running(app):
+        run = await app.submit_async("steps", 3)
+        assert await run.result_async(timeout=20) == 3
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    (found,) = await replay_async(build("reordered", make_app()), [run.id])
+    assert found.verdict == "nondeterminism"
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 async def _status(app: Orchestrator, run_id: Any) -> bool:

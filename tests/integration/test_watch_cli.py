@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from datetime import timedelta
 
-from orchestrator import WorkflowError
+from orchestrator import Retention, WorkflowError
 from orchestrator.cli.records import iso
+from orchestrator.retention import Pruner
 from tests.integration.conftest import running, wait_for
 from tests.integration.test_ops_bulk import cli
 
@@ -109,3 +111,30 @@ async def test_watch_refuses_a_missing_run_and_a_bad_cursor(migrated_database_ur
     assert (code, out) == (2, "") and "INVALID_REQUEST" in err and "after" in err
     code, out, err = await cli(url, "runs", "watch", "not-a-run")
     assert (code, out) == (2, "") and "INVALID_REQUEST" in err
+
+
+async def test_watch_of_a_pruned_run_says_so_instead_of_an_empty_stream(
+        make_app, sql, migrated_database_url):
+    """A run that retention pruned has no journal to follow: `runs watch` answers
+    `RUN_PRUNED` (exit 2, nothing on stdout) as its stream does everywhere else
+    (docs/retention.md), not an empty timeline and a `result null` the run never had; a
+    cursor already at its end has nothing to miss."""
+    url = migrated_database_url
+    app, pay = _app(make_app)
+    async with running(app):
+        run = await app.submit_async(pay, {"cents": 5})
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'waiting'")) == 1)
+        await app.send_event_async(run.id, "go")
+        await run.result_async(timeout=20)
+    revision = (await run.info_async()).revision
+    report = await Pruner(app.database, Retention(finished_runs=timedelta(0),
+                                                  evidence=None)).prune()
+    assert report.runs == 1
+    code, out, err = await cli(url, "runs", "watch", str(run.id))
+    assert (code, out) == (2, ""), (out, err)
+    assert "RUN_PRUNED" in err
+    code, out, err = await cli(url, "runs", "watch", str(run.id), "--json")
+    assert (code, out) == (2, "") and "RUN_PRUNED" in err
+    code, out, err = await cli(url, "runs", "watch", str(run.id), "--after", str(revision))
+    assert code == 0 and out.startswith(f"run {run.id} succeeded"), (out, err)
