@@ -32,9 +32,9 @@ RUN_STATUSES = ("queued", "running", "waiting", "needs_reconciliation", "succeed
                 "cancelled")
 
 
-def parse_run_id(value: Any) -> uuid.UUID:
-    """A run id as a UUID (a ``UUID`` or its text), else ``INVALID_REQUEST`` naming
-    ``run_id``."""
+def parse_run_id(value: Any, field: str = "run_id") -> uuid.UUID:
+    """A run id as a UUID (a ``UUID`` or its text), else ``INVALID_REQUEST`` naming ``field``
+    (``run_id``, or the name the caller gave it, such as the console's filter ``run``)."""
     if isinstance(value, uuid.UUID):
         return value
     if isinstance(value, str):
@@ -42,7 +42,7 @@ def parse_run_id(value: Any) -> uuid.UUID:
             return uuid.UUID(value)
         except ValueError:
             pass
-    raise InvalidRequest(f"run_id must be a run id (a UUID), not {value!r}", path="run_id")
+    raise InvalidRequest(f"{field} must be a run id (a UUID), not {value!r}", path=field)
 
 
 def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any = None,

@@ -265,6 +265,18 @@ def check_operation_id(value: Any) -> int:
     return value
 
 
+def parse_operation_id(value: Any) -> int:
+    """An operation id given as text (a path's: whole ASCII digits) or as an int, checked as
+    :func:`check_operation_id`; anything else is ``INVALID_REQUEST`` naming ``operation_id``,
+    as a malformed run id names ``run_id``."""
+    if isinstance(value, str) and is_number(value, 19):
+        value = int(value)
+    if type(value) is not int:
+        raise InvalidRequest(f"operation_id must be an operation id (a positive integer), "
+                             f"not {str(value)[:40]!r}", path="operation_id")
+    return check_operation_id(value)
+
+
 class Operators:
     """Operator actions on one database, with the host's operator scopes and incident
     readers (see the module docstring for the rules)."""
@@ -329,22 +341,36 @@ class Operators:
         (it said something, kept in its ``incident``) and ``reason``: what it said, for an
         incident reader, else None. ``reasons`` says which: ``shown``, ``withheld`` (the
         operator lacks the incident-reader grant) or ``unreadable`` (the database role may
-        read only the incidents' summary, ``db grant --no-incident-details``)."""
+        read only the incidents' summary, ``db grant --no-incident-details``).
+
+        ``wait`` is None for a queued operation. One whose call is still under way (its call
+        in flight or not sent yet, or unknown and sent again by its run itself), which
+        :meth:`resolve_committed` and the others refuse with ``OPERATION_IN_PROGRESS``, is
+        shown as well, its item's fields None and ``wait`` saying what to wait for; any
+        other operation outside the queue is refused as they refuse it."""
         check_operation_id(operation_id)
         tenants = self.tenants_of(operator)
+        wait = None
         async with self.db.connection() as conn:
             item = await recon_db.recon_get(conn, operation_id, tenants=tenants)
             if item is None:
-                raise await reconcile.not_queued(conn, operation_id, tenants)
+                refused = await reconcile.not_queued(conn, operation_id, tenants)
+                item = (await recon_db.operation_unqueued(conn, operation_id)
+                        if isinstance(refused, OperationInProgress) else None)
+                if item is None:
+                    raise refused
+                wait = refused.message
             attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
             shown = {
                 **item,
+                "wait": wait,
                 "attempts": attempts,
                 "incidents": await incidents_of_operations(
                     conn, item["run_id"], [a["id"] for a in attempts]),
-                "lookups": await recon_db.recon_lookups(conn, item["item_id"]),
+                "lookups": ([] if item["item_id"] is None
+                            else await recon_db.recon_lookups(conn, item["item_id"])),
                 "journal": await journal_db.journal_read(conn, item["run_id"]),
-                "audit": await recon_db.audit_list(conn, target_id=str(operation_id),
+                "audit": await recon_db.audit_list(conn, operation_id=operation_id,
                                                    tenants=tenants),
             }
         return await self._with_reasons(shown, operator)
@@ -587,6 +613,4 @@ class Operators:
         ``operator``'s tenants: each row belongs to the tenant of the operation it acted on."""
         tenants = self.tenants_of(operator)
         async with self.db.connection() as conn:
-            return await recon_db.audit_list(
-                conn, target_id=None if operation_id is None else str(operation_id),
-                tenants=tenants)
+            return await recon_db.audit_list(conn, operation_id=operation_id, tenants=tenants)

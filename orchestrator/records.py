@@ -196,6 +196,7 @@ def item_detail(d: Mapping[str, Any]) -> dict[str, Any]:
                    "action": a["action"], "evidence": a["evidence"], "before": a["before"],
                    "after": a["after"]} for a in d["audit"]],
         "journal": [journal_entry(e) for e in d["journal"]],
+        "wait": d["wait"],
     }
 
 

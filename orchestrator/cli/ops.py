@@ -46,9 +46,10 @@ def register(subparsers: Any) -> None:
     json_option(ls)
     ls.set_defaults(func=cmd_list)
 
-    show = commands.add_parser("show", help="a queued operation: intent, arguments, attempts, "
-                                            "lookups, timeline (`runs show` lists every operation "
-                                            "of a run)")
+    show = commands.add_parser("show", help="a queued operation (or one whose call is still "
+                                            "under way: what to wait for): intent, arguments, "
+                                            "attempts, lookups, timeline (`runs show` lists "
+                                            "every operation of a run)")
     show.add_argument("operation_id", type=int)
     operator_options(show, operator_required=False)
     json_option(show)
@@ -131,7 +132,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
         ("owner", f"{d['tenant']}/{d['principal']}"),
         ("run", f"{d['run_id']} ({d['run_status']})"),
-        ("state", f"operation {d['operation_state']}; queue item {d['item_state']}"
+        ("state", f"operation {d['operation_state']}; "
+                  + (f"queue item {d['item_state']}" if d["item_state"] is not None
+                     else "not in the reconciliation queue")
                   + (f", resolved as {d['resolution']}" if d["resolution"] else "")),
         ("reason", d["reason"]),
         ("intent", d["intent_digest"]),
@@ -167,7 +170,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(render(["SEQ", "AT", "POS", "EVENT", "NAME"],
                  [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"]]
                   for e in d["journal"]]))
-    if d["item_state"] != "resolved":
+    if d["wait"] is not None:  # a call still under way: nothing to settle yet
+        print(f"\nwait: {d['wait']}")
+    elif d["item_state"] != "resolved":
         op = d["operation_id"]
         print(f"\nnext: orchestrator ops resolve {op} --committed --receipt JSON --evidence TEXT"
               f" --operator NAME\n      orchestrator ops resolve {op} --not-applied "

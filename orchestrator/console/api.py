@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import anyio
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,6 +34,7 @@ from orchestrator.errors import (
     PayloadTooLarge,
     ResolutionConflict,
 )
+from orchestrator.models import parse_run_id
 from orchestrator.operators import MAX_IDS, UNRESOLVED
 from orchestrator.stream import check_topics
 from orchestrator.text import is_number
@@ -81,9 +83,26 @@ def parse_age(text: str | None) -> float | None:
 
 def queue_filter(source: Callable[[str], str | None]) -> dict[str, Any]:
     """The queue's filters (``tool``, ``older_than``, ``key``, ``run``, ``workflow``) as
-    :meth:`ConsoleService.queue` keywords; ``source(name)`` reads one (None: not given)."""
+    :meth:`ConsoleService.queue` keywords; ``source(name)`` reads one (None: not given). A
+    malformed ``run`` is refused under that name, not as the keyword ``run_id``."""
+    run = source("run")
     return {"tool": source("tool"), "older_than": parse_age(source("older_than")),
-            "key": source("key"), "run_id": source("run"), "workflow": source("workflow")}
+            "key": source("key"), "run_id": None if run is None else str(parse_run_id(run, "run")),
+            "workflow": source("workflow")}
+
+
+BULK_PATHS = frozenset({"resolve-many", "abandon-many"})
+"""The paths beside ``/api/operations/{id}`` that take POST only."""
+
+
+def operation_param(request: Request, post_only: frozenset[str]) -> str:
+    """The path's ``operation_id`` as given (the service parses it: ``INVALID_REQUEST`` for
+    one that is not an id); a path beside it that takes POST only, asked with GET, is 405
+    as for any path served for other methods."""
+    given: str = request.path_params["operation_id"]
+    if given in post_only:
+        raise HTTPException(status_code=405)
+    return given
 
 
 def id_list(value: Any) -> list[int]:
@@ -293,10 +312,10 @@ class Api:
             Route("/api/operations", get(self.queue)),
             Route("/api/operations/resolve-many", post(self.resolve_many), methods=["POST"]),
             Route("/api/operations/abandon-many", post(self.abandon_many), methods=["POST"]),
-            Route("/api/operations/{operation_id:int}", get(self.operation)),
-            Route("/api/operations/{operation_id:int}/resolve", post(self.resolve),
+            Route("/api/operations/{operation_id}", get(self.operation)),
+            Route("/api/operations/{operation_id}/resolve", post(self.resolve),
                   methods=["POST"]),
-            Route("/api/operations/{operation_id:int}/abandon", post(self.abandon),
+            Route("/api/operations/{operation_id}/abandon", post(self.abandon),
                   methods=["POST"]),
             Route("/api/workers", get(self.workers)),
             Route("/api/queues", get(self.queues)),
@@ -361,7 +380,7 @@ class Api:
         return documents.queue(page)
 
     async def operation(self, request: Request, access: Access) -> Any:
-        shown = await self.service.operation(access, request.path_params["operation_id"])
+        shown = await self.service.operation(access, operation_param(request, BULK_PATHS))
         return records.item_detail(shown)
 
     async def workers(self, request: Request, access: Access) -> Any:

@@ -27,7 +27,14 @@ from starlette.routing import Route
 
 from orchestrator import records
 from orchestrator.console import documents
-from orchestrator.console.api import RUN_FILTERS, id_list, int_param, queue_filter, text_param
+from orchestrator.console.api import (
+    RUN_FILTERS,
+    id_list,
+    int_param,
+    operation_param,
+    queue_filter,
+    text_param,
+)
 from orchestrator.console.grants import Access
 from orchestrator.console.service import INPUT_SHOWN, ConsoleService
 from orchestrator.console.web import (
@@ -161,8 +168,8 @@ class Pages:
             Route("/runs/{run_id}/cancel", act(self.cancel), methods=["POST"]),
             Route("/operations", page(self.queue)),
             Route("/operations/bulk", act(self.bulk), methods=["POST"]),
-            Route("/operations/{operation_id:int}", page(self.operation)),
-            Route("/operations/{operation_id:int}/resolve", act(self.resolve),
+            Route("/operations/{operation_id}", page(self.operation)),
+            Route("/operations/{operation_id}/resolve", act(self.resolve),
                   methods=["POST"]),
             Route("/workers", page(self.workers)),
             Route("/queues", page(self.queues)),
@@ -346,7 +353,7 @@ class Pages:
                         error: OrchestratorError | None = None,
                         form: Mapping[str, str] | None = None) -> Response:
         shown = records.item_detail(await self.service.operation(
-            access, request.path_params["operation_id"]))
+            access, operation_param(request, frozenset({"bulk"}))))
         return self.render(request, "operation.html", access, status=status, nav="queue",
                            d=shown, failure=None if error is None else public(error),
                            form=form or {})

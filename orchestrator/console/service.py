@@ -39,7 +39,7 @@ from orchestrator.operators import (
     UNRESOLVED,
     BulkSummary,
     Operators,
-    check_operation_id,
+    parse_operation_id,
 )
 from orchestrator.queues import QueueAdmin, QueueInfo
 from orchestrator.reconcile import THEN
@@ -395,22 +395,23 @@ class ConsoleService:
         return Page(shown, item_cursor(shown[-1]["created_at"], shown[-1]["item_id"])
                     if len(rows) > count else None)
 
-    async def operation(self, access: Access, operation_id: int) -> dict[str, Any]:
-        """``ops show``'s view; what lookups said only with the ``incidents`` grant."""
+    async def operation(self, access: Access, operation_id: Any) -> dict[str, Any]:
+        """``ops show``'s view; what lookups said only with the ``incidents`` grant.
+        ``operation_id`` as :func:`~orchestrator.operators.parse_operation_id` takes it."""
         self.tenants(access)
-        shown = await self.ops.show(operation_id, operator=access.operator)
+        shown = await self.ops.show(parse_operation_id(operation_id), operator=access.operator)
         if not access.may("incidents") and shown["reasons"] == "shown":
             shown = {**shown, "reasons": "withheld",
                      "lookups": [{**x, "reason": None} for x in shown["lookups"]]}
         return shown
 
-    async def resolve(self, access: Access, operation_id: int, *, resolution: str,
+    async def resolve(self, access: Access, operation_id: Any, *, resolution: str,
                       evidence: str, receipt: Any = None, then: str | None = None) -> str:
         """``committed`` (with ``receipt``), ``not_applied`` (``then`` resend, the default, or
         fail) or ``abandoned``; ``resolved`` or ``noop`` (already so), as ``ops resolve``."""
         self.tenants(access)
         access.need("resolve")
-        check_operation_id(operation_id)
+        operation_id = parse_operation_id(operation_id)
         _check_resolution(resolution, receipt, then)
         if resolution == "committed":
             return await self.ops.resolve_committed(operation_id, receipt=receipt,

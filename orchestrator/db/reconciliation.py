@@ -262,6 +262,28 @@ async def operation_outside_queue(conn: Conn, operation_id: int) -> dict[str, An
     return await cur.fetchone()
 
 
+async def operation_unqueued(conn: Conn, operation_id: int) -> dict[str, Any] | None:
+    """An operation that has no reconciliation item, with the columns of one that has (its
+    item's all NULL): what ``ops show`` gives of a call still under way."""
+    cur = await conn.execute(
+        f"""
+        SELECT NULL::bigint AS item_id, o.id AS operation_id, o.run_id, NULL::text AS reason,
+               NULL::text AS item_state, NULL::int AS lookup_attempts,
+               NULL::timestamptz AS next_attempt_at, NULL::text AS claimed_by,
+               NULL::timestamptz AS claimed_until, NULL::text AS resolution,
+               NULL::jsonb AS evidence, NULL::timestamptz AS created_at,
+               NULL::timestamptz AS resolved_at, o.position, o.attempt, o.tool_name,
+               o.tool_version, o.effect_class, o.tenant, o.principal, o.intent_digest,
+               o.arguments, o.idempotency_key, o.state AS operation_state, o.receipt,
+               o.receipt_digest, o.submitted_at, o.worker_id,
+               (SELECT status FROM {S}.runs r WHERE r.id = o.run_id) AS run_status
+        FROM {S}.operations o WHERE o.id = %s
+        """,
+        (operation_id,),
+    )
+    return await cur.fetchone()
+
+
 async def operation_then(conn: Conn, operation_id: int) -> str | None:
     """What was chosen to follow a ``not_applied`` resolution of an operation (``resend`` or
     ``fail``; None: a lookup's answer, which leaves it to the retry policy)."""
@@ -447,16 +469,18 @@ async def audit_record(
     )
 
 
-async def audit_list(conn: Conn, *, target_id: str | None = None,
+async def audit_list(conn: Conn, *, operation_id: int | None = None,
                      tenants: list[str] | None = None) -> list[dict[str, Any]]:
-    """Audit rows, oldest first: of one target (``target_id``) or all, of ``tenants`` only
-    (None: every row, including those without a tenant)."""
+    """Audit rows, oldest first: of one operation (its kind and id: a queue or a schedule may
+    have the same id) or all, of ``tenants`` only (None: every row, including those without
+    a tenant)."""
     cur = await conn.execute(
         f"""SELECT id, created_at, operator, action, target_kind, target_id, tenant, evidence,
                    before, after FROM {S}.operator_audit
-            WHERE (%(target)s::text IS NULL OR target_id = %(target)s)
+            WHERE (%(target)s::text IS NULL
+                   OR (target_kind = 'operation' AND target_id = %(target)s))
               AND (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
             ORDER BY id""",
-        {"target": target_id, "tenants": tenants},
+        {"target": None if operation_id is None else str(operation_id), "tenants": tenants},
     )
     return await cur.fetchall()

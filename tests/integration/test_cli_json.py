@@ -79,8 +79,9 @@ async def test_every_list_and_show_prints_one_json_document(make_app, sql,
     assert code == 0, err
     detail = json.loads(out)
     assert set(detail) == {"item", "evidence", "attempts", "incidents", "lookups", "reasons",
-                           "audit", "journal"}
+                           "audit", "journal", "wait"}
     assert detail["item"]["operation_id"] == str(op) and detail["item"]["receipt"] is None
+    assert detail["wait"] is None  # a queued operation: the operator's to settle
     assert [a["operation_id"] for a in detail["attempts"]] == [str(op)]
     ref = detail["incidents"][0]["ref"]
 

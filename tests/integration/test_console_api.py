@@ -777,9 +777,9 @@ async def test_the_reconciliation_queue_is_paged_by_the_next_cursor_each_item_on
 
 async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_progress(
         make_app, sql):  # type: ignore[no-untyped-def]
-    """An operation still ``submitted`` is not unknown: the API's resolve, abandon and show,
-    and the page's resolve form, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and
-    write nothing."""
+    """An operation still ``submitted`` is not unknown: the API's resolve and abandon, and
+    the page's resolve form, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and write
+    nothing; the API and the page show it, with what to wait for and no resolve form."""
     app = make_app(operator_scopes=SCOPES)
     pay, entered, release = charge_in_flight(app)
 
@@ -793,8 +793,7 @@ async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_pro
                 await alice.post(f"/api/operations/{op['id']}/resolve", {
                     "resolution": "committed", "receipt": {"charge": "o1"},
                     "evidence": "PSP shows it"}),
-                await alice.post(f"/api/operations/{op['id']}/abandon", {"evidence": "no"}),
-                await alice.get(f"/api/operations/{op['id']}")]
+                await alice.post(f"/api/operations/{op['id']}/abandon", {"evidence": "no"})]
             for answer in answers:
                 assert answer.status_code == 409, answer.text
                 said = answer.json()
@@ -805,10 +804,83 @@ async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_pro
             page = await alice.form(f"/operations/{op['id']}/resolve", {
                 "resolution": "not_applied", "evidence": "no charge"})
             assert page.status_code == 409 and "OPERATION_IN_PROGRESS" in page.text
+            shown = await alice.get(f"/api/operations/{op['id']}")
+            assert shown.status_code == 200, shown.text
+            d = shown.json()
+            assert (d["item"]["operation_id"], d["item"]["run_id"]) == (str(op["id"]),
+                                                                        str(run.id))
+            assert (d["item"]["operation_state"], d["item"]["item_state"]) == ("submitted", None)
+            assert d["item"]["tool_name"] == "charge" and d["lookups"] == []
+            assert [a["state"] for a in d["attempts"]] == ["submitted"]
+            assert d["wait"].startswith(f"operation {op['id']} is submitted: its call is in "
+                                        "flight") and "wait" in d["wait"], d
+            page = await alice.get(f"/operations/{op['id']}")
+            assert page.status_code == 200, page.text
+            text = html.unescape(page.text)
+            assert d["wait"] in text and 'id="wait"' in page.text
+            assert 'id="resolve-committed"' not in page.text
+            async with Client(console, "bob") as bob:  # another tenant's: as a missing one
+                hidden = await bob.get(f"/api/operations/{op['id']}")
+                assert hidden.status_code == 404 and hidden.json()["code"] == "ACCESS_DENIED"
             assert audit(sql) == []
         finally:
             release.set()
         assert await run.result_async(timeout=10) == {"charge": "o1"}
+    await app.database.close()
+
+
+async def test_a_malformed_id_in_a_path_is_400_invalid_request_naming_it(
+        make_app):  # type: ignore[no-untyped-def]
+    """An id in a path that is not an id is bad input: 400 ``INVALID_REQUEST`` naming the
+    field, for an operation (not a positive integer) as for a run (not a UUID), in the API
+    and among the pages; never 404, which says a path is not served (``NOT_FOUND``) or an
+    object is missing (``ACCESS_DENIED``)."""
+    app = make_app(operator_scopes=SCOPES)
+    async with Client(console_of(app), "alice") as alice:
+        answers = {
+            "run_id": [await alice.get("/api/runs/abc"),
+                       await alice.get("/api/runs/abc/events"),
+                       await alice.post("/api/runs/abc/cancel", {"evidence": "x"})],
+            "operation_id": [await alice.get(f"/api/operations/{bad}")
+                             for bad in ("abc", "-1", "0", "1e3", "99999999999999999999")] + [
+                await alice.post("/api/operations/abc/resolve", {
+                    "resolution": "not_applied", "evidence": "x"}),
+                await alice.post("/api/operations/abc/abandon", {"evidence": "x"})],
+        }
+        for field, refused in answers.items():
+            for answer in refused:
+                assert answer.status_code == 400, (answer.url, answer.text)
+                said = answer.json()
+                assert (said["code"], said["path"]) == ("INVALID_REQUEST", field), said
+        for page in ("/runs/abc", "/operations/abc"):
+            answer = await alice.get(page)
+            assert answer.status_code == 400 and "INVALID_REQUEST" in answer.text, page
+        posted = await alice.form("/operations/abc/resolve", {"resolution": "not_applied",
+                                                              "evidence": "x"})
+        assert posted.status_code == 400 and "INVALID_REQUEST" in posted.text
+        for path in ("/api/operations/resolve-many", "/api/operations/abandon-many"):
+            wrong = await alice.get(path)  # served for POST only
+            assert wrong.status_code == 405 and wrong.json()["code"] == "INVALID_REQUEST"
+        assert (await alice.get("/operations/bulk")).status_code == 405
+    await app.database.close()
+
+
+async def test_a_malformed_run_filter_of_the_queue_is_named_as_its_parameter(
+        make_app):  # type: ignore[no-untyped-def]
+    """The queue's filter ``run`` (of ``GET /api/operations`` and of a bulk action's
+    ``filter``) that is not a run id is 400 ``INVALID_REQUEST`` whose ``path`` is ``run``, the
+    parameter the client gave, as for every other filter; never ``run_id``, which the API does
+    not take."""
+    app = make_app(operator_scopes=SCOPES)
+    async with Client(console_of(app), "alice") as alice:
+        answers = [await alice.get("/api/operations", run="abc"),
+                   await alice.post("/api/operations/abandon-many", {
+                       "evidence": "x", "filter": {"run": "abc"}})]
+        for answer in answers:
+            assert answer.status_code == 400, answer.text
+            said = answer.json()
+            assert (said["code"], said["path"]) == ("INVALID_REQUEST", "run"), said
+            assert said["message"] == "run must be a run id (a UUID), not 'abc'", said
     await app.database.close()
 
 

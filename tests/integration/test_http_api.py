@@ -543,7 +543,8 @@ async def test_an_owner_pages_through_all_of_their_runs_by_the_next_cursor(
 async def test_an_unknown_path_is_not_found_never_a_missing_run(make_app, sql) -> None:  # type: ignore[no-untyped-def]
     """A path the API does not serve answers 404 ``NOT_FOUND`` (the console's answer too), so
     a client can tell a mistyped path from a run that is missing or another owner's (404
-    ``ACCESS_DENIED``); a served path asked with another method is 405 ``INVALID_REQUEST``.
+    ``ACCESS_DENIED``); a served path asked with another method is 405 ``INVALID_REQUEST``,
+    and one whose run id is not a run id is 400 ``INVALID_REQUEST`` naming ``run_id``.
     Nothing is written."""
     app = http_app(make_app)
     console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
@@ -562,5 +563,14 @@ async def test_an_unknown_path_is_not_found_never_a_missing_run(make_app, sql) -
             assert wrong.status_code == 405 and wrong.json()["code"] == "INVALID_REQUEST"
             missing = await http.get(f"/api/runs/{uuid.uuid4()}")
             assert missing.status_code == 404 and missing.json()["code"] == "ACCESS_DENIED"
+            # a run id that is not one is bad input, named, as in the operators' API
+            for method, path in [("GET", "/api/runs/abc"), ("GET", "/api/runs/abc/result"),
+                                 ("GET", "/api/runs/abc/events"),
+                                 ("POST", "/api/runs/abc/cancel"),
+                                 ("POST", "/api/runs/abc/events/approval")]:
+                answer = await http.request(method, path, json={} if method == "POST" else None)
+                assert answer.status_code == 400, (path, answer.text)
+                assert (answer.json()["code"], answer.json()["path"]) == (
+                    "INVALID_REQUEST", "run_id"), path
     assert sql("SELECT status, cancel_requested_at FROM orchestrator.runs") == [
         {"status": "queued", "cancel_requested_at": None}]

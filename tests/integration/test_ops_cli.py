@@ -390,14 +390,105 @@ async def test_resolving_an_operation_whose_call_is_in_flight_says_to_wait(
                 assert (code, out) == (2, ""), (args, err)
                 assert f"OPERATION_IN_PROGRESS: operation {op['id']} is submitted" in err, err
                 assert "in flight" in err and "wait" in err and "ops list" in err, err
-            code, out, err = await cli(url, "ops", "show", str(op["id"]))
-            assert code == 2 and "OPERATION_IN_PROGRESS" in err and "in flight" in err, err
             assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
         finally:
             release.set()
         assert await run.result_async(timeout=10) == {"charge": "o1"}
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
     assert sql("SELECT 1 FROM orchestrator.reconciliation_items") == []
+
+
+async def test_ops_show_of_an_operation_whose_call_is_in_flight_shows_what_is_known(
+        make_app, sql, migrated_database_url):
+    """``ops show`` of an operation still ``submitted`` (its call in flight, not in the
+    reconciliation queue) shows it like a queued one: its state, run, tool, arguments and
+    attempts, that it is not queued, and what to wait for; no resolution is offered.
+    ``--json`` is the same document, its queue item's fields null and ``wait`` saying why."""
+    url = migrated_database_url
+    app = make_app()
+    pay, entered, release = charge_in_flight(app)
+
+    async with running(app):
+        run = await app.submit_async(pay, "o1")
+        await wait_for(entered.is_set)
+        (op,) = sql("SELECT id, state FROM orchestrator.operations")
+        assert op["state"] == "submitted"
+        try:
+            code, out, err = await cli(url, "ops", "show", str(op["id"]))
+            assert code == 0, err
+            fields = dict(line.split(":", 1) for line in out.split("\n\n", 1)[0].splitlines())
+            assert fields["operation"].strip() == str(op["id"])
+            assert fields["tool"].strip().startswith("charge version ")
+            assert fields["run"].strip() == f"{run.id} (running)"
+            assert fields["state"].strip() == ("operation submitted; not in the reconciliation "
+                                               "queue")
+            assert fields["arguments"].strip() == '{"order": "o1"}'
+            assert "attempts at this position" in out and "submitted" in out.split(
+                "attempts at this position", 1)[1]
+            assert "ops resolve" not in out and "ops abandon" not in out, out
+            wait = out.rsplit("\nwait: ", 1)[1]
+            assert wait.startswith(f"operation {op['id']} is submitted: its call is in flight")
+            assert f"ops list --run {run.id}" in wait, out
+
+            code, out, err = await cli(url, "ops", "show", str(op["id"]), "--json")
+            assert code == 0, err
+            shown = json.loads(out)
+            item = shown["item"]
+            assert (item["operation_id"], item["run_id"], item["tool_name"]) == (
+                str(op["id"]), str(run.id), "charge")
+            assert (item["operation_state"], item["run_status"]) == ("submitted", "running")
+            assert item["item_state"] is None and item["reason"] is None
+            assert item["created_at"] is None and item["arguments"] == {"order": "o1"}
+            assert [a["state"] for a in shown["attempts"]] == ["submitted"]
+            assert shown["lookups"] == [] and shown["audit"] == [] and shown["evidence"] == []
+            assert shown["wait"].startswith(f"operation {op['id']} is submitted: its call is "
+                                            "in flight"), shown["wait"]
+            assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
+        finally:
+            release.set()
+        assert await run.result_async(timeout=10) == {"charge": "o1"}
+    code, out, err = await cli(url, "ops", "show", str(op["id"]))  # settled: not queued
+    assert code == 2 and "INVALID_REQUEST" in err and "is committed" in err, err
+
+
+async def test_ops_show_audits_only_the_operation_not_a_queue_of_the_same_id(
+        make_app, sql, migrated_database_url):
+    """An audit row's target is its kind and id together: ``ops show 42`` (its ``--json``,
+    the console's operation, ``Operators.audit(42)``) lists operation 42's rows only, never
+    those of a queue named ``42`` (whose changes are audited with target id ``42`` too)."""
+    url = migrated_database_url
+    app = make_app()
+    app.queue("42")
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    sql("SELECT setval(pg_get_serial_sequence('orchestrator.operations', 'id'), 41)")
+    async with running(app):
+        await app.submit_async(pay, "o1")
+        await wait_for(lambda: sql("SELECT operation_id FROM orchestrator.reconciliation_items"
+                                   ) == [{"operation_id": 42}])
+        await app.queues.pause_async("42", operator="qa", evidence="queue maintenance")
+    code, _, err = await cli(url, "ops", "abandon", "42", "--evidence", "refunded by hand",
+                             "--operator", "ann")
+    assert code == 0, err
+    assert {(r["target_kind"], r["action"]) for r in sql(
+        "SELECT target_kind, action FROM orchestrator.operator_audit WHERE target_id = '42'")
+    } == {("queue", "queue.pause"), ("operation", "resolve.abandoned")}
+
+    code, out, err = await cli(url, "ops", "show", "42", "--json")
+    assert code == 0, err
+    assert [a["action"] for a in json.loads(out)["audit"]] == ["resolve.abandoned"]
+    code, out, err = await cli(url, "ops", "show", "42")
+    assert code == 0, err
+    assert "resolve.abandoned" in out and "queue.pause" not in out, out
+    assert [a["action"] for a in await app.operators.audit(42, operator="ann")] == [
+        "resolve.abandoned"]
 
 
 async def test_the_audit_of_a_committed_resolution_names_the_receipt_attested(
@@ -449,9 +540,10 @@ async def test_resolving_an_unknown_operation_its_run_sends_again_itself_says_to
         make_app, sql, migrated_database_url):
     """An idempotent tool's attempt whose outcome is unknown is sent again by its run with the
     same key, after the retry policy's backoff; it goes to the reconciliation queue only once
-    those re-sends are used up. Meanwhile it is not the operator's to settle: ``ops resolve``,
-    ``abandon`` and ``show`` answer ``OPERATION_IN_PROGRESS`` saying so and to wait, not
-    ``INVALID_REQUEST``, and nothing is written."""
+    those re-sends are used up. Meanwhile it is not the operator's to settle: ``ops resolve``
+    and ``abandon`` answer ``OPERATION_IN_PROGRESS`` saying so and to wait, not
+    ``INVALID_REQUEST``, and nothing is written; ``ops show`` shows it, with the same words in
+    its ``wait``."""
     url = migrated_database_url
     app = make_app()
 
@@ -472,12 +564,17 @@ async def test_resolving_an_unknown_operation_its_run_sends_again_itself_says_to
     assert op["state"] == "unknown" and sql("SELECT 1 FROM orchestrator.reconciliation_items") == []
     for args in (["ops", "resolve", str(op["id"]), "--not-applied", "--evidence", "none",
                   "--operator", "alice"],
-                 ["ops", "abandon", str(op["id"]), "--evidence", "none", "--operator", "alice"],
-                 ["ops", "show", str(op["id"])]):
+                 ["ops", "abandon", str(op["id"]), "--evidence", "none", "--operator", "alice"]):
         code, out, err = await cli(url, *args)
         assert (code, out) == (2, ""), (args, err)
         assert f"OPERATION_IN_PROGRESS: operation {op['id']} is unknown" in err, err
         assert "sends the call again" in err and "wait" in err, err
         assert f"ops list --run {run.id}" in err, err
+    code, out, err = await cli(url, "ops", "show", str(op["id"]), "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["item"]["operation_state"] == "unknown" and shown["item"]["item_state"] is None
+    assert shown["wait"].startswith(f"operation {op['id']} is unknown, and its run sends the "
+                                    "call again itself"), shown["wait"]
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
     assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
