@@ -71,6 +71,16 @@ async def _until(predicate: Callable[[], Any], what: str, timeout: float = 15.0)
         await asyncio.sleep(0.05)
 
 
+async def _stopped(service: Any, task: asyncio.Future[Any], app: Any) -> None:
+    """A test's worker or reconciler stopped at once (asked twice) if it still runs."""
+    if not task.done():
+        service.request_stop()
+        service.request_stop()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(task, 20)
+    await app.database.close()
+
+
 async def test_a_worker_checks_a_listen_url_that_comes_up_late_before_it_uses_its_lock(
         make_app, sql, migrated_database_url) -> None:
     """``listen_url`` names another database (the server's ``postgres``) and cannot be reached
@@ -99,12 +109,7 @@ async def test_a_worker_checks_a_listen_url_that_comes_up_late_before_it_uses_it
         assert "does not reach the database" in caught.value.message
         assert sql("SELECT id FROM orchestrator.workers") == []
     finally:
-        if not task.done():
-            worker.request_stop()
-            worker.request_stop()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 20)
-        await app.database.close()
+        await _stopped(worker, task, app)
 
 
 async def test_a_worker_whose_listen_url_comes_up_late_takes_its_lock_then(
@@ -126,12 +131,7 @@ async def test_a_worker_whose_listen_url_comes_up_late_takes_its_lock_then(
             worker.request_stop()
             await asyncio.wait_for(task, 20)
     finally:
-        if not task.done():
-            worker.request_stop()
-            worker.request_stop()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 20)
-        await app.database.close()
+        await _stopped(worker, task, app)
 
 
 async def test_a_reconciler_checks_a_listen_url_that_comes_up_late(
@@ -152,9 +152,4 @@ async def test_a_reconciler_checks_a_listen_url_that_comes_up_late(
         assert "does not reach the database" in caught.value.message
         assert "reconciler" in caught.value.message
     finally:
-        if not task.done():
-            reconciler.request_stop()
-            reconciler.request_stop()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(task, 20)
-        await app.database.close()
+        await _stopped(reconciler, task, app)
