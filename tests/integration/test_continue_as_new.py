@@ -274,38 +274,9 @@ async def test_events_that_arrive_after_a_generations_last_wait_are_the_next_one
         assert not await app.send_event_async(first.id, "item", "x", event_key="i-x")
 
 
-def test_runs_show_names_both_ends_of_a_continuation(make_app: Any,
-                                                     migrated_database_url: str) -> None:
-    app = make_app()
-
-    @app.workflow()
-    async def twice(ctx, n):  # type: ignore[no-untyped-def]
-        if n == 0:
-            ctx.continue_as_new(1)
-        return n
-
-    async def go() -> Any:
-        async with running(app):
-            handle = await app.submit_async("twice", 0)
-            await handle.result_async(timeout=30)
-            return handle, (await handle.info_async()).superseded_by
-
-    first, second = asyncio.run(go())
-    shown = run_cli(["runs", "show", str(first.id)], database_url=migrated_database_url)
-    assert shown.returncode == 0, shown.stderr
-    assert f"superseded by:  {second} (continued as new" in shown.stdout
-    assert f"the run continued as run {second}" in shown.stdout
-    later = run_cli(["runs", "show", str(second), "--json"], database_url=migrated_database_url)
-    assert json.loads(later.stdout)["run"]["continued_from"] == str(first.id)
-    # The offline replay check reads a continuation as the code's end.
-    verdicts = replay(app, [first.id, second])
-    assert [v.verdict for v in verdicts] == ["ok", "ok"], verdicts
-
-
-def test_runs_watch_of_a_continued_run_ends_naming_the_run_it_went_on_as(
-        make_app: Any, migrated_database_url: str) -> None:
-    """A continued run ended without a result of its own: `runs watch` ends with the run it
-    went on as (follow that one next, docs/streams.md), not with `result null`."""
+def _continued_once(make_app: Any) -> tuple[Any, Any, Any]:
+    """An app, and a finished run that continued as new once: (app, the first run's handle,
+    the id of the run it went on as, which returned 1)."""
     app = make_app()
 
     @app.workflow()
@@ -321,6 +292,28 @@ def test_runs_watch_of_a_continued_run_ends_naming_the_run_it_went_on_as(
             return handle, (await handle.info_async()).superseded_by
 
     first, second = asyncio.run(go())
+    return app, first, second
+
+
+def test_runs_show_names_both_ends_of_a_continuation(make_app: Any,
+                                                     migrated_database_url: str) -> None:
+    app, first, second = _continued_once(make_app)
+    shown = run_cli(["runs", "show", str(first.id)], database_url=migrated_database_url)
+    assert shown.returncode == 0, shown.stderr
+    assert f"superseded by:  {second} (continued as new" in shown.stdout
+    assert f"the run continued as run {second}" in shown.stdout
+    later = run_cli(["runs", "show", str(second), "--json"], database_url=migrated_database_url)
+    assert json.loads(later.stdout)["run"]["continued_from"] == str(first.id)
+    # The offline replay check reads a continuation as the code's end.
+    verdicts = replay(app, [first.id, second])
+    assert [v.verdict for v in verdicts] == ["ok", "ok"], verdicts
+
+
+def test_runs_watch_of_a_continued_run_ends_naming_the_run_it_went_on_as(
+        make_app: Any, migrated_database_url: str) -> None:
+    """A continued run ended without a result of its own: `runs watch` ends with the run it
+    went on as (follow that one next, docs/streams.md), not with `result null`."""
+    _, first, second = _continued_once(make_app)
     watched = run_cli(["runs", "watch", str(first.id)], database_url=migrated_database_url)
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.splitlines()[-1] == (
