@@ -587,21 +587,27 @@ class ScheduleAdmin:
 
     async def backfill(self, schedule_id: str, start: datetime, end: datetime, *,
                        overlap: str = "allow_all", operator: str | None = None,
-                       evidence: str | None = None) -> builtins.list[dict[str, Any]]:
+                       evidence: str | None = None,
+                       given_as: tuple[str, str] = ("start", "end"),
+                       ) -> builtins.list[dict[str, Any]]:
         """Fire the slots in ``[start, end]`` (in the past), oldest first, each under
         ``overlap``: a slot handled before (fired, skipped or buffered by the cron, or an
         earlier backfill) is left as it was. What became of each slot. With ``operator`` and
-        ``evidence`` it is audited (``schedule.backfill``)."""
+        ``evidence`` it is audited (``schedule.backfill``). A refused range names its bounds
+        as the caller gave them (``given_as``: the parameters, or the CLI's ``--from`` and
+        ``--to``), in the message and, without the dashes, as the error's ``path``."""
         sid = check_schedule_id(schedule_id)
         who = _who(operator, evidence)
         policy = check_overlap(overlap)
-        first, last = utc(start), utc(end)
+        low, high = given_as
+        at_low, at_high = low.lstrip("-"), high.lstrip("-")
+        first, last = utc(start, at_low), utc(end, at_high)
         now = await self.ticker._now()
         if first > last:
-            raise InvalidRequest("backfill needs --from before --to", path="from")
+            raise InvalidRequest(f"backfill needs {low} before {high}", path=at_low)
         if last > now:
-            raise InvalidRequest("backfill fires slots in the past: --to must not be later "
-                                 "than now", path="to")
+            raise InvalidRequest(f"backfill fires slots in the past: {high} must not be later "
+                                 "than now", path=at_high)
         async with self.database.connection() as conn, conn.transaction():
             row = await sched_db.schedule_get(conn, sid, lock=True)
             if row is None:
@@ -611,11 +617,11 @@ class ScheduleAdmin:
                 slots = cron.between(first - timedelta(microseconds=1), last,
                                      limit=BACKFILL_MAX + 1)
             except OverflowError as exc:  # within hours of the calendar's first day
-                raise InvalidRequest("backfill --from is earlier than the calendar allows",
-                                     path="from") from exc
+                raise InvalidRequest(f"backfill {low} is earlier than the calendar allows",
+                                     path=at_low) from exc
             if len(slots) > BACKFILL_MAX:
                 raise InvalidRequest(f"that range holds more than {BACKFILL_MAX} slots; "
-                                     "backfill a shorter one at a time", path="to")
+                                     "backfill a shorter one at a time", path=at_high)
             said = await by_hand(self.ticker, conn, row, now, slots, "backfill", policy)
             states = Counter(str(x["state"]) for x in said)  # up to 10,000 slots: counted
             await _audit(conn, who, "backfill", row, None,

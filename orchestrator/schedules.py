@@ -219,8 +219,9 @@ class Cron:
         return late.replace(microsecond=0)
 
 
-def utc(when: datetime) -> datetime:
-    """An aware time as UTC; INVALID_REQUEST for a naive one."""
+def utc(when: datetime, name: str) -> datetime:
+    """An aware time as UTC; INVALID_REQUEST naming ``name`` (the argument that gave it) for
+    a naive one."""
     if not isinstance(when, datetime) or when.tzinfo is None or when.utcoffset() is None:
-        raise InvalidRequest("times must be timezone-aware datetimes", path="time")
+        raise InvalidRequest(f"{name} must be a timezone-aware datetime", path=name)
     return when.astimezone(UTC)

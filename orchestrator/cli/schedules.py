@@ -261,7 +261,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     start, end = parse_time(args.start, "from"), parse_time(args.end, "to")
     who = audited_as(args, "schedules backfill")
     said = _admin(args, lambda admin: admin.backfill(args.id, start, end,
-                                                     overlap=args.overlap, **who))
+                                                     overlap=args.overlap,
+                                                     given_as=("--from", "--to"), **who))
     if args.json:
         records.emit({"schedule": args.id, "slots": [
             {"slot": iso(s["slot"]), "state": s["state"]} for s in said],

@@ -46,7 +46,13 @@ from orchestrator.console.web import (
     set_cookie,
     status_of,
 )
-from orchestrator.errors import Forbidden, InvalidRequest, OrchestratorError, ResolutionConflict
+from orchestrator.errors import (
+    Forbidden,
+    InvalidRequest,
+    OperationInProgress,
+    OrchestratorError,
+    ResolutionConflict,
+)
 from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
 from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED
@@ -368,7 +374,8 @@ class Pages:
                 access, op, resolution=resolution, evidence=entered["evidence"],
                 receipt=receipt,
                 then=(entered["then"] or "resend") if resolution == "not_applied" else None)
-        except (InvalidRequest, ResolutionConflict) as exc:
+        except (InvalidRequest, ResolutionConflict, OperationInProgress) as exc:
+            # Its page again, the refusal a notice on it (a call in flight: what to wait for)
             return await self.operation(request, access, status=status_of(exc), error=exc,
                                         form={**entered, "resolution": resolution})
         return self.redirect(request, f"/operations/{op}",

@@ -778,8 +778,9 @@ async def test_the_reconciliation_queue_is_paged_by_the_next_cursor_each_item_on
 async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_progress(
         make_app, sql):  # type: ignore[no-untyped-def]
     """An operation still ``submitted`` is not unknown: the API's resolve and abandon, and
-    the page's resolve form, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and write
-    nothing; the API and the page show it, with what to wait for and no resolve form."""
+    the page's resolve forms, answer 409 ``OPERATION_IN_PROGRESS`` saying to wait, and write
+    nothing (a form gets the operation's page back, the refusal a notice on it); the API and
+    the page show it, with what to wait for and no resolve form."""
     app = make_app(operator_scopes=SCOPES)
     pay, entered, release = charge_in_flight(app)
 
@@ -801,9 +802,17 @@ async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_pro
                 assert said["message"].startswith(f"operation {op['id']} is submitted: its "
                                                   "call is in flight"), said
                 assert "wait" in said["message"]
-            page = await alice.form(f"/operations/{op['id']}/resolve", {
-                "resolution": "not_applied", "evidence": "no charge"})
-            assert page.status_code == 409 and "OPERATION_IN_PROGRESS" in page.text
+            for resolution in ("not_applied", "abandoned"):
+                # the form refused: the operation's page again, the refusal a notice on it
+                page = await alice.form(f"/operations/{op['id']}/resolve", {
+                    "resolution": resolution, "evidence": "no charge"})
+                assert page.status_code == 409 and "OPERATION_IN_PROGRESS" in page.text
+                text = html.unescape(page.text)
+                assert f"<h1>Operation {op['id']} " in text, resolution
+                assert 'class="notice failure" role="alert"' in page.text
+                assert (f"Refused: OPERATION_IN_PROGRESS</strong> operation {op['id']} is "
+                        "submitted: its call is in flight") in text
+                assert 'id="wait"' in page.text and 'id="resolve-abandon"' not in page.text
             shown = await alice.get(f"/api/operations/{op['id']}")
             assert shown.status_code == 200, shown.text
             d = shown.json()

@@ -223,7 +223,7 @@ async def test_trigger_backfill_pause_and_resume(make_app, sql):
     assert len(runs_of(sql)) == 2 + 4
     with pytest.raises(InvalidRequest) as info:
         await app.schedules.backfill_async("s", T0, T0 + timedelta(days=1))
-    assert info.value.path == "to"
+    assert info.value.path == "end"
     # Paused, nothing fires; resumed, what passed is one gap and the next slot is ahead.
     await app.schedules.pause_async("s")
     clock[0] = T0 + timedelta(hours=3, minutes=30)
@@ -371,6 +371,13 @@ async def test_the_cli_lists_shows_triggers_and_pauses(make_app, sql, migrated_d
     bad = run_cli(["schedules", "backfill", "s", "--from", "yesterday", "--to", "now"],
                   database_url=migrated_database_url)
     assert bad.returncode != 0 and "--from" in bad.stderr
+    backwards = run_cli(["schedules", "backfill", "s", "--from", "2026-12-02T00:00:00Z",
+                         "--to", "2026-12-01T00:00:00Z"], database_url=migrated_database_url)
+    assert backwards.returncode == 2
+    assert "INVALID_REQUEST: backfill needs --from before --to" in backwards.stderr
+    ahead = run_cli(["schedules", "backfill", "s", "--from", "2026-12-01T00:00:00Z",
+                     "--to", "2999-01-01T00:00:00Z"], database_url=migrated_database_url)
+    assert ahead.returncode == 2 and "--to must not be later than now" in ahead.stderr
 
 
 async def test_the_cli_says_when_no_worker_has_a_schedules_workflow(make_app, sql,
@@ -487,7 +494,7 @@ async def test_a_backfill_over_its_bound_is_refused_and_fires_nothing(make_app, 
     await app.schedules.create_async("s", "report", cron="* * * * * *", overlap="allow_all")
     with pytest.raises(InvalidRequest) as info:  # 10,001 slots of one second
         await app.schedules.backfill_async("s", T0 - timedelta(seconds=10_000), T0)
-    assert info.value.path == "to"
+    assert info.value.path == "end"
     assert slots(sql) == [] and runs_of(sql) == []
     said = await app.schedules.backfill_async("s", T0 - timedelta(seconds=2), T0)
     assert [s["state"] for s in said] == ["fired"] * 3
@@ -541,7 +548,27 @@ async def test_a_backfill_from_before_the_calendar_is_refused_and_fires_nothing(
     start = datetime(1, 1, 1, 5, tzinfo=UTC)
     with pytest.raises(InvalidRequest) as info:
         await app.schedules.backfill_async("s", start, start + timedelta(days=1))
-    assert info.value.code == "INVALID_REQUEST" and info.value.path == "from"
+    assert info.value.code == "INVALID_REQUEST" and info.value.path == "start"
+    assert slots(sql) == [] and runs_of(sql) == []
+    await app.database.close()
+
+
+async def test_a_backfill_refused_in_python_names_its_parameters(make_app, sql):
+    """``backfill(schedule_id, start, end)`` refuses a bad range naming ``start`` and
+    ``end``, the parameters given, not the command line's ``--from`` and ``--to`` (nor
+    ``time``, which is no parameter's name); the command line keeps its flags."""
+    clock = [T0]
+    app = _app(make_app, clock)
+    await app.schedules.create_async("s", "report", cron="0 * * * *", overlap="allow_all")
+    naive = T0.replace(tzinfo=None)
+    hour = timedelta(hours=1)
+    refusals = [(naive - hour, T0, "start"), (T0 - hour, naive, "end"),
+                (T0, T0 - hour, "start"), (T0, T0 + hour, "end")]
+    for start, end, path in refusals:
+        with pytest.raises(InvalidRequest) as info:
+            await app.schedules.backfill_async("s", start, end)
+        assert info.value.path == path
+        assert path in info.value.message and "--" not in info.value.message
     assert slots(sql) == [] and runs_of(sql) == []
     await app.database.close()
 
