@@ -113,8 +113,9 @@ class LeaseHolder:
 class Worker:
     """A registered worker and how it looks: ``live`` (it heartbeats), ``draining`` (it
     heartbeats, but was told to stop: it claims nothing more and waits for its runs to reach a
-    durable point), ``silent`` (no recent heartbeat, its liveness lock held or never taken) or
-    ``dead`` (neither). ``row`` is
+    durable point), ``waiting`` (it heartbeats, but holds no liveness lock yet, so it claims
+    nothing: its ``listen_url`` cannot be reached), ``silent`` (no recent heartbeat, its
+    liveness lock held or never taken) or ``dead`` (neither). ``row`` is
     :func:`~orchestrator.db.views.worker_list_all`'s."""
 
     row: dict[str, Any]
@@ -124,13 +125,18 @@ class Worker:
 def worker_state(row: Mapping[str, Any]) -> str:
     """A registered worker's state by :func:`lease_holder`'s rule: dead after
     :data:`DEAD_AFTER` seconds without a heartbeat and without its liveness lock. Whether it
-    heartbeats comes first: a draining worker that stopped heartbeating is silent or dead."""
+    heartbeats comes first: a draining worker that stopped heartbeating is silent or dead.
+    One that heartbeats and takes a liveness lock (``lock_wanted``) but holds none is
+    ``waiting`` (a worker behind a transaction pooler without a listen_url takes none, and is
+    ``live``)."""
     age = row["heartbeat_age"]
     if age is not None and age > DEAD_AFTER and row["lock_held"] is False:
         return "dead"
     if age is not None and age > DEAD_AFTER:
         return "silent"
-    return "draining" if row.get("draining_since") is not None else "live"
+    if row.get("draining_since") is not None:
+        return "draining"
+    return "waiting" if row.get("lock_wanted") and not row["lock_held"] else "live"
 
 
 async def list_workers(db: Database) -> list[Worker]:

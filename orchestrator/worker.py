@@ -337,7 +337,8 @@ class Worker:
         await workers_db.worker_register(
             conn, worker_id=self.worker_id, hostname=socket.gethostname(), pid=os.getpid(),
             workflows=list(self.registry.workflows), concurrency=self.concurrency,
-            lock_key=self._liveness.key if locked else None, draining=self._stop.is_set())
+            lock_key=self._liveness.key if locked else None, draining=self._stop.is_set(),
+            lock_wanted=self._liveness.key is not None)
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == TOOLS_CHANNEL:  # a provider paused a tool: its calls wait here too

@@ -1,7 +1,7 @@
 """``orchestrator workers list``: the fleet as the database sees it, for operators.
 
-Every registered worker with its state (``live``, ``draining`` since when, ``silent``,
-``dead``: the rule that decides when a dead worker's runs are re-queued,
+Every registered worker with its state (``live``, ``draining`` since when, ``waiting``,
+``silent``, ``dead``: the rule that decides when a dead worker's runs are re-queued,
 :func:`orchestrator.admin.worker_state`), host, pid, the runs it holds, its slots, its last
 heartbeat and the workflows it serves; the console's Workers page and ``GET /api/workers`` read
 the same rows (:func:`orchestrator.admin.list_workers`). A worker that stopped cleanly
@@ -24,6 +24,8 @@ from orchestrator.db.database import Database
 
 STATES_NOTE = ("live: it heartbeats; draining: told to stop, it claims nothing more and "
                "heartbeats until its runs reach a durable point (STATE shows since when); "
+               "waiting: it heartbeats, but holds no liveness lock yet, so it claims nothing "
+               "(its listen_url cannot be reached; it takes the lock once it can); "
                "silent: no heartbeat for over a second, its liveness "
                "lock held or never taken (paused or overloaded: its runs wait for their "
                "leases to expire); dead: neither (a live worker's next sweep re-queues its "
@@ -36,8 +38,8 @@ def register(subparsers: Any) -> None:
     group.set_defaults(func=None, help_parser=group)
     ls = commands.add_parser(
         "list", help="every registered worker: state, host, runs held, last heartbeat",
-        description="Every registered worker, newest first: its state (live, draining, silent "
-        "or dead), "
+        description="Every registered worker, newest first: its state (live, draining, "
+        "waiting, silent or dead), "
         "host and pid, the runs whose lease it holds, its slots, the age of its last "
         "heartbeat, when it started and the workflows it serves. A worker that stopped "
         "cleanly is not listed. The console's Workers page shows the same.")

@@ -42,7 +42,7 @@ def overview(o: Overview) -> dict[str, Any]:
                                for u in o.unknown_by_tool],
         "waiting_for_operators": o.waiting_for_operators,
         "workers": {"alive": o.workers_alive, "draining": o.workers_draining,
-                    "registered": len(o.workers)},
+                    "waiting": o.workers_waiting, "registered": len(o.workers)},
         "throughput": [{"minute": iso(m.at), "succeeded": m.succeeded, "failed": m.failed,
                         "cancelled": m.cancelled} for m in o.throughput],
     }

@@ -205,14 +205,21 @@ class Overview:
 
     @property
     def workers_alive(self) -> int:
-        """Workers that heartbeat: ``live`` ones and ``draining`` ones (which still hold their
-        runs' leases, but take no new work: :attr:`workers_draining` counts them apart)."""
-        return sum(1 for w in self.workers if w.state in ("live", "draining"))
+        """Workers that heartbeat: ``live`` ones, ``draining`` ones (which still hold their
+        runs' leases, but take no new work: :attr:`workers_draining` counts them apart) and
+        ``waiting`` ones (no liveness lock yet: they claim nothing, :attr:`workers_waiting`)."""
+        return sum(1 for w in self.workers if w.state in ("live", "draining", "waiting"))
 
     @property
     def workers_draining(self) -> int:
         """Of :attr:`workers_alive`, those told to stop: they claim nothing more."""
         return sum(1 for w in self.workers if w.state == "draining")
+
+    @property
+    def workers_waiting(self) -> int:
+        """Of :attr:`workers_alive`, those without their liveness lock yet: they claim
+        nothing (their listen_url cannot be reached)."""
+        return sum(1 for w in self.workers if w.state == "waiting")
 
 
 class ConsoleService:

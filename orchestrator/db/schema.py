@@ -373,6 +373,9 @@ workers = Table(
     # A session-level advisory lock the worker holds while it lives: when its connection
     # drops (the process died), other workers re-queue its runs without waiting for leases.
     Column("lock_key", BigInteger),
+    # Whether it takes that lock (migration 0034): false behind a transaction pooler without a
+    # listen_url. One that does, heartbeating without lock_key, claims nothing: ``waiting``.
+    Column("lock_wanted", Boolean, nullable=False, server_default=text("false")),
     _ts("started_at", nullable=False, default_now=True),
     _ts("heartbeat_at", nullable=False, default_now=True),
     # When it was told to stop and began to drain (it claims nothing more); null before.

@@ -144,13 +144,14 @@ async def recon_waiting_for_operators(conn: Conn, *, tenants: list[str] | None) 
 async def worker_list_all(conn: Conn) -> list[dict[str, Any]]:
     """Every registered worker, newest first, with the seconds since its heartbeat
     (``heartbeat_age``), whether its liveness lock is held (``lock_held``; None when it
-    registered none), how many running runs it holds the lease of (``runs_held``), when it
-    began to drain (``draining_since``, null before) and the database's time (``db_now``).
+    registered none), whether it takes one (``lock_wanted``: false behind a transaction pooler
+    without a listen_url), how many running runs it holds the lease of (``runs_held``), when
+    it began to drain (``draining_since``, null before) and the database's time (``db_now``).
     The lock test is :func:`~orchestrator.db.workers.worker_lease_holder`'s."""
     cur = await conn.execute(
         f"""
         SELECT w.id, w.hostname, w.pid, w.workflows, w.concurrency, w.started_at,
-               w.heartbeat_at, w.draining_since, now() AS db_now,
+               w.heartbeat_at, w.draining_since, w.lock_wanted, now() AS db_now,
                EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
                {LOCK_HELD},
                (SELECT count(*) FROM {S}.runs r

@@ -16,21 +16,26 @@ DEAD_AFTER = 1.0  # seconds without a heartbeat (and without its lock) before a 
 
 async def worker_register(
     conn: Conn, *, worker_id: str, hostname: str, pid: int, workflows: Sequence[str],
-    concurrency: int, lock_key: int | None = None, draining: bool = False
+    concurrency: int, lock_key: int | None = None, draining: bool = False,
+    lock_wanted: bool = False
 ) -> None:
     """The worker's row, made (or made again after it was lost: ``draining`` keeps a drain
-    that had begun, from now, and an existing row keeps the time it recorded)."""
+    that had begun, from now, and an existing row keeps the time it recorded).
+    ``lock_wanted``: it takes a liveness lock (it has a place to hold one); without
+    ``lock_key`` it holds none yet and claims nothing (``workers list`` says ``waiting``)."""
     await conn.execute(
         f"""
         INSERT INTO {S}.workers (id, hostname, pid, workflows, concurrency, lock_key,
-                                 draining_since)
-        VALUES (%s, %s, %s, %s, %s, %s, CASE WHEN %s THEN now() END)
+                                 draining_since, lock_wanted)
+        VALUES (%s, %s, %s, %s, %s, %s, CASE WHEN %s THEN now() END, %s)
         ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), workflows = EXCLUDED.workflows,
                                        lock_key = EXCLUDED.lock_key,
+                                       lock_wanted = EXCLUDED.lock_wanted,
                                        draining_since = coalesce({S}.workers.draining_since,
                                                                  EXCLUDED.draining_since)
         """,
-        (worker_id, hostname, pid, list(workflows), concurrency, lock_key, draining),
+        (worker_id, hostname, pid, list(workflows), concurrency, lock_key, draining,
+         lock_wanted),
     )
 
 

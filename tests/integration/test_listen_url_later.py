@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,7 +16,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from orchestrator.db import workers as workers_db
 from orchestrator.errors import ConfigurationError
+from tests.consoletools import GRANTS, Client, from_header
+from tests.integration.test_ops_bulk import cli
 
 
 def _free_port() -> int:
@@ -153,3 +157,61 @@ async def test_a_reconciler_checks_a_listen_url_that_comes_up_late(
         assert "reconciler" in caught.value.message
     finally:
         await _stopped(reconciler, task, app)
+
+
+async def test_a_worker_waiting_for_its_lock_is_listed_waiting_not_live(
+        make_app, sql, migrated_database_url) -> None:
+    """A worker whose ``listen_url`` cannot be reached heartbeats but claims nothing until it
+    holds its liveness lock; ``workers list`` (its table and ``--json``), ``GET /api/workers``
+    and the console's pages showed it ``live``, like a worker taking work. It is ``waiting``
+    until it holds its lock (then ``live``); a worker behind a transaction pooler without a
+    ``listen_url``, which takes no lock by design, is ``live`` as before."""
+    port = _free_port()
+    app = make_app(listen_url=_at(migrated_database_url, port), lease_ttl=1.5)
+    async with app.database.connection() as conn:  # no place for a lock: it takes none
+        await workers_db.worker_register(conn, worker_id="pooled", hostname="h", pid=1,
+                                         workflows=[], concurrency=1)
+
+    async def beat() -> None:  # the pooled worker's heartbeat
+        while True:
+            sql("UPDATE orchestrator.workers SET heartbeat_at = now() WHERE id = 'pooled'")
+            await asyncio.sleep(0.2)
+
+    beating = asyncio.ensure_future(beat())
+    worker = app.create_worker(poll_interval=0.2, worker_id="W")
+    task = asyncio.ensure_future(worker.run())
+    console = app.console(from_header, grants=GRANTS)
+    try:
+        await _until(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = 'W'"),
+                     "the worker to register without its lock")
+        code, doc, err = await cli(migrated_database_url, "workers", "list", "--json")
+        assert code == 0, err
+        states = {w["id"]: (w["state"], w["liveness_lock"]) for w in json.loads(doc)["workers"]}
+        assert states == {"W": ("waiting", None), "pooled": ("live", None)}
+        code, out, err = await cli(migrated_database_url, "workers", "list")
+        assert code == 0, err
+        assert next(line for line in out.splitlines()
+                    if line.startswith("W ")).split()[1] == "waiting"
+        assert "waiting: it heartbeats, but holds no liveness lock yet" in out
+        async with Client(console, "alice") as client:
+            listed = (await client.get("/api/workers")).json()["workers"]
+            page = (await client.get("/workers")).text
+            overview = (await client.get("/api/overview")).json()["workers"]
+            overview_page = (await client.get("/")).text
+        assert {w["id"]: w["state"] for w in listed} == {"W": "waiting", "pooled": "live"}
+        assert 'class="holder h-waiting">waiting</strong>' in page
+        assert overview == {"alive": 2, "draining": 0, "waiting": 1, "registered": 2}
+        assert "of which 1 waiting (no liveness lock yet, taking no work)" in overview_page
+        async with _relay(port, migrated_database_url):
+            await _until(lambda: task.done() or sql(
+                "SELECT 1 FROM orchestrator.workers WHERE id = 'W' AND lock_key IS NOT NULL"),
+                "the worker to publish its lock")
+            code, doc, err = await cli(migrated_database_url, "workers", "list", "--json")
+            assert code == 0, err
+            (mine,) = [w for w in json.loads(doc)["workers"] if w["id"] == "W"]
+            assert (mine["state"], mine["liveness_lock"]) == ("live", True)
+            worker.request_stop()
+            await asyncio.wait_for(task, 20)
+    finally:
+        beating.cancel()
+        await _stopped(worker, task, app)

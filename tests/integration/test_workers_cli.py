@@ -118,7 +118,7 @@ async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters
         assert mine["state"] == "draining" and ISO_UTC.fullmatch(mine["draining_since"])
         assert 'class="holder h-draining">draining</strong> since' in page
         # alive (it heartbeats and holds its leases), and shown apart as draining
-        assert overview["workers"] == {"alive": 1, "draining": 1, "registered": 1}
+        assert overview["workers"] == {"alive": 1, "draining": 1, "waiting": 0, "registered": 1}
         assert "of which 1 draining" in overview_page
         # the lease holder: live (it keeps the run), draining since when
         since = mine["draining_since"]
