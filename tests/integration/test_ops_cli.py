@@ -4,6 +4,7 @@ kind) → the run resumes or fails; conflicts rejected; scopes enforced; everyth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -365,6 +366,24 @@ async def test_resolving_an_operation_of_a_run_that_has_ended_says_only_the_ledg
             ] == ["abandoned", "not_applied"]
 
 
+@contextlib.asynccontextmanager
+async def _a_call_in_flight(app, sql):  # type: ignore[no-untyped-def]
+    """A run of :func:`charge_in_flight`'s workflow whose call is in flight (its operation
+    ``submitted``) while the block runs: (the run, its operation's id and state). The call is
+    let go when the block ends, and the run succeeds."""
+    pay, entered, release = charge_in_flight(app)
+    async with running(app):
+        run = await app.submit_async(pay, "o1")
+        await wait_for(entered.is_set)
+        (op,) = sql("SELECT id, state FROM orchestrator.operations")
+        assert op["state"] == "submitted"
+        try:
+            yield run, op
+        finally:
+            release.set()
+        assert await run.result_async(timeout=10) == {"charge": "o1"}
+
+
 async def test_resolving_an_operation_whose_call_is_in_flight_says_to_wait(
         make_app, sql, migrated_database_url):
     """An operation still ``submitted`` (its call under way, its outcome not unknown) is not
@@ -373,27 +392,17 @@ async def test_resolving_an_operation_whose_call_is_in_flight_says_to_wait(
     answers, nothing of the operator's attempt is left behind."""
     url = migrated_database_url
     app = make_app()
-    pay, entered, release = charge_in_flight(app)
-
-    async with running(app):
-        run = await app.submit_async(pay, "o1")
-        await wait_for(entered.is_set)
-        (op,) = sql("SELECT id, state FROM orchestrator.operations")
-        assert op["state"] == "submitted"
-        try:
-            for args in (["ops", "resolve", str(op["id"]), "--committed", "--receipt",
-                          '{"charge": "o1"}'],
-                         ["ops", "resolve", str(op["id"]), "--not-applied"],
-                         ["ops", "abandon", str(op["id"])]):
-                code, out, err = await cli(url, *args, "--evidence", "PSP shows it",
-                                           "--operator", "alice")
-                assert (code, out) == (2, ""), (args, err)
-                assert f"OPERATION_IN_PROGRESS: operation {op['id']} is submitted" in err, err
-                assert "in flight" in err and "wait" in err and "ops list" in err, err
-            assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
-        finally:
-            release.set()
-        assert await run.result_async(timeout=10) == {"charge": "o1"}
+    async with _a_call_in_flight(app, sql) as (run, op):
+        for args in (["ops", "resolve", str(op["id"]), "--committed", "--receipt",
+                      '{"charge": "o1"}'],
+                     ["ops", "resolve", str(op["id"]), "--not-applied"],
+                     ["ops", "abandon", str(op["id"])]):
+            code, out, err = await cli(url, *args, "--evidence", "PSP shows it",
+                                       "--operator", "alice")
+            assert (code, out) == (2, ""), (args, err)
+            assert f"OPERATION_IN_PROGRESS: operation {op['id']} is submitted" in err, err
+            assert "in flight" in err and "wait" in err and "ops list" in err, err
+        assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
     assert sql("SELECT 1 FROM orchestrator.reconciliation_items") == []
 
@@ -406,47 +415,37 @@ async def test_ops_show_of_an_operation_whose_call_is_in_flight_shows_what_is_kn
     ``--json`` is the same document, its queue item's fields null and ``wait`` saying why."""
     url = migrated_database_url
     app = make_app()
-    pay, entered, release = charge_in_flight(app)
+    async with _a_call_in_flight(app, sql) as (run, op):
+        code, out, err = await cli(url, "ops", "show", str(op["id"]))
+        assert code == 0, err
+        fields = dict(line.split(":", 1) for line in out.split("\n\n", 1)[0].splitlines())
+        assert fields["operation"].strip() == str(op["id"])
+        assert fields["tool"].strip().startswith("charge version ")
+        assert fields["run"].strip() == f"{run.id} (running)"
+        assert fields["state"].strip() == ("operation submitted; not in the reconciliation "
+                                           "queue")
+        assert fields["arguments"].strip() == '{"order": "o1"}'
+        assert "attempts at this position" in out and "submitted" in out.split(
+            "attempts at this position", 1)[1]
+        assert "ops resolve" not in out and "ops abandon" not in out, out
+        wait = out.rsplit("\nwait: ", 1)[1]
+        assert wait.startswith(f"operation {op['id']} is submitted: its call is in flight")
+        assert f"ops list --run {run.id}" in wait, out
 
-    async with running(app):
-        run = await app.submit_async(pay, "o1")
-        await wait_for(entered.is_set)
-        (op,) = sql("SELECT id, state FROM orchestrator.operations")
-        assert op["state"] == "submitted"
-        try:
-            code, out, err = await cli(url, "ops", "show", str(op["id"]))
-            assert code == 0, err
-            fields = dict(line.split(":", 1) for line in out.split("\n\n", 1)[0].splitlines())
-            assert fields["operation"].strip() == str(op["id"])
-            assert fields["tool"].strip().startswith("charge version ")
-            assert fields["run"].strip() == f"{run.id} (running)"
-            assert fields["state"].strip() == ("operation submitted; not in the reconciliation "
-                                               "queue")
-            assert fields["arguments"].strip() == '{"order": "o1"}'
-            assert "attempts at this position" in out and "submitted" in out.split(
-                "attempts at this position", 1)[1]
-            assert "ops resolve" not in out and "ops abandon" not in out, out
-            wait = out.rsplit("\nwait: ", 1)[1]
-            assert wait.startswith(f"operation {op['id']} is submitted: its call is in flight")
-            assert f"ops list --run {run.id}" in wait, out
-
-            code, out, err = await cli(url, "ops", "show", str(op["id"]), "--json")
-            assert code == 0, err
-            shown = json.loads(out)
-            item = shown["item"]
-            assert (item["operation_id"], item["run_id"], item["tool_name"]) == (
-                str(op["id"]), str(run.id), "charge")
-            assert (item["operation_state"], item["run_status"]) == ("submitted", "running")
-            assert item["item_state"] is None and item["reason"] is None
-            assert item["created_at"] is None and item["arguments"] == {"order": "o1"}
-            assert [a["state"] for a in shown["attempts"]] == ["submitted"]
-            assert shown["lookups"] == [] and shown["audit"] == [] and shown["evidence"] == []
-            assert shown["wait"].startswith(f"operation {op['id']} is submitted: its call is "
-                                            "in flight"), shown["wait"]
-            assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
-        finally:
-            release.set()
-        assert await run.result_async(timeout=10) == {"charge": "o1"}
+        code, out, err = await cli(url, "ops", "show", str(op["id"]), "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        item = shown["item"]
+        assert (item["operation_id"], item["run_id"], item["tool_name"]) == (
+            str(op["id"]), str(run.id), "charge")
+        assert (item["operation_state"], item["run_status"]) == ("submitted", "running")
+        assert item["item_state"] is None and item["reason"] is None
+        assert item["created_at"] is None and item["arguments"] == {"order": "o1"}
+        assert [a["state"] for a in shown["attempts"]] == ["submitted"]
+        assert shown["lookups"] == [] and shown["audit"] == [] and shown["evidence"] == []
+        assert shown["wait"].startswith(f"operation {op['id']} is submitted: its call is "
+                                        "in flight"), shown["wait"]
+        assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
     code, out, err = await cli(url, "ops", "show", str(op["id"]))  # settled: not queued
     assert code == 2 and "INVALID_REQUEST" in err and "is committed" in err, err
 
