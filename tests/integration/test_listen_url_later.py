@@ -12,7 +12,7 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
@@ -28,12 +28,20 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _socket_dir(url: str) -> str | None:
+    """The Unix socket directory ``url`` names (``?host=/dir``, as the embedded server's URL
+    does), or None for a TCP address."""
+    hosts = [h for h in parse_qs(urlsplit(url).query).get("host", []) if h.startswith("/")]
+    return hosts[0] if hosts else None
+
+
 def _at(url: str, port: int, database: str | None = None) -> str:
     """``url`` reached through 127.0.0.1:``port`` (and in ``database``, if given)."""
     parts = urlsplit(url)
     userinfo, _, _ = parts.netloc.rpartition("@")
     netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
-    return urlunsplit(parts._replace(netloc=netloc,
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "host"])
+    return urlunsplit(parts._replace(netloc=netloc, query=query,
                                      path=parts.path if database is None else f"/{database}"))
 
 
@@ -52,8 +60,14 @@ async def _relay(port: int, url: str) -> AsyncIterator[None]:
             sink.close()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(parts.hostname or "127.0.0.1",
-                                                             parts.port or 5432)
+        where = _socket_dir(url)
+        if where is not None:  # the embedded server: its socket
+            port_given = parse_qs(parts.query).get("port", [None])[0]
+            up_reader, up_writer = await asyncio.open_unix_connection(
+                f"{where}/.s.PGSQL.{parts.port or port_given or 5432}")
+        else:
+            up_reader, up_writer = await asyncio.open_connection(
+                parts.hostname or "127.0.0.1", parts.port or 5432)
         pumps.add(asyncio.ensure_future(pump(reader, up_writer)))
         pumps.add(asyncio.ensure_future(pump(up_reader, writer)))
 
