@@ -260,7 +260,9 @@ class Worker:
         heart = asyncio.ensure_future(self._heartbeat_loop())
         renewals = asyncio.ensure_future(self._renewal_loop())
         workflows = list(self.registry.workflows)
-        held = await self._relock()  # before registering: never seen alive without
+        # Taken (or tried) just above: a listen_url that cannot be reached is not waited for
+        # twice before the worker registers; the heartbeat takes it once it can.
+        held = self._lock_held
         async with self.database.connection() as conn:
             if self.declared_queues:
                 await queues_db.queue_declare(conn, self.declared_queues)
