@@ -34,7 +34,7 @@ def catch_early_sigterm() -> None:
 
 def stop_requested_early() -> None:
     """Keep a SIGTERM that an entry point caught before this package was loaded (see
-    ``workers/worker.py``): the process stops cleanly as soon as its worker or reconciler
+    ``workers/cli.py``): the process stops cleanly as soon as its worker or reconciler
     runs, as with :func:`catch_early_sigterm`."""
     _EARLY_STOP.set()
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import signal
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``: the arguments, else the process's), SIGTERM kept from the
+    start; the entry point of ``python -m workers.worker`` and ``workers.reconciler`` too."""
     stops: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: stops.append(signum))
     from orchestrator.cli import main as run
 
-    return run(early_sigterm=stops)
+    return run(argv, early_sigterm=stops)
