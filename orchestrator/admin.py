@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -57,17 +57,27 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
             conn, [r["id"] for r in rows if r["queue"] is not None])
         workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
     now = datetime.now(UTC)
-    runnable = {key for w in workers for key in w["workflows"]}
+    runnable = served(workers)
     for row in rows:  # why a run ready in a queue, or held back, has not started
         row["blocked"] = blocked.get(row["id"])
         start = held_until(row) if row["status"] == "queued" and not row["revision"] else None
         if row["blocked"] is None and start is not None and start > now:
             row["blocked"] = f"not before {utc_text(start)}"
         if row["blocked"] is None and _ready(row, now):
-            key = f"{row['workflow_name']}@{row['workflow_version']}"
-            if key not in runnable:
-                row["blocked"] = f"no worker has {key}"
+            row["blocked"] = unserved(row["workflow_name"], row["workflow_version"], runnable)
     return rows
+
+
+def served(workers: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The workflow versions (``name@version``) that these live workers register."""
+    return frozenset(key for worker in workers for key in worker["workflows"])
+
+
+def unserved(workflow: str, version: str, served_by: frozenset[str]) -> str | None:
+    """Why runs of ``workflow@version`` do not start when no live worker registers it (what
+    ``runs list``, ``runs show`` and ``schedules list`` say), or None."""
+    key = f"{workflow}@{version}"
+    return None if key in served_by else f"no worker has {key}"
 
 
 def _ready(run: dict[str, Any], now: datetime) -> bool:
@@ -172,10 +182,9 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
             holder = lease_holder(run, await workers_db.worker_lease_holder(
                 conn, run["lease_owner"]))
         run["blocked"] = (await queues_db.run_blockers(conn, [run_id])).get(run_id)
-    key = f"{run['workflow_name']}@{run['workflow_version']}"
-    if run["blocked"] is None and _ready(run, datetime.now(UTC)) and not any(
-            key in w["workflows"] for w in workers):
-        run["blocked"] = f"no worker has {key}"
+    if run["blocked"] is None and _ready(run, datetime.now(UTC)):
+        run["blocked"] = unserved(run["workflow_name"], run["workflow_version"],
+                                  served(workers))
     return RunDetail(run, journal, operations, _note(run, workers, holder), workers, holder)
 
 

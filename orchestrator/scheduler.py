@@ -450,9 +450,8 @@ class ScheduleAdmin:
         """The workflow versions (``name@version``) that a live worker registers. A schedule
         of another one fires runs that wait, queued, until a worker that has it starts
         (docs/versioning.md): ``schedules list`` and ``show`` say so."""
-        workers = await self.database.read(lambda conn: workers_db.worker_list_live(
-            conn, within_seconds=admin.LIVE_WORKER_SECONDS))
-        return frozenset(key for worker in workers for key in worker["workflows"])
+        return admin.served(await self.database.read(lambda conn: workers_db.worker_list_live(
+            conn, within_seconds=admin.LIVE_WORKER_SECONDS)))
 
     async def get(self, schedule_id: str) -> ScheduleInfo:
         sid = check_schedule_id(schedule_id)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
+from orchestrator.admin import unserved
 from orchestrator.canonical import JsonLimits
 from orchestrator.cli import records
 from orchestrator.cli.common import (
@@ -142,8 +143,7 @@ def _state(info: ScheduleInfo) -> str:
 def blocked(info: ScheduleInfo, served: frozenset[str]) -> str | None:
     """Why the runs the schedule fires do not start, as ``runs list`` says it of each: no
     live worker registers its workflow version (None: one does)."""
-    key = f"{info.workflow}@{info.version}"
-    return None if key in served else f"no worker has {key}"
+    return unserved(info.workflow, info.version, served)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
