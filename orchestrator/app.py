@@ -434,8 +434,8 @@ class Orchestrator:
     @property
     def schedules(self) -> Schedules:
         """Schedules stored in the database: ``create``, ``update``, ``delete``, ``pause``,
-        ``resume``, ``trigger``, ``backfill``, ``list``, ``show`` (each with an ``_async``
-        twin); docs/schedules.md."""
+        ``resume``, ``trigger``, ``backfill``, ``get``, ``list``, ``show`` (each with an
+        ``_async`` twin); docs/schedules.md."""
         if self._schedules is None:
             admin = ScheduleAdmin(self.database, self.json_limits, self.metrics,
                                   workflows=self.registry.workflows,
@@ -832,10 +832,11 @@ class Orchestrator:
         host's web app (see docs/console.md and
         :func:`orchestrator.console.create_console`). ``authenticate(request)`` names the
         request's operator (or None); ``grants`` maps operators to what they may do (``read``,
-        ``resolve``, ``cancel``, ``bulk``, ``incidents``; None: read only); ``tokens`` are the
-        bearer tokens of the standalone console. Tenant scopes and incident readers are this
-        app's ``operator_scopes`` and ``incident_readers``. ``heartbeat``: seconds of silence
-        after which a run's event stream sends a comment (proxies keep it open).
+        ``resolve``, ``cancel``, ``bulk``, ``incidents``, ``metrics``, ``queues``, or ``all``;
+        None: read only); ``tokens`` are the bearer tokens of the standalone console. Tenant
+        scopes and incident readers are this app's ``operator_scopes`` and
+        ``incident_readers``. ``heartbeat``: seconds of silence after which a run's event
+        stream sends a comment (proxies keep it open).
         ``authenticate_owner(request)`` names the :class:`Owner` a request acts for (or
         None): given, the same application serves the submitters' HTTP API (``POST
         /api/runs`` and the rest, docs/http-api.md) to clients in any language.

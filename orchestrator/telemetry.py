@@ -72,8 +72,8 @@ _LABELLED: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_run_resumes", "run_resumes",
      "Parked runs claimed again to go on (their wait ended), by workflow."),
     ("orchestrator_run_replays", "run_replays",
-     "Runs claimed again after their worker let them go or was lost, so replayed from their "
-     "journal, by workflow."),
+     "Runs claimed with history, so replayed from their journal (the resumes, and runs let go "
+     "by a draining worker, taken over from a lost one or restarted), by workflow."),
     ("orchestrator_tool_failures", "tool_failures",
      "Attempts that failed and applied nothing, by tool, phase (tool: the tool said so; "
      "reconciliation: a lookup or an operator proved it) and normalised cause."),
@@ -96,10 +96,11 @@ _LABELLED: tuple[tuple[str, str, str], ...] = (
      "Retry-After), by tool."),
 )
 _HISTOGRAMS: dict[str, str] = {
-    "run_queue_wait_seconds": "Seconds from a run's submission to the start of its first "
-                              "execution, by workflow.",
-    "run_duration_seconds": "Seconds from a run's submission to its end, by workflow and "
-                            "outcome.",
+    "run_queue_wait_seconds": "Seconds from when a run was due (its submission, or the start "
+                              "start_at or delay held it back to) to its first claim, by "
+                              "workflow.",
+    "run_duration_seconds": "Seconds from when a run was due (as the queue wait) to its end, "
+                            "by workflow and outcome.",
     "tool_call_duration_seconds": "Seconds a tool call took, per attempt, by tool and outcome "
                                   "(returned, raised, timed_out, cancelled).",
     "replay_duration_seconds": "Seconds from claiming a run with history to its first command "

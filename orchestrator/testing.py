@@ -93,11 +93,18 @@ def wait_until(condition: Callable[[], object], *, timeout: float = 10.0,
 
     ``AssertionError`` after ``timeout`` seconds, naming ``what`` (default: the condition's
     source) and the last value. For a test that does not run in an event loop (the sync API);
-    inside one, use :func:`wait_until_async`, which lets the engine run meanwhile.
+    inside one, use :func:`wait_until_async`, which lets the engine run meanwhile. An async
+    condition (one that returns an awaitable) is a ``TypeError``: it needs
+    :func:`wait_until_async`.
     """
     give_up = time.monotonic() + timeout
     while True:
         last = condition()
+        if inspect.isawaitable(last):  # truthy, and nothing here can await it
+            if inspect.iscoroutine(last):
+                last.close()
+            raise TypeError("wait_until's condition returned an awaitable: use "
+                            "wait_until_async for an async condition")
         if last:
             return last
         if time.monotonic() >= give_up:

@@ -222,7 +222,8 @@ class CallSite:
         run.metrics.incr("dispatches_withheld", tool=self.tool.name)
         log.warning("run %s: operation %s (%s) not sent: the lease may end before the call "
                     "does; the next holder finds it uncertain", run.run_id, op_id,
-                    self.tool.name)
+                    self.tool.name, extra=fields(run_id=run.run_id, workflow=run.workflow_key,
+                                                 operation_id=op_id, tool=self.tool.name))
         run.lose_lease("a call withheld")
         raise Stop("lease_lost")
 

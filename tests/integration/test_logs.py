@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator import OperationUncertain, RunFailed
 from orchestrator.logs import JsonFormatter
+from orchestrator.testing import fault_gate
 from tests.integration.conftest import held_read, running, wait_for
 
 SECRET = "sk_live_SECRET"
@@ -222,3 +223,37 @@ async def test_a_drain_that_runs_out_says_which_runs_it_abandoned(
                  "lapses)"),
         ("WARNING", f"run {run.id}: abandoned by the drain with a call in flight: it keeps its "
                     "lease until it lapses, and the call becomes unknown for the next holder")]
+
+
+async def test_a_call_withheld_for_its_lease_is_logged_with_its_ids(
+        make_app, sql, caplog):  # type: ignore[no-untyped-def]
+    """A call not sent because the run's lease might end first: its line names the run, the
+    operation, the tool and the workflow as fields, as every line about one call does."""
+    app = make_app(lease_ttl=1.5)
+
+    @app.tool()
+    async def charge(ctx, *, amount):  # type: ignore[no-untyped-def]
+        return {"charged": amount}
+
+    @app.workflow(name="pays")
+    async def pays(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, amount=1)
+
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    with fault_gate("after_submitted", tool="charge") as gate:
+        async with running(app):
+            run = await app.submit_async(pays, {})
+            await gate.arrived()
+            # Another worker took the run: this one's renewals are refused from now on.
+            sql("UPDATE orchestrator.runs SET lease_token = lease_token + 1 WHERE id = %s",
+                (run.id,))
+            await wait_for(lambda: _lines(caplog, "orchestrator.worker", run_id=str(run.id)),
+                           what="the lease loss")
+            gate.release()
+            withheld = await wait_for(
+                lambda: [line for line in _lines(caplog, "orchestrator.worker")
+                         if "not sent" in line["message"]], what="the withheld call")
+    (op,) = sql("SELECT id FROM orchestrator.operations WHERE run_id = %s", (run.id,))
+    assert {k: withheld[0].get(k) for k in ("run_id", "operation_id", "tool", "workflow")} == {
+        "run_id": str(run.id), "operation_id": op["id"], "tool": "charge",
+        "workflow": "pays@1"}

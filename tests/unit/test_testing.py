@@ -40,3 +40,17 @@ async def test_wait_until_async_awaits_an_async_condition() -> None:
     assert await wait_until_async(check, timeout=5) is True
     with pytest.raises(AssertionError, match="never, said the condition"):
         await wait_until_async(check, timeout=0.05, what="never, said the condition")
+
+
+def test_wait_until_refuses_an_async_condition() -> None:
+    """The sync helper cannot await: an async condition's coroutine is not a true value to
+    return at once (it would pass without ever checking anything)."""
+    checked: list[int] = []
+
+    async def check() -> bool:
+        checked.append(1)
+        return False
+
+    with pytest.raises(TypeError, match="wait_until_async"):
+        wait_until(check, timeout=0.05)
+    assert checked == []
