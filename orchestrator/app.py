@@ -102,6 +102,7 @@ from orchestrator.submission import (
     as_run_id,
     resolve_owner,
 )
+from orchestrator.text import check_operator, check_prose
 from orchestrator.tracing import (
     PARENT_MODES,
     ParentMode,
@@ -176,6 +177,10 @@ class Orchestrator:
         self._pooler, self._listen_url = pooler, listen_url
         self.metrics = Metrics()
         self._database: Database | None = None
+        # Checked now: every call that acts for it would otherwise fail on its first use.
+        if default_owner is not None and not isinstance(default_owner, Owner):
+            raise ConfigurationError(f"default_owner must be an orchestrator.Owner (or None), "
+                                     f"got {type(default_owner).__name__}")
         self.default_owner = default_owner
         self.max_record_bytes = max_record_bytes
         # Every JSON value accepted (inputs, arguments, receipts, results, events) is held to
@@ -199,6 +204,9 @@ class Orchestrator:
         # How long finished runs and the evidence are kept (docs/retention.md); None: for
         # ever. The reconciler prunes by it in the background; so does `orchestrator prune`.
         self.retention = retention
+        if retry_policy is not None and not isinstance(retry_policy, RetryPolicy):
+            raise ConfigurationError(f"retry_policy must be an orchestrator.RetryPolicy (or "
+                                     f"None), got {type(retry_policy).__name__}")
         self.retry_policy = retry_policy
         try:  # checked now: a worker would find out only with a call's `submitted` written
             for stage, hook in (("authorize", authorize), ("approve", approve)):
@@ -217,6 +225,9 @@ class Orchestrator:
         # A call's receipt is committed with the run's next write (the next call's write-ahead
         # `submitted`, the run's end) rather than in a transaction of its own before the
         # workflow goes on; False commits each receipt before the workflow sees it.
+        if not isinstance(receipts_ride, bool):
+            raise ConfigurationError(f"receipts_ride must be True or False, got "
+                                     f"{receipts_ride!r}")
         self.receipts_ride = receipts_ride
         # Traces (docs/tracing.md): a run's span on a worker is linked to (or a child of) the
         # span that submitted it; spans go to ``tracer_provider``, else the global provider.
@@ -292,6 +303,8 @@ class Orchestrator:
         Returns a :class:`Workflow` typed by the function's input and result."""
         if queue is not None:
             check_queue_name(queue)
+        if not isinstance(default, bool):  # "no" is true: never taken for its truth value
+            raise InvalidRequest("default must be True or False", path="default")
 
         def register(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> Workflow[I, R]:
             wf_name = registered_name("workflow", name, fn)
@@ -299,7 +312,7 @@ class Orchestrator:
             check_signature("workflow", wf_name, fn, takes=("ctx", "input"))
             wf = Workflow(name=wf_name,
                           version=check_name("version", str(version)), fn=fn, queue=queue,
-                          default=bool(default))
+                          default=default)
             self.registry.add_workflow(wf)
             return wf
 
@@ -353,6 +366,12 @@ class Orchestrator:
                               ("approve_timeout", approve_timeout)):
             if value is not None:
                 check_timeout(budget, value)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            # Checked now: a worker would find out at the call's first failure, with nothing
+            # to decide by, and leave a call that may never have left uncertain.
+            raise InvalidRequest(f"retry must be an orchestrator.RetryPolicy (e.g. "
+                                 f"RetryPolicy(max_attempts=3)), got {type(retry).__name__}",
+                                 path="retry")
         policy = retry or self.retry_policy or DEFAULT_POLICIES[effect]
         if max_attempts is not None:
             policy = dataclasses.replace(policy, max_attempts=max_attempts)
@@ -420,6 +439,9 @@ class Orchestrator:
             if not isinstance(wf, Workflow):
                 raise InvalidRequest("@app.schedule goes above @app.workflow(): it schedules "
                                      "a registered workflow", path="workflow")
+            # Registered here: another app's workflow would fire runs no worker of this one
+            # runs (UNKNOWN_WORKFLOW, as app.schedules.create and submit say).
+            resolve_workflow(self.registry, wf)
             row, when = definition(id, (wf.name, wf.version), cron=cron, timezone=timezone,
                                    overlap=overlap, catchup_window=catchup_window, input=input,
                                    owner=self._owner(owner), queue=wf.queue,
@@ -685,11 +707,17 @@ class Orchestrator:
         (reconcile first), ``OPERATION_IN_PROGRESS`` for a run not finished, ``RUN_PRUNED``
         for a pruned one, ``INVALID_REQUEST`` for one restarted already."""
         who = self._owner(owner)
+        # Named as this call names them: ``reason`` is the audit's evidence; an operator
+        # given blank is refused, not replaced by the owner's principal.
+        check_prose("reason", reason)
+        if operator is not None:
+            check_operator(operator)
         rid = as_run_id(run_id)
         if rid is None:
             raise AccessDenied(DENIED)
         done = await admin.restart_run(
-            self.database, rid, operator=operator or who.principal, evidence=reason,
+            self.database, rid, operator=who.principal if operator is None else operator,
+            evidence=reason,
             from_position=from_position, limits=self.json_limits,
             owner=(who.tenant, who.principal))
         return RunHandle(self, done.run_id, who)
@@ -892,7 +920,8 @@ class Orchestrator:
         ``schedules``: the worker also ticks the schedules (docs/schedules.md). Every setting
         is checked first (``CONFIGURATION_ERROR``), as the CLI checks its flags."""
         _check_worker(concurrency=concurrency, lease_ttl=lease_ttl,
-                      poll_interval=poll_interval, drain_timeout=drain_timeout)
+                      poll_interval=poll_interval, drain_timeout=drain_timeout,
+                      schedules=schedules)
         companions = [self.create_scheduler().run] if schedules else []
         for wf in self.registry.workflows.values():
             if wf.queue is not None and wf.queue not in self._declared_queues:
@@ -914,7 +943,8 @@ class Orchestrator:
         are checked before anything starts (``CONFIGURATION_ERROR``)."""
         _check_port(metrics_port)
         _check_worker(concurrency=concurrency, lease_ttl=lease_ttl,
-                      poll_interval=poll_interval, drain_timeout=drain_timeout)
+                      poll_interval=poll_interval, drain_timeout=drain_timeout,
+                      schedules=schedules)
         run_until_stopped(lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
@@ -1008,9 +1038,11 @@ def _check_count(name: str, value: object) -> None:
 
 
 def _check_worker(*, concurrency: object, lease_ttl: float | None, poll_interval: object,
-                  drain_timeout: object) -> None:
+                  drain_timeout: object, schedules: object = True) -> None:
     """A worker's settings, as ``orchestrator worker`` checks its flags."""
     _check_count("concurrency", concurrency)
+    if not isinstance(schedules, bool):  # "no" is true: never taken for its truth value
+        raise ConfigurationError(f"schedules must be True or False, got {schedules!r}")
     if lease_ttl is not None:
         checked_lease_ttl(lease_ttl)
     _check_seconds("poll_interval", poll_interval)

@@ -32,7 +32,7 @@ from orchestrator.errors import (
 )
 from orchestrator.journal import shown
 from orchestrator.models import JournalEntry, Owner, RunInfo
-from orchestrator.stream import RunStreams, check_cursor, check_kept, check_topics
+from orchestrator.stream import RunStreams, check_cursor, check_follow, check_kept, check_topics
 from orchestrator.waiting import RunWaits
 
 T = TypeVar("T")
@@ -238,19 +238,21 @@ class RunHandle(Generic[R_co]):
         entry.
 
         The arguments are checked here (``INVALID_REQUEST``: a cursor that is not an ``int``
-        from 0, topics that are not a list of names); the owner when iteration begins: another
+        from 0, a ``follow`` that is not True or False, topics that are not a list of names);
+        the owner when iteration begins: another
         owner's run is ``ACCESS_DENIED``, as a missing one (C9). Reading never dispatches
         anything (C3). An entry newer than this code is ``SCHEMA_UNSUPPORTED``, after the
         entries before it. A run that retention pruned is ``RUN_PRUNED`` when iteration
         begins (its journal is gone), unless ``after`` is already at its end.
         """
-        return _flat(self._pages(check_cursor(after), follow, check_topics(topics)))
+        return _flat(self._pages(check_cursor(after), check_follow(follow),
+                                 check_topics(topics)))
 
     def events_sync(self, after: int = 0, *, follow: bool = True,
                     topics: Sequence[str] | None = None) -> Iterator[JournalEntry]:
         """:meth:`events` for synchronous code: each page of entries is read on the private
         loop; the caller's thread waits between them."""
-        return _portal_iterate(self.app, self._pages(check_cursor(after), follow,
+        return _portal_iterate(self.app, self._pages(check_cursor(after), check_follow(follow),
                                                      check_topics(topics)),
                                "async for entry in RunHandle.events()")
 

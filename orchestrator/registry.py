@@ -18,6 +18,7 @@ from typing_extensions import ParamSpec, TypeVar
 from orchestrator.errors import InvalidRequest, UnknownTool, UnknownWorkflow
 from orchestrator.flow import MAX_DEADLINE, RateLimit
 from orchestrator.recovery import RetryPolicy
+from orchestrator.text import check_identifier
 
 # The context a tool or workflow function receives is typed ``Any`` here: the contexts
 # (orchestrator.context) sit above the registry in the layers, and the decorators that users
@@ -285,6 +286,8 @@ def resolve_workflow(registry: Registry, workflow: Workflow | str,
     A workflow given as an object is its own version: another ``version`` with it is
     ``INVALID_REQUEST``, not quietly ignored; and it must be registered here (another
     application's workflow is ``UNKNOWN_WORKFLOW``: no worker of this one would run it)."""
+    if version is not None:  # "" is bad input, not "workflow X is not registered"
+        check_identifier("version", version)
     if isinstance(workflow, Workflow):
         if version is not None and version != workflow.version:
             raise InvalidRequest(
@@ -295,9 +298,18 @@ def resolve_workflow(registry: Registry, workflow: Workflow | str,
             raise UnknownWorkflow(f"workflow {workflow.name!r} version {workflow.version!r} "
                                   "is not registered with this orchestrator")
         return workflow
+    given: object = workflow  # typed as a workflow or a name; checked as anything
+    if not isinstance(given, str):  # the function under the decorator, say
+        name = getattr(given, "__name__", None)
+        got = (f"function {name}: pass the object @app.workflow() returned when it "
+               f"registered it, or the name it registered" if callable(given)
+               and isinstance(name, str) else type(given).__name__)
+        raise UnknownWorkflow("a workflow is what @app.workflow() returned, or its registered "
+                              f"name; got {got}", path="workflow")
     chosen = registry.choose(workflow, version)
     if chosen is None:
-        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+        named = f"workflow {workflow!r}" + (f" version {version!r}" if version is not None
+                                            else "")
         raise UnknownWorkflow(f"{named} is not registered")
     return chosen
 

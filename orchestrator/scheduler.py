@@ -763,7 +763,7 @@ class Schedules:
                 catchup_window=old.catchup_window if catchup_window is None
                 else catchup_window,
                 input=old.input if input is ... else input,
-                owner=old.owner if owner is None else owner, queue=queue,
+                owner=old.owner if owner is None else self._owner(owner), queue=queue,
                 json_limits=self._limits)
 
         return await self.admin.update(schedule_id, change)

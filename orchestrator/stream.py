@@ -70,6 +70,14 @@ def check_cursor(after: Any) -> int:
     return after
 
 
+def check_follow(follow: Any) -> bool:
+    """``follow`` if it is True or False, else ``INVALID_REQUEST`` (``"no"`` is true to
+    Python: never taken for its truth value)."""
+    if not isinstance(follow, bool):
+        raise InvalidRequest("follow must be True or False", path="follow")
+    return follow
+
+
 def check_kept(row: Mapping[str, Any], after: int) -> None:
     """``RUN_PRUNED`` for a read after ``after`` of a run that retention pruned
     (docs/retention.md): the entries past the cursor were deleted, and an empty stream would

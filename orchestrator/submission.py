@@ -58,7 +58,7 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
     ``INVALID_REQUEST`` when there is neither (or the one given is not an :class:`Owner`)."""
     if owner is not None:
         if not isinstance(owner, Owner):
-            raise InvalidRequest("owner must be an orchestrator.Owner")
+            raise InvalidRequest("owner must be an orchestrator.Owner", path="owner")
         return owner
     if default is None:
         raise InvalidRequest("owner is required (or configure default_owner)", path="owner")

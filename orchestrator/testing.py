@@ -146,6 +146,18 @@ def fault_gate(point: str, *, tool: str | None = None, block: bool = True) -> It
         faults.disarm(gate)
 
 
+def _listed(items: object, name: str, what: str) -> list[Any]:
+    """``items`` as a list; ``INVALID_REQUEST`` (``path`` ``name``) for one item given bare:
+    a run id, a UUID, a handle, an export document or a recorded run. Iterated, text would
+    give its characters and a document its keys, each then refused as a run that does not
+    exist; a type checker lets both through (a ``str`` and a ``dict`` are iterables)."""
+    if isinstance(items, str | bytes | uuid.UUID | RunHandle | RecordedRun | Mapping) or (
+            not isinstance(items, Iterable)):
+        raise InvalidRequest(f"{name} must be a list of {what}, got one "
+                             f"{type(items).__name__}: wrap it in a list", path=name)
+    return list(items)
+
+
 def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
     """The runs' ids; ``ACCESS_DENIED`` for text that is not a run id, as ``app.get_run``."""
     ids = []
@@ -289,11 +301,12 @@ async def run_until_idle(app: Orchestrator, *,
 
     ``AssertionError`` if idle is not reached within ``timeout`` seconds (the worker is
     stopped all the same). A run of ``runs`` that the database does not hold (or text that is
-    not a run id) is ``ACCESS_DENIED``, as for ``app.get_run``. ``options`` go to
+    not a run id) is ``ACCESS_DENIED``, as for ``app.get_run``; one run given bare, not in a
+    list, is ``INVALID_REQUEST``. ``options`` go to
     :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
     """
     horizon = _horizon(timers_within)
-    ids = None if runs is None else _run_ids(runs)
+    ids = None if runs is None else _run_ids(_listed(runs, "runs", "runs (handles or ids)"))
     async with running_worker(app, **options) as worker:
         if ids is not None:
             await wait_until_async(lambda: _settled(app, ids, horizon, scan_limit),
@@ -322,6 +335,8 @@ Journal = RecordedRun | Mapping[str, Any] | RunHandle | uuid.UUID | str
 """What :func:`replay` checks: a run's export document (``orchestrator runs export``), a
 :class:`~orchestrator.replay.RecordedRun`, or a run in ``app``'s database (a handle or an id)."""
 
+JOURNALS = "journals (export documents, recorded runs, handles or run ids)"
+
 
 async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[Verdict]:
     """Run ``app``'s workflow code against each journal, dispatching nothing (no tool is
@@ -329,9 +344,10 @@ async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[V
     ``verdict.ok``, or ``verdict.verdict == "nondeterminism"`` with the ``position``, the
     ``recorded`` command and the ``issued`` one. Runs given by id are read from ``app``'s
     database (``app`` may be new code beside the one that wrote them); an id the database
-    does not hold is ``ACCESS_DENIED``, as for ``app.get_run``."""
+    does not hold is ``ACCESS_DENIED``, as for ``app.get_run``; one journal given bare, not in
+    a list, is ``INVALID_REQUEST``."""
     runs: list[RecordedRun] = []
-    for item in journals:
+    for item in _listed(journals, "journals", JOURNALS):
         if isinstance(item, RecordedRun):
             runs.append(item)
         elif isinstance(item, Mapping):
@@ -348,5 +364,5 @@ async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[V
 
 def replay(app: Orchestrator, journals: Iterable[Journal]) -> list[Verdict]:
     """:func:`replay_async` from synchronous code (a test, a script)."""
-    items = list(journals)
+    items = _listed(journals, "journals", JOURNALS)
     return app._portal.call(replay_async(app, items))

@@ -112,6 +112,28 @@ async def test_a_restart_is_refused_while_an_outcome_is_unknown_or_the_run_goes_
     assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 2  # nothing started
 
 
+async def test_a_restart_names_the_argument_it_refuses(make_app: Any, sql: Any) -> None:
+    """``restart(reason=...)`` is the Python API's word for the audit's evidence: a blank or
+    unstorable one is refused naming ``reason`` (it said ``evidence``, which the call has no
+    parameter for), and an ``operator`` given blank is refused, not replaced by the owner's
+    principal; nothing is written either way."""
+    broken = {"ship": True}
+    app = shop(make_app(), broken)
+    async with running(app):
+        failed = await app.submit_async("order", 3)
+        with pytest.raises(RunFailed):
+            await failed.result_async(timeout=20)
+    for reason in ("", "   ", None, 7, "a\x00b"):
+        with pytest.raises(InvalidRequest, match="^INVALID_REQUEST: reason ") as refused:
+            await failed.restart_async(reason=reason)  # type: ignore[arg-type]
+        assert refused.value.path == "reason"
+    with pytest.raises(InvalidRequest, match="operator") as blank:
+        await failed.restart_async(reason="the carrier is back", operator="")
+    assert blank.value.path == "operator"
+    assert sql("SELECT count(*) AS n FROM orchestrator.runs")[0]["n"] == 1  # nothing started
+    assert sql("SELECT count(*) AS n FROM orchestrator.operator_audit")[0]["n"] == 0
+
+
 def test_the_restart_command(make_app: Any, migrated_database_url: str) -> None:
     CHARGES.clear()
     broken = {"ship": True}

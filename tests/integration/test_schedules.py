@@ -279,6 +279,38 @@ async def test_a_schedule_declared_in_code_is_written_by_the_ticker_and_changed_
     await app.database.close()
 
 
+async def test_a_schedule_declared_over_another_apps_workflow_is_refused(make_app, sql):
+    """``@app.schedule`` over a workflow that another ``Orchestrator`` registers (another
+    module's app) declared a schedule whose runs no worker of this app runs: they would
+    wait, queued, for ever. It is ``UNKNOWN_WORKFLOW`` at once, as ``app.schedules.create``,
+    ``submit`` and ``ctx.run_child`` already refused that workflow, and nothing is declared."""
+    from orchestrator.errors import UnknownWorkflow
+
+    app, other = make_app(), make_app()
+
+    @other.workflow(name="report")
+    async def foreign(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    with pytest.raises(UnknownWorkflow, match="not registered with this orchestrator"
+                       ) as refused:
+        app.schedule("nightly", cron="0 3 * * *")(foreign)
+    assert refused.value.code == "UNKNOWN_WORKFLOW"
+    with pytest.raises(UnknownWorkflow):
+        await app.schedules.create_async("nightly", foreign, cron="0 3 * * *")
+    assert not app._declared_schedules
+    await app.create_scheduler().declare()
+    assert sql("SELECT count(*) AS n FROM orchestrator.schedules")[0]["n"] == 0
+
+    @app.schedule("nightly", cron="0 3 * * *")
+    @app.workflow(name="report")
+    async def report(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    assert list(app._declared_schedules) == ["nightly"]
+    await app.database.close()
+
+
 async def test_the_runs_a_schedule_fires_wait_in_their_workflows_queue(make_app, sql):
     """A workflow's queue is the default for its runs, those its schedule fires too: they
     are bound by the queue's limits, whether the ticker, a trigger or a backfill fires them."""
@@ -316,6 +348,9 @@ async def test_the_runs_a_schedule_fires_wait_in_their_workflows_queue(make_app,
     ({"cron": "0 3 * * *", "input": {"x": float("nan")}}, "$.input.x"),
     ({"cron": "0 3 * * *", "paused": "no"}, "paused"),  # not taken for its truth value
     ({"cron": "0 3 * * *", "paused": 1}, "paused"),
+    ({"cron": "0 3 * * *", "version": ""}, "version"),  # not "workflow 'report' is not
+    ({"cron": "0 3 * * *", "version": 1}, "version"),   # registered"
+    ({"cron": "0 3 * * *", "owner": "acme"}, "owner"),
 ])
 async def test_bad_schedules_are_rejected_naming_the_field_and_nothing_is_written(
         make_app, sql, options: dict[str, Any], path: str):
@@ -335,6 +370,9 @@ async def test_bad_schedules_are_rejected_naming_the_field_and_nothing_is_writte
     ({"timezone": ""}, "timezone"),
     ({"overlap": ""}, "overlap"),
     ({"catchup_window": timedelta(0)}, "catchup_window"),
+    ({"version": ""}, "version"),
+    ({"owner": "acme"}, "owner"),  # an AttributeError, not an error naming the field
+    ({"owner": ("acme", "alice")}, "owner"),
 ])
 async def test_a_bad_update_is_rejected_naming_the_field_and_changes_nothing(
         make_app, sql, options: dict[str, Any], path: str):

@@ -240,6 +240,34 @@ def test_replay_sync_refuses_an_unknown_run_as_the_app_does(app):
         replay(app, [uuid.uuid4()])
 
 
+async def test_one_run_given_where_a_list_is_taken_is_refused_saying_so(app, sql):
+    """``replay`` and ``run_until_idle`` take a list of journals or runs. One given bare was
+    iterated: an export document by its keys, a run id by its characters (each then refused
+    as a run that does not exist: ``ACCESS_DENIED``, which sent the reader looking for a
+    missing run), a handle or a UUID with a ``TypeError``. A type checker passes the first
+    two (a ``str`` and a ``dict`` are iterables of ``str``). It is ``INVALID_REQUEST`` naming
+    the argument and saying to wrap it in a list; nothing is run or read."""
+    @app.workflow()
+    async def hello(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    run = await app.submit_async(hello, 1)
+    document = {"format": "orchestrator.run/1", "run": {"id": str(run.id)}, "journal": []}
+    for one in (str(run.id), run.id, run, document):
+        with pytest.raises(InvalidRequest, match="wrap it in a list") as refused:
+            await replay_async(app, one)  # type: ignore[arg-type]
+        assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "journals"
+        with pytest.raises(InvalidRequest, match="wrap it in a list"):
+            replay(app, one)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="wrap it in a list") as idle:
+            await run_until_idle(app, runs=one, poll_interval=0.05)  # type: ignore[arg-type]
+        assert idle.value.path == "runs"
+    assert (await run.info_async()).status == "queued"  # no worker ran
+    await run_until_idle(app, runs=[run], poll_interval=0.05)
+    (verdict,) = await replay_async(app, [run])
+    assert verdict.ok
+
+
 async def test_a_gate_holds_a_call_after_its_submitted_row_is_committed(app, sql):
     """At ``after_submitted`` the write-ahead ``submitted`` is committed and the tool is not
     called yet; the engine waits there until the test releases it."""

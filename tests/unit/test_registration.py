@@ -214,3 +214,81 @@ def test_a_call_of_something_that_is_not_a_tool_is_refused_by_name() -> None:
                        r"@app.tool\(\) or its name, got function") as refused:
         resolve_tool(app.registry, charge)  # type: ignore[arg-type]
     assert refused.value.code == "INVALID_REQUEST" and refused.value.path == "tool"
+
+
+@pytest.mark.parametrize("retry", [{"max_attempts": 3}, 3, 0, "3", (3, 100)])
+def test_a_retry_policy_that_is_not_a_retry_policy_is_refused(retry: Any) -> None:
+    """``retry=`` (and the app's ``retry_policy=``) is a :class:`RetryPolicy`. Anything else
+    used to be stored as the tool's policy: its calls ran, but the first failure (one that
+    proved nothing was sent, even) found no policy to decide by and left the call's outcome
+    unknown, for an operator to settle a call that never left."""
+    from orchestrator import RetryPolicy
+
+    app = _app()
+
+    async def charge(ctx: Any, *, cents: int) -> Any: ...
+
+    with pytest.raises(InvalidRequest, match="retry must be an orchestrator.RetryPolicy") as got:
+        app.tool(retry=retry)(charge)
+    assert got.value.code == "INVALID_REQUEST" and got.value.path == "retry"
+    with pytest.raises(InvalidRequest, match="retry must be an orchestrator.RetryPolicy"):
+        app.tool(retry=retry, max_attempts=2)(charge)
+    assert not app.registry.tools
+    with pytest.raises(ConfigurationError,
+                       match="retry_policy must be an orchestrator.RetryPolicy") as config:
+        _app(retry_policy=retry)
+    assert config.value.code == "CONFIGURATION_ERROR"
+    tool = app.tool(retry=RetryPolicy(max_attempts=2))(charge)
+    assert tool.policy == RetryPolicy(max_attempts=2)
+    assert _app(retry_policy=RetryPolicy(max_attempts=4)).tool()(charge).max_attempts == 4
+
+
+@pytest.mark.parametrize("owner", ["acme", ("acme", "alice"), {"tenant": "acme"}])
+def test_a_default_owner_that_is_not_an_owner_is_refused(owner: Any) -> None:
+    """``default_owner=`` is an :class:`Owner`: anything else used to be kept, and every call
+    that acts for it (``submit``, ``list_runs``, ``app.schedules.create`` …) then failed with an
+    ``AttributeError`` instead of an error naming the setting."""
+    from orchestrator import Owner
+
+    with pytest.raises(ConfigurationError,
+                       match="default_owner must be an orchestrator.Owner") as got:
+        _app(default_owner=owner)
+    assert got.value.code == "CONFIGURATION_ERROR"
+    owner_ = Owner(tenant="acme", principal="alice")
+    assert _app(default_owner=owner_).default_owner is owner_
+    assert _app(default_owner=None).default_owner is None
+
+
+@pytest.mark.parametrize("flag", ["no", "false", 0, 1, None])
+def test_a_yes_or_no_option_that_is_not_a_bool_is_refused(flag: Any) -> None:
+    """``default=`` of a workflow version, the app's ``receipts_ride=``, a worker's
+    ``schedules=`` and a stream's ``follow=`` are True or False. Anything else was taken for
+    its truth value: ``@app.workflow(version="1", default="no")`` made that version the one
+    every ``submit("name")`` starts, ``create_worker(schedules="no")`` ticked the schedules.
+    Refused naming the option, as ``paused=``, ``shared_backoff=`` and ``dry_run=`` are."""
+    import uuid
+
+    from orchestrator import Owner, RunHandle
+
+    app = _app()
+
+    async def report(ctx: Any, data: Any) -> Any:
+        return data
+
+    with pytest.raises(InvalidRequest, match="default must be True or False") as default:
+        app.workflow(version="2", default=flag)(report)
+    assert default.value.path == "default"
+    assert not app.registry.workflows
+    with pytest.raises(ConfigurationError, match="receipts_ride must be True or False"):
+        _app(receipts_ride=flag)
+    with pytest.raises(ConfigurationError, match="schedules must be True or False"):
+        app.create_worker(schedules=flag)
+    with pytest.raises(ConfigurationError, match="schedules must be True or False"):
+        app.run_worker(schedules=flag)
+    handle: RunHandle[Any] = RunHandle(app, uuid.uuid4(), Owner(tenant="a", principal="b"))
+    for read in (handle.events, handle.events_sync):
+        with pytest.raises(InvalidRequest, match="follow must be True or False") as follow:
+            read(follow=flag)
+        assert follow.value.path == "follow"
+    assert app.workflow(version="2", default=True)(report).default is True
+    assert _app(receipts_ride=False).receipts_ride is False

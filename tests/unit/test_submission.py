@@ -58,6 +58,36 @@ def test_a_workflow_by_name_is_the_registered_one() -> None:
         resolve_workflow(registry, "wf", "2")
 
 
+def test_a_workflow_named_wrongly_is_refused_saying_what_was_wrong() -> None:
+    """A blank or non-text ``version`` is bad input naming ``version`` (it was reported as
+    ``workflow 'wf' is not registered``, which it is); the function under the decorator,
+    rather than what ``@app.workflow()`` returned, is refused saying to pass that or the
+    name (it was ``workflow <function wf at 0x…> is not registered``); an owner that is not
+    an ``Owner`` names ``owner``."""
+    async def fn(ctx: Any, data: Any) -> Any:
+        return data
+
+    registry = Registry()
+    wf: Workflow[Any, Any] = Workflow(name="wf", version="1", fn=fn)
+    registry.add_workflow(wf)
+    for version in ("", " 1", 1):
+        for given in ("wf", wf):
+            with pytest.raises(InvalidRequest) as bad:
+                resolve_workflow(registry, given, version)  # type: ignore[arg-type]
+            assert bad.value.code == "INVALID_REQUEST" and bad.value.path == "version"
+            assert "not registered" not in bad.value.message
+    for thing in (fn, 5, None):
+        with pytest.raises(UnknownWorkflow, match="a workflow is what @app.workflow") as raw:
+            resolve_workflow(registry, thing)  # type: ignore[arg-type]
+        assert raw.value.code == "UNKNOWN_WORKFLOW" and raw.value.path == "workflow"
+    with pytest.raises(UnknownWorkflow, match="got function fn: pass the object "
+                       r"@app.workflow\(\) returned"):
+        resolve_workflow(registry, fn)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as owner:
+        resolve_owner("alice", OWNER)  # type: ignore[arg-type]
+    assert owner.value.path == "owner"
+
+
 async def _echo(ctx: Any, data: Any) -> Any:
     return data
 
