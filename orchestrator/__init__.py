@@ -4,6 +4,8 @@ A run never loses work, never repeats an effect whose outcome is uncertain, and 
 the truth about what it knows. Start with :class:`Orchestrator`.
 """
 
+# First: under ``python -m orchestrator`` a SIGTERM while the rest loads is kept (_early.py).
+from orchestrator import _early  # noqa: F401, I001
 from orchestrator.app import Orchestrator
 from orchestrator.context import PolicyContext, ToolContext, WorkflowContext
 from orchestrator.errors import (

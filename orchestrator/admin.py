@@ -87,7 +87,7 @@ def _ready(run: dict[str, Any], now: datetime) -> bool:
                                          and due <= now)
 
 
-HOLDER_STATES = ("live", "silent", "dead", "gone", "expired")
+HOLDER_STATES = ("live", "silent", "dead", "gone", "expired", "waiting")
 """How the worker holding a running run's lease looks (:class:`LeaseHolder`)."""
 
 
@@ -95,7 +95,11 @@ HOLDER_STATES = ("live", "silent", "dead", "gone", "expired")
 class LeaseHolder:
     """The worker holding a running run's lease, as far as the database can tell.
 
-    ``state``: ``live`` (it heartbeats); ``silent`` (no heartbeat for longer than the
+    ``state``: ``live`` (it heartbeats); ``waiting`` (it heartbeats and keeps the run, but its
+    liveness lock is not held: its lock's session ended and the lock cannot be taken again yet,
+    so it claims nothing new, and were its process to die its runs would wait for their leases
+    to expire; ``workers list`` says ``waiting`` too, and, as there, a draining one is
+    ``live`` with ``draining_since``); ``silent`` (no heartbeat for longer than the
     dead-after threshold, but its liveness lock is held or it has none: paused, overloaded or
     partitioned); ``dead`` (no heartbeat and its liveness lock released: its process is gone);
     ``gone`` (it is not registered any more); ``expired`` (the lease itself has expired).
@@ -202,6 +206,9 @@ def lease_holder(run: dict[str, Any], seen: dict[str, Any]) -> LeaseHolder:
         state, reclaim = "dead", "sweep"
     elif age is not None and age > DEAD_AFTER:
         state, reclaim = "silent", "expiry"
+    elif (seen["draining_since"] is None and seen["lock_wanted"]
+          and not seen["lock_held"]):  # worker_state's rule: a draining one is live here
+        state, reclaim = "waiting", None
     else:
         state, reclaim = "live", None
     return LeaseHolder(worker_id=run["lease_owner"], state=state, lease_expires_at=expires,
@@ -232,7 +239,11 @@ def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
         return (f"held by {who}, which is silent ({silence}; paused or overloaded, its "
                 f"liveness lock still held or never taken): the run is re-queued when its "
                 f"lease expires at {expiry} unless the worker heartbeats again{later}")
-    if holder.draining_since is not None:
+    if holder.state == "waiting":
+        who = (f"{who}, which is waiting (it heartbeats and keeps the run, but its liveness "
+               "lock is not held: it claims nothing new until it takes the lock again, and "
+               "were it to die the run would wait for its lease to expire),")
+    elif holder.draining_since is not None:
         since = holder.draining_since.astimezone(UTC)
         who = (f"{who}, which is draining since {since:%H:%M:%S}Z (told to stop: it releases "
                "the run for another worker at its next durable point),")
@@ -255,7 +266,12 @@ def _note(run: dict[str, Any], workers: list[dict[str, Any]],
                     "worker registers it)")
         if run.get("blocked"):
             return f"ready, not started: {run['blocked']}"
-        return f"ready; {len(able)} live worker(s) can run {key}"
+        live = [w for w in able
+                if (w["db_now"] - w["heartbeat_at"]).total_seconds() <= DEAD_AFTER]
+        quiet = len(able) - len(live)  # silent or dead (workers list), for up to a minute
+        return f"ready; {len(live)} live worker(s) can run {key}" + (
+            f" ({quiet} more registered it but stopped heartbeating: silent or dead, see "
+            "`orchestrator workers list`)" if quiet else "")
     if run["status"] == "waiting":
         if run.get("blocked"):  # its wait is over; its queue has no room for it yet
             return f"ready to resume, not resumed: {run['blocked']}"

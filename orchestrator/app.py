@@ -1006,11 +1006,18 @@ a busy event loop. Below it, a lease ran out between two renewals and another wo
 took the run over again and again (its calls made unknown)."""
 
 
+MAX_LEASE_TTL = 86400.0
+"""The longest lease taken: a day. Where no liveness lock tells a worker's death (behind a
+transaction pooler without a ``listen_url``) its runs wait this long for their leases; and a
+TTL whose expiry the database cannot write (``1e308``) stopped a worker at its first claim."""
+
+
 def checked_lease_ttl(value: float) -> float:
     """A lease's TTL as given, if it is a number of seconds a lease can last and a heartbeat
     can keep: a TTL of 0 or less hands out leases that have run out when they are granted
     (every write fenced, every call withheld), one that is not finite cannot be written as an
-    expiry, and one below :data:`MIN_LEASE_TTL` runs out between two renewals."""
+    expiry, one below :data:`MIN_LEASE_TTL` runs out between two renewals, and one above
+    :data:`MAX_LEASE_TTL` is refused too."""
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or not 0 < value < float("inf")):
         raise ConfigurationError(
@@ -1019,6 +1026,11 @@ def checked_lease_ttl(value: float) -> float:
         raise ConfigurationError(
             f"lease_ttl must be at least {MIN_LEASE_TTL:g} s (a heartbeat renews a lease a "
             f"third of its TTL apart, and must land before it runs out), got {value!r}")
+    if value > MAX_LEASE_TTL:
+        raise ConfigurationError(
+            f"lease_ttl must be at most {MAX_LEASE_TTL:g} s (a day: a dead worker's runs wait "
+            f"that long for their leases where no liveness lock tells its death), got "
+            f"{value!r}")
     return value
 
 

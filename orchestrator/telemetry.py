@@ -248,18 +248,33 @@ def _gauge(name: str, doc: str, label: str, rows: Iterable[dict[str, Any]], colu
 
 
 class LoopLag:
-    """How late the event loop wakes a periodic sleep (``seconds``, the last measure): a loop
-    blocked by a synchronous call or starved of CPU shows here before anything else."""
+    """How late the event loop wakes a periodic sleep (``seconds``, the last measure; and
+    :meth:`now`, what is exported): a loop blocked by a synchronous call or starved of CPU
+    shows here before anything else."""
 
     def __init__(self, interval: float = 0.5) -> None:
         self.interval = interval
         self.seconds = 0.0
+        self._due: float | None = None  # when the sleep under way should end (monotonic)
+
+    def now(self) -> float:
+        """The lag as of now, read from another thread (the exporter's): the last measure,
+        or, while the loop is late to wake its sleep under way (blocked now), how late it is
+        so far, which the last measure, taken before the block, would not show until the
+        block is over."""
+        due = self._due
+        late = 0.0 if due is None else time.monotonic() - due
+        return max(self.seconds, late)
 
     async def run(self) -> None:
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(self.interval)
-            self.seconds = max(0.0, time.monotonic() - start - self.interval)
+        try:
+            while True:
+                start = time.monotonic()
+                self._due = start + self.interval
+                await asyncio.sleep(self.interval)
+                self.seconds = max(0.0, time.monotonic() - start - self.interval)
+        finally:
+            self._due = None
 
 
 Slots = Callable[[], tuple[int, int]]
@@ -276,8 +291,9 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "orchestrator_event_loop_lag_seconds",
-            "How late the process's event loop woke its last periodic sleep.",
-            value=self.lag.seconds)
+            "How late the process's event loop woke its last periodic sleep (or is late to "
+            "wake the one under way).",
+            value=self.lag.now())
         if self.slots is not None:
             used, total = self.slots()
             family = GaugeMetricFamily("orchestrator_worker_slots",
@@ -346,7 +362,7 @@ class Exporter:
     def health(self) -> tuple[bool, dict[str, Any]]:
         reachable = gauges.database_reachable(self.target)
         return reachable, {"alive": True, "database_reachable": reachable,
-                           "event_loop_lag_seconds": self.lag.seconds}
+                           "event_loop_lag_seconds": self.lag.now()}
 
     def _wsgi(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")

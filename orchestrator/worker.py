@@ -160,6 +160,7 @@ class Worker:
         # that stopped the worker when it was not (raised by run() after the drain).
         self._lock_checked = 0
         self._misconfigured: ConfigurationError | None = None
+        self._lock_lost_said = False  # a lock held before is lost, and that was logged
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM and SIGINT do); asked again while draining, stop now:
@@ -229,12 +230,13 @@ class Worker:
                         "it claims nothing until it can (tried at each heartbeat, and checked "
                         "to reach the database URL's database then)", self.worker_id,
                         display_url(self._liveness.url or ""))
+            self._lock_lost_said = True  # and said once it holds it (_say_lock)
 
     async def _relock(self) -> bool:
         """:meth:`_hold_lock` at a heartbeat: a lock that turns out to be held in another
         database stops the worker (it drains), and :meth:`run` raises the error then."""
         try:
-            return await self._hold_lock()
+            held = await self._hold_lock()
         except ConfigurationError as exc:
             log.error("worker %s stops: %s", self.worker_id, exc.message)
             self._misconfigured = exc
@@ -244,6 +246,26 @@ class Worker:
             log.warning("worker %s: could not check its liveness lock: %s", self.worker_id,
                         exc.code)
             return False
+        self._say_lock(held)
+        return held
+
+    def _say_lock(self, held: bool) -> None:
+        """Say once that a liveness lock held before is not held any more (the worker claims
+        nothing meanwhile: ``waiting`` in ``workers list``), and once that it is held again
+        (or at last, when it could not be taken at start)."""
+        if self._liveness.key is None or self._stop.is_set():
+            return
+        if not held and self._lock_checked and not self._lock_lost_said:
+            self._lock_lost_said = True
+            log.warning("worker %s: its liveness lock's session ended and the lock cannot be "
+                        "taken again yet (%s cannot be reached, or the old session is not yet "
+                        "ended on the server and keeps it): it claims nothing new until it can "
+                        "(tried at each heartbeat), keeps the runs it has, and is listed "
+                        "waiting", self.worker_id, display_url(self._liveness.url or ""))
+        elif held and self._lock_lost_said:
+            self._lock_lost_said = False
+            log.info("worker %s holds its liveness lock now: it claims work",
+                     self.worker_id)
 
     async def _run(self, stop: asyncio.Event | None) -> None:
         async with self.database.connection() as conn:  # before anything else starts

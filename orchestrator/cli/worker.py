@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator import logs
-from orchestrator.app import MIN_LEASE_TTL, Orchestrator, catch_early_sigterm
+from orchestrator.app import MAX_LEASE_TTL, MIN_LEASE_TTL, Orchestrator, catch_early_sigterm
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
@@ -131,12 +131,19 @@ def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
     raise migrate.schema_error(app.target, status)
 
 
+def check_poll_interval(seconds: float) -> None:
+    """``--poll-interval`` of a worker or a reconciler: a finite number of seconds, more than
+    0 (``inf`` is refused here too, not only later by the application's own check)."""
+    if not 0 < seconds < float("inf"):
+        raise InvalidRequest("--poll-interval must be a finite number of seconds, more than 0",
+                             path="poll_interval")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     catch_early_sigterm()
     if args.concurrency < 1:
         raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
-    if not args.poll_interval > 0:
-        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
+    check_poll_interval(args.poll_interval)
     if not 0 <= args.drain_timeout < float("inf"):
         raise InvalidRequest("--drain-timeout must be a finite number of seconds, 0 or more",
                              path="drain_timeout")
@@ -147,6 +154,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--lease-ttl must be at least {MIN_LEASE_TTL:g} s (a heartbeat "
                              "renews a lease a third of its TTL apart, and must land before "
                              "it runs out)", path="lease_ttl")
+    if args.lease_ttl is not None and args.lease_ttl > MAX_LEASE_TTL:
+        raise InvalidRequest(f"--lease-ttl must be at most {MAX_LEASE_TTL:g} s (a day: a dead "
+                             "worker's runs wait that long for their leases where no liveness "
+                             "lock tells its death)", path="lease_ttl")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -160,6 +171,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
              "SIGTERM drains")
     settle_garbage_collector()
     app.run_worker(**options)
+    announce("worker stopped")
     return 0
 
 
@@ -183,8 +195,7 @@ def settle_garbage_collector() -> None:
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()
-    if not args.poll_interval > 0:
-        raise InvalidRequest("--poll-interval must be more than 0", path="poll_interval")
+    check_poll_interval(args.poll_interval)
     if args.max_lookups < 1:
         raise InvalidRequest("--max-lookups must be at least 1", path="max_lookups")
     if not 0 < args.base_delay < float("inf"):

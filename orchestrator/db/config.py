@@ -140,27 +140,28 @@ def mask_url(url: str) -> str:
     return urlunsplit(parts)
 
 
-def validate_url(url: str) -> str:
-    """Return ``url`` normalised to ``postgresql://…`` or raise ConfigurationError."""
+def validate_url(url: str, *, what: str = "the database URL") -> str:
+    """Return ``url`` normalised to ``postgresql://…`` or raise ConfigurationError, whose
+    message names the setting as ``what`` (``listen_url`` for that one)."""
     if not isinstance(url, str) or not url.strip():
-        raise ConfigurationError("the database URL is empty")
+        raise ConfigurationError(f"{what} is empty")
     url = url.strip()
     if "://" not in url:
         raise ConfigurationError(
-            "the database URL is malformed: expected postgresql://user:password@host:port/dbname"
+            f"{what} is malformed: expected postgresql://user:password@host:port/dbname"
         )
     try:
         parts = urlsplit(url)
         for host in parts.netloc.rpartition("@")[2].split(","):  # libpq's multi-host form
             urlsplit(f"//{host}").port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
-        raise ConfigurationError(f"the database URL is malformed: {exc}") from None
+        raise ConfigurationError(f"{what} is malformed: {exc}") from None
     if parts.scheme not in _SCHEMES:
         raise ConfigurationError(
-            f"the database URL has scheme {parts.scheme!r}; use postgresql://"
+            f"{what} has scheme {parts.scheme!r}; use postgresql://"
         )
     if not parts.path.strip("/"):
-        raise ConfigurationError("the database URL names no database (…/dbname is missing)")
+        raise ConfigurationError(f"{what} names no database (…/dbname is missing)")
     return urlunsplit(parts._replace(scheme="postgresql"))
 
 
@@ -313,7 +314,7 @@ def _pooler(value: str | None) -> str | None:
 def _listen_url(value: str | None) -> str | None:
     if value is None:
         value = os.environ.get(ENV_LISTEN_URL, "").strip() or None
-    return None if value is None else validate_url(value)
+    return None if value is None else validate_url(value, what="listen_url")
 
 
 def configured_url(url: str | None = None) -> DatabaseTarget | None:

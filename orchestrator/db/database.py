@@ -397,7 +397,8 @@ class Database:
                 state.probed_at = time.monotonic()
             known = state.probe_error
         if known is not None:
-            raise type(known)(str(known), retryable=known.retryable) from known.__cause__
+            raise type(known)(known.message, code=known.code,
+                              retryable=known.retryable) from known.__cause__
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Conn]:

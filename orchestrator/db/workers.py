@@ -146,10 +146,12 @@ async def worker_unregister(conn: Conn, worker_id: str) -> None:
 
 
 async def worker_list_live(conn: Conn, *, within_seconds: float) -> list[dict[str, Any]]:
-    """Workers whose heartbeat is recent; older rows are left by workers that died."""
+    """Workers whose heartbeat is recent; older rows are left by workers that died. With the
+    database's time (``db_now``), to tell their heartbeats' ages by."""
     cur = await conn.execute(
         f"""
-        SELECT id, hostname, pid, workflows, concurrency, started_at, heartbeat_at
+        SELECT id, hostname, pid, workflows, concurrency, started_at, heartbeat_at,
+               now() AS db_now
         FROM {S}.workers
         WHERE heartbeat_at > now() - make_interval(secs => %s)
         ORDER BY started_at
@@ -185,14 +187,14 @@ async def worker_lease_holder(conn: Conn, worker_id: str) -> dict[str, Any]:
     """How the worker holding a lease looks from here: the database's ``now``, and, if it is
     still registered (``registered``), its last heartbeat, the seconds since
     (``heartbeat_age``), whether its liveness lock is held (``lock_held``; None when it
-    registered none) and when it began to drain (``draining_since``; None if it was not told
-    to stop). A dead worker's runs are re-queued by :func:`run_release_orphaned`'s rule: lock
-    gone and heartbeat stale."""
+    registered none), whether it takes one (``lock_wanted``) and when it began to drain
+    (``draining_since``; None if it was not told to stop). A dead worker's runs are
+    re-queued by :func:`run_release_orphaned`'s rule: lock gone and heartbeat stale."""
     cur = await conn.execute(
         f"""
         SELECT now() AS db_now, w.id IS NOT NULL AS registered, w.heartbeat_at,
                EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8 AS heartbeat_age,
-               w.draining_since, {LOCK_HELD}
+               w.draining_since, w.lock_wanted, {LOCK_HELD}
         FROM (SELECT 1) AS one LEFT JOIN {S}.workers w ON w.id = %s
         """,
         (worker_id,),

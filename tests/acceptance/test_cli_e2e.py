@@ -163,6 +163,50 @@ def test_an_entry_point_keeps_a_sigterm_that_comes_while_the_package_loads(name)
 @pytest.mark.parametrize(("command", "code"), [
     (["worker", "--app", "tests.acceptance.flows:app"], 0),
     (["reconciler", "--app", "tests.acceptance.flows:app"], 0),
+    (["runs", "list"], -signal.SIGTERM),  # a short command dies of it, as it always did
+])
+def test_python_m_orchestrator_keeps_a_sigterm_that_comes_while_the_package_loads(
+        workers, tmp_path, command, code):
+    """``python -m orchestrator worker`` imports the package before its ``__main__`` runs: a
+    SIGTERM meanwhile (a process manager's stop of a worker still starting) ends a
+    long-running command cleanly, as the console script does, not in death by the signal
+    (exit -15). The real command line, the signal sent (from a ``sitecustomize`` on the path)
+    as the package's ``__init__`` begins to import the rest (``orchestrator.app``, most of the
+    load): the moments before, locating and reading ``__init__``, are as short as the
+    interpreter's own start, which no entry point covers."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, signal, sys\n"
+        "sent = []\n"
+        "def hook(event, args):\n"
+        "    if event == 'import' and args[0] == 'orchestrator.app' and not sent:\n"
+        "        sent.append(True)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.addaudithook(hook)\n")
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": workers.url,
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_importing_the_package_under_another_python_m_keeps_sigterm_at_its_default(tmp_path):
+    """Only ``python -m orchestrator`` itself keeps SIGTERM while the package loads: another
+    program run with ``-m`` that imports the package as it is located gets SIGTERM as it
+    was."""
+    pkg = tmp_path / "otherprog"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import orchestrator\n")
+    (pkg / "__main__.py").write_text(
+        "import signal\nprint(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
+    done = subprocess.run([sys.executable, "-m", "otherprog", "worker"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("command", "code"), [
+    (["worker", "--app", "tests.acceptance.flows:app"], 0),
+    (["reconciler", "--app", "tests.acceptance.flows:app"], 0),
     (["console", "--port", "0"], 0),
     (["runs", "list"], -signal.SIGTERM),  # a short command dies of it, as it always did
 ])

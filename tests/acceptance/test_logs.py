@@ -58,6 +58,9 @@ def test_json_logs_and_ctx_log_once_across_a_killed_worker(workers, client):
             if line["logger"] == "orchestrator.workflow.logged":
                 assert (line["run_id"], line["workflow"]) == (str(run.id), "logged@1")
     assert any(line["message"].startswith("worker starting on ") for line in said["b"])
+    # and its stop announcement, as a reconciler's (docs/logging.md): the last line
+    assert (said["b"][-1]["logger"], said["b"][-1]["message"]) == (
+        "orchestrator.cli", "worker stopped")
     ended = [line for line in said["b"] if line.get("run_id") == str(leak.id)]
     assert [{k: line.get(k) for k in ("level", "logger", "workflow", "code", "incident",
                                       "cause")} for line in ended] == [

@@ -472,3 +472,26 @@ async def test_a_long_poll_whose_database_goes_down_answers_503(
     body = answer.json()
     assert body["code"] == "DATABASE_UNAVAILABLE" and body["retryable"] is True
     assert set(body) == {"code", "message", "retryable", "incident"}
+
+
+async def test_a_database_that_went_away_is_said_once_with_its_code_not_twice(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """A call that waits for a connection while the server is down raises the reason the
+    server cannot be reached (asked once for every waiting call): its message said its code
+    twice (``DATABASE_UNAVAILABLE: DATABASE_UNAVAILABLE: cannot connect …`` in a worker's
+    ``lease sweep failed`` line and in an API caller's error), the code put in front of a
+    message that had it already."""
+    app, _ = outage_app
+    try:
+        await app.submit_async("echo", {}, idempotency_key="warm")
+        await asyncio.to_thread(server.stop)
+        with pytest.raises(DatabaseError) as lost:
+            for _ in range(5):  # a dead pooled connection is replaced first: then it waits
+                async with app.database.connection() as conn:
+                    await conn.execute("SELECT 1")
+        assert lost.value.code == "DATABASE_UNAVAILABLE"
+        assert not lost.value.message.startswith("DATABASE_UNAVAILABLE"), lost.value.message
+        assert str(lost.value).count("DATABASE_UNAVAILABLE") == 1, str(lost.value)
+    finally:
+        await _close_in_this_loop(app, server)

@@ -4,12 +4,17 @@ from the rows workers write when they start (the console's Workers page reads th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import socket
+from collections.abc import AsyncIterator
+from typing import Any
 
-from orchestrator import Orchestrator
+import psycopg
+
+from orchestrator import Orchestrator, admin
 from orchestrator.db import workers as workers_db
 from tests.consoletools import GRANTS, Client, from_header
 from tests.integration.conftest import held_read, running, wait_for
@@ -134,3 +139,107 @@ async def test_a_draining_worker_is_draining_on_the_console_until_it_unregisters
         release.set()
         assert await run.result_async(timeout=10) == 1
     assert not sql("SELECT 1 FROM orchestrator.workers WHERE id = %s", (worker.worker_id,))
+
+
+async def test_a_lease_holder_that_lost_its_liveness_lock_is_waiting_as_in_workers_list(
+        app: Orchestrator, sql, migrated_database_url):
+    """A worker whose liveness lock's session ends (killed, or its listen_url's pooler
+    restarted) while another session holds the lock meanwhile keeps heartbeating and keeps its
+    runs, but holds no lock: ``workers list`` says ``waiting``, and so must ``runs show`` of a
+    run it holds (were its process to die now, its runs would wait for their leases to expire,
+    not be re-queued by the next sweep)."""
+    pay, entered, release = held_read(app)
+    async with running(app) as worker:
+        run = await app.submit_async(pay, "one")
+        await asyncio.wait_for(entered.wait(), 10)
+        key = worker._liveness.key
+        assert key is not None
+        await wait_for(lambda: sql("SELECT lock_key FROM orchestrator.workers WHERE id = %s",
+                                   (worker.worker_id,)) == [{"lock_key": key}])
+        async with _lock_taken_away(worker, sql, migrated_database_url):
+            await wait_for(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = %s "
+                                       "AND lock_key IS NULL", (worker.worker_id,)))
+            code, doc, err = await cli(migrated_database_url, "workers", "list", "--json")
+            assert code == 0, err
+            (mine,) = [w for w in json.loads(doc)["workers"] if w["id"] == worker.worker_id]
+            assert mine["state"] == "waiting"
+            code, shown, err = await cli(migrated_database_url, "runs", "show", str(run.id),
+                                         "--json")
+            assert code == 0, err
+            lease = json.loads(shown)["lease"]
+            assert (lease["holder_state"], lease["reclaim"]) == ("waiting", None)
+            code, out, err = await cli(migrated_database_url, "runs", "show", str(run.id))
+            assert code == 0, err
+            note = out.split("note:", 1)[1].split("\n", 1)[0].strip()
+            assert note.startswith(f"held by {worker.worker_id}, which is waiting"), note
+            assert "liveness lock" in note
+        release.set()
+        assert await run.result_async(timeout=20) == 1
+
+
+@contextlib.asynccontextmanager
+async def _lock_taken_away(worker: Any, sql: Any, url: str) -> AsyncIterator[None]:
+    """``worker``'s liveness lock's session ends, and another session holds the lock for the
+    body of the ``async with`` (it was queued behind the worker's: granted the moment that
+    session ended, before the worker could take it again)."""
+    key = worker._liveness.key
+    assert key is not None
+    await wait_for(lambda: sql("SELECT lock_key FROM orchestrator.workers WHERE id = %s",
+                               (worker.worker_id,)) == [{"lock_key": key}])
+    (holder,) = sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND classid::bigint = ((%s::bigint >> 32) & 4294967295) "
+                    "AND objid::bigint = (%s::bigint & 4294967295)", (key, key))
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as other:
+        taking = asyncio.ensure_future(other.execute("SELECT pg_advisory_lock(%s)", (key,)))
+        await wait_for(lambda: sql("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = "
+                                   "'Lock' AND query LIKE 'SELECT pg_advisory_lock%%'"))
+        sql("SELECT pg_terminate_backend(%s)", (holder["pid"],))
+        await asyncio.wait_for(taking, 10)
+        yield
+
+
+async def test_a_worker_says_when_it_loses_its_liveness_lock_and_when_it_has_it_again(
+        app: Orchestrator, sql, migrated_database_url, caplog):
+    """A worker whose liveness lock's session ended claims nothing until it takes the lock
+    again: that is said once, with what it means and what to look at, not left to be found
+    in ``workers list``; and once more when it holds the lock again and claims again."""
+    caplog.set_level("INFO", logger="orchestrator.worker")
+    async with running(app) as worker:
+        async with _lock_taken_away(worker, sql, migrated_database_url):
+            await wait_for(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = %s "
+                                       "AND lock_key IS NULL", (worker.worker_id,)))
+            await asyncio.sleep(1.0)  # several heartbeats: said once, not at each
+            lost = [r for r in caplog.records if r.name == "orchestrator.worker"
+                    and "liveness lock" in r.getMessage() and r.levelname == "WARNING"]
+            assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+            assert "claims nothing" in lost[0].getMessage()
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = %s "
+                                   "AND lock_key IS NOT NULL", (worker.worker_id,)))
+        await wait_for(lambda: [r for r in caplog.records if r.name == "orchestrator.worker"
+                                and r.levelname == "INFO"
+                                and "holds its liveness lock now" in r.getMessage()])
+
+
+async def test_runs_show_counts_as_live_only_the_workers_that_heartbeat(
+        app: Orchestrator, sql, migrated_database_url):
+    """A queued run's note counted every worker that heartbeat within the last minute as
+    live: right after a worker was killed (``dead`` in ``workers list``) or paused
+    (``silent``), ``runs show`` said "ready; 3 live worker(s) can run job@1" of a fleet of one
+    live worker. It counts the live ones, and says how many more are silent or dead."""
+    @app.workflow()
+    async def job(ctx, data):  # type: ignore[no-untyped-def]
+        return 1
+
+    async with app.database.connection() as conn:
+        for name in ("w-live", "w-dead", "w-silent"):
+            await workers_db.worker_register(conn, worker_id=name, hostname="h", pid=1,
+                                             workflows=["job@1"], concurrency=1,
+                                             lock_key=None)
+    sql("UPDATE orchestrator.workers SET heartbeat_at = now() - interval '20 seconds' "
+        "WHERE id <> 'w-live'")
+    run = await app.submit_async(job, {})
+    sql("UPDATE orchestrator.workers SET heartbeat_at = now() WHERE id = 'w-live'")
+    note = (await admin.show_run(app.database, run.id)).note  # what runs show prints
+    assert note is not None
+    assert note.startswith("ready; 1 live worker(s) can run job@1"), note
+    assert "2 more" in note and "workers list" in note, note

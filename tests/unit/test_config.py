@@ -236,7 +236,8 @@ def test_a_poll_interval_that_is_not_positive_is_refused_before_anything_starts(
                           env=cli_env(None), capture_output=True, text=True, timeout=60,
                           check=False)
     assert (done.returncode, done.stderr) == (
-        2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be more than 0\n")
+        2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be a finite number of "
+        "seconds, more than 0\n")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
@@ -406,3 +407,78 @@ def test_a_lease_ttl_below_what_a_heartbeat_can_keep_is_refused_naming_the_minim
         2, "orchestrator: error: INVALID_REQUEST: --lease-ttl must be at least 0.5 s (a "
         "heartbeat renews a lease a third of its TTL apart, and must land before it runs "
         "out)\n")
+
+
+@pytest.mark.parametrize("group", ["worker", "reconciler"])
+def test_an_infinite_poll_interval_is_refused_with_the_flags_own_error(group: str) -> None:
+    """``--poll-interval inf`` passed the flag's check (only ``nan`` and numbers up to 0 were
+    refused) and was refused only later, by the application's, as a CONFIGURATION_ERROR about
+    ``poll_interval``, after the application was imported and the database reached."""
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    for value in ("inf", "0", "nan"):
+        done = subprocess.run([*command(), group, "--app", "m:a", "--poll-interval", value],
+                              env=cli_env(None), capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert (done.returncode, done.stderr) == (
+            2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be a finite number "
+            "of seconds, more than 0\n"), value
+
+
+@pytest.mark.parametrize("ttl", [86400.5, 1e12, 1e308])
+def test_a_lease_ttl_longer_than_a_day_is_refused_naming_the_maximum(ttl: float) -> None:
+    """``--lease-ttl 1e308`` was taken: the worker started, and died at its first claim with
+    ``INTERNAL: unexpected DatetimeFieldOverflow`` (exit 70), the run left queued; any TTL
+    whose expiry the database cannot write did the same. A TTL above
+    :data:`~orchestrator.app.MAX_LEASE_TTL` is refused, wherever it is given."""
+    import subprocess
+
+    from orchestrator.app import MAX_LEASE_TTL
+    from tests.clitools import cli_env, command
+
+    assert MAX_LEASE_TTL == 86400
+    Orchestrator(POOLED, lease_ttl=86400)  # a day is the longest taken
+    with pytest.raises(ConfigurationError, match=r"lease_ttl must be at most 86400 s"):
+        Orchestrator(POOLED, lease_ttl=ttl)
+    with pytest.raises(ConfigurationError, match=r"lease_ttl must be at most 86400 s"):
+        Orchestrator(POOLED).create_worker(lease_ttl=ttl)
+    done = subprocess.run([*command(), "worker", "--app", "m:a", "--lease-ttl", str(ttl)],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert (done.returncode, done.stderr) == (
+        2, "orchestrator: error: INVALID_REQUEST: --lease-ttl must be at most 86400 s (a "
+        "day: a dead worker's runs wait that long for their leases where no liveness lock "
+        "tells its death)\n")
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("garbage", "listen_url is malformed"),
+    ("mysql://db/orders", "listen_url has scheme 'mysql'"),
+    ("postgresql://app@db:5432/", "listen_url names no database"),
+    ("postgresql://app@db:99999/orders", "listen_url is malformed"),
+])
+def test_a_bad_listen_url_is_named_not_taken_for_the_database_url(
+        monkeypatch: pytest.MonkeyPatch, value: str, fragment: str) -> None:
+    """``ORCHESTRATOR_LISTEN_URL=garbage`` (or ``--listen-url``) stopped a worker with "the
+    database URL is malformed" while the database URL was right: the operator looked at the
+    wrong setting. The message names ``listen_url``, from the argument or the variable."""
+    import subprocess
+
+    from tests.clitools import cli_env, command
+
+    monkeypatch.delenv("ORCHESTRATOR_POOLER", raising=False)
+    monkeypatch.delenv("ORCHESTRATOR_LISTEN_URL", raising=False)
+    with pytest.raises(ConfigurationError) as given:
+        resolve_database(POOLED, pooler="transaction", listen_url=value)
+    monkeypatch.setenv("ORCHESTRATOR_LISTEN_URL", value)
+    with pytest.raises(ConfigurationError) as from_env:
+        resolve_database(POOLED, pooler="transaction")
+    for caught in (given, from_env):
+        assert fragment in caught.value.message and "database URL" not in caught.value.message
+    done = subprocess.run([*command(), "--database-url", POOLED, "--pooler", "transaction",
+                           "--listen-url", value, "workers", "list"],
+                          env=cli_env(None), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 2 and fragment in done.stderr, done.stderr

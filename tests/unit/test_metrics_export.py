@@ -216,6 +216,43 @@ def test_the_process_gauges() -> None:
         (("state", "used"),): 3, (("state", "free"),): 7}
 
 
+def test_the_loop_lag_shows_a_loop_that_is_blocked_now_not_only_once_it_wakes() -> None:
+    """The lag was measured only when the loop woke its sleep: a loop blocked by a
+    synchronous call (a tool's ``time.sleep``, blocking I/O, a deadlock) showed its last lag
+    before the block, about 0, on ``/metrics`` and ``/healthz`` for as long as it stayed
+    blocked; the gauge that should show it first showed it last, once it was over."""
+    import asyncio
+    import threading
+    import time
+
+    lag = LoopLag(interval=0.05)
+    loop = asyncio.new_event_loop()
+    blocked, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        blocked.set()
+        release.wait(10)  # the loop's thread is stuck here, as in a synchronous call
+
+    async def main() -> None:
+        measuring = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(0.3)
+        loop.call_soon(block)
+        await asyncio.sleep(0.2)
+        measuring.cancel()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),))
+    thread.start()
+    try:
+        assert blocked.wait(10)
+        time.sleep(1.0)
+        during = _scrape(ProcessCollector(lag))["orchestrator_event_loop_lag_seconds"][()]
+    finally:
+        release.set()
+        thread.join(10)
+        loop.close()
+    assert during >= 0.8, during
+
+
 @pytest.fixture
 def exporter() -> Iterator[tuple[Exporter, int]]:
     app = Orchestrator(UNREACHABLE.url)
