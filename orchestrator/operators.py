@@ -38,7 +38,7 @@ from orchestrator.canonical import DEFAULT_LIMITS, JsonLimits
 from orchestrator.db import journal as journal_db
 from orchestrator.db import reconciliation as recon_db
 from orchestrator.db import views as views_db
-from orchestrator.db.database import Database
+from orchestrator.db.database import Conn, Database
 from orchestrator.db.events import incident_get, incident_reasons, incidents_of_operations
 from orchestrator.errors import (
     AccessDenied,
@@ -350,30 +350,40 @@ class Operators:
         other operation outside the queue is refused as they refuse it."""
         check_operation_id(operation_id)
         tenants = self.tenants_of(operator)
+
+        async def look(conn: Conn) -> dict[str, Any]:
+            # One snapshot: a resolution (or the run moving on) between two of these reads
+            # must not show an item still waiting beside the audit row that resolved it.
+            await recon_db.recon_read_snapshot(conn)
+            return await self._shown(conn, operation_id, tenants)
+
+        return await self._with_reasons(await self.db.run_in_transaction(look), operator)
+
+    async def _shown(self, conn: Conn, operation_id: int, tenants: list[str] | None
+                     ) -> dict[str, Any]:
+        """What :meth:`show` shows but what lookups said, read on ``conn``."""
         wait = None
-        async with self.db.connection() as conn:
-            item = await recon_db.recon_get(conn, operation_id, tenants=tenants)
+        item = await recon_db.recon_get(conn, operation_id, tenants=tenants)
+        if item is None:
+            refused = await reconcile.not_queued(conn, operation_id, tenants)
+            item = (await recon_db.operation_unqueued(conn, operation_id)
+                    if isinstance(refused, OperationInProgress) else None)
             if item is None:
-                refused = await reconcile.not_queued(conn, operation_id, tenants)
-                item = (await recon_db.operation_unqueued(conn, operation_id)
-                        if isinstance(refused, OperationInProgress) else None)
-                if item is None:
-                    raise refused
-                wait = refused.message
-            attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
-            shown = {
-                **item,
-                "wait": wait,
-                "attempts": attempts,
-                "incidents": await incidents_of_operations(
-                    conn, item["run_id"], [a["id"] for a in attempts]),
-                "lookups": ([] if item["item_id"] is None
-                            else await recon_db.recon_lookups(conn, item["item_id"])),
-                "journal": await journal_db.journal_read(conn, item["run_id"]),
-                "audit": await recon_db.audit_list(conn, operation_id=operation_id,
-                                                   tenants=tenants),
-            }
-        return await self._with_reasons(shown, operator)
+                raise refused
+            wait = refused.message
+        attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
+        return {
+            **item,
+            "wait": wait,
+            "attempts": attempts,
+            "incidents": await incidents_of_operations(
+                conn, item["run_id"], [a["id"] for a in attempts]),
+            "lookups": ([] if item["item_id"] is None
+                        else await recon_db.recon_lookups(conn, item["item_id"])),
+            "journal": await journal_db.journal_read(conn, item["run_id"]),
+            "audit": await recon_db.audit_list(conn, operation_id=operation_id,
+                                               tenants=tenants),
+        }
 
     async def _with_reasons(self, shown: dict[str, Any], operator: str) -> dict[str, Any]:
         """``shown``'s lookups with what they said, for an incident reader (the item is in

@@ -122,7 +122,9 @@ async def not_queued(conn: Conn, operation_id: int, tenants: list[str] | None
         said = SENT_AGAIN.format(op=operation_id, run=op["run_id"])
         return OperationInProgress(said, status=op["state"])
     where = (f"; the queued attempt of the same call is operation {op['queued']}"
-             if op["queued"] is not None else "")
+             if op["queued"] is not None else
+             f": there is nothing to settle; `orchestrator runs show {op['run_id']}` shows its "
+             "call and what came of it")
     return InvalidRequest(f"operation {operation_id} is {op['state']} and not in the "
                           f"reconciliation queue{where}", path="operation_id")
 

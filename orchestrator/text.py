@@ -14,8 +14,9 @@ Two kinds of text:
   format characters (``Cf``: zero-width spaces and joiners, direction overrides, the BOM), no
   lone surrogates (``Cs``), and no whitespace at either end. Operator names also refuse
   whitespace inside (:func:`check_operator`);
-- **prose** (evidence): 1 to ``max_length`` characters, not blank; newlines and tabs are
-  allowed, other control characters and lone surrogates are not.
+- **prose** (evidence): 1 to ``max_length`` characters, not blank (whitespace and invisible
+  format characters alone are blank); newlines and tabs are allowed, other control characters
+  and lone surrogates are not.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def check_operator(value: Any) -> str:
 
 
 def check_prose(field: str, value: Any, *, max_length: int = EVIDENCE_MAX) -> str:
-    """Free text such as evidence: not blank, at most ``max_length`` characters, no control
-    characters but newlines and tabs, no lone surrogates."""
-    if not isinstance(value, str) or not value.strip():
+    """Free text such as evidence: not blank (something shows: not only whitespace and
+    invisible format characters), at most ``max_length`` characters, no control characters
+    but newlines and tabs, no lone surrogates."""
+    if not isinstance(value, str) or not _shows(value):
         raise InvalidRequest(f"{field} text is required", path=field)
     if len(value) > max_length:
         raise InvalidRequest(f"{field} is {len(value)} characters; at most {max_length} are "
@@ -94,6 +96,14 @@ def check_prose(field: str, value: Any, *, max_length: int = EVIDENCE_MAX) -> st
     if refused is not None:
         raise InvalidRequest(f"{field} holds {refused}, which cannot be stored", path=field)
     return value
+
+
+def _shows(value: str) -> bool:
+    """Whether ``value`` has a character that shows: not whitespace, not a format character
+    (``Cf``: a zero-width space or joiner, a BOM, a direction mark)."""
+    if value.isascii():
+        return bool(value.strip())
+    return any(not char.isspace() and unicodedata.category(char) != "Cf" for char in value)
 
 
 def storable(value: str) -> str:

@@ -265,13 +265,17 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
-    outcome = with_operators(args, lambda ops, operator: ops.abandon(
-        args.operation_id, evidence=args.evidence, operator=operator))
+    op = args.operation_id
+    outcome, _, run = with_operators(args, lambda ops, operator: _resolved(
+        ops, op, operator, ops.abandon(op, evidence=args.evidence, operator=operator)))
+    status = run[0] if run else ""
     if outcome == "noop":
-        print(f"operation {args.operation_id} was already abandoned; nothing changed")
+        print(f"operation {op} was already abandoned; nothing changed")
+    elif status in TERMINAL_STATUSES:  # an ended run keeps its outcome: only the ledger changes
+        print(f"operation {op} abandoned; its run had already ended ({status}), so only the "
+              "ledger changed")
     else:
-        print(f"operation {args.operation_id} abandoned; its run failed with "
-              "OPERATION_ABANDONED")
+        print(f"operation {op} abandoned; its run failed with OPERATION_ABANDONED")
     return 0
 
 

@@ -56,6 +56,7 @@ from orchestrator.errors import (
 from orchestrator.journal import RUN_ENDS, EventKind
 from orchestrator.models import RUN_STATUSES
 from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED
+from orchestrator.stream import TERMINAL
 from orchestrator.text import is_number
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -65,6 +66,12 @@ DONE = {
     "not_applied": "The operation was resolved as not applied; its run was woken.",
     "abandoned": "The operation was abandoned; its run failed with OPERATION_ABANDONED.",
     "noop": "It was already resolved that way; nothing changed.",
+    "still_waits": "The operation was resolved; its run still waits for its other unknown "
+                   "operations to be settled (its page lists them), and goes on after that.",
+    "cancelling": "The operation was resolved; its run was woken and ends cancelled, as was "
+                  "requested (nothing is sent again).",
+    "ended": "The operation was settled in the ledger; its run had already ended, so nothing "
+             "else changed (nothing is sent again).",
     "cancelled": "The run is cancelled.",
     "cancel_requested": "Cancellation requested: the run stops at its next step (a run "
                         "blocked on an unknown operation, once that is reconciled).",
@@ -370,6 +377,7 @@ class Pages:
         entered = {name: _field(form, name) or "" for name in ("receipt", "evidence", "then")}
         try:
             receipt = _receipt(entered["receipt"]) if resolution == "committed" else None
+            run = await self.service.run_of_operation(access, op)
             outcome = await self.service.resolve(
                 access, op, resolution=resolution, evidence=entered["evidence"],
                 receipt=receipt,
@@ -378,8 +386,10 @@ class Pages:
             # Its page again, the refusal a notice on it (a call in flight: what to wait for)
             return await self.operation(request, access, status=status_of(exc), error=exc,
                                         form={**entered, "resolution": resolution})
+        others = ([] if outcome == "noop" or resolution == "abandoned"
+                  else await self.service.still_waiting_on(access, op))
         return self.redirect(request, f"/operations/{op}",
-                             done="noop" if outcome == "noop" else resolution)
+                             done=_led_to(resolution, outcome, run, others))
 
     async def workers(self, request: Request, access: Access) -> Response:
         shown = [documents.worker(w) for w in await self.service.workers(access)]
@@ -448,6 +458,24 @@ def bulk_outcomes(shown: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows + [{"operation_id": s["operation_id"], "run_id": None, "tool_name": None,
                     "result": "skipped", "code": s["code"], "reason": s["reason"]}
                    for s in shown["skipped"] if s["operation_id"] not in chosen]
+
+
+def _led_to(resolution: str, outcome: str, run: tuple[str, bool] | None,
+            others: list[int]) -> str:
+    """The :data:`DONE` key of what a resolution led to, as ``ops resolve`` words it: a run
+    that had ended changed nothing but the ledger, one with other unknown operations still
+    waits, one whose cancellation was requested ends cancelled (an abandonment fails the run
+    in the last two cases too)."""
+    status, cancel_requested = run or ("", False)
+    if outcome == "noop":
+        return "noop"
+    if status in TERMINAL:
+        return "ended"
+    if resolution == "abandoned":
+        return resolution
+    if others:
+        return "still_waits"
+    return "cancelling" if cancel_requested else resolution
 
 
 def _field(form: FormData, name: str) -> str | None:

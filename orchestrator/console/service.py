@@ -429,6 +429,22 @@ class ConsoleService:
                                                       then=then or "resend")
         return await self.ops.abandon(operation_id, evidence=evidence, operator=access.operator)
 
+    async def run_of_operation(self, access: Access, operation_id: Any
+                               ) -> tuple[str, bool] | None:
+        """The status of the run of a queued operation and whether its cancellation was
+        requested, read before a resolution to say what it led to (as ``ops resolve``); None
+        for one that is not queued or not the operator's."""
+        self.tenants(access)
+        return await self.ops.run_status_of(parse_operation_id(operation_id),
+                                            operator=access.operator)
+
+    async def still_waiting_on(self, access: Access, operation_id: Any) -> list[int]:
+        """The other operations the run of ``operation_id`` still waits for, after a
+        resolution (:meth:`~orchestrator.operators.Operators.still_waiting_on`)."""
+        self.tenants(access)
+        return await self.ops.still_waiting_on(parse_operation_id(operation_id),
+                                               operator=access.operator)
+
     async def bulk(self, access: Access, *, resolution: str, evidence: str,
                    receipt: Any = None, then: str | None = None, confirmed: int | None,
                    state: str = UNRESOLVED, tool: str | None = None,

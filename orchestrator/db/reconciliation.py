@@ -226,6 +226,13 @@ async def _select_items(conn: Conn, columns: str, params: dict[str, Any]
     return await cur.fetchall()
 
 
+async def recon_read_snapshot(conn: Conn) -> None:
+    """Make the transaction just begun on ``conn`` one read-only snapshot: an operation, its
+    attempts, incidents, lookups, journal and audit read in it agree with each other, even when
+    an operator resolves it or a worker moves its run on between the reads."""
+    await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
+
 async def recon_get(conn: Conn, operation_id: int, *, lock: bool = False,
                     tenants: list[str] | None = None) -> dict[str, Any] | None:
     """The item of an operation; with ``tenants``, only one of theirs: another tenant's is

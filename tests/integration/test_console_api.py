@@ -802,17 +802,23 @@ async def test_resolving_an_operation_whose_call_is_in_flight_answers_409_in_pro
                 assert said["message"].startswith(f"operation {op['id']} is submitted: its "
                                                   "call is in flight"), said
                 assert "wait" in said["message"]
+            forms = {"committed": "resolve-committed", "not_applied": "resolve-not-applied",
+                     "abandoned": "resolve-abandon"}
             for resolution in ("not_applied", "abandoned"):
-                # the form refused: the operation's page again, the refusal a notice on it
+                # the form refused: the operation's page again, the refusal a notice on it,
+                # and only the form sent, as it was filled in (to send again later)
                 page = await alice.form(f"/operations/{op['id']}/resolve", {
-                    "resolution": resolution, "evidence": "no charge"})
+                    "resolution": resolution, "evidence": "no charge <at> the PSP"})
                 assert page.status_code == 409 and "OPERATION_IN_PROGRESS" in page.text
                 text = html.unescape(page.text)
                 assert f"<h1>Operation {op['id']} " in text, resolution
                 assert 'class="notice failure" role="alert"' in page.text
                 assert (f"Refused: OPERATION_IN_PROGRESS</strong> operation {op['id']} is "
                         "submitted: its call is in flight") in text
-                assert 'id="wait"' in page.text and 'id="resolve-abandon"' not in page.text
+                assert 'id="wait"' in page.text and 'id="kept"' in page.text
+                assert [f for f in forms.values() if f'id="{f}"' in page.text] == [
+                    forms[resolution]]
+                assert "no charge &lt;at&gt; the PSP</textarea>" in page.text
             shown = await alice.get(f"/api/operations/{op['id']}")
             assert shown.status_code == 200, shown.text
             d = shown.json()
@@ -913,4 +919,73 @@ async def test_an_unknown_path_answers_404_not_found_and_a_wrong_method_405(
         assert page.status_code == 404 and "NOT_FOUND" in page.text
         wrong = await alice.http.delete("/api/runs")
         assert wrong.status_code == 405 and wrong.json()["code"] == "INVALID_REQUEST"
+    await app.database.close()
+
+
+async def test_what_a_form_resolution_led_to_is_said_as_it_is(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """The page a resolve form leads to says what became of the run, as ``ops resolve``
+    does: a run with another unknown operation still waits (it was not woken); abandoning
+    that one fails the run; settling an operation of a run that has ended changes only the
+    ledger. Never "its run was woken" for a run that was not."""
+    app = make_app(operator_scopes=SCOPES)
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.gather(*(ctx.call(charge, order=f"{order}-{i}") for i in (1, 2, 3)))
+
+    async with running(app):
+        await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+    first, second, third = [r["id"] for r in sql("SELECT id FROM orchestrator.operations "
+                                                 "ORDER BY id")]
+
+    async def said(alice: Client, op: int, resolution: str) -> str:
+        sent = await alice.form(f"/operations/{op}/resolve", {
+            "resolution": resolution, "receipt": '{"charge": "ch_1"}', "evidence": "PSP"})
+        assert sent.status_code == 303, sent.text
+        page = await alice.http.get(sent.headers["location"])
+        assert page.status_code == 200, page.text
+        (notice,) = re.findall(r'<p class="notice done"[^>]*>(.*?)</p>', page.text, re.S)
+        return html.unescape(notice)
+
+    async with Client(console_of(app), "alice") as alice:
+        notice = await said(alice, first, "committed")
+        assert "was woken" not in notice and "still waits" in notice, notice
+        assert sql("SELECT status FROM orchestrator.runs")[0]["status"] == (
+            "needs_reconciliation")
+        notice = await said(alice, second, "abandoned")
+        assert "failed with OPERATION_ABANDONED" in notice, notice
+        notice = await said(alice, third, "not_applied")
+        assert "was woken" not in notice and "already ended" in notice, notice
+    await app.database.close()
+
+
+async def test_the_operation_page_shows_the_evidence_the_engine_kept(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """What the engine kept on a queue item (a receipt that came after its worker lost the
+    lease, the reconciler's notes) is on the operation's page, as ``ops show`` prints it and
+    the API gives it: an operator deciding whether the call committed sees the receipt the
+    tool answered."""
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER})
+    late = {"kind": "late_receipt", "worker": "w-lost", "receipt": {"charge": "ch_late_7"},
+            "receipt_digest": "d" * 64}
+    sql("UPDATE orchestrator.reconciliation_items SET evidence = evidence || %s::jsonb "
+        "|| '[{\"note\": \"tool charge has no lookup here; an operator decides\"}]'::jsonb "
+        "WHERE operation_id = %s", (json.dumps([late]), ops["a"]))
+    async with Client(console_of(app), "alice") as alice:
+        shown = await alice.get(f"/api/operations/{ops['a']}")
+        assert shown.status_code == 200 and late in shown.json()["evidence"], shown.text
+        page = await alice.get(f"/operations/{ops['a']}")
+        assert page.status_code == 200, page.text
+        text = html.unescape(page.text)
+        assert 'id="kept-evidence"' in page.text
+        assert "ch_late_7" in text and "w-lost" in text and "late_receipt" in text
+        assert "tool charge has no lookup here; an operator decides" in text
     await app.database.close()

@@ -366,6 +366,41 @@ async def test_resolving_an_operation_of_a_run_that_has_ended_says_only_the_ledg
             ] == ["abandoned", "not_applied"]
 
 
+async def test_abandoning_an_operation_of_a_run_that_has_ended_says_only_the_ledger_changed(
+        make_app, sql, migrated_database_url):
+    """Two calls at once, both unknown: abandoning the first fails the run, and says so;
+    abandoning the second does not say the run failed with ``OPERATION_ABANDONED`` again (it
+    had ended already: only the ledger changed), and the run keeps its first error."""
+    url = migrated_database_url
+    app, sent, pay = _two_lost_charges(make_app)
+
+    async with running(app):
+        run = await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+        first, second = [r["id"] for r in sql("SELECT id FROM orchestrator.operations "
+                                              "ORDER BY id")]
+        code, out, err = await cli(url, "ops", "abandon", str(first), "--evidence",
+                                   "refunded by hand", "--operator", "alice")
+        assert code == 0, err
+        assert out.strip() == (f"operation {first} abandoned; its run failed with "
+                               "OPERATION_ABANDONED")
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=10)
+        (error,) = [r["error"] for r in sql("SELECT error FROM orchestrator.runs")]
+        code, out, err = await cli(url, "ops", "abandon", str(second), "--evidence",
+                                   "refunded by hand", "--operator", "alice")
+        assert code == 0, err
+        assert out.strip() == (f"operation {second} abandoned; its run had already ended "
+                               "(failed), so only the ledger changed")
+        assert [r["error"] for r in sql("SELECT error FROM orchestrator.runs")] == [error]
+        code, out, err = await cli(url, "ops", "abandon", str(second), "--evidence",
+                                   "refunded by hand", "--operator", "alice")
+        assert (code, out.strip()) == (0, f"operation {second} was already abandoned; "
+                                          "nothing changed"), err
+    assert sorted(sent) == ["o-1", "o-2"]
+
+
 @contextlib.asynccontextmanager
 async def _a_call_in_flight(app, sql):  # type: ignore[no-untyped-def]
     """A run of :func:`charge_in_flight`'s workflow whose call is in flight (its operation
@@ -448,6 +483,7 @@ async def test_ops_show_of_an_operation_whose_call_is_in_flight_shows_what_is_kn
         assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
     code, out, err = await cli(url, "ops", "show", str(op["id"]))  # settled: not queued
     assert code == 2 and "INVALID_REQUEST" in err and "is committed" in err, err
+    assert f"there is nothing to settle; `orchestrator runs show {run.id}` shows" in err, err
 
 
 async def test_ops_show_audits_only_the_operation_not_a_queue_of_the_same_id(

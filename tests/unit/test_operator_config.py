@@ -95,6 +95,20 @@ def test_evidence_may_span_lines() -> None:
     check_evidence("PSP shows ch_1\n\tsettled at 10:02", "alice")
 
 
+@pytest.mark.parametrize("evidence", ["\u200b", " \u200b\u200d\n", "\ufeff", "\u2060\t"])
+def test_evidence_that_shows_nothing_is_blank(evidence: str) -> None:
+    """Evidence of nothing but whitespace and invisible format characters (zero-width
+    spaces and joiners, a BOM: what a paste can leave) reads as blank in every log and page:
+    it is refused as blank text is."""
+    with pytest.raises(InvalidRequest, match="evidence text is required") as info:
+        check_evidence(evidence, "alice")
+    assert info.value.path == "evidence"
+
+
+def test_evidence_may_hold_format_characters_beside_text() -> None:
+    check_evidence("PSP shows \u200fch_1\u200f (\U0001F468\u200d\U0001F4BB checked)", "alice")
+
+
 def test_tool_text_is_kept_storable() -> None:
     assert storable("a\x00b\ud800c") == "a\\x00b\\ud800c"
     assert storable("plain é text\n") == "plain é text\n"
