@@ -59,7 +59,11 @@ def check_start(start_at: datetime | None, delay: timedelta | None,
     if not isinstance(start_at, datetime) or start_at.tzinfo is None \
             or start_at.utcoffset() is None:
         raise InvalidRequest("start_at must be a timezone-aware datetime", path="start_at")
-    at = start_at.astimezone(UTC)
+    try:
+        at = start_at.astimezone(UTC)
+    except OverflowError:  # year 1 east of UTC, or 9999 west of it: no such time in UTC
+        raise InvalidRequest(f"start_at must be a time within the next {MAX_HOLD.days} days",
+                             path="start_at") from None
     if at < now - START_AT_TOLERANCE:
         raise InvalidRequest(
             f"start_at is {_ago(now - at)} in the past (at most "

@@ -308,9 +308,9 @@ def resolve_workflow(registry: Registry, workflow: Workflow | str,
                               f"name; got {got}", path="workflow")
     chosen = registry.choose(workflow, version)
     if chosen is None:
-        named = f"workflow {workflow!r}" + (f" version {version!r}" if version is not None
-                                            else "")
-        raise UnknownWorkflow(f"{named} is not registered")
+        named = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+        wrong = "version" if version and registry.choose(workflow) is not None else "workflow"
+        raise UnknownWorkflow(f"{named} is not registered", path=wrong)
     return chosen
 
 

@@ -143,14 +143,23 @@ async def json_body(request: Request, fields: frozenset[str], *,
     body = b"".join(chunks)
     try:
         value = json.loads(body or b"{}", object_pairs_hook=_unique_keys)
-    except (ValueError, RecursionError):
-        raise InvalidRequest("the request body is not valid JSON") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line "
+                             f"{exc.lineno}, column {exc.colno}") from None
+    except UnicodeDecodeError:
+        raise InvalidRequest("the request body is not UTF-8: send JSON as UTF-8") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply to be read") from None
+    except ValueError:  # JSON, but an integer longer than int() reads
+        raise InvalidRequest("the request body has an integer of more digits than can be "
+                             "read") from None
     if not isinstance(value, dict):
         raise InvalidRequest("the request body must be a JSON object")
     unknown = sorted(set(value) - fields)
     if unknown:
-        raise InvalidRequest(f"the body has no field {unknown[0]!r} (fields: "
-                             f"{', '.join(sorted(fields))})", path="body")
+        takes = (f"fields: {', '.join(sorted(fields))}" if fields
+                 else "this request takes none: send {}")
+        raise InvalidRequest(f"the body has no field {unknown[0]!r} ({takes})", path="body")
     return value
 
 

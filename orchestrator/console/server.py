@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -98,11 +98,17 @@ def create_console(app: Host, *, authenticate: Authenticate | None = None,
 
     async def not_routed(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        error = _unrouted(request, exc.status_code)
+        allowed = _allowed(routes, request) if exc.status_code == 405 else ""
+        error = _unrouted(request, exc.status_code, allowed)
+        response: Response
         if _route_path(request).startswith("/api/"):
-            return JSONResponse(public(error), status_code=exc.status_code)
-        return pages.render(request, "error.html", None, status=exc.status_code,
-                            error=public(error))
+            response = JSONResponse(public(error), status_code=exc.status_code)
+        else:
+            response = pages.render(request, "error.html", None, status=exc.status_code,
+                                    error=public(error))
+        if allowed:
+            response.headers["Allow"] = allowed  # what HTTP requires of a 405
+        return response
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -196,14 +202,27 @@ def _tokens(tokens: Mapping[str, str] | None) -> dict[str, str]:
     return found
 
 
-def _unrouted(request: Request, status: int) -> OrchestratorError:
+def _allowed(routes: list[BaseRoute], request: Request) -> str:
+    """The methods the request's path takes (``Allow``), from every route that serves it
+    for other methods (two routes serve a path both APIs share); "" when none does."""
+    methods: set[str] = set()
+    for route in routes:
+        if isinstance(route, Route) and route.methods \
+                and route.matches(request.scope)[0] == Match.PARTIAL:
+            methods |= route.methods
+    methods.discard(request.method)
+    return ", ".join(sorted(methods))
+
+
+def _unrouted(request: Request, status: int, allowed: str = "") -> OrchestratorError:
     """The public error of a request no route serves: ``NOT_FOUND`` for a path the console
-    does not serve (404), ``INVALID_REQUEST`` for one it serves for other methods (405)."""
+    does not serve (404), ``INVALID_REQUEST`` for one it serves for other methods (405),
+    naming them when they are known (``allowed``)."""
     if status == 404:
         where = "API path" if _route_path(request).startswith("/api/") else "page"
         return NotFound(f"no such {where}: {request.method} {_route_path(request)[:200]!r}")
-    return InvalidRequest(f"{request.method} is not allowed here: this path takes other "
-                          "methods")
+    return InvalidRequest(f"{request.method} is not allowed here: this path takes "
+                          f"{allowed or 'other methods'}")
 
 
 def _route_path(request: Request) -> str:

@@ -140,8 +140,11 @@ def _json_request(request: Request) -> None:
 def _header_key(request: Request) -> str | None:
     """The ``Idempotency-Key`` header, checked by the rules of every key (C1), a malformed
     one refused naming the header: what the client sent, not the field it stands for."""
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    return None if key is None else validate_idempotency_key(key, IDEMPOTENCY_HEADER)
+    keys = request.headers.getlist(IDEMPOTENCY_HEADER)
+    if len(keys) > 1:
+        raise InvalidRequest(f"the request has {len(keys)} {IDEMPOTENCY_HEADER} headers; send "
+                             "one", path=IDEMPOTENCY_HEADER)
+    return validate_idempotency_key(keys[0], IDEMPOTENCY_HEADER) if keys else None
 
 
 def _deadline(value: Any) -> timedelta | None:
@@ -149,7 +152,7 @@ def _deadline(value: Any) -> timedelta | None:
     if value is None:
         return None
     if (type(value) not in (int, float) or not math.isfinite(value) or value <= 0
-            or value > MAX_DEADLINE.total_seconds()):
+            or value > MAX_DEADLINE.total_seconds() or not timedelta(seconds=value)):
         raise InvalidRequest(f"deadline must be a positive number of seconds up to "
                              f"{MAX_DEADLINE.total_seconds():.0f}", path="deadline")
     return timedelta(seconds=value)
@@ -300,7 +303,8 @@ class Submitters:
             workflow, body.get("input"), version=version, owner=owner,
             idempotency_key=key, deadline=_deadline(body.get("deadline")),
             start_at=_start_at(body.get("start_at")), delay=_delay(body.get("delay")),
-            queue=body.get("queue"), priority=body.get("priority", 0),
+            queue=body.get("queue"),
+            priority=0 if body.get("priority") is None else body["priority"],
             concurrency_key=body.get("concurrency_key"))
         info = await handle.info_async()
         headers = {"Location": f"{request.scope.get('root_path') or ''}/api/runs/{handle.id}"}
@@ -352,9 +356,13 @@ class Submitters:
             return JSONResponse({"run_id": run_id, "done": False, "status": exc.status},
                                 status_code=202)
         except RunFailed as exc:
-            status = (await handle.latest_async()).status  # a chain's: where it ended
-            return JSONResponse({"run_id": run_id, "done": True, "status": status,
-                                 "result": None, "error": exc.to_dict()})
+            latest = await handle.latest_async()  # a chain's: where it ended
+            error = exc.to_dict()
+            # The run's own reference, or none (a cancelled run has none): never one made up
+            # for this answer, which would lead nowhere.
+            error["incident"] = (latest.error or {}).get("incident")
+            return JSONResponse({"run_id": run_id, "done": True, "status": latest.status,
+                                 "result": None, "error": error})
         return JSONResponse({"run_id": run_id, "done": True, "status": "succeeded",
                              "result": value, "error": None})
 

@@ -574,3 +574,154 @@ async def test_an_unknown_path_is_not_found_never_a_missing_run(make_app, sql) -
                     "INVALID_REQUEST", "run_id"), path
     assert sql("SELECT status, cancel_requested_at FROM orchestrator.runs") == [
         {"status": "queued", "cancel_requested_at": None}]
+
+
+async def test_a_start_at_outside_the_calendar_in_utc_is_400_and_stores_nothing(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """A ``start_at`` whose offset moves it out of the years a time can have (the first
+    instant of year 1 east of UTC, the last of year 9999 west of it) is refused naming the
+    field, like any other out-of-range time, not an ``INTERNAL`` error."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        for when in ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00"):
+            answer = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                        "input": 1, "start_at": when})
+            assert answer.status_code == 400, (when, answer.text)
+            assert answer.json()["code"] == "INVALID_REQUEST", when
+            assert answer.json()["path"] == "start_at", when
+    assert run_count(sql) == 0
+    await app.database.close()
+
+
+async def test_a_cancelled_runs_result_has_the_runs_own_incident_reference(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """The error of ``/result`` is the run's own public error: a cancelled run has no incident
+    reference, so its answer has none either, the same each time it is asked (a reference
+    made up per request would lead an operator nowhere)."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        run = (await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                  "input": 1})).json()
+        path = f"/api/runs/{run['id']}"
+        assert (await http.post(f"{path}/cancel", json={})).json()["status"] == "cancelled"
+        answers = [(await http.get(f"{path}/result")).json() for _ in range(2)]
+        shown = (await http.get(path)).json()
+    assert answers[0] == answers[1]
+    assert answers[0]["error"]["code"] == "CANCELLED"
+    assert answers[0]["error"]["incident"] == shown["error"]["incident"]
+    await app.database.close()
+
+
+async def test_a_method_a_path_does_not_take_is_405_with_the_methods_it_takes(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """405 names the methods the path takes, in ``Allow`` (as HTTP requires) and in the
+    message, counting both APIs' routes of a path they share."""
+    app = http_app(make_app)
+    console = app.console(from_header, GRANTS, authenticate_owner=owner_of)
+    run = uuid.uuid4()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        for method, path, allowed in [("DELETE", f"/api/runs/{run}", "GET, HEAD"),
+                                      ("PUT", "/api/runs", "GET, HEAD, POST"),
+                                      ("GET", f"/api/runs/{run}/cancel", "POST"),
+                                      ("GET", f"/api/runs/{run}/events/approval", "POST")]:
+            answer = await http.request(method, path)
+            assert answer.status_code == 405, (path, answer.text)
+            assert answer.headers["allow"] == allowed, path
+            assert answer.json()["code"] == "INVALID_REQUEST"
+            assert allowed in answer.json()["message"], path
+    assert run_count(sql) == 0
+    await app.database.close()
+
+
+async def test_optional_fields_given_as_null_are_absent_and_refusals_say_what_to_send(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """``"priority": null`` is no priority, as null is for every other optional field; a
+    deadline shorter than the clock counts is refused in the API's words (seconds, not a
+    Python type); a body given to an action that takes no fields is told to send ``{}``."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        made = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                  "input": 1, "priority": None,
+                                                  "queue": None, "deadline": None},
+                               headers={"Idempotency-Key": "nulls-1"})
+        assert made.status_code == 201, made.text
+        assert made.json()["priority"] == 0
+        again = await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                   "input": 1},
+                                headers={"Idempotency-Key": "nulls-1"})
+        assert again.status_code == 200, again.text  # the same request
+        tiny = await http.post("/api/runs", json={"workflow": "approve", "input": 1,
+                                                  "deadline": 1e-9})
+        assert tiny.status_code == 400 and tiny.json()["path"] == "deadline"
+        assert "timedelta" not in tiny.json()["message"]
+        assert "seconds" in tiny.json()["message"]
+        extra = await http.post(f"/api/runs/{made.json()['id']}/cancel",
+                                json={"evidence": "x"})
+        assert extra.status_code == 400 and extra.json()["path"] == "body"
+        assert "{}" in extra.json()["message"] and "fields: )" not in extra.json()["message"]
+    assert run_count(sql) == 1
+    await app.database.close()
+
+
+async def test_a_body_json_cannot_read_says_why_and_two_keys_are_refused(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """A body that is not JSON is told where it goes wrong; one that is JSON but nested deeper
+    or with a longer integer than can be read is told so, not that it is not JSON; bytes that
+    are not UTF-8 are told so. Two ``Idempotency-Key`` headers are refused naming the header
+    (which one would be the key?). Nothing is stored."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    headers = {"Content-Type": "application/json"}
+    deep = b'{"workflow": "approve", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    long = b'{"workflow": "approve", "input": ' + b"9" * 5000 + b"}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        broken = await http.post("/api/runs", content=b'{"workflow": "approve",\n "input": }',
+                                 headers=headers)
+        assert broken.status_code == 400, broken.text
+        assert "line 2, column 11" in broken.json()["message"], broken.text
+        for what, body, said in [("deep", deep, "nested"), ("long", long, "digits"),
+                                 ("latin-1", b'{"workflow": "\xe9"}', "UTF-8")]:
+            answer = await http.post("/api/runs", content=body, headers=headers)
+            assert answer.status_code == 400, (what, answer.text)
+            assert answer.json()["code"] == "INVALID_REQUEST", what
+            assert said in answer.json()["message"], (what, answer.text)
+            assert "not valid JSON" not in answer.json()["message"], what
+        twice = await http.post("/api/runs", json={"workflow": "approve", "input": 1},
+                                headers=[("Idempotency-Key", "k-1"),
+                                         ("Idempotency-Key", "k-2")])
+        assert twice.status_code == 400, twice.text
+        assert twice.json()["path"] == "Idempotency-Key"
+    assert run_count(sql) == 0
+    await app.database.close()
+
+
+async def test_an_unknown_workflow_or_version_names_what_was_refused(make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """``UNKNOWN_WORKFLOW`` carries its ``path`` as every refused input that can name it:
+    ``workflow`` for a name nothing registers, ``version`` for a version of one that is."""
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        for body, path in [({"workflow": "nope", "input": 1}, "workflow"),
+                           ({"workflow": "nope", "version": "1", "input": 1}, "workflow"),
+                           ({"workflow": "approve", "version": "9", "input": 1}, "version")]:
+            answer = await http.post("/api/runs", json=body)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["code"] == "UNKNOWN_WORKFLOW"
+            assert answer.json()["path"] == path, body
+    assert run_count(sql) == 0
+    await app.database.close()
