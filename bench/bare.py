@@ -133,19 +133,24 @@ def _cpu(pids: list[int]) -> float:
     return sum(sum(split) for pid in pids if (split := cpu_split(pid)) is not None)
 
 
-def bare_once(server: Server, *, runs: int, k: int, batch: int, indexed: bool) -> float:
-    """Backends' CPU µs per step for ``runs`` K-step runs through the bare tables."""
+Measured = tuple[float, list[int]]
+"""The CPU seconds the measured backends used, and their pids."""
+
+
+def bare_once(server: Server, *, runs: int, k: int, batch: int, indexed: bool) -> Measured:
+    """``runs`` K-step runs through the bare tables, on one connection of their own."""
     url = server.create_database("bare")
     try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(_TABLES)
+        with psycopg.connect(url, autocommit=True) as setup:
+            setup.execute(_TABLES)
             if indexed:
-                conn.execute(_INDEXES)
-            with conn.cursor() as cur:
+                setup.execute(_INDEXES)
+            with setup.cursor() as cur:
                 cur.executemany("INSERT INTO bare_runs (id, status) VALUES (%s, 'queued')",
                                 [(uuid.uuid4(),) for _ in range(runs)])
-            conn.execute("VACUUM ANALYZE")
-            pids = _backends(conn)
+            setup.execute("VACUUM ANALYZE")
+        with psycopg.connect(url, autocommit=True) as conn:
+            pids = [conn.info.backend_pid]
             before = _cpu(pids)
             token = 1
             while True:
@@ -173,11 +178,12 @@ def bare_once(server: Server, *, runs: int, k: int, batch: int, indexed: bool) -
             used = _cpu(pids) - before
     finally:
         server.drop_database(url)
-    return used / (runs * k) * 1e6
+    return used, pids
 
 
-async def _engine_once(server: Server, *, runs: int, k: int, batch: int,
-                       unguarded: bool = False) -> float:
+async def engine_once(server: Server, *, runs: int, k: int, batch: int,
+                      unguarded: bool = False) -> Measured:
+    """``runs`` K-step runs through the engine's writes, on a pool of one connection."""
     from bench.floor import drive
     from bench.ours import submit_many
     from orchestrator.db import runs as runs_db
@@ -216,7 +222,56 @@ async def _engine_once(server: Server, *, runs: int, k: int, batch: int,
             await db.close()
     finally:
         server.drop_database(url)
-    return used / (runs * k) * 1e6
+    return used, pids
+
+
+def _once(server: Server, way: str, *, runs: int, k: int, batch: int) -> Measured:
+    if way.startswith("engine"):
+        return asyncio.run(engine_once(server, runs=runs, k=k, batch=batch,
+                                       unguarded=way == "engine, unguarded"))
+    return bare_once(server, runs=runs, k=k, batch=batch, indexed=way == "bare, indexed")
+
+
+def _cpu_table(server: Server, args: argparse.Namespace) -> None:
+    got: dict[str, list[float]] = {way: [] for way in WAYS}
+    for rep in range(args.reps):
+        for way in WAYS:
+            used, _ = _once(server, way, runs=args.runs, k=args.k, batch=args.batch)
+            got[way].append(used / (args.runs * args.k) * 1e6)
+        print(f"repetition {rep + 1}/{args.reps}: "
+              + ", ".join(f"{w} {got[w][-1]:.1f}" for w in WAYS), file=sys.stderr, flush=True)
+    print(f"\nserver CPU per step (backends of the database; K={args.k}, {args.runs} runs, "
+          f"batches of {args.batch}, median of {args.reps})")
+    print(f"{'way':<20}{'µs/step':>10}{'× engine':>11}")
+    for way in WAYS:
+        ratios = [v / e for v, e in zip(got[way], got["engine"], strict=True)]
+        print(f"{way:<20}{statistics.median(got[way]):>10.1f}"
+              f"{statistics.median(ratios):>11.2f}")
+
+
+def _instruction_table(args: argparse.Namespace) -> None:
+    from bench.callgrind import CallgrindServer
+
+    small, large = args.runs_small, args.runs
+    if large <= small:
+        raise SystemExit(f"--runs ({large}) must be more than --runs-small ({small})")
+    per_step: dict[str, float] = {}
+    with CallgrindServer.start() as cg:
+        server = Server(cg.admin_url, "callgrind")
+        for way in WAYS:
+            counts = []
+            for runs in (small, large):
+                _, pids = _once(server, way, runs=runs, k=args.k, batch=args.batch)
+                counts.append(cg.instructions(pids))
+                print(f"{way}: {runs} runs, {counts[-1]:,} instructions", file=sys.stderr,
+                      flush=True)
+            per_step[way] = (counts[1] - counts[0]) / ((large - small) * args.k)
+    print(f"\nserver instructions per step (callgrind, PostgreSQL {cg.version}; the backends' "
+          f"count for {large} runs less that for {small}, K={args.k}, batches of "
+          f"{args.batch})")
+    print(f"{'way':<20}{'instr/step':>12}{'× engine':>11}")
+    for way in WAYS:
+        print(f"{way:<20}{per_step[way]:>12,.0f}{per_step[way] / per_step['engine']:>11.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,27 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="writes per transaction")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (interleaved)")
     parser.add_argument("--server", help="a PostgreSQL admin URL (default: as bench.run)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the server's instructions instead (callgrind: a private "
+                             "server under valgrind; repeatable whatever else the machine "
+                             "does, so commits can be compared one at a time)")
+    parser.add_argument("--runs-small", type=int, default=640,
+                        help="with --instructions: the smaller run count (its count is "
+                             "subtracted, with the backends' start and warm-up)")
     args = parser.parse_args(argv)
-    server = Server.find(args.server)
-    got: dict[str, list[float]] = {way: [] for way in WAYS}
-    for rep in range(args.reps):
-        got["engine"].append(asyncio.run(
-            _engine_once(server, runs=args.runs, k=args.k, batch=args.batch)))
-        got["engine, unguarded"].append(asyncio.run(
-            _engine_once(server, runs=args.runs, k=args.k, batch=args.batch, unguarded=True)))
-        got["bare, indexed"].append(bare_once(server, runs=args.runs, k=args.k,
-                                              batch=args.batch, indexed=True))
-        got["bare"].append(bare_once(server, runs=args.runs, k=args.k, batch=args.batch,
-                                     indexed=False))
-        print(f"repetition {rep + 1}/{args.reps}: "
-              + ", ".join(f"{w} {got[w][-1]:.1f}" for w in WAYS), file=sys.stderr, flush=True)
-    print(f"\nserver CPU per step (backends of the database; K={args.k}, {args.runs} runs, "
-          f"batches of {args.batch}, median of {args.reps})")
-    print(f"{'way':<20}{'µs/step':>10}{'× engine':>11}")
-    for way in WAYS:
-        ratios = [v / e for v, e in zip(got[way], got["engine"], strict=True)]
-        print(f"{way:<20}{statistics.median(got[way]):>10.1f}"
-              f"{statistics.median(ratios):>11.2f}")
+    if args.instructions:
+        if args.runs == 6000:
+            args.runs = 1152  # under valgrind the server is 30 to 50 times slower
+        _instruction_table(args)
+    else:
+        _cpu_table(Server.find(args.server), args)
     return 0
 
 
