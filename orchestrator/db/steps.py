@@ -33,9 +33,24 @@ says why. What the three statements have in common:
   and sent under this one), so that along ``seq`` the tokens never go down. A row so appends
   ``(1 + (x.prev_op IS NOT NULL)::int)`` entries, its own last, and its fence moves the
   revision by as much.
-- **Every row checked.** ``orchestrator.row_applied(applied, what)`` raises (SQLSTATE
-  ``OR001``) for a row that did not apply, so that its batch cannot commit (see
-  :mod:`orchestrator.db.writer`).
+- **Each part fed by the one before, never joined back.** The fence returns the rows it
+  moved with all their columns (``RETURNING x.*``); ``done`` reads the fence, ``kept`` reads
+  ``done``, the inserts read the fence. Every CTE is estimated at one row (``batch_rows``), so
+  a join of two of them is a nested loop, which reads one CTE once per row of the other: the
+  statements used to join the rows back to ``x`` by ``i`` or ``run_id`` at each part and at
+  the end, five such joins per write-ahead, quadratic in the batch (about 29 % of the
+  server's instructions per step at 64 rows a statement; docs/architecture.md, "The write
+  path").
+- **Every row checked, by counting.** ``orchestrator.row_applied(applied, what)`` raises
+  (SQLSTATE ``OR001``) unless every row applied, so that its batch cannot commit (see
+  :mod:`orchestrator.db.writer`): ``applied`` compares the rows each part wrote with the rows
+  it had to write (as many fenced as given, a receipt committed for each row that carries one,
+  a stored entry for each receipt not on its row). Each part writes at most one row per input
+  row, and a statement never holds two rows of one run (the writer's ``key``), so equal counts
+  are every row applied. The CTE ``checked`` (``MATERIALIZED``: evaluated once) is the outer
+  side of the final select, so the check runs even when the fence matched nothing. A
+  write-ahead's operation id comes back by its run (``ids``, an object built once from the
+  insert's ``RETURNING``: an insert cannot return the input row's ``i``).
 
 Theirs are the only journal entries not inserted by :mod:`orchestrator.db.journal`: the
 operations' entries, and the ``run.completed`` entry of :data:`RUN_SUCCEED`, whose payload
@@ -110,42 +125,46 @@ WITH x AS (
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
       AND r.revision = x.expected AND r.cancel_requested_at IS NULL
-    RETURNING x.i
+    RETURNING x.*
 ), done AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
-                                THEN x.expected + 1 END
-    FROM x JOIN fence ON fence.i = x.i
-    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+    UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
+           receipt_digest = f.digest, finished_at = now(), updated_at = now(),
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
+                                THEN f.expected + 1 END
+    FROM fence f
+    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
+    RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
+              f.prev_op, f.prev_position, f.prev_name, f.receipt
 ), kept AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    SELECT d.run_id, d.expected + 1, 'call.completed', d.prev_position, d.prev_name, d.v,
+           jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
+    FROM done d WHERE d.stored
     RETURNING run_id
 ), op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
                                 idempotency_key, state, worker_id, lease_token, submitted_at,
                                 seq, entry_version)
-    SELECT x.run_id, x.position, x.attempt, x.tool_name, x.tool_version, x.effect_class,
-           x.tenant, x.principal, x.intent_digest, x.arguments, x.idempotency_key,
-           'submitted', x.worker_id, x.token, now(),
-           x.expected + (1 + (x.prev_op IS NOT NULL)::int), x.v
-    FROM x JOIN fence ON fence.i = x.i
+    SELECT f.run_id, f.position, f.attempt, f.tool_name, f.tool_version, f.effect_class,
+           f.tenant, f.principal, f.intent_digest, f.arguments, f.idempotency_key,
+           'submitted', f.worker_id, f.token, now(),
+           f.expected + (1 + (f.prev_op IS NOT NULL)::int), f.v
+    FROM fence f
     ON CONFLICT (run_id, position, attempt) DO NOTHING
     RETURNING id, run_id
+), checked AS MATERIALIZED (
+    SELECT {S}.row_applied(
+               (SELECT count(*) FROM op) = (SELECT count(*) FROM x)
+               AND (SELECT count(*) FROM done)
+                   = (SELECT count(*) FROM x WHERE x.prev_op IS NOT NULL)
+               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
+               'call begin') AS appended,
+           (SELECT jsonb_object_agg(op.run_id::text, op.id) FROM op) AS ids
 )
-SELECT x.i, op.id AS op_id,
-       {S}.row_applied(op.id IS NOT NULL AND (x.prev_op IS NULL OR (
-                           done.run_id IS NOT NULL
-                           AND (NOT done.stored OR kept.run_id IS NOT NULL))),
-                       'call begin') AS appended
-FROM x LEFT JOIN op ON op.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
-       LEFT JOIN kept ON kept.run_id = x.run_id
+SELECT f.i, (c.ids ->> f.run_id::text)::bigint AS op_id, c.appended
+FROM checked c LEFT JOIN fence f ON true
 """
 """A call's write-ahead: its operation recorded ``submitted`` with its ``call.submitted`` entry,
 after committing the riding receipt; refused once a cancellation was requested."""
@@ -190,29 +209,31 @@ WITH x AS (
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
       AND r.revision = x.expected
-    RETURNING x.i, r.cancel_requested_at
+    RETURNING x.*, r.cancel_requested_at
 ), done AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
-                                THEN x.expected + 1 END
-    FROM x JOIN fence ON fence.i = x.i
-    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+    UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
+           receipt_digest = f.digest, finished_at = now(), updated_at = now(),
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
+                                THEN f.expected + 1 END
+    FROM fence f
+    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
+    RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
+              f.prev_op, f.prev_position, f.prev_name, f.receipt
 ), kept AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    SELECT d.run_id, d.expected + 1, 'call.completed', d.prev_position, d.prev_name, d.v,
+           jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
+    FROM done d WHERE d.stored
     RETURNING run_id
+), checked AS MATERIALIZED (
+    SELECT {S}.row_applied(
+               (SELECT count(*) FROM done) = (SELECT count(*) FROM x)
+               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
+               'receipt') AS appended
 )
-SELECT x.i, {S}.row_applied(done.run_id IS NOT NULL
-                            AND (NOT done.stored OR kept.run_id IS NOT NULL), 'receipt')
-           AS appended,
-       fence.cancel_requested_at
-FROM x LEFT JOIN fence ON fence.i = x.i LEFT JOIN done ON done.run_id = x.run_id
-       LEFT JOIN kept ON kept.run_id = x.run_id
+SELECT f.i, c.appended, f.cancel_requested_at
+FROM checked c LEFT JOIN fence f ON true
 """
 """A receipt written alone: its operation ``submitted`` → ``committed`` with its
 ``call.completed`` entry; returns the run's ``cancel_requested_at``."""
@@ -262,29 +283,30 @@ WITH x AS (
       AND NOT EXISTS (SELECT 1 FROM {S}.operations o WHERE o.run_id = x.run_id
                       AND o.state IN ('pending', 'submitted', 'unknown')
                       AND o.id IS DISTINCT FROM x.prev_op)
-    RETURNING x.i, r.id, r.parent_run_id, r.queue
+    RETURNING x.*, r.parent_run_id, r.queue
 ), done AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = x.receipt,
-           receipt_digest = x.digest, finished_at = now(), updated_at = now(),
-           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = x.token
-                                THEN x.expected + 1 END
-    FROM x JOIN fence ON fence.i = x.i
-    WHERE o.id = x.prev_op AND o.state = 'submitted' AND o.run_id = x.run_id
-    RETURNING o.run_id, o.completed_seq IS NULL AS stored
+    UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
+           receipt_digest = f.digest, finished_at = now(), updated_at = now(),
+           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
+                                THEN f.expected + 1 END
+    FROM fence f
+    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
+    RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
+              f.prev_op, f.prev_position, f.prev_name, f.receipt
 ), kept AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
-    SELECT x.run_id, x.expected + 1, 'call.completed', x.prev_position, x.prev_name, x.v,
-           jsonb_build_object('result', x.receipt, 'op', x.prev_op), x.token
-    FROM x JOIN done ON done.run_id = x.run_id WHERE done.stored
+    SELECT d.run_id, d.expected + 1, 'call.completed', d.prev_position, d.prev_name, d.v,
+           jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
+    FROM done d WHERE d.stored
     RETURNING run_id
 ), ins AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
-    SELECT x.run_id, x.expected + (1 + (x.prev_op IS NOT NULL)::int), 'run.completed',
-           NULL, NULL, x.v,
-           jsonb_build_object('result', x.result), x.token
-    FROM x JOIN fence ON fence.id = x.run_id
+    SELECT f.run_id, f.expected + (1 + (f.prev_op IS NOT NULL)::int), 'run.completed',
+           NULL, NULL, f.v,
+           jsonb_build_object('result', f.result), f.token
+    FROM fence f
     RETURNING run_id
 ), wake AS (
     -- Whatever its status, the parent's row is updated (and so locked), as in run_finish.
@@ -293,22 +315,23 @@ WITH x AS (
     SET available_at = CASE WHEN p.status = 'waiting' THEN now() ELSE p.available_at END
     FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
     RETURNING coalesce(p.queue, '{DEFAULT_QUEUE_NEWS}') AS news
+), checked AS MATERIALIZED (
+    SELECT {S}.row_applied(
+               (SELECT count(*) FROM ins) = (SELECT count(*) FROM x)
+               AND (SELECT count(*) FROM done)
+                   = (SELECT count(*) FROM x WHERE x.prev_op IS NOT NULL)
+               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
+               'run success') AS appended,
+           -- News of each woken parent's queue.
+           (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', w.news)
+                                  FROM (SELECT DISTINCT news FROM wake) AS w) AS n) AS woke,
+           -- A run of a queue freed its slot: the workers may claim the next.
+           (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
+                                  FROM (SELECT DISTINCT queue FROM fence
+                                        WHERE queue IS NOT NULL) AS q) AS n) AS freed
 )
-SELECT x.i,
-       {S}.row_applied(ins.run_id IS NOT NULL
-                       AND (x.prev_op IS NULL OR (
-                           done.run_id IS NOT NULL
-                           AND (NOT done.stored OR kept.run_id IS NOT NULL))), 'run success')
-           AS appended,
-       -- News of each woken parent's queue.
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', w.news)
-                              FROM (SELECT DISTINCT news FROM wake) AS w) AS n) AS woke,
-       -- A run of a queue freed its slot: the workers may claim the next.
-       (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
-                              FROM (SELECT DISTINCT queue FROM fence
-                                    WHERE queue IS NOT NULL) AS q) AS n) AS freed
-FROM x LEFT JOIN ins ON ins.run_id = x.run_id LEFT JOIN done ON done.run_id = x.run_id
-       LEFT JOIN kept ON kept.run_id = x.run_id
+SELECT f.i, c.appended, c.woke, c.freed
+FROM checked c LEFT JOIN fence f ON true
 """
 """A run's success: ``succeeded`` with its result and ``run.completed`` entry, after committing
 the riding receipt, refused while another operation of the run is unsettled; wakes its parent

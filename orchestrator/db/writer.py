@@ -53,7 +53,8 @@ class Statement:
     1-based position in the array) with each row's result; ``row`` is this write's JSON object
     text; ``key`` names what the row writes (its run): two rows with the same key never share
     a statement. The SQL must refuse a row that does not apply by calling
-    ``orchestrator.row_applied(applied, what)`` for it (which raises SQLSTATE ``OR001``): a
+    ``orchestrator.row_applied(applied, what)`` (which raises SQLSTATE ``OR001``), for it or
+    for all of the statement's rows at once: a
     batch is committed without looking at its results first, so a miss has to stop the
     transaction on the server. The batch is then rolled back and every write runs alone; the
     write that missed gets ``check(None)``, which raises the caller's error. After a commit,
