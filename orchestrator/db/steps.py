@@ -1,8 +1,9 @@
 """The hot writes of a run's steps: a call's write-ahead begin, a receipt, a run's success.
 
 Each is one set-based SQL statement that the group writer sends
-(:class:`~orchestrator.db.writer.Statement`), written out whole below with a line saying what
-it does, followed by the function that turns one write into a row of it. A miss (the lease, a
+(:class:`~orchestrator.db.writer.Statement`), written out below with a line saying what it
+does (the riding receipt's two CTEs, the same in all three, once: :data:`_RIDING_RECEIPT`),
+followed by the function that turns one write into a row of it. A miss (the lease, a
 cancellation, a conflict) raises :class:`FastPathMiss` and the engine takes the general path
 (operations.py, runs.py, journal.py), which writes the same rows in Python-driven steps and
 says why. What the three statements have in common:
@@ -111,22 +112,7 @@ def row_text(scalars: dict[str, Any], receipt: Receipt | None = None, **raw: str
     return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
 
 
-OPERATION_BEGIN = f"""
-WITH x AS (
-    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
-           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, position int,
-               attempt int, tool_name text, tool_version text, effect_class text, tenant text,
-               principal text, intent_digest text, arguments jsonb, idempotency_key text,
-               worker_id text, v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
-), fence AS (
-    UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
-           updated_at = now()
-    FROM x
-    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
-      AND r.revision = x.expected AND r.cancel_requested_at IS NULL
-    RETURNING x.*
-), done AS (
+_RIDING_RECEIPT = f""", done AS (
     UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
            receipt_digest = f.digest, finished_at = now(), updated_at = now(),
            completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
@@ -142,7 +128,29 @@ WITH x AS (
            jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
     FROM done d WHERE d.stored
     RETURNING run_id
-), op AS (
+)"""
+"""The riding receipt's two CTEs, the same in the three statements: ``done`` commits the call the
+fence's row names in ``prev_op`` (``submitted`` → ``committed``, its ``call.completed`` entry
+at ``expected + 1`` on the row when the row's entries carry this lease token), ``kept`` stores
+that entry as a row when it could not go on the operation's row."""
+
+
+OPERATION_BEGIN = f"""
+WITH x AS (
+    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
+           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, position int,
+               attempt int, tool_name text, tool_version text, effect_class text, tenant text,
+               principal text, intent_digest text, arguments jsonb, idempotency_key text,
+               worker_id text, v smallint,
+               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
+), fence AS (
+    UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
+           updated_at = now()
+    FROM x
+    WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
+      AND r.revision = x.expected AND r.cancel_requested_at IS NULL
+    RETURNING x.*
+){_RIDING_RECEIPT}, op AS (
     INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version,
                                 effect_class, tenant, principal, intent_digest, arguments,
                                 idempotency_key, state, worker_id, lease_token, submitted_at,
@@ -210,23 +218,7 @@ WITH x AS (
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
       AND r.revision = x.expected
     RETURNING x.*, r.cancel_requested_at
-), done AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
-           receipt_digest = f.digest, finished_at = now(), updated_at = now(),
-           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
-                                THEN f.expected + 1 END
-    FROM fence f
-    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
-    RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
-              f.prev_op, f.prev_position, f.prev_name, f.receipt
-), kept AS (
-    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
-                                     payload, lease_token)
-    SELECT d.run_id, d.expected + 1, 'call.completed', d.prev_position, d.prev_name, d.v,
-           jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
-    FROM done d WHERE d.stored
-    RETURNING run_id
-), checked AS MATERIALIZED (
+){_RIDING_RECEIPT}, checked AS MATERIALIZED (
     SELECT {S}.row_applied(
                (SELECT count(*) FROM done) = (SELECT count(*) FROM x)
                AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
@@ -284,23 +276,7 @@ WITH x AS (
                       AND o.state IN ('pending', 'submitted', 'unknown')
                       AND o.id IS DISTINCT FROM x.prev_op)
     RETURNING x.*, r.parent_run_id, r.queue
-), done AS (
-    UPDATE {S}.operations o SET state = 'committed', receipt = f.receipt,
-           receipt_digest = f.digest, finished_at = now(), updated_at = now(),
-           completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
-                                THEN f.expected + 1 END
-    FROM fence f
-    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
-    RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
-              f.prev_op, f.prev_position, f.prev_name, f.receipt
-), kept AS (
-    INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
-                                     payload, lease_token)
-    SELECT d.run_id, d.expected + 1, 'call.completed', d.prev_position, d.prev_name, d.v,
-           jsonb_build_object('result', d.receipt, 'op', d.prev_op), d.token
-    FROM done d WHERE d.stored
-    RETURNING run_id
-), ins AS (
+){_RIDING_RECEIPT}, ins AS (
     INSERT INTO {S}.journal_entries (run_id, seq, kind, position, name, schema_version,
                                      payload, lease_token)
     SELECT f.run_id, f.expected + (1 + (f.prev_op IS NOT NULL)::int), 'run.completed',
