@@ -84,6 +84,10 @@ HEARTBEAT_INTERVAL = 0.25  # at most; a worker's liveness is judged by it (one r
 # Seconds a stopping worker waits, after its drain timeout, for writes in flight to land before
 # it gives up on them (GroupWriter.abandon).
 WRITE_GRACE = 5.0
+# The part of the lease TTL for which a write that cannot reach the database is tried again
+# (GroupWriter's patience) before its run is let go: a lease renewed a third of the TTL apart
+# still has two thirds of it left when an outage begins.
+OUTAGE_PATIENCE = 0.5
 # A busy worker claims at most this often; an idle worker claims at once. Under a stream of
 # submissions every NOTIFY wakes every worker, and a claim costs a transaction (and a commit)
 # whether it takes one run, several or none (a quarter found nothing: another worker had taken
@@ -136,7 +140,7 @@ class Worker:
         self._liveness = workers_db.LivenessLock(
             database.target.session_url, secrets.randbits(62) + 1,
             options=connect_options(database.target, database.connect_timeout))
-        self.writer = GroupWriter(database)
+        self.writer = GroupWriter(database, patience=self.lease_ttl * OUTAGE_PATIENCE)
         self._running: dict[uuid.UUID, _InFlight] = {}
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -769,6 +773,8 @@ class Worker:
                             "before the second stop request" if self._hurry.is_set()
                             else f"within the drain ({self.drain_timeout:g} s)",
                             "is" if n == 1 else "are", "it is" if n == 1 else "each is")
+            if pending:  # a write waiting for the database must not hold them any longer
+                self.writer.hurry("the worker stopped before the database answered")
             for task in pending:
                 task.cancel()
             for task in pending:

@@ -19,6 +19,18 @@ not apply raises, so the transaction cannot commit); what is shared is the round
 per-statement work, which is what a busy worker spends its CPU on. A batch of statements is
 one round trip: the statements are pipelined, committed together at the pipeline's Sync, and
 the worker waits once.
+
+A write that fails because the database cannot be reached (a refused or lost connection, a
+pooler down: nothing the write itself did) is tried again with a growing pause (50 ms,
+doubling, at most a second) for as long as the writer's ``patience`` allows, counted from its
+first failed attempt: a worker gives it half its lease TTL, so that a short outage costs the
+runs writing during it nothing but the wait; once it is spent, the write gets
+``DATABASE_UNAVAILABLE``. Any other failure (and any failure, for a writer without patience) is
+tried ``attempts`` times, without a growing pause. A row the database rejects (SQLSTATE
+``OR001``, a constraint) is not a failed attempt: it is answered at once. Retrying late is safe
+whenever it lands: every write is fenced by its run's lease token and expected revision, so a
+write that lands after another worker took the run is rejected, and one that committed before
+its connection was lost is rejected the next time.
 """
 
 from __future__ import annotations
@@ -43,6 +55,14 @@ from orchestrator.errors import DatabaseError, LeaseLost
 
 T = TypeVar("T")
 log = logging.getLogger("orchestrator.worker")
+
+FIRST_PAUSE = 0.05
+"""Seconds between the first failed attempt of writes that could not reach the database and the
+next; each pause is as long as the writes have been failing, so it doubles, up to
+:data:`LONGEST_PAUSE`."""
+LONGEST_PAUSE = 1.0
+RETRY_PAUSE = 0.1
+"""Seconds before writes that failed for another reason are tried again."""
 
 
 @dataclass(frozen=True)
@@ -78,21 +98,28 @@ class Landing(asyncio.Future[Any]):
 
 
 Work = Callable[[Conn], Awaitable[Any]] | Statement
+Failed = tuple[int, float] | None  # a queued write's attempts failed and when the first began
 Group = list[tuple[Statement, "asyncio.Future[Any]"]]  # statements sent as one
 Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]  # a write's value or error
 
 
 class GroupWriter:
-    """Batches transactions of many runs into one commit. One per worker (per event loop)."""
+    """Batches transactions of many runs into one commit. One per worker (per event loop).
 
-    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3) -> None:
+    ``patience``: seconds for which a write that cannot reach the database is tried again
+    (see the module's text); 0 tries it ``attempts`` times like any other failed write."""
+
+    def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3,
+                 patience: float = 0.0) -> None:
         self.db = db
         self.max_batch = max_batch
         self.attempts = attempts
-        self._queue: list[tuple[Work, asyncio.Future[Any], int]] = []
+        self.patience = patience
+        self._pause = RETRY_PAUSE  # before the next batch, after one that failed
+        self._queue: list[tuple[Work, asyncio.Future[Any], Failed]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first write
-        self._in_flight: list[tuple[Work, asyncio.Future[Any], int]] = []  # the batch sent
+        self._in_flight: list[tuple[Work, asyncio.Future[Any], Failed]] = []  # the batch sent
         self._abandoned: str | None = None  # why nothing more is written (see abandon)
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
@@ -116,7 +143,7 @@ class GroupWriter:
         if self._abandoned is not None:  # the worker is stopping: nothing more is written
             future.set_exception(DatabaseError(self._abandoned))
             return future
-        self._queue.append((work, future, 0))
+        self._queue.append((work, future, None))
         # One flusher at a time (a second one measured slower: smaller batches). A task is
         # done in the very step its loop finds the queue empty, so a write queued after that
         # always starts a new one.
@@ -133,7 +160,7 @@ class GroupWriter:
             finally:
                 self._in_flight = []
             if not written:
-                await asyncio.sleep(0.1)  # the database is having trouble: do not spin
+                await asyncio.sleep(self._pause)  # the database is having trouble: do not spin
 
     async def drain(self, timeout: float) -> None:
         """Let the writes queued or in flight land for up to ``timeout`` seconds, then
@@ -161,7 +188,20 @@ class GroupWriter:
         if self._flusher is not None:
             self._flusher.cancel()
 
-    async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], int]]) -> bool:
+    def hurry(self, reason: str) -> None:
+        """Stop waiting for a database that cannot be reached: the writes waiting to be tried
+        again get :class:`DatabaseError` now, and a write that fails from now on is tried
+        ``attempts`` times, however long its patience. For a worker whose drain has run out of
+        time or been hurried: the backoff must not hold its stop."""
+        self.patience = 0.0
+        waiting = [item for item in self._queue if item[2] is not None]
+        if waiting:
+            self._queue = [item for item in self._queue if item[2] is None]
+            for _, future, _ in waiting:
+                if not future.done():
+                    future.set_exception(DatabaseError(reason))
+
+    async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], Failed]]) -> bool:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back
         and each write runs again in a transaction of its own, so a failure stays with the
         write that caused it (rejected writes are rare: a lost lease, a bug)."""
@@ -181,7 +221,7 @@ class GroupWriter:
             # outcome and are not written again.
             if outcomes:
                 self._settle(outcomes)
-            self._retry(batch[len(outcomes or ()):], exc)
+            self._retry(batch[len(outcomes or ()):], exc, began)
             return False
         self.batches += 1
         self.writes += len(batch)
@@ -207,7 +247,7 @@ class GroupWriter:
             else:
                 future.set_result(value)
 
-    async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], int]]
+    async def _together(self, batch: list[tuple[Work, asyncio.Future[Any], Failed]]
                         ) -> list[Outcome] | None:
         values: list[Outcome] = []
         async with self.db.checkout() as conn:
@@ -281,18 +321,42 @@ class GroupWriter:
                 await _roll_back(conn)
                 return _miss(work, future, exc)
 
-    def _retry(self, batch: list[tuple[Work, asyncio.Future[Any], int]],
-               exc: BaseException) -> None:
+    def _retry(self, batch: list[tuple[Work, asyncio.Future[Any], Failed]],
+               exc: BaseException, began: float) -> None:
+        """Queue the writes of a batch that failed (begun at ``began``) again, or answer them
+        with the error when they have been tried enough: for as long as the patience lasts
+        when the database could not be reached, else ``attempts`` times."""
         log.warning("a group commit failed (%s); retrying its writes", type(exc).__name__)
-        for work, future, tries in batch:
+        patient = self.patience > 0 and _unreachable(exc)
+        now = time.monotonic()
+        pause = LONGEST_PAUSE  # as long as the youngest failure, within its patience
+        waiting = False
+        for work, future, failed in batch:
             if future.done():
                 continue
-            if tries + 1 >= self.attempts:
+            tries, since = failed if failed is not None else (0, began)
+            tries += 1
+            left = since + self.patience - now
+            if patient and left > 0:
+                self._queue.append((work, future, (tries, since)))
+                pause = min(pause, max(FIRST_PAUSE, min(now - since, left)))
+                waiting = True
+            elif not patient and tries < self.attempts:
+                self._queue.append((work, future, (tries, since)))
+            else:
                 error = exc if isinstance(exc, DatabaseError) else DatabaseError(
                     f"writes to {self.db.target.display} keep failing ({type(exc).__name__})")
                 future.set_exception(error)
-            else:
-                self._queue.append((work, future, tries + 1))
+        self._pause = pause if waiting else RETRY_PAUSE
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A failed batch's error says the database could not be reached or the connection failed
+    (nothing about its writes): ``DATABASE_UNAVAILABLE`` and retryable (a wrong password or a
+    schema that does not match is not), or a connection failure not yet translated."""
+    if isinstance(exc, DatabaseError):
+        return exc.retryable and exc.code == "DATABASE_UNAVAILABLE"
+    return connection_failed(exc)
 
 
 ROW_NOT_APPLIED = "OR001"

@@ -498,3 +498,48 @@ async def test_a_database_that_went_away_is_said_once_with_its_code_not_twice(
         assert str(lost.value).count("DATABASE_UNAVAILABLE") == 1, str(lost.value)
     finally:
         await _close_in_this_loop(app, server)
+
+
+async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finishes(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """The database stops while a run's call is in flight and starts again about four seconds
+    later, well within the lease TTL: the call's receipt and the run's success are written
+    once the database is back, by the same worker, under the same lease. (The writer tried
+    three times, each attempt waiting about a second for a connection, and the run let go of
+    its lease at once, "database unavailable": it was claimed again once the lease lapsed and
+    its consequential call, sent and without a receipt, went to reconciliation.)"""
+    from orchestrator.testing import running_worker
+
+    app, url = outage_app
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return "charged"
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    try:
+        run = await app.submit_async(pay, {})
+        async with running_worker(app, lease_ttl=12.0, poll_interval=0.2) as worker:
+            await asyncio.wait_for(entered.wait(), 10)
+            await asyncio.to_thread(server.stop)
+            release.set()  # the receipt and the success are written while it is down
+            await asyncio.sleep(3.5)
+            await asyncio.to_thread(server.start)
+            assert await run.result_async(timeout=20) == "charged"
+        assert worker.claimed == 1
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    finally:
+        await _close_in_this_loop(app, server)
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT lease_token FROM orchestrator.runs").fetchall() == [(1,)]
+        assert conn.execute("SELECT state FROM orchestrator.operations").fetchall() == [
+            ("committed",)]
+        assert conn.execute(
+            "SELECT count(*) FROM orchestrator.reconciliation_items").fetchone() == (0,)

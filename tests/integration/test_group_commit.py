@@ -579,3 +579,145 @@ async def test_writes_committed_alone_are_not_written_again_when_a_later_one_los
     assert runs == {"a": 2, "b": 2, "c": 2}
     assert sorted(r["name"] for r in sql("SELECT name FROM public.marks")) == ["a", "c"]
     await app.database.close()
+
+
+def _refused_while(monkeypatch, down):  # type: ignore[no-untyped-def]
+    """Every checkout of a connection fails at once, as behind a pooler that refuses
+    connections, while ``down()`` is true."""
+    import psycopg
+
+    from orchestrator.db.database import Database
+
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if down():
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+
+
+async def test_a_write_that_cannot_reach_the_database_is_tried_again_for_the_writers_patience(
+        app, sql, monkeypatch):
+    """Refused connections fail each attempt within microseconds: the write is tried again
+    with a growing pause until the database answers, within the writer's patience, not three
+    times in a row; once the patience is spent it gets DATABASE_UNAVAILABLE."""
+    import time
+
+    from orchestrator.db.writer import GroupWriter
+    from orchestrator.errors import DatabaseError
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    await app.database.pool()  # opened while the database answers
+    tries: list[float] = []
+    back_at = time.monotonic() + 1.0
+    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+                   time.monotonic() < back_at)
+    writer = GroupWriter(app.database, patience=3.0)
+
+    async def mark(conn):  # type: ignore[no-untyped-def]
+        await conn.execute("INSERT INTO public.marks VALUES ('a')")
+        return "a"
+
+    assert await writer.run_in_transaction(mark) == "a"
+    assert [r["name"] for r in sql("SELECT name FROM public.marks")] == ["a"]
+    pauses = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert 4 <= len(tries) <= 12, pauses  # 50 ms, doubling: not a spin, not a second apart
+    assert pauses[0] < 0.2 and max(pauses) < 1.1, pauses
+
+    back_at = time.monotonic() + 60
+    started = time.monotonic()
+    with pytest.raises(DatabaseError) as down:
+        await writer.run_in_transaction(mark)
+    assert down.value.code == "DATABASE_UNAVAILABLE"
+    assert 2.5 < time.monotonic() - started < 5
+    await app.database.close()
+
+
+async def test_a_rejected_row_fails_at_once_however_patient_the_writer(app, sql):
+    """Patience is for a database that cannot be reached: a row the database refuses (a
+    stale lease token: SQLSTATE OR001; a constraint) is answered at once, as always."""
+    import time
+
+    from orchestrator.db import steps as steps_db
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    sql("INSERT INTO public.marks VALUES ('a')")
+    (stale,) = await _claimed_runs(app, 1)
+    writer = GroupWriter(app.database, patience=30.0)
+
+    async def mark(conn):  # type: ignore[no-untyped-def]
+        await conn.execute("INSERT INTO public.marks VALUES ('a')")
+
+    started = time.monotonic()
+    results = await asyncio.gather(
+        writer.run_statement(_begin(stale, stale["lease_token"] - 1)),
+        writer.run_in_transaction(mark), return_exceptions=True)
+    assert isinstance(results[0], steps_db.FastPathMiss)
+    assert results[1].__class__.__name__ == "UniqueViolation"
+    assert time.monotonic() - started < 1
+    await app.database.close()
+
+
+async def test_a_write_waiting_for_the_database_holds_no_stop(app, monkeypatch):
+    """A write waiting out an outage (a patience of a minute) is answered with
+    DATABASE_UNAVAILABLE at once when its worker hurries (a drain that ran out of time) or
+    abandons its writes."""
+    from orchestrator.db.writer import GroupWriter
+    from orchestrator.errors import DatabaseError
+
+    await app.database.pool()
+    _refused_while(monkeypatch, lambda: True)
+
+    async def mark(conn):  # type: ignore[no-untyped-def]
+        return "a"
+
+    for stop in ("hurry", "abandon"):
+        writer = GroupWriter(app.database, patience=60.0)
+        landing = writer.enqueue(mark)
+        await asyncio.sleep(0.3)  # failed several times; waiting to be tried again
+        assert not landing.done()
+        getattr(writer, stop)("the worker stopped")
+        await asyncio.sleep(0)
+        assert landing.done()
+        assert isinstance(landing.exception(), DatabaseError)
+    await app.database.close()
+
+
+async def test_a_drain_that_runs_out_of_time_is_not_held_by_a_write_waiting_out_an_outage(
+        make_app, monkeypatch):
+    """A worker with a minute's lease (so half a minute of patience for a write that cannot
+    reach the database) stops within its drain timeout and the write grace while its run's
+    success waits for a database that refuses every connection: the drain that ran out of
+    time answers the waiting write at once, and the run is let go."""
+    import time
+
+    from tests.integration.conftest import running
+
+    app = make_app(lease_ttl=60.0)
+    entered, release = asyncio.Event(), asyncio.Event()
+    down = False
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return 1
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    _refused_while(monkeypatch, lambda: down)
+    async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
+        await app.submit_async(wf, {})
+        await asyncio.wait_for(entered.wait(), 10)
+        down = True
+        release.set()
+        await asyncio.sleep(0.3)  # the success is waiting to be tried again
+        assert worker.writer.writes >= 1 and worker.writer._queue
+        started = time.monotonic()
+    assert time.monotonic() - started < 8  # the drain and the grace, not the 30 s patience
+    assert worker.metrics.snapshot().get("lease_losses", 0) == 1

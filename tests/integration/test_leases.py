@@ -590,3 +590,51 @@ async def test_a_heartbeat_stuck_on_the_workers_table_does_not_hold_back_lease_r
     assert worker.claimed == 1
     assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 1
     assert "lost" not in caplog.text
+
+
+async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finishes(
+        make_app, sql, monkeypatch):
+    """The database cannot be reached for a second and a half (every connection refused at
+    once, as behind a pooler that is down) while a run's consequential call returns; its
+    lease has seconds left. Its receipt and its success are written once the database is
+    back, by the same worker under the same lease: no lease lost, nothing to reconcile. (The
+    writer's three attempts failed within milliseconds and the run let go of its lease at
+    once, "database unavailable": it was claimed again once the lease lapsed, its call
+    without a receipt became unknown and went to an operator.)"""
+    import psycopg
+
+    app = make_app(lease_ttl=6.0)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return "charged"
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    run = await app.submit_async(pay, {})
+    down = False
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if down:
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+    async with running(app, lease_ttl=6.0) as worker:
+        await asyncio.wait_for(entered.wait(), 10)
+        down = True
+        release.set()  # the receipt and the success are written while it is down
+        await asyncio.sleep(1.5)
+        down = False
+        assert await run.result_async(timeout=5) == "charged"
+        assert worker.claimed == 1
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    assert sql("SELECT lease_token FROM orchestrator.runs") == [{"lease_token": 1}]
+    assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
+    assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items") == [{"n": 0}]
