@@ -163,13 +163,12 @@ WITH x AS (
     ON CONFLICT (run_id, position, attempt) DO NOTHING
     RETURNING id, run_id
 ), checked AS MATERIALIZED (
-    SELECT {S}.row_applied(
-               (SELECT count(*) FROM op) = (SELECT count(*) FROM x)
-               AND (SELECT count(*) FROM done)
-                   = (SELECT count(*) FROM x WHERE x.prev_op IS NOT NULL)
-               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
-               'call begin') AS appended,
-           (SELECT jsonb_object_agg(op.run_id::text, op.id) FROM op) AS ids
+    SELECT {S}.row_applied(o.n = a.n AND d.n = a.receipts AND k.n = d.stored, 'call begin')
+               AS appended, o.ids
+    FROM (SELECT count(*) AS n, count(x.prev_op) AS receipts FROM x) AS a,
+         (SELECT count(*) AS n, jsonb_object_agg(op.run_id::text, op.id) AS ids FROM op) AS o,
+         (SELECT count(*) AS n, count(*) FILTER (WHERE done.stored) AS stored FROM done) AS d,
+         (SELECT count(*) AS n FROM kept) AS k
 )
 SELECT f.i, (c.ids ->> f.run_id::text)::bigint AS op_id, c.appended
 FROM checked c LEFT JOIN fence f ON true
@@ -219,10 +218,10 @@ WITH x AS (
       AND r.revision = x.expected
     RETURNING x.*, r.cancel_requested_at
 ){_RIDING_RECEIPT}, checked AS MATERIALIZED (
-    SELECT {S}.row_applied(
-               (SELECT count(*) FROM done) = (SELECT count(*) FROM x)
-               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
-               'receipt') AS appended
+    SELECT {S}.row_applied(d.n = a.n AND k.n = d.stored, 'receipt') AS appended
+    FROM (SELECT count(*) AS n FROM x) AS a,
+         (SELECT count(*) AS n, count(*) FILTER (WHERE done.stored) AS stored FROM done) AS d,
+         (SELECT count(*) AS n FROM kept) AS k
 )
 SELECT f.i, c.appended, f.cancel_requested_at
 FROM checked c LEFT JOIN fence f ON true
@@ -292,12 +291,8 @@ WITH x AS (
     FROM fence WHERE p.id = fence.parent_run_id AND p.id NOT IN (SELECT run_id FROM x)
     RETURNING coalesce(p.queue, '{DEFAULT_QUEUE_NEWS}') AS news
 ), checked AS MATERIALIZED (
-    SELECT {S}.row_applied(
-               (SELECT count(*) FROM ins) = (SELECT count(*) FROM x)
-               AND (SELECT count(*) FROM done)
-                   = (SELECT count(*) FROM x WHERE x.prev_op IS NOT NULL)
-               AND (SELECT count(*) FROM kept) = (SELECT count(*) FROM done WHERE stored),
-               'run success') AS appended,
+    SELECT {S}.row_applied(e.n = a.n AND d.n = a.receipts AND k.n = d.stored, 'run success')
+               AS appended,
            -- News of each woken parent's queue.
            (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', w.news)
                                   FROM (SELECT DISTINCT news FROM wake) AS w) AS n) AS woke,
@@ -305,6 +300,10 @@ WITH x AS (
            (SELECT count(*) FROM (SELECT pg_notify('{RUNS_CHANNEL}', q.queue)
                                   FROM (SELECT DISTINCT queue FROM fence
                                         WHERE queue IS NOT NULL) AS q) AS n) AS freed
+    FROM (SELECT count(*) AS n, count(x.prev_op) AS receipts FROM x) AS a,
+         (SELECT count(*) AS n FROM ins) AS e,
+         (SELECT count(*) AS n, count(*) FILTER (WHERE done.stored) AS stored FROM done) AS d,
+         (SELECT count(*) AS n FROM kept) AS k
 )
 SELECT f.i, c.appended, c.woke, c.freed
 FROM checked c LEFT JOIN fence f ON true
