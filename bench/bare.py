@@ -233,17 +233,18 @@ def _once(server: Server, way: str, *, runs: int, k: int, batch: int) -> Measure
 
 
 def _cpu_table(server: Server, args: argparse.Namespace) -> None:
-    got: dict[str, list[float]] = {way: [] for way in WAYS}
+    got: dict[str, list[float]] = {way: [] for way in args.ways}
     for rep in range(args.reps):
-        for way in WAYS:
+        for way in args.ways:
             used, _ = _once(server, way, runs=args.runs, k=args.k, batch=args.batch)
             got[way].append(used / (args.runs * args.k) * 1e6)
         print(f"repetition {rep + 1}/{args.reps}: "
-              + ", ".join(f"{w} {got[w][-1]:.1f}" for w in WAYS), file=sys.stderr, flush=True)
+              + ", ".join(f"{w} {got[w][-1]:.1f}" for w in args.ways), file=sys.stderr,
+              flush=True)
     print(f"\nserver CPU per step (backends of the database; K={args.k}, {args.runs} runs, "
           f"batches of {args.batch}, median of {args.reps})")
     print(f"{'way':<20}{'µs/step':>10}{'× engine':>11}")
-    for way in WAYS:
+    for way in args.ways:
         ratios = [v / e for v, e in zip(got[way], got["engine"], strict=True)]
         print(f"{way:<20}{statistics.median(got[way]):>10.1f}"
               f"{statistics.median(ratios):>11.2f}")
@@ -258,7 +259,7 @@ def _instruction_table(args: argparse.Namespace) -> None:
     per_step: dict[str, float] = {}
     with CallgrindServer.start() as cg:
         server = Server(cg.admin_url, "callgrind")
-        for way in WAYS:
+        for way in args.ways:
             counts = []
             for runs in (small, large):
                 _, pids = _once(server, way, runs=runs, k=args.k, batch=args.batch)
@@ -270,7 +271,7 @@ def _instruction_table(args: argparse.Namespace) -> None:
           f"count for {large} runs less that for {small}, K={args.k}, batches of "
           f"{args.batch})")
     print(f"{'way':<20}{'instr/step':>12}{'× engine':>11}")
-    for way in WAYS:
+    for way in args.ways:
         print(f"{way:<20}{per_step[way]:>12,.0f}{per_step[way] / per_step['engine']:>11.2f}")
 
 
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="writes per transaction")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (interleaved)")
     parser.add_argument("--server", help="a PostgreSQL admin URL (default: as bench.run)")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help=f"comma-separated, from: {'; '.join(WAYS)} (engine always)")
     parser.add_argument("--instructions", action="store_true",
                         help="count the server's instructions instead (callgrind: a private "
                              "server under valgrind; repeatable whatever else the machine "
@@ -290,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --instructions: the smaller run count (its count is "
                              "subtracted, with the backends' start and warm-up)")
     args = parser.parse_args(argv)
+    wanted = {w.strip() for w in args.ways.split(",") if w.strip()}
+    unknown = wanted - set(WAYS)
+    if unknown:
+        parser.error(f"unknown way(s): {', '.join(sorted(unknown))}")
+    args.ways = [w for w in WAYS if w in wanted or w == "engine"]
     if args.instructions:
         if args.runs == 6000:
             args.runs = 1152  # under valgrind the server is 30 to 50 times slower
