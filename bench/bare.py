@@ -42,6 +42,7 @@ import psycopg  # noqa: TID251 - a benchmark's own tables, outside the engine
 from bench.common import Server, cpu_split, migrate
 
 WAYS = ("engine", "engine, unguarded", "bare, indexed", "bare")
+_WAY_KEYS = dict(zip(("engine", "unguarded", "indexed", "bare"), WAYS, strict=True))
 
 _UNGUARD = """
 DROP TRIGGER operations_entry_append_only ON orchestrator.operations;
@@ -283,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="writes per transaction")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (interleaved)")
     parser.add_argument("--server", help="a PostgreSQL admin URL (default: as bench.run)")
-    parser.add_argument("--ways", default=",".join(WAYS),
-                        help=f"comma-separated, from: {'; '.join(WAYS)} (engine always)")
+    parser.add_argument("--ways", default=",".join(_WAY_KEYS),
+                        help=f"comma-separated, from {', '.join(_WAY_KEYS)} (the engine's "
+                             "way is always measured)")
     parser.add_argument("--instructions", action="store_true",
                         help="count the server's instructions instead (callgrind: a private "
                              "server under valgrind; repeatable whatever else the machine "
@@ -294,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
                              "subtracted, with the backends' start and warm-up)")
     args = parser.parse_args(argv)
     wanted = {w.strip() for w in args.ways.split(",") if w.strip()}
-    unknown = wanted - set(WAYS)
+    unknown = wanted - set(_WAY_KEYS)
     if unknown:
-        parser.error(f"unknown way(s): {', '.join(sorted(unknown))}")
-    args.ways = [w for w in WAYS if w in wanted or w == "engine"]
+        parser.error(f"unknown way(s): {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join(_WAY_KEYS)}")
+    args.ways = [w for key, w in _WAY_KEYS.items() if key in wanted or w == "engine"]
     if args.instructions:
         if args.runs == 6000:
             args.runs = 1152  # under valgrind the server is 30 to 50 times slower
