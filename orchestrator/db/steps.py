@@ -39,7 +39,7 @@ says why. What the three statements have in common:
   ``done``, the inserts read the fence. Every CTE is estimated at one row (``batch_rows``), so
   a join of two of them is a nested loop, which reads one CTE once per row of the other: the
   statements used to join the rows back to ``x`` by ``i`` or ``run_id`` at each part and at
-  the end, five such joins per write-ahead, quadratic in the batch (about 29 % of the
+  the end, five such joins per write-ahead, quadratic in the batch (about 31 % of the
   server's instructions per step at 64 rows a statement; docs/architecture.md, "The write
   path").
 - **Every row checked, by counting.** ``orchestrator.row_applied(applied, what)`` raises
