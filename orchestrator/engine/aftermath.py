@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
-from orchestrator.engine.site import Attempt, CallSite
+from orchestrator.engine.site import Attempt, CallSite, _Done
 from orchestrator.errors import operation_error_json
 from orchestrator.failures import Classification
 from orchestrator.journal import Entry, EventKind
@@ -107,7 +107,11 @@ class Aftermath:
         elif decision.detail == "deadline":  # no retry: its delay would outlast the deadline
             metrics.observe("retry_delay_seconds", site.run.remaining() or 0.0,
                             "deadline_capped")
-        earlier = await self._unknown_attempts(op_id)
+        others = await self._other_attempts(op_id)
+        applied = next((r for r in others if r["state"] == "committed"), None)
+        if applied is not None:
+            await self._settle_applied(op_id, applied, cause, ref, record_failure)
+        earlier = [r for r in others if r["state"] == "unknown"]
         key = earlier[0]["idempotency_key"] if earlier else None
         if decision.action == "retry":
             not_before = site.run.now() + timedelta(milliseconds=decision.delay_ms)
@@ -162,12 +166,34 @@ class Aftermath:
             await site.wait_until(not_before, op_id, number)
         return Attempt(number + 1, key if step == "resend" else None)
 
-    async def _unknown_attempts(self, current: int) -> list[dict[str, Any]]:
-        """Earlier attempts at this position whose outcome is still unknown (re-sent ones)."""
+    async def _other_attempts(self, current: int) -> list[dict[str, Any]]:
+        """The other attempts at this position, as the ledger has them now: one still
+        ``unknown`` was re-sent with the same key; one ``committed`` was proven applied by a
+        lookup or an operator while this attempt was out."""
         site = self.site
         rows = await site.session.read(
             lambda conn: ops_db.operation_for_position(conn, site.run.run_id, site.position))
-        return [r for r in rows if r["state"] == "unknown" and r["id"] != current]
+        return [r for r in rows if r["id"] != current]
+
+    async def _settle_applied(self, op_id: int, applied: dict[str, Any], cause: str,
+                              ref: str | None, record_failure: bool) -> NoReturn:
+        """An earlier attempt at this position was proven committed while this one was out (a
+        lookup answered for it as a re-send of its key met a "not applied"): its receipt is the
+        call's outcome, whatever this attempt came to, as :meth:`Call.after_reconciliation`
+        takes a resolution. Another attempt, under a new key, would apply the effect again."""
+        site = self.site
+        error = operation_error_json("TOOL_FAILED", cause=cause, incident=ref)
+        token, run_id = site.run.token, site.run.run_id
+
+        async def work(conn: Conn) -> tuple[None, list[Entry]]:
+            if record_failure:
+                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
+                                            error=error)
+            return None, [site.event(EventKind.CALL_COMPLETED, {
+                "result": applied["receipt"], "op": applied["id"], "resolved": True})]
+
+        await site.append(work)
+        raise _Done(applied["receipt"])
 
     async def _reconcile_earlier(self, op_id: int, earlier: int, cause: str, ref: str | None,
                                  record_failure: bool) -> NoReturn:

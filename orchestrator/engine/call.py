@@ -39,7 +39,7 @@ from orchestrator.db import steps as steps_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
-from orchestrator.engine.site import LOST, Attempt, CallSite
+from orchestrator.engine.site import LOST, Attempt, CallSite, _Done
 from orchestrator.engine.stages import Stage, Stages, policy_stages
 from orchestrator.errors import InvalidRequest, OrchestratorError, operation_error_json
 from orchestrator.failures import ToolError, public_cause
@@ -69,7 +69,10 @@ class Call(CallSite):
         else:
             return self.run.settle(verdict)  # its receipt, its ToolFailed, or nondeterminism
         while True:
-            outcome = await self.attempt(state)
+            try:
+                outcome = await self.attempt(state)
+            except _Done as done:  # an earlier attempt proven applied meanwhile (Aftermath)
+                return done.value
             if isinstance(outcome, _Done):
                 return outcome.value
             state = outcome
@@ -454,9 +457,3 @@ def _lost(recorded: Sequence[Entry], op_id: int) -> bool:
     """Whether the engine lost attempt ``op_id`` (its unknown outcome is ``WORKER_LOST``)."""
     return any(e["kind"] == EventKind.CALL_UNKNOWN and e["payload"]["op"] == op_id
                and e["payload"]["reason"] == LOST for e in recorded)
-
-
-class _Done(Exception):  # noqa: N818 - carries a recorded receipt (raised out of resume)
-    def __init__(self, value: Any) -> None:
-        super().__init__("done")
-        self.value = value

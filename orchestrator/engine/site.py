@@ -98,6 +98,12 @@ UNKNOWN_CAUSES = (LOST, "TOOL_OUTCOME_UNCERTAIN", "INVALID_RECEIPT")
 as ``other``, so that the metric's label stays bounded)."""
 
 
+class _Done(Exception):  # noqa: N818 - carries a recorded receipt (raised out of resume)
+    def __init__(self, value: Any) -> None:
+        super().__init__("done")
+        self.value = value
+
+
 class CallSite:
     """``ctx.call(tool, **arguments)`` at one position of one run."""
 

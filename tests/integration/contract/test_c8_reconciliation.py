@@ -181,6 +181,48 @@ async def test_a_resend_answered_not_applied_keeps_the_uncertain_key(make_app, s
         assert item == [{"reason": "RESEND_NOT_APPLIED", "attempt": 1}]
 
 
+@pytest.mark.parametrize("attempts", [3, 2])
+async def test_a_resend_answered_not_applied_after_a_lookup_committed_the_first_keeps_its_key(
+        make_app, sql, attempts):
+    """A re-send of an uncertain attempt answered "not applied" says nothing about the first
+    attempt; when a lookup has meanwhile proved the first one committed, the call's outcome is
+    that receipt. The next attempt must not take a new key: under it the effect would be
+    applied a second time (the chaos suite's "idempotent re-sends with a different key")."""
+    from orchestrator.recovery import RetryPolicy
+
+    app = make_app()
+    keys: list[str] = []
+
+    @app.tool(effect="idempotent", retry=RetryPolicy(max_attempts=attempts, base_delay_ms=0))
+    async def upsert(ctx):  # type: ignore[no-untyped-def]
+        keys.append(ctx.idempotency_key)
+        if len(keys) == 1:
+            raise ConnectionResetError("sent, then the connection dropped")
+        if len(keys) == 2:  # the first attempt's lookup lands while this re-send is out
+            (first,) = [o for o in operations(sql) if o["attempt"] == 1]
+            sql("UPDATE orchestrator.operations SET state = 'committed', "
+                "receipt = '{\"ok\": \"first\"}', receipt_digest = 'd', finished_at = now() "
+                "WHERE id = %s AND state = 'unknown'", (first["id"],))
+            raise ToolError.before_send("busy")  # says nothing about the first attempt
+        return {"ok": "again"}
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(upsert)
+
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        result = await run.result_async(timeout=15)
+        entries = [e for e in await run.journal_async() if e.kind.startswith("call.")]
+    assert len(set(keys)) == 1, keys  # never a new key: the first attempt applied
+    assert result == {"ok": "first"}
+    states = {o["attempt"]: o["state"] for o in operations(sql)}
+    assert states == {1: "committed", 2: "failed"}
+    first = next(o["id"] for o in operations(sql) if o["attempt"] == 1)
+    assert entries[-1].kind == "call.completed"
+    assert entries[-1].payload["op"] == first and entries[-1].payload["resolved"] is True
+
+
 async def test_a_cancel_between_an_uncertain_attempt_and_its_resend_lists_it(app, sql):
     @app.tool(effect="idempotent")
     async def upsert(ctx):  # type: ignore[no-untyped-def]
