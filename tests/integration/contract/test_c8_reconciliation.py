@@ -214,6 +214,10 @@ async def test_a_resend_answered_not_applied_after_a_lookup_committed_the_first_
         run = await app.submit_async(wf, {})
         result = await run.result_async(timeout=15)
         entries = [e for e in await run.journal_async() if e.kind.startswith("call.")]
+        from orchestrator.testing import replay_async
+
+        (verdict,) = await replay_async(app, [run.id])  # the journal replays as it ran
+    assert verdict.ok, verdict
     assert len(set(keys)) == 1, keys  # never a new key: the first attempt applied
     assert result == {"ok": "first"}
     states = {o["attempt"]: o["state"] for o in operations(sql)}
