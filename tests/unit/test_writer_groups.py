@@ -16,7 +16,7 @@ def test_a_run_never_has_two_rows_in_one_statement() -> None:
     equal counts mean every row applied only if no statement holds two rows of one run."""
     batch = [_statement("A", "run1"), _statement("A", "run2"), _statement("A", "run1"),
              _statement("B", "run1"), _statement("A", "run3")]
-    groups = _group(batch)  # type: ignore[arg-type]
+    groups = _group(batch)
     for group in groups:
         keys = [w.key for w, _ in group]
         assert len(keys) == len(set(keys)), keys
