@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg  # noqa: TID251 - a benchmark's own tables, outside the engine
@@ -123,6 +124,16 @@ RETURNING o.run_id
 """
 
 
+def _analyze_runs(conn: psycopg.Connection[Any], table: str) -> None:
+    """Vacuum and analyze the submitted runs, and only them: the tables a drain fills stay never
+    vacuumed, as in a new database, which the planner takes for at least ten pages. A table
+    vacuumed while empty is planned as empty, and the generic plan a connection caches early in
+    a drain then scans it sequentially for as long as the connection lives: with batches of one
+    row, the write-ahead's probe of ``operations`` became a sequential scan that grew with the
+    table (a third of the server's instructions at 400 runs, measured before this)."""
+    conn.execute(f"VACUUM ANALYZE {table}")
+
+
 def _backends(conn: psycopg.Connection[Any]) -> list[int]:
     """The backends connected to this connection's database, this one's included."""
     rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
@@ -149,7 +160,7 @@ def bare_once(server: Server, *, runs: int, k: int, batch: int, indexed: bool) -
             with setup.cursor() as cur:
                 cur.executemany("INSERT INTO bare_runs (id, status) VALUES (%s, 'queued')",
                                 [(uuid.uuid4(),) for _ in range(runs)])
-            setup.execute("VACUUM ANALYZE")
+            _analyze_runs(setup, "bare_runs")
         with psycopg.connect(url, autocommit=True) as conn:
             pids = [conn.info.backend_pid]
             before = _cpu(pids)
@@ -200,7 +211,7 @@ async def engine_once(server: Server, *, runs: int, k: int, batch: int,
                 conn.execute(_UNGUARD)
         await submit_many(url, f"k{k}", runs)
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE")
+            _analyze_runs(conn, "orchestrator.runs")
         db = Database(resolve_database(url), max_pool_size=1)
         writer = GroupWriter(db, max_batch=batch)
         try:
@@ -224,6 +235,10 @@ async def engine_once(server: Server, *, runs: int, k: int, batch: int,
     finally:
         server.drop_database(url)
     return used, pids
+
+
+def _key(way: str) -> str:
+    return next(key for key, name in _WAY_KEYS.items() if name == way)
 
 
 def _once(server: Server, way: str, *, runs: int, k: int, batch: int) -> Measured:
@@ -264,7 +279,9 @@ def _instruction_table(args: argparse.Namespace) -> None:
             counts = []
             for runs in (small, large):
                 _, pids = _once(server, way, runs=runs, k=args.k, batch=args.batch)
-                counts.append(cg.instructions(pids))
+                keep = (None if args.keep_profiles is None
+                        else args.keep_profiles / f"{_key(way)}-{runs}")
+                counts.append(cg.instructions(pids, keep=keep))
                 print(f"{way}: {runs} runs, {counts[-1]:,} instructions", file=sys.stderr,
                       flush=True)
             per_step[way] = (counts[1] - counts[0]) / ((large - small) * args.k)
@@ -294,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-small", type=int, default=640,
                         help="with --instructions: the smaller run count (its count is "
                              "subtracted, with the backends' start and warm-up)")
+    parser.add_argument("--keep-profiles", type=Path, metavar="DIR",
+                        help="with --instructions: keep each backend's callgrind file in "
+                             "DIR/<way>-<runs>/ (callgrind_annotate names the functions)")
     args = parser.parse_args(argv)
     wanted = {w.strip() for w in args.ways.split(",") if w.strip()}
     unknown = wanted - set(_WAY_KEYS)

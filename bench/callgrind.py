@@ -116,9 +116,11 @@ class CallgrindServer:
                         f"the server under callgrind did not start:\n{log}") from None
                 time.sleep(1.0)
 
-    def instructions(self, pids: Sequence[int], timeout: float = 120.0) -> int:
+    def instructions(self, pids: Sequence[int], timeout: float = 120.0,
+                     keep: Path | None = None) -> int:
         """The instructions the backends ``pids`` executed, from start to exit (each writes its
-        count when its connection has closed)."""
+        count when its connection has closed); with ``keep``, their files are copied there
+        first (the server's folder is removed when it stops)."""
         total = 0
         deadline = time.monotonic() + timeout
         for pid in pids:
@@ -128,6 +130,9 @@ class CallgrindServer:
                     found = _COUNT.search(path.read_bytes())
                     if found:
                         total += int(found.group(1))
+                        if keep is not None:
+                            keep.mkdir(parents=True, exist_ok=True)
+                            shutil.copy(path, keep / path.name)
                         break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"backend {pid} wrote no count to {path}")
