@@ -290,12 +290,18 @@ class RunFailed(OrchestratorError):
     ``cause`` is what stopped the workflow when that was an orchestrator error it did not
     catch (a :class:`ToolFailed`, an :class:`EventTimeout`, a child's :class:`RunFailed`): a
     dict of controlled fields whose ``code`` is that error's (see the module docstring), or
-    None. ``incident`` leads operators to the whole story.
+    None. ``incident`` leads operators to the whole story: the run's own reference, as its
+    stored error names it, or None when it has none (a cancelled run: no diagnostics were
+    kept), never one made up for the error raised.
     """
 
+    incident: str | None  # type: ignore[assignment]  # None: the run kept no diagnostics
+
     def __init__(self, message: str, *, code: str, run_id: str,
-                 cause: dict[str, Any] | None = None, **kw: Any) -> None:
+                 cause: dict[str, Any] | None = None, incident: str | None = None,
+                 **kw: Any) -> None:
         super().__init__(message, code=code, **kw)
+        self.incident = incident
         self.run_id = run_id
         self.cause = cause
 

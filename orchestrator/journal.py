@@ -77,6 +77,8 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CALL_COMPLETED: (("result", "op"), ("resolved", "resolved_by")),
     K.CALL_FAILED: (("op", "attempt", "cause", "reason", "incident"), ()),
     K.CALL_DENIED: (("op", "stage", "cause", "incident"), ()),
+    # why: cancelled, deadline or ended; not in entries written before every writer gave it
+    # (a call the database found cancelled as it was sent: read as "cancelled")
     K.CALL_CANCELLED: (("op",), ("why",)),
     K.CALL_RETRYING: (("op", "attempt", "cause", "incident", "delay_ms", "not_before", "key"),
                       ("resend",)),

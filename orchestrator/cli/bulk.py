@@ -115,9 +115,9 @@ def _ask(selection: BulkSummary, args: argparse.Namespace) -> bool:
     """The confirmation, on stderr (stdout keeps the command's output, JSON included)."""
     more = " (the oldest; more match: see --limit)" if selection.more else ""
     print(f"{_verb(selection.resolution)} {_count(len(selection.matched))}{more} as "
-          f"{WORDS[selection.resolution]}, recording the same evidence for each as operator "
-          f"{args.operator}? (--dry-run lists them) [y/N] ", end="", file=sys.stderr,
-          flush=True)
+          f"{WORDS[selection.resolution]}{_then(selection.resolution, args)}, recording the "
+          f"same evidence for each as operator {args.operator}? (--dry-run lists them) "
+          "[y/N] ", end="", file=sys.stderr, flush=True)
     answer = sys.stdin.readline().strip().lower()
     return answer in ("y", "yes")
 
@@ -133,8 +133,8 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
             if summary.more else "")
     if summary.dry_run:
         how = "" if summary.resolution == "abandoned" else f" as {what}"
-        print(f"would {_verb(summary.resolution).lower()} {_count(len(summary.matched))}{how} "
-              "(dry run: nothing changed)")
+        print(f"would {_verb(summary.resolution).lower()} {_count(len(summary.matched))}{how}"
+              f"{_then(summary.resolution, args)} (dry run: nothing changed)")
         print(_items_table(summary) + more)
         return
     if summary.declined:
@@ -155,6 +155,16 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
         print(render(["OP", "CODE", "REASON"],
                      [[s.item.operation_id, s.code, s.reason] for s in summary.skipped],
                      max_width=100))
+
+
+def _then(resolution: str, args: argparse.Namespace) -> str:
+    """What a not-applied resolution leads to, said before it is made (the dry run, the
+    question): the calls are sent again unless ``--then fail``."""
+    if resolution != "not_applied":
+        return ""
+    if (getattr(args, "then", None) or "resend") == "resend":
+        return ", then send each call again as a new attempt with a new key (--then resend)"
+    return ", then fail each call with TOOL_FAILED in its workflow (--then fail)"
 
 
 def _items_table(summary: BulkSummary) -> str:

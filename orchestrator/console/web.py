@@ -311,13 +311,37 @@ def status_of(error: OrchestratorError) -> int:
     return 500
 
 
+UNAVAILABLE = {
+    True: "the database is unavailable; try again later",
+    False: "the database is unavailable until an operator corrects the cause (the "
+           "server's log names it under this incident reference)",
+}
+"""The message of a 503 (``DatabaseError``: ``DATABASE_UNAVAILABLE``, ``SCHEMA_MISMATCH``) by
+``retryable``. The error's own message names the database (its host, port, user and name) for
+the operators who read the log, the CLI or the Python API; an HTTP client is told only that it
+is unavailable and whether to try again."""
+MISCONFIGURED = ("the server is misconfigured (its log names the cause under this incident "
+                 "reference)")
+"""The message of a 500 ``CONFIGURATION_ERROR``: the deployment's fault (a database role
+without its privileges, whose message names the database; a host hook answering the wrong
+type), which the log says, not the client."""
+
+
 def public(error: OrchestratorError) -> dict[str, Any]:
     """The body of an error answer: the public error. A refusal (4xx) records no diagnostics,
     so its ``incident`` is null: a reference that led nowhere would only tell two refusals
-    apart (an object out of scope and a missing one answer byte for byte the same)."""
+    apart (an object out of scope and a missing one answer byte for byte the same). A
+    database or configuration error says nothing of where the database lives
+    (:data:`UNAVAILABLE`, :data:`MISCONFIGURED`): its own message goes to the log (WARNING),
+    under the incident reference the answer shows."""
     shown = error.to_dict()
     if status_of(error) < 500:
         shown["incident"] = None
+    elif isinstance(error, (DatabaseError, ConfigurationError)):
+        log.warning("console: %s (incident %s): %s", error.code, error.incident, error.message,
+                    extra=fields(incident=error.incident, code=error.code))
+        shown["message"] = (UNAVAILABLE[error.retryable] if isinstance(error, DatabaseError)
+                            else MISCONFIGURED)
     return shown
 
 

@@ -271,7 +271,8 @@ class Call(CallSite):
             kind = EventKind.CALL_SUBMITTED if status == "submitted" else EventKind.CALL_PENDING
             events = [self.event(kind, self.submitted_payload(number, op_id, key))]
             if status == "cancelled":
-                events.append(self.event(EventKind.CALL_CANCELLED, {"op": op_id}))
+                events.append(self.event(EventKind.CALL_CANCELLED,
+                                         {"op": op_id, "why": "cancelled"}))
             elif status == "submitted" and rate is not None:
                 await ops_db.tool_dispatched(conn, tool=self.tool.name, op_id=op_id)
             return (op_id, status), events

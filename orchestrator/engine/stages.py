@@ -71,7 +71,8 @@ class Stages:
             status = await ops_db.operation_mark_submitted(conn, run_id=run_id, op_id=op_id,
                                                            token=token)
             if status == "cancelled":
-                return status, [site.event(EventKind.CALL_CANCELLED, {"op": op_id})]
+                return status, [site.event(EventKind.CALL_CANCELLED,
+                                           {"op": op_id, "why": "cancelled"})]
             if rate is not None:
                 await ops_db.tool_dispatched(conn, tool=site.tool.name, op_id=op_id)
             return status, [site.event(EventKind.CALL_SUBMITTED,

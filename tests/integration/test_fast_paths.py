@@ -437,7 +437,7 @@ async def general_form(session: Session, copy: Copy) -> Any:
                 "key": row["idempotency_key"], "effect": EFFECT})]
             if status == "cancelled":
                 events.append(entry(EventKind.CALL_CANCELLED, BEGIN_POSITION, TOOL,
-                                    {"op": op_id}))
+                                    {"op": op_id, "why": "cancelled"}))
             return (op_id, status), events
 
         return await session.write_locked(work, new_work=True,

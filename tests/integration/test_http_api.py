@@ -618,6 +618,38 @@ async def test_a_cancelled_runs_result_has_the_runs_own_incident_reference(
     await app.database.close()
 
 
+async def test_a_cancelled_runs_run_failed_in_python_names_the_same_incident_as_http(
+        make_app, sql) -> None:  # type: ignore[no-untyped-def]
+    """``RunHandle.result`` raises the run's own public error, as ``/result`` answers it: a
+    cancelled run has no incident reference, so its ``RunFailed.incident`` is None, not one
+    made up at each call (which would lead an operator nowhere), and ``to_dict()`` is the
+    error of the HTTP answer."""
+    from orchestrator import RunFailed
+
+    app = http_app(make_app)
+    console = app.console(authenticate_owner=owner_of)
+    owner = OWNERS["key-acme-alice"]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=console),
+                                 base_url="http://console.test",
+                                 headers={KEY_HEADER: "key-acme-alice"}) as http:
+        run = (await http.post("/api/runs", json={"workflow": "approve", "version": "1",
+                                                  "input": 1})).json()
+        path = f"/api/runs/{run['id']}"
+        assert (await http.post(f"{path}/cancel", json={})).json()["status"] == "cancelled"
+        answer = (await http.get(f"{path}/result")).json()
+    handle = await app.get_run_async(uuid.UUID(run["id"]), owner=owner)
+    raised = []
+    for _ in range(2):
+        with pytest.raises(RunFailed) as failed:
+            await handle.result_async(timeout=5)
+        raised.append(failed.value)
+    assert raised[0].code == "CANCELLED"
+    assert raised[0].incident is None and raised[1].incident is None
+    assert (await handle.info_async()).error["incident"] is None
+    assert raised[0].to_dict() == answer["error"]
+    await app.database.close()
+
+
 async def test_a_method_a_path_does_not_take_is_405_with_the_methods_it_takes(
         make_app, sql) -> None:  # type: ignore[no-untyped-def]
     """405 names the methods the path takes, in ``Allow`` (as HTTP requires) and in the

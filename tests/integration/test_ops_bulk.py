@@ -177,6 +177,35 @@ async def test_resolve_many_through_the_cli(make_app, sql, migrated_database_url
     assert audit[10:] == [("resolve.abandoned", str(ops["r0"]), "refunded by hand")]
 
 
+async def test_a_not_applied_dry_run_and_prompt_say_whether_the_calls_are_sent_again(
+        make_app, sql, migrated_database_url):
+    """``--not-applied`` sends every call again by default (``--then resend``): the dry run
+    an operator checks first, and the question it answers, say so, and say ``--then fail``
+    when it is given, as the report after the action does. Both read ``would resolve 2
+    operations as not applied`` whichever was chosen, so a bulk re-send of effects looked
+    the same as failing them."""
+    url = migrated_database_url
+    app = stuck_app(make_app)
+    async with parked(app, sql, {"c0": ("pay", None), "c1": ("pay", None)}):
+        base = ["ops", "resolve-many", "--not-applied", "--tool", "charge", "--evidence",
+                "PSP shows none of these", "--operator", "alice"]
+        said = {}
+        for then in ("resend", "fail", None):
+            chosen = [] if then is None else ["--then", then]
+            code, dry, err = await cli(url, *base, *chosen, "--dry-run")
+            assert code == 0, err
+            code, out, asked = await cli(url, *base, *chosen, stdin="n\n")
+            assert code == 1 and "nothing changed" in out, (out, asked)
+            said[then] = (dry.splitlines()[0], asked)
+        assert unchanged(sql, 2)
+    resend = "then send each call again as a new attempt with a new key (--then resend)"
+    fail = "then fail each call with TOOL_FAILED in its workflow (--then fail)"
+    for then, (dry, asked) in said.items():
+        expected = fail if then == "fail" else resend
+        assert dry.startswith("would resolve 2 operations as not applied, " + expected), dry
+        assert "Resolve 2 operations as not applied, " + expected in asked, asked
+
+
 async def test_the_api_summary_is_typed_and_each_item_is_its_own_transaction(
         make_app, sql, migrated_database_url):
     app = stuck_app(make_app)
