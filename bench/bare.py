@@ -47,9 +47,7 @@ _WAY_KEYS = dict(zip(("engine", "unguarded", "indexed", "bare"), WAYS, strict=Tr
 
 _UNGUARD = """
 DROP TRIGGER operations_entry_append_only ON orchestrator.operations;
-DROP TRIGGER operations_entry_completed_once ON orchestrator.operations;
-DROP TRIGGER operations_guard_update ON orchestrator.operations;
-DROP TRIGGER operations_guard_insert ON orchestrator.operations;
+DROP TRIGGER operations_guard ON orchestrator.operations;
 DROP TRIGGER journal_append_only ON orchestrator.journal_entries;
 DO $$
 DECLARE c record;

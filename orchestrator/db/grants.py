@@ -9,7 +9,7 @@ trigger also refuses UPDATE, for every role; the audit has no trigger).
 
 Nothing here needs a grant on a sequence: every generated key is an identity column, whose
 sequence PostgreSQL advances for an INSERT without checking privileges on it. The trigger
-functions (``operations_guard_transition``, ``journal_append_only``,
+functions (``operations_guard``, ``journal_append_only``,
 ``reconciliation_items_guard`` …) need none either: a trigger's function is checked when the
 trigger is created, not when it fires. What the role can still write that no grant can keep
 from it (an audit row under any operator name) is in ``docs/security.md``.

@@ -256,13 +256,10 @@ operations = Table(
     Column("seq", BigInteger),
     Column("completed_seq", BigInteger),
     Column("entry_version", SmallInteger),
-    CheckConstraint(_in("state", OPERATION_STATES), name="state"),
-    CheckConstraint("(seq IS NULL OR (seq >= 1 AND entry_version IS NOT NULL)) "
-                    "AND (completed_seq IS NULL OR (state = 'committed' AND seq IS NOT NULL "
-                    "AND completed_seq > seq))", name="entry"),
-    CheckConstraint(_in("effect_class", EFFECT_CLASSES), name="effect_class"),
-    CheckConstraint("attempt >= 1 AND position >= 0", name="identity"),
-    CheckConstraint("state <> 'committed' OR receipt_digest IS NOT NULL", name="committed_receipt"),
+    # Its rules (states and their arrows, C5; a committed receipt; a call's entries) are the
+    # trigger operations_guard and its CHECK-like rules ck_operations_state, _entry,
+    # _effect_class, _identity, _committed_receipt (migration 0035: compiled once per
+    # connection, not once per statement), and operations_entry_append_only (migration 0022).
     UniqueConstraint("run_id", "position", "attempt"),
     Index("ix_operations_unknown", "updated_at", postgresql_where=text("state = 'unknown'")),
     # A run's operations without an outcome: what a run may not finish with (migration 0005).

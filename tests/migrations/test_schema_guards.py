@@ -276,23 +276,85 @@ def test_a_calls_entries_on_its_operation_row_are_append_only(
                      "lease_token) VALUES (%s, 9, 'timer', 1, 1)", (run_id,))
 
 
-def test_a_receipts_commit_fires_only_the_guards_of_what_it_sets(
+def test_a_statement_writing_operations_compiles_no_stored_condition(
     conn: psycopg.Connection[tuple[object, ...]],
 ) -> None:
-    """PostgreSQL compiles the WHEN condition of every trigger a statement fires, once per
-    statement (migration 0022): the commit of a receipt, which the engine writes in a
-    statement of one row under a stream, sets no column of a call's identity, so the guard of
-    those columns is not among them, and what it does fire is small."""
+    """PostgreSQL reads a table's CHECK constraints and a fired trigger's WHEN condition back
+    from their stored node text and compiles them once per statement, whatever its number of
+    rows (migrations 0022, 0035). The rules of ``operations`` that the engine's writes meet are
+    one PL/pgSQL trigger, compiled once per connection: no CHECK constraint, no WHEN condition
+    on a trigger that an INSERT or a receipt's commit fires. (``operations_entry_append_only``
+    keeps its condition: it fires only for an UPDATE that sets a column of a call's identity,
+    which no write of the engine does.)"""
+    checks = conn.execute("""
+        SELECT conname FROM pg_constraint
+        WHERE conrelid = 'orchestrator.operations'::regclass AND contype = 'c'""").fetchall()
+    assert checks == []
     fired = conn.execute("""
-        SELECT t.tgname, length(t.tgqual)
+        SELECT t.tgname, t.tgqual IS NOT NULL
         FROM pg_trigger t
         WHERE t.tgrelid = 'orchestrator.operations'::regclass AND NOT t.tgisinternal
-          AND t.tgtype & 16 = 16  -- an UPDATE trigger
-          AND EXISTS (SELECT 1 FROM unnest(t.tgattr) AS a(n)
-                      JOIN pg_attribute c ON c.attrelid = t.tgrelid AND c.attnum = a.n
-                      WHERE c.attname IN ('state', 'receipt', 'receipt_digest', 'finished_at',
-                                          'updated_at', 'completed_seq'))
+          AND (t.tgtype & 4 = 4  -- an INSERT trigger
+               OR (t.tgtype & 16 = 16  -- an UPDATE trigger of a column a commit sets
+                   AND EXISTS (SELECT 1 FROM unnest(t.tgattr) AS a(n)
+                               JOIN pg_attribute c ON c.attrelid = t.tgrelid AND c.attnum = a.n
+                               WHERE c.attname IN ('state', 'receipt', 'receipt_digest',
+                                                   'finished_at', 'updated_at',
+                                                   'completed_seq'))))
         ORDER BY 1""").fetchall()
-    assert [name for name, _ in fired] == ["operations_entry_completed_once",
-                                          "operations_guard_update"]
-    assert sum(size for _, size in fired) < 6_000  # 17 KB before migration 0022
+    assert fired == [("operations_guard", False)]
+
+
+@pytest.mark.parametrize(("column", "value", "constraint"), [
+    ("state", "bogus", "ck_operations_state"),
+    ("effect_class", "maybe", "ck_operations_effect_class"),
+    ("attempt", 0, "ck_operations_identity"),
+    ("position", -1, "ck_operations_identity"),
+    ("seq", 0, "ck_operations_entry"),
+])
+def test_the_former_check_constraints_still_refuse_a_row_and_are_named(
+    conn: psycopg.Connection[tuple[object, ...]], column: str, value: object, constraint: str,
+) -> None:
+    """The CHECK constraints became the guard's rules (migration 0035): the same rows are
+    refused, with the same SQLSTATE and the constraint's name in the error, and nothing is
+    written."""
+    run_id = _insert_run(conn)
+    op_id = _insert_operation(conn, run_id, "submitted")
+    if column == "seq":  # set once, at the insert (after that the entry is append-only)
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            conn.execute("""
+                INSERT INTO orchestrator.operations
+                    (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+                     principal, intent_digest, arguments, idempotency_key, state, seq,
+                     entry_version)
+                VALUES (%s, 999, 1, 'charge', '1', 'consequential', 't', 'p', 'intent', '{}',
+                        'key', 'submitted', %s, 1)""", (run_id, value))
+        assert conn.execute("SELECT count(*) FROM orchestrator.operations WHERE run_id = %s",
+                            (run_id,)).fetchone() == (1,)
+    else:
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            conn.execute(f"UPDATE orchestrator.operations SET {column} = %s WHERE id = %s",
+                         (value, op_id))
+    if column != "state":  # a bogus state is first an arrow C5 does not draw
+        assert refused.value.diag.constraint_name == constraint
+    row = conn.execute("SELECT state, effect_class, attempt, position FROM "
+                       "orchestrator.operations WHERE id = %s", (op_id,)).fetchone()
+    assert row == ("submitted", "consequential", 1, row[3]) and row[3] >= 0
+
+
+def test_the_guard_holds_for_a_replication_session(
+    conn: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """A session with ``session_replication_role = replica`` skips ordinary triggers; it never
+    skipped a CHECK constraint, and the guard that took their place fires for it too."""
+    run_id = _insert_run(conn)
+    conn.execute("SET session_replication_role = replica")
+    try:
+        with pytest.raises(psycopg.errors.CheckViolation):
+            _insert_operation(conn, run_id, "committed")
+        op_id = _insert_operation(conn, run_id, "submitted")
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("UPDATE orchestrator.operations SET state = 'pending' WHERE id = %s",
+                         (op_id,))
+    finally:
+        conn.execute("RESET session_replication_role")
