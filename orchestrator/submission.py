@@ -206,10 +206,30 @@ class Submission:
                 lambda conn: runs_db.run_insert(conn, row))
         if not created and digest != row["request_digest"]:
             raise IdempotencyConflict(
-                "this idempotency key was already used by this owner for a different request")
+                "this idempotency key was already used by this owner for a different request"
+                + await self._other_version(run_id, row, connection))
         if created:
             self.metrics.incr("runs_submitted")
         return run_id, created
+
+    async def _other_version(self, run_id: uuid.UUID, row: dict[str, Any],
+                             connection: Conn | None) -> str:
+        """What a conflict's message adds when the key's run is another version of the same
+        workflow: the version is part of the request (CONTRACT C1), and a retry that names no
+        version after a deploy changed the default meets exactly that."""
+        async def read(conn: Conn) -> dict[str, Any] | None:
+            return await runs_db.run_get(conn, run_id)
+
+        stored = (await read(connection) if connection is not None
+                  else await self.database().run_autocommit(read))
+        if (stored is None or stored["workflow_name"] != row["workflow_name"]
+                or stored["workflow_version"] == row["workflow_version"]):
+            return ""
+        name, then = row["workflow_name"], stored["workflow_version"]
+        return (f": it started {name}@{then}, and this request is "
+                f"{name}@{row['workflow_version']} (a version is part of the request; to ask "
+                f"for that run again, name version={then!r}; for a run of the new version, use "
+                f"a new key)")
 
     async def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                          owner: Owner | None = None, event_key: str | None = None) -> bool:

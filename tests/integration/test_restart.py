@@ -452,3 +452,48 @@ async def test_a_chain_whose_last_run_failed_and_was_restarted_answers_with_the_
         assert await first.result_async(timeout=20) == {"shipped": 2}
         assert (await first.latest_async()).id == new.id
         assert (await app.submit_async("looped", 0, idempotency_key="loop-1")).id == new.id
+
+
+async def test_a_restart_on_patched_code_takes_the_new_path_where_the_old_run_failed(
+        make_app: Any, sql: Any) -> None:
+    """The fix of the step a run failed at, deployed behind ``ctx.patched``: the restart
+    replays the committed charge (before the patch: its path is kept) and, where the old run
+    failed and nothing was kept, takes the new path, as a run reaching that point for the
+    first time does (docs/versioning.md)."""
+    CHARGES.clear()
+    old_code = shop(make_app(), {"ship": True})
+    async with running(old_code):
+        old = await old_code.submit_async("order", 4)
+        with pytest.raises(RunFailed):
+            await old.result_async(timeout=20)
+    assert CHARGES == {"a": 1, "b": 1}
+
+    fixed = make_app()
+
+    @fixed.tool()
+    async def charge(ctx, *, card):  # type: ignore[no-untyped-def]
+        CHARGES[card] += 1
+        return {"charged": card}
+
+    @fixed.tool()
+    async def ship_by_post(ctx, *, order):  # type: ignore[no-untyped-def]
+        return {"posted": order}
+
+    @fixed.tool()
+    async def ship(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ToolError("the carrier refused the label", applied=False, status=422)
+
+    @fixed.workflow()
+    async def order(ctx, n):  # type: ignore[no-untyped-def]
+        first = await ctx.call(charge, card="a")
+        second = await ctx.call(charge, card="b")
+        label = await ctx.call(ship_by_post if ctx.patched("post") else ship, order=n)
+        return [first, second, label]
+
+    async with running(fixed):
+        new = await old.restart_async(reason="shipping by post now")
+        assert await new.result_async(timeout=20) == [
+            {"charged": "a"}, {"charged": "b"}, {"posted": 4}]
+    assert CHARGES == {"a": 1, "b": 1}  # replayed, not charged again
+    assert [(e.kind, e.position) for e in await new.journal_async() if e.kind == "patch"] == [
+        ("patch", 2)]

@@ -225,3 +225,30 @@ def test_a_deadline_the_database_cannot_store_is_refused_before_anything_is_writ
         app.submit(greet, {"x": 1}, deadline=deadline)
     assert info.value.code == "INVALID_REQUEST" and info.value.path == "deadline"
     assert _count(sql) == 0
+
+
+def test_a_keyed_retry_that_names_no_version_after_a_deploy_is_a_conflict_that_says_why(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """The version is part of a request (CONTRACT C1): a keyed submit that names no version,
+    sent again after a deploy made another version the default, is another request. Its
+    conflict names both versions and what to do; naming the first version asks for that run."""
+
+    def deployed(*versions: str) -> Orchestrator:
+        app = make_app()
+        for version in versions:
+            @app.workflow(name="greet", version=version)
+            async def greet(ctx, data):  # type: ignore[no-untyped-def]
+                return data
+        return app
+
+    first = deployed("1").submit("greet", {"a": 1}, idempotency_key="k-1")
+    after = deployed("1", "2")  # 2 the default now
+    with pytest.raises(IdempotencyConflict) as conflict:
+        after.submit("greet", {"a": 1}, idempotency_key="k-1")
+    assert "greet@1" in conflict.value.message and "greet@2" in conflict.value.message
+    assert "version='1'" in conflict.value.message
+    assert after.submit("greet", {"a": 1}, version="1", idempotency_key="k-1").id == first.id
+    with pytest.raises(IdempotencyConflict) as other_input:  # same version: nothing to add
+        after.submit("greet", {"a": 2}, version="1", idempotency_key="k-1")
+    assert "@" not in other_input.value.message
+    assert _count(sql) == 1

@@ -327,3 +327,152 @@ def test_the_check_leaves_out_pruned_runs_and_refuses_one_named(
     with pytest.raises(RunPruned):
         replay(app, [pruned])
     assert [v.ok for v in replay(app, [kept])] == [True]
+
+
+def staged(stage: str, app: Orchestrator, calls: Any) -> Orchestrator:
+    """``flow`` at one step of a patch's life (docs/versioning.md, "Patches"): ``old`` charges
+    with ``charge_old``; ``patched`` puts ``charge_new`` behind ``ctx.patched("p")``;
+    ``deprecated`` keeps ``charge_new`` after ``ctx.deprecate_patch("p")``; ``removed`` calls
+    it alone. A run parks on the event ``one`` before the patch and on ``two`` after it."""
+    for name in ("charge_old", "charge_new", "ship"):
+        def tool(name: str = name) -> None:
+            @app.tool(name=name)
+            async def counted(ctx, *, n):  # type: ignore[no-untyped-def]
+                calls[name] += 1
+                return n
+        tool()
+
+    @app.workflow()
+    async def flow(ctx, n):  # type: ignore[no-untyped-def]
+        await ctx.wait_for_event("one")  # position 0
+        new = (stage == "patched" and ctx.patched("p")) or stage in ("deprecated", "removed")
+        if stage == "deprecated":
+            ctx.deprecate_patch("p")
+        await ctx.call("charge_new" if new else "charge_old", n=n)  # position 1
+        await ctx.wait_for_event("two")  # position 2
+        await ctx.call("ship", n=n)
+        return "new" if new else "old"
+
+    return app
+
+
+async def test_a_patch_answers_alike_on_every_step_of_its_life_on_live_workers(
+        make_app: Any) -> None:
+    """Each run keeps the path it took, whichever step's code replays it: a run that took the
+    old path replays down it on the patched code (and meets ``NONDETERMINISM`` on the
+    deprecated one, as documented); one that parked before the patch takes the new path; one
+    that recorded the marker (under the patched or the deprecated code) replays down the new
+    path on the patched, deprecated and removed code alike. Each charge is sent once."""
+    from collections import Counter
+
+    calls: Counter[str] = Counter()
+
+    async def parked(app: Orchestrator, run: Any, charged: bool) -> bool:
+        journal = await run.journal_async()
+        return (await run.status_async() == "waiting"
+                and any(e.kind == "call.completed" for e in journal) == charged)
+
+    async def start(app: Orchestrator, n: int, *, charge: bool = True) -> Any:
+        run = await app.submit_async("flow", n)
+        if charge:
+            await app.send_event_async(run.id, "one")
+        await wait_for(lambda: parked(app, run, charge), timeout=20, what=f"run {n} parked")
+        return run
+
+    async def finish(app: Orchestrator, *runs: Any) -> list[Any]:
+        for run in runs:
+            await app.send_event_async(run.id, "two")
+        answers = []
+        for run in runs:
+            try:
+                answers.append(await run.result_async(timeout=20))
+            except RunFailed as exc:
+                answers.append(exc.code)
+        return answers
+
+    old = staged("old", make_app(), calls)
+    async with running(old):
+        old_path, before_patch, old_then_deprecated = (
+            await start(old, 1), await start(old, 2, charge=False), await start(old, 3))
+    patched = staged("patched", make_app(), calls)
+    async with running(patched):
+        await patched.send_event_async(before_patch.id, "one")
+        to_deprecated, to_removed = await start(patched, 4), await start(patched, 5)
+        assert await finish(patched, old_path, before_patch) == ["old", "new"]
+    deprecated = staged("deprecated", make_app(), calls)
+    async with running(deprecated):
+        to_patched, deprecated_to_removed = await start(deprecated, 6), await start(deprecated, 7)
+        assert await finish(deprecated, to_deprecated, old_then_deprecated) == [
+            "new", "NONDETERMINISM"]
+    async with running(patched := staged("patched", make_app(), calls)):
+        assert await finish(patched, to_patched) == ["new"]
+    removed = staged("removed", make_app(), calls)
+    async with running(removed):
+        assert await finish(removed, to_removed, deprecated_to_removed) == ["new", "new"]
+    assert calls == {"charge_old": 2, "charge_new": 5, "ship": 6}
+    markers = {r.id: [e.position for e in await r.journal_async() if e.kind == "patch"]
+               for r in (old_path, before_patch, to_deprecated, to_patched)}
+    assert markers == {old_path.id: [], before_patch.id: [1], to_deprecated.id: [1],
+                       to_patched.id: [1]}
+
+
+async def test_a_patch_asked_in_a_loop_answers_for_each_point(make_app: Any) -> None:
+    """Each ``ctx.patched`` answers for its own point (docs/versioning.md): a run that started
+    on the old code takes the old path in the iterations its journal holds and the new one
+    after them; a check made once, before the loop, keeps the whole run on one path."""
+    from collections import Counter
+
+    calls: Counter[str] = Counter()
+
+    def code(stage: str) -> Orchestrator:
+        app = make_app()
+        for name in ("old", "new"):
+            def tool(name: str = name) -> None:
+                @app.tool(name=name)
+                async def counted(ctx, *, i):  # type: ignore[no-untyped-def]
+                    calls[name] += 1
+                    return name
+            tool()
+
+        @app.workflow()
+        async def each(ctx, _):  # type: ignore[no-untyped-def]
+            took = []
+            for i in range(2):
+                await ctx.wait_for_event(f"go{i}")
+                new = stage == "patched" and ctx.patched("p")
+                took.append(await ctx.call("new" if new else "old", i=i))
+            return took
+
+        @app.workflow()
+        async def once(ctx, _):  # type: ignore[no-untyped-def]
+            new = stage == "patched" and ctx.patched("p")
+            took = []
+            for i in range(2):
+                await ctx.wait_for_event(f"go{i}")
+                took.append(await ctx.call("new" if new else "old", i=i))
+            return took
+
+        return app
+
+    async def halfway(app: Orchestrator, workflow: str) -> Any:
+        run = await app.submit_async(workflow, None)
+        await app.send_event_async(run.id, "go0")
+        await wait_for(lambda: _charged_once(run), timeout=20, what="the first iteration")
+        return run
+
+    old = code("old")
+    async with running(old):
+        each, once = await halfway(old, "each"), await halfway(old, "once")
+    patched = code("patched")
+    async with running(patched):
+        for run in (each, once):
+            await patched.send_event_async(run.id, "go1")
+        assert await each.result_async(timeout=20) == ["old", "new"]
+        assert await once.result_async(timeout=20) == ["old", "old"]
+    assert calls == {"old": 3, "new": 1}
+
+
+async def _charged_once(run: Any) -> bool:
+    journal = await run.journal_async()
+    return (await run.status_async() == "waiting"
+            and [e.kind for e in journal].count("call.completed") == 1)
