@@ -218,7 +218,7 @@ class Submission:
         workflow: the version is part of the request (CONTRACT C1), and a retry that names no
         version after a deploy changed the default meets exactly that."""
         async def read(conn: Conn) -> dict[str, Any] | None:
-            return await runs_db.run_get(conn, run_id)
+            return await runs_db.run_get(conn, run_id, result=False)
 
         stored = (await read(connection) if connection is not None
                   else await self.database().run_autocommit(read))
@@ -227,9 +227,9 @@ class Submission:
             return ""
         name, then = row["workflow_name"], stored["workflow_version"]
         return (f": it started {name}@{then}, and this request is "
-                f"{name}@{row['workflow_version']} (a version is part of the request; to ask "
-                f"for that run again, name version={then!r}; for a run of the new version, use "
-                f"a new key)")
+                f"{name}@{row['workflow_version']} (a version is part of the request: to ask "
+                f"for that run again, name its version, {then!r}; for a run of the new "
+                f"version, use a new key)")
 
     async def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                          owner: Owner | None = None, event_key: str | None = None) -> bool:

@@ -246,7 +246,7 @@ def test_a_keyed_retry_that_names_no_version_after_a_deploy_is_a_conflict_that_s
     with pytest.raises(IdempotencyConflict) as conflict:
         after.submit("greet", {"a": 1}, idempotency_key="k-1")
     assert "greet@1" in conflict.value.message and "greet@2" in conflict.value.message
-    assert "version='1'" in conflict.value.message
+    assert "name its version, '1'" in conflict.value.message
     assert after.submit("greet", {"a": 1}, version="1", idempotency_key="k-1").id == first.id
     with pytest.raises(IdempotencyConflict) as other_input:  # same version: nothing to add
         after.submit("greet", {"a": 2}, version="1", idempotency_key="k-1")
