@@ -29,10 +29,12 @@ Nothing a rule allows or refuses changes:
 - The rules of ``operations_entry_completed_once``, ``operations_guard_update`` and
   ``operations_guard_insert`` run first, in the order those triggers fired, with their
   messages; then those of the CHECK constraints, as PostgreSQL runs BEFORE triggers before
-  CHECK constraints. Each constraint's rule refuses a row only when its expression is false
-  (not when it is NULL), as a CHECK does, with SQLSTATE ``check_violation`` and the
-  constraint's name (``ck_operations_state`` …) in the error's constraint field. The fast
-  path is their conjunction, which is false exactly when one of them is.
+  CHECK constraints, in the order of their names as PostgreSQL checks them (a row that breaks
+  two is refused by the first). Each constraint's rule refuses a row only when its expression
+  is false (not when it is NULL), as a CHECK does, with SQLSTATE ``check_violation`` and the
+  constraint's name (``ck_operations_state`` …) in the error's constraint field; and not for a
+  row with a NULL in a NOT NULL column, which PostgreSQL checks first (``not_null_violation``).
+  The fast path is their conjunction, which is false exactly when one of them is.
 - ``operations_entry_append_only`` stays as it is: it concerns the columns of a call's identity,
   which the hot statements (``orchestrator/db/steps.py``) never set, so none of them compiles
   its condition.
@@ -43,8 +45,9 @@ Nothing a rule allows or refuses changes:
 - Existing rows are not checked again (they passed the constraints), and nothing is scanned
   or rewritten: dropping a CHECK constraint and creating a trigger change the catalog only.
 - The trigger is ``ENABLE ALWAYS``: it fires in a session with ``session_replication_role =
-  replica`` too, which CHECK constraints never skipped either (the three triggers it replaces
-  did skip it).
+  replica`` too, since CHECK constraints never skipped it; the rules of the three triggers it
+  replaces, which did skip it, are skipped there still (a bulk load such as bench/scale.py's,
+  or a logical replication subscriber's copy, writes operations in their final states).
 
 Revision ID: 0035
 Revises: 0034
@@ -89,17 +92,19 @@ def _check(name: str, expression: str) -> str:
     END IF;"""
 
 
-# The former CHECK constraints, as the migrations that made them wrote them.
+# The former CHECK constraints, as the migrations that made them wrote them, in the order of
+# their names: PostgreSQL checks a table's CHECK constraints in that order (``relcache.c``,
+# ``CheckConstraintFetch``) and names the first one a row breaks.
 _CHECKS = (
-    ("ck_operations_state", f"NEW.state = ANY ({_array(_STATES)})"),
+    ("ck_operations_committed_receipt",
+     "NEW.state <> 'committed' OR NEW.receipt_digest IS NOT NULL"),
+    ("ck_operations_effect_class", f"NEW.effect_class = ANY ({_array(_EFFECTS)})"),
     ("ck_operations_entry",
      "(NEW.seq IS NULL OR (NEW.seq >= 1 AND NEW.entry_version IS NOT NULL)) "
      "AND (NEW.completed_seq IS NULL OR (NEW.state = 'committed' AND NEW.seq IS NOT NULL "
      "AND NEW.completed_seq > NEW.seq))"),
-    ("ck_operations_effect_class", f"NEW.effect_class = ANY ({_array(_EFFECTS)})"),
     ("ck_operations_identity", "NEW.attempt >= 1 AND NEW.position >= 0"),
-    ("ck_operations_committed_receipt",
-     "NEW.state <> 'committed' OR NEW.receipt_digest IS NOT NULL"),
+    ("ck_operations_state", f"NEW.state = ANY ({_array(_STATES)})"),
 )
 
 
@@ -153,10 +158,6 @@ BEGIN
         THEN
             RETURN NEW;
         END IF;
-        IF NOT ({_CREATE_OK}) THEN
-            RAISE EXCEPTION 'operation % cannot be created in state %', NEW.id, NEW.state
-                USING ERRCODE = 'check_violation';
-        END IF;
     ELSE
         IF NOT ({_ENTRY_CHANGED})
            AND ({_MOVE_OK})
@@ -164,21 +165,43 @@ BEGIN
         THEN
             RETURN NEW;
         END IF;
-        IF {_ENTRY_CHANGED} THEN
-            RAISE EXCEPTION 'operation % is a journal entry of run % (seq %): its entry is '
-                            'append-only', OLD.id, OLD.run_id, OLD.seq
-                USING ERRCODE = 'check_violation';
-        END IF;
-        IF NOT ({_MOVE_OK}) THEN
-            IF NEW.state = OLD.state THEN
-                RAISE EXCEPTION 'operation % is final (%); its receipt cannot change',
-                    OLD.id, OLD.state USING ERRCODE = 'check_violation';
+    END IF;
+    -- The former triggers' rules, which a session with session_replication_role = replica
+    -- skipped (they were ENABLE, not ALWAYS): a bulk load or a subscriber's copy of final rows.
+    IF current_setting('session_replication_role') <> 'replica' THEN
+        IF TG_OP = 'INSERT' THEN
+            IF NOT ({_CREATE_OK}) THEN
+                RAISE EXCEPTION 'operation % cannot be created in state %', NEW.id, NEW.state
+                    USING ERRCODE = 'check_violation';
             END IF;
-            RAISE EXCEPTION 'operation % cannot move from % to %', OLD.id, OLD.state, NEW.state
-                USING ERRCODE = 'check_violation';
+        ELSE
+            IF {_ENTRY_CHANGED} THEN
+                RAISE EXCEPTION 'operation % is a journal entry of run % (seq %): its entry '
+                                'is append-only', OLD.id, OLD.run_id, OLD.seq
+                    USING ERRCODE = 'check_violation';
+            END IF;
+            IF NOT ({_MOVE_OK}) THEN
+                IF NEW.state = OLD.state THEN
+                    RAISE EXCEPTION 'operation % is final (%); its receipt cannot change',
+                        OLD.id, OLD.state USING ERRCODE = 'check_violation';
+                END IF;
+                RAISE EXCEPTION 'operation % cannot move from % to %', OLD.id, OLD.state,
+                    NEW.state USING ERRCODE = 'check_violation';
+            END IF;
         END IF;
     END IF;
-    -- The former CHECK constraints, one by one.{"".join(_check(name, expr) for name, expr in _CHECKS)}
+    -- The former CHECK constraints, one by one, for a row that breaks one. PostgreSQL checks
+    -- NOT NULL before them: a row with a NULL where none may be is left to it
+    -- (not_null_violation, naming the column), as before.
+    IF NOT ({_CHECKS_OK}) THEN
+        IF EXISTS (SELECT FROM pg_catalog.pg_attribute a
+                   WHERE a.attrelid = TG_RELID AND a.attnum > 0 AND a.attnotnull
+                         AND NOT a.attisdropped
+                         AND pg_catalog.jsonb_typeof(pg_catalog.to_jsonb(NEW)
+                                                     -> a.attname::text) = 'null') THEN
+            RETURN NEW;
+        END IF;{"".join(_check(name, expr) for name, expr in _CHECKS)}
+    END IF;
     RETURN NEW;
 END
 $$;

@@ -342,19 +342,83 @@ def test_the_former_check_constraints_still_refuse_a_row_and_are_named(
     assert row == ("submitted", "consequential", 1, row[3]) and row[3] >= 0
 
 
-def test_the_guard_holds_for_a_replication_session(
+def test_a_replication_session_skips_the_former_triggers_rules_not_the_constraints(
     conn: psycopg.Connection[tuple[object, ...]],
 ) -> None:
-    """A session with ``session_replication_role = replica`` skips ordinary triggers; it never
-    skipped a CHECK constraint, and the guard that took their place fires for it too."""
+    """A session with ``session_replication_role = replica`` skips ordinary triggers and never
+    skipped a CHECK constraint. The guard that took their place (migration 0035) keeps both:
+    such a session may create an operation in a final state or move it against C5, as the
+    bulk loads of bench/scale.py and bench/console_seed.py (and a logical replication
+    subscriber's initial copy) do, and the former CHECK constraints still refuse its rows."""
     run_id = _insert_run(conn)
     conn.execute("SET session_replication_role = replica")
     try:
-        with pytest.raises(psycopg.errors.CheckViolation):
-            _insert_operation(conn, run_id, "committed")
+        conn.execute("""
+            INSERT INTO orchestrator.operations
+                (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+                 principal, intent_digest, arguments, idempotency_key, state, receipt,
+                 receipt_digest)
+            VALUES (%s, 0, 1, 'charge', '1', 'consequential', 't', 'p', 'intent', '{}', 'key',
+                    'committed', '{}', 'r')""", (run_id,))
         op_id = _insert_operation(conn, run_id, "submitted")
-        with pytest.raises(psycopg.errors.CheckViolation):
-            conn.execute("UPDATE orchestrator.operations SET state = 'pending' WHERE id = %s",
+        conn.execute("UPDATE orchestrator.operations SET state = 'pending' WHERE id = %s",
+                     (op_id,))
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            _insert_operation(conn, run_id, "bogus")
+        assert refused.value.diag.constraint_name == "ck_operations_state"
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            conn.execute("UPDATE orchestrator.operations SET state = 'committed' WHERE id = %s",
                          (op_id,))
+        assert refused.value.diag.constraint_name == "ck_operations_committed_receipt"
+        with pytest.raises(psycopg.errors.CheckViolation) as refused:
+            conn.execute("UPDATE orchestrator.operations SET state = 'bogus', attempt = 0 "
+                         "WHERE id = %s", (op_id,))
+        assert refused.value.diag.constraint_name == "ck_operations_identity"
     finally:
         conn.execute("RESET session_replication_role")
+    assert conn.execute("SELECT state FROM orchestrator.operations WHERE run_id = %s "
+                        "ORDER BY position", (run_id,)).fetchall() == [("committed",),
+                                                                      ("pending",)]
+
+
+@pytest.mark.parametrize(("change", "constraint"), [
+    ("state = 'committed', position = -1", "ck_operations_committed_receipt"),
+    ("state = 'committed', receipt_digest = 'r', completed_seq = 7, effect_class = 'maybe'",
+     "ck_operations_effect_class"),
+    ("state = 'committed', receipt_digest = 'r', completed_seq = 7, attempt = 0",
+     "ck_operations_entry"),
+])
+def test_a_row_that_breaks_two_former_constraints_names_the_first_by_name(
+    conn: psycopg.Connection[tuple[object, ...]], change: str, constraint: str,
+) -> None:
+    """PostgreSQL checks a table's CHECK constraints in the order of their names and names
+    the first one a row breaks; the guard's rules that replaced them (migration 0035) do the
+    same."""
+    op_id = _insert_operation(conn, _insert_run(conn), "submitted")
+    with pytest.raises(psycopg.errors.CheckViolation) as refused:
+        conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s", (op_id,))
+    assert refused.value.diag.constraint_name == constraint
+
+
+@pytest.mark.parametrize("change", [
+    "attempt = 0, tool_name = NULL",
+    "effect_class = 'maybe', arguments = NULL",
+    "state = 'committed', attempt = NULL",
+])
+def test_a_null_in_a_not_null_column_is_refused_as_such_before_a_former_constraint(
+    conn: psycopg.Connection[tuple[object, ...]], change: str,
+) -> None:
+    """PostgreSQL checks NOT NULL before CHECK constraints: a row with both a NULL where none
+    may be and a former constraint broken is refused with ``not_null_violation``, as before
+    migration 0035."""
+    run_id = _insert_run(conn)
+    op_id = _insert_operation(conn, run_id, "submitted")
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        conn.execute(f"UPDATE orchestrator.operations SET {change} WHERE id = %s", (op_id,))
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        conn.execute("""
+            INSERT INTO orchestrator.operations
+                (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
+                 principal, intent_digest, arguments, idempotency_key, state)
+            VALUES (%s, 1, 0, 'charge', '1', 'consequential', 't', 'p', 'intent', '{}', 'key',
+                    NULL)""", (run_id,))
