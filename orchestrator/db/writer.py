@@ -31,11 +31,19 @@ tried ``attempts`` times, without a growing pause. A row the database rejects (S
 whenever it lands: every write is fenced by its run's lease token and expected revision, so a
 write that lands after another worker took the run is rejected, and one that committed before
 its connection was lost is rejected the next time.
+
+A run's reads while it runs wait out such an outage the same way (:meth:`GroupWriter.patiently`:
+the same patience and pauses, counted from the read's first failed attempt); :meth:`hurry` ends
+their wait as it ends the writes'.
+
+The writer logs one WARNING when its writes start failing because the database cannot be
+reached, not one per attempt, and one INFO when a batch commits again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -63,6 +71,14 @@ next; each pause is as long as the writes have been failing, so it doubles, up t
 LONGEST_PAUSE = 1.0
 RETRY_PAUSE = 0.1
 """Seconds before writes that failed for another reason are tried again."""
+
+
+def unreachable_pause(failing_for: float, left: float) -> float:
+    """Seconds to wait before trying again work that has been failing to reach the database
+    for ``failing_for`` seconds with ``left`` seconds of patience left: as long as it has been
+    failing (so the pauses double from :data:`FIRST_PAUSE`), at most :data:`LONGEST_PAUSE`,
+    and no longer than the patience left (but :data:`FIRST_PAUSE` at least)."""
+    return min(LONGEST_PAUSE, max(FIRST_PAUSE, min(failing_for, left)))
 
 
 @dataclass(frozen=True)
@@ -106,8 +122,9 @@ Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]  # a write's v
 class GroupWriter:
     """Batches transactions of many runs into one commit. One per worker (per event loop).
 
-    ``patience``: seconds for which a write that cannot reach the database is tried again
-    (see the module's text); 0 tries it ``attempts`` times like any other failed write."""
+    ``patience``: seconds for which a write (or a read, :meth:`patiently`) that cannot reach
+    the database is tried again (see the module's text); 0 tries a write ``attempts`` times
+    like any other failed write, and a read once."""
 
     def __init__(self, db: Database, *, max_batch: int = 128, attempts: int = 3,
                  patience: float = 0.0) -> None:
@@ -121,6 +138,8 @@ class GroupWriter:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first write
         self._in_flight: list[tuple[Work, asyncio.Future[Any], Failed]] = []  # the batch sent
         self._abandoned: str | None = None  # why nothing more is written (see abandon)
+        self._hurried: asyncio.Event | None = None  # set by hurry: reads stop waiting
+        self._unreachable_since: float | None = None  # writes fail: the database is away
         self.batches = 0  # transactions committed (for benchmarks and tests)
         self.writes = 0  # writes committed in them
         self.statements = 0  # set-based statements sent for Statement writes
@@ -181,6 +200,8 @@ class GroupWriter:
         never sent; one in flight may or may not have committed, which its run's fence settles
         (the run is dropped here and replayed from its journal elsewhere)."""
         self._abandoned = reason
+        if self._hurried is not None:
+            self._hurried.set()  # and the reads waiting out an outage
         for _, future, _ in [*self._in_flight, *self._queue]:
             if not future.done():
                 future.set_exception(DatabaseError(reason))
@@ -194,12 +215,42 @@ class GroupWriter:
         ``attempts`` times, however long its patience. For a worker whose drain has run out of
         time or been hurried: the backoff must not hold its stop."""
         self.patience = 0.0
+        if self._hurried is not None:
+            self._hurried.set()  # the reads waiting out the outage (patiently) give up now
         waiting = [item for item in self._queue if item[2] is not None]
         if waiting:
             self._queue = [item for item in self._queue if item[2] is None]
             for _, future, _ in waiting:
                 if not future.done():
                     future.set_exception(DatabaseError(reason))
+
+    async def patiently(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()`` (work that is not a queued write: a run's read), tried again like a
+        write when it fails because the database cannot be reached (``DATABASE_UNAVAILABLE``,
+        retryable, or a connection failure): with the same growing pause, for up to the
+        writer's ``patience`` from the start of its first failed attempt; then, or at once for
+        any other failure (a query the database rejects), the error is raised. :meth:`hurry`
+        and :meth:`abandon` end the wait at once (the last error is raised); with a writer
+        without patience (or hurried, or abandoned) ``attempt`` is tried once (with whatever
+        retries of its own it makes)."""
+        first: float | None = None
+        while True:
+            began = time.monotonic()
+            try:
+                return await attempt()
+            except Exception as exc:
+                now = time.monotonic()
+                if first is None:
+                    first = began
+                left = first + self.patience - now
+                if (self.patience <= 0 or left <= 0 or self._abandoned is not None
+                        or not _unreachable(exc)):
+                    raise
+                if self._hurried is None:
+                    self._hurried = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurried.wait(),
+                                           unreachable_pause(now - first, left))
 
     async def _write(self, batch: list[tuple[Work, asyncio.Future[Any], Failed]]) -> bool:
         """Write a batch in one transaction. If any write fails, the transaction is rolled back
@@ -225,6 +276,11 @@ class GroupWriter:
             return False
         self.batches += 1
         self.writes += len(batch)
+        if self._unreachable_since is not None:
+            log.info("group commits succeed again, %.1f s after the first that failed "
+                     "because the database could not be reached",
+                     time.monotonic() - self._unreachable_since)
+            self._unreachable_since = None
         metrics = self.db.metrics
         metrics.observe("commit_latency_seconds", time.monotonic() - began)
         metrics.observe("commit_batch_size", len(batch))
@@ -326,8 +382,15 @@ class GroupWriter:
         """Queue the writes of a batch that failed (begun at ``began``) again, or answer them
         with the error when they have been tried enough: for as long as the patience lasts
         when the database could not be reached, else ``attempts`` times."""
-        log.warning("a group commit failed (%s); retrying its writes", type(exc).__name__)
-        patient = self.patience > 0 and _unreachable(exc)
+        unreachable = _unreachable(exc)
+        if not unreachable:
+            log.warning("a group commit failed (%s); retrying its writes", type(exc).__name__)
+        elif self._unreachable_since is None:  # once, until a batch commits again
+            self._unreachable_since = began
+            log.warning("a group commit failed (%s); retrying its writes while the database "
+                        "cannot be reached (said once: a line says when commits succeed "
+                        "again)", type(exc).__name__)
+        patient = self.patience > 0 and unreachable
         now = time.monotonic()
         pause = LONGEST_PAUSE  # as long as the youngest failure, within its patience
         waiting = False
@@ -339,7 +402,7 @@ class GroupWriter:
             left = since + self.patience - now
             if patient and left > 0:
                 self._queue.append((work, future, (tries, since)))
-                pause = min(pause, max(FIRST_PAUSE, min(now - since, left)))
+                pause = min(pause, unreachable_pause(now - since, left))
                 waiting = True
             elif not patient and tries < self.attempts:
                 self._queue.append((work, future, (tries, since)))

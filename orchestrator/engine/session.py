@@ -235,10 +235,13 @@ class Session:
         return True
 
     async def read(self, query: Callable[[Conn], Awaitable[T]]) -> T:
-        """A read on the command path, with the storage layer's transient retries; if the
-        database stays unavailable the run stops here (it is replayed later), it never fails."""
+        """A read on the command path, with the storage layer's transient retries, waiting out
+        a database that cannot be reached as patiently as the run's writes do
+        (:meth:`GroupWriter.patiently`); if the database stays unavailable the run stops here
+        (it is replayed later), it never fails. A query the database rejects is raised at
+        once."""
         try:
-            return await self.db.run_in_transaction(query)
+            return await self.writer.patiently(lambda: self.db.run_in_transaction(query))
         except DatabaseError:
             self.run.lose_lease("database unavailable")
             raise Stop("lease_lost") from None

@@ -721,3 +721,179 @@ async def test_a_drain_that_runs_out_of_time_is_not_held_by_a_write_waiting_out_
         started = time.monotonic()
     assert time.monotonic() - started < 8  # the drain and the grace, not the 30 s patience
     assert worker.metrics.snapshot().get("lease_losses", 0) == 1
+
+
+async def test_a_write_meeting_an_outage_logs_once_and_once_more_when_it_lands(
+        app, sql, monkeypatch, caplog):
+    """Writes waiting out an outage are tried again every 50 ms to a second: the writer says
+    once that its group commits fail because the database cannot be reached, and once that
+    they succeed again, not a WARNING per attempt (a dozen in two seconds, hundreds in a
+    long outage on every worker, which buried the line that mattered)."""
+    import logging
+    import time
+
+    from orchestrator.db.writer import GroupWriter
+
+    sql("CREATE TABLE public.marks (name text PRIMARY KEY)")
+    await app.database.pool()
+    tries: list[float] = []
+    back_at = time.monotonic() + 1.5
+    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+                   time.monotonic() < back_at)
+    writer = GroupWriter(app.database, patience=5.0)
+
+    def mark(name):  # type: ignore[no-untyped-def]
+        async def work(conn):  # type: ignore[no-untyped-def]
+            await conn.execute("INSERT INTO public.marks VALUES (%s)", (name,))
+            return name
+
+        return work
+
+    caplog.set_level(logging.INFO, logger="orchestrator.worker")
+    first = writer.run_in_transaction(mark("a"))
+    await asyncio.sleep(0.5)  # a second write joins the outage under way
+    assert await asyncio.gather(first, writer.run_in_transaction(mark("b"))) == ["a", "b"]
+    assert len(tries) >= 5  # tried again and again
+    lines = [r for r in caplog.records if r.name == "orchestrator.worker"]
+    assert [r.levelname for r in lines] == ["WARNING", "INFO"], [r.message for r in lines]
+    assert lines[0].message.startswith("a group commit failed (DatabaseError)")
+    assert "cannot be reached" in lines[0].message
+    assert lines[1].message.startswith("group commits succeed again")
+
+    caplog.clear()  # the next outage is said again
+    back_at = time.monotonic() + 0.3
+    assert await writer.run_in_transaction(mark("c")) == "c"
+    assert [r.levelname for r in caplog.records if r.name == "orchestrator.worker"] == [
+        "WARNING", "INFO"]
+    await app.database.close()
+
+
+async def test_a_read_that_cannot_reach_the_database_waits_as_patiently_as_a_write(
+        app, sql, monkeypatch):
+    """``GroupWriter.patiently`` (a run's reads, ``Session.read``): a read that cannot reach
+    the database is tried again with the writer's growing pause until the database answers,
+    within the writer's patience; once it is spent, DATABASE_UNAVAILABLE. A query the
+    database rejects fails at once, and a writer without patience does not wait."""
+    import time
+
+    import psycopg
+
+    from orchestrator.db.writer import GroupWriter
+    from orchestrator.errors import DatabaseError
+
+    await app.database.pool()
+    tries: list[float] = []
+    back_at = time.monotonic() + 1.0
+    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+                   time.monotonic() < back_at)
+    writer = GroupWriter(app.database, patience=3.0)
+
+    async def one(conn):  # type: ignore[no-untyped-def]
+        return (await (await conn.execute("SELECT 1 AS one")).fetchone())["one"]
+
+    def read(work):  # type: ignore[no-untyped-def]
+        return writer.patiently(lambda: app.database.run_in_transaction(work))
+
+    assert await read(one) == 1
+    assert time.monotonic() >= back_at
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert max(gaps) < 1.1 and len(tries) < 60, gaps  # paused, not spinning, not stalled
+
+    back_at = time.monotonic() + 60
+    started = time.monotonic()
+    with pytest.raises(DatabaseError) as down:
+        await read(one)
+    assert down.value.code == "DATABASE_UNAVAILABLE"
+    assert 2.5 < time.monotonic() - started < 5
+
+    back_at = 0.0  # up again: a query the database rejects is not waited on
+
+    async def wrong(conn):  # type: ignore[no-untyped-def]
+        await conn.execute("SELECT 1 / 0")
+
+    started = time.monotonic()
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        await read(wrong)
+    assert time.monotonic() - started < 0.5
+
+    back_at = time.monotonic() + 60
+    started = time.monotonic()
+    with pytest.raises(DatabaseError):
+        await GroupWriter(app.database).patiently(
+            lambda: app.database.run_in_transaction(one))
+    assert time.monotonic() - started < 1
+    await app.database.close()
+
+
+async def test_a_read_waiting_for_the_database_holds_no_stop(app, monkeypatch):
+    """A read waiting out an outage (a patience of a minute) gets DATABASE_UNAVAILABLE at
+    once when its worker hurries (a drain that ran out of time) or abandons its writes, and
+    so does one that starts after that."""
+    from orchestrator.db.writer import GroupWriter
+    from orchestrator.errors import DatabaseError
+
+    await app.database.pool()
+    _refused_while(monkeypatch, lambda: True)
+
+    async def one(conn):  # type: ignore[no-untyped-def]
+        return 1
+
+    def read(writer):  # type: ignore[no-untyped-def]
+        return asyncio.ensure_future(
+            writer.patiently(lambda: app.database.run_in_transaction(one)))
+
+    for stop in ("hurry", "abandon"):
+        writer = GroupWriter(app.database, patience=60.0)
+        waiting = read(writer)
+        await asyncio.sleep(1.5)  # failed several times; waiting to be tried again
+        assert not waiting.done()
+        getattr(writer, stop)("the worker stopped")
+        await asyncio.sleep(0.2)
+        assert waiting.done() and isinstance(waiting.exception(), DatabaseError), stop
+        later = read(writer)
+        await asyncio.sleep(1.0)  # one attempt (the storage layer's few quick tries), no wait
+        assert later.done() and isinstance(later.exception(), DatabaseError), stop
+    await app.database.close()
+
+
+async def test_a_drain_that_runs_out_of_time_is_not_held_by_a_read_waiting_out_an_outage(
+        make_app, monkeypatch):
+    """As for a write: a worker with a minute's lease whose run's read (a parent's look at its
+    child) waits for a database that refuses every connection stops within its drain timeout
+    and the write grace, not after the read's half minute of patience."""
+    import time
+
+    import psycopg
+
+    from orchestrator.db import runs as runs_db
+    from tests.integration.conftest import running, wait_for
+
+    app = make_app(lease_ttl=60.0)
+    down = False
+
+    @app.workflow()
+    async def child(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(child, data)
+
+    reads: list[object] = []
+
+    async def cut_under_the_read(conn, parent_id, positions):  # type: ignore[no-untyped-def]
+        nonlocal down
+        reads.append(parent_id)
+        down = True
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    _refused_while(monkeypatch, lambda: down)
+    monkeypatch.setattr(runs_db, "run_children_status", cut_under_the_read)
+    async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
+        await app.submit_async(parent, 1)
+        await wait_for(lambda: reads)
+        await asyncio.sleep(0.5)  # the read is waiting to be tried again
+        assert worker._running
+        started = time.monotonic()
+    assert time.monotonic() - started < 8  # the drain and the grace, not the 30 s patience
+    assert worker.metrics.snapshot().get("runs_succeeded", 0) == 0  # let go, not finished

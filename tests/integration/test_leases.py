@@ -638,3 +638,55 @@ async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finish
     assert sql("SELECT lease_token FROM orchestrator.runs") == [{"lease_token": 1}]
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "committed"}]
     assert sql("SELECT count(*) AS n FROM orchestrator.reconciliation_items") == [{"n": 0}]
+
+
+async def test_a_run_whose_read_meets_a_short_outage_keeps_its_lease_and_finishes(
+        make_app, sql, monkeypatch, caplog):
+    """A run's read (here a parent's look at its child's status, right after starting it)
+    loses its connection and then finds every connection refused for a second and a half (a
+    pooler that is down); its lease has seconds left. The read is tried again, as patiently
+    as a write, and the run goes on once the database is back, on the same worker under the
+    same lease. (The read was tried four times within a fraction of a second and the run let
+    go of its lease at once, "database unavailable", to be claimed again once it lapsed.)"""
+    import time
+
+    import psycopg
+
+    app = make_app(lease_ttl=6.0)
+
+    @app.workflow()
+    async def child(ctx, data):  # type: ignore[no-untyped-def]
+        return data * 2
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.run_child(child, data)
+
+    down_until = 0.0
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if time.monotonic() < down_until:
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    status, cut = runs_db.run_children_status, []
+
+    async def cut_under_the_read(conn, parent_id, positions):  # type: ignore[no-untyped-def]
+        nonlocal down_until
+        if not cut:  # the parent's first look at its child: the outage begins under it
+            cut.append(parent_id)
+            down_until = time.monotonic() + 1.5
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return await status(conn, parent_id, positions)
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+    monkeypatch.setattr(runs_db, "run_children_status", cut_under_the_read)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    async with running(app, lease_ttl=6.0) as worker:
+        run = await app.submit_async(parent, 21)
+        await wait_for(lambda: cut and time.monotonic() > down_until + 0.1, timeout=10)
+        assert await run.result_async(timeout=30) == 42
+        assert cut == [run.id]
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    assert "lost" not in caplog.text
