@@ -61,7 +61,9 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
             raise InvalidRequest("owner must be an orchestrator.Owner", path="owner")
         return owner
     if default is None:
-        raise InvalidRequest("owner is required (or configure default_owner)", path="owner")
+        raise InvalidRequest("owner is required: pass owner=Owner(tenant=..., principal=...), "
+                             "or configure Orchestrator(default_owner=Owner(...)) for a "
+                             "single-tenant app", path="owner")
     return default
 
 

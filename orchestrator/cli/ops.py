@@ -97,6 +97,11 @@ def register(subparsers: Any) -> None:
     audit.set_defaults(func=cmd_audit)
 
 
+# What the ITEM column's waiting states mean, and the next command: under a list that has one.
+ITEMS_NOTE = ("ITEM open: the reconciler still asks the tool's lookup; operator: it waits for a "
+              "person. `orchestrator ops show OP` shows one and the commands that settle it")
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     state = None if args.state == "all" else args.state
     where = filter_of(args)
@@ -118,6 +123,8 @@ def cmd_list(args: argparse.Namespace) -> int:
                    f"{i['tenant']}/{i['principal']}", i["created_at"]] for i in items]))
     if len(items) == args.limit:
         print(f"(the first {args.limit}, oldest first: there may be more; see --limit)")
+    if any(i["item_state"] != "resolved" for i in items):
+        print(f"({ITEMS_NOTE})")
     return 0
 
 

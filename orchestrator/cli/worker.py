@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from orchestrator.app import MAX_LEASE_TTL, MIN_LEASE_TTL, Orchestrator, catch_e
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
-from orchestrator.errors import ConfigurationError, InvalidRequest
+from orchestrator.errors import ConfigurationError, InvalidRequest, OrchestratorError
 
 
 def register(subparsers: Any) -> None:
@@ -111,14 +112,78 @@ def load_app(spec: str, database_url: str | None) -> Orchestrator:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and not _names_the_module(exc.name, module_name):
+            # The module was found; one it imports was not.
+            raise ConfigurationError(
+                f"importing {module_name!r} for --app failed: {exc} (a module it imports: "
+                "install that in this environment, or put its directory on PYTHONPATH)"
+            ) from None
+        raise ConfigurationError(
+            f"cannot import {module_name!r} for --app: {exc}; run the command from the "
+            "directory that holds the module, or put that directory on PYTHONPATH") from None
     except ImportError as exc:
         raise ConfigurationError(
             f"cannot import {module_name!r} for --app: {exc}; run the command from the "
             "directory that holds the module, or put that directory on PYTHONPATH") from None
-    app = getattr(module, attr, None)
+    except OrchestratorError:
+        raise  # the application's own refusal (Orchestrator(...) misconfigured): its code
+    except Exception as exc:
+        # The application's code raised while its module ran: its error, not the command's.
+        if os.environ.get(ENV_DEBUG) == "1":
+            raise  # the command line shows its traceback
+        raise ConfigurationError(
+            f"importing {module_name!r} for --app raised {_raised(exc)}{_raised_where(exc)}"
+            + ("" if isinstance(exc, _TOLD) else
+               f"; run again with {ENV_DEBUG}=1 to see its message and traceback")) from None
+    # The module's own instances, named in the refusals below: what --app should have said.
+    instances = ", ".join(name for name, value in vars(module).items()
+                          if isinstance(value, Orchestrator))
+    if not hasattr(module, attr):
+        raise ConfigurationError(
+            f"--app {spec}: module {module_name!r} has no attribute {attr!r}; "
+            + (f"its orchestrator.Orchestrator instances: {instances}" if instances
+               else "it defines no orchestrator.Orchestrator instance"))
+    app = getattr(module, attr)
     if not isinstance(app, Orchestrator):
-        raise ConfigurationError(f"{spec} is not an orchestrator.Orchestrator instance")
+        kind = "None" if app is None else f"a {type(app).__name__}"
+        raise ConfigurationError(
+            f"--app {spec} is {kind}, not an orchestrator.Orchestrator instance; "
+            + (f"the module's instances: {instances}" if instances
+               else "the module defines none"))
     return app
+
+
+def _names_the_module(missing: str, module_name: str) -> bool:
+    """Whether the module not found is the one ``--app`` names or a package on its path."""
+    return module_name == missing or module_name.startswith(missing + ".")
+
+
+# Exceptions whose message Python writes about the code itself, shown in full; any other's
+# text may carry what the module handled (a URL with a password, a token), as an unexpected
+# exception's may, and is shown only with ORCHESTRATOR_DEBUG=1.
+_TOLD = (SyntaxError, NameError, AttributeError)
+ENV_DEBUG = "ORCHESTRATOR_DEBUG"  # orchestrator.cli.ENV_DEBUG (which imports this module)
+
+
+def _raised(exc: BaseException) -> str:
+    """The exception's type, and for the kinds in :data:`_TOLD` its message on one line."""
+    if not isinstance(exc, _TOLD):
+        return type(exc).__name__
+    text = " ".join((exc.msg if isinstance(exc, SyntaxError) else str(exc)).split())
+    return f"{type(exc).__name__}: {text if len(text) <= 300 else text[:299] + '…'}"
+
+
+def _raised_where(exc: BaseException) -> str:
+    """`` (file, line N)`` where the exception was raised: for a syntax error the line that
+    does not parse, else the innermost frame outside the import machinery."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f" ({exc.filename}, line {exc.lineno})"
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if not frame.filename.startswith("<frozen ")]
+    if not frames:
+        return ""
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})"
 
 
 def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.clitools import cli_env, command, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +38,19 @@ def readme_example() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_example_runs_as_written(tmp_path: Path, empty_database_url: str) -> None:
+def readme_stand_in() -> str:
+    """The README's stand-in ``psp.py``: the second Python block under "A workflow"."""
+    section = (ROOT / "README.md").read_text().split("\n## A workflow\n", 1)[1]
+    block = section.split("```python\n", 2)[2].split("```", 1)[0]
+    assert block.startswith("# psp.py\n"), block
+    return block
+
+
+@pytest.mark.parametrize("stand_in", ["minimal", "readme"])
+def test_the_readme_example_runs_as_written(tmp_path: Path, empty_database_url: str,
+                                            stand_in: str) -> None:
     (tmp_path / "checkout.py").write_text(readme_example())
-    (tmp_path / "psp.py").write_text(PSP)
+    (tmp_path / "psp.py").write_text(PSP if stand_in == "minimal" else readme_stand_in())
     env = cli_env(empty_database_url)
 
     upgraded = run_cli(["db", "upgrade"], database_url=empty_database_url)
@@ -138,3 +150,30 @@ def test_the_readme_example_survives_a_worker_killed_inside_charge(
                  "proven not applied by reconciler", "re-sent as attempt 2", "attempt 2 sent",
                  "committed"):
         assert any(told in line for line in story), shown.stdout
+
+
+def test_the_typing_docs_example_runs_beside_a_worker(
+        tmp_path: Path, empty_database_url: str) -> None:
+    """docs/typing.md's example, saved as a module that a worker imports for its app: it
+    submitted at import time (so the worker blocked on its own run) and with no owner."""
+    doc = (ROOT / "docs" / "typing.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = example.replace("total = run.result(timeout=60)",
+                              "total = run.result(timeout=60); print(total)")
+    assert printed != example
+    (tmp_path / "typed.py").write_text(printed)
+    env = cli_env(empty_database_url)
+    assert run_cli(["db", "upgrade"], database_url=empty_database_url).returncode == 0
+    with (tmp_path / "worker.log").open("wb") as log:
+        worker = subprocess.Popen([*command(), "worker", "--app", "typed:app"], cwd=tmp_path,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        submitted = subprocess.run([sys.executable, "typed.py"], cwd=tmp_path, env=env,
+                                   capture_output=True, text=True, timeout=90, check=False)
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=90)
+    output = (tmp_path / "worker.log").read_text()
+    assert (submitted.returncode, submitted.stdout) == (0, "500\n"), submitted.stderr + output
+    assert worker.returncode == 0, output
