@@ -69,7 +69,7 @@ from orchestrator.queues import (
     check_rate,
 )
 from orchestrator.queues import declare as declare_queue
-from orchestrator.reconcile import PRUNE_INTERVAL, Reconciler
+from orchestrator.reconcile import PRUNE_INTERVAL, UNSERVED_GRACE, Reconciler
 from orchestrator.recovery import DEFAULT_POLICIES, RetryPolicy
 from orchestrator.registry import (
     EFFECT_CLASSES,
@@ -883,22 +883,28 @@ class Orchestrator:
     def create_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                           max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
                           lookup_timeout: float = 30.0,
-                          prune_interval: float = PRUNE_INTERVAL) -> Reconciler:
+                          prune_interval: float = PRUNE_INTERVAL,
+                          unserved_grace: float = UNSERVED_GRACE) -> Reconciler:
         """A :class:`~orchestrator.reconcile.Reconciler` that uses this app's tool lookups
-        and, with a ``retention``, prunes by it every ``prune_interval`` seconds. Every setting
-        is checked first (``CONFIGURATION_ERROR``), as the CLI checks its flags."""
+        and, with a ``retention``, prunes by it every ``prune_interval`` seconds. It takes the
+        items of this app's tools; one of another tool is left for a reconciler that has it,
+        and handed to operators once it has waited ``unserved_grace`` seconds (0 or more)
+        with none taking it (docs/operations.md). Every setting is checked first
+        (``CONFIGURATION_ERROR``), as the CLI checks its flags."""
         _check_reconciler(max_lookups=max_lookups, batch=batch, base_delay=base_delay,
                           max_delay=max_delay, poll_interval=poll_interval,
-                          lookup_timeout=lookup_timeout, prune_interval=prune_interval)
+                          lookup_timeout=lookup_timeout, prune_interval=prune_interval,
+                          unserved_grace=unserved_grace)
         return Reconciler(self.engine_config, self.registry, self.database, self.metrics,
                           max_lookups=max_lookups, base_delay=base_delay,
                           max_delay=max_delay, batch=batch, poll_interval=poll_interval,
                           lookup_timeout=lookup_timeout, retention=self.retention,
-                          prune_interval=prune_interval)
+                          prune_interval=prune_interval, unserved_grace=unserved_grace)
 
     def run_reconciler(self, *, max_lookups: int = 5, base_delay: float = 1.0,
                        max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
                        lookup_timeout: float = 30.0, prune_interval: float = PRUNE_INTERVAL,
+                       unserved_grace: float = UNSERVED_GRACE,
                        metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1") -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
@@ -907,11 +913,13 @@ class Orchestrator:
         _check_port(metrics_port)
         _check_reconciler(max_lookups=max_lookups, batch=batch, base_delay=base_delay,
                           max_delay=max_delay, poll_interval=poll_interval,
-                          lookup_timeout=lookup_timeout, prune_interval=prune_interval)
+                          lookup_timeout=lookup_timeout, prune_interval=prune_interval,
+                          unserved_grace=unserved_grace)
         run_until_stopped(lambda: self.create_reconciler(
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
             poll_interval=poll_interval, lookup_timeout=lookup_timeout,
-            prune_interval=prune_interval), **self._serving(metrics_host, metrics_port))
+            prune_interval=prune_interval, unserved_grace=unserved_grace),
+            **self._serving(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -1061,10 +1069,12 @@ def _check_worker(*, concurrency: object, lease_ttl: float | None, poll_interval
     _check_seconds("drain_timeout", drain_timeout, zero=True)
 
 
-def _check_reconciler(*, max_lookups: object, batch: object, **seconds: object) -> None:
+def _check_reconciler(*, max_lookups: object, batch: object, unserved_grace: object,
+                      **seconds: object) -> None:
     """A reconciler's settings, as ``orchestrator reconciler`` checks its flags."""
     _check_count("max_lookups", max_lookups)
     _check_count("batch", batch)
+    _check_seconds("unserved_grace", unserved_grace, zero=True)
     for name, value in seconds.items():
         _check_seconds(name, value)
 

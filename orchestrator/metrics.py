@@ -38,6 +38,7 @@ COUNTERS = (
     "run_replays",  # a run was claimed again after its worker was lost or let it go
     "tool_failures",  # an attempt that failed definitively (applied nothing), by phase and cause
     "lookups",  # reconciliation lookups asked of a tool, by answer
+    "reconciliation_unserved",  # items handed to operators: no running reconciler had the tool
     "cancellations",  # by stage: requested, observed, provider_aborted, effect_resolved
     "claims",  # claim statements that returned at least one run
     "fenced_writes_rejected",  # writes the lease fence refused (the run had moved on)
@@ -60,6 +61,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "run_resumes": ("workflow",),
     "tool_failures": ("tool", "phase", "cause"),
     "lookups": ("tool", "answer"),
+    "reconciliation_unserved": ("tool",),
     "cancellations": ("stage",),
     "schedule_slots": ("outcome",),
     "tool_turn_waits": ("tool", "limit"),

@@ -62,6 +62,11 @@ STOP_GRACE = 10.0
 """Seconds a stopping reconciler has, past its lookup's own ``lookup_timeout``, to record
 the answer before the rest is cancelled (a container's stop grace period must cover both:
 docker-compose.yml)."""
+UNSERVED_GRACE = 300.0
+"""Seconds an item of a tool a reconciler does not register is left for one that does (another
+application on the same database, another release) before the reconciler hands it to
+operators: counted from when it was due, or from when the last claim on it lapsed (its
+reconciler died), whichever is later (``unserved_grace``; docs/operations.md)."""
 LOOKUP_GRACE = 1.0
 """Seconds a lookup has to end once cancelled (its timeout, a stop); one that catches
 ``CancelledError`` and goes on is left behind then, not waited for."""
@@ -287,13 +292,19 @@ class Reconciler:
 
     After ``max_lookups`` inconclusive answers (or at once, for a tool without a lookup) the
     item goes to operators. Every lookup and its answer stays in the item's history.
+
+    It claims the items of the tools its registry has; an item of another tool is left for a
+    reconciler that has it (a fleet of several applications or releases on one database), and
+    handed to operators only once it has waited ``unserved_grace`` seconds with no reconciler
+    taking it (:data:`UNSERVED_GRACE`).
     """
 
     def __init__(self, config: EngineConfig, registry: Registry, database: Database,
                  metrics: Metrics, *, max_lookups: int = 5, base_delay: float = 1.0,
                  max_delay: float = 300.0, batch: int = 10, poll_interval: float = 1.0,
                  lookup_timeout: float = 30.0, retention: Retention | None = None,
-                 prune_interval: float = PRUNE_INTERVAL) -> None:
+                 prune_interval: float = PRUNE_INTERVAL,
+                 unserved_grace: float = UNSERVED_GRACE) -> None:
         self.config = config
         # Retention (docs/retention.md): pruned in the background, every prune_interval.
         self.pruner = None if retention is None else Pruner(database, retention)
@@ -307,6 +318,7 @@ class Reconciler:
         self.batch = batch
         self.poll_interval = poll_interval
         self.lookup_timeout = lookup_timeout
+        self.unserved_grace = unserved_grace
         self.id = "reconciler:" + default_worker_id()
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # asked to stop again: the lookup under way is dropped
@@ -482,7 +494,8 @@ class Reconciler:
         try:
             async with self.db.connection() as conn:
                 items = await recon_db.recon_claim_due(
-                    conn, claimer=self.id, limit=self.batch, ttl=self.claim_ttl)
+                    conn, claimer=self.id, limit=self.batch, ttl=self.claim_ttl,
+                    tools=list(self.registry.tools), unserved_grace=self.unserved_grace)
         except OrchestratorError as exc:
             log.warning("claiming reconciliation items failed: %s", exc.code)
             return 0
@@ -527,7 +540,10 @@ class Reconciler:
 
     async def _handle(self, item: dict[str, Any]) -> None:
         tool = self.registry.tools.get(item["tool_name"])
-        if tool is None or tool.lookup_fn is None:
+        if tool is None:  # claimed only because no reconciler that has it took it in time
+            await self._unserved(item)
+            return
+        if tool.lookup_fn is None:
             await self._to_operators(
                 item, f"tool {item['tool_name']} has no lookup here; an operator decides",
                 f"tool {item['tool_name']} has no lookup here", logging.INFO)
@@ -580,18 +596,36 @@ class Reconciler:
                 record_error(span, type(raised).__name__)
             await self._answered(item, tool, answer, raised)
 
+    async def _unserved(self, item: dict[str, Any]) -> None:
+        """Hand to operators an item of a tool this reconciler does not register, claimed
+        because it waited past ``unserved_grace`` with no reconciler that has the tool taking
+        it (none runs, or none keeps up): counted in ``reconciliation_unserved``."""
+        name = item["tool_name"]
+        waited = item.get("unserved_for")
+        since = "" if waited is None else f" for {waited:.0f} s"
+        if await self._to_operators(
+                item, f"no running reconciler has tool {name}: the item waited{since} (the grace "
+                      f"is {self.unserved_grace:g} s) without one taking it, and this one's "
+                      "application does not register the tool; an operator decides",
+                f"no running reconciler has tool {name} (the item waited{since}, past the "
+                f"{self.unserved_grace:g} s grace; this reconciler does not register it)",
+                logging.WARNING):
+            self.metrics.incr("reconciliation_unserved", tool=name)
+
     async def _to_operators(self, item: dict[str, Any], note: str, why: str, level: int,
-                            **said: Any) -> None:
+                            **said: Any) -> bool:
         """Hand an item to operators without a lookup (``note`` is kept on the item, ``why``
-        logged); an item whose claim lapsed meanwhile is another reconciler's and is left."""
+        logged); an item whose claim lapsed meanwhile is another reconciler's and is left
+        (False)."""
         async with self.db.connection() as conn:
             handed = await recon_db.recon_to_operator(
                 conn, item_id=item["item_id"], claimer=self.id, note=note)
         if not handed:
             self._lapsed(item)
-            return
+            return False
         log.log(level, "run %s: operation %s handed to operators: %s", item["run_id"],
                 item["operation_id"], why, extra=_said(item, **said))
+        return True
 
     async def _answered(self, item: dict[str, Any], tool: Tool, answer: Any,
                         raised: BaseException | None) -> None:

@@ -80,6 +80,10 @@ _LABELLED: tuple[tuple[str, str, str], ...] = (
     ("orchestrator_lookups", "lookups",
      "Reconciliation lookups asked of a tool, by answer (committed, not_applied, "
      "still_unknown, error)."),
+    ("orchestrator_reconciliation_unserved", "reconciliation_unserved",
+     "Reconciliation items this reconciler handed to operators because no running reconciler "
+     "has their tool: they waited past its unserved grace and it does not register the tool, "
+     "by tool."),
     ("orchestrator_cancellations", "cancellations",
      "Cancellation by stage: requested (through this process), observed (the run ended "
      "cancelled), provider_aborted (a tool call in flight was cancelled), effect_resolved (an "

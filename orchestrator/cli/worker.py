@@ -20,6 +20,7 @@ from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
 from orchestrator.errors import ConfigurationError, InvalidRequest, OrchestratorError
+from orchestrator.reconcile import UNSERVED_GRACE
 
 
 def register(subparsers: Any) -> None:
@@ -58,6 +59,12 @@ def register(subparsers: Any) -> None:
     reconciler.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
                             help="seconds between looks for unknown operations when no "
                                  "notification came (default 1)")
+    reconciler.add_argument("--unserved-grace", type=float, default=UNSERVED_GRACE,
+                            metavar="SECONDS",
+                            help="seconds an unknown operation of a tool this app does not "
+                                 "register waits for a reconciler that has it before this one "
+                                 f"hands it to operators (default {UNSERVED_GRACE:g}; 0: at "
+                                 "once)")
     add_log_format_argument(reconciler)
     add_metrics_arguments(reconciler)
     reconciler.set_defaults(func=cmd_reconciler, stops_on_sigterm=True)
@@ -266,6 +273,9 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     if not 0 < args.base_delay < float("inf"):
         raise InvalidRequest("--base-delay must be a finite number of seconds, more than 0",
                              path="base_delay")
+    if not 0 <= args.unserved_grace < float("inf"):
+        raise InvalidRequest("--unserved-grace must be a finite number of seconds, 0 or more",
+                             path="unserved_grace")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -273,6 +283,7 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
     app.run_reconciler(max_lookups=args.max_lookups, base_delay=args.base_delay,
-                       poll_interval=args.poll_interval, **metrics)
+                       poll_interval=args.poll_interval, unserved_grace=args.unserved_grace,
+                       **metrics)
     announce("reconciler stopped")
     return 0

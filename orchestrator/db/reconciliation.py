@@ -33,20 +33,36 @@ assert _CLAIMED_COLUMNS != _ITEM_COLUMNS
 
 
 async def recon_claim_due(
-    conn: Conn, *, claimer: str, limit: int, ttl: float
+    conn: Conn, *, claimer: str, limit: int, ttl: float, tools: list[str] | None = None,
+    unserved_grace: float = 0.0
 ) -> list[dict[str, Any]]:
     """Claim open items whose next lookup is due (and whose run no worker is driving); each
     item's arguments come as text (``arguments_text``), with its run's stored ``traceparent``
-    (docs/tracing.md)."""
+    (docs/tracing.md).
+
+    ``tools``: the tools the claimer registers (None: every tool). An item of another tool is
+    left for a reconciler that has it, until it has waited ``unserved_grace`` seconds with no
+    reconciler taking it: since it was due, or since the last claim on it lapsed, whichever is
+    later. Then it is claimed too, to be handed to operators; ``unserved_for`` says for how
+    many seconds it waited so (None for an item of ``tools``)."""
     cur = await conn.execute(
         f"""
         WITH picked AS (
-            SELECT i.id FROM {S}.reconciliation_items i
+            SELECT i.id,
+                   CASE WHEN %(tools)s::text[] IS NOT NULL
+                             AND o.tool_name <> ALL(%(tools)s::text[])
+                        THEN extract(epoch FROM now() - GREATEST(i.next_attempt_at,
+                                                                 i.claimed_until))::float8
+                   END AS unserved_for
+            FROM {S}.reconciliation_items i
             JOIN {S}.operations o ON o.id = i.operation_id
             JOIN {S}.runs r ON r.id = i.run_id
             WHERE i.state = 'open' AND i.next_attempt_at <= now()
               AND (i.claimed_until IS NULL OR i.claimed_until < now())
               AND o.state = 'unknown' AND r.status <> 'running'
+              AND (%(tools)s::text[] IS NULL OR o.tool_name = ANY(%(tools)s::text[])
+                   OR GREATEST(i.next_attempt_at, i.claimed_until)
+                      <= now() - make_interval(secs => %(grace)s::float8))
             ORDER BY i.next_attempt_at
             LIMIT %(limit)s
             FOR UPDATE OF i SKIP LOCKED
@@ -56,9 +72,11 @@ async def recon_claim_due(
         FROM picked, {S}.operations o
         WHERE i.id = picked.id AND o.id = i.operation_id
         RETURNING {_CLAIMED_COLUMNS},
-                  (SELECT r.traceparent FROM {S}.runs r WHERE r.id = i.run_id) AS traceparent
+                  (SELECT r.traceparent FROM {S}.runs r WHERE r.id = i.run_id) AS traceparent,
+                  picked.unserved_for
         """,
-        {"claimer": claimer, "limit": limit, "ttl": ttl},
+        {"claimer": claimer, "limit": limit, "ttl": ttl, "tools": tools,
+         "grace": unserved_grace},
     )
     return await cur.fetchall()
 
@@ -133,9 +151,10 @@ async def recon_record_lookup(
 
 
 async def recon_to_operator(conn: Conn, *, item_id: int, claimer: str, note: str) -> bool:
-    """Hand an item this reconciler holds to operators at once (the tool has no lookup here, or
-    its arguments cannot be decoded). False, and nothing changed, when its claim lapsed (another
-    reconciler holds it now) or it was settled meanwhile."""
+    """Hand an item this reconciler holds to operators at once (the tool has no lookup here, no
+    running reconciler has the tool, or its arguments cannot be decoded). False, and nothing
+    changed, when its claim lapsed (another reconciler holds it now) or it was settled
+    meanwhile."""
     cur = await conn.execute(
         f"""
         UPDATE {S}.reconciliation_items

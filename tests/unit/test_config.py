@@ -301,6 +301,11 @@ def test_a_lease_ttl_that_is_not_a_positive_finite_number_of_seconds_is_refused(
     ("--base-delay", "nan", "--base-delay must be a finite number of seconds, more than 0"),
     ("--max-lookups", "0", "--max-lookups must be at least 1"),
     ("--max-lookups", "-5", "--max-lookups must be at least 1"),
+    ("--unserved-grace", "-1", "--unserved-grace must be a finite number of seconds, 0 or more"),
+    ("--unserved-grace", "inf", "--unserved-grace must be a finite number of seconds, 0 or "
+                                "more"),
+    ("--unserved-grace", "nan", "--unserved-grace must be a finite number of seconds, 0 or "
+                                "more"),
 ])
 def test_a_reconciler_setting_out_of_range_is_refused_before_anything_starts(
         flag: str, value: str, message: str) -> None:
@@ -350,6 +355,10 @@ POSITIVE = "must be a finite number of seconds, more than 0"
     ("reconciler", "max_lookups", 0, "max_lookups must be a positive integer"),
     ("reconciler", "batch", 0, "batch must be a positive integer"),
     ("reconciler", "batch", 2.5, "batch must be a positive integer"),
+    ("reconciler", "unserved_grace", -1, "unserved_grace must be a finite number of seconds, 0 "
+                                         "or more"),
+    ("reconciler", "unserved_grace", INF, "unserved_grace must be a finite number of seconds, "
+                                          "0 or more"),
     ("worker", "concurrency", 0, "concurrency must be a positive integer"),
     ("worker", "poll_interval", 0, f"poll_interval {POSITIVE}"),
     ("worker", "poll_interval", NAN, f"poll_interval {POSITIVE}"),

@@ -50,6 +50,7 @@ COUNTERS = {
     "orchestrator_run_replays": {"workflow"},
     "orchestrator_tool_failures": {"tool", "phase", "cause"},
     "orchestrator_lookups": {"tool", "answer"},
+    "orchestrator_reconciliation_unserved": {"tool"},
     "orchestrator_cancellations": {"stage"},
     "orchestrator_schedule_slots": {"outcome"},
     "orchestrator_tool_turn_waits": {"tool", "limit"},
