@@ -129,14 +129,16 @@ _ENTRY_CHANGED = """(OLD.completed_seq IS DISTINCT FROM NEW.completed_seq
             OR (OLD.completed_seq IS NOT NULL
                 AND OLD.finished_at IS DISTINCT FROM NEW.finished_at)"""
 """A call's ``call.completed`` entry on its row written other than once, with its commit (what
-the former operations_entry_completed_once refused). Never NULL: ``state`` is NOT NULL."""
+the former operations_entry_completed_once refused). NULL only for a row with a NULL
+``state``, which its NOT NULL refuses after the trigger."""
 
 _MOVE_OK = f"""(NEW.state = OLD.state
              AND (OLD.state <> ALL ({_array(_FINAL)})
                   OR NEW.receipt IS NOT DISTINCT FROM OLD.receipt))
             OR OLD.state || '>' || NEW.state = ANY ({_array(_ARROWS)})"""
 """An arrow of CONTRACT C5, or no move that changes a final operation's receipt (what the
-former operations_guard_update allowed). Never NULL."""
+former operations_guard_update allowed). NULL only for a row with a NULL ``state``, as
+above."""
 
 _CREATE_OK = "NEW.state = ANY ('{pending,submitted}'::text[])"
 """An operation starts pending or submitted (the former operations_guard_insert)."""
