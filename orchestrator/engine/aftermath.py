@@ -5,6 +5,7 @@ outcome that goes to reconciliation (or is re-sent, where the effect class allow
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -121,16 +122,15 @@ class Aftermath:
             if resend is not None:
                 payload["resend"] = resend
                 site.run.metrics.incr("operations_resent", tool=site.tool.name)
-            await self._fail(op_id, EventKind.CALL_RETRYING, payload, record_failure)
+            await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_RETRYING, payload)
             if decision.delay_ms:
                 await site.wait_until(not_before, op_id, number)
             return Attempt(number + 1, key, resend=resend is not None)
         if earlier:
             await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
         reason = reason or decision.reason or "cause"
-        await self._fail(op_id, EventKind.CALL_FAILED, {
-            "op": op_id, "attempt": number, "cause": cause, "reason": reason, "incident": ref},
-            record_failure)
+        await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_FAILED, {
+            "op": op_id, "attempt": number, "cause": cause, "reason": reason, "incident": ref})
         if decision.detail == "deadline":
             site.run.stop_deadline()  # the next attempt cannot fit before the run's deadline
         raise tool_failed(site.tool.name, EventKind.CALL_FAILED,
@@ -181,23 +181,25 @@ class Aftermath:
         lookup answered for it as a re-send of its key met a "not applied"): its receipt is the
         call's outcome, whatever this attempt came to, as :meth:`Call.after_reconciliation`
         takes a resolution. Another attempt, under a new key, would apply the effect again."""
-        site = self.site
-        error = operation_error_json("TOOL_FAILED", cause=cause, incident=ref)
-        token, run_id = site.run.token, site.run.run_id
-
-        async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            if record_failure:
-                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
-                                            error=error)
-            return None, [site.event(EventKind.CALL_COMPLETED, {
-                "result": applied["receipt"], "op": applied["id"], "resolved": True})]
-
-        await site.append(work)
+        await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_COMPLETED, {
+            "result": applied["receipt"], "op": applied["id"], "resolved": True})
         raise _Done(applied["receipt"])
 
     async def _reconcile_earlier(self, op_id: int, earlier: int, cause: str, ref: str | None,
                                  record_failure: bool) -> NoReturn:
         """Stop retrying, but do not fail: the earlier, re-sent attempt may have applied."""
+        await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_UNKNOWN, {
+            "op": earlier, "reason": "RESEND_NOT_APPLIED", "next": "reconcile"},
+            also=lambda conn: ops_db.operation_enqueue(conn, op_id=earlier,
+                                                       reason="RESEND_NOT_APPLIED"))
+        await self.site.park_blocked(earlier)
+
+    async def _fail(self, op_id: int, cause: str, ref: str | None, record_failure: bool,
+                    kind: EventKind, payload: dict[str, Any],
+                    also: Callable[[Conn], Awaitable[Any]] | None = None) -> None:
+        """In one transaction: this attempt ``failed`` with ``cause`` (unless
+        ``record_failure`` is false: recorded already), ``also`` if given, and the call's
+        ``kind`` entry that says what follows."""
         site = self.site
         error = operation_error_json("TOOL_FAILED", cause=cause, incident=ref)
         token, run_id = site.run.token, site.run.run_id
@@ -206,24 +208,8 @@ class Aftermath:
             if record_failure:
                 await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
                                             error=error)
-            await ops_db.operation_enqueue(conn, op_id=earlier, reason="RESEND_NOT_APPLIED")
-            return None, [site.event(EventKind.CALL_UNKNOWN, {
-                "op": earlier, "reason": "RESEND_NOT_APPLIED", "next": "reconcile"})]
-
-        await site.append(work)
-        await site.park_blocked(earlier)
-
-    async def _fail(self, op_id: int, kind: EventKind, payload: dict[str, Any],
-                    record_failure: bool) -> None:
-        site = self.site
-        error = operation_error_json("TOOL_FAILED", cause=payload["cause"],
-                                     incident=payload["incident"])
-        token, run_id = site.run.token, site.run.run_id
-
-        async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            if record_failure:
-                await ops_db.operation_fail(conn, run_id=run_id, op_id=op_id, token=token,
-                                            error=error)
+            if also is not None:
+                await also(conn)
             return None, [site.event(kind, payload)]
 
         await site.append(work)
