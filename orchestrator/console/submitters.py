@@ -357,12 +357,9 @@ class Submitters:
                                 status_code=202)
         except RunFailed as exc:
             latest = await handle.latest_async()  # a chain's: where it ended
-            error = exc.to_dict()
-            # The run's own reference, or none (a cancelled run has none): never one made up
-            # for this answer, which would lead nowhere.
-            error["incident"] = (latest.error or {}).get("incident")
+            # exc.incident is the run's own reference, or None (a cancelled run has none).
             return JSONResponse({"run_id": run_id, "done": True, "status": latest.status,
-                                 "result": None, "error": error})
+                                 "result": None, "error": exc.to_dict()})
         return JSONResponse({"run_id": run_id, "done": True, "status": "succeeded",
                              "result": value, "error": None})
 
