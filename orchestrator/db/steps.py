@@ -8,10 +8,12 @@ cancellation, a conflict) raises :class:`FastPathMiss` and the engine takes the 
 (operations.py, runs.py, journal.py), which writes the same rows in Python-driven steps and
 says why. What the three statements have in common:
 
-- **Input.** One parameter: a JSON array of rows, read as records ``x`` numbered ``i`` (the
-  row's 1-based position, by which the result rows answer) through ``orchestrator.batch_rows``
-  (migration 0005: ``jsonb_array_elements`` planned for one row, so that the cached plan probes
-  runs by primary key at any table size).
+- **Input.** One parameter: a JSON array of rows, each row a JSON array of the statement's
+  columns in order (:func:`batch_x`, :func:`row_text`), read as records ``x`` numbered ``i``
+  (the row's 1-based position, by which the result rows answer) through
+  ``orchestrator.batch_rows`` (migration 0005: ``jsonb_array_elements`` planned for one row, so
+  that the cached plan probes runs by primary key at any table size), each value by its
+  position.
 - **The fence.** The run is running under the row's lease token at the revision it expects.
   Running is spelled ``r.status = (SELECT 'running')``: with the literal, the planner could prove
   the predicate of the partial index ``ix_runs_lease_expiry`` and scan it instead of probing the
@@ -90,26 +92,38 @@ class Receipt:
     text: str
     digest: str
 
-    def columns(self) -> dict[str, Any]:
-        """The receipt's fields of a statement's row (JSON texts spliced raw)."""
-        return {"prev_op": self.op_id, "prev_position": self.position,
-                "prev_name": self.name, "digest": self.digest}
-
-    def raw(self) -> dict[str, str]:
-        return {"receipt": self.text}
-
 
 _COMPACT = one_shot(json.JSONEncoder(separators=(",", ":")))
 
+_RECEIPT_COLUMNS = "prev_op bigint, prev_position int, prev_name text, digest text"
+"""The riding receipt's scalar columns, after a statement's own; its text is a row's last."""
 
-def row_text(scalars: dict[str, Any], receipt: Receipt | None = None, **raw: str) -> str:
-    """One row's JSON object text, with ``receipt``'s columns when one rides; ``raw`` values
-    are JSON texts already (spliced in, not encoded again)."""
-    if receipt is not None:
-        scalars = {**scalars, **receipt.columns()}
-        raw = {**raw, **receipt.raw()}
-    text = _COMPACT(scalars)
-    return text[:-1] + "".join(f',"{name}":{value}' for name, value in raw.items()) + "}"
+
+def batch_x(columns: str) -> str:
+    """The CTE ``x`` of a statement whose rows are JSON arrays of ``columns`` (``"name type,
+    ..."``) in that order: each read by its position (``->>`` cast to the column's type; a
+    ``jsonb`` column's JSON ``null`` is SQL NULL), numbered ``i``. Reading a value by
+    position from an array costs the server less than looking it up by key in an object
+    (``jsonb_to_record``), and an array's text has no keys to parse and sort (about half the
+    server's instructions for the input; docs/architecture.md, "The write path")."""
+    read = []
+    for k, column in enumerate(c.strip() for c in columns.split(",")):
+        name, kind = column.split()
+        read.append(f"nullif(t.j -> {k}, 'null') AS {name}" if kind == "jsonb"
+                    else f"(t.j ->> {k})::{kind} AS {name}")
+    return (f"x AS (\n    SELECT t.i, {', '.join(read)}\n"
+            f"    FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i)\n)")
+
+
+def row_text(scalars: list[Any], receipt: Receipt | None = None, *raw: str) -> str:
+    """One row's JSON array text, in the order of its statement's columns (:func:`batch_x`):
+    ``scalars`` (encoded), the receipt's columns (``NULL`` without one), ``raw`` (JSON texts
+    already, spliced in, not encoded again) and the receipt's text last."""
+    if receipt is None:
+        text = _COMPACT([*scalars, None, None, None, None])
+        return text[:-1] + "".join(f",{value}" for value in raw) + ",null]"
+    text = _COMPACT([*scalars, receipt.op_id, receipt.position, receipt.name, receipt.digest])
+    return text[:-1] + "".join(f",{value}" for value in raw) + f",{receipt.text}]"
 
 
 _RIDING_RECEIPT = f""", done AS (
@@ -136,14 +150,10 @@ that entry as a row when it could not go on the operation's row."""
 
 
 OPERATION_BEGIN = f"""
-WITH x AS (
-    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
-           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, position int,
-               attempt int, tool_name text, tool_version text, effect_class text, tenant text,
-               principal text, intent_digest text, arguments jsonb, idempotency_key text,
-               worker_id text, v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
-), fence AS (
+WITH {batch_x("run_id uuid, token bigint, expected bigint, position int, attempt int, "
+              "tool_name text, tool_version text, effect_class text, tenant text, "
+              "principal text, intent_digest text, idempotency_key text, worker_id text, "
+              "v smallint, " + _RECEIPT_COLUMNS + ", arguments jsonb, receipt jsonb")}, fence AS (
     UPDATE {S}.runs r SET revision = r.revision + (1 + (x.prev_op IS NOT NULL)::int),
            updated_at = now()
     FROM x
@@ -196,22 +206,17 @@ def operation_begin_fast(row: dict[str, Any], *, expected: int, v: int,
             raise FastPathMiss("begin")
         return int(got["op_id"]), None
 
-    text = row_text({
-        "run_id": run_text or str(row["run_id"]), "token": row["token"], "expected": expected,
-        "position": row["position"], "attempt": row["attempt"], "tool_name": row["tool_name"],
-        "tool_version": row["tool_version"], "effect_class": row["effect_class"],
-        "tenant": row["tenant"], "principal": row["principal"],
-        "intent_digest": row["intent_digest"], "idempotency_key": row["idempotency_key"],
-        "worker_id": row["worker_id"], "v": v}, receipt, arguments=row["arguments"])
+    text = row_text([
+        run_text or str(row["run_id"]), row["token"], expected, row["position"],
+        row["attempt"], row["tool_name"], row["tool_version"], row["effect_class"],
+        row["tenant"], row["principal"], row["intent_digest"], row["idempotency_key"],
+        row["worker_id"], v], receipt, row["arguments"])
     return Statement(OPERATION_BEGIN, text, row["run_id"], check)
 
 
 RECEIPT_COMMIT = f"""
-WITH x AS (
-    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
-           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
-), fence AS (
+WITH {batch_x("run_id uuid, token bigint, expected bigint, v smallint, " + _RECEIPT_COLUMNS
+              + ", receipt jsonb")}, fence AS (
     UPDATE {S}.runs r SET revision = r.revision + 1, updated_at = now()
     FROM x
     WHERE r.id = x.run_id AND r.lease_token = x.token AND r.status = (SELECT 'running')
@@ -241,9 +246,7 @@ def receipt_commit_fast(receipt: Receipt, *, run_id: uuid.UUID, token: int, expe
             raise FastPathMiss("commit")
         return None, got["cancel_requested_at"]
 
-    text = row_text({"run_id": run_text or str(run_id), "token": token, "expected": expected,
-                     "v": v},
-                    receipt)
+    text = row_text([run_text or str(run_id), token, expected, v], receipt)
     return Statement(RECEIPT_COMMIT, text, run_id, check)
 
 
@@ -258,12 +261,8 @@ def operation_commit_fast(*, run_id: uuid.UUID, token: int, expected: int, op_id
 
 
 RUN_SUCCEED = f"""
-WITH x AS (
-    SELECT t.i, r.* FROM {S}.batch_rows(%s::jsonb) WITH ORDINALITY AS t(j, i),
-           jsonb_to_record(t.j) AS r(run_id uuid, token bigint, expected bigint, result jsonb,
-               v smallint,
-               prev_op bigint, prev_position int, prev_name text, receipt jsonb, digest text)
-), fence AS (
+WITH {batch_x("run_id uuid, token bigint, expected bigint, v smallint, " + _RECEIPT_COLUMNS
+              + ", result jsonb, receipt jsonb")}, fence AS (
     UPDATE {S}.runs r SET status = 'succeeded', result = x.result, finished_at = now(),
            updated_at = now(), lease_owner = NULL, lease_expires_at = NULL,
            available_at = NULL, waiting_for = NULL, waiting_tool = NULL,
@@ -326,7 +325,5 @@ def run_succeed_fast(*, run_id: uuid.UUID, token: int, expected: int, result: st
             raise FastPathMiss("succeed")
         return None, None
 
-    text = row_text({"run_id": run_text or str(run_id), "token": token, "expected": expected,
-                     "v": v},
-                    receipt, result=result)
+    text = row_text([run_text or str(run_id), token, expected, v], receipt, result)
     return Statement(RUN_SUCCEED, text, run_id, check)

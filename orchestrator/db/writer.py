@@ -86,12 +86,12 @@ class Statement:
     """A write that is one row of a set-based SQL statement.
 
     ``sql`` takes one parameter, a JSON array of rows, and returns a column ``i`` (the row's
-    1-based position in the array) with each row's result; ``row`` is this write's JSON object
-    text; ``key`` names what the row writes (its run): two rows with the same key never share
-    a statement. The SQL must refuse a row that does not apply by calling
-    ``orchestrator.row_applied(applied, what)`` (which raises SQLSTATE ``OR001``), for it or
-    for all of the statement's rows at once: a
-    batch is committed without looking at its results first, so a miss has to stop the
+    1-based position in the array) with each row's result; ``row`` is this write's JSON text
+    (an object or an array, as its SQL reads it); ``key`` names what the row writes (its
+    run): two rows with the same key never share a statement. The SQL must refuse a row that
+    does not apply by calling ``orchestrator.row_applied(applied, what)`` (which raises
+    SQLSTATE ``OR001``), for it or for all of the statement's rows at once: a batch is
+    committed without looking at its results first, so a miss has to stop the
     transaction on the server. The batch is then rolled back and every write runs alone; the
     write that missed gets ``check(None)``, which raises the caller's error. After a commit,
     ``check(result)`` turns the write's result row into the caller's value.
