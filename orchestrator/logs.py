@@ -12,6 +12,10 @@ known.
 
 No line carries tool or upstream text, an exception's message, or a run's input, arguments,
 receipts or result: those go to incidents (docs/logging.md).
+
+A step that a process repeats in the background (a worker's heartbeat, claim, lease renewal,
+lease sweep) says its failures once per streak (:class:`FailureStreak`): an outage of a few
+seconds is one WARNING and one INFO, not a line per attempt.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import traceback
 import uuid
 from collections.abc import Callable, MutableMapping
@@ -137,6 +142,39 @@ def formatter(format: str) -> logging.Formatter:
     if format == "text":
         return logging.Formatter(TEXT_FORMAT)
     raise ConfigurationError(f"the log format must be one of {', '.join(FORMATS)}")
+
+
+class FailureStreak:
+    """The failures in a row of a step tried again and again (a worker's heartbeat, its claim):
+    a WARNING at the first, ``"<step> failed: <reason> (said once: …)"``, and one INFO when the
+    step succeeds again, ``"<steps> succeed again, N s after the first that failed"``; not a
+    line per attempt, which an outage of a few seconds turns into dozens on every worker. A
+    failure with a code not yet said in the streak is news, and said too."""
+
+    def __init__(self, logger: logging.Logger, step: str, steps: str) -> None:
+        self._logger = logger
+        self.step = step  # "heartbeat": the warning's first words are "heartbeat failed"
+        self.steps = steps  # "heartbeats"
+        self._since: float | None = None  # monotonic time of the streak's first failure
+        self._said: set[str] = set()  # the codes said in this streak
+
+    def failed(self, code: str, reason: str | None = None) -> None:
+        """An attempt failed with ``code``; ``reason`` (default: the code) is what is said."""
+        if self._since is None:
+            self._since = time.monotonic()
+        if code not in self._said:
+            self._said.add(code)
+            self._logger.warning("%s failed: %s (said once: a line says when %s succeed "
+                                 "again)", self.step, reason or code, self.steps,
+                                 stacklevel=2)  # the record names the step's own code
+
+    def succeeded(self) -> None:
+        """An attempt succeeded: the end of a streak of failures is said."""
+        if self._since is not None:
+            self._logger.info("%s succeed again, %.1f s after the first that failed",
+                              self.steps, time.monotonic() - self._since, stacklevel=2)
+            self._since = None
+            self._said.clear()
 
 
 def configure(format: str, *, level: int = logging.INFO, stream: IO[str] | None = None

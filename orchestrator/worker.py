@@ -68,7 +68,7 @@ from orchestrator.errors import (
 )
 from orchestrator.ids import default_worker_id
 from orchestrator.journal import EventKind, entry
-from orchestrator.logs import fields
+from orchestrator.logs import FailureStreak, fields
 from orchestrator.metrics import Metrics
 from orchestrator.registry import Registry, Workflow
 from orchestrator.text import storable
@@ -165,6 +165,12 @@ class Worker:
         self._lock_checked = 0
         self._misconfigured: ConfigurationError | None = None
         self._lock_lost_said = False  # a lock held before is lost, and that was logged
+        # The background steps' failures, said once per streak (an outage of seconds would
+        # otherwise be a line per attempt, every quarter second).
+        self._beats = FailureStreak(log, "heartbeat", "heartbeats")
+        self._claims = FailureStreak(log, "claim", "claims")
+        self._renewals = FailureStreak(log, "lease renewal", "lease renewals")
+        self._sweeps = FailureStreak(log, "lease sweep", "lease sweeps")
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM and SIGINT do); asked again while draining, stop now:
@@ -426,7 +432,9 @@ class Worker:
             if expired:
                 await self._expire_unstarted()
         except OrchestratorError as exc:  # the next sweep tries again; the message says why
-            log.warning("lease sweep failed: %s", exc)
+            self._sweeps.failed(exc.code, str(exc))
+            return
+        self._sweeps.succeeded()
 
     async def _expire_unstarted(self) -> None:
         """End the runs whose deadline passed before they could start (their queue held them
@@ -478,10 +486,11 @@ class Worker:
                     if wake is not None:  # its rate window is full for so many seconds
                         self._rate_wakes[queue] = time.monotonic() + wake
         except OrchestratorError as exc:
-            log.warning("claim failed: %s", exc.code)
+            self._claims.failed(exc.code)
             self._dirty.add(queue)
             await asyncio.sleep(self.poll_interval)
             return []
+        self._claims.succeeded()
         # The wall clock when the claim was sent, a moment before the server read its own
         # (``db_now``, the statement's start): a run's offset to the server's clock is
         # measured against it, not against the time its executor is built, after a journal
@@ -611,14 +620,16 @@ class Worker:
         """Decode one claimed run (its input, its journal) and build its executor. A run whose
         stored values this code cannot read fails alone (``RUN_UNREADABLE``, with an incident)
         or, for a journal from newer code, goes back to the queue; a run whose journal the
-        database did not give is let go (its lease lapses); None then. The worker goes
-        on claiming either way: no run's content can stop it."""
+        database did not give is let go (its lease lapses); None then. The journal is read as
+        patiently as the run's other reads (:meth:`GroupWriter.patiently`): a database that
+        cannot be reached is waited for, up to the writer's patience, before the run is let
+        go. The worker goes on claiming either way: no run's content can stop it."""
         run_id = claim["id"]
         try:
             journal: list[dict[str, Any]] = []
             if claim["revision"] > 0:  # a fresh run has nothing to replay
-                async with self.database.connection() as conn:
-                    journal = await journal_db.journal_read(conn, run_id)
+                journal = await self.writer.patiently(lambda: self.database.read(
+                    lambda conn: journal_db.journal_read(conn, run_id)))
                 self._count_replay(claim, journal)
             return self.new_executor(claim, journal)
         except SchemaUnsupported as exc:
@@ -674,8 +685,8 @@ class Worker:
                     await checking
 
     async def _beat(self) -> None:
-        """One heartbeat; the row made again if it is gone. A failure is logged (the next beat
-        tries again)."""
+        """One heartbeat; the row made again if it is gone. A failure is logged, once per
+        streak (the next beat tries again)."""
         locked = self._lock_held
         try:
             async with self.database.connection() as conn:
@@ -689,7 +700,9 @@ class Worker:
                                 self.worker_id)
                     await self._register(conn, locked=locked)
         except OrchestratorError as exc:
-            log.warning("heartbeat failed: %s", exc.code)
+            self._beats.failed(exc.code)
+            return
+        self._beats.succeeded()
 
     async def _renewal_loop(self) -> None:
         """The leases of the runs this worker holds, renewed a third of the lease TTL apart
@@ -723,8 +736,9 @@ class Worker:
                 kept, renewed = await runs_db.run_leases_renew(
                     conn, worker=self.worker_id, leases=leases, ttl=self.lease_ttl)
         except OrchestratorError as exc:
-            log.warning("lease renewal failed: %s", exc.code)
+            self._renewals.failed(exc.code)
             return False
+        self._renewals.succeeded()
         for rid, lease, ex in held:
             if rid in renewed:  # the executor's lease too, built before or after the renewal
                 lease.renewed(sent)

@@ -32,7 +32,8 @@ whenever it lands: every write is fenced by its run's lease token and expected r
 write that lands after another worker took the run is rejected, and one that committed before
 its connection was lost is rejected the next time.
 
-A run's reads while it runs wait out such an outage the same way (:meth:`GroupWriter.patiently`:
+A run's reads (its journal's when it is claimed, and those while it runs) wait out such an
+outage the same way (:meth:`GroupWriter.patiently`:
 the same patience and pauses, counted from the read's first failed attempt); :meth:`hurry` ends
 their wait as it ends the writes'.
 

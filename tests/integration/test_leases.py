@@ -690,3 +690,96 @@ async def test_a_run_whose_read_meets_a_short_outage_keeps_its_lease_and_finishe
         assert cut == [run.id]
         assert worker.metrics.snapshot().get("lease_losses", 0) == 0
     assert "lost" not in caplog.text
+
+
+async def test_a_run_whose_claim_time_read_meets_a_short_outage_keeps_its_lease_and_finishes(
+        make_app, sql, monkeypatch, caplog):
+    """A run claimed again (after its event) loses the connection reading its journal, right
+    after the claim: the server ends the session under the read, and every connection is then
+    refused for a second and a half (a pooler that is down); its lease has seconds left. The
+    read is tried again as patiently as the run's other reads, and the run goes on once the
+    database is back, on the same worker under the same lease. (The read failed once and the
+    worker let go of the run at once, "DATABASE_UNAVAILABLE before it started", to be claimed
+    again only once its lease lapsed.)"""
+    app = make_app(lease_ttl=6.0)
+
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    down_until = 0.0
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if time.monotonic() < down_until:
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    read, cut = journal_db.journal_read, []
+
+    async def cut_under_the_read(conn, run_id):  # type: ignore[no-untyped-def]
+        nonlocal down_until
+        if not cut:  # the read right after the claim: the outage begins under it
+            cut.append(run_id)
+            down_until = time.monotonic() + 1.5
+            await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        return await read(conn, run_id)
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+    monkeypatch.setattr(journal_db, "journal_read", cut_under_the_read)
+    caplog.set_level(logging.WARNING, logger="orchestrator")
+    async with running(app, lease_ttl=6.0) as worker:
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (run.id,)), timeout=10)
+        await app.send_event_async(run.id, "go", "rested")
+        await wait_for(lambda: cut and time.monotonic() > down_until + 0.1, timeout=10)
+        assert await run.result_async(timeout=3) == "rested"
+        assert cut == [run.id]
+        assert worker.claimed == 2  # the first start, then once after the event
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    assert "lost" not in caplog.text
+    assert sql("SELECT lease_token FROM orchestrator.runs")[0]["lease_token"] == 2
+
+
+async def test_a_drain_is_not_held_by_a_claim_time_read_waiting_out_an_outage(
+        make_app, sql, monkeypatch):
+    """A worker with a minute's lease (half a minute of patience) whose claim-time read of a
+    run's journal waits for a database that refuses every connection stops within its drain
+    timeout and the write grace: the drain that ran out of time ends the wait, and the run is
+    let go (abandoned: its lease lapses)."""
+    app = make_app(lease_ttl=60.0)
+
+    @app.workflow()
+    async def nap(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.wait_for_event("go")
+
+    down = False
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if down:
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    reads: list[object] = []
+
+    async def cut_under_the_read(conn, run_id):  # type: ignore[no-untyped-def]
+        nonlocal down
+        reads.append(run_id)
+        down = True
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+    async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
+        run = await app.submit_async(nap, {})
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "
+                                   "status = 'waiting'", (run.id,)), timeout=10)
+        monkeypatch.setattr(journal_db, "journal_read", cut_under_the_read)
+        await app.send_event_async(run.id, "go", "rested")
+        await wait_for(lambda: reads)
+        await asyncio.sleep(0.5)  # the read is waiting to be tried again
+        assert worker._running
+        started = time.monotonic()
+    assert time.monotonic() - started < 8  # the drain and the grace, not the 30 s patience
+    assert worker.metrics.snapshot().get("runs_succeeded", 0) == 0  # let go, not driven

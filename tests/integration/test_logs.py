@@ -257,3 +257,59 @@ async def test_a_call_withheld_for_its_lease_is_logged_with_its_ids(
     assert {k: withheld[0].get(k) for k in ("run_id", "operation_id", "tool", "workflow")} == {
         "run_id": str(run.id), "operation_id": op["id"], "tool": "charge",
         "workflow": "pays@1"}
+
+
+async def test_a_short_outage_is_said_once_by_each_background_loop_and_once_when_it_ends(
+        make_app, caplog, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every connection refused for two and a half seconds (a pooler that is down) while a run
+    is in flight: the heartbeat, the claims, the lease renewals and the lease sweep each fail
+    again and again (every quarter to half second). Each says it once, a WARNING starting with
+    its usual words (``heartbeat failed: DATABASE_UNAVAILABLE (said once …``), and once at
+    INFO that it succeeds again and after how long; then the run finishes on its lease. (Each
+    failure was a WARNING: a dozen heartbeat lines and as many claim lines for this outage,
+    hundreds on every worker for a failover of a minute.)"""
+    import time
+
+    import psycopg
+
+    from orchestrator.db.database import Database
+
+    app = make_app(lease_ttl=6.0)
+    pay, entered, release = held_read(app)
+    back_at = 0.0
+    checkout = Database.checkout
+
+    def refusing(self):  # type: ignore[no-untyped-def]
+        if time.monotonic() < back_at:
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    steps = {"heartbeat": "heartbeats", "claim": "claims", "lease renewal": "lease renewals",
+             "lease sweep": "lease sweeps"}
+
+    def said() -> dict[str, list[str]]:
+        lines = [r for r in caplog.records if r.name == "orchestrator.worker"
+                 and r.levelno >= logging.INFO]
+        return {step: [r.levelname for r in lines
+                       if r.getMessage().startswith((f"{step} failed: ",
+                                                     f"{steps[step]} succeed again, "))]
+                for step in steps}
+
+    monkeypatch.setattr(Database, "checkout", refusing)
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app, lease_ttl=6.0) as worker:
+        run = await app.submit_async(pay, {})
+        await asyncio.wait_for(entered.wait(), 10)
+        back_at = time.monotonic() + 2.5
+        await wait_for(lambda: time.monotonic() > back_at and all(
+            "INFO" in levels for levels in said().values()) or time.monotonic() > back_at + 4,
+            timeout=15)
+        assert said() == {step: ["WARNING", "INFO"] for step in steps}, said()
+        release.set()
+        assert await run.result_async(timeout=10) == 1
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    lines = {r.getMessage() for r in caplog.records if r.name == "orchestrator.worker"}
+    assert "heartbeat failed: DATABASE_UNAVAILABLE (said once: a line says when heartbeats " \
+           "succeed again)" in lines, lines
+    assert any(line.startswith("lease renewals succeed again, ") and
+               line.endswith(" s after the first that failed") for line in lines), lines

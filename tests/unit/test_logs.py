@@ -17,6 +17,7 @@ from orchestrator.db.config import EMBEDDED_LOGGER, quiet_embedded_logs
 from orchestrator.errors import ConfigurationError
 from orchestrator.logs import (
     ENV_LOG_FORMAT,
+    FailureStreak,
     JsonFormatter,
     WorkflowLogger,
     fields,
@@ -176,3 +177,27 @@ def test_the_embedded_servers_chatter_is_raised_to_warning_unless_the_app_chose(
         assert logger.level == logging.DEBUG
     finally:
         logger.setLevel(before)
+
+
+def test_a_failure_streak_is_said_once_per_code_and_once_when_it_ends(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A step failing again and again says it once (and once more for each other code), and
+    once that it succeeds again; a success that ends no streak says nothing."""
+    streak = FailureStreak(logging.getLogger("orchestrator.worker"), "heartbeat", "heartbeats")
+    caplog.set_level(logging.INFO, logger="orchestrator.worker")
+    streak.succeeded()
+    for _ in range(3):
+        streak.failed("DATABASE_UNAVAILABLE")
+    streak.failed("CONFIGURATION_ERROR", "CONFIGURATION_ERROR: permission denied")
+    streak.failed("DATABASE_UNAVAILABLE")  # said already in this streak
+    streak.succeeded()
+    streak.succeeded()
+    streak.failed("DATABASE_UNAVAILABLE")  # a new streak is said again
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[:2] == [
+        ("WARNING", "heartbeat failed: DATABASE_UNAVAILABLE (said once: a line says when "
+                    "heartbeats succeed again)"),
+        ("WARNING", "heartbeat failed: CONFIGURATION_ERROR: permission denied (said once: a "
+                    "line says when heartbeats succeed again)")]
+    assert said[2][0] == "INFO" and said[2][1].startswith("heartbeats succeed again, ")
+    assert said[2][1].endswith(" s after the first that failed")
+    assert said[3:] == [said[0]]
