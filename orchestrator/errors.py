@@ -88,6 +88,23 @@ def operation_error_json(code: str, **fields: Any) -> str:
     return json.dumps({"code": code, **fields})
 
 
+CANCELLED_BEFORE_SENT = {
+    "cancelled": "the run was cancelled before the call was sent",
+    "deadline": "the run's deadline passed before the call was sent",
+    "ended": "the run ended before the call was sent",
+}
+"""Why a call was never sent, by its ``call.cancelled`` entry's ``why``."""
+
+
+def cancelled_error(why: str) -> str:
+    """The stored error of an operation that was never sent because its run was cancelled,
+    ran out of time or ended (``why``, as its ``call.cancelled`` entry says): code
+    ``CALL_CANCELLED``, cause ``why`` and the words of :data:`CANCELLED_BEFORE_SENT`. Every
+    path that journals ``call.cancelled`` stores it, so the ledger says why on its own."""
+    return operation_error_json("CALL_CANCELLED", cause=why,
+                                message=CANCELLED_BEFORE_SENT[why])
+
+
 class OrchestratorError(Exception):
     """Root of every public error: a stable ``code``, ``retryable`` and an ``incident`` ref."""
 

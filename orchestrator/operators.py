@@ -229,6 +229,16 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class Followed:
+    """What a bulk action's resolution of one item led its run to: ``then``, one of
+    :data:`~orchestrator.reconcile.NEXT_STEPS` (:func:`~orchestrator.reconcile.next_step`),
+    and for ``waits`` the other operations the run still waits for (``waits_for``)."""
+
+    then: str | None
+    waits_for: list[int]
+
+
 @dataclass
 class BulkSummary:
     """What ``resolve_many`` or ``abandon_many`` did: the items it selected (``matched``;
@@ -243,6 +253,8 @@ class BulkSummary:
     declined: bool = False
     missing: list[int] = field(default_factory=list)
     """Ids the action was given that it did not select (:data:`NOT_WAITING`): left alone."""
+    followed: dict[int, Followed] = field(default_factory=dict)
+    """What each resolved item led its run to, by operation id."""
 
     @property
     def selection(self) -> str:
@@ -347,7 +359,9 @@ class Operators:
         in flight or not sent yet, or unknown and sent again by its run itself), which
         :meth:`resolve_committed` and the others refuse with ``OPERATION_IN_PROGRESS``, is
         shown as well, its item's fields None and ``wait`` saying what to wait for; any
-        other operation outside the queue is refused as they refuse it."""
+        other operation outside the queue is refused as they refuse it.
+        ``run_cancel_requested``: the run's cancellation was requested (resolved, committed or
+        not applied, the operation lets it end cancelled: nothing is sent again)."""
         check_operation_id(operation_id)
         tenants = self.tenants_of(operator)
 
@@ -372,8 +386,10 @@ class Operators:
                 raise refused
             wait = refused.message
         attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
+        run = await recon_db.run_status_of(conn, operation_id)
         return {
             **item,
+            "run_cancel_requested": run is not None and run[1],
             "wait": wait,
             "attempts": attempts,
             "incidents": await incidents_of_operations(
@@ -435,13 +451,13 @@ class Operators:
     async def _resolve(self, operation_id: int, resolution: str, evidence: str, operator: str,
                        receipt: Any = None, then: str | None = None) -> str:
         check_operation_id(operation_id)
-        outcome = await reconcile.resolve(
+        done = await reconcile.resolve(
             self.db, operation_id=operation_id, resolution=resolution, receipt=receipt,
             evidence=evidence, operator=operator, tenants=self.tenants_of(operator),
             limits=self.json_limits, then=then)
-        if outcome == "resolved":
+        if done.outcome == "resolved":
             self.metrics.incr("reconciliation_operator", answer=resolution)
-        return outcome
+        return done.outcome
 
     async def still_waiting_on(self, operation_id: int, *, operator: str) -> list[int]:
         """The other operations the run of ``operation_id`` still waits for before it resumes
@@ -559,7 +575,7 @@ class Operators:
             return summary
         for done, item in enumerate(items, 1):
             try:
-                outcome = await reconcile.resolve(
+                settled = await reconcile.resolve(
                     self.db, operation_id=item.operation_id, resolution=resolution,
                     receipt=receipt, evidence=evidence, operator=operator, tenants=tenants,
                     limits=self.json_limits, expect=item.item_state, then=then)
@@ -576,9 +592,11 @@ class Operators:
                     "run the same action again")) for rest in items[done:]]
                 break
             else:
-                assert outcome == "resolved"  # expect= turns a no-op into a conflict
+                assert settled.outcome == "resolved"  # expect= turns a no-op into a conflict
                 self.metrics.incr("reconciliation_operator", answer=resolution)
                 summary.resolved.append(item)
+                summary.followed[item.operation_id] = Followed(
+                    reconcile.next_step(resolution, then, settled), list(settled.waits_for))
             if progress is not None:
                 progress(done, len(items))
         return summary

@@ -15,6 +15,7 @@ import logging
 import random
 import secrets
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -75,6 +76,43 @@ RESOLUTIONS = ("committed", "not_applied", "abandoned")
 THEN = ("resend", "fail")
 """What follows an operator's ``not_applied``: the call is sent again (a new attempt, outside
 the retry budget), or it fails (``TOOL_FAILED`` in the workflow)."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`resolve` did: ``outcome`` ``resolved`` or ``noop`` (already so; nothing
+    else is known then). For ``resolved``, read in its transaction: the run's status and
+    whether its cancellation was requested, as they were before the resolution, and the other
+    operations the run still waits for after it (:func:`next_step` words what follows)."""
+
+    outcome: str
+    run_status: str | None = None
+    cancel_requested: bool = False
+    waits_for: tuple[int, ...] = ()
+
+
+NEXT_STEPS = ("resend", "fail", "resume", "run_failed", "waits", "cancelled", "ended")
+"""What a resolution leads its run to (:func:`next_step`)."""
+
+
+def next_step(resolution: str, then: str | None, done: Resolved) -> str | None:
+    """What follows a resolution for its run, one of :data:`NEXT_STEPS` (None for a no-op),
+    as ``ops resolve`` words it: ``ended`` (the run had already ended: only the ledger
+    changed), ``run_failed`` (abandoned: the run fails ``OPERATION_ABANDONED``), ``waits``
+    (the run still waits for ``done.waits_for``), ``cancelled`` (woken, it ends cancelled as
+    was requested: nothing is sent again), else ``resume`` (committed: the call returns the
+    receipt) or the not applied resolution's ``then`` (``resend``, ``fail``)."""
+    if done.outcome != "resolved":
+        return None
+    if done.run_status in TERMINAL_STATUSES:
+        return "ended"
+    if resolution == "abandoned":
+        return "run_failed"
+    if done.waits_for:
+        return "waits"
+    if done.cancel_requested:
+        return "cancelled"
+    return "resume" if resolution == "committed" else (then or "resend")
 
 
 def check_evidence(evidence: str, operator: str) -> None:
@@ -146,8 +184,9 @@ async def resolve(
     limits: canonical.JsonLimits = canonical.DEFAULT_LIMITS,
     expect: str | None = None,
     then: str | None = None,
-) -> str:
-    """Resolve an unknown operation; returns ``"resolved"`` or ``"noop"`` (already so).
+) -> Resolved:
+    """Resolve an unknown operation; its :class:`Resolved` says whether it was
+    (``outcome`` ``resolved``) or already was so (``noop``), and what it led the run to.
 
     ``then`` goes with ``not_applied`` only: ``resend`` or ``fail`` (:data:`THEN`), an
     operator's choice; None (a lookup's answer) lets the engine decide (CONTRACT C8).
@@ -173,12 +212,13 @@ async def resolve(
         error = json.dumps({"code": "NOT_APPLIED", "resolved_by": operator}
                            | ({"then": then} if then else {}))
 
-    async def settle(conn: Conn) -> str:
+    async def settle(conn: Conn) -> Resolved:
         item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
         if item is None:
             raise await not_queued(conn, operation_id, tenants)
-        before = {"item": item["item_state"], "operation": item["operation_state"],
-                  "resolution": item["resolution"]} | _attested(item["receipt_digest"])
+        before = ({"item": item["item_state"], "operation": item["operation_state"],
+                   "resolution": item["resolution"]} | _attested(item["receipt_digest"])
+                  | ({"then": item["then"]} if item["then"] else {}))
         if expect is not None and item["item_state"] != expect:
             raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
@@ -187,12 +227,14 @@ async def resolve(
                 raise ResolutionConflict(differs)
             await _audit(conn, operator, f"resolve.{resolution}.noop", item, evidence,
                          before, before)
-            return "noop"
+            return Resolved("noop")
         if item["operation_state"] != "unknown":
             state = item["operation_state"]
             raise OperationInProgress(
                 IN_FLIGHT[state].format(op=operation_id, run=item["run_id"]) if state in IN_FLIGHT
                 else f"operation {operation_id} is {state}, not unknown yet", status=state)
+        run = await recon_db.run_status_of(conn, operation_id)
+        assert run is not None  # the operation is locked: its run is there
         fail_run = None
         if resolution == "abandoned":  # the run fails; its error's reference leads here
             fail_run = await _abandonment(conn, item, operator, evidence)
@@ -204,7 +246,8 @@ async def resolve(
         await _audit(conn, operator, f"resolve.{resolution}", item, evidence, before,
                      {"item": "resolved", "operation": resolution, "resolution": resolution}
                      | ({"then": then} if then else {}) | _attested(digest))
-        return "resolved"
+        waits = await recon_db.run_still_waiting_on(conn, operation_id)
+        return Resolved("resolved", run[0], run[1], tuple(waits))
 
     return await db.run_in_transaction(answered_once(settle))
 
@@ -641,12 +684,12 @@ class Reconciler:
                 await self._late(item, kind,
                                  answer.receipt if isinstance(answer, Committed) else None)
                 return
-            outcome = await resolve(
+            done = await resolve(
                 self.db, operation_id=item["operation_id"], resolution=kind,
                 receipt=answer.receipt if isinstance(answer, Committed) else None,
                 evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
                 limits=self.config.json_limits)
-            if outcome != "resolved":  # settled the same way meanwhile (an operator): no-op
+            if done.outcome != "resolved":  # settled the same way meanwhile (an operator): no-op
                 return
             self.metrics.incr(f"reconciliation_auto_{kind}")
             log.info("run %s: operation %s resolved by lookup: %s", item["run_id"],

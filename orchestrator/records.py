@@ -18,7 +18,7 @@ from typing import Any
 from orchestrator.admin import LeaseHolder, RunDetail, Worker
 from orchestrator.errors import AccessDenied
 from orchestrator.journal import shown
-from orchestrator.operators import NOT_WAITING, BulkItem, BulkSummary
+from orchestrator.operators import NOT_WAITING, BulkItem, BulkSummary, Followed
 
 
 def iso(when: datetime | None) -> str | None:
@@ -166,6 +166,7 @@ def queue_item(i: Mapping[str, Any]) -> dict[str, Any]:
         "operation_state": i["operation_state"],
         "item_state": i["item_state"],
         "resolution": i["resolution"],
+        "then": i["then"],
         "reason": i["reason"],
         "lookup_attempts": i["lookup_attempts"],
         "next_attempt_at": iso(i["next_attempt_at"]),
@@ -178,12 +179,13 @@ def queue_item(i: Mapping[str, Any]) -> dict[str, Any]:
 def item_detail(d: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "item": {**queue_item(d), "receipt": d["receipt"], "receipt_digest": d["receipt_digest"],
-                 "worker_id": d["worker_id"]},
+                 "worker_id": d["worker_id"], "run_cancel_requested": d["run_cancel_requested"]},
         "evidence": list(d["evidence"] or []),
         "attempts": [{"operation_id": ident(a["id"]), "attempt": a["attempt"],
                       "state": a["state"], "idempotency_key": a["idempotency_key"],
                       "worker_id": a["worker_id"], "submitted_at": iso(a["submitted_at"]),
-                      "finished_at": iso(a["finished_at"])} for a in d["attempts"]],
+                      "finished_at": iso(a["finished_at"]), "error": a["error"]}
+                     for a in d["attempts"]],
         "incidents": [{"ref": x["ref"], "operation_id": ident(x["operation_id"]),
                        "phase": x["phase"], "cause": x["cause"], "at": iso(x["created_at"])}
                       for x in d["incidents"]],
@@ -223,7 +225,9 @@ def incident(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def bulk_item(item: BulkItem) -> dict[str, Any]:
+def bulk_item(item: BulkItem, followed: Followed | None = None) -> dict[str, Any]:
+    """A bulk action's item, with what its resolution led its run to (``then``,
+    ``waits_for``; null and empty for an item not resolved)."""
     return {
         "operation_id": ident(item.operation_id),
         "run_id": ident(item.run_id),
@@ -234,6 +238,8 @@ def bulk_item(item: BulkItem) -> dict[str, Any]:
         "idempotency_key": item.idempotency_key,
         "reason": item.reason,
         "created_at": iso(item.created_at),
+        "then": None if followed is None else followed.then,
+        "waits_for": [] if followed is None else [ident(op) for op in followed.waits_for],
     }
 
 
@@ -252,7 +258,8 @@ def bulk_summary(summary: BulkSummary) -> dict[str, Any]:
         "more": summary.more,
         "counts": {"matched": len(summary.matched), "resolved": len(summary.resolved),
                    "skipped": len(skipped)},
-        "matched": [bulk_item(i) for i in summary.matched],
+        "matched": [bulk_item(i, summary.followed.get(i.operation_id))
+                    for i in summary.matched],
         "resolved": [ident(i.operation_id) for i in summary.resolved],
         "skipped": skipped,
     }

@@ -141,20 +141,52 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
         print("not confirmed: nothing changed")
         return
     how = "" if summary.resolution == "abandoned" else f" as {what}"
-    then = getattr(args, "then", None) or "resend"
-    follows = "" if summary.resolution != "not_applied" or not summary.resolved else (
-        "; their runs send the calls again as new attempts (a run that had ended or whose "
-        "cancellation was requested sends nothing: it ends as it was ending)" if then == "resend"
-        else "; their calls fail with TOOL_FAILED in the workflows (of runs that had not ended "
-        "and were not being cancelled)")
+    follows = _followed(summary)
     print(f"{_past(summary.resolution)} {len(summary.resolved)} of "
-          f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}{follows}"
-          + more)
+          f"{_count(len(summary.matched))}{how}; skipped {len(summary.skipped)}"
+          + ("; what follows:\n" + "\n".join(follows) if follows else "") + more)
     if summary.skipped:
         print("\nskipped (each left as it was, unless its reason says that is not known)")
         print(render(["OP", "CODE", "REASON"],
                      [[s.item.operation_id, s.code, s.reason] for s in summary.skipped],
                      max_width=100))
+
+
+FOLLOWED = {
+    "resend": "its call is sent again as a new attempt",
+    "fail": "its call fails with TOOL_FAILED in the workflow",
+    "resume": "its run goes on with the receipt",
+    "run_failed": "its run fails with OPERATION_ABANDONED",
+    "waits": "its run still waits for its other unknown operations (in parentheses)",
+    "cancelled": "its run ends cancelled, as was requested (nothing is sent again)",
+    "ended": "its run had already ended: only the ledger changed",
+}
+"""What a resolved item's run does next (its ``then``), in the report after the action."""
+SHOWN_IDS = 20  # operations named per line of the report; --json names every one
+
+
+def _followed(summary: BulkSummary) -> list[str]:
+    """The report's lines on what each resolution led its run to: one line per next step
+    (in the order of :data:`FOLLOWED`), naming its operations by id."""
+    groups: dict[str, list[str]] = {then: [] for then in FOLLOWED}
+    for op in sorted(item.operation_id for item in summary.resolved):
+        followed = summary.followed.get(op)
+        if followed is None or followed.then is None:
+            continue
+        name = str(op)
+        if followed.waits_for:
+            name += f" ({', '.join(str(other) for other in followed.waits_for)})"
+        groups.setdefault(followed.then, []).append(name)
+    lines = []
+    for then, names in groups.items():
+        if not names:
+            continue
+        shown = ", ".join(names[:SHOWN_IDS]) + (
+            f" and {len(names) - SHOWN_IDS} more (--json lists each)"
+            if len(names) > SHOWN_IDS else "")
+        word = "operation" if len(names) == 1 else "operations"
+        lines.append(f"  {FOLLOWED.get(then, then)}: {word} {shown}")
+    return lines
 
 
 def _then(resolution: str, args: argparse.Namespace) -> str:

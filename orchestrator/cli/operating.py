@@ -26,11 +26,15 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def operator_options(parser: argparse.ArgumentParser, *, operator_required: bool) -> None:
-    """``--operator`` and ``--app``: who acts, under which application's scopes."""
+    """``--operator`` and ``--app``: who acts, under which application's scopes. An action
+    (``operator_required``) records the operator in the audit log; a command that only reads
+    does not, and says so."""
     parser.add_argument("--operator", required=operator_required, default=None, metavar="NAME",
                         help="who acts (recorded in the audit log); required with --app"
-                             + ("" if operator_required else
-                                f" (without it: {DEFAULT_OPERATOR!r})"))
+                             if operator_required else
+                             "whose operator scopes apply with --app (this command only "
+                             "reads: nothing is recorded); required with --app (without it: "
+                             f"{DEFAULT_OPERATOR!r})")
     parser.add_argument("--app", default=None, metavar="MODULE:ATTR",
                         help="the application, for its operator scopes (then "
                              "--operator is required)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from collections.abc import Awaitable
 from typing import Any
 
@@ -28,6 +29,8 @@ from orchestrator.cli.tables import cell, render
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED, Operators
+
+AUDIT_LIMIT = 50  # rows of `ops audit` unless --limit says otherwise
 
 
 def register(subparsers: Any) -> None:
@@ -90,16 +93,18 @@ def register(subparsers: Any) -> None:
                             "--target, the one target of that kind and id)")
     audit.add_argument("--before", metavar="CURSOR",
                        help="the next page: the cursor the page before printed")
-    audit.add_argument("--limit", type=int, default=50, help="at most this many rows "
-                                                             "(1 to 1000)")
+    audit.add_argument("--limit", type=int, default=AUDIT_LIMIT,
+                       help="at most this many rows (1 to 1000)")
     operator_options(audit, operator_required=False)
     json_option(audit)
     audit.set_defaults(func=cmd_audit)
 
 
 # What the ITEM column's waiting states mean, and the next command: under a list that has one.
-ITEMS_NOTE = ("ITEM open: the reconciler still asks the tool's lookup; operator: it waits for a "
-              "person. `orchestrator ops show OP` shows one and the commands that settle it")
+ITEMS_NOTE = ("ITEM open: it waits for a running `orchestrator reconciler` to ask the tool's "
+              "lookup (a tool without one goes to operators); operator: it waits for a person. "
+              "Either may be resolved by hand: `orchestrator ops show OP` shows one and the "
+              "commands that settle it")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -138,12 +143,22 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("operation", d["operation_id"]),
         ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
         ("owner", f"{d['tenant']}/{d['principal']}"),
-        ("run", f"{d['run_id']} ({d['run_status']})"),
+        ("run", f"{d['run_id']} ({d['run_status']}"
+                + ("; its cancellation was requested: once this operation is resolved it ends "
+                   "cancelled, and nothing is sent again"
+                   if d["run_cancel_requested"] and d["run_status"] not in TERMINAL_STATUSES
+                   else "") + ")"),
         ("state", f"operation {d['operation_state']}; "
                   + (f"queue item {d['item_state']}" if d["item_state"] is not None
                      else "not in the reconciliation queue")
-                  + (f", resolved as {d['resolution']}" if d["resolution"] else "")),
+                  + (f", resolved as {d['resolution']}" if d["resolution"] else "")
+                  + (_follows(d["then"]) if d["resolution"] == "not_applied" else "")),
         ("reason", d["reason"]),
+        *([("lookups", f"{d['lookup_attempts']} so far; the next is due at "
+                       f"{cell(d['next_attempt_at'])}, made by a running `orchestrator "
+                       "reconciler --app MODULE:ATTR` (nothing asks the lookup while none "
+                       "runs; a tool without one goes to operators)")]
+          if d["item_state"] == "open" and d["next_attempt_at"] is not None else []),
         ("intent", d["intent_digest"]),
         ("key", d["idempotency_key"]),
         ("arguments", json.dumps(d["arguments"], sort_keys=True)),
@@ -154,9 +169,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     for name, value in fields:
         print(f"{name + ':':<11} {cell(value)}")
     print("\nattempts at this position")
-    print(render(["OP", "ATTEMPT", "STATE", "KEY", "WORKER", "SUBMITTED"],
-                 [[a["id"], a["attempt"], a["state"], a["idempotency_key"], a["worker_id"],
-                   a["submitted_at"]] for a in d["attempts"]], max_width=44))
+    print(render(["OP", "ATTEMPT", "STATE", "WHY", "KEY", "WORKER", "SUBMITTED"],
+                 [[a["id"], a["attempt"], a["state"], _why_cell(a["error"]),
+                   a["idempotency_key"], a["worker_id"], a["submitted_at"]]
+                  for a in d["attempts"]], max_width=44))
     if d["incidents"]:
         print("\nincidents (what went wrong, for `orchestrator incidents show REF --operator "
               "NAME`)")
@@ -170,9 +186,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             print("  " + json.dumps(e, sort_keys=True)[:200])
     if d["audit"]:
         print("\naudit")
-        print(render(["AT", "OPERATOR", "ACTION", "RECEIPT", "EVIDENCE"],
-                     [[a["created_at"], a["operator"], a["action"], _receipt_cell(a),
-                       a["evidence"]] for a in d["audit"]]))
+        print(render(["AT", "OPERATOR", "ACTION", "THEN", "RECEIPT", "EVIDENCE"],
+                     [[a["created_at"], a["operator"], a["action"], _then_cell(a),
+                       _receipt_cell(a), a["evidence"]] for a in d["audit"]]))
     print("\nrun timeline")
     print(render(["SEQ", "AT", "POS", "EVENT", "NAME"],
                  [[e["seq"], e["created_at"], e["position"], e["kind"], e["name"]]
@@ -286,6 +302,40 @@ def cmd_abandon(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLLOWS = {"resend": "with --then resend (the run to send the call again as a new attempt)",
+           "fail": "with --then fail (the run to fail the call with TOOL_FAILED in the "
+                   "workflow)",
+           None: "with no --then (a lookup's answer: the tool's retry policy decides whether "
+                 "the call is sent again)"}
+"""What a not applied resolution chose to follow (``then``), in ``ops show``'s state line: a
+choice, which a run that had ended or whose cancellation was requested does not carry out."""
+
+THEN_CELLS = {"resend": "send again", "fail": "fail the call"}
+"""An audit row's THEN cell, by the ``then`` its not applied resolution chose."""
+
+
+def _follows(then: str | None) -> str:
+    return " " + FOLLOWS.get(then, f"with --then {then}")
+
+
+def _then_cell(row: dict[str, Any]) -> str | None:
+    """An audit row's THEN cell: what an operator's not applied resolution chose to follow
+    (``after.then``: the call sent again, or failed in the workflow), else None (``-``)."""
+    after = row["after"]
+    then = after.get("then") if isinstance(after, dict) else None
+    return THEN_CELLS.get(then, then) if isinstance(then, str) else None
+
+
+def _why_cell(error: Any) -> str | None:
+    """An attempt's WHY cell: its stored error's stable code and cause (``TOOL_FAILED
+    (upstream_error)``, ``CALL_CANCELLED (deadline)``), else None (``-``)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if not isinstance(code, str):
+        return None
+    cause = error.get("cause")
+    return code + (f" ({cause})" if isinstance(cause, str) else "")
+
+
 def _receipt_cell(row: dict[str, Any]) -> str | None:
     """An audit row's RECEIPT cell: the first 16 hex digits of the digest of the receipt a
     committed resolution recorded (``after.receipt_digest``; ``--json`` has all of it), else
@@ -312,10 +362,23 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                         or args.before)
               else "the audit log is empty")
         return 0
-    print(render(["AT", "OPERATOR", "ACTION", "TARGET", "TENANT", "RECEIPT", "EVIDENCE"],
-                 [[a["created_at"], a["operator"], a["action"],
+    print(render(["AT", "OPERATOR", "ACTION", "THEN", "TARGET", "TENANT", "RECEIPT",
+                  "EVIDENCE"],
+                 [[a["created_at"], a["operator"], a["action"], _then_cell(a),
                    f"{a['target_kind']} {a['target_id']}", a["tenant"] or "-", _receipt_cell(a),
                    a["evidence"]] for a in rows]))
     if following is not None:
-        print(f"(more: orchestrator ops audit --before {following} …)")
+        print(f"(more: {_next_page(args, following)})")
     return 0
+
+
+def _next_page(args: argparse.Namespace, cursor: str) -> str:
+    """The command that prints the next page of the same selection: the filters, scopes and
+    limit given, and ``--before`` the page's cursor (ready to copy)."""
+    given = [(option, getattr(args, name)) for option, name in (
+        ("--by", "by"), ("--action", "action"), ("--target", "target"), ("--kind", "kind"),
+        ("--app", "app"), ("--operator", "operator"))]
+    if args.limit != AUDIT_LIMIT:
+        given.append(("--limit", str(args.limit)))
+    words = [f"{option} {shlex.quote(value)}" for option, value in given if value is not None]
+    return " ".join(["orchestrator ops audit", *words, f"--before {cursor}"])

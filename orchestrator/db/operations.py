@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator.db.database import TOOLS_CHANNEL, Conn
 from orchestrator.db.schema import SCHEMA as S
-from orchestrator.errors import LeaseLost
+from orchestrator.errors import LeaseLost, cancelled_error
 
 _LEASE_HELD = f"""
 o.run_id = %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r
@@ -78,7 +78,8 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
     got = await cur.fetchone()
     if got is None:
         raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
-    await operation_cancel(conn, run_id=row["run_id"], op_id=int(got["id"]), token=row["token"])
+    await operation_cancel(conn, run_id=row["run_id"], op_id=int(got["id"]), token=row["token"],
+                           error=cancelled_error("cancelled"))
     return int(got["id"]), "cancelled"
 
 
@@ -101,7 +102,8 @@ async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int,
     )
     if cur.rowcount == 1:
         return "submitted"
-    await operation_cancel(conn, run_id=run_id, op_id=op_id, token=token)
+    await operation_cancel(conn, run_id=run_id, op_id=op_id, token=token,
+                           error=cancelled_error("cancelled"))
     return "cancelled"
 
 

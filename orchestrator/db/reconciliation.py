@@ -22,7 +22,7 @@ i.id AS item_id, i.operation_id, i.run_id, i.reason, i.state AS item_state, i.lo
 i.next_attempt_at, i.claimed_by, i.claimed_until, i.resolution, i.evidence, i.created_at,
 i.resolved_at, o.position, o.attempt, o.tool_name, o.tool_version, o.effect_class, o.tenant,
 o.principal, o.intent_digest, o.arguments, o.idempotency_key, o.state AS operation_state,
-o.receipt, o.receipt_digest, o.submitted_at, o.worker_id,
+o.receipt, o.receipt_digest, o.submitted_at, o.worker_id, o.error->>'then' AS then,
 (SELECT status FROM {S}.runs r WHERE r.id = i.run_id) AS run_status
 """
 
@@ -301,7 +301,7 @@ async def operation_unqueued(conn: Conn, operation_id: int) -> dict[str, Any] | 
                NULL::timestamptz AS resolved_at, o.position, o.attempt, o.tool_name,
                o.tool_version, o.effect_class, o.tenant, o.principal, o.intent_digest,
                o.arguments, o.idempotency_key, o.state AS operation_state, o.receipt,
-               o.receipt_digest, o.submitted_at, o.worker_id,
+               o.receipt_digest, o.submitted_at, o.worker_id, NULL::text AS then,
                (SELECT status FROM {S}.runs r WHERE r.id = o.run_id) AS run_status
         FROM {S}.operations o WHERE o.id = %s
         """,
@@ -334,7 +334,8 @@ async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
 async def operation_attempts(conn: Conn, run_id: uuid.UUID, position: int
                              ) -> list[dict[str, Any]]:
     cur = await conn.execute(
-        f"""SELECT id, attempt, state, idempotency_key, submitted_at, finished_at, worker_id
+        f"""SELECT id, attempt, state, idempotency_key, submitted_at, finished_at, worker_id,
+                   error
             FROM {S}.operations WHERE run_id = %s AND position = %s ORDER BY attempt""",
         (run_id, position),
     )

@@ -41,7 +41,11 @@ from orchestrator.engine.aftermath import Aftermath
 from orchestrator.engine.control import Stop
 from orchestrator.engine.site import LOST, Attempt, CallSite, _Done
 from orchestrator.engine.stages import Stage, Stages, policy_stages
-from orchestrator.errors import InvalidRequest, OrchestratorError, operation_error_json
+from orchestrator.errors import (
+    InvalidRequest,
+    OrchestratorError,
+    cancelled_error,
+)
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
 from orchestrator.matching import NEW, Outcome, match_call
@@ -353,9 +357,7 @@ class Call(CallSite):
         ``submitted → failed``, the journal says the call was cancelled (a replay stops there
         too), and the run stops cancelled (or out of time)."""
         self.said = "cancelled"
-        message = ("the run's deadline passed" if why == "deadline"
-                   else "the run was cancelled") + " before the call was sent"
-        error = operation_error_json("CALL_CANCELLED", cause=why, message=message)
+        error = cancelled_error(why)
         token, run_id = self.run.token, self.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:

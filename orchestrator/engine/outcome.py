@@ -33,9 +33,9 @@ from orchestrator.errors import (
     RunUnreadable,
     ToolFailed,
     WorkflowError,
+    cancelled_error,
     error_json,
     new_incident_ref,
-    operation_error_json,
 )
 from orchestrator.ids import new_run_id
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
@@ -45,8 +45,7 @@ from orchestrator.text import storable
 log = logging.getLogger("orchestrator.worker")
 
 
-STRANDED_ERROR = operation_error_json("CALL_CANCELLED", cause="ended",
-                                      message="the run ended before the call was sent")
+STRANDED_ERROR = cancelled_error("ended")
 """The error of an intent that the run's end left ``pending`` (never dispatched)."""
 
 

@@ -13,7 +13,7 @@ from orchestrator.db import operations as ops_db
 from orchestrator.db.database import Conn
 from orchestrator.engine.config import EngineConfig
 from orchestrator.engine.site import CallSite
-from orchestrator.errors import operation_error_json
+from orchestrator.errors import cancelled_error, operation_error_json
 from orchestrator.journal import Entry, EventKind
 from orchestrator.matching import tool_failed
 from orchestrator.registry import Tool
@@ -99,7 +99,8 @@ class Stages:
         token, run_id = site.run.token, site.run.run_id
 
         async def work(conn: Conn) -> tuple[None, list[Entry]]:
-            await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token)
+            await ops_db.operation_cancel(conn, run_id=run_id, op_id=op_id, token=token,
+                                          error=cancelled_error(stop))
             return None, [site.event(EventKind.CALL_CANCELLED, {"op": op_id, "why": stop})]
 
         await site.append(work)

@@ -989,3 +989,25 @@ async def test_the_operation_page_shows_the_evidence_the_engine_kept(
         assert "ch_late_7" in text and "w-lost" in text and "late_receipt" in text
         assert "tool charge has no lookup here; an operator decides" in text
     await app.database.close()
+
+
+async def test_the_operation_page_says_what_a_not_applied_resolution_chose_and_a_cancel(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """The operation page says, beside "resolved as not_applied", whether the call was to be
+    sent again or to fail, and, before anyone resolves it, that the run's cancellation was
+    requested (it then ends cancelled: nothing is sent again)."""
+    app = uncertain_app(make_app)
+    ops = await park(app, sql, {"a": OWNER, "b": OWNER})
+    async with Client(console_of(app), "alice") as alice:
+        handle = await app.get_run_async(run_of(sql, ops["b"])["id"])
+        await handle.cancel_async()
+        page = (await alice.get(f"/operations/{ops['b']}")).text
+        assert 'id="cancel-requested"' in page and "nothing is sent again" in page
+        assert 'id="cancel-requested"' not in (await alice.get(f"/operations/{ops['a']}")).text
+        done = await alice.post(f"/api/operations/{ops['a']}/resolve", {
+            "resolution": "not_applied", "then": "fail", "evidence": "PSP shows none"})
+        assert done.status_code == 200, done.text
+        page = (await alice.get(f"/operations/{ops['a']}")).text
+        assert 'id="resolution">not_applied</strong>, then <strong id="then">fail the call' \
+            in page
+    await app.database.close()

@@ -140,9 +140,19 @@ async def test_ops_list_says_what_its_item_states_mean_and_what_to_run_next(
     code, out, err = await cli(migrated_database_url, "ops", "list")
     assert code == 0, err
     assert out.splitlines()[-1] == (
-        "(ITEM open: the reconciler still asks the tool's lookup; operator: it waits for a "
-        "person. `orchestrator ops show OP` shows one and the commands that settle it)")
+        "(ITEM open: it waits for a running `orchestrator reconciler` to ask the tool's "
+        "lookup (a tool without one goes to operators); operator: it waits for a person. "
+        "Either may be resolved by hand: `orchestrator ops show OP` shows one and the "
+        "commands that settle it)")
     (op,) = [row["id"] for row in sql("SELECT id FROM orchestrator.operations")]
+    # An open item with no reconciler running stays open: `ops show` says who acts next.
+    code, out, err = await cli(migrated_database_url, "ops", "show", str(op))
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if line.startswith("lookups:")]
+    assert line.startswith("lookups:    0 so far; the next is due at 20"), line
+    assert line.endswith("Z, made by a running `orchestrator reconciler --app MODULE:ATTR` "
+                         "(nothing asks the lookup while none runs; a tool without one goes "
+                         "to operators)"), line
     code, _, err = await cli(migrated_database_url, "ops", "resolve", str(op), "--not-applied",
                              "--then", "fail", "--evidence", "none shipped",
                              "--operator", "alice")

@@ -480,3 +480,77 @@ async def test_the_database_failing_midway_stops_the_action_and_the_report_says_
         finally:
             await db.close()
     assert [a[1] for a in audit_rows(sql)] == [str(op) for op in order]
+
+
+async def test_resolve_many_json_says_what_follows_for_each_resolved_item(
+        make_app, sql, migrated_database_url):
+    """Each matched item of `resolve-many --json` carries `then`, what its run does next
+    (`resend`, `fail` or `resume`; `cancelled` for a run whose cancellation was requested,
+    `waits` with `waits_for` for one still blocked on another operation), as `ops resolve`
+    says it of one; null for an item not resolved (a dry run, a skipped one)."""
+    url = migrated_database_url
+    app = stuck_app(make_app)
+    plan = {name: ("pay", None) for name in ("a", "b", "c")}
+    async with parked(app, sql, plan) as (runs, ops):
+        assert await runs["b"].cancel_async() == "needs_reconciliation"
+        base = ["ops", "resolve-many", "--not-applied", "--tool", "charge", "--evidence",
+                "PSP shows none", "--operator", "alice", "--json"]
+        code, out, err = await cli(url, *base, "--then", "fail", "--dry-run")
+        assert code == 0, err
+        assert [(m["then"], m["waits_for"]) for m in json.loads(out)["matched"]] == [
+            (None, [])] * 3
+        code, out, err = await cli(url, *base, "--then", "fail", "--yes")
+        assert code == 0, err
+        done = json.loads(out)
+        assert {m["operation_id"]: (m["then"], m["waits_for"]) for m in done["matched"]} == {
+            str(ops["a"]): ("fail", []), str(ops["b"]): ("cancelled", []),
+            str(ops["c"]): ("fail", [])}
+        assert sorted(done["resolved"]) == sorted(str(op) for op in ops.values())
+
+
+async def test_resolve_many_json_names_the_operations_a_run_still_waits_for(
+        make_app, sql, migrated_database_url):
+    from tests.integration.test_ops_cli import _two_lost_charges
+
+    url = migrated_database_url
+    app, _, pay = _two_lost_charges(make_app)
+    async with running(app):
+        run = await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+        first, second = [str(r["id"]) for r in sql("SELECT id FROM orchestrator.operations "
+                                                   "ORDER BY id")]
+        base = ["ops", "resolve-many", "--committed", "--receipt", '{"charge": "c"}',
+                "--evidence", "PSP: both", "--operator", "alice", "--json", "--yes"]
+        code, out, err = await cli(url, *base, "--limit", "1")
+        assert code == 0, err
+        assert [(m["operation_id"], m["then"], m["waits_for"])
+                for m in json.loads(out)["matched"]] == [(first, "waits", [second])]
+        code, out, err = await cli(url, *base)
+        assert code == 0, err
+        assert [(m["operation_id"], m["then"], m["waits_for"])
+                for m in json.loads(out)["matched"]] == [(second, "resume", [])]
+        assert await run.result_async(timeout=10) == [{"charge": "c"}, {"charge": "c"}]
+
+
+async def test_resolve_many_says_what_followed_for_each_run_not_only_what_usually_does(
+        make_app, sql, migrated_database_url):
+    """The report after a bulk not applied named the usual consequence for every run ("their
+    runs send the calls again") with a caveat about runs being cancelled, without saying which
+    those were: it now lists the operations by what their runs do next."""
+    url = migrated_database_url
+    app = stuck_app(make_app)
+    plan = {name: ("pay", None) for name in ("a", "b", "c")}
+    async with parked(app, sql, plan) as (runs, ops):
+        assert await runs["b"].cancel_async() == "needs_reconciliation"
+        code, out, err = await cli(url, "ops", "resolve-many", "--not-applied", "--tool",
+                                   "charge", "--evidence", "PSP shows none", "--operator",
+                                   "alice", "--yes")
+        assert code == 0, err
+        a, c = sorted((ops["a"], ops["c"]))
+        assert out.splitlines() == [
+            "resolved 3 of 3 operations as not applied; skipped 0; what follows:",
+            f"  its call is sent again as a new attempt: operations {a}, {c}",
+            f"  its run ends cancelled, as was requested (nothing is sent again): operation "
+            f"{ops['b']}"]
+        assert await runs["a"].result_async(timeout=10) == {"charge": "retry-a"}

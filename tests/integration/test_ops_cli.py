@@ -241,6 +241,17 @@ async def test_the_audit_log_filters_a_target_by_its_kind(make_app, sql, migrate
     code, _, err = await cli(url, "ops", "audit", "--kind", "workflow")
     assert code == 2 and "INVALID_REQUEST" in err and "kind" in err, err
 
+    # The next page's command keeps the filters: copied as printed, it shows the next row of
+    # the same selection (it said `ops audit --before N …`, the filters left to retype).
+    code, out, err = await cli(url, "ops", "audit", "--target", str(run.id), "--limit", "1")
+    assert code == 0, err
+    more = out.splitlines()[-1]
+    assert more.startswith(f"(more: orchestrator ops audit --target {run.id} --limit 1 "
+                           "--before "), more
+    code, out, err = await cli(url, *more[len("(more: orchestrator "):-1].split())
+    assert code == 0, err
+    assert "run.cancel" in out and "schedule.pause" not in out and "(more" not in out
+
 
 def _two_lost_charges(make_app):  # type: ignore[no-untyped-def]
     """An app whose workflow ``pay`` makes two calls at once of a tool that loses its answer
@@ -613,3 +624,129 @@ async def test_resolving_an_unknown_operation_its_run_sends_again_itself_says_to
                                     "call again itself"), shown["wait"]
     assert sql("SELECT state FROM orchestrator.operations") == [{"state": "unknown"}]
     assert sql("SELECT 1 FROM orchestrator.operator_audit") == []
+
+
+async def test_ops_show_and_audit_say_what_a_not_applied_resolution_chose_next(
+        make_app, sql, migrated_database_url):
+    """An operator's not applied is followed by a re-send or by the call's failure (`--then`):
+    `ops show` and `ops audit` say which in words, and their `--json` carries it (`then` on
+    the item, `after.then` on the audit row); a committed resolution has none."""
+    from tests.integration.test_ops_bulk import parked, stuck_app
+
+    url = migrated_database_url
+    app = stuck_app(make_app)
+    plan = {name: ("pay", None) for name in ("resent", "failed", "done")}
+    async with parked(app, sql, plan) as (runs, ops):
+        for name, args in (("resent", ["--not-applied", "--then", "resend"]),
+                           ("failed", ["--not-applied", "--then", "fail"]),
+                           ("done", ["--committed", "--receipt", '{"charge": "c"}'])):
+            code, _, err = await cli(url, "ops", "resolve", str(ops[name]), *args,
+                                     "--evidence", f"PSP says {name}", "--operator", "alice")
+            assert code == 0, err
+        assert await runs["resent"].result_async(timeout=10) == {"charge": "retry-resent"}
+        with pytest.raises(RunFailed):
+            await runs["failed"].result_async(timeout=10)
+
+    said = {"resent": "with --then resend (the run to send the call again as a new attempt)",
+            "failed": "with --then fail (the run to fail the call with TOOL_FAILED in the "
+                      "workflow)"}
+    for name, then in (("resent", "resend"), ("failed", "fail"), ("done", None)):
+        code, out, err = await cli(url, "ops", "show", str(ops[name]))
+        assert code == 0, err
+        (state,) = [line for line in out.splitlines() if line.startswith("state:")]
+        if then is None:
+            assert state.endswith("resolved as committed"), state
+        else:
+            assert state.endswith(f"resolved as not_applied {said[name]}"), state
+        audit = out.split("\naudit\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert audit[0].split() == ["AT", "OPERATOR", "ACTION", "THEN", "RECEIPT", "EVIDENCE"]
+        words = {"resend": "send again", "fail": "fail the call", None: "-"}[then]
+        assert f"  {words}  " in audit[2], audit
+        code, out, err = await cli(url, "ops", "show", str(ops[name]), "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        assert shown["item"]["then"] == then
+        assert [a["after"].get("then") for a in shown["audit"]] == [then]
+
+    code, out, err = await cli(url, "ops", "list", "--state", "all", "--json")
+    assert code == 0, err
+    assert {i["operation_id"]: i["then"] for i in json.loads(out)["items"]} == {
+        str(ops["resent"]): "resend", str(ops["failed"]): "fail", str(ops["done"]): None}
+
+    code, out, err = await cli(url, "ops", "audit")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["AT", "OPERATOR", "ACTION", "THEN"]
+    rows = {line.split("PSP says ")[-1]: line for line in lines[2:]}
+    assert "  send again  " in rows["resent"] and "  fail the call  " in rows["failed"]
+    assert rows["done"].split()[3:5] == ["resolve.committed", "-"]
+    code, out, err = await cli(url, "ops", "audit", "--json")
+    assert code == 0, err
+    assert {a["evidence"]: a["after"].get("then") for a in json.loads(out)["audit"]} == {
+        "PSP says resent": "resend", "PSP says failed": "fail", "PSP says done": None}
+
+
+async def test_ops_show_says_that_the_run_of_a_queued_operation_is_being_cancelled(
+        make_app, sql, migrated_database_url):
+    """An operator deciding between resolutions of an operation whose run's cancellation was
+    requested learns it before acting: whatever the resolution, the run ends cancelled and
+    nothing is sent again (`ops resolve` only said so afterwards)."""
+    from tests.integration.test_ops_bulk import parked, stuck_app
+
+    url = migrated_database_url
+    app = stuck_app(make_app)
+    async with parked(app, sql, {"a": ("pay", None), "b": ("pay", None)}) as (runs, ops):
+        assert await runs["a"].cancel_async() == "needs_reconciliation"
+        code, out, err = await cli(url, "ops", "show", str(ops["a"]))
+        assert code == 0, err
+        (line,) = [line for line in out.splitlines() if line.startswith("run:")]
+        assert line == (f"run:        {runs['a'].id} (needs_reconciliation; its cancellation "
+                        "was requested: once this operation is resolved it ends cancelled, "
+                        "and nothing is sent again)")
+        code, out, err = await cli(url, "ops", "show", str(ops["a"]), "--json")
+        assert code == 0, err
+        assert json.loads(out)["item"]["run_cancel_requested"] is True
+        code, out, err = await cli(url, "ops", "show", str(ops["b"]))
+        assert code == 0, err
+        assert f"run:        {runs['b'].id} (needs_reconciliation)\n" in out
+        code, out, err = await cli(url, "ops", "show", str(ops["b"]), "--json")
+        assert json.loads(out)["item"]["run_cancel_requested"] is False
+
+
+async def test_ops_show_says_why_each_earlier_attempt_ended(make_app, sql, migrated_database_url):
+    """`ops show` lists every attempt at the queued call's position, but said only `failed`
+    of one that had failed (or `cancelled`): the WHY column and `--json`'s `error` now give
+    the stored error's stable code and cause."""
+    from orchestrator import ToolError
+
+    url = migrated_database_url
+    app = make_app()
+    calls: list[int] = []
+
+    @app.tool(retry=RetryPolicy(max_attempts=3, base_delay_ms=1, max_delay_ms=1))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise ToolError.before_send("connection")
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        await app.submit_async(pay, "o")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "needs_reconciliation")
+    first, second = [r["id"] for r in sql("SELECT id FROM orchestrator.operations ORDER BY id")]
+    code, out, err = await cli(url, "ops", "show", str(second))
+    assert code == 0, err
+    table = out.split("\nattempts at this position\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table[0].split() == ["OP", "ATTEMPT", "STATE", "WHY", "KEY", "WORKER", "SUBMITTED"]
+    assert table[2].split()[:4] == [str(first), "1", "failed", "TOOL_FAILED"], table
+    assert "(connection" in table[2], table
+    assert table[3].split()[:4] == [str(second), "2", "unknown", "-"], table
+    code, out, err = await cli(url, "ops", "show", str(second), "--json")
+    assert code == 0, err
+    attempts = json.loads(out)["attempts"]
+    assert attempts[0]["error"]["code"] == "TOOL_FAILED" and attempts[1]["error"] is None

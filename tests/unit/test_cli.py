@@ -177,3 +177,24 @@ def test_a_broken_pipe_of_the_commands_own_is_an_internal_error(
     monkeypatch.delenv(cli.ENV_DEBUG, raising=False)
     assert cli.main(["db", "url"]) == cli.EXIT_INTERNAL
     assert "INTERNAL: unexpected BrokenPipeError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["list", "show", "audit"])
+def test_the_read_only_ops_commands_do_not_say_that_the_operator_is_audited(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ops list`, `show` and `audit` only read: their `--operator` names whose scopes apply,
+    and nothing records it (the help said "recorded in the audit log", as for a resolution)."""
+    with pytest.raises(SystemExit):
+        cli.main(["ops", command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "recorded in the audit log" not in shown
+    assert ("--operator NAME whose operator scopes apply with --app (this command only reads: "
+            "nothing is recorded); required with --app (without it: 'operator')") in shown
+
+
+@pytest.mark.parametrize("command", ["resolve", "abandon", "resolve-many", "abandon-many"])
+def test_the_ops_actions_say_that_the_operator_is_audited(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["ops", command, "--help"])
+    assert "who acts (recorded in the audit log)" in " ".join(capsys.readouterr().out.split())
