@@ -340,7 +340,9 @@ class Orchestrator:
 
         ``retry`` (a :class:`~orchestrator.recovery.RetryPolicy`) defaults to the app's, else
         to the effect class's: one attempt for ``consequential``, three for ``idempotent`` and
-        ``read``. ``max_attempts`` alone overrides just the attempt count.
+        ``read``. A policy given replaces that default whole (``RetryPolicy()`` allows one
+        attempt whatever the effect class); ``max_attempts`` alone overrides just the attempt
+        count.
 
         ``timeout`` (default: the app's ``tool_timeout``), ``authorize_timeout`` and
         ``approve_timeout`` are positive ``timedelta`` values; ``fn`` (and the lookup and
@@ -359,7 +361,8 @@ class Orchestrator:
         if not isinstance(shared_backoff, bool):
             raise InvalidRequest("shared_backoff must be True or False", path="shared_backoff")
         if effect not in EFFECT_CLASSES:
-            raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}")
+            raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}",
+                                 path="effect")
         if timeout is not None:
             check_timeout("timeout", timeout)
         for budget, value in (("authorize_timeout", authorize_timeout),

@@ -72,6 +72,12 @@ class ToolError(Exception):
     - ``ToolError.after_send("timeout")``: it was sent; the effects are unknown;
     - ``ToolError(msg, applied=False, retryable=True)``: the general form.
 
+    ``retry_after`` is the provider's least wait: whole seconds as text (an HTTP
+    ``Retry-After`` header as it came), an HTTP-date, or a number of seconds. A retry the
+    failure allows waits at least that long; a hint that does not parse (``"0.5"``) or is
+    longer than the retry policy's ``max_delay_ms`` stops the call (reason ``budget``)
+    instead. With a 429 or 503 it also pauses the tool for every run (docs/flow.md).
+
     Every other exception from a tool is a protocol failure: not retryable, and after
     dispatch the effects are unknown. The message is kept in protected diagnostics only.
     """

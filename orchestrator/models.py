@@ -45,6 +45,18 @@ def parse_run_id(value: Any, field: str = "run_id") -> uuid.UUID:
     raise InvalidRequest(f"{field} must be a run id (a UUID), not {value!r}", path=field)
 
 
+def check_workflow_filter(workflow: Any) -> str:
+    """A filter by workflow name, else ``INVALID_REQUEST`` (``path`` ``workflow``). Tables show a
+    workflow as ``name@version`` and no name holds an ``@``, so ``checkout@1`` could never
+    match: it is refused saying what the filter takes, not answered with nothing."""
+    check_identifier("workflow", workflow)
+    if "@" in workflow:
+        name = workflow.partition("@")[0]
+        raise InvalidRequest(f"workflow filters by a workflow's name ({name!r}), not name@version "
+                             f"({workflow!r})", path="workflow")
+    return str(workflow)
+
+
 def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any = None,
                       limit: Any = 50, submission_key: Any = None) -> None:
     """Refuse run-list filters that could never match, or that the database could not take
@@ -54,7 +66,7 @@ def check_run_filters(*, status: Any = None, workflow: Any = None, tenant: Any =
     if status is not None and status not in RUN_STATUSES:
         raise InvalidRequest(f"status must be one of {', '.join(RUN_STATUSES)}", path="status")
     if workflow is not None:
-        check_identifier("workflow", workflow)
+        check_workflow_filter(workflow)
     if tenant is not None:
         check_identifier("tenant", tenant)
     if submission_key is not None:

@@ -49,7 +49,12 @@ from orchestrator.errors import (
     ResolutionConflict,
 )
 from orchestrator.metrics import Metrics
-from orchestrator.models import parse_item_cursor, parse_run_id, validate_idempotency_key
+from orchestrator.models import (
+    check_workflow_filter,
+    parse_item_cursor,
+    parse_run_id,
+    validate_idempotency_key,
+)
 from orchestrator.text import check_identifier, check_operator, is_number
 
 ITEM_STATES = ("open", "operator", "resolved")
@@ -181,7 +186,7 @@ def _item_filter(*, state: str | None, tool: Any, older_than: Any, key: Any, run
     if key is not None:
         validate_idempotency_key(key, "key")
     if workflow is not None:
-        check_identifier("workflow", workflow)
+        check_workflow_filter(workflow)
     states = (None if state in (None, ALL_STATES) else ["open", "operator"]
               if state == UNRESOLVED else [state])
     return {"states": states, "tool": tool, "older_than": older_than, "key": key,

@@ -20,7 +20,7 @@ from orchestrator.cli.tables import render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
-from orchestrator.models import parse_run_id
+from orchestrator.models import check_workflow_filter, parse_run_id
 from orchestrator.replay import RecordedRun, Verdict
 
 EXIT_DIFFERS = 1
@@ -69,6 +69,8 @@ def _from_files(paths: list[Path]) -> list[RecordedRun]:
 def cmd_replay(args: argparse.Namespace) -> int:
     if not 1 <= args.last <= LAST_MAX:
         raise InvalidRequest(f"--last must be 1 to {LAST_MAX}", path="last")
+    if args.workflow is not None:
+        check_workflow_filter(args.workflow)
     run_id = None if args.run is None else parse_run_id(args.run)
     since = None if args.since is None else parse_time(args.since, "since")
     app = load_app(args.app, args.database_url)

@@ -212,7 +212,7 @@ def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -
     if kind == "run.cancelled":
         return "the run was cancelled"
     if kind == "run.continued":
-        return f"the run continued as run {p['run_id']} ({p['version']})"
+        return f"the run continued as run {p['run_id']} (version {p['version']})"
     return None
 
 

@@ -301,7 +301,8 @@ def test_runs_show_names_both_ends_of_a_continuation(make_app: Any,
     shown = run_cli(["runs", "show", str(first.id)], database_url=migrated_database_url)
     assert shown.returncode == 0, shown.stderr
     assert f"superseded by:  {second} (continued as new" in shown.stdout
-    assert f"the run continued as run {second}" in shown.stdout
+    # The timeline says what the number after the new run's id is: its workflow version.
+    assert f"the run continued as run {second} (version 1)" in shown.stdout
     later = run_cli(["runs", "show", str(second), "--json"], database_url=migrated_database_url)
     assert json.loads(later.stdout)["run"]["continued_from"] == str(first.id)
     # The offline replay check reads a continuation as the code's end.

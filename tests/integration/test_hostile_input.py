@@ -250,3 +250,29 @@ def test_result_timeouts_are_checked(app, flows):
         with pytest.raises(InvalidRequest) as caught:
             run.result(timeout=timeout)
         assert caught.value.path == "timeout"
+
+
+async def test_a_workflow_filter_written_as_shown_name_at_version_is_refused_saying_so(
+        make_app, migrated_database_url):
+    """Every table shows a run's workflow as ``name@version`` (``steps@1``), and a workflow's
+    name never holds an ``@``: such a filter could never match. It answered "no runs" (and
+    ``replay``, "no runs to check" with exit status 0: a check that passed having checked
+    nothing), so it is refused, naming the filter and saying what it takes."""
+    from tests.integration.test_ops_cli import cli
+
+    app = make_app()
+    for call in (lambda: app.list_runs_async(workflow="steps@1"),
+                 lambda: app.operators.list_items(operator="alice", workflow="steps@1")):
+        with pytest.raises(InvalidRequest) as caught:
+            await call()
+        assert caught.value.path == "workflow", caught.value
+        assert "not name@version" in caught.value.message, caught.value.message
+    for args in (["runs", "list", "--workflow", "steps@1"],
+                 ["ops", "list", "--workflow", "steps@1"],
+                 ["replay", "--app", "tests.integration.versioned_apps:compatible",
+                  "--workflow", "steps@1"]):
+        code, out, err = await cli(migrated_database_url, *args)
+        assert (code, out) == (2, ""), (args, code, out, err)
+        assert err.startswith("orchestrator: error: INVALID_REQUEST: workflow") and \
+            "not name@version" in err, (args, err)
+    await app.database.close()

@@ -97,6 +97,21 @@ def test_a_tool_timeout_is_a_positive_timedelta(timeout: Any) -> None:
     app.tool(timeout=timedelta(seconds=2))(t)
 
 
+@pytest.mark.parametrize("effect", ["write", "Idempotent", "", None, 1])
+def test_an_effect_class_that_is_not_one_of_the_three_is_refused_naming_it(effect: Any) -> None:
+    """Like every other refused option of ``@app.tool``, the error names the option (``path``),
+    so that a caller (or the HTTP layer's body) can tell which one it was."""
+    app = _app()
+
+    async def t(ctx: Any) -> None: ...
+
+    with pytest.raises(InvalidRequest, match="effect must be one of consequential, idempotent, "
+                                             "read") as got:
+        app.tool(effect=effect)(t)
+    assert got.value.path == "effect"
+    assert not app.registry.tools
+
+
 def test_a_partial_or_an_instance_without_a_name_is_asked_for_one() -> None:
     """A workflow or a tool made from an object with no ``__name__`` of its own (a
     ``functools.partial``, an instance with an async ``__call__``) needs ``name=``."""
