@@ -236,9 +236,11 @@ def _holder_note(holder: LeaseHolder, workers: list[dict[str, Any]]) -> str:
                 f"next sweep of a live worker re-queues the run, at the latest when the lease "
                 f"expires at {expiry}{later}")
     if holder.state == "silent":
-        return (f"held by {who}, which is silent ({silence}; paused or overloaded, its "
-                f"liveness lock still held or never taken): the run is re-queued when its "
-                f"lease expires at {expiry} unless the worker heartbeats again{later}")
+        return (f"held by {who}, which is silent ({silence}; paused or overloaded with its "
+                f"liveness lock still held, or, if it took none (behind a transaction pooler "
+                f"without a listen_url), paused or dead, which the database cannot tell): the "
+                f"run is re-queued when its lease expires at {expiry} unless the worker "
+                f"heartbeats again{later}")
     if holder.state == "waiting":
         who = (f"{who}, which is waiting (it heartbeats and keeps the run, but its liveness "
                "lock is not held: it claims nothing new until it takes the lock again, and "

@@ -48,6 +48,17 @@ EXIT_FINDING = 1
 EXIT_ERROR = 2
 EXIT_INTERNAL = 70
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a program that wrote to a closed pipe
+
+PREPARED_STATEMENT_STATES = frozenset({"42P05", "26000"})
+"""The SQLSTATEs of a prepared statement that already exists, or does not exist, on the
+session: what a pooler in transaction mode answers a client that prepares statements."""
+POOLER_HINT = (
+    "CONFIGURATION_ERROR: the database refused a prepared statement of this command's own "
+    "(it already existed, or did not exist, on the server session): the database URL "
+    "seems to lead to a pooler in transaction mode (PgBouncer's pool_mode = transaction); "
+    f"give --pooler transaction (or {ENV_POOLER}=transaction), and --listen-url with the "
+    "server's own address for notifications and liveness locks "
+    "(docs/operations.md, \"Behind a connection pooler\")")
 ENV_DEBUG = "ORCHESTRATOR_DEBUG"
 
 PROG = "orchestrator"
@@ -134,6 +145,9 @@ def main(argv: Sequence[str] | None = None, *, early_sigterm: list[int] | None =
             return EXIT_BROKEN_PIPE
         if debug:
             raise
+        if getattr(exc, "sqlstate", None) in PREPARED_STATEMENT_STATES:
+            error(POOLER_HINT)
+            return EXIT_ERROR
         # The text of an unexpected exception may carry driver messages or credentials.
         error(
             f"INTERNAL: unexpected {type(exc).__name__}; "

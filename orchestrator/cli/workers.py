@@ -27,10 +27,11 @@ STATES_NOTE = ("live: it heartbeats; draining: told to stop, it claims nothing m
                "waiting: it heartbeats, but holds no liveness lock yet, so it claims nothing "
                "(its listen_url cannot be reached, or its lock's session ended and the lock "
                "cannot be taken again yet; it takes the lock once it can); "
-               "silent: no heartbeat for over a second, its liveness "
-               "lock held or never taken (paused or overloaded: its runs wait for their "
-               "leases to expire); dead: neither (a live worker's next sweep re-queues its "
-               "runs)")
+               "silent: no heartbeat for over a second, its liveness lock held (paused or "
+               "overloaded) or never taken (behind a transaction pooler without a "
+               "listen_url: paused or dead, the database cannot tell): its runs wait for "
+               "their leases to expire; dead: neither (a live worker's next sweep re-queues "
+               "its runs)")
 
 
 def register(subparsers: Any) -> None:

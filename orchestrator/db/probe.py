@@ -60,6 +60,8 @@ _TEXT_REASONS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
     (("authentication failed",), "authentication failed", False),
     (("role", "does not exist"), "the user (role) does not exist", False),
     (("database", "does not exist"), _NO_DATABASE, False),
+    (("no such database",), "the pooler has no such database (add it to the pooler's own "
+     "list, PgBouncer's [databases], or fix the database's name in the URL)", False),
     (("too many",), _TOO_MANY, True),
     (("starting up",), _STARTING, True),
     (("shutting down",), _STARTING, True),

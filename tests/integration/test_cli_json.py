@@ -170,6 +170,9 @@ async def test_runs_show_says_when_the_lease_holder_is_dead_and_when_it_is_recla
 
     note, doc = await show("silent")
     assert re.match(r"held by w-silent, which is silent \(last heartbeat \d+ s ago", note)
+    # w-silent took no liveness lock (a worker behind a transaction pooler without a
+    # listen_url): killed, it looks just the same, so the note must not call it only paused.
+    assert "paused or dead, which the database cannot tell" in note, note
     assert "re-queued when its lease expires at" in note
     assert (doc["lease"]["holder_state"], doc["lease"]["reclaim"]) == ("silent", "expiry")
 

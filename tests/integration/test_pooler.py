@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -17,6 +21,7 @@ from orchestrator.db.database import RUNS_CHANNEL, Conn, Database
 from orchestrator.testing import wait_until_async
 from tests.pgbouncer import POOL_SIZE, PgBouncer
 
+ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 3 * POOL_SIZE  # more pooled connections than PgBouncer has server sessions
 
 
@@ -161,7 +166,12 @@ async def test_a_listen_url_that_reaches_another_database_stops_the_reconciler_b
     from orchestrator.errors import ConfigurationError
 
     elsewhere = _with_database(migrated_database_url, "postgres")
-    before = sql("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'")
+    # Advisory locks held in the database listen_url names (the server's other databases
+    # are other tests' and other sessions' business: counting them made this test flaky
+    # beside any other work on the server).
+    held_there = ("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND database "
+                  "= (SELECT oid FROM pg_database WHERE datname = 'postgres')")
+    before = sql(held_there)
     app = Orchestrator(pgbouncer.url(migrated_database_url), pooler="transaction",
                        listen_url=elsewhere)
     try:
@@ -173,7 +183,7 @@ async def test_a_listen_url_that_reaches_another_database_stops_the_reconciler_b
         assert "does not reach the database" in caught.value.message
         assert "reconciler" in caught.value.message
         # The probe's session on listen_url is closed at once.
-        assert sql("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory'") == before
+        assert sql(held_there) == before
     finally:
         await app.database.close()
 
@@ -194,3 +204,32 @@ async def test_a_listen_url_that_reaches_the_database_lets_the_reconciler_start(
         await asyncio.wait_for(task, 20)
     finally:
         await app.database.close()
+
+
+async def test_a_command_on_a_transaction_pooler_without_pooler_says_to_set_it(
+        pgbouncer: PgBouncer, migrated_database_url: str) -> None:
+    """An operator who points a command at PgBouncer in transaction mode and forgets
+    ``--pooler transaction`` is told so, not ``INTERNAL: unexpected
+    DuplicatePreparedStatement``."""
+    pooled = pgbouncer.url(migrated_database_url)
+    # Earlier clients on direct terms left their prepared statements on every server session
+    # (a transaction pooler resets nothing between clients), as a worker's own pool does.
+    clients = [await psycopg.AsyncConnection.connect(pooled, prepare_threshold=0)
+               for _ in range(POOL_SIZE)]
+    try:
+        for conn in clients:  # each holds a server session of its own while it prepares
+            await conn.execute("BEGIN")
+            await conn.execute("SELECT %s::int AS n", (1,), prepare=True)
+        for conn in clients:
+            await conn.execute("COMMIT")
+    finally:
+        for conn in clients:
+            await conn.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "--database-url", pooled, "workers", "list"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "CONFIGURATION_ERROR" in done.stderr and "INTERNAL" not in done.stderr
+    assert "--pooler transaction" in done.stderr
+

@@ -243,3 +243,21 @@ async def test_runs_show_counts_as_live_only_the_workers_that_heartbeat(
     assert note is not None
     assert note.startswith("ready; 1 live worker(s) can run job@1"), note
     assert "2 more" in note and "workers list" in note, note
+
+
+async def test_a_silent_worker_without_a_liveness_lock_may_be_dead_and_the_list_says_so(
+        app: Orchestrator, sql, migrated_database_url):
+    """Behind a transaction pooler without a listen_url a worker takes no liveness lock, so a
+    SIGKILLed one looks ``silent`` exactly as a paused one does: the explanation under the
+    table must not call it merely paused or overloaded."""
+    async with app.database.connection() as conn:
+        await workers_db.worker_register(conn, worker_id="w-pooled", hostname="web-9",
+                                         pid=4243, workflows=["pay@1"], concurrency=3)
+    sql("UPDATE orchestrator.workers SET heartbeat_at = now() - interval '30 seconds' "
+        "WHERE id = 'w-pooled'")
+    code, out, err = await cli(migrated_database_url, "workers", "list")
+    assert (code, err) == (0, "")
+    row = next(line for line in out.splitlines() if line.startswith("w-pooled"))
+    assert row.split()[1] == "silent"
+    assert "never taken (behind a transaction pooler without a listen_url: paused or dead" in (
+        " ".join(out.split()))

@@ -105,6 +105,8 @@ def test_debug_mode_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None
         ('connection to server at "10.0.0.1", port 5432 failed: received invalid response '
          "to SSL negotiation: H", "what answered there is not a PostgreSQL server"),
         ("something nobody expected, password=s3cret", "the connection failed (OperationalError)"),
+        ('connection to server at "127.0.0.1", port 6432 failed: FATAL:  no such database: '
+         "orders", "the pooler has no such database"),
     ],
 )
 def test_connection_failures_get_a_controlled_reason(text: str, reason: str) -> None:
