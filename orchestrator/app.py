@@ -41,7 +41,7 @@ from orchestrator._portal import Portal
 from orchestrator.admission import check_queue_name
 from orchestrator.context import ToolContext, WorkflowContext
 from orchestrator.db import runs as runs_db
-from orchestrator.db.config import DatabaseTarget, resolve_database
+from orchestrator.db.config import DatabaseTarget, check_pooler, resolve_database
 from orchestrator.db.database import Conn, Database
 from orchestrator.engine.config import EngineConfig
 from orchestrator.errors import (
@@ -130,7 +130,8 @@ class Orchestrator:
     ``database_url`` wins; else ``ORCHESTRATOR_DATABASE_URL``; else the embedded PostgreSQL.
     Behind a transaction pooler such as PgBouncer, pass ``pooler="transaction"`` and, for
     prompt wake-ups, ``listen_url`` (the database reached directly); else
-    ``ORCHESTRATOR_POOLER`` and ``ORCHESTRATOR_LISTEN_URL`` (docs/operations.md).
+    ``ORCHESTRATOR_POOLER`` and ``ORCHESTRATOR_LISTEN_URL`` (docs/operations.md); another
+    ``pooler`` is a ``CONFIGURATION_ERROR`` here, as a bad value of the other options is.
     The database is resolved on first use, so defining workflows at import time costs nothing,
     and named then in one INFO line on the ``orchestrator`` logger. Create as many instances as
     you like; nothing is global.
@@ -174,7 +175,9 @@ class Orchestrator:
         # Behind a transaction pooler (docs/operations.md): no prepared statements, and the
         # sessions that must last (LISTEN, the liveness lock) on listen_url, direct to the
         # server, or none (polling; leases). Each else from its environment variable.
-        self._pooler, self._listen_url = pooler, listen_url
+        # An argument is checked now, as the other options are; the variables on first use.
+        self._pooler = None if pooler is None else check_pooler(pooler)
+        self._listen_url = listen_url
         self.metrics = Metrics()
         self._database: Database | None = None
         # Checked now: every call that acts for it would otherwise fail on its first use.

@@ -339,7 +339,8 @@ class JsonLimits:
                                   MAX_INT_DIGITS_LIMIT)):
             if type(value) is not int or value < 1 or (top is not None and value > top):
                 raise ConfigurationError(
-                    f"{name} must be an integer from 1 to {top or 'any size'}, got {value!r}")
+                    f"{name} must be a positive integer, got {value!r}" if top is None else
+                    f"{name} must be an integer from 1 to {top}, got {value!r}")
 
     def text(self, value: Any, path: str) -> str:
         """The canonical text of ``value``, or ``INVALID_REQUEST`` / ``PAYLOAD_TOO_LARGE``

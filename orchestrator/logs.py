@@ -5,10 +5,11 @@ A line about a run carries its identity as fields given with ``extra=`` (:func:`
 ``run_id``, ``operation_id``, ``workflow`` (``name@version``), ``tool``, ``code`` (a stable
 code, CONTRACT C10), ``incident`` (the reference of the protected diagnostics) and ``cause``
 (an exception's type name or an error code); and ``trace_id`` / ``span_id`` of the current
-OpenTelemetry span when there is one (docs/tracing.md). The text format shows the message
-only, which names the same facts in words; the JSON format (:class:`JsonFormatter`) writes
-one object per line with ``ts``, ``level``, ``logger``, ``message`` and each field that is
-known.
+OpenTelemetry span when there is one (docs/tracing.md). The text format
+(:class:`TextFormatter`) shows the message, which names the same facts in words, and puts
+``run <run_id> (<workflow>):`` before a ``ctx.log`` line's, whose words are the workflow's; the
+JSON format (:class:`JsonFormatter`) writes one object per line with ``ts``, ``level``,
+``logger``, ``message`` and each field that is known.
 
 No line carries tool or upstream text, an exception's message, or a run's input, arguments,
 receipts or result: those go to incidents (docs/logging.md).
@@ -41,6 +42,8 @@ FIELDS = ("run_id", "operation_id", "workflow", "tool", "code", "incident", "cau
 FORMATS = ("text", "json")
 ENV_LOG_FORMAT = "ORCHESTRATOR_LOG_FORMAT"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+WORKFLOW_LOGGERS = "orchestrator.workflow."
+"""The prefix of ``ctx.log``'s loggers (``orchestrator.workflow.<workflow name>``)."""
 
 
 def fields(**values: Any) -> dict[str, Any]:
@@ -75,6 +78,26 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
         return json.dumps(line)
+
+
+class TextFormatter(logging.Formatter):
+    """:data:`TEXT_FORMAT`, with ``run <run_id> (<workflow>):`` before the message of a line
+    of ``ctx.log`` (a logger under :data:`WORKFLOW_LOGGERS` whose record carries a
+    ``run_id``): the workflow's own words do not say which run wrote them. The orchestrator's
+    own lines name their run in their message already."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        run_id = record.__dict__.get("run_id")
+        if run_id is None or not record.name.startswith(WORKFLOW_LOGGERS):
+            return super().formatMessage(record)
+        workflow = record.__dict__.get("workflow")
+        said = f"run {run_id}" + (f" ({workflow})" if workflow is not None else "")
+        shown = logging.makeLogRecord(record.__dict__)  # a copy: other handlers see the record
+        shown.message = f"{said}: {record.message}"  # as it was logged
+        return super().formatMessage(shown)
 
 
 def traceback_text(exc: BaseException) -> str:
@@ -140,7 +163,7 @@ def formatter(format: str) -> logging.Formatter:
     if format == "json":
         return JsonFormatter()
     if format == "text":
-        return logging.Formatter(TEXT_FORMAT)
+        return TextFormatter()
     raise ConfigurationError(f"the log format must be one of {', '.join(FORMATS)}")
 
 

@@ -35,6 +35,17 @@ def ident(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def why(error: Any) -> str | None:
+    """An operation's stored error in a line: its stable code and cause (``TOOL_FAILED
+    (upstream_error)``, ``CALL_CANCELLED (deadline)``), else None. Nothing else of it is
+    shown (the tool's own words are in its incident)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if not isinstance(code, str):
+        return None
+    cause = error.get("cause")
+    return code + (f" ({cause})" if isinstance(cause, str) else "")
+
+
 def error_record(error: Any) -> dict[str, Any] | None:
     """A run's public error: its code, message, incident reference and cause (C10; the cause
     holds controlled fields only, see :mod:`orchestrator.errors`)."""
@@ -112,6 +123,7 @@ def run_operation(o: Mapping[str, Any]) -> dict[str, Any]:
         "idempotency_key": o["idempotency_key"],
         "worker_id": o["worker_id"],
         "receipt": o["receipt"],
+        "error": o["error"],
         "created_at": iso(o["created_at"]),
         "submitted_at": iso(o["submitted_at"]),
         "finished_at": iso(o["finished_at"]),

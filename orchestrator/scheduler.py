@@ -380,7 +380,9 @@ class ScheduleInfo:
 @dataclass(frozen=True)
 class ScheduleDetail:
     """``schedules show``: the schedule, its next slots, what became of its recent slots (with
-    their runs' status) and the ranges it missed."""
+    their runs' status) and the ranges it missed. ``upcoming``'s times are aware, in one
+    zone: that of ``info.next_slot``, the first of them (the database session's, as every
+    time read from the database is)."""
 
     info: ScheduleInfo
     upcoming: list[datetime]
@@ -479,8 +481,10 @@ class ScheduleAdmin:
         when = row["next_slot"]
         if when is not None and not row["paused"]:
             cron = Cron(row["cron"], row["timezone"])
-            nexts = [when, *cron.between(when, when + timedelta(days=3660),
-                                         limit=upcoming - 1)]
+            # In the zone of the stored slot (the session's, as every time read is), not
+            # Cron's UTC: one list, one tzinfo.
+            nexts = [when, *(slot.astimezone(when.tzinfo) for slot in cron.between(
+                when, when + timedelta(days=3660), limit=upcoming - 1))]
         return ScheduleDetail(ScheduleInfo.from_row(row), nexts, slots, gaps)
 
     async def update(self, schedule_id: str,

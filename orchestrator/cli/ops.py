@@ -29,6 +29,7 @@ from orchestrator.cli.tables import cell, render
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.errors import InvalidRequest
 from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED, Operators
+from orchestrator.records import why
 
 AUDIT_LIMIT = 50  # rows of `ops audit` unless --limit says otherwise
 
@@ -329,11 +330,7 @@ def _then_cell(row: dict[str, Any]) -> str | None:
 def _why_cell(error: Any) -> str | None:
     """An attempt's WHY cell: its stored error's stable code and cause (``TOOL_FAILED
     (upstream_error)``, ``CALL_CANCELLED (deadline)``), else None (``-``)."""
-    code = error.get("code") if isinstance(error, dict) else None
-    if not isinstance(code, str):
-        return None
-    cause = error.get("cause")
-    return code + (f" ({cause})" if isinstance(cause, str) else "")
+    return why(error)
 
 
 def _receipt_cell(row: dict[str, Any]) -> str | None:

@@ -27,6 +27,7 @@ from orchestrator.errors import AccessDenied, InvalidRequest
 from orchestrator.journal import shown_payload
 from orchestrator.models import parse_run_id
 from orchestrator.operators import Operators
+from orchestrator.records import why
 from orchestrator.stream import RunStreams, check_cursor, check_kept
 
 EXIT_NOT_SUCCEEDED = 1  # the CLI's EXIT_FINDING: `runs watch` of a run that failed or was cancelled
@@ -296,10 +297,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"{name + ':':<15} {cell(value)}")
     if detail.operations:
         print("\noperations")
-        print(render(["ID", "POS", "ATTEMPT", "TOOL", "EFFECT", "STATE", "KEY"],
+        print(render(["ID", "POS", "ATTEMPT", "TOOL", "EFFECT", "STATE", "WHY", "KEY"],
                      [[o["id"], o["position"], o["attempt"],
                        f"{o['tool_name']}@{o['tool_version']}", o["effect_class"], o["state"],
-                       o["idempotency_key"]] for o in detail.operations], max_width=48))
+                       why(o["error"]), o["idempotency_key"]] for o in detail.operations],
+                     max_width=48))
     print("\ntimeline")
     if not detail.journal and run.get("pruned_at") is not None:
         print("(deleted by retention when the run was pruned; its operations above are the "

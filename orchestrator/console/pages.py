@@ -126,7 +126,7 @@ def environment() -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES),
                       autoescape=select_autoescape(["html"], default=True),
                       trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(when=when, age=age, pretty=pretty)
+    env.filters.update(when=when, age=age, pretty=pretty, why=records.why)
     return env
 
 

@@ -304,7 +304,12 @@ def resolve_database(url: str | None = None, *, pooler: str | None = None,
 def _pooler(value: str | None) -> str | None:
     if value is None:
         value = os.environ.get(ENV_POOLER, "").strip() or None
-    if value is None or value in POOLERS:
+    return None if value is None else check_pooler(value)
+
+
+def check_pooler(value: object) -> str:
+    """``value`` if it is one of :data:`POOLERS`, else ``CONFIGURATION_ERROR``."""
+    if isinstance(value, str) and value in POOLERS:
         return value
     raise ConfigurationError(
         f"pooler must be one of {', '.join(POOLERS)} (or unset), got {value!r}; a session "

@@ -302,7 +302,8 @@ async def operation_list_for_run(conn: Conn, run_id: uuid.UUID) -> list[dict[str
     cur = await conn.execute(
         f"""
         SELECT id, position, attempt, tool_name, tool_version, effect_class, state,
-               idempotency_key, worker_id, receipt, created_at, submitted_at, finished_at
+               idempotency_key, worker_id, receipt, error, created_at, submitted_at,
+               finished_at
         FROM {S}.operations WHERE run_id = %s ORDER BY position, attempt
         """,
         (run_id,),

@@ -10,7 +10,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from orchestrator import Orchestrator
+from orchestrator import Orchestrator, ToolError
 from tests.integration.conftest import running, wait_for
 from tests.integration.test_ops_bulk import cli, stuck_app
 
@@ -96,6 +96,41 @@ async def test_every_list_and_show_prints_one_json_document(make_app, sql,
 
     code, out, _ = await cli(url, "ops", "list", "--json", "--tool", "refund")
     assert code == 0 and json.loads(out) == {"items": [], "count": 0, "limit": 100}
+
+
+async def test_runs_show_says_each_operations_stored_error(make_app, sql,
+                                                           migrated_database_url):
+    """``runs show`` listed a run's operations without the error the engine stored on them
+    (its code and cause): ``--json`` has it as ``error``, the table in a WHY column."""
+    url = migrated_database_url
+    app = make_app()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ToolError("declined: card tok_hidden_1", applied=False, status=402)
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async("pay", "one")
+        await wait_for(lambda: sql("SELECT status FROM orchestrator.runs")[0]["status"]
+                       == "failed", timeout=30)
+    (stored,) = [r["error"] for r in sql("SELECT error FROM orchestrator.operations")]
+    assert stored["code"] == "TOOL_FAILED" and isinstance(stored["cause"], str), stored
+
+    code, out, err = await cli(url, "runs", "show", str(run.id), "--json")
+    assert code == 0, err
+    (operation,) = json.loads(out)["operations"]
+    assert operation["error"] == stored
+    code, out, err = await cli(url, "runs", "show", str(run.id))
+    assert code == 0, err
+    table = out.split("\noperations\n", 1)[1].split("\ntimeline\n", 1)[0]
+    header, _, row = table.strip().splitlines()[:3]
+    assert "WHY" in header.split(), table
+    assert f"TOOL_FAILED ({stored['cause']})" in row, table
+    assert "tok_hidden_1" not in out  # the tool's text is in the incident, not here
 
 
 async def test_incidents_show_without_operator_says_why_and_what_to_run(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import NotApplied, Orchestrator, Owner, canonical
+from orchestrator import NotApplied, Orchestrator, Owner, ToolError, canonical
 from orchestrator.logs import JsonFormatter
 from tests.consoletools import GRANTS, SCOPES, SECRET, Client, from_header, uncertain_app
 from tests.integration.conftest import OTHER, OWNER, charge_in_flight, running, wait_for
@@ -393,6 +393,34 @@ async def test_an_input_holding_a_script_renders_as_text(
             "note": hostile}
         page = await alice.get(f"/runs/{run_id}")
         assert "script-src 'self'" in page.headers["content-security-policy"]
+    await app.database.close()
+
+
+async def test_the_run_page_shows_each_operations_stored_error(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """The run page listed the operations without the error the engine stored on them: it
+    shows its code and cause, never the tool's text."""
+    app = uncertain_app(make_app)
+
+    @app.tool()
+    async def decline(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ToolError(f"declined: {SECRET}", applied=False, status=402)
+
+    @app.workflow()
+    async def refuse(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(decline, order=order)
+
+    async with running(app):
+        run = await app.submit_async("refuse", "one", owner=OWNER)
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE status = 'failed'"))
+    (stored,) = [r["error"] for r in sql("SELECT error FROM orchestrator.operations")]
+    assert stored["code"] == "TOOL_FAILED" and isinstance(stored["cause"], str), stored
+    async with Client(console_of(app), "alice") as alice:
+        page = (await alice.get(f"/runs/{run.id}")).text
+    operations = page.split("<h2>Operations</h2>", 1)[1].split("</section>", 1)[0]
+    assert "<th>why</th>" in operations, operations
+    assert f"<td>TOOL_FAILED ({stored['cause']})</td>" in operations, operations
+    assert SECRET not in page
     await app.database.close()
 
 

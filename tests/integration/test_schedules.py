@@ -93,6 +93,22 @@ async def test_after_downtime_only_the_slots_inside_the_catch_up_window_fire(mak
     await app.database.close()
 
 
+async def test_the_upcoming_slots_are_in_one_time_zone_as_the_schedules_times(make_app):
+    """``show().upcoming`` mixed the stored next slot (in the session's zone, as every time
+    the database gives) with the computed ones (``datetime.UTC``)."""
+    app = _app(make_app, [T0])
+    await app.schedules.create_async("s", "report", cron="*/5 * * * *",
+                                     timezone="Europe/Paris")
+    detail = await app.schedules.show_async("s")
+    assert detail.info.next_slot is not None and len(detail.upcoming) == 5
+    assert detail.upcoming[0] == detail.info.next_slot
+    assert {t.tzinfo for t in detail.upcoming} == {detail.info.next_slot.tzinfo}, [
+        repr(t) for t in detail.upcoming]
+    assert [b - a for a, b in zip(detail.upcoming, detail.upcoming[1:], strict=False)] == [
+        timedelta(minutes=5)] * 4
+    await app.database.close()
+
+
 async def _policy(make_app, sql, overlap: str):  # type: ignore[no-untyped-def]
     clock = [T0]
     app = _app(make_app, clock)

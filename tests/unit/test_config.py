@@ -340,6 +340,25 @@ def test_a_pool_size_that_is_not_a_positive_integer_is_a_configuration_error(
         Orchestrator(POOLED, pool_size=size)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("pooler", ["session", "statement", "", 1])
+def test_a_bad_pooler_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch,
+                                                 pooler: object) -> None:
+    """``Orchestrator(pooler="session")`` was taken, and refused only at the first use of
+    the database, unlike the other options."""
+    monkeypatch.delenv("ORCHESTRATOR_POOLER", raising=False)
+    with pytest.raises(ConfigurationError, match="pooler must be one of transaction"):
+        Orchestrator(POOLED, pooler=pooler)  # type: ignore[arg-type]
+    assert Orchestrator(POOLED, pooler="transaction").target.pooler == "transaction"
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True])
+def test_a_bad_max_record_bytes_says_what_it_must_be(size: object) -> None:
+    """The message read "must be an integer from 1 to any size"."""
+    with pytest.raises(ConfigurationError) as caught:
+        Orchestrator(POOLED, max_record_bytes=size)  # type: ignore[arg-type]
+    assert caught.value.message == f"max_record_bytes must be a positive integer, got {size!r}"
+
+
 NAN, INF = float("nan"), float("inf")
 POSITIVE = "must be a finite number of seconds, more than 0"
 

@@ -201,3 +201,31 @@ def test_a_failure_streak_is_said_once_per_code_and_once_when_it_ends(caplog) ->
     assert said[2][0] == "INFO" and said[2][1].startswith("heartbeats succeed again, ")
     assert said[2][1].endswith(" s after the first that failed")
     assert said[3:] == [said[0]]
+
+
+def test_a_workflow_line_in_text_names_its_run_and_workflow() -> None:
+    """``ctx.log`` lines in the text format said the message only: an operator reading text
+    logs could not tell which run wrote one (the JSON format has ``run_id``)."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter("text"))
+    workflow, engine = (logging.getLogger("orchestrator.workflow.pay"),
+                        logging.getLogger("tests.unit.logs.text"))
+    for logger in (workflow, engine):
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        log = WorkflowLogger(workflow, lambda: False, {"run_id": RUN, "workflow": "pay@1"})
+        log.info("charging order %s", 7)
+        engine.warning("run %s (pay@1) failed", RUN, extra=fields(run_id=RUN, workflow="pay@1"))
+        workflow.info("without a run")
+    finally:
+        for logger in (workflow, engine):
+            logger.removeHandler(handler)
+            logger.propagate = True
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ", 3)[2:] for line in lines] == [
+        ["INFO", f"run {RUN} (pay@1): charging order 7"],
+        ["WARNING", f"run {RUN} (pay@1) failed"],  # its message names the run already
+        ["INFO", "without a run"]], lines
