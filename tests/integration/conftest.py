@@ -169,3 +169,21 @@ def charge_in_flight(app):  # type: ignore[no-untyped-def]
         return await ctx.call(charge, order=order)
 
     return pay, entered, release
+
+
+def refuse_connections_while(monkeypatch: pytest.MonkeyPatch, down: Callable[[], bool]) -> None:
+    """Every checkout of a connection fails at once, as behind a pooler that refuses
+    connections, while ``down()`` is true (an outage the engine cannot tell from a real one:
+    psycopg's own error for a refused connection)."""
+    import psycopg
+
+    from orchestrator.db.database import Database
+
+    checkout = Database.checkout
+
+    def refusing(self: Database) -> Any:
+        if down():
+            raise psycopg.OperationalError("connection refused (the pooler is down)")
+        return checkout(self)
+
+    monkeypatch.setattr(Database, "checkout", refusing)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from orchestrator.errors import LeaseLost
-from tests.integration.conftest import one_turn
+from tests.integration.conftest import one_turn, refuse_connections_while
 
 
 async def test_a_rejected_write_rolls_back_alone(app, sql):
@@ -581,23 +581,6 @@ async def test_writes_committed_alone_are_not_written_again_when_a_later_one_los
     await app.database.close()
 
 
-def _refused_while(monkeypatch, down):  # type: ignore[no-untyped-def]
-    """Every checkout of a connection fails at once, as behind a pooler that refuses
-    connections, while ``down()`` is true."""
-    import psycopg
-
-    from orchestrator.db.database import Database
-
-    checkout = Database.checkout
-
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if down():
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
-
-    monkeypatch.setattr(Database, "checkout", refusing)
-
-
 async def test_a_write_that_cannot_reach_the_database_is_tried_again_for_the_writers_patience(
         app, sql, monkeypatch):
     """Refused connections fail each attempt within microseconds: the write is tried again
@@ -612,7 +595,7 @@ async def test_a_write_that_cannot_reach_the_database_is_tried_again_for_the_wri
     await app.database.pool()  # opened while the database answers
     tries: list[float] = []
     back_at = time.monotonic() + 1.0
-    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+    refuse_connections_while(monkeypatch, lambda: tries.append(time.monotonic()) or
                    time.monotonic() < back_at)
     writer = GroupWriter(app.database, patience=3.0)
 
@@ -669,7 +652,7 @@ async def test_a_write_waiting_for_the_database_holds_no_stop(app, monkeypatch):
     from orchestrator.errors import DatabaseError
 
     await app.database.pool()
-    _refused_while(monkeypatch, lambda: True)
+    refuse_connections_while(monkeypatch, lambda: True)
 
     async def mark(conn):  # type: ignore[no-untyped-def]
         return "a"
@@ -710,7 +693,7 @@ async def test_a_drain_that_runs_out_of_time_is_not_held_by_a_write_waiting_out_
     async def wf(ctx, data):  # type: ignore[no-untyped-def]
         return await ctx.call(charge)
 
-    _refused_while(monkeypatch, lambda: down)
+    refuse_connections_while(monkeypatch, lambda: down)
     async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
         await app.submit_async(wf, {})
         await asyncio.wait_for(entered.wait(), 10)
@@ -738,7 +721,7 @@ async def test_a_write_meeting_an_outage_logs_once_and_once_more_when_it_lands(
     await app.database.pool()
     tries: list[float] = []
     back_at = time.monotonic() + 1.5
-    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+    refuse_connections_while(monkeypatch, lambda: tries.append(time.monotonic()) or
                    time.monotonic() < back_at)
     writer = GroupWriter(app.database, patience=5.0)
 
@@ -784,7 +767,7 @@ async def test_a_read_that_cannot_reach_the_database_waits_as_patiently_as_a_wri
     await app.database.pool()
     tries: list[float] = []
     back_at = time.monotonic() + 1.0
-    _refused_while(monkeypatch, lambda: tries.append(time.monotonic()) or
+    refuse_connections_while(monkeypatch, lambda: tries.append(time.monotonic()) or
                    time.monotonic() < back_at)
     writer = GroupWriter(app.database, patience=3.0)
 
@@ -833,7 +816,7 @@ async def test_a_read_waiting_for_the_database_holds_no_stop(app, monkeypatch):
     from orchestrator.errors import DatabaseError
 
     await app.database.pool()
-    _refused_while(monkeypatch, lambda: True)
+    refuse_connections_while(monkeypatch, lambda: True)
 
     async def one(conn):  # type: ignore[no-untyped-def]
         return 1
@@ -887,7 +870,7 @@ async def test_a_drain_that_runs_out_of_time_is_not_held_by_a_read_waiting_out_a
         down = True
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-    _refused_while(monkeypatch, lambda: down)
+    refuse_connections_while(monkeypatch, lambda: down)
     monkeypatch.setattr(runs_db, "run_children_status", cut_under_the_read)
     async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
         await app.submit_async(parent, 1)

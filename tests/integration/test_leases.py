@@ -20,7 +20,13 @@ from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.control import Phase
 from orchestrator.errors import LeaseLost
 from orchestrator.worker import _InFlight
-from tests.integration.conftest import listening, running, wait_for, watch_claims
+from tests.integration.conftest import (
+    listening,
+    refuse_connections_while,
+    running,
+    wait_for,
+    watch_claims,
+)
 
 
 def _wf(app, version="1"):  # type: ignore[no-untyped-def]
@@ -601,7 +607,6 @@ async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finish
     writer's three attempts failed within milliseconds and the run let go of its lease at
     once, "database unavailable": it was claimed again once the lease lapsed, its call
     without a receipt became unknown and went to an operator.)"""
-    import psycopg
 
     app = make_app(lease_ttl=6.0)
     entered, release = asyncio.Event(), asyncio.Event()
@@ -618,14 +623,8 @@ async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finish
 
     run = await app.submit_async(pay, {})
     down = False
-    checkout = Database.checkout
 
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if down:
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
-
-    monkeypatch.setattr(Database, "checkout", refusing)
+    refuse_connections_while(monkeypatch, lambda: down)
     async with running(app, lease_ttl=6.0) as worker:
         await asyncio.wait_for(entered.wait(), 10)
         down = True
@@ -663,12 +662,6 @@ async def test_a_run_whose_read_meets_a_short_outage_keeps_its_lease_and_finishe
         return await ctx.run_child(child, data)
 
     down_until = 0.0
-    checkout = Database.checkout
-
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if time.monotonic() < down_until:
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
 
     status, cut = runs_db.run_children_status, []
 
@@ -680,7 +673,7 @@ async def test_a_run_whose_read_meets_a_short_outage_keeps_its_lease_and_finishe
             raise psycopg.OperationalError("server closed the connection unexpectedly")
         return await status(conn, parent_id, positions)
 
-    monkeypatch.setattr(Database, "checkout", refusing)
+    refuse_connections_while(monkeypatch, lambda: time.monotonic() < down_until)
     monkeypatch.setattr(runs_db, "run_children_status", cut_under_the_read)
     caplog.set_level(logging.WARNING, logger="orchestrator")
     async with running(app, lease_ttl=6.0) as worker:
@@ -708,12 +701,6 @@ async def test_a_run_whose_claim_time_read_meets_a_short_outage_keeps_its_lease_
         return await ctx.wait_for_event("go")
 
     down_until = 0.0
-    checkout = Database.checkout
-
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if time.monotonic() < down_until:
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
 
     read, cut = journal_db.journal_read, []
 
@@ -725,7 +712,7 @@ async def test_a_run_whose_claim_time_read_meets_a_short_outage_keeps_its_lease_
             await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
         return await read(conn, run_id)
 
-    monkeypatch.setattr(Database, "checkout", refusing)
+    refuse_connections_while(monkeypatch, lambda: time.monotonic() < down_until)
     monkeypatch.setattr(journal_db, "journal_read", cut_under_the_read)
     caplog.set_level(logging.WARNING, logger="orchestrator")
     async with running(app, lease_ttl=6.0) as worker:
@@ -755,12 +742,6 @@ async def test_a_drain_is_not_held_by_a_claim_time_read_waiting_out_an_outage(
         return await ctx.wait_for_event("go")
 
     down = False
-    checkout = Database.checkout
-
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if down:
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
 
     reads: list[object] = []
 
@@ -770,7 +751,7 @@ async def test_a_drain_is_not_held_by_a_claim_time_read_waiting_out_an_outage(
         down = True
         raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(Database, "checkout", refusing)
+    refuse_connections_while(monkeypatch, lambda: down)
     async with running(app, lease_ttl=60.0, drain_timeout=0.5) as worker:
         run = await app.submit_async(nap, {})
         await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE id = %s AND "

@@ -15,7 +15,7 @@ import pytest
 from orchestrator import OperationUncertain, RunFailed
 from orchestrator.logs import JsonFormatter
 from orchestrator.testing import fault_gate
-from tests.integration.conftest import held_read, running, wait_for
+from tests.integration.conftest import held_read, refuse_connections_while, running, wait_for
 
 SECRET = "sk_live_SECRET"
 
@@ -270,19 +270,10 @@ async def test_a_short_outage_is_said_once_by_each_background_loop_and_once_when
     hundreds on every worker for a failover of a minute.)"""
     import time
 
-    import psycopg
-
-    from orchestrator.db.database import Database
 
     app = make_app(lease_ttl=6.0)
     pay, entered, release = held_read(app)
     back_at = 0.0
-    checkout = Database.checkout
-
-    def refusing(self):  # type: ignore[no-untyped-def]
-        if time.monotonic() < back_at:
-            raise psycopg.OperationalError("connection refused (the pooler is down)")
-        return checkout(self)
 
     steps = {"heartbeat": "heartbeats", "claim": "claims", "lease renewal": "lease renewals",
              "lease sweep": "lease sweeps"}
@@ -295,7 +286,7 @@ async def test_a_short_outage_is_said_once_by_each_background_loop_and_once_when
                                                      f"{steps[step]} succeed again, "))]
                 for step in steps}
 
-    monkeypatch.setattr(Database, "checkout", refusing)
+    refuse_connections_while(monkeypatch, lambda: time.monotonic() < back_at)
     caplog.set_level(logging.INFO, logger="orchestrator")
     async with running(app, lease_ttl=6.0) as worker:
         run = await app.submit_async(pay, {})
