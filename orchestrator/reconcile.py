@@ -91,7 +91,7 @@ class Resolved:
     waits_for: tuple[int, ...] = ()
 
 
-NEXT_STEPS = ("resend", "fail", "resume", "run_failed", "waits", "cancelled", "ended")
+NEXT_STEPS = ("resend", "fail", "policy", "resume", "run_failed", "waits", "cancelled", "ended")
 """What a resolution leads its run to (:func:`next_step`)."""
 
 
@@ -101,7 +101,9 @@ def next_step(resolution: str, then: str | None, done: Resolved) -> str | None:
     changed), ``run_failed`` (abandoned: the run fails ``OPERATION_ABANDONED``), ``waits``
     (the run still waits for ``done.waits_for``), ``cancelled`` (woken, it ends cancelled as
     was requested: nothing is sent again), else ``resume`` (committed: the call returns the
-    receipt) or the not applied resolution's ``then`` (``resend``, ``fail``)."""
+    receipt) or the not applied resolution's ``then`` (``resend``, ``fail``), or without one
+    (a lookup's answer) ``policy``: the engine decides, an attempt it lost sent again outside
+    the retry budget (up to ``max_engine_resends``), else as the tool's retry policy says."""
     if done.outcome != "resolved":
         return None
     if done.run_status in TERMINAL_STATUSES:
@@ -112,7 +114,7 @@ def next_step(resolution: str, then: str | None, done: Resolved) -> str | None:
         return "waits"
     if done.cancel_requested:
         return "cancelled"
-    return "resume" if resolution == "committed" else (then or "resend")
+    return "resume" if resolution == "committed" else (then or "policy")
 
 
 def check_evidence(evidence: str, operator: str) -> None:
@@ -233,7 +235,7 @@ async def resolve(
             raise OperationInProgress(
                 IN_FLIGHT[state].format(op=operation_id, run=item["run_id"]) if state in IN_FLIGHT
                 else f"operation {operation_id} is {state}, not unknown yet", status=state)
-        run = await recon_db.run_status_of(conn, operation_id)
+        run = await recon_db.run_status_of(conn, operation_id, lock=True)
         assert run is not None  # the operation is locked: its run is there
         fail_run = None
         if resolution == "abandoned":  # the run fails; its error's reference leads here

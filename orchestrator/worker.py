@@ -168,7 +168,9 @@ class Worker:
         # The background steps' failures, said once per streak (an outage of seconds would
         # otherwise be a line per attempt, every quarter second).
         self._beats = FailureStreak(log, "heartbeat", "heartbeats")
-        self._claims = FailureStreak(log, "claim", "claims")
+        # One streak per claim source (the default queue: None): a queue whose claim keeps
+        # failing is said once, not once per poll between another source's successes.
+        self._claims: dict[str | None, FailureStreak] = {}
         self._renewals = FailureStreak(log, "lease renewal", "lease renewals")
         self._sweeps = FailureStreak(log, "lease sweep", "lease sweeps")
 
@@ -469,6 +471,14 @@ class Worker:
             free -= len(claims)
         return full
 
+    def _claim_streak(self, queue: str | None) -> FailureStreak:
+        """The failures in a row of the claims from ``queue`` (None: the default queue)."""
+        streak = self._claims.get(queue)
+        if streak is None:
+            streak = self._claims[queue] = FailureStreak(
+                log, "claim", "claims" if queue is None else f"claims from queue {queue}")
+        return streak
+
     async def _claim(self, workflows: list[str], free: int,
                      queue: str | None = None) -> list[dict[str, Any]]:
         try:
@@ -486,11 +496,12 @@ class Worker:
                     if wake is not None:  # its rate window is full for so many seconds
                         self._rate_wakes[queue] = time.monotonic() + wake
         except OrchestratorError as exc:
-            self._claims.failed(exc.code)
+            self._claim_streak(queue).failed(
+                exc.code, exc.code if queue is None else f"{exc.code} (queue {queue})")
             self._dirty.add(queue)
             await asyncio.sleep(self.poll_interval)
             return []
-        self._claims.succeeded()
+        self._claim_streak(queue).succeeded()
         # The wall clock when the claim was sent, a moment before the server read its own
         # (``db_now``, the statement's start): a run's offset to the server's clock is
         # measured against it, not against the time its executor is built, after a journal

@@ -155,6 +155,7 @@ def _print(summary: BulkSummary, args: argparse.Namespace) -> None:
 FOLLOWED = {
     "resend": "its call is sent again as a new attempt",
     "fail": "its call fails with TOOL_FAILED in the workflow",
+    "policy": "the engine decides: a lost attempt is sent again, else the tool's retry policy",
     "resume": "its run goes on with the receipt",
     "run_failed": "its run fails with OPERATION_ABANDONED",
     "waits": "its run still waits for its other unknown operations (in parentheses)",

@@ -145,8 +145,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("tool", f"{d['tool_name']} version {d['tool_version']} ({d['effect_class']})"),
         ("owner", f"{d['tenant']}/{d['principal']}"),
         ("run", f"{d['run_id']} ({d['run_status']}"
-                + ("; its cancellation was requested: once this operation is resolved it ends "
-                   "cancelled, and nothing is sent again"
+                + ("; its cancellation was requested: once this operation is resolved as "
+                   "committed or not applied, and no other unknown operation of the run "
+                   "remains, it ends cancelled and nothing is sent again; abandoning it fails "
+                   "the run with OPERATION_ABANDONED"
                    if d["run_cancel_requested"] and d["run_status"] not in TERMINAL_STATUSES
                    else "") + ")"),
         ("state", f"operation {d['operation_state']}; "
@@ -306,8 +308,9 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 FOLLOWS = {"resend": "with --then resend (the run to send the call again as a new attempt)",
            "fail": "with --then fail (the run to fail the call with TOOL_FAILED in the "
                    "workflow)",
-           None: "with no --then (a lookup's answer: the tool's retry policy decides whether "
-                 "the call is sent again)"}
+           None: "with no --then (a lookup's answer: an attempt the engine lost is sent "
+                 "again outside the retry budget, up to max_engine_resends; otherwise the "
+                 "tool's retry policy decides)"}
 """What a not applied resolution chose to follow (``then``), in ``ops show``'s state line: a
 choice, which a run that had ended or whose cancellation was requested does not carry out."""
 

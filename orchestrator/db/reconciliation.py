@@ -449,13 +449,17 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
         raise RuntimeError(f"run {item['run_id']} changed under its lock")
 
 
-async def run_status_of(conn: Conn, operation_id: int) -> tuple[str, bool] | None:
+async def run_status_of(conn: Conn, operation_id: int, *, lock: bool = False
+                        ) -> tuple[str, bool] | None:
     """The status of the run of ``operation_id`` and whether its cancellation was requested
-    (None: no such operation)."""
+    (None: no such operation). ``lock``: the run's row is locked (``FOR UPDATE``, as the
+    resolution that reads it will lock it anyway), so that a cancellation cannot commit
+    between this read and the resolution's write and make what it said untrue."""
     cur = await conn.execute(
         f"""
         SELECT r.status, r.cancel_requested_at IS NOT NULL AS cancel_requested
         FROM {S}.runs r JOIN {S}.operations o ON o.run_id = r.id WHERE o.id = %(op)s
+        {"FOR UPDATE OF r" if lock else ""}
         """,
         {"op": operation_id},
     )

@@ -270,7 +270,6 @@ async def test_a_short_outage_is_said_once_by_each_background_loop_and_once_when
     hundreds on every worker for a failover of a minute.)"""
     import time
 
-
     app = make_app(lease_ttl=6.0)
     pay, entered, release = held_read(app)
     back_at = 0.0
@@ -304,3 +303,45 @@ async def test_a_short_outage_is_said_once_by_each_background_loop_and_once_when
            "succeed again)" in lines, lines
     assert any(line.startswith("lease renewals succeed again, ") and
                line.endswith(" s after the first that failed") for line in lines), lines
+
+
+async def test_a_queue_whose_claim_keeps_failing_is_said_once_while_other_claims_succeed(
+        make_app, caplog, monkeypatch):  # type: ignore[no-untyped-def]
+    """The claims of one queue fail again and again (a statement timeout on that queue's
+    claim, say) while the default queue's claims succeed in between: the queue's failure is
+    said once, naming the queue, and no line says that claims succeed again. (With one streak
+    for every source, each poll said the failure again and then, after the default queue's
+    claim, that claims succeeded again: two lines a poll, the second false.)"""
+    from orchestrator.db import queues as queues_db
+    from orchestrator.errors import DatabaseError
+
+    app = make_app()
+    app.queue("slow", concurrency=10)
+
+    @app.workflow(queue="slow")
+    async def queued(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    @app.workflow()
+    async def plain(ctx, data):  # type: ignore[no-untyped-def]
+        return data
+
+    tried: list[str] = []
+
+    async def failing_claim(conn, *, queue, **kw):  # type: ignore[no-untyped-def]
+        tried.append(queue)
+        raise DatabaseError("canceling statement due to statement timeout")
+
+    monkeypatch.setattr(queues_db, "queue_claim", failing_claim)
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app):
+        await app.submit_async(queued, 0)
+        for n in range(6):  # the default queue's claims succeed meanwhile
+            run = await app.submit_async(plain, n)
+            assert await run.result_async(timeout=10) == n
+            await asyncio.sleep(0.1)
+        await wait_for(lambda: len(tried) >= 3, timeout=10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.worker"
+             and r.getMessage().startswith(("claim failed", "claims"))]
+    assert lines == ["claim failed: DATABASE_UNAVAILABLE (queue slow) (said once: a line says "
+                     "when claims from queue slow succeed again)"], lines

@@ -701,8 +701,10 @@ async def test_ops_show_says_that_the_run_of_a_queued_operation_is_being_cancell
         assert code == 0, err
         (line,) = [line for line in out.splitlines() if line.startswith("run:")]
         assert line == (f"run:        {runs['a'].id} (needs_reconciliation; its cancellation "
-                        "was requested: once this operation is resolved it ends cancelled, "
-                        "and nothing is sent again)")
+                        "was requested: once this operation is resolved as committed or not "
+                        "applied, and no other unknown operation of the run remains, it ends "
+                        "cancelled and nothing is sent again; abandoning it fails the run with "
+                        "OPERATION_ABANDONED)")
         code, out, err = await cli(url, "ops", "show", str(ops["a"]), "--json")
         assert code == 0, err
         assert json.loads(out)["item"]["run_cancel_requested"] is True

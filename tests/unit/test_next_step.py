@@ -12,7 +12,7 @@ from orchestrator.reconcile import NEXT_STEPS, Resolved, next_step
     ("not_applied", "resend", Resolved("noop"), None),
     ("not_applied", "resend", Resolved("resolved", "needs_reconciliation"), "resend"),
     ("not_applied", "fail", Resolved("resolved", "needs_reconciliation"), "fail"),
-    ("not_applied", None, Resolved("resolved", "waiting"), "resend"),
+    ("not_applied", None, Resolved("resolved", "waiting"), "policy"),
     ("committed", None, Resolved("resolved", "needs_reconciliation"), "resume"),
     ("abandoned", None, Resolved("resolved", "needs_reconciliation", True, (7,)), "run_failed"),
     ("committed", None, Resolved("resolved", "needs_reconciliation", True, (7,)), "waits"),
