@@ -162,8 +162,8 @@ class Orchestrator:
         retry_policy: RetryPolicy | None = None,
         authorize: Callable[..., Awaitable[Any]] | None = None,
         approve: Callable[..., Awaitable[Any]] | None = None,
-        stage_timeout: timedelta = timedelta(seconds=30),
-        tool_timeout: timedelta = timedelta(minutes=5),
+        stage_timeout: timedelta | float = timedelta(seconds=30),
+        tool_timeout: timedelta | float = timedelta(minutes=5),
         receipts_ride: bool = True,
         trace_parent: ParentMode = "link",
         tracer_provider: TracerProvider | None = None,
@@ -216,14 +216,14 @@ class Orchestrator:
                 if hook is not None:
                     check_async("policy stage", stage, hook)
                     check_signature("policy stage", stage, hook, takes=("ctx",))
-            check_timeout("stage_timeout", stage_timeout)
-            check_timeout("tool_timeout", tool_timeout)
+            stage_budget = check_timeout("stage_timeout", stage_timeout)
+            tool_budget = check_timeout("tool_timeout", tool_timeout)
         except InvalidRequest as exc:
             raise ConfigurationError(exc.message) from exc
         self.authorize = authorize  # app-wide policy stages, run before each tool's own
         self.approve = approve
-        self.stage_timeout = stage_timeout.total_seconds()
-        self.tool_timeout = tool_timeout  # for tools that set none: a hung call never holds
+        self.stage_timeout = stage_budget.total_seconds()
+        self.tool_timeout = tool_budget  # for tools that set none: a hung call never holds
         # a run for ever; it ends as a timeout (outcome unknown)
         # A call's receipt is committed with the run's next write (the next call's write-ahead
         # `submitted`, the run's end) rather than in a transaction of its own before the
@@ -327,11 +327,11 @@ class Orchestrator:
         name: str | None = None,
         version: str = "1",
         effect: EffectClass = "consequential",
-        timeout: timedelta | None = None,
+        timeout: timedelta | float | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
-        authorize_timeout: timedelta | None = None,
-        approve_timeout: timedelta | None = None,
+        authorize_timeout: timedelta | float | None = None,
+        approve_timeout: timedelta | float | None = None,
         rate: RateLimit | str | None = None,
         concurrency: int | None = None,
         shared_backoff: bool = True,
@@ -348,10 +348,12 @@ class Orchestrator:
         count.
 
         ``timeout`` (default: the app's ``tool_timeout``), ``authorize_timeout`` and
-        ``approve_timeout`` are positive ``timedelta`` values; ``fn`` (and the lookup and
-        policy stages registered on the tool) must be ``async``: anything else is
-        ``INVALID_REQUEST`` here, not a call that a worker finds it cannot make once its
-        ``submitted`` is written.
+        ``approve_timeout`` (default: the app's ``stage_timeout``) are each a positive
+        ``timedelta`` or a positive number of seconds (``timeout=5`` is
+        ``timeout=timedelta(seconds=5)``; not a bool), of at most 36,600 days; ``fn`` (and
+        the lookup and policy stages registered on the tool) must be ``async``: anything else
+        is ``INVALID_REQUEST`` (``path``: the option's name) here, not a call that a worker
+        finds it cannot make once its ``submitted`` is written.
 
         ``rate`` (``RateLimit(10, per=timedelta(seconds=1))`` or ``"10/s"``) and
         ``concurrency`` bound the tool's dispatches and its calls in flight across every
@@ -366,12 +368,11 @@ class Orchestrator:
         if effect not in EFFECT_CLASSES:
             raise InvalidRequest(f"effect must be one of {', '.join(EFFECT_CLASSES)}",
                                  path="effect")
-        if timeout is not None:
-            check_timeout("timeout", timeout)
-        for budget, value in (("authorize_timeout", authorize_timeout),
-                              ("approve_timeout", approve_timeout)):
-            if value is not None:
-                check_timeout(budget, value)
+        call_timeout = None if timeout is None else check_timeout("timeout", timeout)
+        authorize_budget, approve_budget = (
+            None if value is None else check_timeout(budget, value)
+            for budget, value in (("authorize_timeout", authorize_timeout),
+                                  ("approve_timeout", approve_timeout)))
         if retry is not None and not isinstance(retry, RetryPolicy):
             # Checked now: a worker would find out at the call's first failure, with nothing
             # to decide by, and leave a call that may never have left uncertain.
@@ -388,9 +389,9 @@ class Orchestrator:
             check_signature("tool", tool_name, fn, takes=("ctx",), keywords=True)
             tool = Tool(name=tool_name,
                         version=check_name("version", str(version)), fn=fn, effect=effect,
-                        timeout=timeout, policy=policy,
-                        authorize_timeout=_seconds(authorize_timeout, self.stage_timeout),
-                        approve_timeout=_seconds(approve_timeout, self.stage_timeout),
+                        timeout=call_timeout, policy=policy,
+                        authorize_timeout=_seconds(authorize_budget, self.stage_timeout),
+                        approve_timeout=_seconds(approve_budget, self.stage_timeout),
                         rate=tool_rate, concurrency=tool_concurrency,
                         shared_backoff=shared_backoff)
             self.registry.add_tool(tool)

@@ -109,13 +109,24 @@ def _name_of(fn: object, default: str) -> str:
 
 
 def check_timeout(path: str, value: object) -> timedelta:
-    """A tool's or a policy stage's time budget: a positive timedelta of at most
+    """A tool's or a policy stage's time budget: a positive timedelta, or a positive number of
+    seconds (an int or a float, not a bool nor a string), of at most
     :data:`~orchestrator.flow.MAX_DEADLINE`, as a submission's deadline (anything else would
-    be found out by a worker once the call's ``submitted`` is written)."""
-    if not isinstance(value, timedelta) or not timedelta(0) < value <= MAX_DEADLINE:
-        raise InvalidRequest(f"{path} must be a positive timedelta of at most "
-                             f"{MAX_DEADLINE.days} days, got {value!r}", path=path)
-    return value
+    be found out by a worker once the call's ``submitted`` is written). Returned as a
+    timedelta: a number means exactly the timedelta of that many seconds."""
+    if isinstance(value, timedelta):
+        budget: timedelta | None = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        try:  # NaN and the infinities, and an int too large, are not durations
+            budget = timedelta(seconds=value)
+        except (OverflowError, ValueError):
+            budget = None
+    else:
+        budget = None
+    if budget is None or not timedelta(0) < budget <= MAX_DEADLINE:
+        raise InvalidRequest(f"{path} must be a positive timedelta or a number of seconds of "
+                             f"at most {MAX_DEADLINE.days} days, got {value!r}", path=path)
+    return budget
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,12 @@ async def _runs_show(url: str, run: Any) -> tuple[str, dict[str, Any]]:
     return text, json.loads(out)
 
 
-def _timeout_app(make_app: Any, said: str) -> tuple[Any, Any]:
+def _timeout_app(make_app: Any, said: str,
+                 timeout: timedelta | float = timedelta(seconds=0.2)) -> tuple[Any, Any]:
     """``charge`` never answers (it times out) and its lookup says it was not applied."""
     app = make_app(**ACCESS)
 
-    @app.tool(timeout=timedelta(seconds=0.2))
+    @app.tool(timeout=timeout)
     async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
         await never_answers()
 
@@ -65,6 +66,21 @@ def _timeout_app(make_app: Any, said: str) -> tuple[Any, Any]:
 
 
 # -- a failed tool call ----------------------------------------------------------------------
+
+async def test_a_tool_timeout_in_seconds_times_the_call_out_as_its_timedelta_does(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """``@app.tool(timeout=0.2)`` is ``timeout=timedelta(seconds=0.2)``: the hung call is cut
+    off after its budget and the run fails naming the timeout."""
+    app, pay = _timeout_app(make_app, "no charge with this key", timeout=0.2)
+    async with running(app):
+        run = await app.submit_async(pay, "o-1")
+        await wait_for(parked(sql, run))
+        assert await app.create_reconciler().run_once() == 1
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=15)
+    assert info.value.cause is not None
+    assert (info.value.cause["cause"], info.value.cause["reason"]) == ("timeout", "budget")
+
 
 async def test_a_timed_out_call_proven_not_applied_names_the_timeout(
         make_app, sql, migrated_database_url):  # type: ignore[no-untyped-def]

@@ -78,16 +78,23 @@ def test_async_callables_of_every_shape_are_registered() -> None:
     assert set(app.registry.tools) == {"partial", "instance", "wrapped"}
 
 
-@pytest.mark.parametrize("timeout", [5, 0.5, "10s", timedelta(0), timedelta(seconds=-1),
-                                     timedelta(days=40_000)])
-def test_a_tool_timeout_is_a_positive_timedelta(timeout: Any) -> None:
+@pytest.mark.parametrize("timeout", [0, -1, 0.0, -0.5, 1e-7, float("nan"), float("inf"),
+                                     float("-inf"), pytest.param(10**400, id="10**400"),
+                                     True, False, "10s", "5", None, timedelta(0),
+                                     timedelta(seconds=-1), timedelta(days=40_000),
+                                     40_000 * 86_400])
+def test_a_tool_timeout_is_a_positive_timedelta_or_number_of_seconds(timeout: Any) -> None:
     app = _app()
 
     async def t(ctx: Any) -> None: ...
 
     for option in ("timeout", "authorize_timeout", "approve_timeout"):
-        with pytest.raises(InvalidRequest, match=f"{option} must be a positive timedelta") as got:
+        if timeout is None:
+            continue  # None is each option's default (the app's), not a bad value
+        with pytest.raises(InvalidRequest, match=f"{option} must be a positive timedelta or "
+                                                 f"a number of seconds") as got:
             app.tool(**{option: timeout})(t)
+        assert got.value.code == "INVALID_REQUEST"
         assert got.value.path == option
     with pytest.raises(ConfigurationError, match="tool_timeout must be a positive timedelta"):
         _app(tool_timeout=timeout)
@@ -95,6 +102,33 @@ def test_a_tool_timeout_is_a_positive_timedelta(timeout: Any) -> None:
         _app(stage_timeout=timeout)
     assert not app.registry.tools
     app.tool(timeout=timedelta(seconds=2))(t)
+
+
+@pytest.mark.parametrize("seconds", [5, 0.5, 86_400 * 36_600])
+def test_a_number_of_seconds_is_the_equal_timedelta(seconds: float) -> None:
+    """As ``ctx.sleep(5)`` and ``wait_for_event(..., timeout=5)``: a tool's time budgets (and
+    the app's defaults for them) take a number of seconds as well as a timedelta, and the
+    number means exactly the timedelta of that many seconds."""
+    as_number = _app(tool_timeout=seconds, stage_timeout=seconds)
+    as_timedelta = _app(tool_timeout=timedelta(seconds=seconds),
+                        stage_timeout=timedelta(seconds=seconds))
+    assert as_number.tool_timeout == as_timedelta.tool_timeout == timedelta(seconds=seconds)
+    assert isinstance(as_number.tool_timeout, timedelta)
+    assert as_number.stage_timeout == as_timedelta.stage_timeout == seconds
+
+    async def t(ctx: Any) -> None: ...
+
+    options = ("timeout", "authorize_timeout", "approve_timeout")
+    number = as_number.tool(**dict.fromkeys(options, seconds))(t)
+    same = as_timedelta.tool(**dict.fromkeys(options, timedelta(seconds=seconds)))(t)
+    assert number.timeout == same.timeout == timedelta(seconds=seconds)
+    assert isinstance(number.timeout, timedelta)
+    assert number.authorize_timeout == same.authorize_timeout == seconds
+    assert number.approve_timeout == same.approve_timeout == seconds
+    # The app's defaults, given as numbers, reach the tools that set none as the timedelta would.
+    default = as_number.tool(name="default")(t)
+    assert default.timeout is None
+    assert default.authorize_timeout == default.approve_timeout == seconds
 
 
 @pytest.mark.parametrize("effect", ["write", "Idempotent", "", None, 1])
