@@ -15,8 +15,9 @@ No line carries tool or upstream text, an exception's message, or a run's input,
 receipts or result: those go to incidents (docs/logging.md).
 
 A step that a process repeats in the background (a worker's heartbeat, claim, lease renewal,
-lease sweep) says its failures once per streak (:class:`FailureStreak`): an outage of a few
-seconds is one WARNING and one INFO, not a line per attempt.
+lease sweep and liveness lock check; the schedules' tick) says its failures once per streak
+(:class:`FailureStreak`): an outage of a few seconds is one WARNING and one INFO, not a line
+per attempt.
 """
 
 from __future__ import annotations
@@ -172,12 +173,20 @@ class FailureStreak:
     a WARNING at the first, ``"<step> failed: <reason> (said once: …)"``, and one INFO when the
     step succeeds again, ``"<steps> succeed again, N s after the first that failed"``; not a
     line per attempt, which an outage of a few seconds turns into dozens on every worker. A
-    failure with a code not yet said in the streak is news, and said too."""
+    failure with a code not yet said in the streak is news, and said too. The WARNING carries
+    the failure's ``code`` as a field.
 
-    def __init__(self, logger: logging.Logger, step: str, steps: str) -> None:
+    ``prefix`` goes before both lines (``"schedules: "``); ``failure`` replaces the warning's
+    ``"<step> failed"`` where the step's lines said it in other words (``"could not check its
+    liveness lock"``): a line's first words stay those it had before."""
+
+    def __init__(self, logger: logging.Logger, step: str, steps: str, *, prefix: str = "",
+                 failure: str | None = None) -> None:
         self._logger = logger
         self.step = step  # "heartbeat": the warning's first words are "heartbeat failed"
         self.steps = steps  # "heartbeats"
+        self._prefix = prefix
+        self._failure = failure if failure is not None else f"{step} failed"
         self._since: float | None = None  # monotonic time of the streak's first failure
         self._said: set[str] = set()  # the codes said in this streak
 
@@ -187,15 +196,17 @@ class FailureStreak:
             self._since = time.monotonic()
         if code not in self._said:
             self._said.add(code)
-            self._logger.warning("%s failed: %s (said once: a line says when %s succeed "
-                                 "again)", self.step, reason or code, self.steps,
+            self._logger.warning("%s%s: %s (said once: a line says when %s succeed again)",
+                                 self._prefix, self._failure, reason or code, self.steps,
+                                 extra=fields(code=code),
                                  stacklevel=2)  # the record names the step's own code
 
     def succeeded(self) -> None:
         """An attempt succeeded: the end of a streak of failures is said."""
         if self._since is not None:
-            self._logger.info("%s succeed again, %.1f s after the first that failed",
-                              self.steps, time.monotonic() - self._since, stacklevel=2)
+            self._logger.info("%s%s succeed again, %.1f s after the first that failed",
+                              self._prefix, self.steps, time.monotonic() - self._since,
+                              stacklevel=2)
             self._since = None
             self._said.clear()
 

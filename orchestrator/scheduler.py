@@ -35,7 +35,7 @@ from orchestrator.db.database import Conn, Database
 from orchestrator.db.reconciliation import audit_record
 from orchestrator.db.xact import answered_once
 from orchestrator.errors import IdempotencyConflict, InvalidRequest, OrchestratorError
-from orchestrator.logs import fields
+from orchestrator.logs import FailureStreak, fields
 from orchestrator.metrics import Metrics
 from orchestrator.models import Owner, validate_idempotency_key
 from orchestrator.reconcile import check_evidence
@@ -84,6 +84,8 @@ class Scheduler:
         self.workflows = workflows if workflows is not None else {}
         self.interval = interval
         self.clock = clock  # None: the database's clock (one clock for every ticker)
+        # Failed ticks, said once per streak (an outage would be a line per tick).
+        self._ticks = FailureStreak(log, "a tick", "ticks", prefix="schedules: ")
 
     async def declare(self) -> None:
         """Write the schedules this process's code declares (their definitions are the
@@ -101,7 +103,8 @@ class Scheduler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Declare, then tick every ``interval`` seconds until ``stop`` is set. A declaration
-        or a tick that fails (the database away) is logged and tried again a tick later."""
+        or a tick that fails (the database away) is logged, once per streak of failures, and
+        tried again a tick later; the first tick that succeeds after them is said too."""
         declared = False
         while not stop.is_set():
             try:
@@ -110,10 +113,11 @@ class Scheduler:
                     declared = True
                 await self.tick()
             except OrchestratorError as exc:
-                log.warning("schedules: a tick failed (%s); the next one tries again",
-                            exc.code, extra=fields(code=exc.code))
+                self._ticks.failed(exc.code)
             except Exception:
                 log.exception("schedules: a tick failed; the next one tries again")
+            else:
+                self._ticks.succeeded()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
 

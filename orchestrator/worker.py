@@ -173,6 +173,9 @@ class Worker:
         self._claims: dict[str | None, FailureStreak] = {}
         self._renewals = FailureStreak(log, "lease renewal", "lease renewals")
         self._sweeps = FailureStreak(log, "lease sweep", "lease sweeps")
+        self._lock_checks = FailureStreak(log, "liveness lock check", "liveness lock checks",
+                                          prefix=f"worker {self.worker_id}: ",
+                                          failure="could not check its liveness lock")
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM and SIGINT do); asked again while draining, stop now:
@@ -255,9 +258,10 @@ class Worker:
             self.request_stop()
             return False
         except OrchestratorError as exc:  # the check's read failed: tried again next beat
-            log.warning("worker %s: could not check its liveness lock: %s", self.worker_id,
-                        exc.code)
+            self._lock_checks.failed(exc.code)
             return False
+        if held:  # checked (a lock not taken yet was not: no news about the checks)
+            self._lock_checks.succeeded()
         self._say_lock(held)
         return held
 

@@ -345,3 +345,83 @@ async def test_a_queue_whose_claim_keeps_failing_is_said_once_while_other_claims
              and r.getMessage().startswith(("claim failed", "claims"))]
     assert lines == ["claim failed: DATABASE_UNAVAILABLE (queue slow) (said once: a line says "
                      "when claims from queue slow succeed again)"], lines
+
+
+async def test_a_short_outage_is_said_once_by_the_schedules_ticker_and_once_when_it_ends(
+        make_app, caplog, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every connection refused for a second while the schedules' ticker ticks every 50 ms:
+    its ticks fail again and again. It says so once, a WARNING starting with its usual words
+    (``schedules: a tick failed: DATABASE_UNAVAILABLE (said once …``), and once at INFO that
+    ticks succeed again. (Each failed tick was a WARNING: twenty lines for this outage, one a
+    second on every worker for a longer one.)"""
+    import time
+
+    app = make_app()
+    back_at = time.monotonic() + 1.0
+    refuse_connections_while(monkeypatch, lambda: time.monotonic() < back_at)
+    caplog.set_level(logging.INFO, logger="orchestrator")
+
+    def said() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "orchestrator.scheduler"
+                and r.getMessage().startswith(("schedules: a tick failed",
+                                               "schedules: ticks succeed again, "))]
+
+    ticker = app.create_scheduler(interval=0.05)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(ticker.run(stop))
+    try:
+        await wait_for(lambda: time.monotonic() > back_at and any(
+            r.levelno == logging.INFO for r in said()) or time.monotonic() > back_at + 3,
+            timeout=10)
+    finally:
+        stop.set()
+        await task
+        await app.database.close()
+    assert [r.levelname for r in said()] == ["WARNING", "INFO"], [r.getMessage() for r in said()]
+    warning, info = said()
+    assert warning.getMessage() == ("schedules: a tick failed: DATABASE_UNAVAILABLE (said once: "
+                                    "a line says when ticks succeed again)")
+    assert _lines(caplog, "orchestrator.scheduler", level="WARNING")[0]["code"] == \
+        "DATABASE_UNAVAILABLE"
+    assert info.getMessage().endswith(" s after the first that failed"), info.getMessage()
+
+
+async def test_a_liveness_lock_that_cannot_be_checked_is_said_once_and_once_when_it_can(
+        make_app, sql, caplog, monkeypatch):  # type: ignore[no-untyped-def]
+    """The liveness lock's session ends during an outage of the pool's connections: the lock
+    is taken again at once (its own connection), but checking it in ``pg_locks`` needs the
+    pool, and fails at every heartbeat until the outage ends. That is said once, a WARNING
+    starting as before (``worker …: could not check its liveness lock: DATABASE_UNAVAILABLE
+    (said once …``), and once at INFO when the check succeeds again. (Each beat's failure was
+    a WARNING, four a second.)"""
+    import time
+
+    app = make_app()
+    back_at = 0.0
+    refuse_connections_while(monkeypatch, lambda: time.monotonic() < back_at)
+    caplog.set_level(logging.INFO, logger="orchestrator")
+    async with running(app) as worker:
+        await wait_for(lambda: worker._lock_held, timeout=10)
+        prefix = f"worker {worker.worker_id}: "
+
+        def said() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.name == "orchestrator.worker"
+                    and r.getMessage().startswith(
+                        (f"{prefix}could not check its liveness lock",
+                         f"{prefix}liveness lock checks succeed again, "))]
+
+        assert worker._liveness._conn is not None
+        pid = worker._liveness._conn.pgconn.backend_pid
+        back_at = time.monotonic() + 1.5
+        sql("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        await wait_for(lambda: time.monotonic() > back_at and any(
+            r.levelno == logging.INFO for r in said()) or time.monotonic() > back_at + 3,
+            timeout=10)
+        assert worker._liveness.taken == 2
+        await wait_for(lambda: worker._lock_held, timeout=10)
+    assert [r.levelname for r in said()] == ["WARNING", "INFO"], [r.getMessage() for r in said()]
+    warning, info = said()
+    assert warning.getMessage() == (f"{prefix}could not check its liveness lock: "
+                                    "DATABASE_UNAVAILABLE (said once: a line says when "
+                                    "liveness lock checks succeed again)")
+    assert info.getMessage().endswith(" s after the first that failed"), info.getMessage()

@@ -201,6 +201,27 @@ def test_a_failure_streak_is_said_once_per_code_and_once_when_it_ends(caplog) ->
     assert said[2][0] == "INFO" and said[2][1].startswith("heartbeats succeed again, ")
     assert said[2][1].endswith(" s after the first that failed")
     assert said[3:] == [said[0]]
+    assert [r.__dict__.get("code") for r in caplog.records] == [
+        "DATABASE_UNAVAILABLE", "CONFIGURATION_ERROR", None, "DATABASE_UNAVAILABLE"]
+
+
+def test_a_failure_streak_keeps_a_steps_own_first_words(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A step whose warning had its own words before it said a streak once (the schedules'
+    tick, the liveness lock's check) keeps them, so that a search for the old line finds the
+    new one; its prefix starts the INFO line too."""
+    streak = FailureStreak(logging.getLogger("orchestrator.worker"), "liveness lock check",
+                           "liveness lock checks", prefix="worker w1: ",
+                           failure="could not check its liveness lock")
+    caplog.set_level(logging.INFO, logger="orchestrator.worker")
+    streak.failed("DATABASE_UNAVAILABLE")
+    streak.failed("DATABASE_UNAVAILABLE")
+    streak.succeeded()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0] == ("WARNING", "worker w1: could not check its liveness lock: "
+                                  "DATABASE_UNAVAILABLE (said once: a line says when liveness "
+                                  "lock checks succeed again)")
+    assert [level for level, _ in said] == ["WARNING", "INFO"]
+    assert said[1][1].startswith("worker w1: liveness lock checks succeed again, ")
 
 
 def test_a_workflow_line_in_text_names_its_run_and_workflow() -> None:
