@@ -67,24 +67,13 @@ def _timeout_app(make_app: Any, said: str,
 
 # -- a failed tool call ----------------------------------------------------------------------
 
-async def test_a_tool_timeout_in_seconds_times_the_call_out_as_its_timedelta_does(
-        make_app, sql):  # type: ignore[no-untyped-def]
-    """``@app.tool(timeout=0.2)`` is ``timeout=timedelta(seconds=0.2)``: the hung call is cut
-    off after its budget and the run fails naming the timeout."""
-    app, pay = _timeout_app(make_app, "no charge with this key", timeout=0.2)
-    async with running(app):
-        run = await app.submit_async(pay, "o-1")
-        await wait_for(parked(sql, run))
-        assert await app.create_reconciler().run_once() == 1
-        with pytest.raises(RunFailed) as info:
-            await run.result_async(timeout=15)
-    assert info.value.cause is not None
-    assert (info.value.cause["cause"], info.value.cause["reason"]) == ("timeout", "budget")
-
-
+@pytest.mark.parametrize("budget", [timedelta(seconds=0.2), 0.2], ids=["timedelta", "seconds"])
 async def test_a_timed_out_call_proven_not_applied_names_the_timeout(
-        make_app, sql, migrated_database_url):  # type: ignore[no-untyped-def]
-    app, pay = _timeout_app(make_app, f"no charge with this key; checked {TOOL_TEXT}")
+        make_app, sql, migrated_database_url, budget):  # type: ignore[no-untyped-def]
+    """The hung call is cut off after its budget, given as a timedelta or as the same number
+    of seconds (``@app.tool(timeout=0.2)``), and the run's failure names the timeout."""
+    app, pay = _timeout_app(make_app, f"no charge with this key; checked {TOOL_TEXT}",
+                            timeout=budget)
     async with running(app):
         run = await app.submit_async(pay, "o-1")
         await wait_for(parked(sql, run))
