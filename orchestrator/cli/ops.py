@@ -173,7 +173,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"{name + ':':<11} {cell(value)}")
     print("\nattempts at this position")
     print(render(["OP", "ATTEMPT", "STATE", "WHY", "KEY", "WORKER", "SUBMITTED"],
-                 [[a["id"], a["attempt"], a["state"], _why_cell(a["error"]),
+                 [[a["id"], a["attempt"], a["state"], why(a["error"]),
                    a["idempotency_key"], a["worker_id"], a["submitted_at"]]
                   for a in d["attempts"]], max_width=44))
     if d["incidents"]:
@@ -328,12 +328,6 @@ def _then_cell(row: dict[str, Any]) -> str | None:
     after = row["after"]
     then = after.get("then") if isinstance(after, dict) else None
     return THEN_CELLS.get(then, then) if isinstance(then, str) else None
-
-
-def _why_cell(error: Any) -> str | None:
-    """An attempt's WHY cell: its stored error's stable code and cause (``TOOL_FAILED
-    (upstream_error)``, ``CALL_CANCELLED (deadline)``), else None (``-``)."""
-    return why(error)
 
 
 def _receipt_cell(row: dict[str, Any]) -> str | None:
