@@ -160,7 +160,14 @@ runs = Table(
         "(status IN ('succeeded', 'failed', 'cancelled')) = (finished_at IS NOT NULL)",
         name="finished_iff_terminal",
     ),
-    UniqueConstraint("tenant", "principal", "idempotency_key"),
+    # A submission key is unique per owner; keyless runs are not in the index (migration 0036:
+    # every update of a run that cannot be HOT wrote an entry for them too).
+    Index(
+        "uq_runs_tenant_principal_idempotency_key",
+        "tenant", "principal", "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+    ),
     # Claiming: only unfinished, claimable runs are in this index, so it stays small however
     # many finished runs pile up.
     # Only the default queue's runs: a queue's backlog costs the default claim nothing.
@@ -210,8 +217,9 @@ runs = Table(
 journal_entries = Table(
     "journal_entries",
     metadata,
-    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
-           primary_key=True),
+    # No foreign key (migration 0036): every insert reads the run's row in its own statement,
+    # and the trigger ``runs_delete_ledger`` deletes a deleted run's entries.
+    Column("run_id", UUID(as_uuid=True), primary_key=True),
     Column("seq", BigInteger, primary_key=True),
     Column("kind", Text, nullable=False),
     Column("position", Integer),
@@ -228,8 +236,8 @@ operations = Table(
     "operations",
     metadata,
     Column("id", BigInteger, Identity(), primary_key=True),
-    Column("run_id", UUID(as_uuid=True), ForeignKey("runs.id", ondelete="CASCADE"),
-           nullable=False),
+    # No foreign key (migration 0036), as for ``journal_entries.run_id``.
+    Column("run_id", UUID(as_uuid=True), nullable=False),
     Column("position", Integer, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("tool_name", Text, nullable=False),
