@@ -215,7 +215,16 @@ async def resolve(
                            | ({"then": then} if then else {}))
 
     async def settle(conn: Conn) -> Resolved:
-        item = await recon_db.recon_get(conn, operation_id, lock=True, tenants=tenants)
+        # The run's row first, then the item and the operation, as the hot statements, a
+        # cancellation and the lease sweeps take a run before anything of it: two resolutions
+        # of one run (of two attempts of one call, each settling the other) meet on the run,
+        # not on each other's operations. The general path of a worker's write takes the
+        # operation and its item first and fences the run last, but only while the run is
+        # running: then they are read without a lock (the answer is OPERATION_IN_PROGRESS, or
+        # the no-op or conflict of an item resolved already, which nothing changes any more).
+        run = await recon_db.run_status_of(conn, operation_id, lock=True, tenants=tenants)
+        running = run is not None and run[0] == "running"
+        item = await recon_db.recon_get(conn, operation_id, lock=not running, tenants=tenants)
         if item is None:
             raise await not_queued(conn, operation_id, tenants)
         before = ({"item": item["item_state"], "operation": item["operation_state"],
@@ -224,7 +233,7 @@ async def resolve(
         if expect is not None and item["item_state"] != expect:
             raise ResolutionConflict(_changed(operation_id, expect, item))
         if item["item_state"] == "resolved":
-            differs = await _differs(conn, item, resolution, digest, then)
+            differs = _differs(item, resolution, digest, then)
             if differs is not None:
                 raise ResolutionConflict(differs)
             await _audit(conn, operator, f"resolve.{resolution}.noop", item, evidence,
@@ -235,8 +244,7 @@ async def resolve(
             raise OperationInProgress(
                 IN_FLIGHT[state].format(op=operation_id, run=item["run_id"]) if state in IN_FLIGHT
                 else f"operation {operation_id} is {state}, not unknown yet", status=state)
-        run = await recon_db.run_status_of(conn, operation_id, lock=True)
-        assert run is not None  # the operation is locked: its run is there
+        assert run is not None  # the operation is there: so is its run, locked above
         fail_run = None
         if resolution == "abandoned":  # the run fails; its error's reference leads here
             fail_run = await _abandonment(conn, item, operator, evidence)
@@ -254,8 +262,8 @@ async def resolve(
     return await db.run_in_transaction(answered_once(settle))
 
 
-async def _differs(conn: Conn, item: dict[str, Any], resolution: str, digest: str | None,
-                   then: str | None) -> str | None:
+def _differs(item: dict[str, Any], resolution: str, digest: str | None, then: str | None
+             ) -> str | None:
     """How a resolution differs from the one an item already has, in the words of its
     ``RESOLUTION_CONFLICT`` (None: it is the same one, a no-op): another resolution, the same
     one with another receipt (by digest), or ``not_applied`` followed by another choice."""
@@ -267,7 +275,7 @@ async def _differs(conn: Conn, item: dict[str, Any], resolution: str, digest: st
                 f"(the stored one's digest is {item['receipt_digest']}; `orchestrator ops show "
                 f"{op}` shows it); a resolution is kept as first given")
     if resolution == "not_applied":
-        chosen = await recon_db.operation_then(conn, op)
+        chosen = item["then"]  # the operation's choice, read with its item
         if chosen != then:
             return (f"operation {op} was already resolved as not_applied {_then(chosen)}, not "
                     f"{_then(then)}")

@@ -310,15 +310,6 @@ async def operation_unqueued(conn: Conn, operation_id: int) -> dict[str, Any] | 
     return await cur.fetchone()
 
 
-async def operation_then(conn: Conn, operation_id: int) -> str | None:
-    """What was chosen to follow a ``not_applied`` resolution of an operation (``resend`` or
-    ``fail``; None: a lookup's answer, which leaves it to the retry policy)."""
-    cur = await conn.execute(
-        f"SELECT error->>'then' AS then FROM {S}.operations WHERE id = %s", (operation_id,))
-    row = await cur.fetchone()
-    return None if row is None else row["then"]
-
-
 async def recon_lookups(conn: Conn, item_id: int) -> list[dict[str, Any]]:
     """An item's lookup history as operators see it: the answer, its attempt number, its time
     and the incident that keeps what the lookup said (``incident``, None if it said nothing).
@@ -353,7 +344,8 @@ async def recon_settle(
     fail_run: str | None,
     error: str | None = None,
 ) -> None:
-    """Apply a resolution inside the caller's transaction (the item and operation are locked).
+    """Apply a resolution inside the caller's transaction (its run is locked, then, unless it
+    is running, its item and the operation: :func:`orchestrator.reconcile.resolve`).
 
     ``resolution`` is ``committed``, ``not_applied`` or ``abandoned``. The operation moves from
     ``unknown``, and so do earlier attempts at the same position that were re-sent with the same
@@ -449,19 +441,22 @@ async def _resume_parked(conn: Conn, item: dict[str, Any], run: dict[str, Any],
         raise RuntimeError(f"run {item['run_id']} changed under its lock")
 
 
-async def run_status_of(conn: Conn, operation_id: int, *, lock: bool = False
-                        ) -> tuple[str, bool] | None:
+async def run_status_of(conn: Conn, operation_id: int, *, lock: bool = False,
+                        tenants: list[str] | None = None) -> tuple[str, bool] | None:
     """The status of the run of ``operation_id`` and whether its cancellation was requested
-    (None: no such operation). ``lock``: the run's row is locked (``FOR UPDATE``, as the
-    resolution that reads it will lock it anyway), so that a cancellation cannot commit
-    between this read and the resolution's write and make what it said untrue."""
+    (None: no such operation, or with ``tenants`` one of another tenant, whose run is neither
+    read nor locked). ``lock``: the run's row is locked (``FOR UPDATE``, as the resolution
+    that reads it will lock it anyway), so that a cancellation cannot commit between this read
+    and the resolution's write and make what it said untrue. A resolution takes this lock
+    first, before its item's and operation's (see :func:`orchestrator.reconcile.resolve`)."""
     cur = await conn.execute(
         f"""
         SELECT r.status, r.cancel_requested_at IS NOT NULL AS cancel_requested
         FROM {S}.runs r JOIN {S}.operations o ON o.run_id = r.id WHERE o.id = %(op)s
+          AND (%(tenants)s::text[] IS NULL OR o.tenant = ANY(%(tenants)s))
         {"FOR UPDATE OF r" if lock else ""}
         """,
-        {"op": operation_id},
+        {"op": operation_id, "tenants": tenants},
     )
     row = await cur.fetchone()
     return None if row is None else (str(row["status"]), bool(row["cancel_requested"]))
