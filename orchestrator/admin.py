@@ -46,7 +46,8 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
                     submission_key: str | None = None, limit: int = 50
                     ) -> list[dict[str, Any]]:
     """Runs of every owner, newest first; ``parent`` keeps the child runs of that run,
-    ``submission_key`` those submitted with that idempotency key (one per owner)."""
+    ``submission_key`` those submitted with that idempotency key (one per owner). Each row
+    has ``blocked`` (why it has not started) and ``stalled`` (:func:`stalled`)."""
     check_run_filters(status=status, workflow=workflow, tenant=tenant, limit=limit,
                       submission_key=submission_key)
     async with db.connection() as conn:
@@ -58,7 +59,10 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
         workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
     now = datetime.now(UTC)
     runnable = served(workers)
+    beating = {w["id"] for w in workers
+               if (w["db_now"] - w["heartbeat_at"]).total_seconds() <= DEAD_AFTER}
     for row in rows:  # why a run ready in a queue, or held back, has not started
+        row["stalled"] = stalled(row, beating)  # a running one, that nothing runs
         row["blocked"] = blocked.get(row["id"])
         start = held_until(row) if row["status"] == "queued" and not row["revision"] else None
         if row["blocked"] is None and start is not None and start > now:
@@ -66,6 +70,16 @@ async def list_runs(db: Database, *, tenant: str | None = None, status: str | No
         if row["blocked"] is None and _ready(row, now):
             row["blocked"] = unserved(row["workflow_name"], row["workflow_version"], runnable)
     return rows
+
+
+def stalled(run: Mapping[str, Any], beating: set[str]) -> str | None:
+    """Why a running run does not move when its lease holder is not among the workers
+    ``beating`` (those that heartbeated within :data:`DEAD_AFTER`): ``runs list``'s DETAIL,
+    which points to ``runs show`` for when the run is re-queued; else None."""
+    owner = run["lease_owner"]
+    if run["status"] != "running" or owner is None or owner in beating:
+        return None
+    return f"held by {owner}, silent or dead (see runs show)"
 
 
 def served(workers: Sequence[Mapping[str, Any]]) -> frozenset[str]:

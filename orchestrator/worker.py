@@ -430,11 +430,18 @@ class Worker:
     async def _sweep(self) -> None:
         try:
             async with self.database.connection() as conn:
-                await runs_db.run_release_expired(conn)
-                await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
+                lapsed = await runs_db.run_release_expired(conn)
+                orphaned = await runs_db.run_release_orphaned(conn, stale=DEAD_AFTER)
                 await workers_db.worker_forget_dead(conn)
                 self._queues = set(await queues_db.queue_names(conn))
                 expired = await runs_db.run_any_unstarted_expired(conn)
+            if lapsed:
+                log.warning("re-queued %s whose lease expired (its worker stopped renewing it: "
+                            "dead, paused, overloaded or cut off)", _runs(lapsed))
+            if orphaned:
+                log.warning("re-queued %s whose worker died (no heartbeat, its liveness lock "
+                            "released): `orchestrator workers list` shows it dead",
+                            _runs(orphaned))
             if expired:
                 await self._expire_unstarted()
         except OrchestratorError as exc:  # the next sweep tries again; the message says why
@@ -934,6 +941,10 @@ async def fail_unreadable(database: Database, metrics: Metrics, claim: dict[str,
     metrics.incr("runs_failed")
     log.error("run %s failed: %s (incident %s: %s); this worker goes on", run_id,
               error.code, error.incident, type(exc).__name__, extra=said)
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" if count == 1 else f"{count} runs"
 
 
 def _workflow(claim: dict[str, Any]) -> str:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import textwrap
 from collections.abc import Awaitable
 from typing import Any
 
+from orchestrator import reconcile
 from orchestrator.cli import bulk, records
 from orchestrator.cli.common import json_option
 from orchestrator.cli.operating import (
@@ -68,12 +70,14 @@ def register(subparsers: Any) -> None:
     then_option(res)
     res.add_argument("--evidence", required=True, metavar="TEXT")
     operator_options(res, operator_required=True)
+    json_option(res)
     res.set_defaults(func=cmd_resolve)
 
     abandon = commands.add_parser("abandon", help="give up: the run fails OPERATION_ABANDONED")
     abandon.add_argument("operation_id", type=int)
     abandon.add_argument("--evidence", required=True, metavar="TEXT")
     operator_options(abandon, operator_required=True)
+    json_option(abandon)
     abandon.set_defaults(func=cmd_abandon)
 
     bulk.register(commands)
@@ -130,7 +134,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if len(items) == args.limit:
         print(f"(the first {args.limit}, oldest first: there may be more; see --limit)")
     if any(i["item_state"] != "resolved" for i in items):
-        print(f"({ITEMS_NOTE})")
+        print(textwrap.fill(f"({ITEMS_NOTE})", 100, break_on_hyphens=False))
     return 0
 
 
@@ -243,6 +247,20 @@ NEXT = {"resend": "; the run was woken and sends the call again as a new attempt
         None: "; the run was woken"}
 
 
+def _emitted(op_id: int, resolution: str, then: str | None,
+             done: tuple[str, list[int], tuple[str, bool] | None]) -> int:
+    """``ops resolve --json`` / ``ops abandon --json``: what came of one resolution, in the
+    words of ``resolve-many --json``'s items (``then``, ``waits_for``)."""
+    outcome, others, run = done
+    status, cancel_requested = run or (None, False)
+    settled = reconcile.Resolved(outcome, status, cancel_requested, tuple(others))
+    step = reconcile.next_step(resolution, then, settled)
+    records.emit({"operation_id": str(op_id), "resolution": resolution, "outcome": outcome,
+                  "then": step,
+                  "waits_for": [str(op) for op in others] if step == "waits" else []})
+    return 0
+
+
 def _report(op_id: int, done: tuple[str, list[int], tuple[str, bool] | None], what: str,
             then: str | None = None) -> int:
     outcome, others, run = done
@@ -281,19 +299,26 @@ def cmd_resolve(args: argparse.Namespace) -> int:
         done = with_operators(args, lambda ops, operator: _resolved(
             ops, op, operator, ops.resolve_committed(
                 op, receipt=receipt, evidence=args.evidence, operator=operator)))
+        if args.json:
+            return _emitted(op, "committed", None, done)
         return _report(op, done, "committed")
     then = then_of(args)
     assert then is not None
     done = with_operators(args, lambda ops, operator: _resolved(
         ops, op, operator, ops.resolve_not_applied(
             op, evidence=args.evidence, operator=operator, then=then)))
+    if args.json:
+        return _emitted(op, "not_applied", then, done)
     return _report(op, done, "not applied", then)
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
     op = args.operation_id
-    outcome, _, run = with_operators(args, lambda ops, operator: _resolved(
+    done = with_operators(args, lambda ops, operator: _resolved(
         ops, op, operator, ops.abandon(op, evidence=args.evidence, operator=operator)))
+    if args.json:
+        return _emitted(op, "abandoned", None, done)
+    outcome, _, run = done
     status = run[0] if run else ""
     if outcome == "noop":
         print(f"operation {op} was already abandoned; nothing changed")

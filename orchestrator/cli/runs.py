@@ -148,7 +148,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         ["RUN", "WORKFLOW", "STATUS", "OWNER", "DETAIL", "CREATED", "UPDATED"],
         [[r["id"], f"{r['workflow_name']}@{r['workflow_version']}", r["status"],
           f"{r['tenant']}/{r['principal']}",
-          r["outcome_code"] or r.get("blocked") or r["waiting_for"],
+          r["outcome_code"] or r.get("blocked") or r["waiting_for"] or r.get("stalled"),
           r["created_at"], r["updated_at"]] for r in rows]))
     return 0
 

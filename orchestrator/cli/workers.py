@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import textwrap
 from datetime import UTC
 from typing import Any
 
@@ -22,16 +23,30 @@ from orchestrator.cli.common import database_target, json_option
 from orchestrator.cli.tables import duration, render
 from orchestrator.db.database import Database
 
-STATES_NOTE = ("live: it heartbeats; draining: told to stop, it claims nothing more and "
-               "heartbeats until its runs reach a durable point (STATE shows since when); "
-               "waiting: it heartbeats, but holds no liveness lock yet, so it claims nothing "
-               "(its listen_url cannot be reached, or its lock's session ended and the lock "
-               "cannot be taken again yet; it takes the lock once it can); "
-               "silent: no heartbeat for over a second, its liveness lock held (paused or "
-               "overloaded) or never taken (behind a transaction pooler without a "
-               "listen_url: paused or dead, the database cannot tell): its runs wait for "
-               "their leases to expire; dead: neither (a live worker's next sweep re-queues "
-               "its runs)")
+STATE_NOTES = {
+    "live": "it heartbeats and claims runs",
+    "draining": "told to stop, it claims nothing more and heartbeats until its runs reach a "
+                "durable point (STATE shows since when)",
+    "waiting": "it heartbeats, but holds no liveness lock yet, so it claims nothing (its "
+               "listen_url cannot be reached, or its lock's session ended and the lock cannot "
+               "be taken again yet; it takes the lock once it can)",
+    "silent": "no heartbeat for over a second, its liveness lock held (paused or overloaded) "
+              "or never taken (behind a transaction pooler without a listen_url: paused or "
+              "dead, the database cannot tell): its runs wait for their leases to expire",
+    "dead": "no heartbeat and its liveness lock released: its process is gone (killed, "
+            "crashed, its host lost); a live worker's next sweep re-queues its runs, a call "
+            "it had in flight becomes unknown (sent again for an idempotent or read tool, "
+            "else reconciled: `orchestrator ops list`), and its row is deleted an hour after its "
+            "last heartbeat",
+}
+"""What each state means, in the note under the table: a line (folded) for each state shown."""
+
+NONE_LIVE = ("no worker is live: nothing claims runs until one starts "
+             "(`orchestrator worker --app MODULE:ATTR`)")
+"""The note's last line when no listed worker is live."""
+
+NOTE_WIDTH = 100
+"""The width the note's lines are folded to."""
 
 
 def register(subparsers: Any) -> None:
@@ -73,7 +88,14 @@ def cmd_list(args: argparse.Namespace) -> int:
           w.row["concurrency"], _ago(w.row["heartbeat_age"]), w.row["started_at"],
           ", ".join(w.row["workflows"]) or "-"] for w in shown]))
     if any(w.state != "live" for w in shown):
-        print(f"\n({STATES_NOTE})")
+        print()
+        states = {w.state for w in shown}
+        for state, meaning in STATE_NOTES.items():
+            if state in states:
+                print(textwrap.fill(f"{state}: {meaning}", NOTE_WIDTH, subsequent_indent="  ",
+                                    break_on_hyphens=False))
+        if "live" not in states:
+            print(NONE_LIVE)
     return 0
 
 

@@ -53,6 +53,8 @@ def test_a_paused_worker_is_fenced_when_it_wakes(workers, client):
     a.send_signal(signal.SIGSTOP)
     workers.start("b", ACCEPTANCE_LEASE_TTL="1")
     client.get_run(run.id).result(timeout=30)  # B took over after A's lease expired
+    assert ("re-queued 1 run whose lease expired (its worker stopped renewing it: dead, "
+            "paused, overloaded or cut off)") in workers.log("b")
     a.send_signal(signal.SIGCONT)
     # A finishes its call, then tries to record the receipt: the fence rejects it.
     workers.wait(lambda: "lease" in workers.log("a") and "lost" in workers.log("a"),
@@ -115,6 +117,11 @@ def test_a_dead_workers_runs_resume_before_its_leases_expire(workers, client):
     started = time.monotonic()
     client.get_run(run.id).result(timeout=20)  # a 60 s lease would not allow this
     assert time.monotonic() - started < 10
+    # B's log says what happened to A's run, and where to look (docs/logging.md)
+    said = [line for line in workers.log("b").splitlines() if "re-queued" in line]
+    assert len(said) == 1 and "WARNING" in said[0], workers.log("b")
+    assert ("re-queued 1 run whose worker died (no heartbeat, its liveness lock released): "
+            "`orchestrator workers list` shows it dead") in said[0]
 
 
 def test_a_worker_whose_registration_was_deleted_registers_again(workers, client):

@@ -226,3 +226,32 @@ async def test_runs_show_says_when_the_lease_holder_is_dead_and_when_it_is_recla
                             r"heartbeat \d+ s ago\)", note), note
         assert (doc["lease"]["holder_state"], doc["lease"]["reclaim"]) == ("live", None)
         assert await runs["live"].result_async(timeout=20) == 1
+
+
+async def test_runs_list_says_when_a_running_runs_worker_stopped_heartbeating(
+        app: Orchestrator, sql, migrated_database_url):
+    """A worker killed while no other runs leaves its runs ``running``: the table's DETAIL
+    says that nothing is running them, and where to read when they will be re-queued, instead
+    of ``-`` (``--json`` is unchanged: its ``lease`` is in ``runs show --json``)."""
+    url = migrated_database_url
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return order
+
+    runs = {name: await app.submit_async(pay, name) for name in ("dead", "silent")}
+    _hold(sql, runs["dead"].id, "w-dead")
+    _register(sql, "w-dead", silent_for="30 seconds", lock_key=7_000_004)  # lock not held
+    _hold(sql, runs["silent"].id, "w-silent")
+    _register(sql, "w-silent", silent_for="5 seconds", lock_key=None)
+
+    code, out, err = await cli(url, "runs", "list")
+    assert (code, err) == (0, "")
+    detail = out.splitlines()[0].index("DETAIL")
+    rows = {line.split()[0]: line[detail:] for line in out.splitlines()[2:]}
+    for name in ("dead", "silent"):
+        assert rows[str(runs[name].id)].startswith(
+            f"held by w-{name}, silent or dead (see runs show)  "), rows
+    code, doc, err = await cli(url, "runs", "list", "--json")
+    assert code == 0, err
+    assert {r["blocked"] for r in json.loads(doc)["runs"]} == {None}

@@ -752,3 +752,65 @@ async def test_ops_show_says_why_each_earlier_attempt_ended(make_app, sql, migra
     assert code == 0, err
     attempts = json.loads(out)["attempts"]
     assert attempts[0]["error"]["code"] == "TOOL_FAILED" and attempts[1]["error"] is None
+
+
+async def test_ops_resolve_and_abandon_print_one_json_document_with_json(
+        make_app, sql, migrated_database_url):
+    """A script that settles operations one at a time reads what came of each as it reads
+    ``resolve-many --json``'s items: the resolution, whether it changed anything, what the run
+    does next and what it still waits for (docs/cli-json.md)."""
+    url = migrated_database_url
+    app = make_app()
+
+    @app.tool(max_attempts=1)
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("lost after sending")
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        try:
+            return await ctx.call(charge, order=order)
+        except ToolFailed:
+            return "gave up"
+
+    async with running(app):
+        runs = {name: await app.submit_async(pay, name) for name in ("one", "two", "three")}
+        await wait_for(lambda: len(sql("SELECT 1 FROM orchestrator.runs "
+                                       "WHERE status = 'needs_reconciliation'")) == 3)
+        ops = {r["arguments"]["order"]: r["id"]
+               for r in sql("SELECT id, arguments FROM orchestrator.operations")}
+        who = ["--evidence", "PSP dashboard", "--operator", "alice", "--json"]
+
+        committed = ["ops", "resolve", str(ops["one"]), "--committed", "--receipt",
+                     '{"charge": "manual-1"}', *who]
+        code, out, err = await cli(url, *committed)
+        assert (code, err) == (0, "")
+        assert json.loads(out) == {"operation_id": str(ops["one"]), "resolution": "committed",
+                                   "outcome": "resolved", "then": "resume", "waits_for": []}
+        assert await runs["one"].result_async(timeout=10) == {"charge": "manual-1"}
+        code, out, err = await cli(url, *committed)  # again: nothing changes
+        assert (code, err) == (0, "")
+        assert json.loads(out) == {"operation_id": str(ops["one"]), "resolution": "committed",
+                                   "outcome": "noop", "then": None, "waits_for": []}
+
+        code, out, err = await cli(url, "ops", "resolve", str(ops["two"]), "--not-applied",
+                                   "--then", "fail", *who)
+        assert (code, err) == (0, "")
+        assert json.loads(out) == {"operation_id": str(ops["two"]),
+                                   "resolution": "not_applied", "outcome": "resolved",
+                                   "then": "fail", "waits_for": []}
+        assert await runs["two"].result_async(timeout=10) == "gave up"
+
+        code, out, err = await cli(url, "ops", "abandon", str(ops["three"]), *who)
+        assert (code, err) == (0, "")
+        assert json.loads(out) == {"operation_id": str(ops["three"]),
+                                   "resolution": "abandoned", "outcome": "resolved",
+                                   "then": "run_failed", "waits_for": []}
+        with pytest.raises(RunFailed):
+            await runs["three"].result_async(timeout=10)
+
+        # an error is still one line on stderr, with nothing on stdout
+        code, out, err = await cli(url, "ops", "resolve", str(ops["one"]), "--not-applied",
+                                   *who)
+        assert (code, out) == (2, "") and err.startswith(
+            "orchestrator: error: RESOLUTION_CONFLICT: ")

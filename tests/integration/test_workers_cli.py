@@ -66,7 +66,7 @@ async def test_workers_list_shows_each_worker_its_state_and_the_runs_it_holds(
     assert live[held] == "1" and dead[held] == "0"
     assert " s ago" in live and dead.rstrip().endswith("pay@1")
     assert lines[lines.index(live) - 1].startswith("------")  # the header's rule
-    assert "dead: neither" in out  # the states are explained when one is not live
+    assert "\ndead: no heartbeat" in out  # the states shown are explained when one is not live
 
     listed = json.loads(doc)
     assert listed["count"] == 2
@@ -261,3 +261,41 @@ async def test_a_silent_worker_without_a_liveness_lock_may_be_dead_and_the_list_
     assert row.split()[1] == "silent"
     assert "never taken (behind a transaction pooler without a listen_url: paused or dead" in (
         " ".join(out.split()))
+
+
+async def test_workers_list_explains_the_states_it_shows_a_line_each_and_when_none_is_live(
+        app: Orchestrator, sql, migrated_database_url):
+    """After a SIGKILL the table's note explains ``dead`` (and what happens to its runs) in a
+    line of its own, not every state there is in one long paragraph; with no live worker left
+    it says that nothing claims runs until one starts, and how to start one."""
+    url = migrated_database_url
+    async with app.database.connection() as conn:
+        await workers_db.worker_register(conn, worker_id="w-dead", hostname="gone-host",
+                                         pid=4242, workflows=["pay@1"], concurrency=3,
+                                         lock_key=7_000_003)
+    sql("UPDATE orchestrator.workers SET heartbeat_at = now() - interval '30 seconds' "
+        "WHERE id = 'w-dead'")
+
+    def note(out: str) -> list[str]:
+        lines = out.split("\n\n", 1)[1].splitlines()
+        assert all(len(line) <= 100 for line in lines), lines
+        return lines
+
+    code, out, err = await cli(url, "workers", "list")
+    assert (code, err) == (0, "")
+    alone = note(out)
+    assert alone[0].startswith("dead: ") and "re-queues its runs" in " ".join(alone)
+    assert not [line for line in alone
+                if line.startswith(("live:", "draining:", "waiting:", "silent:"))]
+    assert alone[-1] == ("no worker is live: nothing claims runs until one starts "
+                         "(`orchestrator worker --app MODULE:ATTR`)")
+
+    async with running(app) as worker:
+        await wait_for(lambda: sql("SELECT lock_key FROM orchestrator.workers WHERE id = %s",
+                                   (worker.worker_id,)))
+        code, out, err = await cli(url, "workers", "list")
+        assert (code, err) == (0, "")
+    beside = note(out)
+    assert [line.split(":", 1)[0] for line in beside if not line.startswith(" ")] == [
+        "live", "dead"]
+    assert "no worker is live" not in out
