@@ -92,6 +92,9 @@ def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Colum
 # whatever old page the free-space map offers. SQLAlchemy cannot state storage parameters on a
 # table; the migrations test compares this with the database.
 FILLFACTOR = {"runs": 70, "operations": 70}
+# Indexes of runs whose leaf pages are split half full (migration 0037): the claim's and the
+# end's non-HOT updates add a run's next entries beside its first.
+INDEX_FILLFACTOR = {"pk_runs": 50, "ix_runs_created": 50, "ix_runs_owner_created": 50}
 
 _READY = "status IN ('queued', 'waiting') AND available_at IS NOT NULL"
 

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, pool
 
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
-from orchestrator.db.schema import FILLFACTOR, SCHEMA, VIEWS, metadata
+from orchestrator.db.schema import FILLFACTOR, INDEX_FILLFACTOR, SCHEMA, VIEWS, metadata
 
 
 def _target(url: str) -> DatabaseTarget:
@@ -128,6 +128,17 @@ def test_rewritten_tables_leave_room_on_their_pages(migrated_database_url: str) 
     for table in metadata.sorted_tables:
         want = FILLFACTOR.get(table.name)
         assert storage[table.name] == (None if want is None else [f"fillfactor={want}"])
+
+
+def test_indexes_of_runs_split_their_leaf_pages_with_room_for_next_versions(
+        migrated_database_url: str) -> None:
+    """The indexes' storage parameters, outside what autogenerate compares (migration 0037)."""
+    with psycopg.connect(migrated_database_url) as conn:
+        got = dict(conn.execute(
+            "SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'i' "
+            "AND c.reloptions IS NOT NULL", (SCHEMA,)).fetchall())
+    assert got == {name: [f"fillfactor={want}"] for name, want in INDEX_FILLFACTOR.items()}
 
 
 def test_upgrade_twice_is_a_no_op(migrated_database_url: str) -> None:
