@@ -35,6 +35,7 @@ from orchestrator.errors import (
     OperationUncertain,
     RunPruned,
 )
+from orchestrator.journal import check_versions
 from orchestrator.models import Owner, check_run_filters, held_until
 from orchestrator.reconcile import check_evidence
 
@@ -193,6 +194,7 @@ async def show_run(db: Database, run_id: uuid.UUID) -> RunDetail:
         if run is None:
             raise AccessDenied("the run does not exist or is not accessible")
         journal = await journal_db.journal_read(conn, run_id)
+        check_versions(journal)  # as every reader of a journal refuses newer entries (C3)
         operations = await ops_db.operation_list_for_run(conn, run_id)
         workers = await workers_db.worker_list_live(conn, within_seconds=LIVE_WORKER_SECONDS)
         holder = None

@@ -689,12 +689,12 @@ class Orchestrator:
     async def _row(self, run_id: uuid.UUID | str, owner: Owner | None, *,
                    result: bool = False) -> dict[str, Any]:
         """The owner's run (its summary; with ``result``, its result too), else
-        ``ACCESS_DENIED``."""
+        ``ACCESS_DENIED``; ``INVALID_REQUEST`` (``path`` ``run_id``) for text that is not a
+        run id."""
         who = self._owner(owner)
         rid = as_run_id(run_id)
-        row = (await self.database.read(lambda conn: runs_db.run_get(
-                   conn, rid, owner=(who.tenant, who.principal), result=result))
-               if rid is not None else None)
+        row = await self.database.read(lambda conn: runs_db.run_get(
+            conn, rid, owner=(who.tenant, who.principal), result=result))
         if row is None:
             raise AccessDenied(DENIED)
         return row
@@ -720,8 +720,6 @@ class Orchestrator:
         if operator is not None:
             check_operator(operator)
         rid = as_run_id(run_id)
-        if rid is None:
-            raise AccessDenied(DENIED)
         done = await admin.restart_run(
             self.database, rid, operator=who.principal if operator is None else operator,
             evidence=reason,
@@ -742,7 +740,9 @@ class Orchestrator:
 
     def get_run(self, run_id: uuid.UUID | str, *, owner: Owner | None = None
                 ) -> RunHandle[Any]:
-        """A handle to an existing run; ``ACCESS_DENIED`` if it is missing or not the owner's."""
+        """A handle to an existing run; ``ACCESS_DENIED`` if it is missing or not the owner's,
+        ``INVALID_REQUEST`` (``path`` ``run_id``) for text that is not a run id, as the CLI and
+        the HTTP API answer it."""
         return self._portal.call(self.get_run_async(run_id, owner=owner))
 
     async def list_runs_async(self, *, owner: Owner | None = None, status: str | None = None,

@@ -349,7 +349,8 @@ class ToolFailed(OrchestratorError):
     code = "TOOL_FAILED"
 
     def __init__(self, message: str, *, tool: str, cause: str | None = None,
-                 reason: str | None = None, position: int | None = None, **kw: Any) -> None:
+                 reason: str | None = None, position: int | None = None,
+                 retry_after: dict[str, Any] | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.tool = tool
         self.cause = cause  # e.g. authentication, conflict, rate_limited, denied
@@ -357,6 +358,10 @@ class ToolFailed(OrchestratorError):
         # operator (an operator chose to fail it) or resend_limit (max_engine_resends)
         self.reason = reason
         self.position = position
+        # the tool's Retry-After hint that stopped the call (reason budget), else None:
+        # ``given`` (as written, escaped and cut), ``wait_ms`` (None: it did not parse) and
+        # the retry policy's ``max_delay_ms``; the message says it in words
+        self.retry_after = retry_after
 
 
 class EventTimeout(OrchestratorError, TimeoutError):

@@ -75,7 +75,9 @@ PAYLOAD_FIELDS: Mapping[EventKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     K.CALL_PENDING: (("tool_version", "intent", "attempt", "op", "key", "effect"), ()),
     K.CALL_SUBMITTED: (("tool_version", "intent", "attempt", "op", "key", "effect"), ()),
     K.CALL_COMPLETED: (("result", "op"), ("resolved", "resolved_by")),
-    K.CALL_FAILED: (("op", "attempt", "cause", "reason", "incident"), ()),
+    # retry_after: the tool's Retry-After hint that stopped the call (reason budget), in
+    # entries written since the error names it (orchestrator.recovery.refused_hint)
+    K.CALL_FAILED: (("op", "attempt", "cause", "reason", "incident"), ("retry_after",)),
     K.CALL_DENIED: (("op", "stage", "cause", "incident"), ()),
     # why: cancelled, deadline or ended; not in entries written before every writer gave it
     # (a call the database found cancelled as it was sent: read as "cancelled")
@@ -155,7 +157,8 @@ class Nondeterminism(BaseException):  # noqa: N818
     and carry on (CONTRACT C4: never silently continued). Its text is the failed run's message
     (outcome ``NONDETERMINISM``). One found by replay matching (:mod:`orchestrator.matching`)
     also says where (``position``), what the journal recorded there and what the code issued,
-    in words (``call 'charge'``, ``sleep``), and ``report``: the offline check's sentence."""
+    in words (``call 'charge'``, ``sleep``). ``report``, the offline check's sentence, is the
+    message: a worker and ``orchestrator replay`` say one thing of one mismatch."""
 
     code = "NONDETERMINISM"
 
@@ -169,6 +172,25 @@ class Nondeterminism(BaseException):  # noqa: N818
         self.report = report or message
 
 
+def unsupported(event: Mapping[str, Any]) -> SchemaUnsupported:
+    """The refusal of a stored ``event`` written by newer code than this (CONTRACT C3: never
+    read as an entry of this code), in the words of every reader of a journal: a worker's
+    replay, the offline check, ``app.journal``, a stream, ``runs show``, ``ops show`` and the
+    console."""
+    return SchemaUnsupported(
+        f"journal event {event['seq']} has schema version {event['schema_version']}; this "
+        f"code understands up to {SCHEMA_VERSION}: read it with the orchestrator version "
+        "that wrote it, or a later one")
+
+
+def check_versions(events: Iterable[Mapping[str, Any]]) -> None:
+    """:func:`unsupported` for the first of ``events`` (stored entries) written by newer
+    code, if any."""
+    for event in events:
+        if event["schema_version"] > SCHEMA_VERSION:
+            raise unsupported(event)
+
+
 class JournalIndex:
     """The events of one run, grouped by command position, with schema versions checked."""
 
@@ -178,10 +200,7 @@ class JournalIndex:
         self.max_position = -1
         for event in events:
             if event["schema_version"] > SCHEMA_VERSION:
-                raise SchemaUnsupported(
-                    f"journal event {event['seq']} has schema version "
-                    f"{event['schema_version']}; this code understands up to {SCHEMA_VERSION}"
-                )
+                raise unsupported(event)
             position = event["position"]
             if position is None:
                 self.run_events.append(event)

@@ -30,8 +30,9 @@ Invariants:
   checked before anything else; a call recorded with another intent digest, or a message with
   another value, is :attr:`Outcome.DIFFERS` too. Its error is a
   :class:`~orchestrator.journal.Nondeterminism` (code ``NONDETERMINISM``), which a worker
-  raises (its text is the failed run's message) and the check reports (its ``report``: the
-  check words it from the code's side, as it always has).
+  raises (its text is the failed run's message) and the check reports, in the same words:
+  the position, what the journal recorded there and what the code issued. Code that ends (or
+  continues as new) before the commands its journal holds is :func:`code_ended`'s, for both.
 - A call's verdict follows the last entry recorded at its position (a worker resumes the call
   from there): a receipt returns, a failure or a denial raises :class:`ToolFailed`, a
   withdrawal waits for the same cancellation, anything else waits (the engine resumes the
@@ -52,6 +53,7 @@ from typing import Any, NamedTuple
 from orchestrator.canonical import canonical_json
 from orchestrator.errors import EventTimeout, RunFailed, ToolFailed, recorded_incident_ref
 from orchestrator.journal import Entry, EventKind, JournalIndex, Nondeterminism
+from orchestrator.recovery import hint_refusal
 
 K = EventKind
 
@@ -198,10 +200,8 @@ def match_publish(index: JournalIndex, position: int, topic: str, value: Any,
         return _PUBLISHED
     words = f"publish {topic!r}"
     return Verdict(_DIFFERS, Mismatch.MESSAGE, Nondeterminism(
-        f"position {position}: the workflow published another value on topic {topic!r} than "
-        "the journal recorded", position=position, recorded=words, issued=words,
-        report=f"position {position}: the code published another value on topic {topic!r} "
-               "than the journal recorded"))
+        f"position {position}: the code published another value on topic {topic!r} than "
+        "the journal recorded", position=position, recorded=words, issued=words))
 
 
 def match_sleep(index: JournalIndex, position: int) -> Verdict:
@@ -277,6 +277,11 @@ def tool_failed(tool: str, kind: str, payload: Mapping[str, Any]) -> ToolFailed:
         return ToolFailed(f"tool {tool} was not allowed ({payload['stage']})", tool=tool,
                           code="TOOL_DENIED", cause=payload.get("cause"), reason="cause",
                           incident=incident)
+    refused = payload.get("retry_after")
+    if refused is not None:  # a Retry-After hint stopped it: say which, and what is accepted
+        return ToolFailed(f"tool {tool} failed and was not retried: {hint_refusal(refused)}",
+                          tool=tool, cause=payload.get("cause"), reason=payload.get("reason"),
+                          retry_after=refused, incident=incident)
     return ToolFailed(f"tool {tool} failed", tool=tool, cause=payload.get("cause"),
                       reason=payload.get("reason"), incident=incident)
 
@@ -322,7 +327,21 @@ def _commands(events: list[Entry], position: int, command: str,
     recorded = describe(first)
     issued = "sleep" if command == "sleep" else f"{command} {name!r}"
     return Verdict(_DIFFERS, Mismatch.COMMAND, Nondeterminism(
-        f"position {position}: the workflow issued {command} {name!r} but the journal "
-        f"recorded {first['kind']} {first['name']!r}", position=position, recorded=recorded,
-        issued=issued,
-        report=f"position {position}: the journal recorded {recorded}, the code issued {issued}"))
+        f"position {position}: the journal recorded {recorded}, the code issued {issued}",
+        position=position, recorded=recorded, issued=issued))
+
+
+def code_ended(index: JournalIndex, position: int, how: str = "ended") -> Nondeterminism | None:
+    """The code ended (``how``: ``ended``, or ``continued as new``) having issued commands up
+    to ``position``: the :class:`~orchestrator.journal.Nondeterminism` of a journal that holds
+    a command from there on (patch markers are not commands), else None. A worker ending a
+    run and the offline check ask this, so both say the same of it."""
+    later = sorted(p for p, events in index.by_position.items()
+                   if p >= position and any(e["kind"] != _PATCH for e in events))
+    if not later:
+        return None
+    first = next(e for e in index.by_position[later[0]] if e["kind"] != _PATCH)
+    recorded = describe(first)
+    return Nondeterminism(
+        f"position {later[0]}: the journal recorded {recorded}, the code {how}",
+        position=later[0], recorded=recorded, issued="the end of the workflow")

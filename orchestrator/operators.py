@@ -48,6 +48,7 @@ from orchestrator.errors import (
     OperationInProgress,
     ResolutionConflict,
 )
+from orchestrator.journal import check_versions
 from orchestrator.metrics import Metrics
 from orchestrator.models import (
     check_workflow_filter,
@@ -276,21 +277,21 @@ Confirm = Callable[[BulkSummary], bool]
 
 def check_operation_id(value: Any) -> int:
     """An operation id is a positive integer (a database ``bigint``); anything else is
-    ``INVALID_REQUEST``, never a driver error."""
+    ``INVALID_REQUEST`` naming ``operation_id``, never a driver error, in the words of
+    :func:`parse_operation_id` (the console's and the CLI's)."""
     if type(value) is not int or not 0 < value < 2**63:
-        raise InvalidRequest("an operation id is a positive integer", path="operation_id")
+        shown = repr(str(value)[:40]) if isinstance(value, str) else str(value)[:40]
+        raise InvalidRequest(f"operation_id must be an operation id (a positive integer), "
+                             f"not {shown}", path="operation_id")
     return value
 
 
 def parse_operation_id(value: Any) -> int:
-    """An operation id given as text (a path's: whole ASCII digits) or as an int, checked as
-    :func:`check_operation_id`; anything else is ``INVALID_REQUEST`` naming ``operation_id``,
-    as a malformed run id names ``run_id``."""
+    """An operation id given as text (a path's or a command line's: whole ASCII digits) or as
+    an int, checked as :func:`check_operation_id`; anything else is ``INVALID_REQUEST`` naming
+    ``operation_id``, as a malformed run id names ``run_id``."""
     if isinstance(value, str) and is_number(value, 19):
         value = int(value)
-    if type(value) is not int:
-        raise InvalidRequest(f"operation_id must be an operation id (a positive integer), "
-                             f"not {str(value)[:40]!r}", path="operation_id")
     return check_operation_id(value)
 
 
@@ -392,6 +393,8 @@ class Operators:
             wait = refused.message
         attempts = await recon_db.operation_attempts(conn, item["run_id"], item["position"])
         run = await recon_db.run_status_of(conn, operation_id)
+        journal = await journal_db.journal_read(conn, item["run_id"])
+        check_versions(journal)  # as every reader of a journal refuses newer entries (C3)
         return {
             **item,
             "run_cancel_requested": run is not None and run[1],
@@ -401,7 +404,7 @@ class Operators:
                 conn, item["run_id"], [a["id"] for a in attempts]),
             "lookups": ([] if item["item_id"] is None
                         else await recon_db.recon_lookups(conn, item["item_id"])),
-            "journal": await journal_db.journal_read(conn, item["run_id"]),
+            "journal": journal,
             "audit": await recon_db.audit_list(conn, operation_id=operation_id,
                                                tenants=tenants),
         }

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import email.utils
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from orchestrator.errors import InvalidRequest
 from orchestrator.failures import (  # noqa: F401 - re-exported: recovery speaks of them
@@ -222,3 +223,27 @@ def parse_retry_after(value: str | int | float | None, now: datetime) -> tuple[i
 
 def _kept(ms: int) -> tuple[int | None, bool]:
     return (ms, False) if ms <= MAX_RETRY_AFTER_MS else (None, True)
+
+
+def refused_hint(value: str | float, wait_ms: int | None, max_delay_ms: int) -> dict[str, Any]:
+    """What a call's ``call.failed`` entry keeps of the Retry-After hint that stopped it
+    (``decide``'s ``stop("budget", "upstream")``), for :func:`hint_refusal` to say live and on
+    every replay: ``given``, a hint given as a number (None for a text: what a provider wrote
+    stays out of the journal and the errors, C10), ``wait_ms``, the wait it asked for (None:
+    it did not parse), and the policy's ``max_delay_ms``."""
+    given = None if isinstance(value, str) else repr(value)
+    return {"given": given, "wait_ms": wait_ms, "max_delay_ms": max_delay_ms}
+
+
+def hint_refusal(refused: Mapping[str, Any]) -> str:
+    """Why a Retry-After hint stopped a call (``refused``: :func:`refused_hint`'s), saying
+    what is accepted: the one sentence every surface says of it."""
+    given, wait_ms = refused.get("given"), refused.get("wait_ms")
+    hint = "the tool's Retry-After hint" + (f" {given}" if given is not None else "")
+    if wait_ms is None:
+        return (f"{hint} was not accepted: it takes whole seconds (ASCII digits, or a number "
+                f"of seconds of 0 or more) or an HTTP-date, at most "
+                f"{MAX_RETRY_AFTER_MS // 86_400_000} days away")
+    return (f"{hint} asks for a wait of {wait_ms} ms, longer than the retry policy's "
+            f"max_delay_ms ({refused['max_delay_ms']}): give the tool a RetryPolicy whose "
+            "max_delay_ms covers the waits its provider asks for")

@@ -35,7 +35,6 @@ from orchestrator.errors import InvalidRequest, RunPruned, UnknownWorkflow
 from orchestrator.journal import (
     RUN_ENDS,
     Entry,
-    EventKind,
     JournalIndex,
     Nondeterminism,
     shown_payload,
@@ -44,7 +43,6 @@ from orchestrator.matching import (
     NEW,
     Mismatch,
     Outcome,
-    describe,
     match_call,
     match_child,
     match_event,
@@ -61,8 +59,6 @@ EXPORT_VERSION = 1
 QUIET_TURNS = 100
 """Turns of the event loop with no command issued after which every branch of the code is
 taken to be waiting where its history ends."""
-
-K = EventKind
 
 
 @dataclass(frozen=True)
@@ -289,22 +285,19 @@ async def check_run(run: RecordedRun, registry: Registry,
         failure = _deciding(raised)
     if isinstance(failure, Nondeterminism):
         return Verdict(run.run_id, key, "nondeterminism", commands.matched, failure.position,
-                       failure.recorded, failure.issued, f"NONDETERMINISM: {failure.report}")
+                       failure.recorded, failure.issued, f"NONDETERMINISM: {failure}")
     if isinstance(failure, _HistoryEnds):
         return _ended(run, key, commands, failure.position)
     if isinstance(failure, InvalidRequest | UnknownWorkflow):
         return Verdict(run.run_id, key, "error", commands.matched,
                        message=f"{failure.code}: {failure}")
-    # The code ended (returned, or raised as a failing run does): the journal must not hold
-    # commands it did not issue.
-    beyond = sorted(p for p, events in commands.index.by_position.items()
-                    if p >= commands.position and any(e["kind"] != K.PATCH for e in events))
-    if beyond:
-        first = next(e for e in commands.index.by_position[beyond[0]] if e["kind"] != K.PATCH)
-        return Verdict(run.run_id, key, "nondeterminism", commands.matched, beyond[0],
-                       describe(first), "the end of the workflow",
-                       f"NONDETERMINISM: position {beyond[0]}: the journal recorded "
-                       f"{describe(first)}, the code ended")
+    # The code ended (returned, continued as new, or raised as a failing run does): the
+    # journal must not hold commands it did not issue.
+    how = "continued as new" if isinstance(failure, ContinueAsNew) else "ended"
+    beyond = matching.code_ended(commands.index, commands.position, how)
+    if beyond is not None:
+        return Verdict(run.run_id, key, "nondeterminism", commands.matched, beyond.position,
+                       beyond.recorded, beyond.issued, f"NONDETERMINISM: {beyond}")
     return _ended(run, key, commands, None)
 
 

@@ -45,7 +45,7 @@ from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
 from orchestrator.errors import AccessDenied, InvalidRequest, RunPruned, SchemaUnsupported
-from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry, EventKind
+from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry, EventKind, unsupported
 from orchestrator.text import check_identifier
 
 POLL_INTERVAL = 0.05
@@ -231,9 +231,7 @@ def _newer(rows: list[Entry]) -> int | None:
 
 
 def _refused(row: Entry) -> SchemaUnsupported:
-    return SchemaUnsupported(f"journal event {row['seq']} has schema version "
-                             f"{row['schema_version']}; this code understands up to "
-                             f"{SCHEMA_VERSION}")
+    return unsupported(row)
 
 
 Woken = tuple["dict[str, Any] | None", "list[Entry] | None"]

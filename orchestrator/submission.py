@@ -31,13 +31,12 @@ from orchestrator.errors import (
     EventBacklogFull,
     IdempotencyConflict,
     InvalidRequest,
-    SchemaUnsupported,
 )
 from orchestrator.flow import MAX_DEADLINE, Start, check_start
 from orchestrator.handle import DENIED, TERMINAL
-from orchestrator.journal import SCHEMA_VERSION, shown
+from orchestrator.journal import check_versions, shown
 from orchestrator.metrics import Metrics
-from orchestrator.models import JournalEntry, Owner, validate_idempotency_key
+from orchestrator.models import JournalEntry, Owner, parse_run_id, validate_idempotency_key
 from orchestrator.registry import Registry, Workflow, resolve_workflow
 from orchestrator.text import check_identifier
 from orchestrator.tracing import Tracing, current_traceparent, format_traceparent, record_error
@@ -67,24 +66,18 @@ def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
     return default
 
 
-def as_run_id(value: uuid.UUID | str) -> uuid.UUID | None:
-    """A run id given as a UUID or its text; None for text that is not one."""
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
+def as_run_id(value: uuid.UUID | str) -> uuid.UUID:
+    """A run id given as a UUID or its text. Text that is not one is bad input,
+    ``INVALID_REQUEST`` with ``path`` ``run_id``, in the words the CLI and the HTTP API use
+    (:func:`~orchestrator.models.parse_run_id`): not ``ACCESS_DENIED``, which says that a
+    well-formed id names no run this owner may see (C9)."""
+    return parse_run_id(value)
 
 
 def check_journal(events: Sequence[dict[str, Any]]) -> list[JournalEntry]:
     """A run's journal rows as entries, oldest first; ``SCHEMA_UNSUPPORTED`` for an entry
     written by newer code than this (its schema version is above :data:`SCHEMA_VERSION`)."""
-    newer = [e for e in events if e["schema_version"] > SCHEMA_VERSION]
-    if newer:
-        raise SchemaUnsupported(
-            f"journal event {newer[0]['seq']} has schema version "
-            f"{newer[0]['schema_version']}; this code understands up to {SCHEMA_VERSION}")
+    check_versions(events)
     return [JournalEntry.from_row(shown(e)) for e in events]
 
 
@@ -245,8 +238,7 @@ class Submission:
         cap = self.config.max_pending_events
 
         async def deliver(conn: Conn) -> bool:
-            row = (await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
-                   if rid is not None else None)
+            row = await runs_db.run_lock_last(conn, rid, owner=(who.tenant, who.principal))
             if row is None:
                 raise AccessDenied(DENIED)
             target = row["id"]  # the last run of a chain of continuations

@@ -159,14 +159,9 @@ def _listed(items: object, name: str, what: str) -> list[Any]:
 
 
 def _run_ids(runs: Iterable[RunHandle | uuid.UUID | str]) -> list[uuid.UUID]:
-    """The runs' ids; ``ACCESS_DENIED`` for text that is not a run id, as ``app.get_run``."""
-    ids = []
-    for run in runs:
-        run_id = run.id if isinstance(run, RunHandle) else as_run_id(run)
-        if run_id is None:
-            raise AccessDenied(DENIED)
-        ids.append(run_id)
-    return ids
+    """The runs' ids; ``INVALID_REQUEST`` (``path`` ``run_id``) for text that is not a run id,
+    as ``app.get_run`` answers it."""
+    return [run.id if isinstance(run, RunHandle) else as_run_id(run) for run in runs]
 
 
 def _due(row: dict[str, Any], now: datetime) -> bool:
@@ -300,9 +295,9 @@ async def run_until_idle(app: Orchestrator, *,
     waited for.
 
     ``AssertionError`` if idle is not reached within ``timeout`` seconds (the worker is
-    stopped all the same). A run of ``runs`` that the database does not hold (or text that is
-    not a run id) is ``ACCESS_DENIED``, as for ``app.get_run``; one run given bare, not in a
-    list, is ``INVALID_REQUEST``. ``options`` go to
+    stopped all the same). A run of ``runs`` that the database does not hold is
+    ``ACCESS_DENIED``, as for ``app.get_run``; text that is not a run id (``path`` ``run_id``)
+    and one run given bare, not in a list, are ``INVALID_REQUEST``. ``options`` go to
     :meth:`Orchestrator.create_worker`, e.g. ``poll_interval``.
     """
     horizon = _horizon(timers_within)
@@ -344,8 +339,9 @@ async def replay_async(app: Orchestrator, journals: Iterable[Journal]) -> list[V
     ``verdict.ok``, or ``verdict.verdict == "nondeterminism"`` with the ``position``, the
     ``recorded`` command and the ``issued`` one. Runs given by id are read from ``app``'s
     database (``app`` may be new code beside the one that wrote them); an id the database
-    does not hold is ``ACCESS_DENIED``, as for ``app.get_run``; one journal given bare, not in
-    a list, is ``INVALID_REQUEST``."""
+    does not hold is ``ACCESS_DENIED``, as for ``app.get_run``; text that is not a run id
+    (``path`` ``run_id``) and one journal given bare, not in a list, are
+    ``INVALID_REQUEST``."""
     runs: list[RecordedRun] = []
     for item in _listed(journals, "journals", JOURNALS):
         if isinstance(item, RecordedRun):

@@ -30,7 +30,13 @@ from orchestrator.cli.operating import (
 from orchestrator.cli.tables import cell, render
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.errors import InvalidRequest
-from orchestrator.operators import AUDIT_TARGET_KINDS, ITEM_STATES, UNRESOLVED, Operators
+from orchestrator.operators import (
+    AUDIT_TARGET_KINDS,
+    ITEM_STATES,
+    UNRESOLVED,
+    Operators,
+    parse_operation_id,
+)
 from orchestrator.records import why
 
 AUDIT_LIMIT = 50  # rows of `ops audit` unless --limit says otherwise
@@ -56,13 +62,13 @@ def register(subparsers: Any) -> None:
                                             "under way: what to wait for): intent, arguments, "
                                             "attempts, lookups, timeline (`runs show` lists "
                                             "every operation of a run)")
-    show.add_argument("operation_id", type=int)
+    show.add_argument("operation_id")  # parse_operation_id: refused as the console does
     operator_options(show, operator_required=False)
     json_option(show)
     show.set_defaults(func=cmd_show)
 
     res = commands.add_parser("resolve", help="record what happened, with evidence")
-    res.add_argument("operation_id", type=int)
+    res.add_argument("operation_id")  # parse_operation_id: refused as the console does
     kind = res.add_mutually_exclusive_group(required=True)
     kind.add_argument("--committed", action="store_true", help="the effect was applied")
     kind.add_argument("--not-applied", action="store_true", help="nothing was applied")
@@ -74,7 +80,7 @@ def register(subparsers: Any) -> None:
     res.set_defaults(func=cmd_resolve)
 
     abandon = commands.add_parser("abandon", help="give up: the run fails OPERATION_ABANDONED")
-    abandon.add_argument("operation_id", type=int)
+    abandon.add_argument("operation_id")  # parse_operation_id: refused as the console does
     abandon.add_argument("--evidence", required=True, metavar="TEXT")
     operator_options(abandon, operator_required=True)
     json_option(abandon)
@@ -139,8 +145,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    d = with_operators(args, lambda ops, operator: ops.show(args.operation_id,
-                                                             operator=operator))
+    op = parse_operation_id(args.operation_id)
+    d = with_operators(args, lambda ops, operator: ops.show(op, operator=operator))
     if args.json:
         records.emit(records.item_detail(d))
         return 0
@@ -294,7 +300,7 @@ async def _resolved(ops: Operators, op_id: int, operator: str, outcome: Awaitabl
 def cmd_resolve(args: argparse.Namespace) -> int:
     receipt = receipt_of(args)
     then_of(args)
-    op = args.operation_id
+    op = parse_operation_id(args.operation_id)
     if args.committed:
         done = with_operators(args, lambda ops, operator: _resolved(
             ops, op, operator, ops.resolve_committed(
@@ -313,7 +319,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
-    op = args.operation_id
+    op = parse_operation_id(args.operation_id)
     done = with_operators(args, lambda ops, operator: _resolved(
         ops, op, operator, ops.abandon(op, evidence=args.evidence, operator=operator)))
     if args.json:

@@ -28,6 +28,7 @@ from orchestrator.journal import shown_payload
 from orchestrator.models import parse_run_id
 from orchestrator.operators import Operators
 from orchestrator.records import why
+from orchestrator.recovery import hint_refusal
 from orchestrator.stream import RunStreams, check_cursor, check_kept
 
 EXIT_NOT_SUCCEEDED = 1  # the CLI's EXIT_FINDING: `runs watch` of a run that failed or was cancelled
@@ -199,7 +200,8 @@ def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -
         return f"operation {p['op']} committed{by}"
     if kind == "call.failed":
         failed = "failed before it was sent" if p["cause"].endswith(BEFORE_SEND) else "failed"
-        return f"operation {p['op']} {failed}: {p['cause']} ({p['reason']})"
+        hint = f"; {hint_refusal(p['retry_after'])}" if p.get("retry_after") else ""
+        return f"operation {p['op']} {failed}: {p['cause']} ({p['reason']}){hint}"
     if kind == "call.abandoned":
         return f"operation {p['op']} abandoned{by}: the run fails"
     if kind == "patch":
@@ -247,6 +249,8 @@ def cause_text(cause: Any) -> str | None:
     if isinstance(inner, str):
         parts.insert(1 if "tool" in cause else 0, f"cause {inner}")
     text = str(cause.get("code")) + (f" ({', '.join(parts)})" if parts else "")
+    if isinstance(cause.get("retry_after"), dict):  # the hint that stopped the call
+        text += f"; {hint_refusal(cause['retry_after'])}"
     if isinstance(inner, dict):
         text += f"; its cause: {cause_text(inner)}"
     return text

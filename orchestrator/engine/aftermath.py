@@ -88,8 +88,8 @@ class Aftermath:
     async def definitive(self, op_id: int, number: int, decision: Decision, cause: str,
                          ref: str | None, *, record_failure: bool = True,
                          reason: str | None = None, resend: str | None = None,
-                         phase: str = "reconciliation", delay_class: str = "backoff"
-                         ) -> Attempt:
+                         phase: str = "reconciliation", delay_class: str = "backoff",
+                         refused: dict[str, Any] | None = None) -> Attempt:
         """This attempt applied nothing: back off durably and return the next attempt, or stop
         with ToolFailed. But if an earlier attempt at this position is still unknown (it was
         re-sent with the same key), this answer says nothing about that one: the next attempt
@@ -98,7 +98,9 @@ class Aftermath:
         ``reason`` overrides the decision's stop reason; ``resend`` marks a retry as a re-send
         outside the retry budget (:meth:`resend`). ``phase`` (``tool``: the tool said so;
         ``reconciliation``: a lookup or an operator proved it) and ``delay_class`` (of a retry's
-        delay: ``backoff`` or ``retry_after``) label the metrics."""
+        delay: ``backoff`` or ``retry_after``) label the metrics. ``refused``: the tool's
+        Retry-After hint that stopped the call (``orchestrator.recovery.refused_hint``), which
+        its ``call.failed`` entry keeps so that its error names it."""
         site = self.site
         metrics = site.run.metrics
         if resend != "lost":  # an attempt the engine lost is not the tool's failure
@@ -129,12 +131,14 @@ class Aftermath:
         if earlier:
             await self._reconcile_earlier(op_id, earlier[0]["id"], cause, ref, record_failure)
         reason = reason or decision.reason or "cause"
-        await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_FAILED, {
-            "op": op_id, "attempt": number, "cause": cause, "reason": reason, "incident": ref})
+        failed: dict[str, Any] = {"op": op_id, "attempt": number, "cause": cause,
+                                  "reason": reason, "incident": ref}
+        if refused is not None:
+            failed["retry_after"] = refused
+        await self._fail(op_id, cause, ref, record_failure, EventKind.CALL_FAILED, failed)
         if decision.detail == "deadline":
             site.run.stop_deadline()  # the next attempt cannot fit before the run's deadline
-        raise tool_failed(site.tool.name, EventKind.CALL_FAILED,
-                          {"op": op_id, "cause": cause, "reason": reason, "incident": ref})
+        raise tool_failed(site.tool.name, EventKind.CALL_FAILED, failed)
 
     async def uncertain(self, op_id: int, number: int, key: str, reason: str,
                         incident: str | None = None) -> Attempt:

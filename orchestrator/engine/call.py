@@ -49,7 +49,7 @@ from orchestrator.errors import (
 from orchestrator.failures import ToolError, public_cause
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism
 from orchestrator.matching import NEW, Outcome, match_call
-from orchestrator.recovery import parse_retry_after
+from orchestrator.recovery import parse_retry_after, refused_hint
 from orchestrator.tracing import key_digest, record_error
 
 
@@ -392,9 +392,13 @@ class Call(CallSite):
                 # The journal (which owners read) keeps only a cause word the orchestrator
                 # knows; one the tool chose is tool text and stays in the incident (C10).
                 hinted = upstream is not None and decision.delay_ms == upstream
+                refused = (refused_hint(exc.retry_after, upstream, self.tool.policy.max_delay_ms)
+                           if decision.detail == "upstream" and exc.retry_after is not None
+                           else None)
                 return await aftermath.definitive(
                     op_id, number, decision, public_cause(cls.cause) or "tool_defined", ref,
-                    phase="tool", delay_class="retry_after" if hinted else "backoff")
+                    phase="tool", delay_class="retry_after" if hinted else "backoff",
+                    refused=refused)
         return await aftermath.uncertain(op_id, number, key, "TOOL_OUTCOME_UNCERTAIN", ref)
 
     async def commit(self, op_id: int, key: str, receipt: Any, receipt_text: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from orchestrator.errors import EventTimeout, OrchestratorError, RunFailed, ToolFailed
 from orchestrator.failures import STOP_REASONS, public_cause, unknown_cause
 from orchestrator.journal import Entry, EventKind
+from orchestrator.recovery import hint_refusal
 
 _BEGUN = (EventKind.CALL_PENDING, EventKind.CALL_SUBMITTED)
 _ENDED = (EventKind.CALL_FAILED, EventKind.CALL_DENIED)
@@ -29,9 +30,13 @@ def cause_of(exc: OrchestratorError) -> dict[str, Any]:
     if isinstance(exc, ToolFailed):
         if exc.position is None:  # made by workflow code, not by the engine: nothing to vouch for
             return {"code": exc.code}
-        return {"code": exc.code, "tool": exc.tool, "cause": public_cause(exc.cause),
-                "reason": exc.reason if exc.reason in STOP_REASONS else None,
-                "attempts": None, "stage": None, "reconciled": None}
+        cause: dict[str, Any] = {
+            "code": exc.code, "tool": exc.tool, "cause": public_cause(exc.cause),
+            "reason": exc.reason if exc.reason in STOP_REASONS else None,
+            "attempts": None, "stage": None, "reconciled": None}
+        if exc.retry_after is not None:  # only then: the hint that stopped it (reason budget)
+            cause["retry_after"] = exc.retry_after
+        return cause
     if isinstance(exc, EventTimeout):
         return {"code": exc.code, "event": exc.event}
     if isinstance(exc, RunFailed):
@@ -41,7 +46,8 @@ def cause_of(exc: OrchestratorError) -> dict[str, Any]:
 
 def headline(cause: Mapping[str, Any]) -> str:
     """The run's message for a cause: ``the workflow stopped on TOOL_FAILED: tool charge,
-    cause timeout``."""
+    cause timeout``; a call that a Retry-After hint stopped adds what the call's own error
+    says of it (:func:`~orchestrator.recovery.hint_refusal`)."""
     code = cause["code"]
     text = f"the workflow stopped on {code}"
     if cause.get("tool") is not None:
@@ -54,6 +60,8 @@ def headline(cause: Mapping[str, Any]) -> str:
         text += f": event {cause['event']!r}"
     elif cause.get("run_id") is not None:
         text += f": child run {cause['run_id']}"
+    if isinstance(cause.get("retry_after"), Mapping):
+        text += f"; {hint_refusal(cause['retry_after'])}"
     return text
 
 

@@ -40,6 +40,7 @@ from orchestrator.errors import (
 from orchestrator.ids import new_run_id
 from orchestrator.journal import SCHEMA_VERSION, Entry, EventKind, Nondeterminism, entry
 from orchestrator.logs import fields
+from orchestrator.matching import code_ended
 from orchestrator.text import storable
 
 log = logging.getLogger("orchestrator.worker")
@@ -232,9 +233,8 @@ class Outcome:
                              incident_detail=_detail(exc), cause=cause_of(exc),
                              log_cause=exc.code)
             return
-        if run.index.max_position >= run.position:
-            await self._fail("NONDETERMINISM", "the workflow finished before reaching commands "
-                             "recorded in its journal")
+        if (ended := code_ended(run.index, run.position)) is not None:
+            await self._fail("NONDETERMINISM", str(ended))
             return
         if not session.buffered and not run.lost:
             try:
@@ -255,9 +255,8 @@ class Outcome:
         the same transaction (``chains_db.run_continue``); while an operation is unsettled it
         waits for the reconciliation instead, as any end does (and continues on its replay)."""
         run = self.run
-        if run.index.max_position >= run.position:
-            await self._fail("NONDETERMINISM", "the workflow continued as new before reaching "
-                             "commands recorded in its journal")
+        if (ended := code_ended(run.index, run.position, "continued as new")) is not None:
+            await self._fail("NONDETERMINISM", str(ended))
             return
         new_id = new_run_id()
         ev = entry(EventKind.RUN_CONTINUED, None, None,

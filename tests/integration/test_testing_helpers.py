@@ -221,17 +221,18 @@ def test_run_until_idle_sync_serves_the_sync_api(app):
 
 
 async def test_a_run_the_database_does_not_hold_is_access_denied_as_in_the_app(app):
-    """An unknown run id (or text that is not one) given to run_until_idle or replay is
-    refused as ``app.get_run`` refuses it (``ACCESS_DENIED``), not with a bare ValueError."""
+    """An unknown run id given to run_until_idle or replay is refused as ``app.get_run``
+    refuses it (``ACCESS_DENIED``), and text that is not one as ``app.get_run`` refuses that
+    (``INVALID_REQUEST``, ``path`` ``run_id``), not with a bare ValueError."""
     @app.workflow()
     async def hello(ctx, data):  # type: ignore[no-untyped-def]
         return data
 
-    for missing in (uuid.uuid4(), "not-a-run-id"):
-        with pytest.raises(AccessDenied) as refused:
+    for missing, refusal in ((uuid.uuid4(), AccessDenied), ("not-a-run-id", InvalidRequest)):
+        with pytest.raises(refusal) as refused:
             await run_until_idle(app, runs=[missing], poll_interval=0.05)
-        assert refused.value.code == "ACCESS_DENIED"
-        with pytest.raises(AccessDenied):
+        assert refused.value.code == refusal.code
+        with pytest.raises(refusal):
             await replay_async(app, [missing])
 
 

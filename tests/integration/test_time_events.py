@@ -173,12 +173,15 @@ async def test_missing_and_foreign_runs_look_the_same(app):
 
     run = await app.submit_async(wf, {})
     answers = []
-    for run_id, owner in [(run.id, OTHER), ("00000000-0000-0000-0000-000000000000", None),
-                          ("not-a-uuid", None)]:
+    for run_id, owner in [(run.id, OTHER), ("00000000-0000-0000-0000-000000000000", None)]:
         with pytest.raises(AccessDenied) as info:
             await app.get_run_async(run_id, owner=owner)
         answers.append((info.value.code, info.value.message))
     assert len(set(answers)) == 1 and answers[0][0] == "ACCESS_DENIED"
+    # text that is not a run id names no run at all: bad input, as the CLI and HTTP say
+    with pytest.raises(InvalidRequest) as malformed:
+        await app.get_run_async("not-a-uuid")
+    assert (malformed.value.code, malformed.value.path) == ("INVALID_REQUEST", "run_id")
     assert [r.id for r in await app.list_runs_async(owner=OTHER)] == []
     assert [r.id for r in await app.list_runs_async()] == [run.id]
     await app.database.close()

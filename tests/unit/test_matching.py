@@ -17,6 +17,7 @@ from orchestrator.matching import (
     Outcome,
     Verdict,
     child_ended,
+    code_ended,
     describe,
     match_call,
     match_child,
@@ -151,12 +152,27 @@ def test_a_call_where_another_tool_or_another_command_was_recorded_differs() -> 
     index = journal(begun(3, tool="a"), entry(K.TIMER, 4, "sleep", {"until": WHEN.isoformat()}))
     error = differs(match_call(index, 3, "b", INTENT), Mismatch.COMMAND)
     assert (error.position, error.recorded, error.issued) == (3, "call 'a'", "call 'b'")
-    assert str(error) == ("position 3: the workflow issued call 'b' but the journal recorded "
-                          "call.submitted 'a'")
-    assert error.report == "position 3: the journal recorded call 'a', the code issued call 'b'"
+    # the worker's message and the offline check's report: one sentence, in the words of
+    # describe() (not the entry's kind, call.submitted)
+    assert str(error) == error.report == (
+        "position 3: the journal recorded call 'a', the code issued call 'b'")
     error = differs(match_call(index, 4, "a", INTENT), Mismatch.COMMAND)
     assert (error.recorded, error.issued) == ("sleep", "call 'a'")
     assert error.report == "position 4: the journal recorded sleep, the code issued call 'a'"
+
+
+def test_code_that_ends_before_its_journal_does_differs_at_the_first_command_left() -> None:
+    index = journal(begun(0, tool="a"), entry(K.PATCH, 1, "p", {}),
+                    entry(K.TIMER, 2, "sleep", {"until": WHEN.isoformat()}))
+    error = code_ended(index, 1)
+    assert error is not None and str(error) == error.report == (
+        "position 2: the journal recorded sleep, the code ended")
+    assert (error.position, error.recorded, error.issued) == (2, "sleep",
+                                                            "the end of the workflow")
+    assert str(code_ended(index, 0, "continued as new")) == (
+        "position 0: the journal recorded call 'a', the code continued as new")
+    assert code_ended(index, 3) is None
+    assert code_ended(journal(begun(0), entry(K.PATCH, 1, "p", {})), 1) is None  # markers only
 
 
 def test_the_kind_and_name_are_checked_before_the_intent() -> None:
@@ -197,10 +213,8 @@ def test_a_recorded_message_is_checked_by_its_canonical_value() -> None:
     assert given.outcome is Outcome.RETURNS  # the caller's canonical text is used as it is
     error = differs(match_publish(index, 0, "progress", {"a": [1, "x"], "b": 1}),
                     Mismatch.MESSAGE)  # 1 is not 1.0: the type is kept
-    assert str(error) == ("position 0: the workflow published another value on topic "
-                          "'progress' than the journal recorded")
-    assert error.report == ("position 0: the code published another value on topic "
-                            "'progress' than the journal recorded")
+    assert str(error) == error.report == ("position 0: the code published another value on "
+                                          "topic 'progress' than the journal recorded")
     assert (error.recorded, error.issued) == ("publish 'progress'", "publish 'progress'")
     error = differs(match_publish(index, 0, "other", 1), Mismatch.COMMAND)
     assert (error.recorded, error.issued) == ("publish 'progress'", "publish 'other'")
