@@ -359,8 +359,8 @@ class ToolFailed(OrchestratorError):
         self.reason = reason
         self.position = position
         # the tool's Retry-After hint that stopped the call (reason budget), else None:
-        # ``given`` (as written, escaped and cut), ``wait_ms`` (None: it did not parse) and
-        # the retry policy's ``max_delay_ms``; the message says it in words
+        # ``given`` (a hint given as a finite number, else None), ``wait_ms`` (None: it did
+        # not parse) and the retry policy's ``max_delay_ms``; the message says it in words
         self.retry_after = retry_after
 
 

@@ -458,6 +458,16 @@ class Operators:
 
     async def _resolve(self, operation_id: int, resolution: str, evidence: str, operator: str,
                        receipt: Any = None, then: str | None = None) -> str:
+        return (await self.resolve(operation_id, resolution, evidence=evidence,
+                                   operator=operator, receipt=receipt, then=then)).outcome
+
+    async def resolve(self, operation_id: int, resolution: str, *, evidence: str, operator: str,
+                      receipt: Any = None, then: str | None = None) -> reconcile.Resolved:
+        """:meth:`resolve_committed`, :meth:`resolve_not_applied` (``then``) or
+        :meth:`abandon` by ``resolution`` (``committed``, ``not_applied``, ``abandoned``), and
+        what the resolution found, read in its own transaction: the run's status and
+        cancellation before it and the operations the run still waits for after it
+        (:func:`orchestrator.reconcile.next_step` words what follows)."""
         check_operation_id(operation_id)
         done = await reconcile.resolve(
             self.db, operation_id=operation_id, resolution=resolution, receipt=receipt,
@@ -465,7 +475,7 @@ class Operators:
             limits=self.json_limits, then=then)
         if done.outcome == "resolved":
             self.metrics.incr("reconciliation_operator", answer=resolution)
-        return done.outcome
+        return done
 
     async def still_waiting_on(self, operation_id: int, *, operator: str) -> list[int]:
         """The other operations the run of ``operation_id`` still waits for before it resumes

@@ -228,10 +228,12 @@ def _kept(ms: int) -> tuple[int | None, bool]:
 def refused_hint(value: str | float, wait_ms: int | None, max_delay_ms: int) -> dict[str, Any]:
     """What a call's ``call.failed`` entry keeps of the Retry-After hint that stopped it
     (``decide``'s ``stop("budget", "upstream")``), for :func:`hint_refusal` to say live and on
-    every replay: ``given``, a hint given as a number (None for a text: what a provider wrote
-    stays out of the journal and the errors, C10), ``wait_ms``, the wait it asked for (None:
-    it did not parse), and the policy's ``max_delay_ms``."""
-    given = None if isinstance(value, str) else repr(value)
+    every replay: ``given``, a hint given as a finite number (None for anything else, a text or
+    bytes: what a provider wrote stays out of the journal and the errors, C10), ``wait_ms``,
+    the wait it asked for (None: it did not parse), and the policy's ``max_delay_ms``."""
+    number = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value))
+    given = repr(value) if number else None
     return {"given": given, "wait_ms": wait_ms, "max_delay_ms": max_delay_ms}
 
 

@@ -30,11 +30,18 @@ entry for every run, the keyless ones too (NULLs are distinct: they never confli
 update of a run that cannot be HOT (the claim, the end) inserted another. It is now a unique
 index of the runs that have a key (``WHERE idempotency_key IS NOT NULL``): the same
 conflicts, found the same way (the submission's ``ON CONFLICT DO NOTHING`` names no index;
-a lookup ``idempotency_key = …`` implies the predicate). Building it holds writes to ``runs``
-off for its duration (about as long as 0009's index: 2.4 s for 1,000,000 runs); a large
-installation may build it first with ``CREATE UNIQUE INDEX CONCURRENTLY uq_runs_keyed ON
-orchestrator.runs (tenant, principal, idempotency_key) WHERE idempotency_key IS NOT NULL``,
-and the migration then only drops the old constraint and renames the index.
+a lookup ``idempotency_key = …`` implies the predicate).
+
+The migration builds the index first, which holds writes to ``runs`` off (not reads) for its
+duration (about as long as 0009's index: 2.4 s for 1,000,000 runs); then it drops the old
+constraint and the two foreign keys, each an exclusive lock on ``runs`` (and ``operations``,
+``journal_entries``) that blocks reads too and is held until the migration commits, a moment
+later. A large installation may build the index first with ``CREATE UNIQUE INDEX
+CONCURRENTLY uq_runs_keyed ON orchestrator.runs (tenant, principal, idempotency_key) WHERE
+idempotency_key IS NOT NULL``: the migration then checks that it is that index, valid and
+ready (a concurrent build that failed leaves an invalid one: it stops, saying so), and only
+renames it. ``TRUNCATE orchestrator.runs CASCADE`` no longer reaches ``operations`` and
+``journal_entries``, which no foreign key ties to it any more: name them too.
 
 Revision ID: 0036
 Revises: 0035
@@ -67,14 +74,50 @@ REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION {S}.runs_delet
 """
 
 
+KEYED = (f"CREATE UNIQUE INDEX IF NOT EXISTS uq_runs_keyed ON {S}.runs "
+         "(tenant, principal, idempotency_key) WHERE idempotency_key IS NOT NULL")
+
+# A ``uq_runs_keyed`` built beforehand must be this index, whole: a ``CREATE INDEX
+# CONCURRENTLY`` that failed or was cancelled leaves an invalid one behind, and one of another
+# definition would not keep the submission keys unique.
+_CHECK_PREBUILT = f"""
+DO $$
+DECLARE got record;
+BEGIN
+    SELECT i.indisvalid AND i.indisready AND i.indisunique
+               AND i.indrelid = '{S}.runs'::regclass AND i.indexprs IS NULL
+               AND am.amname = 'btree'
+               AND pg_get_expr(i.indpred, i.indrelid) = '(idempotency_key IS NOT NULL)'
+               AND ARRAY(SELECT a.attname::text
+                         FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, n)
+                         JOIN pg_attribute a ON a.attrelid = i.indrelid
+                                            AND a.attnum = k.attnum
+                         ORDER BY k.n) = ARRAY['tenant', 'principal', 'idempotency_key']
+               AS right, pg_get_indexdef(i.indexrelid) AS def
+    INTO got
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam
+    WHERE i.indexrelid = to_regclass('{S}.uq_runs_keyed');
+    IF FOUND AND NOT coalesce(got.right, false) THEN
+        RAISE EXCEPTION 'the index {S}.uq_runs_keyed is not the one migration 0036 builds'
+            USING DETAIL = 'found ' || got.def || ' (or it is not valid and ready)',
+                  HINT = 'drop it (DROP INDEX CONCURRENTLY {S}.uq_runs_keyed) and upgrade '
+                         'again, or build it again as the migration''s text says';
+    END IF;
+END $$;
+"""
+
+
 def upgrade() -> None:
+    # The index first: building it holds writes to runs off, not reads. Then the catalog
+    # changes, each an exclusive lock on runs (and operations, journal_entries) held briefly
+    # to the commit.
+    op.execute(_CHECK_PREBUILT)
+    op.execute(KEYED)
+    op.execute(f"ALTER TABLE {S}.runs DROP CONSTRAINT uq_runs_tenant_principal_idempotency_key")
+    op.execute(f"ALTER INDEX {S}.uq_runs_keyed RENAME TO uq_runs_tenant_principal_idempotency_key")
     op.execute(f"ALTER TABLE {S}.operations DROP CONSTRAINT fk_operations_run_id_runs")
     op.execute(f"ALTER TABLE {S}.journal_entries DROP CONSTRAINT fk_journal_entries_run_id_runs")
     op.execute(_DELETE_LEDGER)
-    op.execute(f"CREATE UNIQUE INDEX IF NOT EXISTS uq_runs_keyed ON {S}.runs "
-               "(tenant, principal, idempotency_key) WHERE idempotency_key IS NOT NULL")
-    op.execute(f"ALTER TABLE {S}.runs DROP CONSTRAINT uq_runs_tenant_principal_idempotency_key")
-    op.execute(f"ALTER INDEX {S}.uq_runs_keyed RENAME TO uq_runs_tenant_principal_idempotency_key")
 
 
 def downgrade() -> None:

@@ -11,7 +11,6 @@ import argparse
 import json
 import shlex
 import textwrap
-from collections.abc import Awaitable
 from typing import Any
 
 from orchestrator import reconcile
@@ -34,7 +33,6 @@ from orchestrator.operators import (
     AUDIT_TARGET_KINDS,
     ITEM_STATES,
     UNRESOLVED,
-    Operators,
     parse_operation_id,
 )
 from orchestrator.records import why
@@ -253,24 +251,19 @@ NEXT = {"resend": "; the run was woken and sends the call again as a new attempt
         None: "; the run was woken"}
 
 
-def _emitted(op_id: int, resolution: str, then: str | None,
-             done: tuple[str, list[int], tuple[str, bool] | None]) -> int:
+def _emitted(op_id: int, resolution: str, then: str | None, done: reconcile.Resolved) -> int:
     """``ops resolve --json`` / ``ops abandon --json``: what came of one resolution, in the
     words of ``resolve-many --json``'s items (``then``, ``waits_for``)."""
-    outcome, others, run = done
-    status, cancel_requested = run or (None, False)
-    settled = reconcile.Resolved(outcome, status, cancel_requested, tuple(others))
-    step = reconcile.next_step(resolution, then, settled)
-    records.emit({"operation_id": str(op_id), "resolution": resolution, "outcome": outcome,
-                  "then": step,
-                  "waits_for": [str(op) for op in others] if step == "waits" else []})
+    step = reconcile.next_step(resolution, then, done)
+    records.emit({"operation_id": str(op_id), "resolution": resolution,
+                  "outcome": done.outcome, "then": step,
+                  "waits_for": [str(op) for op in done.waits_for] if step == "waits" else []})
     return 0
 
 
-def _report(op_id: int, done: tuple[str, list[int], tuple[str, bool] | None], what: str,
-            then: str | None = None) -> int:
-    outcome, others, run = done
-    status, cancel_requested = run or ("", False)
+def _report(op_id: int, done: reconcile.Resolved, what: str, then: str | None = None) -> int:
+    outcome, others = done.outcome, list(done.waits_for)
+    status, cancel_requested = done.run_status or "", done.cancel_requested
     if outcome == "noop":
         print(f"operation {op_id} was already resolved as {what}; nothing changed")
     elif status in TERMINAL_STATUSES:  # an ended run is not woken: only the ledger changes
@@ -288,31 +281,20 @@ def _report(op_id: int, done: tuple[str, list[int], tuple[str, bool] | None], wh
     return 0
 
 
-async def _resolved(ops: Operators, op_id: int, operator: str, outcome: Awaitable[str]
-                    ) -> tuple[str, list[int], tuple[str, bool] | None]:
-    """A resolution's outcome, the operations its run still waits for after it, and its run's
-    status and cancellation as they were before it (what the resolution leads to)."""
-    run = await ops.run_status_of(op_id, operator=operator)
-    said = await outcome
-    return said, await ops.still_waiting_on(op_id, operator=operator), run
-
-
 def cmd_resolve(args: argparse.Namespace) -> int:
     receipt = receipt_of(args)
     then_of(args)
     op = parse_operation_id(args.operation_id)
     if args.committed:
-        done = with_operators(args, lambda ops, operator: _resolved(
-            ops, op, operator, ops.resolve_committed(
-                op, receipt=receipt, evidence=args.evidence, operator=operator)))
+        done = with_operators(args, lambda ops, operator: ops.resolve(
+            op, "committed", receipt=receipt, evidence=args.evidence, operator=operator))
         if args.json:
             return _emitted(op, "committed", None, done)
         return _report(op, done, "committed")
     then = then_of(args)
     assert then is not None
-    done = with_operators(args, lambda ops, operator: _resolved(
-        ops, op, operator, ops.resolve_not_applied(
-            op, evidence=args.evidence, operator=operator, then=then)))
+    done = with_operators(args, lambda ops, operator: ops.resolve(
+        op, "not_applied", evidence=args.evidence, operator=operator, then=then))
     if args.json:
         return _emitted(op, "not_applied", then, done)
     return _report(op, done, "not applied", then)
@@ -320,12 +302,11 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 def cmd_abandon(args: argparse.Namespace) -> int:
     op = parse_operation_id(args.operation_id)
-    done = with_operators(args, lambda ops, operator: _resolved(
-        ops, op, operator, ops.abandon(op, evidence=args.evidence, operator=operator)))
+    done = with_operators(args, lambda ops, operator: ops.resolve(
+        op, "abandoned", evidence=args.evidence, operator=operator))
     if args.json:
         return _emitted(op, "abandoned", None, done)
-    outcome, _, run = done
-    status = run[0] if run else ""
+    outcome, status = done.outcome, done.run_status or ""
     if outcome == "noop":
         print(f"operation {op} was already abandoned; nothing changed")
     elif status in TERMINAL_STATUSES:  # an ended run keeps its outcome: only the ledger changes

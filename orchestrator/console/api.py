@@ -36,6 +36,7 @@ from orchestrator.errors import (
 )
 from orchestrator.models import parse_run_id
 from orchestrator.operators import MAX_IDS, UNRESOLVED
+from orchestrator.reconcile import Resolved, next_step
 from orchestrator.stream import check_topics
 from orchestrator.text import is_number
 
@@ -447,17 +448,18 @@ class Api:
             raise InvalidRequest("abandon with POST .../abandon", path="resolution")
         _need_receipt(body, resolution)
         op = request.path_params["operation_id"]
-        outcome = await self.service.resolve(
+        then = _text(body, "then")
+        done = await self.service.settle(
             access, op, resolution=resolution, evidence=_text(body, "evidence", required=True),
-            receipt=body.get("receipt"), then=_text(body, "then"))
-        return {"operation_id": str(op), "resolution": resolution, "outcome": outcome}
+            receipt=body.get("receipt"), then=then)
+        return _resolved(op, resolution, then, done)
 
     async def abandon(self, request: Request, access: Access) -> Any:
         body = await json_body(request, ABANDON_FIELDS)
         op = request.path_params["operation_id"]
-        outcome = await self.service.resolve(
+        done = await self.service.settle(
             access, op, resolution="abandoned", evidence=_text(body, "evidence", required=True))
-        return {"operation_id": str(op), "resolution": "abandoned", "outcome": outcome}
+        return _resolved(op, "abandoned", None, done)
 
     async def resolve_many(self, request: Request, access: Access) -> Any:
         body = await json_body(request, RESOLVE_MANY_FIELDS)
@@ -502,3 +504,14 @@ class Api:
                 "confirmed; nothing was changed (ask again without confirmed for the new "
                 "selection)")
         return documents.bulk(summary)
+
+
+def _resolved(op: Any, resolution: str, then: str | None, done: Resolved) -> dict[str, Any]:
+    """The answer to one resolution: its ``outcome`` and what follows for its run (``then``,
+    ``waits_for``), in the words of ``ops resolve --json`` and of the bulk answers' items."""
+    if resolution == "not_applied":
+        then = then or "resend"
+    step = next_step(resolution, then, done)
+    return {"operation_id": str(op), "resolution": resolution, "outcome": done.outcome,
+            "then": step,
+            "waits_for": [str(o) for o in done.waits_for] if step == "waits" else []}

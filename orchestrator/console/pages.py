@@ -377,8 +377,7 @@ class Pages:
         entered = {name: _field(form, name) or "" for name in ("receipt", "evidence", "then")}
         try:
             receipt = _receipt(entered["receipt"]) if resolution == "committed" else None
-            run = await self.service.run_of_operation(access, op)
-            outcome = await self.service.resolve(
+            done = await self.service.settle(
                 access, op, resolution=resolution, evidence=entered["evidence"],
                 receipt=receipt,
                 then=(entered["then"] or "resend") if resolution == "not_applied" else None)
@@ -386,10 +385,10 @@ class Pages:
             # Its page again, the refusal a notice on it (a call in flight: what to wait for)
             return await self.operation(request, access, status=status_of(exc), error=exc,
                                         form={**entered, "resolution": resolution})
-        others = ([] if outcome == "noop" or resolution == "abandoned"
-                  else await self.service.still_waiting_on(access, op))
+        run = None if done.run_status is None else (done.run_status, done.cancel_requested)
+        others = [] if resolution == "abandoned" else list(done.waits_for)
         return self.redirect(request, f"/operations/{op}",
-                             done=_led_to(resolution, outcome, run, others))
+                             done=_led_to(resolution, done.outcome, run, others))
 
     async def workers(self, request: Request, access: Access) -> Response:
         shown = [documents.worker(w) for w in await self.service.workers(access)]

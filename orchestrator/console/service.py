@@ -42,7 +42,7 @@ from orchestrator.operators import (
     parse_operation_id,
 )
 from orchestrator.queues import QueueAdmin, QueueInfo
-from orchestrator.reconcile import THEN
+from orchestrator.reconcile import THEN, Resolved
 from orchestrator.stream import TERMINAL, RunStreams, check_kept
 from orchestrator.text import check_identifier
 
@@ -416,34 +416,21 @@ class ConsoleService:
                       evidence: str, receipt: Any = None, then: str | None = None) -> str:
         """``committed`` (with ``receipt``), ``not_applied`` (``then`` resend, the default, or
         fail) or ``abandoned``; ``resolved`` or ``noop`` (already so), as ``ops resolve``."""
+        return (await self.settle(access, operation_id, resolution=resolution,
+                                  evidence=evidence, receipt=receipt, then=then)).outcome
+
+    async def settle(self, access: Access, operation_id: Any, *, resolution: str,
+                     evidence: str, receipt: Any = None, then: str | None = None) -> Resolved:
+        """:meth:`resolve`, and what the resolution found in its own transaction (the run's
+        status and cancellation before it, the operations it still waits for after it)."""
         self.tenants(access)
         access.need("resolve")
         operation_id = parse_operation_id(operation_id)
         _check_resolution(resolution, receipt, then)
-        if resolution == "committed":
-            return await self.ops.resolve_committed(operation_id, receipt=receipt,
-                                                    evidence=evidence, operator=access.operator)
-        if resolution == "not_applied":
-            return await self.ops.resolve_not_applied(operation_id, evidence=evidence,
-                                                      operator=access.operator,
-                                                      then=then or "resend")
-        return await self.ops.abandon(operation_id, evidence=evidence, operator=access.operator)
-
-    async def run_of_operation(self, access: Access, operation_id: Any
-                               ) -> tuple[str, bool] | None:
-        """The status of the run of a queued operation and whether its cancellation was
-        requested, read before a resolution to say what it led to (as ``ops resolve``); None
-        for one that is not queued or not the operator's."""
-        self.tenants(access)
-        return await self.ops.run_status_of(parse_operation_id(operation_id),
-                                            operator=access.operator)
-
-    async def still_waiting_on(self, access: Access, operation_id: Any) -> list[int]:
-        """The other operations the run of ``operation_id`` still waits for, after a
-        resolution (:meth:`~orchestrator.operators.Operators.still_waiting_on`)."""
-        self.tenants(access)
-        return await self.ops.still_waiting_on(parse_operation_id(operation_id),
-                                               operator=access.operator)
+        return await self.ops.resolve(
+            operation_id, resolution, evidence=evidence, operator=access.operator,
+            receipt=receipt if resolution == "committed" else None,
+            then=(then or "resend") if resolution == "not_applied" else None)
 
     async def bulk(self, access: Access, *, resolution: str, evidence: str,
                    receipt: Any = None, then: str | None = None, confirmed: int | None,

@@ -24,7 +24,7 @@ from orchestrator.db.revisions import (
     status_of,
 )
 from orchestrator.db.schema import SCHEMA
-from orchestrator.errors import DatabaseError
+from orchestrator.errors import ConfigurationError, DatabaseError
 
 __all__ = ["SchemaStatus", "check", "current_revision", "head_revision", "known_revisions",
            "schema_error", "script_location", "upgrade"]
@@ -46,6 +46,17 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
 def _cause_name(exc: SQLAlchemyError) -> str:
     # Only DBAPI errors carry ``orig``; ArgumentError and friends do not.
     return type(getattr(exc, "orig", None) or exc).__name__
+
+
+def _refusal(exc: SQLAlchemyError) -> str | None:
+    """What a migration's own check said when it refused the database as it found it (a
+    ``RAISE EXCEPTION`` in its SQL, SQLSTATE P0001: its message, detail and hint), else None.
+    Written by our migrations, it names our objects only."""
+    diag = getattr(getattr(exc, "orig", None), "diag", None)
+    if diag is None or getattr(diag, "sqlstate", None) != "P0001":
+        return None
+    parts = [diag.message_primary, diag.message_detail, diag.message_hint]
+    return "; ".join(str(p) for p in parts if p)
 
 
 def alembic_config(target: DatabaseTarget) -> Config:
@@ -88,6 +99,10 @@ def upgrade(target: DatabaseTarget, revision: str = "head") -> SchemaStatus:
         try:
             command.upgrade(alembic_config(target), revision)
         except SQLAlchemyError as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                raise ConfigurationError(
+                    f"the upgrade of {target.display} stopped: {refused}") from exc
             raise DatabaseError(
                 f"the upgrade of {target.display} failed: {_cause_name(exc)}"
             ) from exc

@@ -38,7 +38,10 @@ SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
        CASE WHEN %(state)s = 'submitted' THEN now() END
 WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
               AND r.status = 'running'
-              AND (%(state)s = 'pending' OR r.cancel_requested_at IS NULL))
+              AND (%(state)s = 'pending' OR r.cancel_requested_at IS NULL)
+              -- the run's row held until the commit, as a foreign key's check held it
+              -- (migration 0036): no deletion of the run can commit between
+              FOR KEY SHARE OF r)
 ON CONFLICT (run_id, position, attempt) DO NOTHING
 RETURNING id
 """

@@ -203,13 +203,15 @@ async def test_a_resolution_needs_evidence_is_audited_and_wakes_the_run(
         done = await alice.post(path, {"resolution": "committed",
                                        "receipt": {"charge": "ch_by_hand"},
                                        "evidence": "PSP dashboard shows ch_by_hand"})
-        assert done.status_code == 200 and done.json()["outcome"] == "resolved"
+        assert done.status_code == 200 and done.json() == {
+            "operation_id": str(op), "resolution": "committed", "outcome": "resolved",
+            "then": "resume", "waits_for": []}
         handle = await app.get_run_async(run_of(sql, op)["id"])
         assert await handle.result_async(timeout=30) == {"charge": "ch_by_hand"}
         again = await alice.post(path, {"resolution": "committed",
                                         "receipt": {"charge": "ch_by_hand"},
                                         "evidence": "same again"})
-        assert again.json()["outcome"] == "noop"
+        assert again.json()["outcome"] == "noop" and again.json()["then"] is None
         conflict = await alice.post(path, {"resolution": "not_applied", "evidence": "no"})
         assert conflict.status_code == 409 and conflict.json()["code"] == "RESOLUTION_CONFLICT"
         shown = (await alice.get("/api/audit", target=str(op))).json()["audit"]

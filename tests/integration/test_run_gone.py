@@ -18,6 +18,7 @@ import pytest
 from orchestrator import Orchestrator, canonical
 from orchestrator.db import journal as journal_db
 from orchestrator.db import operations as ops_db
+from orchestrator.db import runs as runs_db
 from orchestrator.db import steps as steps_db
 from orchestrator.db.writer import GroupWriter
 from orchestrator.errors import LeaseLost
@@ -116,3 +117,28 @@ def test_keyless_runs_have_no_entry_in_the_submission_keys_index(
                            "'orchestrator.uq_runs_tenant_principal_idempotency_key'::regclass"
                            ).fetchone()
     assert row == (2,)
+
+
+async def test_a_run_cannot_be_deleted_while_a_call_of_it_is_being_recorded(
+        app: Orchestrator, migrated_database_url: str) -> None:
+    """The general form's insert holds the run's row (``FOR KEY SHARE``) until it commits, as
+    the foreign key's check did: a deletion of the run waits for it, and then deletes the new
+    operation with the run."""
+    @app.workflow(name="pay")
+    async def pay(ctx: Any, data: Any) -> Any:
+        return data
+
+    run = await app.submit_async(pay, {})
+    async with app.database.connection() as conn:
+        (claim,) = await runs_db.run_claim_ready(conn, worker="w", workflows=["pay@1"],
+                                                 limit=1, ttl=60)
+    async with app.database.connection() as conn, conn.transaction():
+        await ops_db.operation_begin(conn, _begin_row(run.id, claim["lease_token"]),
+                                     pending=False)
+        with psycopg.connect(migrated_database_url) as other:
+            other.execute("SET lock_timeout = '200ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                other.execute("DELETE FROM orchestrator.runs WHERE id = %s", (run.id,))
+    with psycopg.connect(migrated_database_url) as other:
+        other.execute("DELETE FROM orchestrator.runs WHERE id = %s", (run.id,))
+    assert _rows_of(migrated_database_url, run.id) == (0, 0)

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import Script, ScriptDirectory
@@ -15,6 +16,7 @@ from sqlalchemy import create_engine, pool
 from orchestrator.db import migrate
 from orchestrator.db.config import DatabaseTarget, validate_url
 from orchestrator.db.schema import FILLFACTOR, INDEX_FILLFACTOR, SCHEMA, VIEWS, metadata
+from orchestrator.errors import ConfigurationError
 
 
 def _target(url: str) -> DatabaseTarget:
@@ -346,3 +348,29 @@ def test_runs_in_flight_before_0032_say_when_they_were_due(empty_database_url: s
         (same,) = conn.execute("SELECT due_at = created_at FROM orchestrator.runs "
                                "WHERE right(id::text, 1) = '8'").fetchone() or (None,)
         assert same is True
+
+
+def test_0036_takes_a_submission_key_index_built_beforehand_only_if_it_is_that_index(
+        empty_database_url: str) -> None:
+    """A large installation may build 0036's index first (``CREATE UNIQUE INDEX
+    CONCURRENTLY uq_runs_keyed …``, as the migration's text says): the upgrade then renames it.
+    An index under that name that is not that one (another definition, or an invalid one left
+    by a concurrent build that failed) stops the upgrade, which changes nothing."""
+    target = _target(empty_database_url)
+    migrate.upgrade(target, "0035")
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("CREATE INDEX uq_runs_keyed ON orchestrator.runs "
+                     "(tenant, principal, idempotency_key)")  # not unique, not partial
+    with pytest.raises(ConfigurationError, match="is not the one migration 0036 builds.*drop it"):
+        migrate.upgrade(target, "0036")
+    assert migrate.current_revision(target) == "0035"
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("DROP INDEX orchestrator.uq_runs_keyed")
+        conn.execute("CREATE UNIQUE INDEX CONCURRENTLY uq_runs_keyed ON orchestrator.runs "
+                     "(tenant, principal, idempotency_key) WHERE idempotency_key IS NOT NULL")
+    migrate.upgrade(target, "0036")
+    with psycopg.connect(empty_database_url) as conn:
+        names = {row[0] for row in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = 'orchestrator' "
+            "AND tablename = 'runs' AND indexdef LIKE '%%idempotency_key%%'")}
+    assert names == {"uq_runs_tenant_principal_idempotency_key"}
