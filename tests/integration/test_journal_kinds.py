@@ -34,7 +34,7 @@ SAMPLES: dict[str, Any] = {
     "until": "2026-12-01T00:00:01+00:00", "timeout_at": None, "payload": {"ok": True},
     "event_id": 3, "value": 0.25, "run_id": str(uuid.UUID(int=1)), "version": "2",
     "code": "WORKFLOW_FAILED", "message": "the workflow failed", "resend": "lost",
-    "then": "resend",
+    "then": "resend", "retry_after": {"given": None, "wait_ms": 60000, "max_delay_ms": 30000},
 }
 
 
