@@ -44,7 +44,7 @@ from orchestrator._loops import PerLoop
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Database
-from orchestrator.errors import AccessDenied, InvalidRequest, RunPruned, SchemaUnsupported
+from orchestrator.errors import AccessDenied, InvalidRequest, RunPruned
 from orchestrator.journal import RUN_ENDS, SCHEMA_VERSION, Entry, EventKind, unsupported
 from orchestrator.text import check_identifier
 
@@ -148,7 +148,7 @@ class RunStreams:
                 if newer is not None:
                     if newer:
                         yield page[:newer]
-                    raise _refused(page[newer])
+                    raise unsupported(page[newer])
                 if page:
                     cursor = page[-1]["seq"]
                     yield page
@@ -228,10 +228,6 @@ def _newer(rows: list[Entry]) -> int | None:
         if row["schema_version"] > SCHEMA_VERSION:
             return index
     return None
-
-
-def _refused(row: Entry) -> SchemaUnsupported:
-    return unsupported(row)
 
 
 Woken = tuple["dict[str, Any] | None", "list[Entry] | None"]
