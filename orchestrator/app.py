@@ -94,7 +94,7 @@ from orchestrator.scheduler import (
 )
 from orchestrator.schedules import DEFAULT_CATCHUP
 from orchestrator.serving import catch_early_sigterm as catch_early_sigterm
-from orchestrator.serving import listen_at, run_until_stopped
+from orchestrator.serving import event_loop_choice, listen_at, run_until_stopped
 from orchestrator.stream import RunStreams, check_kept
 from orchestrator.submission import (
     Submission,
@@ -913,11 +913,14 @@ class Orchestrator:
                        lookup_timeout: float = 30.0, prune_interval: float = PRUNE_INTERVAL,
                        unserved_grace: float = UNSERVED_GRACE,
                        metrics_port: int | None = None,
-                       metrics_host: str = "127.0.0.1") -> None:
+                       metrics_host: str = "127.0.0.1", event_loop: str | None = None) -> None:
         """Run the reconciler in this thread until SIGTERM/SIGINT. ``metrics_port``: serve
-        ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md). Its
-        settings are checked before anything starts (``CONFIGURATION_ERROR``)."""
+        ``/metrics`` and ``/healthz`` on ``metrics_host`` meanwhile (docs/metrics.md).
+        ``event_loop``: ``auto`` (uvloop where installed, else asyncio's), ``uvloop`` or
+        ``asyncio`` (default: ``ORCHESTRATOR_EVENT_LOOP``, else ``auto``). Its settings are
+        checked before anything starts (``CONFIGURATION_ERROR``)."""
         _check_port(metrics_port)
+        loop = event_loop_choice(event_loop)
         _check_reconciler(max_lookups=max_lookups, batch=batch, base_delay=base_delay,
                           max_delay=max_delay, poll_interval=poll_interval,
                           lookup_timeout=lookup_timeout, prune_interval=prune_interval,
@@ -926,7 +929,7 @@ class Orchestrator:
             max_lookups=max_lookups, base_delay=base_delay, max_delay=max_delay, batch=batch,
             poll_interval=poll_interval, lookup_timeout=lookup_timeout,
             prune_interval=prune_interval, unserved_grace=unserved_grace),
-            **self._serving(metrics_host, metrics_port))
+            event_loop=loop, **self._serving(metrics_host, metrics_port))
 
     def create_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                       lease_ttl: float | None = None, poll_interval: float = 1.0,
@@ -951,19 +954,23 @@ class Orchestrator:
     def run_worker(self, *, concurrency: int = 10, worker_id: str | None = None,
                    lease_ttl: float | None = None, poll_interval: float = 1.0,
                    drain_timeout: float = 30.0, metrics_port: int | None = None,
-                   metrics_host: str = "127.0.0.1", schedules: bool = True) -> None:
+                   metrics_host: str = "127.0.0.1", schedules: bool = True,
+                   event_loop: str | None = None) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT, then drain and return.
         ``metrics_port``: serve ``/metrics`` and ``/healthz`` on ``metrics_host`` until the
-        drain is over (docs/metrics.md). ``schedules``: tick the schedules too. Its settings
-        are checked before anything starts (``CONFIGURATION_ERROR``)."""
+        drain is over (docs/metrics.md). ``schedules``: tick the schedules too.
+        ``event_loop``: ``auto`` (uvloop where installed, else asyncio's), ``uvloop`` or
+        ``asyncio`` (default: ``ORCHESTRATOR_EVENT_LOOP``, else ``auto``). Its settings are
+        checked before anything starts (``CONFIGURATION_ERROR``)."""
         _check_port(metrics_port)
+        loop = event_loop_choice(event_loop)
         _check_worker(concurrency=concurrency, lease_ttl=lease_ttl,
                       poll_interval=poll_interval, drain_timeout=drain_timeout,
                       schedules=schedules)
         run_until_stopped(lambda: self.create_worker(
             concurrency=concurrency, worker_id=worker_id, lease_ttl=lease_ttl,
             poll_interval=poll_interval, drain_timeout=drain_timeout, schedules=schedules),
-            **self._serving(metrics_host, metrics_port))
+            event_loop=loop, **self._serving(metrics_host, metrics_port))
 
     async def prune_async(self, *, dry_run: bool = False, batch: int = 500,
                           evidence: bool = True, duty: float = DUTY) -> PruneReport:

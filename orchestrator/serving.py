@@ -1,11 +1,22 @@
 """Running a worker or a reconciler in the calling thread until SIGTERM or SIGINT
 (``Orchestrator.run_worker``, ``Orchestrator.run_reconciler``), with the metrics served
-meanwhile when asked."""
+meanwhile when asked.
+
+The event loop is uvloop's where it is installed (a dependency of the package, except on
+Windows, where it does not run), else asyncio's own: ``event_loop`` (or the environment's
+``ORCHESTRATOR_EVENT_LOOP``) picks one: ``auto``, ``uvloop`` or ``asyncio``. A worker's
+Python time per step is mostly the loop's own (scheduling a task's next step, polling the
+sockets, timers): on uvloop, whose loop is compiled, a K = 3 drain measured 0.80× the
+worker CPU per step of asyncio's loop (docs/architecture.md, "The write path"). The engine
+does not depend on which: the test suite runs workers in-process on asyncio's loop and as
+processes on uvloop's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine
@@ -13,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.db.config import DatabaseTarget
 from orchestrator.db.database import Database
+from orchestrator.errors import ConfigurationError
 from orchestrator.reconcile import Reconciler
 from orchestrator.worker import Worker
 
@@ -45,6 +57,44 @@ def early_stop_requested() -> bool:
     return _EARLY_STOP.is_set()
 
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+ENV_EVENT_LOOP = "ORCHESTRATOR_EVENT_LOOP"
+
+
+def event_loop_choice(event_loop: str | None) -> str:
+    """The event loop a worker or reconciler of this process runs on: ``event_loop``, else
+    ``ORCHESTRATOR_EVENT_LOOP``, else ``auto``; checked (``CONFIGURATION_ERROR``: not one of
+    :data:`EVENT_LOOPS`, or ``uvloop`` asked for where it is not installed) and resolved:
+    ``uvloop`` or ``asyncio``."""
+    where = "event_loop"
+    if event_loop is None:
+        event_loop = os.environ.get(ENV_EVENT_LOOP) or "auto"
+        where = ENV_EVENT_LOOP
+    if event_loop not in EVENT_LOOPS:
+        raise ConfigurationError(f"{where} must be one of {', '.join(EVENT_LOOPS)}, got "
+                                 f"{event_loop!r}")
+    if event_loop == "asyncio":
+        return event_loop
+    try:
+        import uvloop  # noqa: F401 - only whether it is there
+    except ImportError:
+        if event_loop == "uvloop":
+            raise ConfigurationError(f"{where} is uvloop, which is not installed here: "
+                                     "pip install uvloop, or choose auto or asyncio") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """A new loop of the kind :func:`event_loop_choice` resolved."""
+    if choice == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
 def listen_at(host: str, port: int | None) -> tuple[str, int] | None:
     return None if port is None else (host, port)
 
@@ -52,11 +102,13 @@ def listen_at(host: str, port: int | None) -> tuple[str, int] | None:
 def run_until_stopped(create: Callable[[], Worker | Reconciler], *, database: Database,
                       listen: tuple[str, int] | None = None,
                       registry: Callable[[], CollectorRegistry] | None = None,
-                      target: Callable[[], DatabaseTarget] | None = None) -> None:
+                      target: Callable[[], DatabaseTarget] | None = None,
+                      event_loop: str = "asyncio") -> None:
     """Run a worker or a reconciler on a new event loop in this thread until SIGTERM or
     SIGINT (or one that came before, see :func:`catch_early_sigterm`), then close
     ``database``'s pools. ``listen``: where to serve the metrics meanwhile (``registry``'s,
-    the gauges read from ``target``)."""
+    the gauges read from ``target``). ``event_loop``: ``uvloop`` or ``asyncio``, as
+    :func:`event_loop_choice` resolved it."""
 
     async def main() -> None:
         service = create()
@@ -75,7 +127,7 @@ def run_until_stopped(create: Callable[[], Worker | Reconciler], *, database: Da
                 stop_exporter()
             await database.close()
 
-    run_bounded(main())
+    run_bounded(main(), event_loop=event_loop)
 
 
 STRAY_GRACE = 1.0
@@ -87,13 +139,15 @@ without them."""
 _LEFT_BEHIND: list[asyncio.Task[Any]] = []
 
 
-def run_bounded(main: Coroutine[Any, Any, None], grace: float = STRAY_GRACE) -> None:
+def run_bounded(main: Coroutine[Any, Any, None], grace: float = STRAY_GRACE, *,
+                event_loop: str = "asyncio") -> None:
     """``asyncio.run(main)``, except that the tasks left when ``main`` returns are waited for
     ``grace`` seconds once cancelled, not for ever: a tool that catches ``CancelledError`` and
     goes on would otherwise hold the stop past the drain timeout (and the process manager's
     grace period), until SIGKILL. What such a task had begun stays as the drain left it: its
-    call ``submitted``, its run's lease held until it lapses (C6)."""
-    loop = asyncio.new_event_loop()
+    call ``submitted``, its run's lease held until it lapses (C6). ``event_loop``: the
+    loop's kind (:func:`new_event_loop`)."""
+    loop = new_event_loop(event_loop)
     try:
         asyncio.set_event_loop(loop)
         loop.run_until_complete(main)

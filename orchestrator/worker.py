@@ -310,8 +310,9 @@ class Worker:
             await self._register(conn, locked=held)
         self._registered = True
         last_sweep = last_claim = last_look = 0.0
-        log.info("worker %s started: %d slots, workflows %s", self.worker_id,
-                 self.concurrency, ", ".join(workflows))
+        log.info("worker %s started: %d slots, workflows %s, event loop %s", self.worker_id,
+                 self.concurrency, ", ".join(workflows),
+                 type(asyncio.get_running_loop()).__module__.partition(".")[0])
         if self.database.target.session_url is None:
             log.info("worker %s: no listen_url behind the transaction pooler: it looks for "
                      "work every %g s, and a dead worker's runs wait for their leases (%g s) "

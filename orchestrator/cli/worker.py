@@ -21,6 +21,7 @@ from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
 from orchestrator.errors import ConfigurationError, InvalidRequest, OrchestratorError
 from orchestrator.reconcile import UNSERVED_GRACE
+from orchestrator.serving import ENV_EVENT_LOOP, event_loop_choice
 
 
 def register(subparsers: Any) -> None:
@@ -47,6 +48,7 @@ def register(subparsers: Any) -> None:
                              "docs/schedules.md)")
     add_log_format_argument(worker)
     add_metrics_arguments(worker)
+    add_event_loop_argument(worker)
     worker.set_defaults(func=cmd_worker, stops_on_sigterm=True)
 
     reconciler = subparsers.add_parser(
@@ -67,6 +69,7 @@ def register(subparsers: Any) -> None:
                                  "once)")
     add_log_format_argument(reconciler)
     add_metrics_arguments(reconciler)
+    add_event_loop_argument(reconciler)
     reconciler.set_defaults(func=cmd_reconciler, stops_on_sigterm=True)
 
 
@@ -87,6 +90,12 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
                         "(docs/metrics.md; default: none)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="the address --metrics-port listens on (default 127.0.0.1)")
+
+
+def add_event_loop_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--event-loop", metavar="KIND", default=None,
+                        help="auto (uvloop where installed, else asyncio's own), uvloop or "
+                        f"asyncio (default: {ENV_EVENT_LOOP}, else auto)")
 
 
 def metrics_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,13 +239,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--lease-ttl must be at most {MAX_LEASE_TTL:g} s (a day: a dead "
                              "worker's runs wait that long for their leases where no liveness "
                              "lock tells its death)", path="lease_ttl")
+    event_loop = event_loop_choice(args.event_loop)
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
     ensure_schema(app, upgrade=args.migrate)
     options: dict[str, Any] = {"concurrency": args.concurrency, "schedules": args.schedules,
                                "poll_interval": args.poll_interval,
-                               "drain_timeout": args.drain_timeout, **metrics_options(args)}
+                               "drain_timeout": args.drain_timeout, "event_loop": event_loop,
+                               **metrics_options(args)}
     if args.lease_ttl is not None:
         options["lease_ttl"] = args.lease_ttl
     announce(f"worker starting on {app.target.masked} with {args.concurrency} slots; "
@@ -276,6 +287,7 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     if not 0 <= args.unserved_grace < float("inf"):
         raise InvalidRequest("--unserved-grace must be a finite number of seconds, 0 or more",
                              path="unserved_grace")
+    event_loop = event_loop_choice(args.event_loop)
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -284,6 +296,6 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
     app.run_reconciler(max_lookups=args.max_lookups, base_delay=args.base_delay,
                        poll_interval=args.poll_interval, unserved_grace=args.unserved_grace,
-                       **metrics)
+                       event_loop=event_loop, **metrics)
     announce("reconciler stopped")
     return 0
