@@ -168,6 +168,75 @@ async def test_priority_starts_lower_numbers_first_and_fifo_within(make_app, sql
     assert gauge.order == [3, 1, 4, 0, 2]
 
 
+def _claim_waits(sql: Callable[..., Any], *, waits: bool = True) -> Callable[[], Any]:
+    """Whether a worker's claim from a queue waits for the queue's row (another transaction
+    holds it): ``waits=False``, whether none does."""
+    async def seen() -> bool:
+        rows = sql("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                   "AND wait_event_type = 'Lock' AND query LIKE '%%queue_claim(%%'")
+        return bool(rows) == waits
+
+    return seen
+
+
+async def test_a_claim_that_waited_for_the_queue_ranks_the_runs_ready_when_it_has_it(
+        make_app, migrated_database_url, sql):
+    """A claim waits for the queue's row while another transaction holds it (an operator's
+    change: here a resume). What it admits is judged when it has the row, not when its
+    statement began: a run submitted meanwhile, ready before the claim could look, is ranked
+    with the others (it once lost its turn to a lower priority, as the claim's clock said it
+    was not ready yet)."""
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, priority=True, concurrency=1, hold=0)
+    async with running(app, concurrency=1):
+        await _stored(app)
+        await app.queues.pause_async("work")
+        handles = [await app.submit_async(job, {"n": n}, priority=p) for n, p in ((0, 5), (1, 1))]
+        holder = await psycopg.AsyncConnection.connect(migrated_database_url,
+                                                       row_factory=psycopg.rows.dict_row)
+        try:
+            assert await queues_db.queue_lock(holder, "work")  # the resume begins
+            sql("SELECT pg_notify(%s, 'work')", (RUNS_CHANNEL,))  # the worker claims: waits
+            await wait_for(_claim_waits(sql), what="the worker's claim waiting for its queue")
+            handles.append(await app.submit_async(job, {"n": 3}, priority=0))
+            assert await queues_db.queue_pause(holder, "work", False) is not None
+            await holder.commit()  # the resume: the claim goes on
+        finally:
+            await holder.close()
+        for h in handles:
+            await h.result_async(timeout=30)
+    assert gauge.order == [3, 1, 0]
+    # and nothing started while the queue was paused: every start after the last submission
+    (last,) = sql("SELECT max(created_at) AS at FROM orchestrator.runs")
+    assert all(r["started_at"] > last["at"] for r in sql(
+        "SELECT started_at FROM orchestrator.runs"))
+
+
+async def test_a_claim_that_waited_for_a_pause_starts_nothing(make_app, migrated_database_url,
+                                                              sql):
+    """A claim that began before a pause committed, and waited for the queue's row the pause
+    held, reads the queue as the pause left it: nothing starts until the resume."""
+    gauge = Gauge()
+    app, job = _app(make_app, gauge, hold=0)
+    async with running(app, concurrency=1):
+        await _stored(app)
+        holder = await psycopg.AsyncConnection.connect(migrated_database_url,
+                                                       row_factory=psycopg.rows.dict_row)
+        try:
+            assert await queues_db.queue_lock(holder, "work")  # the pause begins
+            handle = await app.submit_async(job, {"n": 0})  # its news: the worker claims
+            await wait_for(_claim_waits(sql), what="the worker's claim waiting for its queue")
+            assert await queues_db.queue_pause(holder, "work", True) is not None
+            await holder.commit()
+        finally:
+            await holder.close()
+        await wait_for(_claim_waits(sql, waits=False), what="the claim went on")
+        await asyncio.sleep(0.5)  # polls and claims come and go: still nothing starts
+        assert (await handle.info_async()).status == "queued" and gauge.order == []
+        await app.queues.resume_async("work")
+        assert await handle.result_async(timeout=10) == 0
+
+
 async def test_a_long_wait_overtakes_a_higher_priority(make_app, sql):
     gauge = Gauge()
     app, job = _app(make_app, gauge, priority=True, concurrency=1, hold=0,
