@@ -175,8 +175,8 @@ class Nondeterminism(BaseException):  # noqa: N818
 def unsupported(event: Mapping[str, Any]) -> SchemaUnsupported:
     """The refusal of a stored ``event`` written by newer code than this (CONTRACT C3: never
     read as an entry of this code), in the words of every reader of a journal: a worker's
-    replay, the offline check, ``app.journal``, a stream, ``runs show``, ``ops show`` and the
-    console."""
+    replay, the offline check, ``app.journal``, a stream, ``runs show``, ``ops show``, ``runs
+    export`` and the console."""
     return SchemaUnsupported(
         f"journal event {event['seq']} has schema version {event['schema_version']}; this "
         f"code understands up to {SCHEMA_VERSION}: read it with the orchestrator version "

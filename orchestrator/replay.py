@@ -37,6 +37,7 @@ from orchestrator.journal import (
     Entry,
     JournalIndex,
     Nondeterminism,
+    check_versions,
     shown_payload,
 )
 from orchestrator.matching import (
@@ -379,7 +380,10 @@ def export_document(run: RecordedRun) -> dict[str, Any]:
     are those every reader of the journal is shown (:func:`~orchestrator.journal.shown_payload`:
     a field that earlier code wrote and that no reader sees, such as an ``event.received``
     entry's ``event_id``, a number all tenants' events share, is left out; replay reads none
-    of them)."""
+    of them). A journal holding an entry written by newer code is refused
+    (``SCHEMA_UNSUPPORTED``, :func:`~orchestrator.journal.check_versions`), as every other
+    reader of a journal refuses it: its payload is never read as one of this code's."""
+    check_versions(run.journal)
     return {"format": EXPORT_FORMAT, "v": EXPORT_VERSION,
             "run": {"id": str(run.run_id), "workflow": run.workflow, "version": run.version,
                     "status": run.status, "tenant": run.owner.tenant,

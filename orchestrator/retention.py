@@ -36,6 +36,8 @@ log = logging.getLogger("orchestrator.retention")
 
 BATCH = 500
 """Runs per batch: each batch is one transaction, so locks are held for one batch only."""
+MAX_BATCH = 100_000
+"""The most runs a batch may take."""
 DUTY = 0.25
 """The share of its time a prune spends in batches: after a batch that took t seconds it
 rests t × (1 - duty) / duty, so that the database keeps most of its capacity for the runs
@@ -137,8 +139,8 @@ class Pruner:
     def __init__(self, db: Database, retention: Retention, *, batch: int = BATCH,
                  duty: float = DUTY) -> None:
         # A bool is an int to Python, never a batch or a share: True was taken for 1.
-        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 100_000:
-            raise InvalidRequest("batch must be 1 to 100000", path="batch")
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+            raise InvalidRequest(f"batch must be 1 to {MAX_BATCH}", path="batch")
         if isinstance(duty, bool) or not isinstance(duty, int | float) or not 0 < duty <= 1:
             raise InvalidRequest("duty must be more than 0 and at most 1", path="duty")
         self.db = db

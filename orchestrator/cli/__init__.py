@@ -35,6 +35,7 @@ from orchestrator.cli import (
     worker,
     workers,
 )
+from orchestrator.cli.options import one_of
 from orchestrator.db.config import ENV_LISTEN_URL, ENV_POOLER, POOLERS
 from orchestrator.errors import OrchestratorError
 from orchestrator.serving import catch_early_sigterm, stop_requested_early
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "either, an embedded PostgreSQL in a per-user directory is used)",
     )
     parser.add_argument(
-        "--pooler", choices=POOLERS, default=None,
+        "--pooler", choices=POOLERS, type=one_of("--pooler", POOLERS), default=None,
         help=f"the database URL leads to a pooler in this mode (overrides {ENV_POOLER}; "
         "docs/operations.md): no prepared statements, no session state between transactions",
     )
@@ -118,7 +119,11 @@ def main(argv: Sequence[str] | None = None, *, early_sigterm: list[int] | None =
     an entry point kept while the package loaded (``workers/cli.py``), handed over once the
     command is known (:func:`_hand_over_sigterm`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OrchestratorError as exc:  # an option's value refused (cli.options): nothing ran
+        error(str(exc))
+        return EXIT_ERROR
     if early_sigterm is not None:
         _hand_over_sigterm(args, early_sigterm)
     if args.func is None:

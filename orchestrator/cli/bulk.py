@@ -29,6 +29,7 @@ from orchestrator.cli.operating import (
     then_option,
     with_operators,
 )
+from orchestrator.cli.options import one_of, whole
 from orchestrator.cli.tables import render
 from orchestrator.operators import BULK_LIMIT, MAX_BULK, UNRESOLVED, BulkSummary, Operators
 
@@ -61,11 +62,14 @@ def register(commands: Any) -> None:
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state", choices=("open", "operator", UNRESOLVED), default=UNRESOLVED,
+    states = ("open", "operator", UNRESOLVED)
+    parser.add_argument("--state", choices=states, type=one_of("--state", states),
+                        default=UNRESOLVED,
                         help="open: lookups still to try; operator: waits for a person; "
                              "unresolved (the default): either")
     filters(parser)
-    parser.add_argument("--limit", type=int, default=BULK_LIMIT,
+    parser.add_argument("--limit", type=whole("--limit", low=1, high=MAX_BULK),
+                        default=BULK_LIMIT,
                         help=f"act on at most this many, oldest first (1 to {MAX_BULK:,}; "
                              f"default {BULK_LIMIT:,})")
     parser.add_argument("--evidence", required=True, metavar="TEXT",

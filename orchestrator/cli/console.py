@@ -20,6 +20,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.options import MAX_PORT, whole
 from orchestrator.cli.worker import load_app
 from orchestrator.errors import AccessDenied, ConfigurationError, InvalidRequest
 from orchestrator.serving import early_stop_requested
@@ -41,7 +42,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default 127.0.0.1; another than "
                              "loopback needs --token-file)")
-    parser.add_argument("--port", type=int, default=8080, help="default 8080")
+    parser.add_argument("--port", type=whole("--port", low=0, high=MAX_PORT), default=8080,
+                        help="default 8080")
     parser.add_argument("--token-file", metavar="FILE", type=Path, default=None,
                         help="the tokens: one per line, 'TOKEN' (for --operator) or "
                              "'NAME TOKEN'; without it one is generated and printed once")

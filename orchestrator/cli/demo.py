@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.common import database_target
+from orchestrator.cli.options import whole
 from orchestrator.cli.tables import render
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL, demo_target, display_url, mask_url
@@ -33,7 +34,8 @@ def register(subparsers: Any) -> None:
         "_demo, created if missing; orchestrator_demo on the embedded server), so that its runs "
         "never mix with an application's; a database given with --database-url is used as it "
         "is.")
-    demo.add_argument("--runs", type=int, default=6, help="order runs to submit (default 6)")
+    demo.add_argument("--runs", type=whole("--runs", low=1), default=6,
+                      help="order runs to submit (default 6)")
     # exit status: 0 when every run succeeded and no effect was applied twice, else 1
     demo.set_defaults(func=cmd_demo)
 
@@ -77,7 +79,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"worker A started (pid {worker_a.pid})")
     handles = [app.submit(demo.order, {"sku": f"sku-{i}", "quantity": 1 + i % 3,
                                        "customer": f"c{i}@example.com"})
-               for i in range(max(1, args.runs))]
+               for i in range(args.runs)]
     approval = app.submit(demo.refund_with_approval, {"customer": "c0@example.com", "cents": 500})
     handles += [approval, app.submit(demo.bundle, {"customer": "c9@example.com"})]
     say(f"submitted {len(handles)} runs: {args.runs} orders, one refund that waits for an "

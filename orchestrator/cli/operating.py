@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from orchestrator.cli.common import database_target
+from orchestrator.cli.options import one_of
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -120,7 +121,7 @@ def receipt_of(args: argparse.Namespace) -> Any:
 
 def then_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--then", choices=THEN, default=None,
+        "--then", choices=THEN, type=one_of("--then", THEN), default=None,
         help="with --not-applied: resend (the default) sends the call again as a new attempt "
              "with a new key, outside the tool's retry budget; fail makes the call fail with "
              "TOOL_FAILED in the workflow")

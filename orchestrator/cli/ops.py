@@ -26,6 +26,7 @@ from orchestrator.cli.operating import (
     then_option,
     with_operators,
 )
+from orchestrator.cli.options import MAX_LIMIT, one_of, whole
 from orchestrator.cli.tables import cell, render
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.errors import InvalidRequest
@@ -46,12 +47,15 @@ def register(subparsers: Any) -> None:
     group.set_defaults(func=None, help_parser=group)
 
     ls = commands.add_parser("list", help="the queue, oldest first")
-    ls.add_argument("--state", choices=(*ITEM_STATES, UNRESOLVED, "all"), default=UNRESOLVED,
+    states = (*ITEM_STATES, UNRESOLVED, "all")
+    ls.add_argument("--state", choices=states, type=one_of("--state", states),
+                    default=UNRESOLVED,
                     help="open: lookups still to try; operator: waits for a person; "
                          "resolved: settled (by a lookup or an operator); unresolved (the "
                          "default): open or operator; all: every item")
     filters(ls)
-    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (1 to 1000)")
+    ls.add_argument("--limit", type=whole("--limit", low=1, high=MAX_LIMIT), default=100,
+                    help=f"at most this many rows (1 to {MAX_LIMIT})")
     operator_options(ls, operator_required=False)
     json_option(ls)
     ls.set_defaults(func=cmd_list)
@@ -102,8 +106,8 @@ def register(subparsers: Any) -> None:
                             "--target, the one target of that kind and id)")
     audit.add_argument("--before", metavar="CURSOR",
                        help="the next page: the cursor the page before printed")
-    audit.add_argument("--limit", type=int, default=AUDIT_LIMIT,
-                       help="at most this many rows (1 to 1000)")
+    audit.add_argument("--limit", type=whole("--limit", low=1, high=MAX_LIMIT),
+                       default=AUDIT_LIMIT, help=f"at most this many rows (1 to {MAX_LIMIT})")
     operator_options(audit, operator_required=False)
     json_option(audit)
     audit.set_defaults(func=cmd_audit)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option, login_name
+from orchestrator.cli.options import one_of
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -24,6 +25,7 @@ from orchestrator.queues import QueueAdmin, QueueInfo, queue_record
 from orchestrator.text import is_number
 
 T = TypeVar("T")
+SWITCH = ("on", "off")
 
 
 def register(subparsers: Any) -> None:
@@ -54,8 +56,8 @@ def register(subparsers: Any) -> None:
         change.add_argument(f"--{option}", metavar="N|none")
     change.add_argument("--rate", metavar="COUNT/UNIT|none",
                         help="e.g. 100/s, 10/5s, 600/min, 5000/day")
-    change.add_argument("--priority", choices=("on", "off"))
-    change.add_argument("--count-parked", choices=("on", "off"))
+    for switch in ("--priority", "--count-parked"):
+        change.add_argument(switch, choices=SWITCH, type=one_of(switch, SWITCH))
     _audited(change)
     json_option(change)
     change.set_defaults(func=cmd_set, queue_action="set")

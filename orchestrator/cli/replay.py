@@ -16,6 +16,7 @@ from typing import Any
 from orchestrator import replay as checks
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option, parse_time
+from orchestrator.cli.options import whole
 from orchestrator.cli.tables import render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
@@ -40,7 +41,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--workflow", help="only runs of this workflow (its name)")
     parser.add_argument("--version", help="only runs of this version of it")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--last", type=int, default=100, metavar="N",
+    which.add_argument("--last", type=whole("--last", low=1, high=LAST_MAX), default=100,
+                       metavar="N",
                        help="the newest N runs the filters select (default 100)")
     which.add_argument("--run", metavar="RUN_ID", help="this run only")
     which.add_argument("--from-file", action="append", metavar="FILE", type=Path,
@@ -67,8 +69,6 @@ def _from_files(paths: list[Path]) -> list[RecordedRun]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    if not 1 <= args.last <= LAST_MAX:
-        raise InvalidRequest(f"--last must be 1 to {LAST_MAX}", path="last")
     if args.workflow is not None:
         check_workflow_filter(args.workflow)
     run_id = None if args.run is None else parse_run_id(args.run)

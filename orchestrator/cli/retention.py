@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from orchestrator import retention
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option, parse_time
+from orchestrator.cli.options import number, whole
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
 from orchestrator.errors import InvalidRequest
@@ -44,9 +45,12 @@ def register(subparsers: Any) -> None:
     prune.add_argument("--evidence-older-than", metavar="PERIOD",
                        help="expire evidence of runs finished longer ago than this (default: "
                        "the app's retention.evidence; without either, evidence is kept)")
-    prune.add_argument("--batch", type=int, default=retention.BATCH, metavar="N",
+    prune.add_argument("--batch", type=whole("--batch", low=1, high=retention.MAX_BATCH),
+                       default=retention.BATCH, metavar="N",
                        help=f"runs per transaction (default {retention.BATCH})")
-    prune.add_argument("--duty", type=float, default=retention.DUTY, metavar="F",
+    prune.add_argument("--duty", type=number("--duty", "a number more than 0 and at most 1",
+                                             lambda share: 0 < share <= 1),
+                       default=retention.DUTY, metavar="F",
                        help="the share of the time spent pruning: after each batch it rests "
                        f"so that batches take F of the time (default {retention.DUTY}; 1: no "
                        "rest), leaving the database to the workers")

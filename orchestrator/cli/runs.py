@@ -18,6 +18,7 @@ from orchestrator.cli.common import (
     json_option,
     over_default_limits,
 )
+from orchestrator.cli.options import MAX_LIMIT, one_of, whole
 from orchestrator.cli.tables import cell, clip, render
 from orchestrator.cli.worker import load_app
 from orchestrator.db import runs as runs_db
@@ -41,11 +42,12 @@ def register(subparsers: Any) -> None:
 
     ls = commands.add_parser("list", help="runs, newest first, across owners")
     ls.add_argument("--tenant")
-    ls.add_argument("--status", choices=RUN_STATUSES)
+    ls.add_argument("--status", choices=RUN_STATUSES, type=one_of("--status", RUN_STATUSES))
     ls.add_argument("--workflow", help="the workflow's name")
     ls.add_argument("--submission-key", metavar="KEY",
                     help="the idempotency key the run was submitted with")
-    ls.add_argument("--limit", type=int, default=50, help="at most this many rows (1 to 1000)")
+    ls.add_argument("--limit", type=whole("--limit", low=1, high=MAX_LIMIT), default=50,
+                    help=f"at most this many rows (1 to {MAX_LIMIT})")
     json_option(ls)
     ls.set_defaults(func=cmd_list)
 
@@ -63,7 +65,7 @@ def register(subparsers: Any) -> None:
         "exist, RUN_PRUNED for one that retention pruned). Ctrl-C stops watching (status "
         "130); the run goes on.")
     watch.add_argument("run_id")
-    watch.add_argument("--after", type=int, default=0, metavar="N",
+    watch.add_argument("--after", type=whole("--after", low=0), default=0, metavar="N",
                        help="begin after the entry whose seq is N (default 0: from the first); "
                        "reconnecting with the last seq seen prints each later entry once")
     watch.add_argument("--json", action="store_true",
@@ -92,7 +94,7 @@ def register(subparsers: Any) -> None:
         "no outcome (reconcile first), and for a run not finished, pruned or restarted "
         "already (docs/versioning.md).")
     restart.add_argument("run_id")
-    restart.add_argument("--from-position", type=int, metavar="N",
+    restart.add_argument("--from-position", type=whole("--from-position", low=0), metavar="N",
                          help="keep the old run's history before position N (default: the "
                          "first position that failed)")
     restart.add_argument("--operator", required=True, metavar="NAME",

@@ -26,6 +26,7 @@ from orchestrator.cli.common import (
     over_default_limits,
     parse_time,
 )
+from orchestrator.cli.options import one_of, whole
 from orchestrator.cli.tables import render
 from orchestrator.cli.worker import load_app
 from orchestrator.db.database import Database
@@ -36,6 +37,8 @@ from orchestrator.scheduler import ScheduleAdmin, ScheduleDetail, ScheduleInfo
 from orchestrator.schedules import OVERLAP_POLICIES
 
 T = TypeVar("T")
+MAX_RECENT = 1000
+"""The most handled slots ``schedules show --recent`` lists."""
 
 
 def register(subparsers: Any) -> None:
@@ -48,7 +51,8 @@ def register(subparsers: Any) -> None:
     show = commands.add_parser("show", help="a schedule: its next slots, its recent slots "
                                             "and their runs, what it missed")
     show.add_argument("id")
-    show.add_argument("--recent", type=int, default=20, help="slots to show (default 20)")
+    show.add_argument("--recent", type=whole("--recent", low=0, high=MAX_RECENT), default=20,
+                      help=f"slots to show (0 to {MAX_RECENT}; default 20)")
     json_option(show)
     show.set_defaults(func=cmd_show)
     for name, about in (("pause", "fire nothing until resumed (buffered slots wait)"),
@@ -61,7 +65,8 @@ def register(subparsers: Any) -> None:
         cmd.set_defaults(func=cmd_pause if name == "pause" else cmd_resume)
     trigger = commands.add_parser("trigger", help="fire a run now, under the overlap policy")
     trigger.add_argument("id")
-    trigger.add_argument("--overlap", choices=OVERLAP_POLICIES, default=None,
+    trigger.add_argument("--overlap", choices=OVERLAP_POLICIES,
+                         type=one_of("--overlap", OVERLAP_POLICIES), default=None,
                          help="instead of the schedule's own policy")
     trigger.add_argument("--idempotency-key", metavar="KEY", default=None,
                          help="sent again with this key, the trigger answers with what became "
@@ -76,7 +81,8 @@ def register(subparsers: Any) -> None:
                           help="ISO 8601 time with its offset, e.g. 2026-12-01T00:00:00Z")
     backfill.add_argument("--to", dest="end", required=True, metavar="T",
                           help="ISO 8601 time with its offset (not later than now)")
-    backfill.add_argument("--overlap", choices=OVERLAP_POLICIES, default="allow_all",
+    backfill.add_argument("--overlap", choices=OVERLAP_POLICIES,
+                          type=one_of("--overlap", OVERLAP_POLICIES), default="allow_all",
                           help="the backfill's own overlap policy (default allow_all)")
     _app_option(backfill)
     audit_options(backfill, "fires the slots")
@@ -167,9 +173,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if args.recent < 0 or args.recent > 1000:
-        raise InvalidRequest("--recent must be between 0 and 1000", path="recent")
-
     async def read(admin: ScheduleAdmin) -> tuple[ScheduleDetail, frozenset[str]]:
         return await admin.show(args.id, recent=args.recent), await admin.served()
 

@@ -16,27 +16,30 @@ from typing import Any
 
 from orchestrator import logs
 from orchestrator.app import MAX_LEASE_TTL, MIN_LEASE_TTL, Orchestrator, catch_early_sigterm
+from orchestrator.cli.options import MAX_PORT, one_of, seconds, whole
 from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
 from orchestrator.errors import ConfigurationError, InvalidRequest, OrchestratorError
 from orchestrator.reconcile import UNSERVED_GRACE
-from orchestrator.serving import ENV_EVENT_LOOP, event_loop_choice
+from orchestrator.serving import ENV_EVENT_LOOP, EVENT_LOOPS, event_loop_choice
 
 
 def register(subparsers: Any) -> None:
     worker = subparsers.add_parser(
         "worker", help="claim and run workflows until SIGTERM (then drain)")
     add_app_argument(worker)
-    worker.add_argument("--concurrency", type=int, default=10,
+    worker.add_argument("--concurrency", type=whole("--concurrency", low=1), default=10,
                         help="runs held at once (default 10)")
-    worker.add_argument("--lease-ttl", type=float, default=None,
+    worker.add_argument("--lease-ttl", type=seconds("--lease-ttl"), default=None,
                         help="seconds a lease lasts without a heartbeat (default: the app's)")
-    worker.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
+    worker.add_argument("--poll-interval", type=seconds("--poll-interval"), default=1.0,
+                        metavar="SECONDS",
                         help="seconds between looks for work when no notification came "
                              "(default 1; all there is behind a transaction pooler without "
                              "--listen-url, docs/operations.md)")
-    worker.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    worker.add_argument("--drain-timeout", type=seconds("--drain-timeout", zero=True),
+                        default=30.0, metavar="SECONDS",
                         help="on SIGTERM, seconds the runs in flight have to reach a durable "
                              "point before they are abandoned (default 30; a second signal "
                              "stops at once). Give the process manager's stop grace period "
@@ -54,14 +57,16 @@ def register(subparsers: Any) -> None:
     reconciler = subparsers.add_parser(
         "reconciler", help="resolve unknown operations with the tools' lookups until SIGTERM")
     add_app_argument(reconciler)
-    reconciler.add_argument("--max-lookups", type=int, default=5,
+    reconciler.add_argument("--max-lookups", type=whole("--max-lookups", low=1), default=5,
                             help="inconclusive lookups before an operator decides (default 5)")
-    reconciler.add_argument("--base-delay", type=float, default=1.0,
+    reconciler.add_argument("--base-delay", type=seconds("--base-delay"), default=1.0,
                             help="seconds before the second lookup; doubles after (default 1)")
-    reconciler.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
+    reconciler.add_argument("--poll-interval", type=seconds("--poll-interval"), default=1.0,
+                            metavar="SECONDS",
                             help="seconds between looks for unknown operations when no "
                                  "notification came (default 1)")
-    reconciler.add_argument("--unserved-grace", type=float, default=UNSERVED_GRACE,
+    reconciler.add_argument("--unserved-grace", type=seconds("--unserved-grace", zero=True),
+                            default=UNSERVED_GRACE,
                             metavar="SECONDS",
                             help="seconds an unknown operation of a tool this app does not "
                                  "register waits for a reconciler that has it before this one "
@@ -79,13 +84,15 @@ def add_app_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=logs.FORMATS, default=None,
+    parser.add_argument("--log-format", choices=logs.FORMATS,
+                        type=one_of("--log-format", logs.FORMATS), default=None,
                         help=f"how log lines look on stderr: text, or one JSON object per line "
                         f"(default: {logs.ENV_LOG_FORMAT}, else text)")
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="N",
+    parser.add_argument("--metrics-port", type=whole("--metrics-port", low=0, high=MAX_PORT),
+                        default=None, metavar="N",
                         help="serve /metrics (Prometheus) and /healthz on this port "
                         "(docs/metrics.md; default: none)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
@@ -93,7 +100,8 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_event_loop_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--event-loop", metavar="KIND", default=None,
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS,
+                        type=one_of("--event-loop", EVENT_LOOPS), default=None,
                         help="auto (uvloop where installed, else asyncio's own), uvloop or "
                         f"asyncio (default: {ENV_EVENT_LOOP}, else auto)")
 
@@ -101,8 +109,6 @@ def add_event_loop_argument(parser: argparse.ArgumentParser) -> None:
 def metrics_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.metrics_port is None:
         return {}
-    if not 0 <= args.metrics_port <= 65535:
-        raise InvalidRequest("--metrics-port must be between 0 and 65535", path="metrics_port")
     return {"metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
@@ -212,25 +218,9 @@ def ensure_schema(app: Orchestrator, *, upgrade: bool) -> None:
     raise migrate.schema_error(app.target, status)
 
 
-def check_poll_interval(seconds: float) -> None:
-    """``--poll-interval`` of a worker or a reconciler: a finite number of seconds, more than
-    0 (``inf`` is refused here too, not only later by the application's own check)."""
-    if not 0 < seconds < float("inf"):
-        raise InvalidRequest("--poll-interval must be a finite number of seconds, more than 0",
-                             path="poll_interval")
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     catch_early_sigterm()
-    if args.concurrency < 1:
-        raise InvalidRequest("--concurrency must be at least 1", path="concurrency")
-    check_poll_interval(args.poll_interval)
-    if not 0 <= args.drain_timeout < float("inf"):
-        raise InvalidRequest("--drain-timeout must be a finite number of seconds, 0 or more",
-                             path="drain_timeout")
-    if args.lease_ttl is not None and not 0 < args.lease_ttl < float("inf"):
-        raise InvalidRequest("--lease-ttl must be a finite number of seconds, more than 0",
-                             path="lease_ttl")
+    # The options' types refused values out of range (cli.options); the lease's bounds say why.
     if args.lease_ttl is not None and args.lease_ttl < MIN_LEASE_TTL:
         raise InvalidRequest(f"--lease-ttl must be at least {MIN_LEASE_TTL:g} s (a heartbeat "
                              "renews a lease a third of its TTL apart, and must land before "
@@ -277,16 +267,7 @@ def settle_garbage_collector() -> None:
 
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
-    catch_early_sigterm()
-    check_poll_interval(args.poll_interval)
-    if args.max_lookups < 1:
-        raise InvalidRequest("--max-lookups must be at least 1", path="max_lookups")
-    if not 0 < args.base_delay < float("inf"):
-        raise InvalidRequest("--base-delay must be a finite number of seconds, more than 0",
-                             path="base_delay")
-    if not 0 <= args.unserved_grace < float("inf"):
-        raise InvalidRequest("--unserved-grace must be a finite number of seconds, 0 or more",
-                             path="unserved_grace")
+    catch_early_sigterm()  # the options' types refused values out of range (cli.options)
     event_loop = event_loop_choice(args.event_loop)
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)

@@ -1,7 +1,7 @@
 """The event loop of worker processes: uvloop's where it is installed, asyncio's on request
 (``--event-loop``, ``ORCHESTRATOR_EVENT_LOOP``), and the same run carried across both: a
-fleet may mix them. A choice that is not one is ``CONFIGURATION_ERROR`` before anything is
-written."""
+fleet may mix them. A choice that is not one is refused before anything is written:
+``INVALID_REQUEST`` naming the flag, ``CONFIGURATION_ERROR`` naming the variable."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_an_event_loop_that_is_not_one_is_refused_before_anything_is_written(
         done = subprocess.run(
             [sys.executable, "-m", "orchestrator", command, "--app", "tests.acceptance.flows:app",
              *how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-        where = "event_loop" if how else "ORCHESTRATOR_EVENT_LOOP"
+        said = ("INVALID_REQUEST: --event-loop must be one of auto, uvloop, asyncio, not 'fast'"
+                if how else "CONFIGURATION_ERROR: ORCHESTRATOR_EVENT_LOOP must be one of auto, "
+                "uvloop, asyncio, got 'fast'")
         assert done.returncode == 2, done.stderr
-        assert (f"CONFIGURATION_ERROR: {where} must be one of auto, uvloop, asyncio, got 'fast'"
-                in done.stderr), done.stderr
+        assert f"orchestrator: error: {said}" in done.stderr, done.stderr
     assert workers.sql("SELECT count(*) AS n FROM orchestrator.workers") == [{"n": 0}]

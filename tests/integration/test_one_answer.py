@@ -211,12 +211,14 @@ async def test_a_malformed_operation_id_gets_one_answer_everywhere(
 
 
 async def test_an_entry_from_newer_code_is_refused_by_every_reader(
-        app, sql, migrated_database_url):
+        app, sql, migrated_database_url, tmp_path):
     """An entry whose schema version this code does not know is ``SCHEMA_UNSUPPORTED``
-    (C3), read by its owner (``app.journal``), followed (``runs watch``) or shown to an
-    operator (``runs show``, ``ops show``, the console's run): one refusal, in one message
-    that names the entry and says what reads it. ``runs show`` and ``ops show`` printed it,
-    interpreted as an entry of this code, where ``runs watch`` of the same run refused it."""
+    (C3), read by its owner (``app.journal``), followed (``runs watch``), shown to an
+    operator (``runs show``, ``ops show``, the console's run) or exported (``runs export``):
+    one refusal, in one message that names the entry and says what reads it. ``runs show``
+    and ``ops show`` printed it, interpreted as an entry of this code, where ``runs watch`` of
+    the same run refused it; ``runs export`` wrote it out, its payload read as this code's,
+    for a replay to trip over later, and exit status 0."""
     @app.tool()
     async def charge(ctx):  # type: ignore[no-untyped-def]
         raise ToolError.after_send("timeout")
@@ -243,9 +245,14 @@ async def test_an_entry_from_newer_code_is_refused_by_every_reader(
         answer = await alice.get(f"/api/runs/{run.id}")
         assert (answer.status_code, answer.json()["code"], answer.json()["message"]) == (
             500, "SCHEMA_UNSUPPORTED", said), answer.text
+    exported = tmp_path / "run.json"
     for command in (["runs", "watch", str(run.id)], ["runs", "show", str(run.id)],
-                    ["ops", "show", str(op)]):
+                    ["ops", "show", str(op)], ["runs", "export", str(run.id)],
+                    ["runs", "export", str(run.id), "-o", str(exported)]):
         done = run_cli(command, database_url=migrated_database_url)
         assert (done.returncode, done.stderr) == (
             2, f"orchestrator: error: SCHEMA_UNSUPPORTED: {said}\n"), command
+        if command[1] == "export":
+            assert done.stdout == "", command  # no document, not even a part of one
+    assert not exported.exists()  # nothing written, not even an empty file
     await app.database.close()

@@ -200,3 +200,108 @@ def test_the_ops_actions_say_that_the_operator_is_audited(
     with pytest.raises(SystemExit):
         cli.main(["ops", command, "--help"])
     assert "who acts (recorded in the audit log)" in " ".join(capsys.readouterr().out.split())
+
+
+RUN = "01a24b26-e4b4-78f7-9630-ca98eb14b475"
+WHOLE_1_1000 = "a whole number from 1 to 1000"
+BAD_VALUES = [
+    # (argv, the option, what it takes, the value given)
+    (["runs", "list", "--limit", "abc"], "--limit", WHOLE_1_1000, "abc"),
+    (["runs", "list", "--limit", "-3"], "--limit", WHOLE_1_1000, "-3"),
+    (["runs", "list", "--json", "--limit", "1001"], "--limit", WHOLE_1_1000, "1001"),
+    (["runs", "list", "--status", "done"], "--status",
+     "one of queued, running, waiting, needs_reconciliation, succeeded, failed, cancelled",
+     "done"),
+    (["runs", "watch", RUN, "--after", "next"], "--after", "a whole number, 0 or more",
+     "next"),
+    (["runs", "restart", RUN, "--operator", "al", "--evidence", "x", "--from-position",
+      "2.5"], "--from-position", "a whole number, 0 or more", "2.5"),
+    (["ops", "list", "--limit", "all"], "--limit", WHOLE_1_1000, "all"),
+    (["ops", "list", "--state", "closed"], "--state",
+     "one of open, operator, resolved, unresolved, all", "closed"),
+    (["ops", "audit", "--limit", "0"], "--limit", WHOLE_1_1000, "0"),
+    (["ops", "resolve", "7", "--not-applied", "--evidence", "x", "--operator", "al",
+      "--then", "retry"], "--then", "one of resend, fail", "retry"),
+    (["ops", "resolve-many", "--not-applied", "--evidence", "x", "--operator", "al",
+      "--limit", "many"], "--limit", "a whole number from 1 to 10000", "many"),
+    (["ops", "abandon-many", "--evidence", "x", "--operator", "al", "--state", "resolved"],
+     "--state", "one of open, operator, unresolved", "resolved"),
+    (["queues", "set", "exports", "--priority", "yes"], "--priority", "one of on, off",
+     "yes"),
+    (["queues", "set", "exports", "--count-parked", "1"], "--count-parked",
+     "one of on, off", "1"),
+    (["schedules", "show", "nightly", "--recent", "lots"], "--recent",
+     "a whole number from 0 to 1000", "lots"),
+    (["schedules", "trigger", "nightly", "--overlap", "queue"], "--overlap",
+     "one of skip, buffer_one, buffer_all, cancel_other, allow_all", "queue"),
+    (["schedules", "backfill", "nightly", "--from", "2026-01-01T00:00:00Z", "--to",
+      "2026-01-02T00:00:00Z", "--overlap", "none"], "--overlap",
+     "one of skip, buffer_one, buffer_all, cancel_other, allow_all", "none"),
+    (["replay", "--app", "m:a", "--last", "ten"], "--last",
+     "a whole number from 1 to 100000", "ten"),
+    (["prune", "--older-than", "30d", "--batch", "0"], "--batch",
+     "a whole number from 1 to 100000", "0"),
+    (["prune", "--older-than", "30d", "--duty", "half"], "--duty",
+     "a number more than 0 and at most 1", "half"),
+    (["console", "--port", "http"], "--port", "a whole number from 0 to 65535", "http"),
+    (["demo", "--runs", "0"], "--runs", "a whole number, 1 or more", "0"),
+    (["worker", "--app", "m:a", "--concurrency", "abc"], "--concurrency",
+     "a whole number, 1 or more", "abc"),
+    (["worker", "--app", "m:a", "--lease-ttl", "1m"], "--lease-ttl",
+     "a finite number of seconds, more than 0", "1m"),
+    (["worker", "--app", "m:a", "--poll-interval", "fast"], "--poll-interval",
+     "a finite number of seconds, more than 0", "fast"),
+    (["worker", "--app", "m:a", "--drain-timeout", "30s"], "--drain-timeout",
+     "a finite number of seconds, 0 or more", "30s"),
+    (["worker", "--app", "m:a", "--metrics-port", "70000"], "--metrics-port",
+     "a whole number from 0 to 65535", "70000"),
+    (["worker", "--app", "m:a", "--log-format", "yaml"], "--log-format", "one of text, json",
+     "yaml"),
+    (["reconciler", "--app", "m:a", "--max-lookups", "five"], "--max-lookups",
+     "a whole number, 1 or more", "five"),
+    (["reconciler", "--app", "m:a", "--base-delay", "1s"], "--base-delay",
+     "a finite number of seconds, more than 0", "1s"),
+    (["reconciler", "--app", "m:a", "--unserved-grace", "x"], "--unserved-grace",
+     "a finite number of seconds, 0 or more", "x"),
+    (["reconciler", "--app", "m:a", "--metrics-port", "port"], "--metrics-port",
+     "a whole number from 0 to 65535", "port"),
+    (["--pooler", "session", "runs", "list"], "--pooler", "one of transaction", "session"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option", "takes", "value"), BAD_VALUES,
+                         ids=[" ".join(case[0]) for case in BAD_VALUES])
+def test_a_bad_option_value_is_invalid_request_naming_the_option(
+        argv: list[str], option: str, takes: str, value: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A value a typed option cannot take is refused as every other bad input of the command
+    line is (docs/cli-json.md): one ``orchestrator: error: INVALID_REQUEST: …`` line naming
+    the option, what it takes and what was given, exit status 2, before anything is read or
+    written. It was argparse's usage text and ``invalid int value``, with no stable code."""
+    assert cli.main(argv) == cli.EXIT_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"orchestrator: error: INVALID_REQUEST: {option} must be {takes}, not {value!r}\n")
+
+
+def test_every_typed_option_refuses_a_bad_value_with_the_cli_s_own_error() -> None:
+    """Every option of every command that converts or restricts its value does so with the
+    command line's own refusal (:mod:`orchestrator.cli.options`), so that an option added
+    later with a plain ``type=int`` or ``choices=`` shows up here."""
+    from orchestrator.cli import options
+
+    def leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found.extend(leaves(sub))
+        return found
+
+    plain = [f"{parser.prog} {action.option_strings[0]}"
+             for parser in leaves(cli.build_parser()) for action in parser._actions
+             if action.option_strings and (action.type in (int, float) or (
+                 action.choices is not None
+                 and getattr(action.type, "__module__", None) != options.__name__))]
+    assert plain == []

@@ -14,7 +14,7 @@ from orchestrator.db.config import (
     resolve_database,
     validate_url,
 )
-from orchestrator.errors import ConfigurationError
+from orchestrator.errors import ConfigurationError, InvalidRequest
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_a_poll_interval_that_is_not_positive_is_refused_before_anything_starts(
                           check=False)
     assert (done.returncode, done.stderr) == (
         2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be a finite number of "
-        "seconds, more than 0\n")
+        "seconds, more than 0, not '0'\n")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])
@@ -251,13 +251,14 @@ def test_a_drain_timeout_that_is_not_a_finite_number_of_seconds_is_refused(value
                           check=False)
     assert (done.returncode, done.stderr) == (
         2, "orchestrator: error: INVALID_REQUEST: --drain-timeout must be a finite number of "
-        "seconds, 0 or more\n")
+        f"seconds, 0 or more, not {value!r}\n")
 
 
 def test_the_pooler_flag_takes_only_the_modes_that_need_it() -> None:
     from orchestrator.cli import build_parser
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(InvalidRequest, match="--pooler must be one of transaction, not "
+                       "'session'"):
         build_parser().parse_args(["--pooler", "session", "worker", "--app", "m:a"])
 
 
@@ -292,15 +293,16 @@ def test_a_lease_ttl_that_is_not_a_positive_finite_number_of_seconds_is_refused(
                           check=False)
     assert (done.returncode, done.stderr) == (
         2, "orchestrator: error: INVALID_REQUEST: --lease-ttl must be a finite number of "
-        "seconds, more than 0\n")
+        f"seconds, more than 0, not {value!r}\n")
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--base-delay", "0", "--base-delay must be a finite number of seconds, more than 0"),
     ("--base-delay", "-1", "--base-delay must be a finite number of seconds, more than 0"),
     ("--base-delay", "nan", "--base-delay must be a finite number of seconds, more than 0"),
-    ("--max-lookups", "0", "--max-lookups must be at least 1"),
-    ("--max-lookups", "-5", "--max-lookups must be at least 1"),
+    ("--max-lookups", "0", "--max-lookups must be a whole number, 1 or more"),
+    ("--max-lookups", "-5", "--max-lookups must be a whole number, 1 or more"),
+    ("--max-lookups", "five", "--max-lookups must be a whole number, 1 or more"),
     ("--unserved-grace", "-1", "--unserved-grace must be a finite number of seconds, 0 or more"),
     ("--unserved-grace", "inf", "--unserved-grace must be a finite number of seconds, 0 or "
                                 "more"),
@@ -317,7 +319,7 @@ def test_a_reconciler_setting_out_of_range_is_refused_before_anything_starts(
                           env=cli_env(None), capture_output=True, text=True, timeout=60,
                           check=False)
     assert (done.returncode, done.stderr) == (
-        2, f"orchestrator: error: INVALID_REQUEST: {message}\n")
+        2, f"orchestrator: error: INVALID_REQUEST: {message}, not {value!r}\n")
 
 
 @pytest.mark.parametrize("ttl", [0, -1.0, float("nan"), float("inf"), "30"])
@@ -452,7 +454,7 @@ def test_an_infinite_poll_interval_is_refused_with_the_flags_own_error(group: st
                               check=False)
         assert (done.returncode, done.stderr) == (
             2, "orchestrator: error: INVALID_REQUEST: --poll-interval must be a finite number "
-            "of seconds, more than 0\n"), value
+            f"of seconds, more than 0, not {value!r}\n"), value
 
 
 @pytest.mark.parametrize("ttl", [86400.5, 1e12, 1e308])
