@@ -6,10 +6,10 @@ The event loop is uvloop's where it is installed (a dependency of the package, e
 Windows, where it does not run), else asyncio's own: ``event_loop`` (or the environment's
 ``ORCHESTRATOR_EVENT_LOOP``) picks one: ``auto``, ``uvloop`` or ``asyncio``. A worker's
 Python time per step is mostly the loop's own (scheduling a task's next step, polling the
-sockets, timers): on uvloop, whose loop is compiled, a K = 3 drain measured 0.80× the
-worker CPU per step of asyncio's loop (docs/architecture.md, "The write path"). The engine
-does not depend on which: the test suite runs workers in-process on asyncio's loop and as
-processes on uvloop's.
+sockets, timers): on uvloop, whose loop is compiled, one worker draining K = 3 runs used
+0.88–0.92× the CPU per step it used on asyncio's loop (``python -m bench.loops``;
+docs/architecture.md, "The write path"). The engine does not depend on which: the test suite
+runs workers in-process on asyncio's loop and as processes on uvloop's.
 """
 
 from __future__ import annotations
