@@ -61,17 +61,16 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 ENV_EVENT_LOOP = "ORCHESTRATOR_EVENT_LOOP"
 
 
-def event_loop_choice(event_loop: str | None) -> str:
-    """The event loop a worker or reconciler of this process runs on: ``event_loop``, else
-    ``ORCHESTRATOR_EVENT_LOOP``, else ``auto``; checked (``CONFIGURATION_ERROR``: not one of
-    :data:`EVENT_LOOPS`, or ``uvloop`` asked for where it is not installed) and resolved:
-    ``uvloop`` or ``asyncio``."""
-    where = "event_loop"
+def event_loop_choice(event_loop: str | None, *, where: str = "event_loop") -> str:
+    """The event loop a worker or reconciler of this process runs on: ``event_loop`` (given
+    as ``where``: the argument, a command's flag), else ``ORCHESTRATOR_EVENT_LOOP``, else
+    ``auto``; checked (``CONFIGURATION_ERROR``: not one of :data:`EVENT_LOOPS`, or ``uvloop``
+    asked for where it is not installed) and resolved: ``uvloop`` or ``asyncio``."""
     if event_loop is None:
         event_loop = os.environ.get(ENV_EVENT_LOOP) or "auto"
         where = ENV_EVENT_LOOP
     if event_loop not in EVENT_LOOPS:
-        raise ConfigurationError(f"{where} must be one of {', '.join(EVENT_LOOPS)}, got "
+        raise ConfigurationError(f"{where} must be one of {', '.join(EVENT_LOOPS)}, not "
                                  f"{event_loop!r}")
     if event_loop == "asyncio":
         return event_loop
@@ -79,14 +78,18 @@ def event_loop_choice(event_loop: str | None) -> str:
         import uvloop  # noqa: F401 - only whether it is there
     except ImportError:
         if event_loop == "uvloop":
-            raise ConfigurationError(f"{where} is uvloop, which is not installed here: "
-                                     "pip install uvloop, or choose auto or asyncio") from None
+            raise ConfigurationError(
+                f"{where} is uvloop, which is not installed here: pip install uvloop (it does "
+                "not run on Windows), or choose auto or asyncio") from None
         return "asyncio"
     return "uvloop"
 
 
 def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
-    """A new loop of the kind :func:`event_loop_choice` resolved."""
+    """A new loop of the kind :func:`event_loop_choice` resolved (``uvloop`` or
+    ``asyncio``)."""
+    if choice not in ("uvloop", "asyncio"):
+        raise ValueError(f"not a resolved event loop: {choice!r} (see event_loop_choice)")
     if choice == "uvloop":
         import uvloop
 
@@ -123,6 +126,10 @@ def run_until_stopped(create: Callable[[], Worker | Reconciler], *, database: Da
         try:
             await service.run()
         finally:
+            # Given back while the loop runs: uvloop's close() leaves a closed loop's handlers
+            # in place, and the process could not be interrupted any more.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
             if stop_exporter is not None:
                 stop_exporter()
             await database.close()

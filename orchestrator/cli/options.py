@@ -51,6 +51,23 @@ def whole(option: str, *, low: int, high: int | None = None) -> Callable[[str], 
     return convert
 
 
+def whole_or_none(option: str, *, low: int) -> Callable[[str], int | str]:
+    """A whole number from ``low``, or the word ``none`` (any case), given back as ``"none"``
+    (a limit removed; an option left out stays ``None``)."""
+    takes = f"a whole number, {low} or more, or none"
+    number = whole(option, low=low)
+
+    def convert(text: str) -> int | str:
+        if text.lower() == "none":
+            return "none"
+        try:
+            return number(text)
+        except InvalidRequest:
+            raise _refuse(option, takes, text) from None
+
+    return convert
+
+
 def seconds(option: str, *, zero: bool = False) -> Callable[[str], float]:
     """A finite number of seconds, more than 0 (``zero``: 0 or more)."""
     return number(option, "a finite number of seconds, " + ("0 or more" if zero else

@@ -17,12 +17,10 @@ from typing import Any, TypeVar
 
 from orchestrator.cli import records
 from orchestrator.cli.common import database_target, json_option, login_name
-from orchestrator.cli.options import one_of
+from orchestrator.cli.options import one_of, whole_or_none
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
-from orchestrator.errors import InvalidRequest
 from orchestrator.queues import QueueAdmin, QueueInfo, queue_record
-from orchestrator.text import is_number
 
 T = TypeVar("T")
 SWITCH = ("on", "off")
@@ -53,7 +51,8 @@ def register(subparsers: Any) -> None:
         "workers start again with other declarations, until `orchestrator queues reset`.")
     change.add_argument("name")
     for option in ("concurrency", "worker-concurrency", "key-concurrency"):
-        change.add_argument(f"--{option}", metavar="N|none")
+        change.add_argument(f"--{option}", metavar="N|none",
+                            type=whole_or_none(f"--{option}", low=1))
     change.add_argument("--rate", metavar="COUNT/UNIT|none",
                         help="e.g. 100/s, 10/5s, 600/min, 5000/day")
     for switch in ("--priority", "--count-parked"):
@@ -175,21 +174,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _changed(info, "resumed", args)
 
 
-def _number(option: str, value: str) -> int | None:
-    if value.lower() == "none":
-        return None
-    if not is_number(value):
-        raise InvalidRequest(f"--{option} must be a whole number from 1, or none",
-                             path=option.replace("-", "_"))
-    return int(value)
-
-
 def cmd_set(args: argparse.Namespace) -> int:
     changes: dict[str, Any] = {}
     for option in ("concurrency", "worker_concurrency", "key_concurrency"):
         value = getattr(args, option)
         if value is not None:
-            changes[option] = _number(option.replace("_", "-"), value)
+            changes[option] = None if value == "none" else value
     if args.rate is not None:
         changes["rate"] = None if args.rate.lower() == "none" else args.rate
     for flag in ("priority", "count_parked"):

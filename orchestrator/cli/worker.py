@@ -229,7 +229,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--lease-ttl must be at most {MAX_LEASE_TTL:g} s (a day: a dead "
                              "worker's runs wait that long for their leases where no liveness "
                              "lock tells its death)", path="lease_ttl")
-    event_loop = event_loop_choice(args.event_loop)
+    event_loop = event_loop_choice(args.event_loop, where="--event-loop")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)
@@ -268,7 +268,7 @@ def settle_garbage_collector() -> None:
 
 def cmd_reconciler(args: argparse.Namespace) -> int:
     catch_early_sigterm()  # the options' types refused values out of range (cli.options)
-    event_loop = event_loop_choice(args.event_loop)
+    event_loop = event_loop_choice(args.event_loop, where="--event-loop")
     announce = start_logging(args)
     app = load_app(args.app, args.database_url)
     ping(app.target)

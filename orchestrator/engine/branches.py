@@ -78,17 +78,17 @@ class Branches:
         run = self.run
         parked: asyncio.Future[None] = run.loop.create_future()
         self._parked.append(parked)
-        timer = None
+        armed: list[asyncio.TimerHandle] = []
         if wait.wake_at is not None:
             delay = (wait.wake_at - run.now()).total_seconds()
-            timer = run.loop.call_later(max(delay, 0.0), self._wake, parked, wait)
+            armed.append(run.loop.call_later(max(delay, 0.0), self._due, parked, wait, armed))
         if wait.kind == "event":
             self._for_events[parked] = wait
         try:
             # Woken by its time or its event, or cancelled (the run parked, or workflow code).
             await parked
         finally:
-            if timer is not None:
+            for timer in armed:
                 timer.cancel()
             self._for_events.pop(parked, None)
             self.active_count += depth
@@ -134,6 +134,21 @@ class Branches:
         for parked, wait in list(self._for_events.items()):
             if wait.name == name:
                 self._wake(parked, wait)
+
+    def _due(self, parked: asyncio.Future[None], wait: Wait,
+             armed: list[asyncio.TimerHandle]) -> None:
+        """A parked branch's timer: it wakes the branch once the run's clock has reached
+        ``wait.wake_at``, and until then is armed again for what is left. A loop may fire a
+        timer early (uvloop's rounds to the millisecond), and the run's clock is the wall
+        clock, not the loop's: a branch never goes on before its time (workflow code that
+        reads ``ctx.now()`` after a sleep never finds it earlier than the sleep's end, and a
+        wait's timeout is not found still ahead, which would park the run again)."""
+        assert wait.wake_at is not None
+        left = (wait.wake_at - self.run.now()).total_seconds()
+        if left > 0:
+            armed[:] = [self.run.loop.call_later(left, self._due, parked, wait, armed)]
+            return
+        self._wake(parked, wait)
 
     def _wake(self, parked: asyncio.Future[None], wait: Wait) -> None:
         """A parked branch's time (or its event) has come while the run is still in this

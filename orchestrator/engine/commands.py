@@ -157,7 +157,9 @@ class Commands:
             tracing.event("wait", {"orchestrator.wait": "timer", "orchestrator.position": position,
                                    "orchestrator.in_memory": True})
             with self.branches.active():
-                await asyncio.sleep(left)
+                while left > 0:  # a loop may wake it early: never before ``until`` (_due)
+                    await asyncio.sleep(left)
+                    left = (until - run.now()).total_seconds()
             return
         await self.branches.park(Wait("timer", position, wake_at=until))
 

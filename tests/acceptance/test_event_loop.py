@@ -55,7 +55,7 @@ def test_an_event_loop_that_is_not_one_is_refused_before_anything_is_written(
              *how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         said = ("INVALID_REQUEST: --event-loop must be one of auto, uvloop, asyncio, not 'fast'"
                 if how else "CONFIGURATION_ERROR: ORCHESTRATOR_EVENT_LOOP must be one of auto, "
-                "uvloop, asyncio, got 'fast'")
+                "uvloop, asyncio, not 'fast'")
         assert done.returncode == 2, done.stderr
         assert f"orchestrator: error: {said}" in done.stderr, done.stderr
     assert workers.sql("SELECT count(*) AS n FROM orchestrator.workers") == [{"n": 0}]
