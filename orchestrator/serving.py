@@ -116,6 +116,9 @@ def run_until_stopped(create: Callable[[], Worker | Reconciler], *, database: Da
     async def main() -> None:
         service = create()
         loop = asyncio.get_running_loop()
+        if isinstance(service, Reconciler):  # a worker says it in its own started line
+            log.info("reconciler %s started: event loop %s", service.id,
+                     type(loop).__module__.partition(".")[0])
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.request_stop)
         if _EARLY_STOP.is_set():

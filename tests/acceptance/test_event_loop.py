@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,6 +43,30 @@ def test_a_run_moves_between_workers_on_either_loop(workers, client):
     assert _started_line(workers.log("a")).endswith("event loop uvloop")  # the default
     assert _started_line(workers.log("b")).endswith("event loop asyncio")
     assert _started_line(workers.log("c")).endswith("event loop uvloop")  # the flag wins
+
+
+def test_a_reconciler_runs_on_the_loop_chosen(migrated_database_url, tmp_path):
+    env = {**os.environ, "ORCHESTRATOR_DATABASE_URL": migrated_database_url,
+           "PYTHONPATH": str(ROOT)}
+    for name, how in (("default", []), ("asyncio", ["--event-loop", "asyncio"])):
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", "reconciler", "--app",
+                 "tests.acceptance.flows:app", *how], cwd=ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT)
+        try:
+            give_up = time.monotonic() + 30
+            while " started: event loop " not in (tmp_path / f"{name}.log").read_text():
+                assert proc.poll() is None and time.monotonic() < give_up, (
+                    (tmp_path / f"{name}.log").read_text())
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        said = (tmp_path / f"{name}.log").read_text()
+        assert f"started: event loop {'uvloop' if name == 'default' else 'asyncio'}" in said
 
 
 @pytest.mark.parametrize("how", [["--event-loop", "fast"], []])
