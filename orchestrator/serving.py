@@ -8,8 +8,11 @@ Windows, where it does not run), else asyncio's own: ``event_loop`` (or the envi
 Python time per step is mostly the loop's own (scheduling a task's next step, polling the
 sockets, timers): on uvloop, whose loop is compiled, one worker draining K = 3 runs used
 0.88–0.92× the CPU per step it used on asyncio's loop (``python -m bench.loops``;
-docs/architecture.md, "The write path"). The engine does not depend on which: the test suite
-runs workers in-process on asyncio's loop and as processes on uvloop's.
+docs/architecture.md, "The write path"). The guarantees do not depend on which: the test
+suite runs workers in-process on asyncio's loop and as processes on uvloop's. Where the two
+differ, the engine holds to asyncio's behaviour: a timer that uvloop fires early (it rounds
+to the millisecond) is armed again for the rest (``Branches._due``), and the signal handlers
+are removed before the loop closes (uvloop's ``close()`` leaves them).
 """
 
 from __future__ import annotations
