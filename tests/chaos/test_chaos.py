@@ -61,8 +61,14 @@ def test_the_harness_catches_duplicates_when_the_no_redispatch_guard_is_off(
         chaos_env: Environment, tmp_path: Path) -> None:
     """With ORCHESTRATOR_TEST_UNSAFE_REDISPATCH=1 a worker that finds a consequential call
     ``submitted`` without an outcome sends it again. Workers here die right after such a tool
-    returned; the sink must show the second application and the verdict must be FAIL."""
-    cfg = Config(seed=FIXED_SEED, runs=40, workers=3, fault_interval=0.4,
+    returned; the sink must show the second application and the verdict must be FAIL.
+    A fault here replaces a worker with an armed one, which must then claim a run and reach
+    the point: the runs are submitted over 20 s (``duration``), so that some arrive after
+    armed workers are up, and one fault every 1.5 s leaves an armed worker (its start takes
+    1.2-1.5 s) about 4.5 s before it is replaced in turn. With the 40 runs submitted at once
+    and a fault every 0.4 s, fast workers had finished them all before an armed one claimed
+    any, or armed ones were replaced before they could (81 replacements, none died)."""
+    cfg = Config(seed=FIXED_SEED, runs=40, workers=3, fault_interval=1.5, duration=20.0,
                  unsafe_redispatch=True, tool_fault_rate=0.0, cancel_rate=0.0,
                  workflows={"checkout": 1}, fault_weights={"worker_fault_point": 1},
                  fault_points=("after_tool_return",), fault_tools=("pay",),
