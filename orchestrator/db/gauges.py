@@ -4,9 +4,10 @@ Each is read at scrape time, on a connection of its own (the exporter's thread h
 loop), under a short ``statement_timeout``, and is driven by a partial index so that it stays
 cheap however many finished runs and settled operations the tables hold:
 
-- unknown operations and the operator queue: ``ix_operations_unknown`` (``state =
-  'unknown'``); an item waits for an operator only while its operation is unknown, so the
-  queue is found from the unknown operations through the items' unique ``operation_id``;
+- unknown operations and the operator queue: ``ix_operations_unknown_tool`` (the generated
+  ``unknown_tool``, the tool's name while the call is unknown, migration 0039); an item waits
+  for an operator only while its operation is unknown, so the queue is found from the unknown
+  operations through the items' unique ``operation_id``;
 - queued runs: ``ix_runs_claimable`` (the default queue's claimable runs only) and
   ``ix_runs_queue_ready`` (the queues' ready runs, docs/flow.md).
 """
@@ -33,15 +34,15 @@ CONNECT_TIMEOUT = 2.0
 """Seconds to wait for the server when connecting for a scrape (libpq's minimum is 2)."""
 
 UNKNOWN_BY_TOOL = f"""
-SELECT o.tool_name AS tool, count(*) AS unknown,
+SELECT o.unknown_tool AS tool, count(*) AS unknown,
        EXTRACT(EPOCH FROM now() - min(o.updated_at))::float8 AS unknown_oldest,
        count(*) FILTER (WHERE i.state = 'operator') AS operator,
        EXTRACT(EPOCH FROM now() - min(i.created_at) FILTER (WHERE i.state = 'operator')
        )::float8 AS operator_oldest
 FROM {S}.operations o
 LEFT JOIN {S}.reconciliation_items i ON i.operation_id = o.id
-WHERE o.state = 'unknown'
-GROUP BY o.tool_name"""
+WHERE o.unknown_tool IS NOT NULL
+GROUP BY o.unknown_tool"""
 
 QUEUED_BY_WORKFLOW = f"""
 SELECT workflow, sum(queued)::bigint AS queued, max(oldest) AS oldest FROM (

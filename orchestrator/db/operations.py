@@ -31,11 +31,12 @@ class OperationIdentityReused(Exception):
 _INSERT = f"""
 INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version, effect_class,
                             tenant, principal, intent_digest, arguments, idempotency_key, state,
-                            worker_id, lease_token, submitted_at)
+                            worker_id, lease_token, submitted_at, limited)
 SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
        %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s, %(arguments)s::jsonb,
        %(idempotency_key)s, %(state)s, %(worker_id)s, %(token)s,
-       CASE WHEN %(state)s = 'submitted' THEN now() END
+       CASE WHEN %(state)s = 'submitted' THEN now() END,
+       CASE WHEN %(state)s = 'submitted' AND %(limited)s THEN true END
 WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
               AND r.status = 'running'
               AND (%(state)s = 'pending' OR r.cancel_requested_at IS NULL)
@@ -47,7 +48,8 @@ RETURNING id
 """
 
 
-async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> tuple[int, str]:
+async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool,
+                          limited: bool = False) -> tuple[int, str]:
     """Record a new attempt; returns ``(operation id, state)``.
 
     With ``pending`` (the tool has policy stages) the intent is recorded as ``pending``.
@@ -57,9 +59,12 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
 
     ``row`` holds run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
     principal, intent_digest, arguments (canonical JSON text), idempotency_key, worker_id and
-    token. Nothing is written unless the lease is held.
+    token. Nothing is written unless the lease is held. ``limited``: the call was admitted
+    under its tool's concurrency limit (``tool_admit``, in this transaction): recorded
+    ``submitted``, it counts against the limit until it settles.
     """
-    cur = await conn.execute(_INSERT, {**row, "state": "pending" if pending else "submitted"})
+    params = {**row, "limited": limited}
+    cur = await conn.execute(_INSERT, {**params, "state": "pending" if pending else "submitted"})
     got = await cur.fetchone()
     if got is not None:
         return int(got["id"]), "pending" if pending else "submitted"
@@ -77,7 +82,7 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
         # The same intent under the same identity: an earlier attempt of this very write
         # committed (its acknowledgement was lost). The run has moved on; stop here.
         raise LeaseLost(f"operation {existing['id']} was already recorded")
-    cur = await conn.execute(_INSERT, {**row, "state": "pending"})
+    cur = await conn.execute(_INSERT, {**params, "state": "pending"})
     got = await cur.fetchone()
     if got is None:
         raise LeaseLost(f"run {row['run_id']} is no longer held under lease {row['token']}")
@@ -86,22 +91,24 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool) -> 
     return int(got["id"]), "cancelled"
 
 
-async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int
-                                   ) -> str:
+async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int, token: int,
+                                   limited: bool = False) -> str:
     """pending → submitted, unless cancellation was requested (then pending → cancelled).
 
     The check and the transition are one statement, so a cancellation either lands before
-    dispatch (the tool is never called) or after it (the tool's signal is set).
+    dispatch (the tool is never called) or after it (the tool's signal is set). ``limited``:
+    as for :func:`operation_begin`.
     """
     cur = await conn.execute(
         f"""
-        UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now()
+        UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now(),
+               limited = CASE WHEN %(limited)s THEN true END
         WHERE o.id = %(op_id)s AND o.state = 'pending' AND o.run_id = %(run_id)s
           AND EXISTS (SELECT 1 FROM {S}.runs r
                       WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
                         AND r.status = 'running' AND r.cancel_requested_at IS NULL)
         """,
-        {"op_id": op_id, "run_id": run_id, "token": token},
+        {"op_id": op_id, "run_id": run_id, "token": token, "limited": limited},
     )
     if cur.rowcount == 1:
         return "submitted"

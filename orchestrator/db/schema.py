@@ -18,6 +18,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Computed,
     DateTime,
     Float,
     ForeignKey,
@@ -91,7 +92,7 @@ def _ts(name: str, *, nullable: bool = True, default_now: bool = False) -> Colum
 # versions (migration 0006): a new version then stays on its row's page instead of dirtying
 # whatever old page the free-space map offers. SQLAlchemy cannot state storage parameters on a
 # table; the migrations test compares this with the database.
-FILLFACTOR = {"runs": 70, "operations": 70}
+FILLFACTOR = {"runs": 70, "operations": 50}
 # Indexes of runs whose leaf pages are split half full (migration 0037): the claim's and the
 # end's non-HOT updates add a run's next entries beside its first.
 INDEX_FILLFACTOR = {"pk_runs": 50, "ix_runs_created": 50, "ix_runs_owner_created": 50}
@@ -267,18 +268,30 @@ operations = Table(
     Column("seq", BigInteger),
     Column("completed_seq", BigInteger),
     Column("entry_version", SmallInteger),
+    # A call admitted under its tool's concurrency limit (docs/flow.md): while it is in flight
+    # it holds one of the tool's places (migration 0039).
+    Column("limited", Boolean),
+    # Stored generated columns, each indexed where it is not NULL (migration 0039): no index of
+    # operations reads ``state``, so a settle that changes neither of them (every settle of a
+    # tool without a concurrency limit, unless the call was unknown) is a HOT update.
+    # (Their expressions as the server prints them, so that the migrations test compares them.)
+    Column("in_flight_tool", Text, Computed(
+        "CASE WHEN (limited AND (state = ANY (ARRAY['submitted'::text, 'unknown'::text]))) "
+        "THEN tool_name ELSE NULL::text END", persisted=True)),
+    Column("unknown_tool", Text, Computed(
+        "CASE WHEN (state = 'unknown'::text) THEN tool_name ELSE NULL::text END",
+        persisted=True)),
     # Its rules (states and their arrows, C5; a committed receipt; a call's entries) are the
     # trigger operations_guard and its CHECK-like rules ck_operations_state, _entry,
     # _effect_class, _identity, _committed_receipt (migration 0035: compiled once per
     # connection, not once per statement), and operations_entry_append_only (migration 0022).
     UniqueConstraint("run_id", "position", "attempt"),
-    Index("ix_operations_unknown", "updated_at", postgresql_where=text("state = 'unknown'")),
-    # A run's operations without an outcome: what a run may not finish with (migration 0005).
-    Index("ix_operations_unsettled", "run_id",
-          postgresql_where=text("state IN ('pending', 'submitted', 'unknown')")),
-    # A tool's calls in flight: what its concurrency limit counts (migration 0012).
-    Index("ix_operations_tool_inflight", "tool_name", "submitted_at",
-          postgresql_where=text("state IN ('submitted', 'unknown')")),
+    # A tool's calls in flight: what its concurrency limit counts (migration 0039).
+    Index("ix_operations_in_flight", "in_flight_tool", "submitted_at",
+          postgresql_where=text("in_flight_tool IS NOT NULL")),
+    # The calls whose outcome is unknown, across runs (the gauges, ``ops stats``).
+    Index("ix_operations_unknown_tool", "unknown_tool",
+          postgresql_where=text("unknown_tool IS NOT NULL")),
 )
 
 reconciliation_items = Table(

@@ -118,12 +118,12 @@ async def operation_unknown_by_tool(conn: Conn, *, tenants: list[str] | None
     """Operations whose outcome is unknown, by tool: how many, and for how long the oldest
     has been unknown (``oldest_age``, seconds), the oldest first."""
     cur = await conn.execute(
-        f"""SELECT tool_name, count(*) AS unknown,
+        f"""SELECT unknown_tool AS tool_name, count(*) AS unknown,
                    EXTRACT(EPOCH FROM now() - min(updated_at))::float8 AS oldest_age
             FROM {S}.operations
-            WHERE state = 'unknown'
+            WHERE unknown_tool IS NOT NULL
               AND (%(tenants)s::text[] IS NULL OR tenant = ANY(%(tenants)s))
-            GROUP BY tool_name ORDER BY min(updated_at), tool_name""",
+            GROUP BY unknown_tool ORDER BY min(updated_at), unknown_tool""",
         {"tenants": tenants})
     return await cur.fetchall()
 

@@ -269,9 +269,11 @@ class Call(CallSite):
                 pass  # cancelled, lease lost or a conflict: the general path tells which
 
         rate = self.tool.rate
+        limited = self.tool.concurrency is not None  # admitted under it in this transaction
 
         async def work(conn: Conn) -> tuple[tuple[int, str], list[Entry]]:
-            op_id, status = await ops_db.operation_begin(conn, row, pending=pending)
+            op_id, status = await ops_db.operation_begin(conn, row, pending=pending,
+                                                         limited=limited)
             kind = EventKind.CALL_SUBMITTED if status == "submitted" else EventKind.CALL_PENDING
             events = [self.event(kind, self.submitted_payload(number, op_id, key))]
             if status == "cancelled":

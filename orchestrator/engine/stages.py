@@ -68,8 +68,9 @@ class Stages:
         rate = site.tool.rate
 
         async def submit(conn: Conn) -> tuple[str, list[Entry]]:
-            status = await ops_db.operation_mark_submitted(conn, run_id=run_id, op_id=op_id,
-                                                           token=token)
+            status = await ops_db.operation_mark_submitted(
+                conn, run_id=run_id, op_id=op_id, token=token,
+                limited=site.tool.concurrency is not None)
             if status == "cancelled":
                 return status, [site.event(EventKind.CALL_CANCELLED,
                                            {"op": op_id, "why": "cancelled"})]

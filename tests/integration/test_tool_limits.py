@@ -107,6 +107,46 @@ async def test_a_call_waiting_for_its_turn_parks_its_run_and_frees_the_worker(ma
     assert provider.peak == 1
 
 
+async def test_a_call_that_passed_its_policy_stages_holds_its_place(make_app, sql):
+    """A tool with an authorize hook records its call ``pending`` first and admits it against
+    the limit when it is dispatched (pending → submitted): it counts as one in flight then."""
+    provider = Provider()
+    provider.gate = asyncio.Event()
+    app = make_app()
+
+    @app.tool(effect="idempotent", concurrency=1)
+    async def api(ctx, n: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        await provider.serve(0.0)
+        return {"n": n}
+
+    @api.authorize
+    async def allow(pctx):  # type: ignore[no-untyped-def]
+        return True
+
+    @app.workflow()
+    async def calls(ctx, n):  # type: ignore[no-untyped-def]
+        return await ctx.call(api, n=n)
+
+    async with running(app, concurrency=2):
+        first = await app.submit_async("calls", 1)
+        await wait_for(lambda: provider.live == 1)
+        assert sql("SELECT state, limited, in_flight_tool FROM orchestrator.operations") == [
+            {"state": "submitted", "limited": True, "in_flight_tool": "api"}]
+        second = await app.submit_async("calls", 2)
+
+        async def parked() -> bool:
+            info = await second.info_async()
+            return info.status == "waiting" and info.waiting_for == "the turn of tool api"
+
+        await wait_for(parked, what="the second run parked for the tool's turn")
+        provider.gate.set()
+        assert (await first.result_async(timeout=10))["n"] == 1
+        assert (await second.result_async(timeout=10))["n"] == 2
+    assert provider.peak == 1
+    assert sql("SELECT DISTINCT in_flight_tool FROM orchestrator.operations") == [
+        {"in_flight_tool": None}]
+
+
 async def test_a_call_ending_wakes_the_runs_waiting_for_its_tool_only(make_app, sql,
                                                                        monkeypatch):
     """``pay`` and ``payout``: one name begins the other. A call of ``pay`` ending wakes the
