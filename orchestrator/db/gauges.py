@@ -4,7 +4,7 @@ Each is read at scrape time, on a connection of its own (the exporter's thread h
 loop), under a short ``statement_timeout``, and is driven by a partial index so that it stays
 cheap however many finished runs and settled operations the tables hold:
 
-- unknown operations and the operator queue: ``ix_operations_unknown_tool`` (the generated
+- unknown operations and the operator queue: ``ix_operations_unknown_tool`` (on
   ``unknown_tool``, the tool's name while the call is unknown, migration 0039); an item waits
   for an operator only while its operation is unknown, so the queue is found from the unknown
   operations through the items' unique ``operation_id``;

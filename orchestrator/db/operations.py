@@ -16,12 +16,14 @@ from orchestrator.db.schema import SCHEMA as S
 from orchestrator.errors import LeaseLost, cancelled_error
 
 _LEASE_HELD = f"""
-o.run_id = %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r
+o.run_id IS NOT DISTINCT FROM %(run_id)s AND EXISTS (SELECT 1 FROM {S}.runs r
         WHERE r.id = %(run_id)s AND r.lease_token = %(token)s AND r.status = 'running')
 """
 """The guard of every transition a worker makes on an operation: the operation is the writing
 run's own, and that run is running under the writer's lease token (tokens count per run, so
-the token alone does not name the run)."""
+the token alone does not name the run). Each use finds the operation by its id: the run is
+checked as a filter (IS NOT DISTINCT FROM), never as a key, so a plan kept for a prepared
+statement finds it by ``pk_operations`` and not among its run's calls."""
 
 
 class OperationIdentityReused(Exception):
@@ -31,12 +33,12 @@ class OperationIdentityReused(Exception):
 _INSERT = f"""
 INSERT INTO {S}.operations (run_id, position, attempt, tool_name, tool_version, effect_class,
                             tenant, principal, intent_digest, arguments, idempotency_key, state,
-                            worker_id, lease_token, submitted_at, limited)
+                            worker_id, lease_token, submitted_at, in_flight_tool)
 SELECT %(run_id)s, %(position)s, %(attempt)s, %(tool_name)s, %(tool_version)s,
        %(effect_class)s, %(tenant)s, %(principal)s, %(intent_digest)s, %(arguments)s::jsonb,
        %(idempotency_key)s, %(state)s, %(worker_id)s, %(token)s,
        CASE WHEN %(state)s = 'submitted' THEN now() END,
-       CASE WHEN %(state)s = 'submitted' AND %(limited)s THEN true END
+       CASE WHEN %(state)s = 'submitted' AND %(limited)s THEN %(tool_name)s END
 WHERE EXISTS (SELECT 1 FROM {S}.runs r WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
               AND r.status = 'running'
               AND (%(state)s = 'pending' OR r.cancel_requested_at IS NULL)
@@ -61,7 +63,7 @@ async def operation_begin(conn: Conn, row: dict[str, Any], *, pending: bool,
     principal, intent_digest, arguments (canonical JSON text), idempotency_key, worker_id and
     token. Nothing is written unless the lease is held. ``limited``: the call was admitted
     under its tool's concurrency limit (``tool_admit``, in this transaction): recorded
-    ``submitted``, it counts against the limit until it settles.
+    ``submitted``, it counts against the limit (``in_flight_tool``) until it settles.
     """
     params = {**row, "limited": limited}
     cur = await conn.execute(_INSERT, {**params, "state": "pending" if pending else "submitted"})
@@ -102,7 +104,7 @@ async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int,
     cur = await conn.execute(
         f"""
         UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now(),
-               limited = CASE WHEN %(limited)s THEN true END
+               in_flight_tool = CASE WHEN %(limited)s THEN o.tool_name END
         WHERE o.id = %(op_id)s AND o.state = 'pending' AND o.run_id = %(run_id)s
           AND EXISTS (SELECT 1 FROM {S}.runs r
                       WHERE r.id = %(run_id)s AND r.lease_token = %(token)s

@@ -18,7 +18,6 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
-    Computed,
     DateTime,
     Float,
     ForeignKey,
@@ -268,19 +267,14 @@ operations = Table(
     Column("seq", BigInteger),
     Column("completed_seq", BigInteger),
     Column("entry_version", SmallInteger),
-    # A call admitted under its tool's concurrency limit (docs/flow.md): while it is in flight
-    # it holds one of the tool's places (migration 0039).
-    Column("limited", Boolean),
-    # Stored generated columns, each indexed where it is not NULL (migration 0039): no index of
-    # operations reads ``state``, so a settle that changes neither of them (every settle of a
-    # tool without a concurrency limit, unless the call was unknown) is a HOT update.
-    # (Their expressions as the server prints them, so that the migrations test compares them.)
-    Column("in_flight_tool", Text, Computed(
-        "CASE WHEN (limited AND (state = ANY (ARRAY['submitted'::text, 'unknown'::text]))) "
-        "THEN tool_name ELSE NULL::text END", persisted=True)),
-    Column("unknown_tool", Text, Computed(
-        "CASE WHEN (state = 'unknown'::text) THEN tool_name ELSE NULL::text END",
-        persisted=True)),
+    # What the indexes of unknown calls and of a limited tool's calls in flight read (migration
+    # 0039), kept by the guard trigger: the tool's name while the call is unknown; the tool's
+    # name, written by the admission of a call under the tool's concurrency limit, while the
+    # call is submitted or unknown. No index of operations reads ``state``, so a settle that
+    # changes neither (every settle of a call of a tool without a concurrency limit, unless
+    # the call was unknown) is a HOT update.
+    Column("in_flight_tool", Text),
+    Column("unknown_tool", Text),
     # Its rules (states and their arrows, C5; a committed receipt; a call's entries) are the
     # trigger operations_guard and its CHECK-like rules ck_operations_state, _entry,
     # _effect_class, _identity, _committed_receipt (migration 0035: compiled once per
@@ -289,7 +283,7 @@ operations = Table(
     # A tool's calls in flight: what its concurrency limit counts (migration 0039).
     Index("ix_operations_in_flight", "in_flight_tool", "submitted_at",
           postgresql_where=text("in_flight_tool IS NOT NULL")),
-    # The calls whose outcome is unknown, across runs (the gauges, ``ops stats``).
+    # The calls whose outcome is unknown, across runs (the gauges, the console's overview).
     Index("ix_operations_unknown_tool", "unknown_tool",
           postgresql_where=text("unknown_tool IS NOT NULL")),
 )

@@ -132,7 +132,10 @@ _RIDING_RECEIPT = f""", done AS (
            completed_seq = CASE WHEN o.seq IS NOT NULL AND o.lease_token = f.token
                                 THEN f.expected + 1 END
     FROM fence f
-    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id = f.run_id
+    -- The run's own call, checked as a filter and not as a key (IS NOT DISTINCT FROM), so
+    -- that a plan made while the table was empty finds the call by its id, not among its
+    -- run's calls (migration 0039: no index of unsettled calls is left to take instead).
+    WHERE o.id = f.prev_op AND o.state = 'submitted' AND o.run_id IS NOT DISTINCT FROM f.run_id
     RETURNING o.completed_seq IS NULL AS stored, f.run_id, f.token, f.expected, f.v,
               f.prev_op, f.prev_position, f.prev_name, f.receipt
 ), kept AS (

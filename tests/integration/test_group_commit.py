@@ -244,7 +244,8 @@ def test_the_hot_statements_cached_plans_probe_by_key_on_a_new_database(name, sq
     """The worker prepares its set-based statements once per connection and PostgreSQL keeps
     their generic plan, made while the tables were empty. That plan must look runs and
     operations up by key, never scan a table or the partial index of running runs, or every
-    batch would cost more as history grows (migration 0005: batch_rows, the unsettled index)."""
+    batch would cost more as history grows (migration 0005: batch_rows, the unsettled index;
+    0039: the receipt's call by its id)."""
     from orchestrator.db import steps as steps_db
 
     statement = {"begin": steps_db.OPERATION_BEGIN, "commit": steps_db.RECEIPT_COMMIT,
@@ -255,6 +256,8 @@ def test_the_hot_statements_cached_plans_probe_by_key_on_a_new_database(name, sq
     sql("DEALLOCATE hot")
     sql("RESET plan_cache_mode")
     assert "Index Scan using pk_runs on runs" in plan, plan
+    # The receipt's call by its id, not among its run's calls (migration 0039).
+    assert "Index Scan using pk_operations on operations" in plan, plan
     for bad in ("Seq Scan on runs", "Seq Scan on operations", "ix_runs_lease_expiry"):
         assert bad not in plan, plan
 

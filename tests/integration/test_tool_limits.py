@@ -130,8 +130,8 @@ async def test_a_call_that_passed_its_policy_stages_holds_its_place(make_app, sq
     async with running(app, concurrency=2):
         first = await app.submit_async("calls", 1)
         await wait_for(lambda: provider.live == 1)
-        assert sql("SELECT state, limited, in_flight_tool FROM orchestrator.operations") == [
-            {"state": "submitted", "limited": True, "in_flight_tool": "api"}]
+        assert sql("SELECT state, in_flight_tool FROM orchestrator.operations") == [
+            {"state": "submitted", "in_flight_tool": "api"}]
         second = await app.submit_async("calls", 2)
 
         async def parked() -> bool:

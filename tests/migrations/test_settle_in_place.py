@@ -44,17 +44,18 @@ def _run(conn: Conn) -> uuid.UUID:
     return run_id
 
 
-def _call(conn: Conn, run_id: uuid.UUID, *, tool: str = "charge", limited: bool | None = None,
+def _call(conn: Conn, run_id: uuid.UUID, *, tool: str = "charge", limited: bool = False,
           state: str = "submitted") -> int:
     row = conn.execute(
         """INSERT INTO orchestrator.operations
                (run_id, position, attempt, tool_name, tool_version, effect_class, tenant,
                 principal, intent_digest, arguments, idempotency_key, state, submitted_at,
-                limited)
+                in_flight_tool)
            VALUES (%s, %s, 1, %s, '1', 'consequential', 't', 'p', 'intent', %s, 'key', %s,
                    now(), %s)
            RETURNING id""",
-        (run_id, next(_positions), tool, Jsonb({"amount": 1}), state, limited)).fetchone()
+        (run_id, next(_positions), tool, Jsonb({"amount": 1}), state,
+         tool if limited else None)).fetchone()
     assert row is not None
     return int(str(row[0]))
 
@@ -109,7 +110,7 @@ def test_a_settle_stays_on_its_page(conn: Conn) -> None:
     assert (after[0] - before[0], after[1] - before[1]) == (3, 2)
 
 
-def test_the_generated_columns_follow_the_state(conn: Conn) -> None:
+def test_the_guard_keeps_the_two_columns_whatever_a_statement_writes(conn: Conn) -> None:
     run_id = _run(conn)
     plain, limited = _call(conn, run_id), _call(conn, run_id, limited=True)
 
@@ -130,9 +131,19 @@ def test_the_generated_columns_follow_the_state(conn: Conn) -> None:
     conn.execute("UPDATE orchestrator.operations SET state = 'not_applied', "
                  "finished_at = now() WHERE id = %s", (limited,))
     assert columns(limited) == (None, None)
-    with pytest.raises(psycopg.errors.GeneratedAlways):
-        conn.execute("UPDATE orchestrator.operations SET in_flight_tool = NULL WHERE id = %s",
-                     (plain,))
+    # Written directly, they still say only the truth.
+    conn.execute("UPDATE orchestrator.operations SET in_flight_tool = 'other', "
+                 "unknown_tool = 'other' WHERE id = ANY(%s)", ([plain, limited],))
+    assert columns(plain) == ("charge", "charge")  # unknown: it may hold a place
+    assert columns(limited) == (None, None)  # settled: it holds nothing
+    other = _call(conn, run_id, tool="other", limited=True)
+    conn.execute("UPDATE orchestrator.operations SET unknown_tool = 'x' WHERE id = %s", (other,))
+    assert columns(other) == ("other", None)
+    # A settle from submitted, limited or not (the fast path's rows are the plain ones).
+    quick = _call(conn, run_id)
+    for op_id in (quick, other):
+        _settle(conn, op_id)
+        assert columns(op_id) == (None, None)
 
 
 def test_a_concurrency_limit_counts_the_limited_calls_in_flight(conn: Conn) -> None:
@@ -187,9 +198,9 @@ def test_calls_in_flight_when_0039_runs_keep_their_places(empty_database_url: st
                          ("unknown" if row is old[1] else "failed", row[0]))
     migrate.upgrade(target)
     with psycopg.connect(empty_database_url, autocommit=True) as conn:
-        got = conn.execute("SELECT state, limited, in_flight_tool, unknown_tool FROM "
+        got = conn.execute("SELECT state, in_flight_tool, unknown_tool FROM "
                            "orchestrator.operations ORDER BY position").fetchall()
-        assert got == [("submitted", True, "sms", None), ("unknown", True, "sms", "sms"),
-                       ("failed", None, None, None)]
+        assert got == [("submitted", "sms", None), ("unknown", "sms", "sms"),
+                       ("failed", None, None)]
         assert _admit(conn, "sms", 2) == -2.0
         assert _admit(conn, "sms", 3) is None
