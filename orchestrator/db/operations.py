@@ -105,7 +105,7 @@ async def operation_mark_submitted(conn: Conn, *, run_id: uuid.UUID, op_id: int,
         f"""
         UPDATE {S}.operations o SET state = 'submitted', submitted_at = now(), updated_at = now(),
                in_flight_tool = CASE WHEN %(limited)s THEN o.tool_name END
-        WHERE o.id = %(op_id)s AND o.state = 'pending' AND o.run_id = %(run_id)s
+        WHERE o.id = %(op_id)s AND o.state = 'pending' AND o.run_id IS NOT DISTINCT FROM %(run_id)s
           AND EXISTS (SELECT 1 FROM {S}.runs r
                       WHERE r.id = %(run_id)s AND r.lease_token = %(token)s
                         AND r.status = 'running' AND r.cancel_requested_at IS NULL)
