@@ -50,9 +50,9 @@ rows, since statistics saying it is empty would make the plans kept by the worke
 
 Measured: server instructions per step of the engine's writes, ``python -m bench.bare
 --instructions --ways engine --batch 16 --runs 1152 --runs-small 640``: 449,903 before,
-410,095 after (0.912x; 402,709 with the three indexes dropped and nothing in their place). How many settles
-stay on their page depends on the room the page has for the settled version (the receipt
-makes it longer): in a two-worker drain of 3,000 runs of three calls (``n_tup_hot_upd`` of
+410,095 after (0.912x; 402,709 with the three indexes dropped and nothing in their place).
+How many settles stay on their page depends on the room the page has for the settled version
+(the receipt makes it longer): in a two-worker drain of 3,000 runs of three calls (``n_tup_hot_upd`` of
 ``operations``, 9,000 updates), 79 % were HOT with the table's fillfactor at 50, 58 % at 60,
 42 % at 70 (0006's), 6 % at 100, and none with the three indexes; the table took 7.5 MB at
 50 and 7.6 MB at 70 (a HOT page prunes its dead versions itself).
@@ -81,54 +81,6 @@ FILLFACTOR = 50
 """Of ``operations`` (0006 set 70): room on its pages for the settled versions of the calls
 inserted there (above)."""
 
-ADMIT = """
-CREATE OR REPLACE FUNCTION orchestrator.tool_admit(t text, conc integer, rate integer,
-                                                   per float8, timeout float8)
-RETURNS float8 LANGUAGE plpgsql VOLATILE AS $$
--- NULL: admitted (the caller records its operation now, in this transaction); -1: another
--- transaction holds the tool's lock (try again in a moment); -2: the tool's concurrency is
--- full; a positive number: seconds until the rate window or the shared back-off has room.
-DECLARE
-    until timestamptz;
-    moment timestamptz;
-    n integer;
-    oldest timestamptz;
-    span interval;
-BEGIN
-    IF NOT pg_try_advisory_xact_lock(hashtext('orchestrator.tool_admit'), hashtext(t)) THEN
-        RETURN -1;
-    END IF;
-    moment := clock_timestamp();
-    SELECT l.backoff_until INTO until FROM orchestrator.tool_limits AS l WHERE l.name = t;
-    IF until > moment THEN
-        RETURN extract(epoch FROM until - moment);
-    END IF;
-    IF conc IS NOT NULL THEN
-        -- In flight: sent and not settled, or unknown (its worker was lost, its call timed
-        -- out) while the call may still be running at the provider, up to the tool's timeout.
-COUNT_IN_FLIGHT
-        IF n >= conc THEN
-            RETURN -2;
-        END IF;
-    END IF;
-    IF rate IS NOT NULL THEN
-        -- The window is counted a little longer than it is (a tenth, at most a quarter of a
-        -- second): a call reaches its provider a moment after its admission commits, and
-        -- that moment varies, so without the margin a provider counting by its own clock
-        -- could see a window with more than the rate.
-        span := make_interval(secs => per + least(per * 0.1, 0.25));
-        DELETE FROM orchestrator.tool_dispatches AS d WHERE d.tool = t AND d.at <= moment - span;
-        SELECT count(*), min(d.at) INTO n, oldest FROM orchestrator.tool_dispatches AS d
-        WHERE d.tool = t;
-        IF n >= rate THEN
-            RETURN greatest(0.001, extract(epoch FROM oldest + span - moment));
-        END IF;
-    END IF;
-    RETURN NULL;
-END
-$$;
-"""
-
 COUNT = """
         -- ``in_flight_tool`` is the tool's name exactly while a call admitted under the
         -- limit is submitted or unknown (migration 0039).
@@ -141,7 +93,7 @@ COUNT_0012 = """
         WHERE o.state IN ('submitted', 'unknown') AND o.tool_name = t
           AND (o.state = 'submitted'
                OR o.submitted_at > moment - make_interval(secs => timeout));"""
-"""What migration 0012's function counted (the downgrade restores it)."""
+"""What migration 0012's function counted; ``COUNT`` is what it counts now."""
 
 
 def _module(name: str) -> ModuleType:
@@ -151,6 +103,15 @@ def _module(name: str) -> ModuleType:
     module: ModuleType = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _admits() -> tuple[str, str]:
+    """``tool_admit`` as migration 0012 made it (nothing replaced it since), and this
+    migration's: the same but for what it counts."""
+    text: str = _module("0012_queues.py").ADMIT_SQL  # its text is that revision's, for ever
+    text = text.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+    assert text.count(COUNT_0012) == 1, "migration 0012's tool_admit is not as expected"
+    return text, text.replace(COUNT_0012, COUNT)
 
 
 _KEPT = """
@@ -244,7 +205,7 @@ def upgrade() -> None:
     op.execute(f"DROP INDEX {S}.ix_operations_unknown")
     op.execute(f"DROP INDEX {S}.ix_operations_unsettled")
     op.execute(f"DROP INDEX {S}.ix_operations_tool_inflight")
-    op.execute(ADMIT.replace("COUNT_IN_FLIGHT", COUNT.lstrip("\n")))
+    op.execute(_admits()[1])
     op.execute(_prunes()[1])
     # Not on a table with no rows: its statistics would then say it is empty, for good, and
     # the plans the workers keep, made on it, would scan it (test_group_commit).
@@ -260,7 +221,7 @@ def downgrade() -> None:
                    WHERE state IN ('pending', 'submitted', 'unknown')""")
     op.execute(f"""CREATE INDEX ix_operations_tool_inflight ON {S}.operations
                    (tool_name, submitted_at) WHERE state IN ('submitted', 'unknown')""")
-    op.execute(ADMIT.replace("COUNT_IN_FLIGHT", COUNT_0012.lstrip("\n")))
+    op.execute(_admits()[0])
     op.execute(_prunes()[0])
     op.execute(f"DROP INDEX {S}.ix_operations_in_flight")
     op.execute(f"DROP INDEX {S}.ix_operations_unknown_tool")
