@@ -49,13 +49,13 @@ mostly NULL (without statistics it would scan the table for the gauges); not whe
 rows, since statistics saying it is empty would make the plans kept by the workers scan it.
 
 Measured: server instructions per step of the engine's writes, ``python -m bench.bare
---instructions --ways engine --batch 16 --runs 1152 --runs-small 640``: 449,903 before,
-410,095 after (0.912x; 402,709 with the three indexes dropped and nothing in their place).
-How many settles stay on their page depends on the room the page has for the settled version
-(the receipt makes it longer): in a two-worker drain of 3,000 runs of three calls (``n_tup_hot_upd`` of
-``operations``, 9,000 updates), 79 % were HOT with the table's fillfactor at 50, 58 % at 60,
-42 % at 70 (0006's), 6 % at 100, and none with the three indexes; the table took 7.5 MB at
-50 and 7.6 MB at 70 (a HOT page prunes its dead versions itself).
+--instructions --ways engine --batch 16 --runs 1152 --runs-small 640``: 449,903 before, 410,095
+after (0.912x; 402,709 with the three indexes dropped and nothing in their place). How many
+settles stay on their page depends on the room the page has for the settled version (the
+receipt makes it longer): in a two-worker drain of 3,000 runs of three calls (``n_tup_hot_upd``
+of ``operations``, 9,000 updates), 79 % were HOT with the table's fillfactor at 50, 58 % at 60,
+42 % at 70 (0006's), 6 % at 100, and none with the three indexes; the table took 7.5 MB at 50
+and 7.6 MB at 70 (a HOT page prunes its dead versions itself).
 
 Revision ID: 0039
 Revises: 0038
