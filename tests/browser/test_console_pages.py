@@ -1,7 +1,8 @@
 """The console in headless chromium, served by uvicorn, with a real worker: an operator filters
 the reconciliation queue, opens an operation, resolves it with evidence, sees the run go on
 and the audit entry; a read-only operator sees no action and a forged POST is refused; an
-input holding a script is shown as text and never runs."""
+input holding a script is shown as text and never runs; the Workers page keys each worker state
+to what it means."""
 
 from __future__ import annotations
 
@@ -242,4 +243,43 @@ def test_a_runs_timeline_gains_entries_live_while_a_worker_executes_it(
         assert '"by": "alice"' in rows.nth(before).inner_text()
         assert page.evaluate("window.__same_page") is True
         assert "waiting" in page.locator("h1").inner_text()  # the page was never reloaded
+    app.close()
+
+
+def test_the_workers_page_keys_each_state_to_its_meaning(
+        migrated_database_url: str, browser_context: Any, sql: Any) -> None:
+    """Under the table, each state is a term of its own, in the table's badge for that state,
+    beside what it means (on one line on a wide screen), so that an operator finds the state
+    a worker shows without reading one long paragraph."""
+    app = make_app(migrated_database_url)
+    console = app.console(tokens=TOKENS, grants=GRANTS)
+    with WorkerThread(app) as worker, Served(console) as server:
+        wait_until(lambda: sql("SELECT 1 FROM orchestrator.workers WHERE id = %s",
+                               (worker.worker.worker_id,)), timeout=30)
+        page = browser_context.new_page()
+        page.set_viewport_size({"width": 1400, "height": 900})
+        sign_in(page, server.base, "viewer")
+        page.goto(f"{server.base}/workers")
+        badge = page.locator("table.grid strong.holder")
+        assert badge.inner_text() == "live"
+        states = page.locator("#worker-states")
+        terms = states.locator("dt")
+        assert terms.all_inner_texts() == ["live", "draining", "waiting", "silent", "dead"]
+        for term in terms.all():
+            assert term.get_attribute("class") == f"holder h-{term.inner_text()}"
+        meanings = states.locator("dd").all_inner_texts()
+        assert meanings[0] == "it heartbeats"
+        assert meanings[2].startswith("it heartbeats, but holds no liveness lock yet")
+        assert meanings[3].startswith("no recent heartbeat")
+        assert len(meanings) == 5 and all(meanings)
+
+        def colour(locator: Any) -> str:
+            return str(locator.evaluate("e => getComputedStyle(e).color"))
+
+        assert colour(terms.first) == colour(badge) != colour(states.locator("dd").first)
+        assert colour(terms.last) != colour(terms.first)  # dead is not drawn as live
+        for term, meaning in zip(terms.all(), states.locator("dd").all(), strict=True):
+            assert term.bounding_box()["y"] == meaning.bounding_box()["y"], term.inner_text()
+        after = page.locator("#worker-states + p")
+        assert after.inner_text() == "A worker that stopped cleanly is no longer listed."
     app.close()

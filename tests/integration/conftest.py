@@ -75,6 +75,25 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0,
     return await wait_until_async(predicate, timeout=timeout, what=what)
 
 
+def long_until_marked(app: Orchestrator) -> tuple[Any, Any]:
+    """Two tools, ``(long, mark)``: a call of ``long`` returns ``"long"`` only once ``mark``
+    was called (it returns ``"marked"``). For tests of what one branch does (a timer) while
+    another's call is in flight: the branch that calls ``mark`` at the end lets it return."""
+    marked = asyncio.Event()
+
+    @app.tool()
+    async def mark(ctx):  # type: ignore[no-untyped-def]
+        marked.set()
+        return "marked"
+
+    @app.tool()
+    async def long(ctx):  # type: ignore[no-untyped-def]
+        await marked.wait()
+        return "long"
+
+    return long, mark
+
+
 def held_read(app: Orchestrator) -> tuple[Any, asyncio.Event, asyncio.Event]:
     """A workflow ``pay`` whose one call (``wait``, a read) runs until released: ``(pay,
     entered, release)``; ``entered`` is set once the tool runs. For tests of what a worker

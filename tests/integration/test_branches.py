@@ -16,24 +16,14 @@ import pytest
 from orchestrator import RateLimit, RunFailed
 from orchestrator.engine import commands as engine_commands
 from orchestrator.testing import replay_async
-from tests.integration.conftest import running, wait_for
+from tests.integration.conftest import long_until_marked, running, wait_for
 from tests.integration.contract.helpers import run_status
 
 
 async def test_a_timer_fires_while_another_branch_calls_a_tool(app):
     """One branch sleeps, then calls ``mark``; the other's tool call returns only once
     ``mark`` was called. The sleep must end on time while that call is in flight."""
-    marked = asyncio.Event()
-
-    @app.tool()
-    async def mark(ctx):  # type: ignore[no-untyped-def]
-        marked.set()
-        return "marked"
-
-    @app.tool()
-    async def long(ctx):  # type: ignore[no-untyped-def]
-        await marked.wait()
-        return "long"
+    long, mark = long_until_marked(app)
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]

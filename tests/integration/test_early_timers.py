@@ -9,7 +9,7 @@ import asyncio
 from datetime import datetime
 from typing import Any
 
-from tests.integration.conftest import running
+from tests.integration.conftest import long_until_marked, running
 
 EARLY = 0.02  # seconds each timer of the loop below fires before its time
 
@@ -23,17 +23,7 @@ class EarlyLoop(asyncio.SelectorEventLoop):
 
 
 def test_a_branch_never_goes_on_before_its_sleep_ends(app):
-    marked = asyncio.Event()
-
-    @app.tool()
-    async def mark(ctx):  # type: ignore[no-untyped-def]
-        marked.set()
-        return "marked"
-
-    @app.tool()
-    async def long(ctx):  # type: ignore[no-untyped-def]
-        await marked.wait()
-        return "long"
+    long, mark = long_until_marked(app)  # one branch's call in flight while the other sleeps
 
     @app.workflow()
     async def wf(ctx, data):  # type: ignore[no-untyped-def]

@@ -67,6 +67,52 @@ def _app(make_app: Callable[..., Orchestrator], gauge: Gauge, *, hold: float = 0
     return app, job
 
 
+class Claims:
+    """The worker's claims from one queue as they happen (a spy on ``queues_db.queue_claim``,
+    the statement the worker sends): how many began, and what each that ended returned (None:
+    it failed). The positive evidence that a worker looked at a queue, before a test asserts
+    that nothing started; a fixed sleep passes as well when the worker never looked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, queue: str = "work") -> None:
+        self.queue = queue
+        self.began = 0
+        self.ended: dict[int, list[dict[str, Any]] | None] = {}
+        real = queues_db.queue_claim
+
+        async def spy(conn: Any, **options: Any) -> tuple[list[dict[str, Any]], float | None]:
+            if options["queue"] != queue:
+                return await real(conn, **options)
+            n, self.began = self.began, self.began + 1
+            try:
+                claims, wake = await real(conn, **options)
+            except BaseException:
+                self.ended[n] = None
+                raise
+            self.ended[n] = claims
+            return claims, wake
+
+        monkeypatch.setattr(queues_db, "queue_claim", spy)
+
+    async def look(self, sql: Callable[..., Any]) -> list[list[dict[str, Any]]]:
+        """Have the worker claim from the queue now (news of it, as a submission sends) and
+        wait for a claim begun since to succeed: it reads everything committed before this
+        call. What each claim begun since returned."""
+        mark = self.began
+
+        def since() -> list[list[dict[str, Any]]]:
+            return [c for n, c in self.ended.items() if n >= mark and c is not None]
+
+        sql("SELECT pg_notify(%s, %s)", (RUNS_CHANNEL, self.queue))
+        await wait_for(since, what=f"the worker claimed from queue {self.queue}")
+        return since()
+
+    async def all_before(self, mark: int, what: str) -> list[list[dict[str, Any]] | None]:
+        """Wait for every claim begun before ``mark`` (``began`` read earlier) to end; what
+        each returned."""
+        await wait_for(lambda: all(n in self.ended for n in range(mark)), what=what)
+        return [self.ended[n] for n in range(mark)]
+
+
 async def _stored(app: Orchestrator, name: str = "work") -> None:
     """Wait for a started worker to have written the app's queues."""
     async def stored() -> bool:
@@ -213,11 +259,12 @@ async def test_a_claim_that_waited_for_the_queue_ranks_the_runs_ready_when_it_ha
 
 
 async def test_a_claim_that_waited_for_a_pause_starts_nothing(make_app, migrated_database_url,
-                                                              sql):
+                                                              sql, monkeypatch):
     """A claim that began before a pause committed, and waited for the queue's row the pause
     held, reads the queue as the pause left it: nothing starts until the resume."""
     gauge = Gauge()
     app, job = _app(make_app, gauge, hold=0)
+    claims = Claims(monkeypatch)
     async with running(app, concurrency=1):
         await _stored(app)
         holder = await psycopg.AsyncConnection.connect(migrated_database_url,
@@ -226,12 +273,15 @@ async def test_a_claim_that_waited_for_a_pause_starts_nothing(make_app, migrated
             assert await queues_db.queue_lock(holder, "work")  # the pause begins
             handle = await app.submit_async(job, {"n": 0})  # its news: the worker claims
             await wait_for(_claim_waits(sql), what="the worker's claim waiting for its queue")
+            waited = claims.began  # the claim waiting is one of these
+            assert waited
             assert await queues_db.queue_pause(holder, "work", True) is not None
             await holder.commit()
         finally:
             await holder.close()
-        await wait_for(_claim_waits(sql, waits=False), what="the claim went on")
-        await asyncio.sleep(0.5)  # polls and claims come and go: still nothing starts
+        # The claim that waited has returned, and read the queue paused: it claimed nothing.
+        assert await claims.all_before(waited, "the claim that waited ended") == [[]] * waited
+        assert all(c == [] for c in await claims.look(sql))  # and so do the claims after it
         assert (await handle.info_async()).status == "queued" and gauge.order == []
         await app.queues.resume_async("work")
         assert await handle.result_async(timeout=10) == 0
@@ -255,9 +305,10 @@ async def test_a_long_wait_overtakes_a_higher_priority(make_app, sql):
     assert gauge.order == [0, 1, 2]
 
 
-async def test_a_paused_queue_starts_nothing_and_says_so(make_app):
+async def test_a_paused_queue_starts_nothing_and_says_so(make_app, sql, monkeypatch):
     gauge = Gauge()
     app, job = _app(make_app, gauge, concurrency=5)
+    claims = Claims(monkeypatch)
     async with running(app, concurrency=5):
         first = await app.submit_async(job, {"n": 0, "gate": True})
         await wait_for(lambda: gauge.live.get(None) == 1)
@@ -265,7 +316,8 @@ async def test_a_paused_queue_starts_nothing_and_says_so(make_app):
         paused = await app.queues.pause_async("work")
         assert paused.paused and paused.running == 1
         second = await app.submit_async(job, {"n": 1})
-        await asyncio.sleep(0.5)
+        # The worker, with free slots, claims from the queue after the submission: in vain.
+        assert all(c == [] for c in await claims.look(sql))
         assert (await second.info_async()).status == "queued"
         note = (await show_run(app.database, second.id)).note
         assert note == "ready, not started: queue work is paused"
@@ -279,9 +331,11 @@ async def test_a_paused_queue_starts_nothing_and_says_so(make_app):
 
 
 @pytest.mark.parametrize("count_parked", [True, False])
-async def test_parked_runs_hold_their_slot_unless_told_not_to(make_app, count_parked):
+async def test_parked_runs_hold_their_slot_unless_told_not_to(make_app, count_parked, sql,
+                                                              monkeypatch):
     app = make_app()
     app.queue(f"q{int(count_parked)}", concurrency=1, count_parked=count_parked)
+    claims = Claims(monkeypatch, f"q{int(count_parked)}")
 
     @app.workflow(queue=f"q{int(count_parked)}")
     async def waits(ctx, n):  # type: ignore[no-untyped-def]
@@ -294,7 +348,8 @@ async def test_parked_runs_hold_their_slot_unless_told_not_to(make_app, count_pa
         await wait_for(lambda: _is(parked, "waiting"))
         other = await app.submit_async(waits, 1)
         if count_parked:
-            await asyncio.sleep(0.6)
+            # The worker, with free slots, claims from the queue after the submission: in vain.
+            assert all(c == [] for c in await claims.look(sql))
             assert (await other.info_async()).status == "queued"
             note = (await show_run(app.database, other.id)).note or ""
             assert "concurrency full (1 of 1 slots held)" in note
@@ -557,9 +612,12 @@ async def test_a_run_holding_the_only_slot_is_claimed_again_behind_a_backlog(mak
         cur = await conn.execute("SELECT id FROM orchestrator.queue_claim("
                                  "'work', ARRAY['job@1'], 'ghost', 1, 0.2)")
         (ghost,) = [row["id"] for row in await cur.fetchall()]
-    await asyncio.sleep(0.5)
-    async with app.database.connection() as conn:
-        assert await runs_db.run_release_expired(conn) == 1  # back in the queue, holding
+
+    async def released() -> bool:  # once its lease expired: back in the queue, holding
+        async with app.database.connection() as conn:
+            return await runs_db.run_release_expired(conn) == 1
+
+    await wait_for(released, what="the ghost's lease expired and released")
     (held,) = sql("SELECT status, started_at, available_at FROM orchestrator.runs "
                   "WHERE id = %s", (ghost,))
     assert held["status"] == "queued" and held["started_at"] is not None
