@@ -198,6 +198,13 @@ class Tool(Generic[P, R]):
         """Whether its calls are admitted against a limit before dispatch."""
         return self.rate is not None or self.concurrency is not None
 
+    @property
+    def holds_place(self) -> bool:
+        """Whether a call of it holds a place under its concurrency limit from the write that
+        admits it until it settles (``operations.in_flight_tool``, migration 0039), so that
+        its end may wake runs parked for its turn."""
+        return self.concurrency is not None
+
     @functools.cached_property
     def signature(self) -> inspect.Signature:
         """The tool function's signature, to check a call's arguments before dispatch."""

@@ -167,7 +167,7 @@ class Call(CallSite):
             outcome = await self._send(state, op_id, key, stages)
         else:
             outcome = await self._send_traced(tracer, state, op_id, key, stages)
-        if self.tool.concurrency is not None:  # its call ended: a parked one may go now
+        if self.tool.holds_place:  # its call ended: a parked one may go now
             await self.free_turn()
         return outcome
 
@@ -269,7 +269,7 @@ class Call(CallSite):
                 pass  # cancelled, lease lost or a conflict: the general path tells which
 
         rate = self.tool.rate
-        limited = self.tool.concurrency is not None  # admitted under it in this transaction
+        limited = self.tool.holds_place  # admitted under its limit in this transaction
 
         async def work(conn: Conn) -> tuple[tuple[int, str], list[Entry]]:
             op_id, status = await ops_db.operation_begin(conn, row, pending=pending,
@@ -417,7 +417,7 @@ class Call(CallSite):
             session.rider.defer(recorded, receipt)
             # Written now, alone (or kept as evidence): when asked, and for a tool with a
             # concurrency limit, whose call counts as in flight until its receipt is written.
-            if not self.config.receipts_ride or self.tool.concurrency is not None:
+            if not self.config.receipts_ride or self.tool.holds_place:
                 with self.branches.active():
                     settled = await session.settle(hold=True)
                 if not settled:

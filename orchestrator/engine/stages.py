@@ -70,7 +70,7 @@ class Stages:
         async def submit(conn: Conn) -> tuple[str, list[Entry]]:
             status = await ops_db.operation_mark_submitted(
                 conn, run_id=run_id, op_id=op_id, token=token,
-                limited=site.tool.concurrency is not None)
+                limited=site.tool.holds_place)
             if status == "cancelled":
                 return status, [site.event(EventKind.CALL_CANCELLED,
                                            {"op": op_id, "why": "cancelled"})]
