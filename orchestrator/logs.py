@@ -151,11 +151,13 @@ def log_format(chosen: str | None) -> str:
     ``CONFIGURATION_ERROR`` (the flag's own values are checked by its parser)."""
     if chosen is not None:
         return chosen
-    value = os.environ.get(ENV_LOG_FORMAT, "").strip().lower()
+    raw = os.environ.get(ENV_LOG_FORMAT, "")
+    value = raw.strip().lower()
     if not value:
         return "text"
     if value not in FORMATS:
-        raise ConfigurationError(f"{ENV_LOG_FORMAT} must be one of {', '.join(FORMATS)}")
+        raise ConfigurationError(
+            f"{ENV_LOG_FORMAT} must be one of {', '.join(FORMATS)}, not {raw.strip()!r}")
     return value
 
 

@@ -213,7 +213,7 @@ def _start_exporter(service: Worker | Reconciler, listen: tuple[str, int],
                                   slots=slots if worker is not None else None)
     port = exporter.start(*listen)
     lag = asyncio.ensure_future(exporter.lag.run())
-    log.info("metrics on http://%s:%d/metrics", listen[0], port)
+    log.info("metrics on %s", telemetry.metrics_url(listen[0], port))
 
     def stop() -> None:
         lag.cancel()

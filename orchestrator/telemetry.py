@@ -17,8 +17,10 @@ registered, outcome, cause and answer words): never a run id, a key, an owner or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -229,7 +231,8 @@ class DatabaseCollector(Collector):
                      "Reconciliation items waiting for an operator, by tool.",
                      "tool", waiting, "operator")
         yield _gauge("orchestrator_operator_queue_oldest_age_seconds",
-                     "Seconds since the oldest item waiting for an operator was queued, by tool.",
+                     "Seconds since the oldest item waiting for an operator entered "
+                     "reconciliation (its operation became unknown), by tool.",
                      "tool", waiting, "operator_oldest")
         queued = rows["queued"]
         yield _gauge("orchestrator_runs_queued",
@@ -320,6 +323,39 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+def _server_class(host: str, port: int) -> type[_ThreadingServer]:
+    """The server class for ``host``: of the address family ``host`` resolves to first, so
+    that an IPv6 address (``::1``, ``::``, a name with only an IPv6 address) can be listened
+    on; ``socketserver`` itself always makes an IPv4 socket."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family = infos[0][0]
+    if family == socket.AF_INET:
+        return _ThreadingServer
+    return _ThreadingServer6
+
+
+class _ThreadingServer6(_ThreadingServer):
+    """Over IPv6; ``::`` takes IPv4 connections too (as ``http.server`` does), whatever the
+    host's ``net.ipv6.bindv6only`` says."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _host_text(host: str) -> str:
+    """``host`` as it goes in a URL or before ``:port``: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def metrics_url(host: str, port: int) -> str:
+    """Where ``/metrics`` is served on ``host:port`` (the line a worker logs when it starts)."""
+    return f"http://{_host_text(host)}:{port}/metrics"
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # a scrape every few seconds is not worth a log line
@@ -344,13 +380,18 @@ class Exporter:
         self._thread: threading.Thread | None = None
 
     def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (port 0: any free one) and return the port."""
+        """Listen on ``host:port`` (port 0: any free one) and return the port. ``host`` may
+        be an IPv6 address, bare or in brackets as in a URL (``::``, ``[::1]``)."""
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
         try:
-            server = make_server(host, port, self._wsgi, server_class=_ThreadingServer,
+            server = make_server(host, port, self._wsgi,
+                                 server_class=_server_class(host, port),
                                  handler_class=_QuietHandler)
         except OSError as exc:
             raise ConfigurationError(
-                f"cannot serve metrics on {host}:{port} ({exc.strerror or exc})") from exc
+                f"cannot serve metrics on {_host_text(host)}:{port} "
+                f"({exc.strerror or exc})") from exc
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="orchestrator-metrics",
                                         daemon=True)

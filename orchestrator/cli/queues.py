@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from orchestrator.cli import records
@@ -20,10 +21,17 @@ from orchestrator.cli.common import database_target, json_option, login_name
 from orchestrator.cli.options import one_of, whole_or_none
 from orchestrator.cli.tables import render
 from orchestrator.db.database import Database
+from orchestrator.flow import RateLimit
 from orchestrator.queues import QueueAdmin, QueueInfo, queue_record
 
 T = TypeVar("T")
 SWITCH = ("on", "off")
+SETTINGS = (("concurrency", ("concurrency",)), ("worker concurrency", ("worker_concurrency",)),
+            ("key concurrency", ("key_concurrency",)), ("rate", ("rate_limit", "rate_seconds")),
+            ("priority", ("priority",)), ("priority aging", ("priority_aging_seconds",)),
+            ("count parked", ("count_parked",)))
+"""Each setting as ``queues set`` takes it, and the stored columns (``overridden``,
+``declared``) it is kept in."""
 
 
 def register(subparsers: Any) -> None:
@@ -130,7 +138,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         records.emit(record(info))
         return 0
-    set_here = (f" (set at run time: {', '.join(info.overridden)}; `orchestrator queues "
+    set_here = (f" (set at run time: {_set_at_run_time(info)}; `orchestrator queues "
                 f"reset {info.name}` returns to the code's)" if info.overridden else "")
     print(f"queue {info.name}: {'paused' if info.paused else 'active'}{set_here}")
     held = f"{info.held}" + (f" of {info.concurrency}" if info.concurrency else " (no limit)")
@@ -154,6 +162,31 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(render(["TENANT", "KEY", "HELD", "WAITING"],
                          [[k["tenant"], k["key"], k["held"], k["waiting"]] for k in info.keys]))
     return 0
+
+
+def _set_at_run_time(info: QueueInfo) -> str:
+    """The settings changed at run time, each as ``queues set`` takes it with the code's
+    value beside it: ``concurrency 8, the code's 4; rate 2/s, the code's none``."""
+    now = {"concurrency": info.concurrency, "worker_concurrency": info.worker_concurrency,
+           "key_concurrency": info.key_concurrency, "priority": info.priority,
+           "count_parked": info.count_parked,
+           "priority_aging_seconds": info.priority_aging.total_seconds(),
+           "rate_limit": None if info.rate is None else info.rate.limit,
+           "rate_seconds": None if info.rate is None else info.rate.per.total_seconds()}
+    return "; ".join(
+        f"{name} {_setting(columns, now)}, the code's {_setting(columns, info.declared)}"
+        for name, columns in SETTINGS if set(columns) & set(info.overridden))
+
+
+def _setting(columns: tuple[str, ...], values: Mapping[str, Any]) -> str:
+    if columns == ("rate_limit", "rate_seconds"):
+        limit, seconds = values.get("rate_limit"), values.get("rate_seconds")
+        return ("none" if limit is None or seconds is None
+                else str(RateLimit(int(limit), timedelta(seconds=float(seconds)))))
+    value = values.get(columns[0])
+    if columns == ("priority_aging_seconds",) and value is not None:
+        return f"{float(value):g} s"
+    return _said(value)
 
 
 def _changed(info: QueueInfo, what: str, args: argparse.Namespace) -> int:

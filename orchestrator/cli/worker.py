@@ -96,7 +96,8 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve /metrics (Prometheus) and /healthz on this port "
                         "(docs/metrics.md; default: none)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="the address --metrics-port listens on (default 127.0.0.1)")
+                        help="the address --metrics-port listens on (default 127.0.0.1; 0.0.0.0: "
+                        "every IPv4 address, '::': every IPv6 and IPv4 address)")
 
 
 def add_event_loop_argument(parser: argparse.ArgumentParser) -> None:

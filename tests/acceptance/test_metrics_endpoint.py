@@ -298,3 +298,28 @@ def test_every_metric_the_dashboard_and_the_alerts_name_is_served(
              + [rule["expr"] for rule in _alert_rules()] for name in _NAMED.findall(expr)}
     assert len(named) >= 25
     assert named - served == set()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_a_worker_serves_its_metrics_on_every_ipv6_and_ipv4_address(
+        workers: Workers, client: Orchestrator) -> None:
+    # `--metrics-host ::`, as in a pod of an IPv6 or dual-stack cluster: it stopped the worker
+    # at start (CONFIGURATION_ERROR: address family not supported).
+    port = _free_port()
+    proc = workers.start("metrics", app=APP,
+                         args=["--metrics-host", "::", "--metrics-port", str(port)])
+    for url in (f"http://[::1]:{port}/healthz", f"http://127.0.0.1:{port}/healthz"):
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+            assert json.loads(response.read())["database_reachable"] is True
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

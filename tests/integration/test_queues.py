@@ -474,6 +474,11 @@ async def test_the_queues_commands(make_app, migrated_database_url, sql):
     assert sorted(changed["overridden"]) == ["concurrency", "rate_limit", "rate_seconds"]
     shown = cli("show", "work").stdout
     assert "rate:" in shown and "KEY" in shown and "k" in shown
+    # What was set at run time is named as `queues set` takes it (not by its columns), with
+    # what the code declares, which `queues reset` gives back.
+    assert shown.splitlines()[0] == (
+        "queue work: active (set at run time: concurrency none, the code's 2; rate 100/s, "
+        "the code's none; `orchestrator queues reset work` returns to the code's)"), shown
     paused = json.loads(cli("pause", "work", *who, "--json").stdout)
     assert paused["paused"] is True
     bad = cli("set", "work", "--rate", "10/fortnight", *who)

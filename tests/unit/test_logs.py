@@ -147,7 +147,7 @@ def test_a_bad_log_format_is_refused_before_anything_starts() -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert (bad.returncode, bad.stderr) == (
         2, f"orchestrator: error: CONFIGURATION_ERROR: {ENV_LOG_FORMAT} must be one of text, "
-           "json\n")
+           "json, not 'yaml'\n")
 
 
 def test_the_workflow_logger_is_silent_while_replaying(json_log) -> None:  # type: ignore[no-untyped-def]

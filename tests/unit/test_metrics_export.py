@@ -285,3 +285,39 @@ def test_the_exporter_serves_metrics_and_health_while_the_database_is_down(
     assert failed.value.code == 503
     body = json.loads(failed.value.read())
     assert body == {"alive": True, "database_reachable": False, "event_loop_lag_seconds": 0.0}
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "::", "[::1]"])
+def test_the_exporter_listens_on_an_ipv6_address(host: str) -> None:
+    # `--metrics-host ::` is how a pod of an IPv6 or dual-stack cluster listens everywhere:
+    # the server's socket must be of the address's family, not always IPv4's.
+    served = Exporter(Orchestrator(UNREACHABLE.url).metrics_registry(), UNREACHABLE)
+    port = served.start(host, 0)
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as response:
+            assert response.status == 200
+            assert "orchestrator_database_up 0.0" in response.read().decode()
+        if host == "::":  # every address: IPv4's too
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                        timeout=10) as response:
+                assert response.status == 200
+    finally:
+        served.stop()
+
+
+def test_the_exporter_names_an_ipv6_address_in_brackets() -> None:
+    from orchestrator.telemetry import metrics_url
+
+    assert metrics_url("::1", 9464) == "http://[::1]:9464/metrics"
+    assert metrics_url("0.0.0.0", 9464) == "http://0.0.0.0:9464/metrics"
+    assert metrics_url("localhost", 9464) == "http://localhost:9464/metrics"
