@@ -543,3 +543,45 @@ async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finish
             ("committed",)]
         assert conn.execute(
             "SELECT count(*) FROM orchestrator.reconciliation_items").fetchone() == (0,)
+
+
+async def test_a_worker_writes_again_within_about_a_second_of_the_database_coming_back(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """The database stops for about 7.5 s while a run's call is in flight, with the default
+    30 s lease: the receipt and the success are written within about a second of the server
+    accepting connections again, by the same worker under the same lease. (The connection
+    pool's own pauses between attempts to connect doubled, 1, 2, 4, 8 s: its attempts came
+    about 1, 3 and 7 s after the first failure, all refused, and the next only at about 15 s,
+    some 6 s after the server was back and as long as a write waits with this lease.)"""
+    from orchestrator.testing import running_worker
+
+    app, _ = outage_app
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool()
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        entered.set()
+        await release.wait()
+        return "charged"
+
+    @app.workflow()
+    async def pay(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    try:
+        run = await app.submit_async(pay, {})
+        async with running_worker(app, lease_ttl=30.0, poll_interval=0.2) as worker:
+            await asyncio.wait_for(entered.wait(), 10)
+            await asyncio.to_thread(server.stop)
+            release.set()  # the receipt and the success are written while it is down
+            await asyncio.sleep(7.5)
+            await asyncio.to_thread(server.start)
+            back = time.monotonic()
+            assert await run.result_async(timeout=30) == "charged"
+            took = time.monotonic() - back
+        assert took < 4.0, f"the run finished {took:.1f} s after the database was back"
+        assert worker.claimed == 1
+        assert worker.metrics.snapshot().get("lease_losses", 0) == 0
+    finally:
+        await _close_in_this_loop(app, server)
