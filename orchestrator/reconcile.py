@@ -268,8 +268,10 @@ def _differs(item: dict[str, Any], resolution: str, digest: str | None, then: st
     ``RESOLUTION_CONFLICT`` (None: it is the same one, a no-op): another resolution, the same
     one with another receipt (by digest), or ``not_applied`` followed by another choice."""
     op, done = item["operation_id"], item["resolution"]
+    kept = (f"; a resolution is kept as first given (`orchestrator ops show {op}` shows it and "
+            "who made it)")
     if done != resolution:
-        return f"operation {op} was already resolved as {done}, not {resolution}"
+        return f"operation {op} was already resolved as {done}, not {resolution}{kept}"
     if resolution == "committed" and item["receipt_digest"] != digest:
         return (f"operation {op} was already resolved as committed with a different receipt "
                 f"(the stored one's digest is {item['receipt_digest']}; `orchestrator ops show "
@@ -278,7 +280,7 @@ def _differs(item: dict[str, Any], resolution: str, digest: str | None, then: st
         chosen = item["then"]  # the operation's choice, read with its item
         if chosen != then:
             return (f"operation {op} was already resolved as not_applied {_then(chosen)}, not "
-                    f"{_then(then)}")
+                    f"{_then(then)}{kept}")
     return None
 
 
@@ -689,16 +691,19 @@ class Reconciler:
         if isinstance(answer, Committed | NotApplied):
             kind = "committed" if isinstance(answer, Committed) else "not_applied"
             said = answer.evidence if isinstance(answer, NotApplied) else ""
-            state, _ = await self._record(item, kind, said, None, retry_in=self.base_delay)
+            receipt = answer.receipt if isinstance(answer, Committed) else None
+            state, ref = await self._record(item, kind, said, None, retry_in=self.base_delay)
             if state == "lost":
-                await self._late(item, kind,
-                                 answer.receipt if isinstance(answer, Committed) else None)
+                await self._late(item, kind, receipt, ref)
                 return
-            done = await resolve(
-                self.db, operation_id=item["operation_id"], resolution=kind,
-                receipt=answer.receipt if isinstance(answer, Committed) else None,
-                evidence=f"lookup of {tool.name} answered {kind}", operator="reconciler",
-                limits=self.config.json_limits)
+            try:
+                done = await resolve(
+                    self.db, operation_id=item["operation_id"], resolution=kind,
+                    receipt=receipt, evidence=f"lookup of {tool.name} answered {kind}",
+                    operator="reconciler", limits=self.config.json_limits)
+            except ResolutionConflict:  # an operator settled it otherwise since the recording
+                await self._late(item, kind, receipt, ref)
+                return
             if done.outcome != "resolved":  # settled the same way meanwhile (an operator): no-op
                 return
             self.metrics.incr(f"reconciliation_auto_{kind}")
@@ -724,11 +729,15 @@ class Reconciler:
                      "%.1f s", item["run_id"], item["operation_id"], attempts, kept, retry_in,
                      extra=_said(item, incident=ref))
 
-    async def _late(self, item: dict[str, Any], kind: str, receipt: Any) -> None:
-        """A conclusive answer that came after the claim on its item lapsed: the item is
-        another reconciler's now, or settled, so it is kept in the history but not acted on.
-        One that contradicts how the item was settled meanwhile is logged as the conflict it
-        is."""
+    async def _late(self, item: dict[str, Any], kind: str, receipt: Any,
+                    said: str | None = None) -> None:
+        """A conclusive answer that came after the claim on its item lapsed, or after an
+        operator settled the item: the item is another reconciler's now, or settled, so it is
+        kept in the history but not acted on. One that contradicts how the item was settled
+        is the provider's word against the resolution: it is kept in an incident of the
+        operation (its receipt and digest, the resolution that stands, ``said``: the incident
+        that keeps what the lookup said), which ``ops show`` lists and the warning names.
+        (The settled item itself is fixed once resolved: its evidence cannot grow.)"""
         async with self.db.connection() as conn:
             now = await recon_db.recon_get(conn, item["operation_id"])
         digest = None if receipt is None else canonical.text_digest(
@@ -737,10 +746,27 @@ class Reconciler:
                 now["resolution"] == kind and now["receipt_digest"] == digest):
             _lost(item, kind)
             return
-        log.warning("run %s: operation %s was resolved as %s, but its lookup answered %s after "
-                    "the claim on it lapsed (RESOLUTION_CONFLICT)", item["run_id"],
-                    item["operation_id"], now["resolution"], kind,
-                    extra=_said(item, code="RESOLUTION_CONFLICT"))
+        ref: str | None = new_incident_ref()
+        detail = {"tool": item["tool_name"], "reconciler": self.id, "answer": kind,
+                  "receipt": receipt, "receipt_digest": digest,
+                  "resolution": now["resolution"], "lookup_incident": said}
+        try:
+            async with self.db.connection() as conn:
+                await incident_record(conn, {
+                    "ref": ref, "code": "LOOKUP", "run_id": item["run_id"],
+                    "operation_id": item["operation_id"], "phase": "lookup",
+                    "cause": "resolution_conflict", "upstream_status": None,
+                    "detail": canonical.canonical_json(detail)})
+        except OrchestratorError as exc:  # the warning below is then all that is left
+            log.warning("run %s: operation %s: the conflicting lookup answer could not be "
+                        "kept: %s", item["run_id"], item["operation_id"], exc.code,
+                        extra=_said(item, code=exc.code))
+            ref = None
+        kept = f"; its answer kept in incident {ref}" if ref else ""
+        log.warning("run %s: operation %s was resolved as %s, but its lookup answered %s "
+                    "(RESOLUTION_CONFLICT); the resolution stands%s", item["run_id"],
+                    item["operation_id"], now["resolution"], kind, kept,
+                    extra=_said(item, code="RESOLUTION_CONFLICT", incident=ref))
 
     async def _lookup(self, tool: Tool, ctx: ToolContext, arguments: dict[str, Any]
                       ) -> tuple[Any, BaseException | None]:

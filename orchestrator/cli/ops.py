@@ -162,6 +162,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                    "remains, it ends cancelled and nothing is sent again; abandoning it fails "
                    "the run with OPERATION_ABANDONED"
                    if d["run_cancel_requested"] and d["run_status"] not in TERMINAL_STATUSES
+                   else _ENDED if d["run_status"] in TERMINAL_STATUSES
+                   and d["item_state"] not in (None, "resolved")
                    else "") + ")"),
         ("state", f"operation {d['operation_state']}; "
                   + (f"queue item {d['item_state']}" if d["item_state"] is not None
@@ -198,7 +200,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if d["evidence"]:
         print("\nevidence")
         for e in d["evidence"]:
-            print("  " + json.dumps(e, sort_keys=True)[:200])
+            line = json.dumps(e, sort_keys=True)
+            print("  " + (line if len(line) <= EVIDENCE_SHOWN else
+                          line[:EVIDENCE_SHOWN] + "… (cut: `ops show --json` gives it whole)"))
     if d["audit"]:
         print("\naudit")
         print(render(["AT", "OPERATOR", "ACTION", "THEN", "RECEIPT", "EVIDENCE"],
@@ -218,6 +222,15 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"abandon {op} --evidence TEXT --operator NAME")
     return 0
 
+
+EVIDENCE_SHOWN = 200
+"""Characters of each piece of kept evidence the table shows; a longer one is cut, and says
+so (a receipt copied from it would be incomplete)."""
+
+_ENDED = ("; it has ended: resolving this operation only records what became of its call "
+          "(nothing is sent again or failed, the run stays as it ended)")
+"""Said of the run of a queued operation that ended meanwhile (its deadline passed, it was
+cancelled): ``--then`` and abandoning have nothing left to act on."""
 
 _WHY_NO_REASONS = {
     "withheld": "reading them needs the incident-reader grant",

@@ -1041,3 +1041,65 @@ async def test_the_operation_page_says_what_a_not_applied_resolution_chose_and_a
         assert 'id="resolution">not_applied</strong>, then <strong id="then">fail the call' \
             in page
     await app.database.close()
+
+
+async def test_a_withheld_lookup_reason_says_what_reading_it_takes(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """What a lookup said is withheld from an operator without the ``incidents`` grant, and
+    from one with it whom the application's ``incident_readers`` do not list. The page told
+    both that the incidents grant reads it, which the second has already: it says what each
+    lacks."""
+    app = uncertain_app(make_app)
+    tool = app.registry.tools["charge"]
+
+    @tool.lookup
+    async def find(ctx, *, order):  # type: ignore[no-untyped-def]
+        return NotApplied(f"no such charge; the PSP echoed {SECRET}")
+
+    op = (await park(app, sql, {"a": OWNER}))["a"]
+    assert await app.create_reconciler().run_once() == 1
+    console = console_of(app, grants={**GRANTS, "viewer": ["read", "incidents"]})
+    async with Client(console, "alice") as alice:  # a reader, without the grant
+        page = html.unescape((await alice.get(f"/operations/{op}")).text)
+        assert "kept in the incident (the incidents grant reads it)" in page
+    async with Client(console, "viewer") as viewer:  # the grant, not a reader
+        page = html.unescape((await viewer.get(f"/operations/{op}")).text)
+        assert SECRET not in page
+        assert "the incidents grant reads it" not in page
+        assert "kept in the incident (reading it needs the application's incident_readers " \
+               "to list you)" in page
+    await app.database.close()
+
+
+async def test_the_operation_page_says_a_resolution_of_an_ended_runs_operation_only_records(
+        make_app, sql):  # type: ignore[no-untyped-def]
+    """An operation left unknown by a run that ended meanwhile (its deadline passed) is still
+    settled in the ledger, but nothing follows for its run: the page said nothing of it and
+    offered "resend", "fail the call" and "Abandon (the run fails)". It says that the run has
+    ended and that a resolution only records what became of the call."""
+    from datetime import timedelta
+
+    from tests.integration.conftest import never_answers
+
+    app = make_app(operator_scopes=SCOPES, incident_readers=["alice"])
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        await app.submit_async(pay, "late", owner=OWNER, deadline=timedelta(seconds=0.5))
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.reconciliation_items"))
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.runs WHERE status = 'failed'"))
+    [op] = sql("SELECT id FROM orchestrator.operations")
+    async with Client(console_of(app), "alice") as alice:
+        page = html.unescape((await alice.get(f"/operations/{op['id']}")).text)
+        assert ("it has ended: resolving this operation only records what became of its call "
+                "(nothing is sent again or failed, the run stays as it ended)") in page
+        assert "Abandon (the run fails)" not in page
+        assert 'id="resolve-not-applied"' in page  # the ledger may still be settled
+    await app.database.close()

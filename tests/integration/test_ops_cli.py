@@ -814,3 +814,75 @@ async def test_ops_resolve_and_abandon_print_one_json_document_with_json(
                                    *who)
         assert (code, out) == (2, "") and err.startswith(
             "orchestrator: error: RESOLUTION_CONFLICT: ")
+
+
+async def test_show_says_that_resolving_an_operation_of_an_ended_run_only_records_it(
+        make_app, sql, migrated_database_url):
+    """A run that ended (its deadline passed) while its call's outcome was unknown leaves the
+    operation in the queue. `ops show` offered `--then resend|fail` and abandoning, as if the
+    run were waiting: it says that the run has ended and that a resolution only records the
+    call's outcome (nothing is sent again or failed), before the operator chooses."""
+    from datetime import timedelta
+
+    from tests.integration.conftest import never_answers
+
+    app = make_app()
+
+    @app.tool()
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        run = await app.submit_async(pay, "late", deadline=timedelta(seconds=0.5))
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.reconciliation_items"))
+        with pytest.raises(RunFailed):
+            await run.result_async(timeout=10)
+    [op] = sql("SELECT id FROM orchestrator.operations")
+    code, out, err = await cli(migrated_database_url, "ops", "show", str(op["id"]))
+    assert code == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("run:")]
+    assert "(failed; it has ended: resolving this operation only records what became of its " \
+           "call (nothing is sent again or failed, the run stays as it ended))" in line
+    assert "next: orchestrator ops resolve" in out  # the ledger may still be settled
+    await app.database.close()
+
+
+async def test_show_says_when_it_cut_an_evidence_line_and_where_it_is_whole(
+        make_app, sql, migrated_database_url):
+    """`ops show` cut each piece of evidence the engine kept (a late receipt, a note) to 200
+    characters without a mark, so that a receipt copied from it for `--committed --receipt`
+    was silently incomplete: a cut line says so and that `--json` gives it whole."""
+    from datetime import timedelta
+
+    from tests.integration.conftest import never_answers
+
+    app = make_app()
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx, *, order):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @app.workflow()
+    async def pay(ctx, order):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge, order=order)
+
+    async with running(app):
+        await app.submit_async(pay, "big")
+        await wait_for(lambda: sql("SELECT 1 FROM orchestrator.reconciliation_items"))
+    receipt = {"id": "ch_1", "lines": ["x" * 40] * 10}
+    sql("UPDATE orchestrator.reconciliation_items SET evidence = jsonb_build_array("
+        "jsonb_build_object('kind', 'late_receipt', 'receipt', %s::jsonb), "
+        "jsonb_build_object('note', 'short'))", (json.dumps(receipt),))
+    [op] = sql("SELECT id FROM orchestrator.operations")
+    code, out, err = await cli(migrated_database_url, "ops", "show", str(op["id"]))
+    assert code == 0, err
+    lines = out.split("\nevidence\n")[1].split("\n\n")[0].splitlines()
+    assert lines[0].endswith("… (cut: `ops show --json` gives it whole)")
+    assert lines[1] == '  {"note": "short"}'
+    code, out, err = await cli(migrated_database_url, "ops", "show", str(op["id"]), "--json")
+    assert json.loads(out)["evidence"][0]["receipt"] == receipt
+    await app.database.close()

@@ -244,7 +244,8 @@ async def test_a_lookups_not_applied_differs_from_an_operators_choice(make_app, 
                                                 then="resend")
     assert refused.value.message == (
         f"operation {op} was already resolved as not_applied with what follows left to the "
-        "retry policy, not then resend")
+        f"retry policy, not then resend; a resolution is kept as first given (`orchestrator "
+        f"ops show {op}` shows it and who made it)")
     again = await reconcile.resolve(app.database, operation_id=op, resolution="not_applied",
                                     evidence="lookup: none", operator="reconciler")
     assert again.outcome == "noop"

@@ -373,7 +373,9 @@ async def test_a_second_not_applied_that_chose_otherwise_is_a_conflict(app, sql)
         await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
                                                 operator="bo")
     assert refused.value.message == (f"operation {op['id']} was already resolved as not_applied "
-                                  "then fail, not then resend")
+                                  "then fail, not then resend; a resolution is kept as first "
+                                  f"given (`orchestrator ops show {op['id']}` shows it and who "
+                                  "made it)")
     assert await app.operators.resolve_not_applied(
         op["id"], evidence="same again", operator="bo", then="fail") == "noop"
     audit = sql("SELECT operator, action FROM orchestrator.operator_audit ORDER BY id")
@@ -416,7 +418,9 @@ async def test_committed_again_with_another_receipt_is_a_conflict_that_says_so(a
         f"(the stored one's digest is {digest({'charge': 'ch_1'})}; `orchestrator ops show "
         f"{op['id']}` shows it); a resolution is kept as first given")
     with pytest.raises(ResolutionConflict, match="already resolved as committed, not "
-                                                 "not_applied$"):
+                                                 r"not_applied; a resolution is kept as first "
+                                                 r"given \(`orchestrator ops show \d+` shows "
+                                                 r"it and who made it\)$"):
         await app.operators.resolve_not_applied(op["id"], evidence="x", operator="bo")
     [stored] = sql("SELECT receipt FROM orchestrator.operations")
     assert stored["receipt"] == {"charge": "ch_1"}
@@ -615,6 +619,106 @@ async def test_a_lookup_answer_come_after_an_operators_other_resolution_is_a_con
     assert [(a["operator"], a["action"]) for a in audit] == [("al", "resolve.not_applied")]
     conflicts = [r for r in caplog.records if getattr(r, "code", None) == "RESOLUTION_CONFLICT"]
     assert [r.levelname for r in conflicts] == ["WARNING"]
+
+
+def _parked_with_a_held_lookup(app, answer):  # type: ignore[no-untyped-def]
+    """``charge`` times out (its outcome unknown); its lookup waits for ``release``, then
+    answers ``answer``. Returns (wf, started, release)."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.tool(timeout=timedelta(seconds=0.3))
+    async def charge(ctx):  # type: ignore[no-untyped-def]
+        await never_answers()
+
+    @charge.lookup
+    async def find(ctx):  # type: ignore[no-untyped-def]
+        started.set()
+        await release.wait()
+        return answer
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        return await ctx.call(charge)
+
+    return wf, started, release
+
+
+def _conflict_kept(sql, app, op_id):  # type: ignore[no-untyped-def]
+    """The incident that keeps a lookup's answer contradicting the operation's settlement,
+    read as an incident reader: (its summary row, its detail)."""
+    [row] = sql("SELECT ref, code, phase, cause FROM orchestrator.incidents "
+                "WHERE operation_id = %s AND cause = 'resolution_conflict'", (op_id,))
+    return row, app.operators.incident(row["ref"], operator="al")
+
+
+async def test_a_lookup_that_contradicts_an_operators_resolution_keeps_its_receipt(
+        app, sql, caplog):
+    """A lookup that answers committed after an operator settled the item otherwise is not
+    acted on, but its receipt is the provider's word that the effect was applied: it is kept
+    in an incident of the operation (which ``ops show`` lists), beside the resolution it
+    contradicts, and the warning names that incident."""
+    from orchestrator import Committed
+    from orchestrator.canonical import canonical_json, text_digest
+
+    wf, started, release = _parked_with_a_held_lookup(app, Committed({"id": "ch_1"}))
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+    [op] = operations(sql)
+    reconciler = app.create_reconciler()
+    looking = asyncio.ensure_future(reconciler.run_once())
+    await asyncio.wait_for(started.wait(), 10)
+    await app.operators.resolve_not_applied(op["id"], evidence="not in the ledger",
+                                            operator="al", then="fail")
+    release.set()
+    assert await asyncio.wait_for(looking, 10) == 1
+    shown = await app.operators.show(op["id"], operator="al")
+    assert shown["resolution"] == "not_applied"  # the resolution stands
+    row, kept = _conflict_kept(sql, app, op["id"])
+    assert (row["code"], row["phase"]) == ("LOOKUP", "lookup")
+    assert row["ref"] in [x["ref"] for x in shown["incidents"]]
+    assert (await kept)["detail"] == {
+        "tool": "charge", "reconciler": reconciler.id, "answer": "committed",
+        "receipt": {"id": "ch_1"},
+        "receipt_digest": text_digest(canonical_json({"id": "ch_1"})),
+        "resolution": "not_applied", "lookup_incident": None}
+    [warning] = [r for r in caplog.records if getattr(r, "code", None) == "RESOLUTION_CONFLICT"]
+    assert warning.incident == row["ref"] and row["ref"] in warning.getMessage()
+
+
+async def test_a_lookup_answer_contradicted_just_after_it_was_recorded_is_kept_too(
+        app, sql, monkeypatch, caplog):
+    """An operator who settles the item otherwise between the recording of a lookup's
+    committed answer and the resolution it leads to: the reconciler's resolution is refused,
+    the operator's stands, and the lookup's receipt is kept and logged as the conflict it is
+    (not as a failed reconciliation step)."""
+    from orchestrator import Committed
+    from orchestrator.reconcile import Reconciler
+
+    wf, started, release = _parked_with_a_held_lookup(app, Committed({"id": "ch_2"}))
+    release.set()
+    async with running(app):
+        run = await app.submit_async(wf, {})
+        await wait_for(parked(sql, run))
+    [op] = operations(sql)
+    record = Reconciler._record
+
+    async def then_an_operator(self, item, *args, **kwargs):  # type: ignore[no-untyped-def]
+        recorded = await record(self, item, *args, **kwargs)
+        await app.operators.abandon(op["id"], evidence="written off", operator="al")
+        return recorded
+
+    monkeypatch.setattr(Reconciler, "_record", then_an_operator)
+    assert await app.create_reconciler().run_once() == 1
+    shown = await app.operators.show(op["id"], operator="al")
+    assert shown["resolution"] == "abandoned"
+    _, kept = _conflict_kept(sql, app, op["id"])
+    detail = (await kept)["detail"]
+    assert (detail["answer"], detail["receipt"], detail["resolution"]) == (
+        "committed", {"id": "ch_2"}, "abandoned")
+    conflicts = [r for r in caplog.records if getattr(r, "code", None) == "RESOLUTION_CONFLICT"]
+    assert [r.levelname for r in conflicts] == ["WARNING"]
+    assert "reconciliation step failed" not in caplog.text
 
 
 def _two_parked_with_a_held_lookup(app):  # type: ignore[no-untyped-def]
