@@ -78,6 +78,7 @@ from orchestrator.registry import (
     Tool,
     Workflow,
     check_async,
+    check_decorator_use,
     check_name,
     check_signature,
     check_timeout,
@@ -292,8 +293,8 @@ class Orchestrator:
         return target
 
     def workflow(
-        self, *, version: str = "1", name: str | None = None, queue: str | None = None,
-        default: bool = False,
+        self, decorated: None = None, /, *, version: str = "1", name: str | None = None,
+        queue: str | None = None, default: bool = False,
     ) -> Callable[[Callable[[WorkflowContext, I], Awaitable[R]]], Workflow[I, R]]:
         """Register an async workflow ``fn(ctx, input)``; ``name`` defaults to the function's.
         ``queue``: the queue its runs (and its runs as children) wait in unless a submission
@@ -303,7 +304,9 @@ class Orchestrator:
         ``default=True`` (at most one), else the highest (``"10"`` after ``"9"``); see
         docs/versioning.md.
 
-        Returns a :class:`Workflow` typed by the function's input and result."""
+        Returns a :class:`Workflow` typed by the function's input and result. Its options go
+        by keyword: ``@app.workflow`` without ``()`` is ``INVALID_REQUEST`` saying so."""
+        check_decorator_use("workflow", decorated)
         if queue is not None:
             check_queue_name(queue)
         if not isinstance(default, bool):  # "no" is true: never taken for its truth value
@@ -323,6 +326,8 @@ class Orchestrator:
 
     def tool(
         self,
+        decorated: None = None,
+        /,
         *,
         name: str | None = None,
         version: str = "1",
@@ -360,7 +365,11 @@ class Orchestrator:
         worker; a call waiting for its turn parks its run, and the wait counts against the
         run's deadline. ``shared_backoff``: a provider's 429 or 503 with a Retry-After pauses
         the tool's dispatch for every run until then (docs/flow.md).
+
+        The options go by keyword: ``@app.tool`` without ``()`` is ``INVALID_REQUEST`` saying
+        so.
         """
+        check_decorator_use("tool", decorated)
         tool_rate = check_rate(rate)
         tool_concurrency = check_limit(concurrency, "concurrency")
         if not isinstance(shared_backoff, bool):

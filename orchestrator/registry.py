@@ -66,6 +66,19 @@ def check_async(kind: str, name: str, fn: object) -> None:
                              f"{type(fn).__name__}")
 
 
+def check_decorator_use(kind: str, decorated: object) -> None:
+    """Refuse ``@app.tool`` / ``@app.workflow`` written without ``()`` (``decorated`` is the
+    function) or given its name positionally: both take their options by keyword and return
+    the decorator, and Python's own error would only speak of positional arguments."""
+    if decorated is None:
+        return
+    if isinstance(decorated, str):
+        raise InvalidRequest(f"@app.{kind} takes its options by keyword: write "
+                             f"@app.{kind}(name={decorated!r})", path=kind)
+    raise InvalidRequest(f"@app.{kind} takes its options by keyword: write @app.{kind}() with "
+                         f"parentheses, then the function", path=kind)
+
+
 def registered_name(kind: str, name: str | None, fn: object) -> str:
     """The name ``fn`` is registered under: ``name``, else the function's own. An object
     with no ``__name__`` (a :func:`functools.partial`, an instance whose ``__call__`` is

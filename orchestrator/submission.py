@@ -11,6 +11,7 @@ and answers with run ids, which the application wraps in handles. Every run it c
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from orchestrator.admission import DECLARE_HINT, check_priority, check_queue_name, new_run
-from orchestrator.canonical import JsonLimits
+from orchestrator.canonical import JsonLimits, request_digest
 from orchestrator.db import journal as journal_db
 from orchestrator.db import runs as runs_db
 from orchestrator.db.database import Conn, Database
@@ -50,6 +51,11 @@ class SubmissionConfig:
     max_pending_events: int
     tracing: Tracing
     default_owner: Owner | None = None
+
+
+_OPTION_NAMES = {"deadline_seconds": "deadline", "delay_seconds": "delay"}
+"""The ``submit`` parameter each key of a run's stored ``options`` comes from, where the two
+names differ (``start_at``, ``queue``, ``priority`` and ``concurrency_key`` are the same)."""
 
 
 def resolve_owner(owner: Owner | None, default: Owner | None) -> Owner:
@@ -202,29 +208,45 @@ class Submission:
         if not created and digest != row["request_digest"]:
             raise IdempotencyConflict(
                 "this idempotency key was already used by this owner for a different request"
-                + await self._other_version(run_id, row, connection))
+                + await self._what_differs(run_id, row, connection, digest))
         if created:
             self.metrics.incr("runs_submitted")
         return run_id, created
 
-    async def _other_version(self, run_id: uuid.UUID, row: dict[str, Any],
-                             connection: Conn | None) -> str:
-        """What a conflict's message adds when the key's run is another version of the same
-        workflow: the version is part of the request (CONTRACT C1), and a retry that names no
-        version after a deploy changed the default meets exactly that."""
+    async def _what_differs(self, run_id: uuid.UUID, row: dict[str, Any],
+                             connection: Conn | None, stored_digest: str | None) -> str:
+        """What a conflict's message adds: when the key's run is another version of the same
+        workflow, both versions (the version is part of the request, CONTRACT C1, and a retry
+        that names no version after a deploy changed the default meets exactly that); else
+        whether the input or the options differ, the options by name (never a value: the
+        input and the options are the owner's), as a retry that left out the ``deadline=``
+        of the first submission meets."""
         async def read(conn: Conn) -> dict[str, Any] | None:
             return await runs_db.run_get(conn, run_id, result=False)
 
         stored = (await read(connection) if connection is not None
                   else await self.database().run_autocommit(read))
-        if (stored is None or stored["workflow_name"] != row["workflow_name"]
-                or stored["workflow_version"] == row["workflow_version"]):
+        if stored is None or stored["workflow_name"] != row["workflow_name"]:
             return ""
         name, then = row["workflow_name"], stored["workflow_version"]
-        return (f": it started {name}@{then}, and this request is "
-                f"{name}@{row['workflow_version']} (a version is part of the request: to ask "
-                f"for that run again, name its version, {then!r}; for a run of the new "
-                f"version, use a new key)")
+        if then != row["workflow_version"]:
+            return (f": it started {name}@{then}, and this request is "
+                    f"{name}@{row['workflow_version']} (a version is part of the request: to "
+                    f"ask for that run again, name its version, {then!r}; for a run of the new "
+                    f"version, use a new key)")
+        ours, theirs = json.loads(row["options"]), stored["options"] or {}
+        other = sorted(_OPTION_NAMES.get(k, k) for k in ours.keys() | theirs.keys()
+                       if ours.get(k) != theirs.get(k))
+        same_input = request_digest(name, then, json.loads(row["input"]),
+                                    theirs) == stored_digest
+        if same_input and not other:  # not told apart from what the run keeps
+            return ""
+        said = ("the same input with other options" if same_input else
+                "another input, and other options" if other else
+                "another input with the same options")
+        return (f": {said}{' (' + ', '.join(other) + ')' if other else ''} (a request is its "
+                "workflow, version, input and options: to get that run again, submit it as it "
+                "was; for a new run, use a new key)")
 
     async def send_event(self, run_id: uuid.UUID | str, name: str, payload: Any = None, *,
                          owner: Owner | None = None, event_key: str | None = None) -> bool:

@@ -172,9 +172,9 @@ def never_sent(journal: list[dict[str, Any]]) -> frozenset[int]:
 
 
 def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -> str | None:
-    """What a tool call's entry, a message or a run's end says, in words (None: the payload
-    says it best). ``unsent``: the operations known to have failed before they were sent
-    (:func:`never_sent`)."""
+    """What a tool call's entry, a child run's, an event's, a message or a run's end says, in
+    words (None: the payload says it best). ``unsent``: the operations known to have failed
+    before they were sent (:func:`never_sent`)."""
     by = f" by {p['resolved_by']}" if p.get("resolved_by") else ""
     if kind == "call.submitted" and p["op"] in unsent:
         return (f"attempt {p['attempt']} handed to the tool, which failed before sending it "
@@ -206,6 +206,16 @@ def _story(kind: str, p: dict[str, Any], unsent: frozenset[int] = frozenset()) -
         return f"operation {p['op']} {failed}: {p['cause']} ({p['reason']}){hint}"
     if kind == "call.abandoned":
         return f"operation {p['op']} abandoned{by}: the run fails"
+    if kind == "child.started":
+        return f"child run {p['run_id']} started (version {p['version']})"
+    if kind == "child.completed":
+        return "the child run succeeded"
+    if kind == "child.failed":
+        return f"the child run failed: {p['code']}: {p['message']}"
+    if kind == "event.received":  # its payload: --json
+        return "the event was received"
+    if kind == "event.timeout":
+        return "the wait timed out (EVENT_TIMEOUT)"
     if kind == "patch":
         return "took the patch's new code (ctx.patched)"
     if kind == "message":

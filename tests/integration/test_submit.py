@@ -75,6 +75,32 @@ def test_same_key_with_a_different_request_is_a_conflict(make_app, sql, change):
     assert _count(sql) == 1
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"input": {"a": 2}, "deadline": timedelta(hours=1)},
+         ": another input with the same options"),
+        ({"deadline": timedelta(minutes=5)}, ": the same input with other options (deadline)"),
+        ({"input": {"a": 2}, "delay": timedelta(minutes=5), "deadline": timedelta(hours=2)},
+         ": another input, and other options (deadline, delay)"),
+    ],
+)
+def test_a_conflict_says_whether_the_input_or_the_options_differ(make_app, sql, change, said):
+    """The same key with the same input but without the ``deadline=`` the first submission
+    gave is another request (CONTRACT C1): the conflict says what differs, by name (never a
+    value: the input is the owner's), and what to do."""
+    app, greet, _ = _app(make_app)
+    app.submit(greet, {"a": 1}, idempotency_key="k-1", deadline=timedelta(hours=1))
+    with pytest.raises(IdempotencyConflict) as info:
+        app.submit(greet, change.get("input", {"a": 1}), idempotency_key="k-1",
+                   deadline=change.get("deadline"), delay=change.get("delay"))
+    assert info.value.message == (
+        "this idempotency key was already used by this owner for a different request"
+        + said + " (a request is its workflow, version, input and options: to get that "
+        "run again, submit it as it was; for a new run, use a new key)")
+    assert "{" not in info.value.message and _count(sql) == 1
+
+
 def test_keys_are_scoped_by_owner(make_app, sql):
     app, greet, _ = _app(make_app)
     mine = app.submit(greet, {"a": 1}, idempotency_key="shared", owner=OWNER)

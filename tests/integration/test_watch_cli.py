@@ -138,3 +138,53 @@ async def test_watch_of_a_pruned_run_says_so_instead_of_an_empty_stream(
     assert (code, out) == (2, "") and "RUN_PRUNED" in err
     code, out, err = await cli(url, "runs", "watch", str(run.id), "--after", str(revision))
     assert code == 0 and out.startswith(f"run {run.id} succeeded"), (out, err)
+
+
+async def test_a_child_run_and_an_event_are_told_in_words(make_app, migrated_database_url):
+    """``runs show`` and ``runs watch`` say what a child run and an event did, as they do for
+    a call: a timeline whose child and event entries read ``{}`` (their payload is left out of
+    the table) tells a reader nothing."""
+    app = make_app()
+
+    @app.workflow()
+    async def kid(ctx, data):  # type: ignore[no-untyped-def]
+        if data == "fail":
+            raise WorkflowError("no stock")
+        return data
+
+    @app.workflow()
+    async def parent(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.run_child(kid, "ok")
+        await ctx.wait_for_event("go")
+        try:
+            await ctx.run_child(kid, "fail")
+        except Exception:  # noqa: BLE001 - the child's failure is the point
+            pass
+        return "done"
+
+    async with running(app):
+        run = await app.submit_async(parent, {})
+        async def waits_for_go() -> bool:
+            return any(e.kind == "event.wait" for e in await run.journal_async())
+
+        await wait_for(waits_for_go, what="the parent waits for its event")
+        await app.send_event_async(run.id, "go", {"secret": "s3"})
+        assert await run.result_async(timeout=30) == "done"
+        journal = await run.journal_async()
+    children = [e.payload["run_id"] for e in journal if e.kind == "child.started"]
+    code, out, err = await cli(migrated_database_url, "runs", "show", str(run.id))
+    assert code == 0, err
+    watched, watch_out, _ = await cli(migrated_database_url, "runs", "watch", str(run.id))
+    assert watched == 0
+    for text in (out, watch_out):
+        lines: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            if line.split() and line.split()[0].isdigit():
+                lines.setdefault(line.split()[4], []).append(line)
+        assert [f"child run {child} started (version 1)" in line
+                for child, line in zip(children, lines["child.started"], strict=True)] == [
+            True, True]
+        assert "the child run succeeded" in lines["child.completed"][0]
+        assert "the child run failed: WORKFLOW_FAILED: no stock" in lines["child.failed"][0]
+        assert "the event was received" in lines["event.received"][0]
+        assert "{}" not in text and "s3" not in text

@@ -341,3 +341,28 @@ def test_a_yes_or_no_option_that_is_not_a_bool_is_refused(flag: Any) -> None:
         assert follow.value.path == "follow"
     assert app.workflow(version="2", default=True)(report).default is True
     assert _app(receipts_ride=False).receipts_ride is False
+
+
+def test_a_decorator_without_its_parentheses_says_to_add_them() -> None:
+    """``@app.tool`` and ``@app.workflow`` take their options by keyword and return the
+    decorator: written without ``()`` (or given a name positionally), the function is refused
+    with ``INVALID_REQUEST`` saying what to write, not Python's ``TypeError`` about positional
+    arguments."""
+    app = _app()
+
+    async def charge(ctx: Any, *, cents: int) -> int:
+        return cents
+
+    async def checkout(ctx: Any, data: Any) -> Any:
+        return data
+
+    for register, fn, kind in ((app.tool, charge, "tool"), (app.workflow, checkout,
+                                                             "workflow")):
+        with pytest.raises(InvalidRequest, match=rf"@app\.{kind} takes its options by keyword: "
+                           rf"write @app\.{kind}\(\) with parentheses") as bare:
+            register(fn)  # type: ignore[arg-type]
+        assert bare.value.code == "INVALID_REQUEST" and bare.value.path == kind
+        with pytest.raises(InvalidRequest, match=rf"@app\.{kind}\(name='pay'\)") as named:
+            register("pay")  # type: ignore[arg-type]
+        assert named.value.path == kind
+    assert not app.registry.tools and not app.registry.workflows
