@@ -150,18 +150,22 @@ class Commands:
             until = run.now() + timedelta(seconds=seconds)
             self.session.buffer(entry(EventKind.TIMER, position, "sleep",
                                       {"until": until.isoformat()}))
-        left = (until - run.now()).total_seconds()
-        if left <= 0:
-            return
-        if left <= IN_MEMORY_SLEEP:
+        # Every wait is debited from the run's deadline (C7): a sleep that would end after it
+        # lasts until the deadline, and the run stops there.
+        ends = until if run.deadline_at is None else min(until, run.deadline_at)
+        left = (ends - run.now()).total_seconds()
+        if left > IN_MEMORY_SLEEP:
+            await self.branches.park(Wait("timer", position, wake_at=ends))
+        elif left > 0:
             tracing.event("wait", {"orchestrator.wait": "timer", "orchestrator.position": position,
                                    "orchestrator.in_memory": True})
             with self.branches.active():
-                while left > 0:  # a loop may wake it early: never before ``until`` (_due)
+                while left > 0:  # a loop may wake it early: never before ``ends`` (_due)
                     await asyncio.sleep(left)
-                    left = (until - run.now()).total_seconds()
-            return
-        await self.branches.park(Wait("timer", position, wake_at=until))
+                    left = (ends - run.now()).total_seconds()
+        if ends < until:
+            run.boundary()  # past the deadline (or lost, cancelled …: what comes first)
+            run.stop_deadline()
 
     async def wait_for_event(self, position: int, name: str,
                              timeout: timedelta | float | None) -> Any:

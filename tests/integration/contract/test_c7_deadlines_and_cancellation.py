@@ -292,3 +292,31 @@ async def test_a_child_started_while_its_parent_is_cancelled_inherits_the_reques
     assert sql("SELECT status, cancel_requested_at IS NOT NULL AS asked FROM orchestrator.runs "
                "WHERE id = %s", (child["id"],)) == [{"status": "queued", "asked": True}]
     await app.database.close()
+
+
+@pytest.mark.parametrize(("sleep", "deadline"), [(0.8, 0.4), (2.0, 1.2)],
+                         ids=["in_memory", "parked"])
+async def test_a_sleep_that_ends_past_the_deadline_fails_the_run_at_the_deadline(
+        app, sleep, deadline):
+    """Every wait is debited from the run's deadline (C7): a sleep that would end after it
+    does not end; the run fails ``DEADLINE_EXCEEDED`` at the deadline. (A short sleep is
+    slept in memory, a longer one parks the run and its replay sleeps what is left in memory:
+    both went on past the deadline, and the run succeeded after it.)"""
+    after: list[str] = []
+
+    @app.workflow()
+    async def wf(ctx, data):  # type: ignore[no-untyped-def]
+        await ctx.sleep(timedelta(seconds=sleep))
+        after.append("went on")
+        return "done"
+
+    async with running(app):
+        run = await app.submit_async(wf, {}, deadline=timedelta(seconds=deadline))
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(RunFailed) as info:
+            await run.result_async(timeout=10)
+        took = asyncio.get_running_loop().time() - began
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    assert after == []
+    assert took < sleep, f"the run ended {took:.2f} s after it was submitted"
+    await app.database.close()
