@@ -30,7 +30,7 @@ from orchestrator.db import workers as workers_db
 from orchestrator.db.config import display_url
 from orchestrator.db.database import RECONCILE_CHANNEL, Conn, Database, load_json
 from orchestrator.db.events import incident_record
-from orchestrator.db.probe import connect_options
+from orchestrator.db.probe import connect_options, connection_name
 from orchestrator.db.schema import TERMINAL_STATUSES
 from orchestrator.db.xact import answered_once
 from orchestrator.engine.config import EngineConfig
@@ -375,6 +375,8 @@ class Reconciler:
         self.lookup_timeout = lookup_timeout
         self.unserved_grace = unserved_grace
         self.id = "reconciler:" + default_worker_id()
+        self.db.application_name = connection_name("reconciler", self.id.removeprefix(
+            "reconciler:"))  # its sessions, so named in pg_stat_activity
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # asked to stop again: the lookup under way is dropped
         self._wake = asyncio.Event()
@@ -423,7 +425,9 @@ class Reconciler:
         if target.listen_url is None:
             return True
         probe = workers_db.LivenessLock(target.listen_url, secrets.randbits(62) + 1,
-                                        options=connect_options(target, self.db.connect_timeout))
+                                        options=connect_options(
+                                            target, self.db.connect_timeout,
+                                            name=self.db.application_name))
         try:
             if probe.key is None or not await probe.ensure():
                 return False

@@ -51,7 +51,7 @@ from orchestrator.db.database import (
     Database,
 )
 from orchestrator.db.events import incident_record
-from orchestrator.db.probe import connect_options
+from orchestrator.db.probe import connect_options, connection_name
 from orchestrator.db.workers import DEAD_AFTER
 from orchestrator.db.writer import GroupWriter
 from orchestrator.engine.config import EngineConfig
@@ -137,9 +137,14 @@ class Worker:
         self.lease_ttl = lease_ttl if lease_ttl is not None else config.lease_ttl
         self.poll_interval = poll_interval
         self.drain_timeout = drain_timeout
+        # Its sessions, the liveness lock's above all, named after it in pg_stat_activity (the
+        # connections opened from now on: a process that runs a worker opens its pool in the
+        # worker's own loop).
+        database.application_name = connection_name("worker", self.worker_id)
         self._liveness = workers_db.LivenessLock(
             database.target.session_url, secrets.randbits(62) + 1,
-            options=connect_options(database.target, database.connect_timeout))
+            options=connect_options(database.target, database.connect_timeout,
+                                    name=database.application_name))
         self.writer = GroupWriter(database, patience=self.lease_ttl * OUTAGE_PATIENCE)
         self._running: dict[uuid.UUID, _InFlight] = {}
         self._wake = asyncio.Event()

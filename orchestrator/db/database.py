@@ -33,6 +33,7 @@ from tenacity import (
 
 from orchestrator.db.config import DatabaseTarget, display_url
 from orchestrator.db.probe import (
+    APPLICATION_NAME,
     DEFAULT_CONNECT_TIMEOUT,
     connect_options,
     keepalive_options,
@@ -293,6 +294,9 @@ class Database:
         self.target = target
         self.max_pool_size = max_pool_size
         self.connect_timeout = connect_timeout
+        # What its connections are called in pg_stat_activity (a worker or a reconciler
+        # names those it opens after itself: probe.connection_name).
+        self.application_name = APPLICATION_NAME
         # Where the statements tried again, the group commits and the writes the fence refused
         # are counted (the application's; a database of its own counts in one of its own).
         self.metrics = Metrics()
@@ -329,7 +333,8 @@ class Database:
             max_size=self.max_pool_size,
             kwargs={"row_factory": dict_row, "autocommit": True,
                     "prepare_threshold": self.target.prepare_threshold,
-                    **connect_options(self.target, self.connect_timeout)},
+                    **connect_options(self.target, self.connect_timeout,
+                                      name=self.application_name)},
             open=False,
             timeout=POOL_TIMEOUT,
             configure=_configure,
@@ -535,7 +540,8 @@ class Database:
             return
         refused = False  # LISTEN was refused since it last succeeded (said once)
         lost = False  # the connection was lost and none listens again yet (said once)
-        options = connect_options(self.target, self.connect_timeout) | keepalive_options(url)
+        options = (connect_options(self.target, self.connect_timeout,
+                                   name=self.application_name) | keepalive_options(url))
         while not stop.is_set():
             try:
                 conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **options)

@@ -106,16 +106,32 @@ def connect_error(target: DatabaseTarget, exc: psycopg.Error) -> OrchestratorErr
     return DatabaseError(f"cannot {verb} {target.display}: {reason}", retryable=retryable)
 
 
-def connect_options(target: DatabaseTarget, timeout: float = DEFAULT_CONNECT_TIMEOUT
-                    ) -> dict[str, Any]:
+APPLICATION_NAME = "orchestrator"
+"""What a connection of this package is called in ``pg_stat_activity.application_name`` unless
+its process names it more closely (:func:`connection_name`) or the URL (or ``PGAPPNAME``) names
+it itself."""
+
+
+def connection_name(kind: str, ident: str) -> str:
+    """The name of the connections of one worker or reconciler (``orchestrator worker
+    host:pid:abc123``), so that a fleet's sessions can be told apart in ``pg_stat_activity``:
+    printable ASCII, cut to the 63 bytes PostgreSQL keeps."""
+    text = f"{APPLICATION_NAME} {kind} {ident}"
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:63]
+
+
+def connect_options(target: DatabaseTarget, timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                    *, name: str = APPLICATION_NAME) -> dict[str, Any]:
     """Keyword arguments for every connection this package opens: the connect timeout, unless
-    the URL sets its own ``connect_timeout`` (which then wins)."""
+    the URL sets its own ``connect_timeout`` (which then wins), and ``name`` as libpq's
+    ``fallback_application_name`` (an ``application_name`` of the URL, or ``PGAPPNAME``,
+    wins)."""
     try:
         if "connect_timeout" in conninfo_to_dict(target.url):
-            return {}
+            return {"fallback_application_name": name}
     except psycopg.Error:
         pass  # connecting reports the bad URL
-    return {"connect_timeout": max(2, round(timeout))}
+    return {"connect_timeout": max(2, round(timeout)), "fallback_application_name": name}
 
 
 LISTEN_KEEPALIVES: dict[str, int] = {
