@@ -202,8 +202,56 @@ def load_json(data: bytes | str) -> Any:
                             f"({type(exc).__name__})") from None
 
 
+POOL_FAILURES_EVERY = 30.0
+"""Seconds between two of the pool's lines for failed attempts to connect in one outage."""
+
+_POOL_FAILED = "error connecting in %r: %s"  # psycopg_pool's own line for a failed attempt
+
+
+class PoolFailuresOnce(logging.Filter):
+    """A filter for psycopg_pool's logger: its WARNING for each failed attempt of this
+    package's pools to connect (``error connecting in 'orchestrator': …``), which comes about
+    once a second per pool while the database is down (:class:`_Pool`), is let through once,
+    then at most once every ``every`` seconds with how many it left out; a connection made
+    (:meth:`connected`, or the pool's own line saying so where its level shows it) ends the
+    streak. Every other line, and other pools', passes."""
+
+    def __init__(self, every: float = POOL_FAILURES_EVERY,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every = every
+        self.clock = clock
+        self._said_at: float | None = None  # None: no streak
+        self._left_out = 0
+
+    def connected(self) -> None:
+        self._said_at, self._left_out = None, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "adding new connection to the pool":
+            self.connected()
+            return True
+        args = record.args
+        if record.msg != _POOL_FAILED or not isinstance(args, tuple) or not args \
+                or args[0] != POOL_NAME:
+            return True
+        now = self.clock()
+        if self._said_at is not None and now - self._said_at < self.every:
+            self._left_out += 1
+            return False
+        if self._left_out:
+            record.msg += f" ({self._left_out} more attempts failed since the last such line)"
+        self._said_at, self._left_out = now, 0
+        return True
+
+
+POOL_LOG_FILTER = PoolFailuresOnce()
+"""The one filter on psycopg_pool's logger (``psycopg.pool``), added when a pool first opens."""
+
+
 async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
     set_json_loads(load_json, conn)
+    POOL_LOG_FILTER.connected()
 
 
 def privilege_denied(target: DatabaseTarget, exc: psycopg.Error) -> ConfigurationError:
@@ -340,6 +388,9 @@ class Database:
             configure=_configure,
             name=POOL_NAME,
         )
+        pool_logger = logging.getLogger("psycopg.pool")
+        if POOL_LOG_FILTER not in pool_logger.filters:
+            pool_logger.addFilter(POOL_LOG_FILTER)
         await pool.open(wait=False)
         state = _LoopPool(pool, asyncio.Lock(), probed_at=time.monotonic())
         self._pools[loop] = state

@@ -547,10 +547,12 @@ async def test_a_run_whose_writes_meet_a_short_outage_keeps_its_lease_and_finish
 
 async def test_a_worker_writes_again_within_about_a_second_of_the_database_coming_back(
     server: PrivateServer, outage_app: tuple[Orchestrator, str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The database stops for about 7.5 s while a run's call is in flight, with the default
     30 s lease: the receipt and the success are written within about a second of the server
-    accepting connections again, by the same worker under the same lease. (The connection
+    accepting connections again, by the same worker under the same lease, and the pool's
+    attempts meanwhile are logged once. (The connection
     pool's own pauses between attempts to connect doubled, 1, 2, 4, 8 s: its attempts came
     about 1, 3 and 7 s after the first failure, all refused, and the next only at about 15 s,
     some 6 s after the server was back and as long as a write waits with this lease.)"""
@@ -581,6 +583,10 @@ async def test_a_worker_writes_again_within_about_a_second_of_the_database_comin
             assert await run.result_async(timeout=30) == "charged"
             took = time.monotonic() - back
         assert took < 4.0, f"the run finished {took:.1f} s after the database was back"
+        # The pool tried about once a second, and said so once (database.PoolFailuresOnce).
+        failed = [r for r in caplog.records if r.name == "psycopg.pool"
+                  and r.getMessage().startswith("error connecting in 'orchestrator'")]
+        assert len(failed) == 1, [r.getMessage() for r in failed]
         assert worker.claimed == 1
         assert worker.metrics.snapshot().get("lease_losses", 0) == 0
     finally:
