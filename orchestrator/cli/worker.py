@@ -21,7 +21,7 @@ from orchestrator.db import migrate
 from orchestrator.db.config import ENV_URL
 from orchestrator.db.probe import ping
 from orchestrator.errors import ConfigurationError, InvalidRequest, OrchestratorError
-from orchestrator.reconcile import UNSERVED_GRACE
+from orchestrator.reconcile import PRUNE_INTERVAL, UNSERVED_GRACE
 from orchestrator.serving import ENV_EVENT_LOOP, EVENT_LOOPS, event_loop_choice
 
 
@@ -61,10 +61,24 @@ def register(subparsers: Any) -> None:
                             help="inconclusive lookups before an operator decides (default 5)")
     reconciler.add_argument("--base-delay", type=seconds("--base-delay"), default=1.0,
                             help="seconds before the second lookup; doubles after (default 1)")
+    reconciler.add_argument("--max-delay", type=seconds("--max-delay"), default=300.0,
+                            metavar="SECONDS",
+                            help="the longest pause between two lookups of one operation "
+                                 "(default 300)")
+    reconciler.add_argument("--lookup-timeout", type=seconds("--lookup-timeout"), default=30.0,
+                            metavar="SECONDS",
+                            help="how long one lookup may take before it counts as "
+                                 "inconclusive (default 30)")
+    reconciler.add_argument("--batch", type=whole("--batch", low=1), default=10, metavar="N",
+                            help="unknown operations claimed at a time (default 10)")
     reconciler.add_argument("--poll-interval", type=seconds("--poll-interval"), default=1.0,
                             metavar="SECONDS",
                             help="seconds between looks for unknown operations when no "
                                  "notification came (default 1)")
+    reconciler.add_argument("--prune-interval", type=seconds("--prune-interval"),
+                            default=PRUNE_INTERVAL, metavar="SECONDS",
+                            help="seconds between two prunes, for an app with a retention "
+                                 f"(default {PRUNE_INTERVAL:g}; docs/retention.md)")
     reconciler.add_argument("--unserved-grace", type=seconds("--unserved-grace", zero=True),
                             default=UNSERVED_GRACE,
                             metavar="SECONDS",
@@ -277,7 +291,9 @@ def cmd_reconciler(args: argparse.Namespace) -> int:
     metrics = metrics_options(args)
     announce(f"reconciler starting on {app.target.masked}; SIGTERM stops it")
     app.run_reconciler(max_lookups=args.max_lookups, base_delay=args.base_delay,
-                       poll_interval=args.poll_interval, unserved_grace=args.unserved_grace,
-                       event_loop=event_loop, **metrics)
+                       max_delay=args.max_delay, batch=args.batch,
+                       poll_interval=args.poll_interval, lookup_timeout=args.lookup_timeout,
+                       prune_interval=args.prune_interval,
+                       unserved_grace=args.unserved_grace, event_loop=event_loop, **metrics)
     announce("reconciler stopped")
     return 0

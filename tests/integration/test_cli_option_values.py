@@ -90,3 +90,24 @@ def test_a_good_value_still_runs_the_command(migrated_database_url):
                    database_url=migrated_database_url)
     assert done.returncode == 0, done.stderr
     assert '"limit": 5' in done.stdout
+
+
+def test_the_reconciler_command_passes_every_setting_on(
+        migrated_database_url: str, monkeypatch: Any) -> None:
+    """Each of ``orchestrator reconciler``'s settings reaches ``run_reconciler``: the lookup
+    timeout, the longest pause between lookups, the batch and the prune interval had no flag
+    (a fleet running the command could not set them)."""
+    from orchestrator import Orchestrator, cli
+
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(Orchestrator, "run_reconciler",
+                        lambda self, **kwargs: got.update(kwargs))
+    assert cli.main(["--database-url", migrated_database_url, "reconciler", "--app", SCOPED_APP,
+                     "--max-lookups", "7", "--base-delay", "0.5", "--max-delay", "60",
+                     "--lookup-timeout", "12.5", "--batch", "25", "--poll-interval", "2",
+                     "--prune-interval", "600", "--unserved-grace", "0"]) == 0
+    assert {k: got[k] for k in ("max_lookups", "base_delay", "max_delay", "lookup_timeout",
+                                "batch", "poll_interval", "prune_interval",
+                                "unserved_grace")} == {
+        "max_lookups": 7, "base_delay": 0.5, "max_delay": 60.0, "lookup_timeout": 12.5,
+        "batch": 25, "poll_interval": 2.0, "prune_interval": 600.0, "unserved_grace": 0.0}

@@ -308,6 +308,12 @@ def test_a_lease_ttl_that_is_not_a_positive_finite_number_of_seconds_is_refused(
                                 "more"),
     ("--unserved-grace", "nan", "--unserved-grace must be a finite number of seconds, 0 or "
                                 "more"),
+    ("--max-delay", "0", "--max-delay must be a finite number of seconds, more than 0"),
+    ("--lookup-timeout", "-1", "--lookup-timeout must be a finite number of seconds, more "
+                               "than 0"),
+    ("--batch", "0", "--batch must be a whole number, 1 or more"),
+    ("--prune-interval", "inf", "--prune-interval must be a finite number of seconds, more "
+                                "than 0"),
 ])
 def test_a_reconciler_setting_out_of_range_is_refused_before_anything_starts(
         flag: str, value: str, message: str) -> None:
