@@ -324,12 +324,15 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 def _server_class(host: str, port: int) -> type[_ThreadingServer]:
-    """The server class for ``host``: of the address family ``host`` resolves to first, so
-    that an IPv6 address (``::1``, ``::``, a name with only an IPv6 address) can be listened
-    on; ``socketserver`` itself always makes an IPv4 socket."""
+    """The server class for ``host``: IPv4's, as it always was, for every host that has an
+    IPv4 address (``0.0.0.0``, ``localhost``, a name with both, and ``""``, every IPv4
+    address), so that what was listened on stays what is listened on; IPv6's for one that
+    has only an IPv6 address (``::1``, ``::``, ``fe80::1%eth0``, a name with only an IPv6
+    address), which ``socketserver`` alone cannot listen on: its socket is always IPv4's."""
+    if not host:
+        return _ThreadingServer
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family = infos[0][0]
-    if family == socket.AF_INET:
+    if any(info[0] == socket.AF_INET for info in infos):
         return _ThreadingServer
     return _ThreadingServer6
 
@@ -343,6 +346,14 @@ class _ThreadingServer6(_ThreadingServer):
     def server_bind(self) -> None:
         with contextlib.suppress(AttributeError, OSError):
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        # The address as the resolver gives it, with the scope of a zone (``fe80::1%eth0``):
+        # a bind of ``(host, port)`` drops it, and a link-local address without it is EINVAL.
+        host, port = self.server_address[0], self.server_address[1]
+        if isinstance(host, str):
+            found = socket.getaddrinfo(host, port, socket.AF_INET6, socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)[0][4]
+            if isinstance(found[0], str) and len(found) == 4:
+                self.server_address = (found[0], found[1], found[2], found[3])
         super().server_bind()
 
 
@@ -352,8 +363,12 @@ def _host_text(host: str) -> str:
 
 
 def metrics_url(host: str, port: int) -> str:
-    """Where ``/metrics`` is served on ``host:port`` (the line a worker logs when it starts)."""
-    return f"http://{_host_text(host)}:{port}/metrics"
+    """Where ``/metrics`` is served on ``host:port`` (the line a worker logs when it starts);
+    a zone's ``%`` is written ``%25`` in it, as in any URL (RFC 6874)."""
+    text = _host_text(host)
+    if text.startswith("["):
+        text = text.replace("%", "%25")
+    return f"http://{text}:{port}/metrics"
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -321,3 +321,67 @@ def test_the_exporter_names_an_ipv6_address_in_brackets() -> None:
     assert metrics_url("::1", 9464) == "http://[::1]:9464/metrics"
     assert metrics_url("0.0.0.0", 9464) == "http://0.0.0.0:9464/metrics"
     assert metrics_url("localhost", 9464) == "http://localhost:9464/metrics"
+
+
+def test_an_empty_metrics_host_listens_on_every_ipv4_address() -> None:
+    # `metrics_host=""` is socketserver's "every IPv4 address", and served so before IPv6
+    # was taken: the resolver knows no such name, and the start must not ask it.
+    served = Exporter(Orchestrator(UNREACHABLE.url).metrics_registry(), UNREACHABLE)
+    port = served.start("", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.status == 200
+    finally:
+        served.stop()
+
+
+def test_a_name_with_an_ipv4_address_is_listened_on_over_ipv4(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A resolver that gives a name's IPv6 address first (`localhost` as ::1 where /etc/hosts
+    # lists both, as most do): the name was served on its IPv4 address, and a scrape of
+    # 127.0.0.1 must still find it there, not on ::1 alone.
+    from orchestrator import telemetry
+
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    monkeypatch.setattr(telemetry.socket, "getaddrinfo", lambda *a, **k: both)
+    assert telemetry._server_class("localhost", 0) is telemetry._ThreadingServer
+
+
+def _link_local() -> tuple[str, int] | None:
+    """A link-local IPv6 address of this host with its zone (``fe80::1%eth0``) and the
+    zone's index, from Linux's table; None elsewhere or without one."""
+    try:
+        with open("/proc/net/if_inet6") as table:
+            rows = [line.split() for line in table]
+    except OSError:
+        return None
+    for address, index, _, scope, _, name in rows:
+        if scope == "20":  # link
+            packed = bytes.fromhex(address)
+            return f"{socket.inet_ntop(socket.AF_INET6, packed)}%{name}", int(index, 16)
+    return None
+
+
+@pytest.mark.skipif(_link_local() is None, reason="this host has no link-local IPv6 address")
+def test_the_exporter_listens_on_a_link_local_address_with_its_zone() -> None:
+    # `--metrics-host fe80::1%eth0`: a bind of (host, port) drops the zone, and the start
+    # failed with `cannot serve metrics on [fe80::1%eth0]:N (Invalid argument)`.
+    host, index = _link_local()  # type: ignore[misc]
+    served = Exporter(Orchestrator(UNREACHABLE.url).metrics_registry(), UNREACHABLE)
+    port = served.start(host, 0)
+    try:
+        address = host.split("%")[0]
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as conn:
+            conn.settimeout(10)
+            conn.connect((address, port, 0, index))
+            conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert conn.recv(64).startswith(b"HTTP/")
+    finally:
+        served.stop()
+
+
+def test_a_zone_is_written_as_in_a_url() -> None:
+    from orchestrator.telemetry import metrics_url
+
+    assert metrics_url("fe80::1%eth0", 9464) == "http://[fe80::1%25eth0]:9464/metrics"
