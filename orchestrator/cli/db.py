@@ -4,10 +4,10 @@ grants and this user's embedded servers."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from orchestrator.cli import records
 from orchestrator.cli.common import database_target, describe_source
 from orchestrator.cli.tables import render
 from orchestrator.db import embedded, grants, migrate
@@ -170,8 +170,7 @@ def cmd_embedded_status(args: argparse.Namespace) -> int:
     """Each embedded data directory: whether a server runs there (its pid) and its size."""
     found = embedded.servers()
     if args.json:  # one document, as every --json (docs/cli-json.md)
-        print(json.dumps({"servers": [server.as_json() for server in found],
-                          "count": len(found)}, sort_keys=True))
+        records.emit({"count": len(found), "servers": [server.as_json() for server in found]})
         return 0
     print(render(["NAME", "STATE", "SIZE", "DATA DIRECTORY"],
                  [(s.name, s.state, _size(s.size_bytes), str(s.data_dir)) for s in found],
