@@ -4,6 +4,7 @@ refusal every other bad input gets (``INVALID_REQUEST``, exit status 2, one line
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -92,20 +93,39 @@ def test_a_good_value_still_runs_the_command(migrated_database_url):
     assert '"limit": 5' in done.stdout
 
 
+
 def test_the_reconciler_command_passes_every_setting_on(
-        migrated_database_url: str, monkeypatch: Any) -> None:
+        migrated_database_url: str, tmp_path: Any) -> None:
     """Each of ``orchestrator reconciler``'s settings reaches ``run_reconciler``: the lookup
     timeout, the longest pause between lookups, the batch and the prune interval had no flag
-    (a fleet running the command could not set them)."""
-    from orchestrator import Orchestrator, cli
+    (a fleet running the command could not set them). The command runs in a process of its
+    own (it sets the process's signal handlers and logging), with an app whose
+    ``run_reconciler`` writes what it was given to a file and returns."""
+    import json
+    import subprocess
+    import sys
 
-    got: dict[str, Any] = {}
-    monkeypatch.setattr(Orchestrator, "run_reconciler",
-                        lambda self, **kwargs: got.update(kwargs))
-    assert cli.main(["--database-url", migrated_database_url, "reconciler", "--app", SCOPED_APP,
-                     "--max-lookups", "7", "--base-delay", "0.5", "--max-delay", "60",
-                     "--lookup-timeout", "12.5", "--batch", "25", "--poll-interval", "2",
-                     "--prune-interval", "600", "--unserved-grace", "0"]) == 0
+    from tests.clitools import cli_env
+
+    given = tmp_path / "given.json"
+    (tmp_path / "recording_app.py").write_text(
+        "import json\n"
+        "from orchestrator import Orchestrator\n"
+        "from tests.integration.scoped_app import app\n"
+        "def _record(self, **kwargs):\n"
+        f"    with open({str(given)!r}, 'w') as out:\n"
+        "        json.dump({k: v for k, v in kwargs.items() if k != 'event_loop'}, out)\n"
+        "Orchestrator.run_reconciler = _record\n")
+    env = cli_env(migrated_database_url)
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}:{Path.cwd()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "reconciler", "--app", "recording_app:app",
+         "--max-lookups", "7", "--base-delay", "0.5", "--max-delay", "60",
+         "--lookup-timeout", "12.5", "--batch", "25", "--poll-interval", "2",
+         "--prune-interval", "600", "--unserved-grace", "0"],
+        env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(given.read_text())
     assert {k: got[k] for k in ("max_lookups", "base_delay", "max_delay", "lookup_timeout",
                                 "batch", "poll_interval", "prune_interval",
                                 "unserved_grace")} == {

@@ -27,6 +27,7 @@ from orchestrator.db.database import Database
 from orchestrator.db.probe import ping
 from orchestrator.testing import wait_until_async
 from tests import dbtools
+from tests.integration.conftest import charge_in_flight
 from tests.private_server import PrivateServer, private_server
 
 OWNER = Owner(tenant="acme", principal="alice")
@@ -559,20 +560,9 @@ async def test_a_worker_writes_again_within_about_a_second_of_the_database_comin
     from orchestrator.testing import running_worker
 
     app, _ = outage_app
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    @app.tool()
-    async def charge(ctx):  # type: ignore[no-untyped-def]
-        entered.set()
-        await release.wait()
-        return "charged"
-
-    @app.workflow()
-    async def pay(ctx, data):  # type: ignore[no-untyped-def]
-        return await ctx.call(charge)
-
+    pay, entered, release = charge_in_flight(app)
     try:
-        run = await app.submit_async(pay, {})
+        run = await app.submit_async(pay, "o1")
         async with running_worker(app, lease_ttl=30.0, poll_interval=0.2) as worker:
             await asyncio.wait_for(entered.wait(), 10)
             await asyncio.to_thread(server.stop)
@@ -580,7 +570,7 @@ async def test_a_worker_writes_again_within_about_a_second_of_the_database_comin
             await asyncio.sleep(7.5)
             await asyncio.to_thread(server.start)
             back = time.monotonic()
-            assert await run.result_async(timeout=30) == "charged"
+            assert await run.result_async(timeout=30) == {"charge": "o1"}
             took = time.monotonic() - back
         assert took < 4.0, f"the run finished {took:.1f} s after the database was back"
         # The pool tried about once a second, and said so once (database.PoolFailuresOnce).
