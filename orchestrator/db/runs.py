@@ -852,7 +852,11 @@ async def run_children_status(
 async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
     """Re-queue runs held by workers that died: their liveness lock is gone *and* their
     heartbeat is older than ``stale`` seconds. (A live worker whose lock connection merely
-    blipped keeps heartbeating and re-takes its lock; its runs stay with it.)"""
+    blipped keeps heartbeating and re-takes its lock; its runs stay with it.) A server that
+    restarted ended every lock: a heartbeat from before its start counts from the start, so
+    each worker has ``stale`` seconds from it to reconnect, heartbeat and take its lock again
+    (the first worker back, reconnecting within a second, swept the others' runs, and its
+    own, as dead: their calls in flight went to reconciliation)."""
     return await _moved_news(
         conn,
         f"""
@@ -861,7 +865,8 @@ async def run_release_orphaned(conn: Conn, *, stale: float) -> int:
         WHERE id IN (
             SELECT r.id FROM {S}.runs r JOIN {S}.workers w ON w.id = r.lease_owner
             WHERE r.status = 'running' AND w.lock_key IS NOT NULL
-              AND w.heartbeat_at < now() - make_interval(secs => %(stale)s)
+              AND greatest(w.heartbeat_at, pg_postmaster_start_time())
+                  < now() - make_interval(secs => %(stale)s)
               AND NOT EXISTS (
                   SELECT 1 FROM pg_locks l
                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
