@@ -581,3 +581,35 @@ async def test_a_worker_writes_again_within_about_a_second_of_the_database_comin
         assert worker.metrics.snapshot().get("lease_losses", 0) == 0
     finally:
         await _close_in_this_loop(app, server)
+
+
+async def test_after_a_server_restart_a_worker_has_the_dead_after_time_to_take_its_lock_again(
+    server: PrivateServer, outage_app: tuple[Orchestrator, str],
+) -> None:
+    """A restart ends every liveness lock, and every heartbeat from before it is old: the
+    sweep counts such a heartbeat from the server's start, so a worker's runs are not taken
+    for a dead worker's until ``stale`` seconds after the restart (the first worker back swept
+    every worker's runs, its own too, and their calls in flight went to reconciliation)."""
+    from psycopg.rows import dict_row
+
+    from orchestrator.db import runs as runs_db
+
+    _, url = outage_app
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO orchestrator.workers (id, hostname, pid, workflows, concurrency, "
+            "lock_key, heartbeat_at) VALUES ('h:1:w', 'h', 1, '{}', 1, 12345, "
+            "now() - interval '1 hour')")
+        conn.execute(
+            "INSERT INTO orchestrator.runs (id, tenant, principal, workflow_name, "
+            "workflow_version, input, request_digest, status, lease_owner, lease_token, "
+            "lease_expires_at) VALUES (gen_random_uuid(), 'acme', 'alice', 'echo', '1', "
+            "'{}', 'd', 'running', 'h:1:w', 1, now() + interval '1 hour')")
+    await asyncio.to_thread(server.stop)
+    await asyncio.to_thread(server.start)
+    aconn = await psycopg.AsyncConnection.connect(url, autocommit=True, row_factory=dict_row)
+    try:
+        assert await runs_db.run_release_orphaned(aconn, stale=30.0) == 0  # just restarted
+        assert await runs_db.run_release_orphaned(aconn, stale=0.0) == 1  # dead all along
+    finally:
+        await aconn.close()
